@@ -1,0 +1,1 @@
+"""Triton kernels (installed as ``treeops.kernels``): @triton.jit bodies and launchers only."""

@@ -1,0 +1,107 @@
+"""Input validation shared by every public op.
+
+Each check raises ``ValueError`` naming the argument, what was expected and what came, e.g.
+``Invalid dtype of parents: expected torch.int32, got torch.int64``. Nothing here syncs with the
+device unless a caller asks for ``validate=True`` checks (tree well-formedness, index ranges).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+Dim = int | str | None
+
+
+def _fmt_shape(shape: Sequence[Dim]) -> str:
+    return "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    shape: Sequence[Dim] | None = None,
+    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+    device: torch.device | None = None,
+    sizes: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Check that ``t`` is a tensor of the given shape, dtype and device; return it.
+
+    ``shape`` entries are ints (exact), ``None`` (any) or names such as ``"B"``: a name seen for
+    the first time binds its size in ``sizes`` (a dict shared across calls), later uses must agree.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"Invalid type of {name}: expected torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            exp = allowed[0] if len(allowed) == 1 else "one of (" + ", ".join(map(str, allowed)) + ")"
+            raise ValueError(f"Invalid dtype of {name}: expected {exp}, got {t.dtype}")
+    if shape is not None:
+        expected: list[Dim] = []
+        ok = t.dim() == len(shape)
+        for i, d in enumerate(shape):
+            if isinstance(d, str):
+                if sizes is not None and d in sizes:
+                    expected.append(sizes[d])
+                    ok = ok and i < t.dim() and t.shape[i] == sizes[d]
+                else:
+                    expected.append(d)
+                    if sizes is not None and ok and i < t.dim():
+                        sizes[d] = int(t.shape[i])
+            else:
+                expected.append(d)
+                ok = ok and (d is None or (i < t.dim() and t.shape[i] == d))
+        if not ok:
+            raise ValueError(
+                f"Invalid shape of {name}: expected {_fmt_shape(expected)}, got {list(t.shape)}"
+            )
+    if device is not None and t.device != device:
+        raise ValueError(f"Invalid device of {name}: expected {device}, got {t.device}")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors on one device; return it."""
+    dev: torch.device | None = None
+    first = ""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if dev is None:
+            dev, first = t.device, name
+        elif t.device != dev:
+            raise ValueError(
+                f"Invalid device of {name}: expected {dev} (the device of {first}), got {t.device}"
+            )
+    if dev is None:
+        raise ValueError("no tensor given")
+    return dev
+
+
+def check_range(name: str, t: torch.Tensor, lo: int | None = None, hi: int | None = None) -> None:
+    """Values of ``t`` in ``[lo, hi)`` (host sync: call only under ``validate=True``)."""
+    if t.numel() == 0:
+        return
+    if lo is not None and int(t.min()) < lo:
+        raise ValueError(f"Invalid value in {name}: expected >= {lo}, got {int(t.min())}")
+    if hi is not None and int(t.max()) >= hi:
+        raise ValueError(f"Invalid value in {name}: expected < {hi}, got {int(t.max())}")
+
+
+def check_finite(name: str, t: torch.Tensor, *, nonnegative: bool = False) -> None:
+    """No NaN/inf (and optionally no negative) values (host sync: ``validate=True`` only)."""
+    if t.numel() == 0:
+        return
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"Invalid value in {name}: expected finite numbers, got NaN or inf")
+    if nonnegative and bool((t < 0).any()):
+        raise ValueError(f"Invalid value in {name}: expected non-negative numbers, got {float(t.min())}")
+
+
+def check_positive_int(name: str, v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"Invalid value of {name}: expected a positive int, got {v!r}")
+    return v

@@ -1,0 +1,3 @@
+"""Being written."""
+
+__all__: list[str] = []
