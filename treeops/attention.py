@@ -1,3 +1,273 @@
-"""Being written."""
+"""Tree-masked paged attention and KV append with RoPE (DESIGN.md ops 1 and 2).
 
-__all__: list[str] = []
+``tree_attention`` verifies (all tree nodes as queries) or drafts (the newest frontier) against a
+paged KV cache whose first ``seq_lens[b]`` slots are the request's prefix and whose next
+``num_nodes[b]`` slots hold the tree's own K/V, written by ``kv_append``. CUDA tensors run the
+Triton kernels; CPU tensors run the PyTorch references. Neither op syncs with the host or sizes a
+launch from tensor values, so both can be captured in a CUDA graph.
+
+RoPE: ``kv_append`` rotates K on the way into the cache. Rotating the queries is the caller's job
+(they never reach the cache): ``q = treeops.rope(q, tree.positions(seq_lens))`` before
+``tree_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_range, check_same_device, check_tensor
+from .reference import kv_append as _ref_kv
+from .reference import tree_attention as _ref_attn
+from .tree import Tree, check_tree
+
+__all__ = ["tree_attention", "kv_append", "rope", "tree_attention_workspace"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_HEAD_DIMS = (64, 128, 256)
+
+
+def _check_head_dim(name: str, d: int) -> None:
+    if d not in _HEAD_DIMS:
+        raise ValueError(f"Invalid head dim of {name}: expected one of {_HEAD_DIMS}, got {d}")
+
+
+def _check_attention(q, k_cache, v_cache, block_table, seq_lens, tree, q_start, q_len, sm_scale,
+                     out, lse, workspace, validate) -> dict[str, int]:
+    tree = check_tree(tree, validate=validate)
+    sizes: dict[str, int] = {"B": tree.batch_size, "N": tree.capacity}
+    check_tensor("q", q, shape=("B", "N", "H_q", "D"), dtype=_FLOATS, sizes=sizes)
+    _check_head_dim("q", sizes["D"])
+    check_tensor("k_cache", k_cache, shape=("P", "page_size", "H_kv", "D"), dtype=q.dtype,
+                 sizes=sizes)
+    check_tensor("v_cache", v_cache, shape=("P", "page_size", "H_kv", "D"), dtype=q.dtype,
+                 sizes=sizes)
+    if sizes["H_kv"] < 1 or sizes["H_q"] % sizes["H_kv"] != 0:
+        raise ValueError(f"Invalid shape of k_cache: H_q = {sizes['H_q']} must be a multiple of "
+                         f"H_kv = {sizes['H_kv']}")
+    check_tensor("block_table", block_table, shape=("B", None), dtype=torch.int32, sizes=sizes)
+    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=torch.int32, sizes=sizes)
+    if q_start is not None:
+        check_tensor("q_start", q_start, shape=("B",), dtype=torch.int32, sizes=sizes)
+    if q_len is not None:
+        check_tensor("q_len", q_len, shape=("B",), dtype=torch.int32, sizes=sizes)
+    if out is not None:
+        check_tensor("out", out, shape=("B", "N", "H_q", "D"), dtype=q.dtype, sizes=sizes)
+    if lse is not None:
+        check_tensor("lse", lse, shape=("B", "N", "H_q"), dtype=torch.float32, sizes=sizes)
+    if workspace is not None:
+        check_tensor("workspace", workspace, shape=(None,), dtype=torch.float32)
+    if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and
+                                     math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"Invalid value of sm_scale: expected a positive float, got {sm_scale!r}")
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                      seq_lens=seq_lens, tree=tree.parents, q_start=q_start, q_len=q_len,
+                      out=out, lse=lse, workspace=workspace)
+    if validate:
+        capacity = block_table.shape[1] * sizes["page_size"]
+        check_range("seq_lens", seq_lens, 0, None)
+        check_range("block_table", block_table, 0, sizes["P"])
+        if int((seq_lens.long() + tree.num_nodes.long()).max()) > capacity:
+            raise ValueError(f"Invalid value in seq_lens: seq_lens + num_nodes exceeds the "
+                             f"block table's capacity of {capacity} slots")
+        if q_start is not None:
+            check_range("q_start", q_start, 0, sizes["N"] + 1)
+        if q_len is not None:
+            check_range("q_len", q_len, 0, sizes["N"] + 1)
+    return sizes
+
+
+def tree_attention_workspace(q: torch.Tensor, k_cache: torch.Tensor,
+                             block_table: torch.Tensor) -> torch.Tensor:
+    """Allocate the split-KV workspace ``tree_attention`` needs for these capacities.
+
+    Its size depends only on shapes and the device (B, N, H_q, D, H_kv, block-table capacity, SM
+    count), so one allocation serves every step; pass it as ``workspace=`` to keep allocations off
+    the hot path (and out of a CUDA graph). fp32, 1-D, possibly empty.
+    """
+    if q.device.type != "cuda":
+        return torch.zeros(0, dtype=torch.float32, device=q.device)
+    from .kernels import tree_attention as _k
+
+    B, N, H_q, D = q.shape
+    cfg = _k.config_for(q, k_cache, block_table)
+    return torch.zeros(_k.workspace_numel(B, N, H_q, D, cfg), dtype=torch.float32,
+                       device=q.device)
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tree: Tree,
+    q_start: torch.Tensor | None = None,
+    q_len: torch.Tensor | None = None,
+    *,
+    sm_scale: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    validate: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of tree nodes over their request's prefix and their tree ancestors.
+
+    Args:
+        q: [B, N, H_q, D] fp16/bf16/fp32 (fp32 is computed with IEEE dots), any strides; row i is
+            tree node i, already rotated by RoPE (``rope``). D in {64, 128, 256}.
+        k_cache, v_cache: [num_pages, page_size, H_kv, D], q's dtype, any strides; any page size
+            (a contiguous cache is one page per request). Slots ``0 .. seq_lens[b]-1`` of request
+            b hold its prefix, slot ``seq_lens[b] + j`` tree node j (``kv_append`` puts it there).
+        block_table: [B, max_pages] int32, page ids of each request's logical pages; it must cover
+            ``seq_lens[b] + num_nodes[b]`` slots.
+        seq_lens: [B] int32, prefix length of each request.
+        tree: the ``Tree`` (``num_nodes`` and ``anc`` are read). H_q must be a multiple of H_kv;
+            query head h reads KV head ``h // (H_q // H_kv)``.
+        q_start, q_len: [B] int32 (default 0 and N): the query nodes of request b are
+            ``q_start[b] .. q_start[b] + q_len[b] - 1`` (and ``< num_nodes[b]``).
+        sm_scale: softmax scale, default ``1 / sqrt(D)``.
+        return_lse: also return the LSE, [B, N, H_q] fp32, natural log.
+        out, lse: optional output buffers of those shapes ([B, N, H_q, D] q's dtype, any strides).
+        workspace: optional fp32 split-KV scratch from ``tree_attention_workspace``.
+        validate: also check value ranges and the tree's invariants (syncs with the host).
+
+    Query node i sees every prefix key and tree key j iff ``j < num_nodes[b]`` and bit j of
+    ``tree.anc[b, i]`` (ancestor-or-self). Rows outside the query range, padding nodes and rows
+    that see no key are 0 with LSE = -inf. No host sync; launch shapes depend only on capacities.
+
+    Returns:
+        ``out``, or ``(out, lse)`` if ``return_lse``.
+
+    Example:
+        >>> import torch, treeops
+        >>> tree = treeops.Tree.from_parents(torch.tensor([[-1, 0, 0, 1]], dtype=torch.int32),
+        ...                                  torch.tensor([4], dtype=torch.int32))
+        >>> k_cache = torch.randn(2, 16, 2, 64); v_cache = torch.randn(2, 16, 2, 64)
+        >>> block_table = torch.tensor([[1, 0]], dtype=torch.int32)
+        >>> seq_lens = torch.tensor([10], dtype=torch.int32)
+        >>> q = torch.randn(1, 4, 8, 64)
+        >>> out, lse = treeops.tree_attention(q, k_cache, v_cache, block_table, seq_lens, tree,
+        ...                                   return_lse=True)
+        >>> out.shape, lse.shape
+        (torch.Size([1, 4, 8, 64]), torch.Size([1, 4, 8]))
+    """
+    sizes = _check_attention(q, k_cache, v_cache, block_table, seq_lens, tree, q_start, q_len,
+                             sm_scale, out, lse, workspace, validate)
+    scale = 1.0 / math.sqrt(sizes["D"]) if sm_scale is None else float(sm_scale)
+    if q.device.type != "cuda":
+        return _ref_attn.tree_attention(q, k_cache, v_cache, block_table, seq_lens, tree, q_start,
+                                        q_len, sm_scale=scale, return_lse=return_lse, out=out,
+                                        lse=lse)
+    from .kernels import tree_attention as _k
+
+    B, N, H_q, D = q.shape
+    if out is None:
+        out = torch.empty(B, N, H_q, D, dtype=q.dtype, device=q.device)
+    if lse is None and return_lse:
+        lse = torch.empty(B, N, H_q, dtype=torch.float32, device=q.device)
+    if workspace is not None:
+        need = _k.workspace_numel(B, N, H_q, D, _k.config_for(q, k_cache, block_table))
+        if workspace.numel() < need:
+            raise ValueError(f"Invalid shape of workspace: expected at least [{need}] "
+                             f"(tree_attention_workspace), got {list(workspace.shape)}")
+    _k.tree_attention_fwd(q, k_cache, v_cache, block_table, seq_lens, tree.num_nodes, tree.anc,
+                          q_start, q_len, scale, out, lse, workspace)
+    return (out, lse) if return_lse else out
+
+
+def kv_append(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_tokens: torch.Tensor,
+    depth: torch.Tensor | None = None,
+    *,
+    rope_theta: float = 10000.0,
+    validate: bool = False,
+) -> None:
+    """Write new K/V into the paged caches, rotating K by RoPE on the way (in place).
+
+    Args:
+        k, v: [B, N, H_kv, D] (the forward's K/V projections of the tree nodes, or of a prefill
+            chunk), fp16/bf16/fp32, any strides; D in {64, 128, 256}.
+        k_cache, v_cache: [num_pages, page_size, H_kv, D], k's dtype, any strides.
+        block_table: [B, max_pages] int32; seq_lens: [B] int32.
+        num_tokens: [B] int32, tokens of request b to write (``tree.num_nodes`` when verifying).
+        depth: [B, N] int32 (``tree.depth``), or None for consecutive positions (prefill).
+        rope_theta: RoPE base (Llama's ``rope_theta``); layout is Llama's ``rotate_half``.
+        validate: also check value ranges (syncs with the host).
+
+    Token i < ``num_tokens[b]`` lands in slot ``seq_lens[b] + i``; K is rotated at position
+    ``seq_lens[b] + depth[b, i]`` (``seq_lens[b] + i`` without ``depth``). One launch for the
+    batch on CUDA; no host sync.
+
+    Example:
+        >>> import torch, treeops
+        >>> k_cache = torch.zeros(4, 16, 2, 64); v_cache = torch.zeros(4, 16, 2, 64)
+        >>> bt = torch.tensor([[2, 3]], dtype=torch.int32)
+        >>> k = torch.randn(1, 3, 2, 64); v = torch.randn(1, 3, 2, 64)
+        >>> treeops.kv_append(k, v, k_cache, v_cache, bt, torch.tensor([15], dtype=torch.int32),
+        ...                   torch.tensor([3], dtype=torch.int32))
+        >>> bool((v_cache[3, 0] == v[0, 1]).all())
+        True
+    """
+    sizes: dict[str, int] = {}
+    check_tensor("k", k, shape=("B", "N", "H_kv", "D"), dtype=_FLOATS, sizes=sizes)
+    _check_head_dim("k", sizes["D"])
+    check_tensor("v", v, shape=("B", "N", "H_kv", "D"), dtype=k.dtype, sizes=sizes)
+    check_tensor("k_cache", k_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype,
+                 sizes=sizes)
+    check_tensor("v_cache", v_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype,
+                 sizes=sizes)
+    check_tensor("block_table", block_table, shape=("B", None), dtype=torch.int32, sizes=sizes)
+    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=torch.int32, sizes=sizes)
+    check_tensor("num_tokens", num_tokens, shape=("B",), dtype=torch.int32, sizes=sizes)
+    if depth is not None:
+        check_tensor("depth", depth, shape=("B", "N"), dtype=torch.int32, sizes=sizes)
+    if not (isinstance(rope_theta, (int, float)) and rope_theta > 0):
+        raise ValueError(f"Invalid value of rope_theta: expected a positive float, "
+                         f"got {rope_theta!r}")
+    check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                      seq_lens=seq_lens, num_tokens=num_tokens, depth=depth)
+    if validate:
+        capacity = block_table.shape[1] * sizes["page_size"]
+        check_range("seq_lens", seq_lens, 0, None)
+        check_range("num_tokens", num_tokens, 0, sizes["N"] + 1)
+        check_range("block_table", block_table, 0, sizes["P"])
+        if int((seq_lens.long() + num_tokens.long()).max()) > capacity:
+            raise ValueError(f"Invalid value in seq_lens: seq_lens + num_tokens exceeds the "
+                             f"block table's capacity of {capacity} slots")
+    if k.device.type != "cuda":
+        _ref_kv.kv_append(k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth,
+                          rope_theta=rope_theta)
+        return
+    from .kernels import kv_append as _k
+
+    _k.kv_append_fwd(k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth,
+                     float(rope_theta))
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotate ``x`` [..., H, D] by RoPE at integer ``positions`` [...] (Llama ``rotate_half``
+    layout, fp32 math, x's dtype out); e.g. ``rope(q, tree.positions(seq_lens))`` for queries.
+
+    Example:
+        >>> import torch, treeops
+        >>> x = torch.randn(2, 4, 8, 64)
+        >>> y = treeops.rope(x, torch.zeros(2, 4, dtype=torch.int64))
+        >>> bool(torch.allclose(x, y))
+        True
+    """
+    check_tensor("x", x, dtype=_FLOATS)
+    check_tensor("positions", positions, shape=tuple(x.shape[:-2]),
+                 dtype=(torch.int32, torch.int64))
+    if x.shape[-1] % 2:
+        raise ValueError(f"Invalid head dim of x: expected an even number, got {x.shape[-1]}")
+    check_same_device(x=x, positions=positions)
+    return _ref_kv.rope(x, positions, theta)

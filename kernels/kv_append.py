@@ -1,0 +1,99 @@
+"""KV append with RoPE: one launch writes every request's new K/V into its pages.
+
+Program (request b, block of BLOCK_T tokens, KV head) loads K as its two halves (Llama's
+``rotate_half`` pairs element k with element k + D/2), rotates them at position
+``seq_lens[b] + depth[b, i]`` and stores K and V at logical slot ``seq_lens[b] + i`` through the
+block table. ``inv_freq`` comes in as a tensor computed exactly like the reference's, so kernel and
+reference share every fp32 angle ``position · inv_freq``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from treeops.reference.kv_append import rope_inv_freq
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit(do_not_specialize=["N", "H_KV"])
+def _kv_append(
+    K, V, KC, VC, BT, SEQ, NT, DEP, INV_FREQ,
+    N, H_KV,
+    s_kb, s_kn, s_kh, s_kd,
+    s_vb, s_vn, s_vh, s_vd,
+    s_kcp, s_kcs, s_kch, s_kcd,
+    s_vcp, s_vcs, s_vch, s_vcd,
+    s_btb, s_db, s_dn,
+    BLOCK_T: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_DEPTH: tl.constexpr,
+):
+    i_bt = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    n_tiles = tl.cdiv(N, BLOCK_T)
+    i_b = i_bt // n_tiles
+    i_t = i_bt % n_tiles
+    seq = tl.load(SEQ + i_b)
+    nt = tl.minimum(tl.load(NT + i_b), N)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] token
+    o_c = tl.arange(0, HALF)
+    m_t = o_t < nt
+    if HAS_DEPTH:
+        dep = tl.load(DEP + i_b * s_db + o_t * s_dn, mask=m_t, other=0)
+    else:
+        dep = o_t
+    ang = (seq + dep).to(tl.float32)[:, None] * tl.load(INV_FREQ + o_c)[None, :]  # [BLOCK_T, HALF]
+    cos = tl.cos(ang)
+    sin = tl.sin(ang)
+    p_k = K + i_b * s_kb + o_t[:, None] * s_kn + i_h * s_kh + o_c[None, :] * s_kd
+    b_k1 = tl.load(p_k, mask=m_t[:, None], other=0.0).to(tl.float32)
+    b_k2 = tl.load(p_k + HALF * s_kd, mask=m_t[:, None], other=0.0).to(tl.float32)
+    p_v = V + i_b * s_vb + o_t[:, None] * s_vn + i_h * s_vh + o_c[None, :] * s_vd
+    b_v1 = tl.load(p_v, mask=m_t[:, None], other=0.0)
+    b_v2 = tl.load(p_v + HALF * s_vd, mask=m_t[:, None], other=0.0)
+
+    slot = seq + o_t  # [BLOCK_T] logical slot
+    page = tl.load(BT + i_b * s_btb + slot // PAGE_SIZE, mask=m_t, other=0).to(tl.int64)
+    row = (slot % PAGE_SIZE).to(tl.int64)
+    p_kc = KC + (page * s_kcp + row * s_kcs + i_h * s_kch)[:, None] + o_c[None, :] * s_kcd
+    p_vc = VC + (page * s_vcp + row * s_vcs + i_h * s_vch)[:, None] + o_c[None, :] * s_vcd
+    dt = KC.dtype.element_ty
+    tl.store(p_kc, (b_k1 * cos - b_k2 * sin).to(dt), mask=m_t[:, None])
+    tl.store(p_kc + HALF * s_kcd, (b_k2 * cos + b_k1 * sin).to(dt), mask=m_t[:, None])
+    tl.store(p_vc, b_v1.to(VC.dtype.element_ty), mask=m_t[:, None])
+    tl.store(p_vc + HALF * s_vcd, b_v2.to(VC.dtype.element_ty), mask=m_t[:, None])
+
+
+_INV_FREQ: dict[tuple[int, float, torch.device], torch.Tensor] = {}
+
+
+def inv_freq(d: int, theta: float, device: torch.device) -> torch.Tensor:
+    """Cached [D/2] fp32 inverse frequencies (allocated once per (D, theta, device))."""
+    key = (d, float(theta), device)
+    t = _INV_FREQ.get(key)
+    if t is None:
+        t = _INV_FREQ[key] = rope_inv_freq(d, theta, device)
+    return t
+
+
+def kv_append_fwd(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_table: torch.Tensor, seq_lens: torch.Tensor, num_tokens: torch.Tensor,
+    depth: torch.Tensor | None, rope_theta: float,
+) -> None:
+    """Launch (no checks)."""
+    B, N, H_kv, D = k.shape
+    block_t = min(triton.next_power_of_2(N), 16 if _INTERPRET else 32)
+    grid = (B * triton.cdiv(N, block_t), H_kv)
+    _kv_append[grid](
+        k, v, k_cache, v_cache, block_table, seq_lens, num_tokens,
+        depth if depth is not None else seq_lens, inv_freq(D, rope_theta, k.device),
+        N, H_kv,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_table.stride(0), *(depth.stride() if depth is not None else (0, 0)),
+        BLOCK_T=block_t, HALF=D // 2, PAGE_SIZE=k_cache.shape[1], HAS_DEPTH=depth is not None,
+        num_warps=4,
+    )

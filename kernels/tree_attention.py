@@ -1,0 +1,372 @@
+"""Tree-masked paged attention: Triton kernels and their launcher.
+
+One program owns one tile of ``BLOCK_M = G_PAD · BLOCK_Q`` query rows — ``BLOCK_Q`` tree nodes ×
+the ``G`` query heads that share one KV head, packed into the M dimension of the tile, so each K/V
+tile is loaded once for the whole group — of one (request, KV head), and one of ``NUM_SPLITS``
+chunks of that request's keys. Keys are the prefix (slots ``< seq_lens[b]``: full tiles without any
+mask, then one tail tile with a length mask) followed by the tree nodes (the only tiles that read
+``anc``). With ``NUM_SPLITS > 1`` the chunks write normalised partial outputs and their LSE to a
+workspace and ``_merge_splits`` combines them. ``NUM_SPLITS`` comes from (B, H_kv, node capacity,
+block-table capacity, SM count) only, so the grid never depends on tensor values and both launches
+can be captured in a CUDA graph.
+
+Query tiles are counted from ``q_start[b]`` (tile t holds nodes ``q_start + t·BLOCK_Q ...``), so a
+drafting step that queries a handful of frontier nodes runs one tile, not ``N / BLOCK_Q``; rows
+outside the query range are zero-filled by the program whose absolute tile holds them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_LN2 = 0.6931471805599453
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend(q, k, v, acc, m_i, l_i, qk_scale, vis, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax step over a [BLOCK_N, D] tile of keys (log2 domain)."""
+    if UPCAST:
+        # fp32 inputs, and every input under the interpreter (its bf16 dot is wrong)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if UPCAST:
+        acc = tl.dot(p, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["N", "H_KV", "qk_scale"])
+def _tree_attn_fwd(
+    Q, K, V, BT, SEQ, NN, ANC, QS, QL, O, L, WO, WL,
+    qk_scale, N, H_KV,
+    s_qb, s_qn, s_qh, s_qd,
+    s_kp, s_ks, s_kh, s_kd,
+    s_vp, s_vs, s_vh, s_vd,
+    s_btb, s_ab, s_an,
+    s_ob, s_on, s_oh, s_od,
+    s_lb, s_ln, s_lh,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_QS: tl.constexpr, HAS_QL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = G_PAD * BLOCK_Q
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_s = tl.program_id(2)
+    i_b = i_bh // H_KV
+    i_kvh = i_bh % H_KV
+    H_Q = H_KV * G
+
+    seq = tl.load(SEQ + i_b)
+    nn = tl.load(NN + i_b)
+    if HAS_QS:
+        qs = tl.load(QS + i_b)
+    else:
+        qs = 0
+    if HAS_QL:
+        ql = tl.load(QL + i_b)
+    else:
+        ql = N
+    q_end = tl.minimum(tl.minimum(qs + ql, nn), N)  # query nodes are [qs, q_end)
+
+    o_m = tl.arange(0, BLOCK_M)
+    o_g = o_m % G_PAD  # query head within the group
+    o_r = o_m // G_PAD  # query node within the tile
+    o_d = tl.arange(0, D)
+    o_n = tl.arange(0, BLOCK_N)
+    o_h = (i_kvh * G + o_g).to(tl.int64)  # [BLOCK_M] query head
+    m_g = o_g < G
+
+    if NUM_SPLITS == 1:
+        # rows of the absolute tile i_t outside the query range: 0 and LSE = -inf
+        r_abs = (i_t * BLOCK_Q + o_r).to(tl.int64)
+        m_zero = (r_abs < N) & m_g & ((r_abs < qs) | (r_abs >= q_end))
+        p_o = O + i_b * s_ob + r_abs[:, None] * s_on + o_h[:, None] * s_oh + o_d[None, :] * s_od
+        tl.store(p_o, tl.zeros([BLOCK_M, D], dtype=O.dtype.element_ty), mask=m_zero[:, None])
+        if WRITE_LSE:
+            p_l = L + i_b * s_lb + r_abs * s_ln + o_h * s_lh
+            tl.store(p_l, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_zero)
+
+    if qs + i_t * BLOCK_Q < q_end:
+        o_t = i_t * BLOCK_Q + o_r  # [BLOCK_M] query row relative to q_start
+        o_q = (qs + o_t).to(tl.int64)  # [BLOCK_M] query node
+        m_row = (o_q < q_end) & (o_q >= 0) & m_g
+        p_q = Q + i_b * s_qb + o_q[:, None] * s_qn + o_h[:, None] * s_qh + o_d[None, :] * s_qd
+        b_q = tl.load(p_q, mask=m_row[:, None], other=0.0)  # [BLOCK_M, D]
+        if UPCAST:
+            b_q = b_q.to(tl.float32)
+
+        kv_len = seq + nn
+        chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = i_s * chunk
+        end = tl.minimum(start + chunk, kv_len)
+        p_bt = BT + i_b * s_btb
+        off_kh = i_kvh * s_kh
+        off_vh = i_kvh * s_vh
+
+        b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        b_l = tl.zeros([BLOCK_M], tl.float32)
+        b_acc = tl.zeros([BLOCK_M, D], tl.float32)
+
+        # prefix: every key visible; full tiles carry no mask at all
+        p_end = tl.minimum(end, seq)
+        n_full = tl.maximum(p_end - start, 0) // BLOCK_N
+        for it in range(n_full):
+            pos = start + it * BLOCK_N + o_n  # [BLOCK_N] logical slot
+            page = tl.load(p_bt + pos // PAGE_SIZE).to(tl.int64)
+            slot = pos % PAGE_SIZE
+            b_k = tl.load(K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd)
+            b_v = tl.load(V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd)
+            b_acc, b_m, b_l = _attend(b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, None,
+                                      False, UPCAST)
+        tail = start + n_full * BLOCK_N
+        if tail < p_end:
+            pos = tail + o_n
+            m_k = pos < p_end
+            page = tl.load(p_bt + pos // PAGE_SIZE, mask=m_k, other=0).to(tl.int64)
+            slot = pos % PAGE_SIZE
+            b_k = tl.load(K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
+                          mask=m_k[:, None], other=0.0)
+            b_v = tl.load(V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
+                          mask=m_k[:, None], other=0.0)
+            b_acc, b_m, b_l = _attend(b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, m_k[None, :],
+                                      True, UPCAST)
+        # tree nodes: key j visible iff bit j of anc[b, row] (ancestor-or-self)
+        p_anc = ANC + i_b * s_ab + o_q[:, None] * s_an  # [BLOCK_M, 1]
+        for t0 in range(tl.maximum(start, seq), end, BLOCK_N):
+            pos = t0 + o_n
+            m_k = pos < end
+            j = pos - seq  # [BLOCK_N] tree node of the key
+            page = tl.load(p_bt + pos // PAGE_SIZE, mask=m_k, other=0).to(tl.int64)
+            slot = pos % PAGE_SIZE
+            b_k = tl.load(K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
+                          mask=m_k[:, None], other=0.0)
+            b_v = tl.load(V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
+                          mask=m_k[:, None], other=0.0)
+            word = tl.load(p_anc + (j // 32)[None, :], mask=m_row[:, None] & m_k[None, :],
+                           other=0)  # [BLOCK_M, BLOCK_N] int32
+            vis = ((word >> (j % 32)[None, :]) & 1) != 0
+            b_acc, b_m, b_l = _attend(b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, vis,
+                                      True, UPCAST)
+
+        seen = b_l > 0.0
+        b_o = b_acc / tl.where(seen, b_l, 1.0)[:, None]
+        b_lse = tl.where(seen, (b_m + tl.math.log2(tl.where(seen, b_l, 1.0))) * 0.6931471805599453,
+                         float("-inf"))
+        if NUM_SPLITS == 1:
+            p_o = O + i_b * s_ob + o_q[:, None] * s_on + o_h[:, None] * s_oh + o_d[None, :] * s_od
+            tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None])
+            if WRITE_LSE:
+                tl.store(L + i_b * s_lb + o_q * s_ln + o_h * s_lh, b_lse, mask=m_row)
+        else:
+            # workspace [B, N, H_q, NUM_SPLITS, D] (+ [B, N, H_q, NUM_SPLITS] LSE), by relative row
+            w_row = ((i_b * N + o_t.to(tl.int64)) * H_Q + o_h) * NUM_SPLITS + i_s  # [BLOCK_M]
+            tl.store(WO + w_row[:, None] * D + o_d[None, :], b_o, mask=m_row[:, None])
+            tl.store(WL + w_row, b_lse, mask=m_row)
+
+
+@triton.jit(do_not_specialize=["N", "H_Q"])
+def _merge_splits(
+    WO, WL, NN, QS, QL, O, L,
+    N, H_Q,
+    s_ob, s_on, s_oh, s_od,
+    s_lb, s_ln, s_lh,
+    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+    HAS_QS: tl.constexpr, HAS_QL: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """out[b, row, heads] = Σ_s w_s o_s / Σ_s w_s, w_s = exp(lse_s - max lse); inactive rows 0."""
+    i_bn = tl.program_id(0).to(tl.int64)
+    i_b = i_bn // N
+    row = i_bn % N
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H).to(tl.int64)  # [BLOCK_H]
+    o_s = tl.arange(0, S_PAD)
+    o_d = tl.arange(0, D)
+    nn = tl.load(NN + i_b)
+    if HAS_QS:
+        qs = tl.load(QS + i_b)
+    else:
+        qs = 0
+    if HAS_QL:
+        ql = tl.load(QL + i_b)
+    else:
+        ql = N
+    active = (row >= qs) & (row < qs + ql) & (row < nn)
+    m_h = o_h < H_Q
+    m_hs = (m_h[:, None] & (o_s[None, :] < NUM_SPLITS)) & active  # [BLOCK_H, S_PAD]
+    w_row = ((i_b * N + (row - qs)) * H_Q + o_h[:, None]) * NUM_SPLITS + o_s[None, :]
+    b_lse = tl.load(WL + w_row, mask=m_hs, other=float("-inf"))  # [BLOCK_H, S_PAD]
+    b_max = tl.max(b_lse, 1)
+    b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
+    b_w = tl.exp(b_lse - b_max[:, None])
+    b_tot = tl.sum(b_w, 1)  # [BLOCK_H]
+    b_part = tl.load(WO + w_row[:, :, None] * D + o_d[None, None, :], mask=m_hs[:, :, None],
+                     other=0.0)  # [BLOCK_H, S_PAD, D]
+    b_o = tl.sum(b_w[:, :, None] * b_part, 1) / tl.where(b_tot > 0.0, b_tot, 1.0)[:, None]
+    p_o = O + i_b * s_ob + row * s_on + o_h[:, None] * s_oh + o_d[None, :] * s_od
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_h[:, None])
+    if WRITE_LSE:
+        b_out = tl.where(b_tot > 0.0, b_max + tl.log(tl.where(b_tot > 0.0, b_tot, 1.0)),
+                         float("-inf"))
+        tl.store(L + i_b * s_lb + row * s_ln + o_h * s_lh, b_out, mask=m_h)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SM count of ``device``, asked lazily (never at import); a pretend 4 off the GPU, so that the
+    interpreter tests exercise split-KV."""
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else
+                              torch.cuda.current_device())
+    return 4
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    block_q: int
+    g_pad: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def block_m(self) -> int:
+        return self.block_q * self.g_pad
+
+
+# Split-KV: aim for this many programs per SM, never fewer than MIN_CHUNK keys per split.
+PROGRAMS_PER_SM = 2
+MIN_CHUNK = 256
+MAX_SPLITS = 16
+
+
+def pick_config(B: int, N: int, H_q: int, H_kv: int, D: int, kv_capacity: int, sms: int,
+                interpret: bool, num_splits: int | None = None,
+                override: dict | None = None) -> AttnConfig:
+    """Tile sizes and split count from capacities and the device only (never tensor values)."""
+    g = H_q // H_kv
+    g_pad = triton.next_power_of_2(g)
+    if interpret:
+        block_m, block_n, warps, stages = 64, 32, 4, 1
+    elif D <= 64:
+        block_m, block_n, warps, stages = 128, 64, 4, 3
+    elif D <= 128:
+        block_m, block_n, warps, stages = 128, 64, 8, 3
+    else:
+        block_m, block_n, warps, stages = 64, 32, 4, 2
+    if override:
+        block_m = override.get("block_m", block_m)
+        block_n = override.get("block_n", block_n)
+        warps = override.get("num_warps", warps)
+        stages = override.get("num_stages", stages)
+    block_q = max(1, block_m // g_pad)
+    block_q = min(block_q, triton.next_power_of_2(N))
+    block_q = max(block_q, triton.cdiv(16, g_pad))  # tl.dot needs M >= 16
+    m_tiles = triton.cdiv(N, block_q)
+    if num_splits is None:
+        base = B * H_kv * m_tiles
+        target = PROGRAMS_PER_SM * sms
+        num_splits = 1
+        if base < target:
+            num_splits = min(triton.cdiv(target, base), MAX_SPLITS,
+                             max(1, kv_capacity // MIN_CHUNK))
+    return AttnConfig(block_q, g_pad, block_n, max(1, num_splits), warps, stages)
+
+
+def workspace_numel(B: int, N: int, H_q: int, D: int, cfg: AttnConfig) -> int:
+    """fp32 elements of the split-KV workspace: partial outputs then partial LSEs."""
+    if cfg.num_splits == 1:
+        return 0
+    return B * N * H_q * cfg.num_splits * (D + 1)
+
+
+def config_for(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+               num_splits: int | None = None, override: dict | None = None) -> AttnConfig:
+    B, N, H_q, D = q.shape
+    kv_capacity = block_table.shape[1] * k_cache.shape[1]
+    return pick_config(B, N, H_q, k_cache.shape[2], D, kv_capacity, sm_count(q.device),
+                       _INTERPRET, num_splits, override)
+
+
+def tree_attention_fwd(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, num_nodes: torch.Tensor, anc: torch.Tensor,
+    q_start: torch.Tensor | None, q_len: torch.Tensor | None, sm_scale: float,
+    out: torch.Tensor, lse: torch.Tensor | None, workspace: torch.Tensor | None = None,
+    num_splits: int | None = None, override: dict | None = None,
+) -> None:
+    """Launch (no checks): writes ``out`` [B, N, H_q, D] and, if given, ``lse`` [B, N, H_q]."""
+    B, N, H_q, D = q.shape
+    page_size, H_kv = k_cache.shape[1], k_cache.shape[2]
+    cfg = config_for(q, k_cache, block_table, num_splits, override)
+    S = cfg.num_splits
+    need = workspace_numel(B, N, H_q, D, cfg)
+    if S > 1 and (workspace is None or workspace.numel() < need):
+        workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+    if S > 1:
+        wo = workspace[: B * N * H_q * S * D]
+        wl = workspace[B * N * H_q * S * D: need]
+    else:
+        wo = wl = out  # never touched
+    lse_t = lse if lse is not None else out
+    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
+    upcast = _INTERPRET or q.dtype == torch.float32
+    grid = (triton.cdiv(N, cfg.block_q), B * H_kv, S)
+    _tree_attn_fwd[grid](
+        q, k_cache, v_cache, block_table, seq_lens, num_nodes, anc,
+        q_start if q_start is not None else seq_lens, q_len if q_len is not None else seq_lens,
+        out, lse_t, wo, wl,
+        sm_scale * _LOG2E, N, H_kv,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_table.stride(0), anc.stride(0), anc.stride(1),
+        *out.stride(), *lse_strides,
+        G=H_q // H_kv, G_PAD=cfg.g_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, D=D,
+        PAGE_SIZE=page_size, NUM_SPLITS=S,
+        HAS_QS=q_start is not None, HAS_QL=q_len is not None, WRITE_LSE=lse is not None,
+        UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if S > 1:
+        s_pad = triton.next_power_of_2(S)
+        block_h = min(triton.next_power_of_2(H_q), max(1, 4096 // (s_pad * D)))
+        _merge_splits[(B * N, triton.cdiv(H_q, block_h))](
+            wo, wl, num_nodes,
+            q_start if q_start is not None else seq_lens, q_len if q_len is not None else seq_lens,
+            out, lse_t, N, H_q, *out.stride(), *lse_strides,
+            NUM_SPLITS=S, S_PAD=s_pad, BLOCK_H=block_h, D=D,
+            HAS_QS=q_start is not None, HAS_QL=q_len is not None, WRITE_LSE=lse is not None,
+            num_warps=4,
+        )
+
+
+def default_scale(d: int) -> float:
+    return 1.0 / math.sqrt(d)
