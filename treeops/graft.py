@@ -1,3 +1,681 @@
-"""Being written."""
+"""Graft (DESIGN.md op 6): prune the draft tree early, refill its budget from a successor table.
 
-__all__: list[str] = []
+Per decoding step, for a batch of B requests:
+
+1. Draft. At the checkpoints after draft steps (0, 1, 5), ``PruneCheckpoints.check`` marks a
+   request to keep only its top (8, 24, 40) draft nodes when its best path score is under the
+   checkpoint's threshold (decided on device). Single-request decoding stops drafting then
+   (the returned ``stop`` flag); batched decoding drafts to full depth and ``prune``s per request.
+2. Graft. ``graft(tree, table, template, budget)`` retrieves candidates from each request's root
+   token through the ``AdjacencyTable`` and a ``RankTemplate``, trie-merges them into the pruned
+   tree up to ``budget`` nodes (root included) and rebuilds depth, ``anc`` and the links: one
+   fused launch on CUDA. ``AdjacencyTable.retrieve`` + ``graft_merge`` do the same in two steps.
+3. Verify with the target, accept, then ``table.update(tree, target_logits)`` (or the
+   ``topk_ids`` acceptance returns) so that the table learns the target's successors.
+
+CUDA tensors run the Triton kernels (``treeops.kernels.graft``), CPU tensors the references
+(``treeops.reference.graft``). Nothing here syncs with the host unless ``validate=True``.
+
+Example (CPU):
+    >>> import torch, treeops
+    >>> table = treeops.AdjacencyTable(vocab_size=16, k=4)
+    >>> seq = torch.tensor([[3, 5, 7, 9, 11]])            # a known continuation 3 -> 5 -> 7 ...
+    >>> logits = torch.nn.functional.one_hot(torch.tensor([[5, 7, 9, 11, 13]]), 16).float()
+    >>> table.warm_start(seq, logits)
+    >>> tree = treeops.Tree.from_parents(torch.full((1, 8), -1, dtype=torch.int32),  # N = 8
+    ...                                  torch.tensor([1], dtype=torch.int32),    # root only
+    ...                                  tokens=torch.tensor([[3, 0, 0, 0, 0, 0, 0, 0]]))
+    >>> hybrid = treeops.graft(tree, table, treeops.RankTemplate.chain(4), budget=8)
+    >>> hybrid.tokens[0, :hybrid.num_nodes[0]].tolist()
+    [3, 5, 7, 9, 11]
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ._checks import check_positive_int, check_range, check_same_device, check_tensor
+from .tree import Tree, check_tree
+
+__all__ = [
+    "AdjacencyTable",
+    "NO_PRUNE",
+    "PruneCheckpoints",
+    "RankTemplate",
+    "Retrieved",
+    "calibrate_thresholds",
+    "graft",
+    "graft_merge",
+    "prune",
+]
+
+NO_PRUNE = 1 << 30
+"""``keep`` value of a request that no checkpoint has marked (prune keeps everything)."""
+
+MAX_TEMPLATE = 256
+"""Largest template (nodes, root included) the fused kernel takes: it holds [T, T] tiles."""
+
+DEFAULT_RANK_PROBS = (0.6, 0.12, 0.06, 0.035, 0.02, 0.015, 0.01, 0.008)
+"""Model of how often the target's rank-r successor is the right next token (r = 0..7), used to
+choose the default template; rank-0 dominates, as the target's top-1 does in real text."""
+
+
+class RankTemplate:
+    """A static rank-path tree: node j (j >= 1) stands for "the ``ranks[j]``-th successor of the
+    token at node ``parents[j]``"; node 0 is the root (the tree's root token).
+
+    Fields (CPU tensors; ``tensors(device)`` caches device copies):
+        parents: [T] int32, -1 for the root, ``0 <= parents[j] < j``.
+        ranks: [T] int32, -1 for the root, distinct among siblings.
+        depth: [T] int32, non-decreasing (breadth-first order).
+    ``size`` = T, ``max_depth`` = depth of the deepest node, ``max_rank`` = largest rank.
+
+    The default (``RankTemplate.default()``, 80 nodes over depths 0..9) is
+    ``from_rank_probs(DEFAULT_RANK_PROBS, size=80, max_depth=9)``: the 79 rank paths of highest
+    probability when the target's rank-r successor is right with probability ``probs[r]``
+    independently at every step. For such a model it is the static tree of T nodes with the
+    largest expected accepted length (the expected length is the sum of the path probabilities,
+    and a best-first expansion takes the T largest, which are ancestor-closed because each
+    probability is < 1). It is unbalanced as Token Recycling's hand-made tree is: the rank-0
+    chain reaches depth 9, rank 1 reaches 6 levels, ranks >= 4 sit near the top only. Fit
+    ``probs`` to measured rank acceptance of a model pair and rebuild for a better tree;
+    ``balanced`` and ``chain`` give the usual alternatives for comparison.
+    """
+
+    def __init__(self, parents: Sequence[int], ranks: Sequence[int]):
+        par = [int(p) for p in parents]
+        rk = [int(r) for r in ranks]
+        T = len(par)
+        if not 1 <= T <= MAX_TEMPLATE:
+            raise ValueError(f"Invalid template: expected 1 to {MAX_TEMPLATE} nodes, got {T}")
+        if len(rk) != T:
+            raise ValueError(f"Invalid template: {T} parents but {len(rk)} ranks")
+        if par[0] != -1:
+            raise ValueError(f"Invalid template: parents[0] = {par[0]}, expected -1")
+        depth = [0] * T
+        seen: set[tuple[int, int]] = set()
+        for j in range(1, T):
+            if not 0 <= par[j] < j:
+                raise ValueError(
+                    f"Invalid template: parents[{j}] = {par[j]}, expected 0 <= p < {j}"
+                )
+            if rk[j] < 0:
+                raise ValueError(f"Invalid template: ranks[{j}] = {rk[j]}, expected >= 0")
+            if (par[j], rk[j]) in seen:
+                raise ValueError(
+                    f"Invalid template: node {j} repeats rank {rk[j]} among the children of "
+                    f"{par[j]}"
+                )
+            seen.add((par[j], rk[j]))
+            depth[j] = depth[par[j]] + 1
+            if depth[j] < depth[j - 1]:
+                raise ValueError(
+                    f"Invalid template: node {j} at depth {depth[j]} after a node at depth "
+                    f"{depth[j - 1]}, expected breadth-first order"
+                )
+        rk[0] = -1
+        self.parents = torch.tensor(par, dtype=torch.int32)
+        self.ranks = torch.tensor(rk, dtype=torch.int32)
+        self.depth = torch.tensor(depth, dtype=torch.int32)
+        self.size = T
+        self.max_depth = max(depth)
+        self.max_rank = max(rk)
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def tensors(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(parents, ranks, depth)`` on ``device`` (copied once, then cached)."""
+        dev = torch.device(device)
+        if dev not in self._on:
+            self._on[dev] = (self.parents.to(dev), self.ranks.to(dev), self.depth.to(dev))
+        return self._on[dev]
+
+    def __repr__(self) -> str:
+        widths = torch.bincount(self.depth).tolist()
+        return f"RankTemplate(size={self.size}, max_depth={self.max_depth}, widths={widths})"
+
+    # -------------------------------------------------------------- constructors
+    @staticmethod
+    def from_paths(paths: Sequence[Sequence[int]]) -> RankTemplate:
+        """From rank paths (tuples of ranks from the root; ``()`` is the root, added if absent).
+        Every prefix of a path must be present; nodes are put in breadth-first order, siblings
+        by rank."""
+        ps = {tuple(int(r) for r in p) for p in paths} | {()}
+        for p in ps:
+            if p and p[:-1] not in ps:
+                raise ValueError(f"Invalid template: path {p} given without its prefix {p[:-1]}")
+        order = sorted(ps, key=lambda p: (len(p), p))
+        # breadth-first: children of earlier nodes first, then by rank
+        index: dict[tuple[int, ...], int] = {(): 0}
+        out: list[tuple[int, ...]] = [()]
+        for d in range(1, max(len(p) for p in order) + 1):
+            level = [p for p in order if len(p) == d]
+            level.sort(key=lambda p: (index[p[:-1]], p[-1]))
+            for p in level:
+                index[p] = len(out)
+                out.append(p)
+        return RankTemplate([-1] + [index[p[:-1]] for p in out[1:]],
+                            [-1] + [p[-1] for p in out[1:]])
+
+    @staticmethod
+    def from_rank_probs(probs: Sequence[float], size: int = 80, max_depth: int = 9) -> RankTemplate:
+        """The ``size`` most probable rank paths (root included) of depth <= ``max_depth`` when
+        rank r is right with probability ``probs[r]`` (ties: shorter, then lexicographic)."""
+        check_positive_int("size", size)
+        if not probs or any(not 0.0 < p < 1.0 for p in probs):
+            raise ValueError(f"Invalid value of probs: expected numbers in (0, 1), got {probs!r}")
+        heap: list[tuple[float, int, tuple[int, ...]]] = [(-1.0, 0, ())]
+        paths: list[tuple[int, ...]] = []
+        while heap and len(paths) < size:
+            negp, _, path = heapq.heappop(heap)
+            paths.append(path)
+            if len(path) < max_depth:
+                for r, p in enumerate(probs):
+                    heapq.heappush(heap, (negp * p, len(path) + 1, path + (r,)))
+        return RankTemplate.from_paths(paths)
+
+    @staticmethod
+    def default() -> RankTemplate:
+        """80 nodes over depths 0..9 (see the class docstring)."""
+        return RankTemplate.from_rank_probs(DEFAULT_RANK_PROBS, size=80, max_depth=9)
+
+    @staticmethod
+    def balanced(width: int, depth: int) -> RankTemplate:
+        """Every node has ranks 0..width-1 as children, down to ``depth``."""
+        check_positive_int("width", width)
+        paths: list[tuple[int, ...]] = [()]
+        level: list[tuple[int, ...]] = [()]
+        for _ in range(depth):
+            level = [p + (r,) for p in level for r in range(width)]
+            paths += level
+        return RankTemplate.from_paths(paths)
+
+    @staticmethod
+    def chain(depth: int) -> RankTemplate:
+        """The rank-0 chain of ``depth`` nodes below the root (greedy continuation)."""
+        return RankTemplate.from_paths([(0,) * d for d in range(depth + 1)])
+
+
+@dataclass
+class Retrieved:
+    """Retrieved paths of a batch, packed in template (breadth-first) order, capacity T.
+
+    Fields:
+        tokens: [B, T] int64, index 0 = the root token; padding 0.
+        parents: [B, T] int32, index into the same row (``parents[b, j] < j``), -1 for the root
+            and padding.
+        depth: [B, T] int32, root 0; padding 0.
+        num_nodes: [B] int32, retrieved nodes per request, root included (>= 1).
+        max_depth: host int, an upper bound of ``depth`` (the template's), which bounds the
+            merge's breadth-first loop.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    num_nodes: torch.Tensor
+    max_depth: int = field(default=0)
+
+    def to(self, device: torch.device | str) -> Retrieved:
+        return Retrieved(self.tokens.to(device), self.parents.to(device), self.depth.to(device),
+                         self.num_nodes.to(device), self.max_depth)
+
+    def check_fields(self) -> None:
+        sizes: dict[str, int] = {}
+        check_tensor("retrieved.tokens", self.tokens, shape=("B", "T"), dtype=torch.int64,
+                     sizes=sizes)
+        check_tensor("retrieved.parents", self.parents, shape=("B", "T"), dtype=torch.int32,
+                     sizes=sizes)
+        check_tensor("retrieved.depth", self.depth, shape=("B", "T"), dtype=torch.int32,
+                     sizes=sizes)
+        check_tensor("retrieved.num_nodes", self.num_nodes, shape=("B",), dtype=torch.int32,
+                     sizes=sizes)
+        if sizes["T"] > MAX_TEMPLATE:
+            raise ValueError(
+                f"Invalid shape of retrieved.tokens: expected at most {MAX_TEMPLATE} columns, "
+                f"got {sizes['T']}"
+            )
+        if not isinstance(self.max_depth, int) or self.max_depth < 0:
+            raise ValueError(
+                f"Invalid value of retrieved.max_depth: expected an int >= 0, got {self.max_depth!r}"
+            )
+        check_same_device(**{"retrieved.tokens": self.tokens, "retrieved.parents": self.parents,
+                             "retrieved.depth": self.depth, "retrieved.num_nodes": self.num_nodes})
+
+    def validate(self) -> None:
+        """Host-side: ``1 <= num_nodes <= T``, parents point backwards, depth consistent and at
+        most ``max_depth``."""
+        self.check_fields()
+        r = self.to("cpu")
+        B, T = r.tokens.shape
+        for b in range(B):
+            n = int(r.num_nodes[b])
+            if not 1 <= n <= T:
+                raise ValueError(f"Invalid retrieved: num_nodes[{b}] = {n} not in [1, {T}]")
+            for j in range(1, n):
+                p = int(r.parents[b, j])
+                if not 0 <= p < j:
+                    raise ValueError(
+                        f"Invalid retrieved: request {b}: parents[{j}] = {p}, expected 0 <= p < {j}"
+                    )
+                d = int(r.depth[b, j])
+                if d != int(r.depth[b, p]) + 1 or d > self.max_depth:
+                    raise ValueError(
+                        f"Invalid retrieved: request {b}: depth[{j}] = {d}, expected "
+                        f"{int(r.depth[b, p]) + 1} <= max_depth {self.max_depth}"
+                    )
+            if n and int(r.depth[b, 0]) != 0:
+                raise ValueError(f"Invalid retrieved: request {b}: depth[0] must be 0")
+
+
+def _check_budget(budget: torch.Tensor | int, B: int, dev: torch.device, N: int) -> None:
+    if isinstance(budget, torch.Tensor):
+        check_tensor("budget", budget, shape=(B,), dtype=torch.int32)
+        check_same_device(tree=torch.empty(0, device=dev), budget=budget)
+    elif not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise ValueError(f"Invalid value of budget: expected an int >= 1 or a [B] int32 tensor, "
+                         f"got {budget!r}")
+
+
+def _check_count(count: torch.Tensor | int | None, B: int, dev: torch.device) -> None:
+    if count is None:
+        return
+    if isinstance(count, torch.Tensor):
+        check_tensor("count", count, shape=(B,), dtype=torch.int32)
+        if count.device != dev:
+            raise ValueError(f"Invalid device of count: expected {dev}, got {count.device}")
+    elif not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"Invalid value of count: expected an int >= 0, a [B] int32 tensor or "
+                         f"None, got {count!r}")
+
+
+class AdjacencyTable:
+    """Successor table ``table`` [V, k] int32 on ``device``: row t holds the target's top-k
+    next tokens after token t, -1 = empty (Token Recycling's adjacency matrix).
+
+    ``update`` learns from every verification, ``warm_start`` from a prompt's prefill,
+    ``retrieve`` reads candidate continuations through a ``RankTemplate``. On CUDA the table
+    also keeps an owner buffer [V] int32 (all INT32_MAX between calls) that resolves duplicate
+    tokens deterministically without a host sync, and reuses a small workspace per shape.
+    """
+
+    def __init__(self, vocab_size: int, k: int = 8, device: torch.device | str = "cpu"):
+        check_positive_int("vocab_size", vocab_size)
+        check_positive_int("k", k)
+        self.vocab_size = vocab_size
+        self.k = k
+        self.table = torch.full((vocab_size, k), -1, dtype=torch.int32, device=device)
+        self._owner: torch.Tensor | None = None
+        self._workspace: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.table.is_cuda:
+            self._owner = torch.full((vocab_size,), 2**31 - 1, dtype=torch.int32, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    def reset(self) -> None:
+        """Empty every row."""
+        self.table.fill_(-1)
+
+    def _check_rows(self, what: str, rows: torch.Tensor, B: int, N: int,
+                    logits: torch.Tensor | None, ids: torch.Tensor | None, validate: bool) -> None:
+        if (logits is None) == (ids is None):
+            raise ValueError(f"{what}: expected exactly one of the logits and topk_ids, got "
+                             f"{'both' if logits is not None else 'neither'}")
+        if logits is not None:
+            name = "target_logits" if what == "update" else "prefill_logits"
+            check_tensor(name, logits, shape=(B, N, self.vocab_size),
+                         dtype=(torch.float32, torch.bfloat16, torch.float16))
+            if logits.stride(2) != 1:
+                raise ValueError(f"Invalid stride of {name}: expected the last dimension "
+                                 f"contiguous (stride 1), got strides {tuple(logits.stride())}")
+        if ids is not None:
+            check_tensor("topk_ids", ids, shape=(B, N, None), dtype=torch.int32)
+            if ids.shape[2] < 1:
+                raise ValueError("Invalid shape of topk_ids: expected at least one id per node")
+        check_same_device(table=self.table, tokens=rows, logits=logits, topk_ids=ids)
+        if validate:
+            check_range("tokens", rows, 0, self.vocab_size)
+            if ids is not None:
+                check_range("topk_ids", ids, -1, self.vocab_size)
+
+    def update(
+        self,
+        tree: Tree,
+        target_logits: torch.Tensor | None = None,
+        topk_ids: torch.Tensor | None = None,
+        *,
+        validate: bool = False,
+    ) -> None:
+        """Learn from a verification: for every node ``i < num_nodes[b]``, the row of its token
+        becomes the top-k tokens of the target's logits at that node.
+
+        Args:
+            tree: the verified tree ([B, N]).
+            target_logits: [B, N, V] float32/bf16/fp16, the target's logits at each node (last
+                dimension contiguous); top-k by value, ties to the lowest id. Or:
+            topk_ids: [B, N, k'] int32, the node's top-k ids as acceptance returns them from its
+                single pass over the logits (-1 padded); the first k are used, -1 pads to k.
+        When one token sits at several nodes, the node of lowest flattened index ``b*N + i``
+        wins. Nodes whose token is outside ``[0, V)`` are skipped. No host sync.
+        """
+        check_tree(tree, validate=validate)
+        self._check_rows("update", tree.tokens, tree.batch_size, tree.capacity, target_logits,
+                         topk_ids, validate)
+        if self.table.is_cuda:
+            from .kernels import graft as _k
+
+            _k.adjacency_update(self.table, self._owner, self._workspace, tree.tokens,
+                                tree.num_nodes, target_logits, topk_ids, last_wins=False)
+        else:
+            _ref.adjacency_update(self.table, tree, target_logits, topk_ids)
+
+    def warm_start(
+        self,
+        prompt_tokens: torch.Tensor,
+        prefill_logits: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        topk_ids: torch.Tensor | None = None,
+        *,
+        validate: bool = False,
+    ) -> None:
+        """Learn from prompts: for ``t < lengths[b]``, the row of ``prompt_tokens[b, t]``
+        becomes the top-k of ``prefill_logits[b, t]`` (the target's prediction after it).
+
+        Args:
+            prompt_tokens: [B, L] int64, prompts padded to L.
+            prefill_logits: [B, L, V] float32/bf16/fp16 (last dimension contiguous), or
+            topk_ids: [B, L, k'] int32.
+            lengths: [B] int32 prompt lengths (default L for every request).
+        The last occurrence of a token (highest ``b*L + t``) wins: the most recent context.
+        """
+        check_tensor("prompt_tokens", prompt_tokens, shape=("B", "L"), dtype=torch.int64)
+        B, L = prompt_tokens.shape
+        if lengths is None:
+            lengths = torch.full((B,), L, dtype=torch.int32, device=prompt_tokens.device)
+        check_tensor("lengths", lengths, shape=(B,), dtype=torch.int32)
+        check_same_device(prompt_tokens=prompt_tokens, lengths=lengths)
+        self._check_rows("warm_start", prompt_tokens, B, L, prefill_logits, topk_ids, validate)
+        if validate:
+            check_range("lengths", lengths, 0, L + 1)
+        if self.table.is_cuda:
+            from .kernels import graft as _k
+
+            _k.adjacency_update(self.table, self._owner, self._workspace, prompt_tokens,
+                                lengths, prefill_logits, topk_ids, last_wins=True)
+        else:
+            _ref.adjacency_warm_start(self.table, prompt_tokens, prefill_logits, lengths, topk_ids)
+
+    def retrieve(
+        self,
+        root_tokens: torch.Tensor,
+        template: RankTemplate,
+        count: torch.Tensor | int | None = None,
+    ) -> Retrieved:
+        """Fill ``template`` breadth-first from each root token by gathers from the table.
+
+        Args:
+            root_tokens: [B] int64 (e.g. ``tree.tokens[:, 0]``).
+            template: a ``RankTemplate`` with ``max_rank < k``.
+            count: at most this many retrieved nodes per request, root excluded ([B] int32 or
+                int; default the whole template).
+        Returns a ``Retrieved`` of capacity T = ``template.size``: empty entries (-1) and their
+        subtrees are skipped, and the nodes left are packed in template order after the root.
+        """
+        check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64)
+        B = root_tokens.shape[0]
+        self._check_template(template)
+        check_same_device(table=self.table, root_tokens=root_tokens)
+        _check_count(count, B, self.device)
+        if self.table.is_cuda:
+            from .kernels import graft as _k
+
+            par, rank, dep = template.tensors(self.device)
+            tok, rpar, rdep, num = _k.retrieve(self.table, root_tokens, par, rank, dep,
+                                               template.max_depth, count)
+            return Retrieved(tok, rpar, rdep, num, template.max_depth)
+        return _ref.adjacency_retrieve(self.table, root_tokens, template, count)
+
+    def _check_template(self, template: object) -> None:
+        if not isinstance(template, RankTemplate):
+            raise ValueError(f"Invalid type of template: expected treeops.RankTemplate, got "
+                             f"{type(template).__name__}")
+        if template.max_rank >= self.k:
+            raise ValueError(f"Invalid template: rank {template.max_rank} needs k > "
+                             f"{template.max_rank}, but the table has k = {self.k}")
+
+
+def graft_merge(
+    tree: Tree,
+    retrieved: Retrieved,
+    budget: torch.Tensor | int,
+    *,
+    validate: bool = False,
+) -> Tree:
+    """Insert retrieved paths into a (pruned) tree as into a trie, up to ``budget`` nodes.
+
+    Args:
+        tree: [B, N] the pruned draft tree (nodes ``< num_nodes[b]`` are kept, in rank order).
+        retrieved: paths from ``AdjacencyTable.retrieve``; retrieved node 0 stands for the root.
+        budget: nodes per request, root included: an int or a [B] int32 tensor (CAST's
+            per-request verify count); values above N act as N.
+    Returns a new ``Tree`` of capacity N: request b keeps its first ``min(num_nodes, budget)``
+    nodes unchanged, then retrieved nodes in retrieval order: one whose token already sits
+    among its merged parent's children reuses that node, otherwise it becomes a new node of score
+    0 while fewer than ``budget`` nodes are used (else it is dropped with its subtree). Depth,
+    ``anc`` and the links are rebuilt; the result passes ``Tree.validate()``.
+    """
+    check_tree(tree, validate=validate)
+    if not isinstance(retrieved, Retrieved):
+        raise ValueError(f"Invalid type of retrieved: expected treeops.Retrieved, got "
+                         f"{type(retrieved).__name__}")
+    retrieved.check_fields()
+    B, N = tree.batch_size, tree.capacity
+    if retrieved.tokens.shape[0] != B:
+        raise ValueError(f"Invalid shape of retrieved.tokens: expected [{B}, T], got "
+                         f"{list(retrieved.tokens.shape)}")
+    check_same_device(tree=tree.parents, retrieved=retrieved.tokens)
+    _check_budget(budget, B, tree.device, N)
+    if validate:
+        retrieved.validate()
+        if isinstance(budget, torch.Tensor):
+            check_range("budget", budget, 0)
+    if tree.parents.is_cuda:
+        from .kernels import graft as _k
+
+        return Tree(*_k.graft_fused(
+            tree, budget, r_tokens=retrieved.tokens, r_parents=retrieved.parents,
+            r_depth=retrieved.depth, r_num=retrieved.num_nodes, max_depth=retrieved.max_depth))
+    return _ref.graft_merge(tree, retrieved, budget)
+
+
+def graft(
+    tree: Tree,
+    table: AdjacencyTable,
+    template: RankTemplate,
+    budget: torch.Tensor | int,
+    count: torch.Tensor | int | None = None,
+    *,
+    validate: bool = False,
+) -> Tree:
+    """Retrieve from each request's root token and merge, in one launch on CUDA:
+    ``graft_merge(tree, table.retrieve(tree.tokens[:, 0], template, count), budget)``.
+
+    Shapes as in ``graft_merge``; the template has at most 256 nodes. No host sync.
+    """
+    check_tree(tree, validate=validate)
+    if not isinstance(table, AdjacencyTable):
+        raise ValueError(f"Invalid type of table: expected treeops.AdjacencyTable, got "
+                         f"{type(table).__name__}")
+    table._check_template(template)
+    B, N = tree.batch_size, tree.capacity
+    check_same_device(tree=tree.parents, table=table.table)
+    _check_budget(budget, B, tree.device, N)
+    _check_count(count, B, tree.device)
+    if validate and isinstance(budget, torch.Tensor):
+        check_range("budget", budget, 0)
+    if tree.parents.is_cuda:
+        from .kernels import graft as _k
+
+        par, rank, dep = template.tensors(tree.device)
+        return Tree(*_k.graft_fused(tree, budget, table=table.table, t_parents=par,
+                                    t_ranks=rank, t_depth=dep, max_depth=template.max_depth,
+                                    count=count))
+    return _ref.graft(tree, table.table, template, budget, count)
+
+
+def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tree:
+    """Keep the root and the top ``keep[b]`` draft nodes of each request.
+
+    Nodes are in rank order (draft nodes by path score descending, ``parents[i] < i``), so the
+    top ``keep`` by score are the first ``keep`` after the root, and they are ancestor-closed.
+    ``keep`` is an int or a [B] int32 tensor; ``NO_PRUNE`` (and anything >= N) keeps all.
+    Returns a new ``Tree`` (padding and links past the new ``num_nodes`` cleared). No host sync.
+    """
+    check_tree(tree, validate=validate)
+    B, N = tree.batch_size, tree.capacity
+    if isinstance(keep, torch.Tensor):
+        check_tensor("keep", keep, shape=(B,), dtype=torch.int32)
+        check_same_device(tree=tree.parents, keep=keep)
+        if validate:
+            check_range("keep", keep, 0)
+    elif not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+        raise ValueError(f"Invalid value of keep: expected an int >= 0 or a [B] int32 tensor, "
+                         f"got {keep!r}")
+    if not tree.parents.is_cuda:
+        return _ref.prune(tree, keep)
+    return _prune_torch(tree, keep)
+
+
+def _prune_torch(tree: Tree, keep: torch.Tensor | int) -> Tree:
+    """Sync-free ``prune``: a handful of elementwise ops (also the CUDA path)."""
+    N = tree.capacity
+    kp = keep if isinstance(keep, torch.Tensor) else torch.full_like(tree.num_nodes, keep)
+    kp = kp.clamp(max=N - 1) + 1
+    num = torch.where(tree.num_nodes > 0, torch.minimum(tree.num_nodes, kp), tree.num_nodes)
+    idx = torch.arange(N, device=tree.device, dtype=torch.int32)
+    valid = idx[None, :] < num[:, None]
+    neg = torch.full_like(tree.parents, -1)
+
+    def link(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid & (x < num[:, None]), x, neg)
+
+    return Tree(
+        tokens=torch.where(valid, tree.tokens, 0),
+        parents=torch.where(valid, tree.parents, neg),
+        num_nodes=num,
+        depth=torch.where(valid, tree.depth, 0),
+        anc=torch.where(valid[:, :, None], tree.anc, 0),
+        first_child=link(tree.first_child),
+        next_sibling=link(tree.next_sibling),
+        scores=torch.where(valid, tree.scores, 0.0),
+    )
+
+
+@dataclass
+class PruneCheckpoints:
+    """Graft's pruning checkpoints: after draft step ``steps[c]`` (step 0 = the first draft
+    forward, producing depth-1 candidates), a request whose best path score is under
+    ``thresholds[c]`` keeps only its top ``keeps[c]`` draft nodes (the first checkpoint that
+    fires decides).
+
+    Usage (both modes of DESIGN.md)::
+
+        keep = ckpt.start(B, device)                  # [B] int32, NO_PRUNE
+        for step in range(depth):
+            ...draft step...                          # best [B]: best path score of the layer
+            stop = ckpt.check(step, best, keep)       # updates keep on device
+            # single request: copy stop to the host (non-blocking) and stop drafting if set;
+            # batched: ignore stop, draft to full depth
+        tree = treeops.prune(tree, keep)
+
+    The default thresholds are a starting point; ``calibrate_thresholds`` fits them to a model
+    pair from warm-up steps.
+    """
+
+    steps: tuple[int, ...] = (0, 1, 5)
+    keeps: tuple[int, ...] = (8, 24, 40)
+    thresholds: tuple[float, ...] = (0.3, 0.2, 0.05)
+
+    def __post_init__(self) -> None:
+        if not len(self.steps) == len(self.keeps) == len(self.thresholds):
+            raise ValueError(f"Invalid checkpoints: {len(self.steps)} steps, {len(self.keeps)} "
+                             f"keeps and {len(self.thresholds)} thresholds, expected equal counts")
+        if list(self.steps) != sorted(set(self.steps)) or any(s < 0 for s in self.steps):
+            raise ValueError(f"Invalid checkpoints: steps {self.steps} must be increasing and >= 0")
+        if any(k < 0 for k in self.keeps):
+            raise ValueError(f"Invalid checkpoints: keeps {self.keeps} must be >= 0")
+
+    def start(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A fresh ``keep`` [B] int32, every request unmarked (``NO_PRUNE``)."""
+        return torch.full((batch_size,), NO_PRUNE, dtype=torch.int32, device=device)
+
+    def check(self, step: int, best_score: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """After draft step ``step``: mark unmarked requests whose ``best_score`` [B] float32 is
+        under this checkpoint's threshold (in place on ``keep`` [B] int32); return ``stop`` [B]
+        bool, whether each request is marked (now or before). A step that is no checkpoint only
+        returns ``stop``. No host sync."""
+        check_tensor("keep", keep, shape=("B",), dtype=torch.int32)
+        check_tensor("best_score", best_score, shape=keep.shape, dtype=torch.float32)
+        check_same_device(keep=keep, best_score=best_score)
+        if step in self.steps:
+            c = self.steps.index(step)
+            if keep.is_cuda:
+                hit = (keep >= NO_PRUNE) & (best_score < self.thresholds[c])
+                keep.copy_(torch.where(hit, torch.full_like(keep, self.keeps[c]), keep))
+            else:
+                _ref.prune_checkpoint(keep, best_score, c, self.keeps, self.thresholds)
+        return keep < NO_PRUNE
+
+
+def calibrate_thresholds(
+    best_scores: torch.Tensor,
+    accepted_index: torch.Tensor,
+    keeps: Sequence[int] = (8, 24, 40),
+    max_loss: float = 0.1,
+) -> tuple[float, ...]:
+    """Fit the checkpoint thresholds from warm-up steps drafted without pruning.
+
+    Args:
+        best_scores: [S, C] float, best path score at each of the C checkpoints in S steps.
+        accepted_index: [S] int, the largest node index on the accepted path of each step (0 if
+            only the bonus token came); pruning to ``keeps[c]`` loses accepted tokens in that
+            step iff ``accepted_index > keeps[c]``.
+        max_loss: the largest fraction of pruned steps allowed to lose accepted tokens.
+    Returns, per checkpoint, the largest threshold t such that of the warm-up steps with score
+    < t, at most ``max_loss`` would have lost tokens (0.0 = never prune). Runs on the host.
+    """
+    s = torch.as_tensor(best_scores, dtype=torch.float64).cpu()
+    a = torch.as_tensor(accepted_index).cpu().long()
+    if s.dim() != 2 or s.shape[1] != len(keeps):
+        raise ValueError(f"Invalid shape of best_scores: expected [S, {len(keeps)}], got "
+                         f"{list(s.shape)}")
+    if a.shape != (s.shape[0],):
+        raise ValueError(f"Invalid shape of accepted_index: expected [{s.shape[0]}], got "
+                         f"{list(a.shape)}")
+    if not 0.0 <= max_loss <= 1.0:
+        raise ValueError(f"Invalid value of max_loss: expected a number in [0, 1], got {max_loss}")
+    out = []
+    for c, kc in enumerate(keeps):
+        order = torch.argsort(s[:, c], stable=True)
+        sc = s[order, c].tolist()
+        lost = (a[order] > kc).tolist()
+        best, n_lost = 0.0, 0
+        for i in range(len(sc)):
+            # candidate threshold: just above sc[i], i.e. steps 0..i (all with score <= sc[i])
+            n_lost += lost[i]
+            if i + 1 < len(sc) and sc[i + 1] == sc[i]:
+                continue
+            if n_lost <= max_loss * (i + 1):
+                best = math.nextafter(sc[i], math.inf)
+        out.append(float(best))
+    return tuple(out)
+
+
+# The reference imports the classes above, so it is imported after them.
+from .reference import graft as _ref  # noqa: E402
