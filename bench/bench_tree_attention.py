@@ -1,0 +1,393 @@
+"""Tree-masked attention on the GPU: treeops against its peers and the physical floor.
+
+    python bench/bench_tree_attention.py --out DIR [--shapes bench|all] [--sweep] [--no-flex]
+
+For every shape, on the same tensors in one process: treeops (Triton); FlashInfer's custom-mask
+prefill through its paged wrapper and through its ragged wrapper; FlashInfer's causal prefill on
+the same shape (the cost with no tree); SDPA with a boolean mask; FlexAttention (compiled; failures
+recorded). Each output is compared with an fp32 reference before it is timed; a mismatch is
+reported instead of a time. Times are medians of ``triton.testing.do_bench_cudagraph`` (falling
+back to ``do_bench`` where a peer cannot be captured; the method is recorded per peer). The floor
+is max(bytes / 4.3e12, flops / 790e12) as BENCH.md defines it. Writes ``DIR/tree_attention.json``
+(``gpu``, ``versions``, ``commit``, ``rows``) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+BENCH_SHAPES = [(1, 1024, 64), (1, 16384, 64), (8, 4096, 64), (32, 4096, 64), (64, 2048, 32)]
+GRID_SHAPES = [(b, c, n) for b in (1, 4, 16, 64) for c in (512, 4096, 32768) for n in (16, 64, 128)]
+LONG_SHAPES = [(1, 131072, 64)]
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+BW, FLOPS = 4.3e12, 790e12
+TOL = 2e-2  # bf16 inputs and outputs, fp32 accumulation: max error / max |ref|
+
+
+def floor_us(B, ctx, n):
+    kv_bytes = 2 * B * (ctx + n) * HKV * D * 2
+    qo_bytes = 2 * B * n * HQ * D * 2
+    flops = 4 * HQ * D * B * n * (ctx + n)
+    return max((kv_bytes + qo_bytes) / BW, flops / FLOPS) * 1e6, kv_bytes + qo_bytes, flops
+
+
+class Case:
+    """Random bf16 tensors of one shape: paged caches (pages shuffled), trees, queries."""
+
+    def __init__(self, B, ctx, n, seed=0, dev="cuda"):
+        import treeops
+        from strategies import make_tree, parents_of
+
+        rng = random.Random(seed)
+        self.B, self.ctx, self.n = B, ctx, n
+        L = ctx + n
+        self.pages_per = -(-L // PAGE)
+        P = B * self.pages_per
+        perm = torch.randperm(P, generator=torch.Generator().manual_seed(seed))
+        self.block_table = perm.view(B, self.pages_per).to(torch.int32).to(dev)
+        g = torch.Generator(device=dev).manual_seed(seed)
+        self.k_cache = torch.randn(P, PAGE, HKV, D, device=dev, generator=g, dtype=torch.bfloat16)
+        self.v_cache = torch.randn(P, PAGE, HKV, D, device=dev, generator=g, dtype=torch.bfloat16)
+        self.q = torch.randn(B, n, HQ, D, device=dev, generator=g, dtype=torch.bfloat16)
+        self.seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        rows = [parents_of("random", n, rng) for _ in range(B)]
+        self.tree = make_tree(rows, n, max(64, n), rng).to(dev)
+        self.tree_mask = self.tree.ancestor_mask()  # [B, n, n] bool
+        self.scale = 1.0 / math.sqrt(D)
+        self.treeops = treeops
+
+    def mask(self, b):
+        """[n, ctx + n] bool: prefix visible, tree keys by ancestry."""
+        m = torch.ones(self.n, self.ctx + self.n, dtype=torch.bool, device=self.q.device)
+        m[:, self.ctx:] = self.tree_mask[b]
+        return m
+
+    def kv_contig(self):
+        """[B, L, H_kv, D] contiguous K and V (the layout SDPA, Flex and ragged FlashInfer take)."""
+        L = self.ctx + self.n
+        k = self.k_cache[self.block_table.long()].reshape(self.B, -1, HKV, D)[:, :L]
+        v = self.v_cache[self.block_table.long()].reshape(self.B, -1, HKV, D)[:, :L]
+        return k.contiguous(), v.contiguous()
+
+    def reference(self):
+        """fp32 reference, one request at a time: [B, n, H_q, D]."""
+        ref = torch.empty(self.B, self.n, HQ, D, dtype=torch.float32, device=self.q.device)
+        L = self.ctx + self.n
+        for b in range(self.B):
+            pages = self.block_table[b].long()
+            k = self.k_cache[pages].reshape(-1, HKV, D)[:L].float().repeat_interleave(HQ // HKV, 1)
+            v = self.v_cache[pages].reshape(-1, HKV, D)[:L].float().repeat_interleave(HQ // HKV, 1)
+            s = torch.einsum("nhd,lhd->hnl", self.q[b].float(), k) * self.scale
+            s.masked_fill_(~self.mask(b)[None], float("-inf"))
+            ref[b] = torch.einsum("hnl,lhd->nhd", torch.softmax(s, -1), v)
+        return ref
+
+
+def rel_err(out, ref):
+    out = out.float().reshape(ref.shape)
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).abs().max() / ref.abs().max())
+
+
+def time_us(fn, graph=True):
+    import triton.testing as tt
+
+    if graph:
+        try:
+            fn()
+            torch.cuda.synchronize()
+            return float(tt.do_bench_cudagraph(fn, rep=50, return_mode="median")) * 1e3, "cudagraph"
+        except Exception:  # noqa: BLE001 - a peer that cannot be captured is timed plainly
+            torch.cuda.synchronize()
+    return float(tt.do_bench(fn, warmup=10, rep=50, return_mode="median")) * 1e3, "do_bench"
+
+
+def treeops_fn(c: Case, override=None, num_splits=None):
+    from treeops.kernels import tree_attention as K
+
+    out = torch.empty_like(c.q)
+    cfg = K.config_for(c.q, c.k_cache, c.block_table, num_splits, override)
+    ws = torch.empty(max(1, K.workspace_numel(c.B, c.n, HQ, D, cfg)), dtype=torch.float32,
+                     device=c.q.device)
+
+    def fn():
+        K.tree_attention_fwd(c.q, c.k_cache, c.v_cache, c.block_table, c.seq_lens,
+                             c.tree.num_nodes, c.tree.anc, None, None, c.scale, out, None, ws,
+                             num_splits, override)
+        return out
+    return fn, cfg
+
+
+def fi_indptrs(c: Case):
+    dev = c.q.device
+    qo_indptr = torch.arange(c.B + 1, dtype=torch.int32, device=dev) * c.n
+    kv_indptr = torch.arange(c.B + 1, dtype=torch.int32, device=dev) * c.pages_per
+    last = torch.full((c.B,), (c.ctx + c.n - 1) % PAGE + 1, dtype=torch.int32, device=dev)
+    indices = c.block_table.reshape(-1).contiguous()
+    return qo_indptr, kv_indptr, indices, last
+
+
+_FI_WS = {}
+
+
+def fi_workspace():
+    if "ws" not in _FI_WS:
+        _FI_WS["ws"] = torch.empty(512 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    return _FI_WS["ws"]
+
+
+def flashinfer_paged(c: Case, causal: bool):
+    import flashinfer
+
+    qo_indptr, kv_indptr, indices, last = fi_indptrs(c)
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(fi_workspace(), "NHD")
+    kw = dict(causal=True) if causal else dict(
+        custom_mask=torch.cat([c.mask(b).reshape(-1) for b in range(c.B)]))
+    t0 = time.perf_counter()
+    w.plan(qo_indptr, kv_indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16,
+           kv_data_type=torch.bfloat16, sm_scale=c.scale, **kw)
+    torch.cuda.synchronize()
+    plan_us = (time.perf_counter() - t0) * 1e6
+    q = c.q.reshape(c.B * c.n, HQ, D)
+    return (lambda: w.run(q, (c.k_cache, c.v_cache))), plan_us
+
+
+def flashinfer_ragged(c: Case, k, v):
+    import flashinfer
+
+    dev = c.q.device
+    qo_indptr = torch.arange(c.B + 1, dtype=torch.int32, device=dev) * c.n
+    kv_indptr = torch.arange(c.B + 1, dtype=torch.int32, device=dev) * (c.ctx + c.n)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(fi_workspace(), "NHD")
+    t0 = time.perf_counter()
+    w.plan(qo_indptr, kv_indptr, HQ, HKV, D,
+           custom_mask=torch.cat([c.mask(b).reshape(-1) for b in range(c.B)]),
+           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=c.scale)
+    torch.cuda.synchronize()
+    plan_us = (time.perf_counter() - t0) * 1e6
+    q = c.q.reshape(c.B * c.n, HQ, D)
+    kf, vf = k.reshape(-1, HKV, D), v.reshape(-1, HKV, D)
+    return (lambda: w.run(q, kf, vf)), plan_us
+
+
+def sdpa_fn(c: Case, k, v):
+    import torch.nn.functional as F
+
+    q = c.q.transpose(1, 2)  # [B, H_q, n, D]
+    # heads expanded once, outside the timing: the memory-efficient backend takes a bool mask
+    # but not GQA, and the math fallback would time a different algorithm
+    kt = k.transpose(1, 2).repeat_interleave(HQ // HKV, 1)  # [B, H_q, L, D]
+    vt = v.transpose(1, 2).repeat_interleave(HQ // HKV, 1)
+    mask = torch.stack([c.mask(b) for b in range(c.B)])[:, None]  # [B, 1, n, L]
+    return lambda: F.scaled_dot_product_attention(q, kt, vt, attn_mask=mask,
+                                                  scale=c.scale).transpose(1, 2)
+
+
+def flex_fn(c: Case, k, v):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    ctx, tm = c.ctx, c.tree_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = (kv_idx - ctx).clamp(min=0)
+        return (kv_idx < ctx) | tm[b, q_idx, j]
+
+    bm = create_block_mask(mask_mod, c.B, None, c.n, ctx + c.n, device="cuda")
+    flex = torch.compile(flex_attention, dynamic=False)
+    q, kt, vt = c.q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return lambda: flex(q, kt, vt, block_mask=bm, scale=c.scale, enable_gqa=True).transpose(1, 2)
+
+
+def measure(name, row, make, ref, graph=True):
+    """Build, check against ``ref``, time; record ``<name>_us`` (or null and the reason)."""
+    try:
+        fn = make()
+        out = fn()
+        torch.cuda.synchronize()
+        err = rel_err(out, ref)
+        row[f"{name}_err"] = err
+        if not err <= TOL:
+            row[f"{name}_us"] = None
+            row[f"{name}_note"] = f"mismatch: max rel err {err:.3e} > {TOL}"
+            return
+        t, how = time_us(fn, graph)
+        row[f"{name}_us"] = round(t, 2)
+        row[f"{name}_method"] = how
+    except Exception as e:  # noqa: BLE001 - a failing peer is a result, not a crash
+        torch.cuda.synchronize()
+        row[f"{name}_us"] = None
+        row[f"{name}_note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        traceback.print_exc(limit=2)
+
+
+def run_shape(B, ctx, n, peers, flex):
+    c = Case(B, ctx, n)
+    fl, nbytes, flops = floor_us(B, ctx, n)
+    row = dict(B=B, ctx=ctx, n=n, hq=HQ, hkv=HKV, d=D, page_size=PAGE, dtype="bf16",
+               floor_us=round(fl, 2), bytes=nbytes, flops=flops)
+    ref = c.reference()
+    fn, cfg = treeops_fn(c)
+    row["treeops_config"] = dict(block_m=cfg.block_m, block_n=cfg.block_n,
+                                 num_splits=cfg.num_splits, num_warps=cfg.num_warps,
+                                 num_stages=cfg.num_stages)
+    measure("treeops", row, lambda: fn, ref)
+    row["max_rel_err"] = row.get("treeops_err")
+    if row.get("treeops_us") is not None:
+        row["treeops_do_bench_us"] = round(time_us(fn, graph=False)[0], 2)
+    k, v = c.kv_contig()
+    if peers:
+        plan = {}
+
+        def fi(causal):
+            f, plan["causal" if causal else "custom"] = flashinfer_paged(c, causal)
+            return f
+
+        def fir():
+            f, plan["ragged"] = flashinfer_ragged(c, k, v)
+            return f
+        measure("flashinfer_custom", row, lambda: fi(False), ref)
+        measure("flashinfer_ragged", row, fir, ref)
+        # causal is not the tree's function: time it, check only that it ran (finite)
+        try:
+            f = fi(True)
+            f()
+            t, how = time_us(f)
+            row["flashinfer_causal_us"], row["flashinfer_causal_method"] = round(t, 2), how
+        except Exception as e:  # noqa: BLE001
+            row["flashinfer_causal_us"] = None
+            row["flashinfer_causal_note"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+        row["flashinfer_plan_us"] = {key: round(val, 1) for key, val in plan.items()}
+        measure("sdpa", row, lambda: sdpa_fn(c, k, v), ref)
+        if flex:
+            measure("flex", row, lambda: flex_fn(c, k, v), ref, graph=False)
+        else:
+            row["flex_us"] = None
+            row["flex_note"] = "not run on this shape (device-time budget: BENCH.md shapes only)"
+    row["sglang_extend_us"] = None
+    row["sglang_extend_note"] = "sglang is not installed on the device (no wheel carried)"
+    for peer in ("flashinfer_custom", "flashinfer_causal", "sdpa", "flex"):
+        if row.get(f"{peer}_us") and row.get("treeops_us"):
+            row[f"speedup_vs_{peer}"] = round(row[f"{peer}_us"] / row["treeops_us"], 2)
+    if row.get("treeops_us"):
+        row["treeops_over_floor"] = round(row["treeops_us"] / fl, 2)
+    del c, k, v
+    torch.cuda.empty_cache()
+    return row
+
+
+SWEEP = [
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+    dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    dict(block_m=64, block_n=128, num_warps=4, num_stages=2),
+]
+
+
+def sweep(shapes):
+    rows = []
+    for B, ctx, n in shapes:
+        c = Case(B, ctx, n)
+        ref = c.reference()
+        fl = floor_us(B, ctx, n)[0]
+        for ov in SWEEP:
+            for ns in ((None, "x2", "half") if B == 1 else (None,)):
+                from treeops.kernels import tree_attention as K
+                base = K.config_for(c.q, c.k_cache, c.block_table, None, ov).num_splits
+                splits = {None: None, "x2": min(32, base * 2), "half": max(1, base // 2)}[ns]
+                if ns is not None and splits == base:
+                    continue
+                r = dict(B=B, ctx=ctx, n=n, floor_us=round(fl, 2), **ov, splits=splits or base)
+                try:
+                    fn, _ = treeops_fn(c, ov, splits)
+                    err = rel_err(fn(), ref)
+                    r["err"] = err
+                    r["us"] = round(time_us(fn)[0], 2) if err <= TOL else None
+                except Exception as e:  # noqa: BLE001
+                    r["us"] = None
+                    r["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+        del c
+        torch.cuda.empty_cache()
+    return rows
+
+
+def versions():
+    v = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    for mod in ("triton", "flashinfer"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001
+            v[mod] = f"unavailable: {type(e).__name__}"
+    return v
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--shapes", choices=("bench", "all"), default="all")
+    ap.add_argument("--sweep", action="store_true", help="also time tile/split variants")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    commit = args.commit
+    if commit is None:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=HERE,
+                                             text=True).strip()
+        except Exception:  # noqa: BLE001
+            commit = "unknown"
+    result = dict(gpu=torch.cuda.get_device_name(), versions=versions(), commit=commit,
+                  date=time.strftime("%Y-%m-%d"), layout=dict(hq=HQ, hkv=HKV, d=D, page=PAGE),
+                  floor=dict(bandwidth=BW, flops=FLOPS), rows=[])
+    if args.sweep:
+        result["sweep"] = sweep(BENCH_SHAPES)
+    shapes = BENCH_SHAPES + ([] if args.shapes == "bench" else GRID_SHAPES + LONG_SHAPES)
+    for i, (B, ctx, n) in enumerate(shapes):
+        t0 = time.time()
+        row = run_shape(B, ctx, n, not args.no_peers,
+                        flex=not args.no_flex and (B, ctx, n) in BENCH_SHAPES)
+        row["bench_md_shape"] = (B, ctx, n) in BENCH_SHAPES
+        result["rows"].append(row)
+        print(f"[{i + 1}/{len(shapes)}] {B} {ctx} {n}: {time.time() - t0:.1f}s "
+              + json.dumps({k: row.get(k) for k in ("treeops_us", "flashinfer_custom_us",
+                                                    "flashinfer_causal_us", "floor_us")}),
+              flush=True)
+        with open(os.path.join(args.out, "tree_attention.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    print_table(result["rows"])
+
+
+def print_table(rows):
+    def f(x):
+        return "-" if x is None else f"{x:.1f}"
+    print(f"{'B':>3} {'ctx':>6} {'n':>4} {'floor':>7} {'treeops':>8} {'FIcust':>8} {'FIrag':>8} "
+          f"{'FIcaus':>8} {'sdpa':>8} {'flex':>8} {'xFIc':>5} {'/flr':>5} err")
+    for r in rows:
+        print(f"{r['B']:>3} {r['ctx']:>6} {r['n']:>4} {f(r['floor_us']):>7} "
+              f"{f(r.get('treeops_us')):>8} {f(r.get('flashinfer_custom_us')):>8} "
+              f"{f(r.get('flashinfer_ragged_us')):>8} {f(r.get('flashinfer_causal_us')):>8} "
+              f"{f(r.get('sdpa_us')):>8} {f(r.get('flex_us')):>8} "
+              f"{f(r.get('speedup_vs_flashinfer_custom')):>5} {f(r.get('treeops_over_floor')):>5} "
+              f"{r.get('max_rel_err') or 0:.1e}")
+
+
+if __name__ == "__main__":
+    main()
