@@ -1,3 +1,416 @@
-"""Being written."""
+"""Tree build (DESIGN.md op 3) under an EAGLE or a CAST policy.
 
-__all__: list[str] = []
+A decoding step drafts layer by layer into a ``DraftState`` (fixed-capacity device buffers), then
+reranks the candidates into a ``Tree``::
+
+    policy = treeops.Cast(C1=0.5, C2=0.2, C3=0.3, R=4, cost_table=table)  # or EagleStatic(6, 10, 60)
+    state = treeops.DraftState.new(policy, root_tokens, seq_lens)       # once; .reset() per step
+    while True:
+        logits = draft_forward(state.frontier_tokens, ...)              # [B, W, V]
+        treeops.build_tree_expand(logits, state, policy)                # one launch
+        if not state.wants_next_layer():                                # one event wait
+            break
+    tree = treeops.build_tree_emit(state, policy)                       # two launches
+
+or, with a callable for the draft forward, ``tree = treeops.build_tree(policy, draft_fn,
+root_tokens, seq_lens)``. CUDA tensors run the Triton kernels (``treeops.kernels.build_tree``);
+CPU tensors run the reference (``treeops.reference.build_tree``).
+
+Candidates are numbered ``i * W * K + r * K + j`` (draft layer i, frontier row r, top-k rank j):
+the tie-break of rank order. ``W`` is the frontier capacity (``EagleStatic.topk``,
+``Cast.max_width``), ``K`` the top-k per row, ``D`` the most draft layers, ``N`` the tree capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._checks import check_finite, check_positive_int, check_same_device, check_tensor
+from .reference import build_tree as _ref
+from .reference.cast import CostTable
+from .tree import Tree, check_tree
+
+__all__ = ["EagleStatic", "Cast", "DraftState", "build_tree_expand", "build_tree_emit",
+           "build_tree"]
+
+
+@dataclass(frozen=True, eq=False)
+class EagleStatic:
+    """EAGLE-2's dynamic tree with static sizes: ``depth`` draft layers, each frontier row expanded
+    to its ``topk`` best tokens, the ``topk`` best candidates of a layer forming the next frontier,
+    and the ``budget`` best nodes (root included) sent to verification (the tree capacity N)."""
+
+    depth: int
+    topk: int
+    budget: int
+
+    is_cast = False
+
+    def __post_init__(self) -> None:
+        check_positive_int("depth", self.depth)
+        check_positive_int("topk", self.topk)
+        check_positive_int("budget", self.budget)
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def max_width(self) -> int:
+        return self.topk
+
+    @property
+    def capacity(self) -> int:
+        return self.budget
+
+
+@dataclass(frozen=True, eq=False)
+class Cast:
+    """CAST's cost-aware tree (DESIGN.md op 5).
+
+    Args:
+        C1: width threshold: a wider frontier must buy at least ``C1`` of utility (batch-mean path
+            score) per unit of normalised draft cost. Higher = narrower.
+        C2: depth threshold: draft another layer iff the predicted utility of the next layer per
+            unit draft cost is >= ``C2``. Higher = shallower.
+        C3: verification threshold for the rerank: nodes beyond the point where one more node
+            adds less than ``C3`` utility per unit of normalised target cost are dropped.
+        R: length of the FIFO of utility ratios that predicts the next layer's utility.
+        cost_table: measured ``f(B, c, n)``; its ``n_max`` must cover ``max_width`` and
+            ``capacity``.
+        topk: K, candidates per frontier row.
+        max_width: W, frontier capacity (the largest width Algorithm 1 may pick).
+        max_depth: D, the most draft layers per step.
+        capacity: N, tree capacity (the largest verification count, root included).
+    """
+
+    C1: float
+    C2: float
+    C3: float
+    R: int
+    cost_table: CostTable
+    topk: int = 10
+    max_width: int = 10
+    max_depth: int = 8
+    capacity: int = 64
+
+    is_cast = True
+
+    def __post_init__(self) -> None:
+        for name in ("C1", "C2", "C3"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+                raise ValueError(f"Invalid value of {name}: expected a number, got {v!r}")
+        for name in ("R", "topk", "max_width", "max_depth", "capacity"):
+            check_positive_int(name, getattr(self, name))
+        if not isinstance(self.cost_table, CostTable):
+            raise ValueError(f"Invalid type of cost_table: expected treeops.CostTable, got "
+                             f"{type(self.cost_table).__name__}")
+        need = max(self.max_width, self.capacity)
+        if self.cost_table.n_max < need:
+            raise ValueError(f"Invalid value of cost_table: expected n_max >= max(max_width, "
+                             f"capacity) = {need}, got {self.cost_table.n_max}")
+
+
+Policy = EagleStatic | Cast
+
+
+@dataclass
+class DraftState:
+    """The candidates of one decoding step and the decisions taken so far (device tensors).
+
+    Shapes (B requests, D = policy.max_depth, W = policy.max_width, K = policy.topk, C = W*K):
+
+    | field | shape, dtype | meaning |
+    | --- | --- | --- |
+    | ``root_tokens`` | [B] int64 | the root (last accepted token) of each request |
+    | ``seq_lens`` | [B] int64 | tokens in the cache (CAST prices the context from these) |
+    | ``active`` | [B] bool | inactive rows draft nothing and emit ``num_nodes = 0`` |
+    | ``cand_tokens`` | [B, D, C] int64 | candidate token (valid for layers < ``layer``) |
+    | ``cand_scores`` | [B, D, C] float32 | path score; -1 = no candidate |
+    | ``cand_parents`` | [B, D, C] int32 | parent's candidate index; -1 = the root |
+    | ``frontier`` | [B, W] int32 | candidate index of each frontier row (-1: root or unused) |
+    | ``frontier_tokens`` | [B, W] int64 | token of each frontier row (the next draft input) |
+    | ``frontier_scores`` | [B, W] float32 | path score; -1 = unused row |
+    | ``decisions`` | [2D + 1] int32 | ``widths`` [D], ``flags`` [D] (1 = draft layer i+1),
+      ``verify`` [1] (nodes sent to verification) |
+    | ``u_hist`` | [D] float32 | CAST: utility of the width chosen at each layer |
+
+    ``layer`` (a host int) counts the layers expanded this step. On CUDA the decisions are also
+    copied (non-blocking) to ``host_decisions``, a pinned buffer, after each expand/emit, with an
+    event per decision point; ``width(i)``, ``wants_next_layer()`` and ``verify_count()`` wait on
+    that event only.
+    """
+
+    root_tokens: torch.Tensor
+    seq_lens: torch.Tensor
+    active: torch.Tensor
+    cand_tokens: torch.Tensor
+    cand_scores: torch.Tensor
+    cand_parents: torch.Tensor
+    frontier: torch.Tensor
+    frontier_tokens: torch.Tensor
+    frontier_scores: torch.Tensor
+    decisions: torch.Tensor
+    u_hist: torch.Tensor
+    workspace: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    host_decisions: torch.Tensor | None = field(default=None, repr=False)
+    events: list[Any] = field(default_factory=list, repr=False)
+    layer: int = 0
+
+    @staticmethod
+    def new(policy: Policy, root_tokens: torch.Tensor, seq_lens: torch.Tensor,
+            active: torch.Tensor | None = None) -> DraftState:
+        """Allocate the buffers for ``policy`` and start a step (see ``reset``)."""
+        _check_policy(policy)
+        check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64)
+        B = root_tokens.shape[0]
+        dev = root_tokens.device
+        D, W, K = policy.max_depth, policy.max_width, policy.topk
+        C = W * K
+        N = policy.capacity
+        decisions = torch.zeros(2 * D + 1, dtype=torch.int32, device=dev)
+        st = DraftState(
+            root_tokens=torch.zeros(B, dtype=torch.int64, device=dev),
+            seq_lens=torch.zeros(B, dtype=torch.int64, device=dev),
+            active=torch.zeros(B, dtype=torch.bool, device=dev),
+            cand_tokens=torch.zeros(B, D, C, dtype=torch.int64, device=dev),
+            cand_scores=torch.full((B, D, C), -1.0, dtype=torch.float32, device=dev),
+            cand_parents=torch.full((B, D, C), -1, dtype=torch.int32, device=dev),
+            frontier=torch.full((B, W), -1, dtype=torch.int32, device=dev),
+            frontier_tokens=torch.zeros(B, W, dtype=torch.int64, device=dev),
+            frontier_scores=torch.full((B, W), -1.0, dtype=torch.float32, device=dev),
+            decisions=decisions,
+            u_hist=torch.zeros(D, dtype=torch.float32, device=dev),
+        )
+        # kernel workspace: arrival counters (zero between launches), per-request prefix sums,
+        # rerank selection
+        st.workspace = {
+            "counters": torch.zeros(B + 1, dtype=torch.int32, device=dev),
+            "cum": torch.zeros(B, max(W, N), dtype=torch.float32, device=dev),
+            "sel": torch.zeros(B, N, dtype=torch.int32, device=dev),
+            "pos": torch.zeros(B, D * C, dtype=torch.int32, device=dev),
+        }
+        if dev.type == "cuda":
+            st.host_decisions = torch.zeros(2 * D + 1, dtype=torch.int32, pin_memory=True)
+            st.events = [torch.cuda.Event() for _ in range(D + 1)]
+        st.reset(root_tokens, seq_lens, active)
+        return st
+
+    def reset(self, root_tokens: torch.Tensor, seq_lens: torch.Tensor,
+              active: torch.Tensor | None = None) -> DraftState:
+        """Start a decoding step in place (no allocation, no host sync): the frontier is the root."""
+        sizes = {"B": self.active.shape[0]}
+        check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64, sizes=sizes)
+        check_tensor("seq_lens", seq_lens, shape=("B",), dtype=(torch.int32, torch.int64),
+                     sizes=sizes)
+        if active is not None:
+            check_tensor("active", active, shape=("B",), dtype=torch.bool, sizes=sizes)
+        check_same_device(state=self.active, root_tokens=root_tokens, seq_lens=seq_lens,
+                          active=active)
+        self.root_tokens.copy_(root_tokens)
+        self.seq_lens.copy_(seq_lens)
+        if active is None:
+            self.active.fill_(True)
+        else:
+            self.active.copy_(active)
+        self.frontier.fill_(-1)
+        self.frontier_tokens.zero_()
+        self.frontier_tokens[:, 0] = self.root_tokens
+        self.frontier_scores.fill_(-1.0)
+        self.frontier_scores[:, 0] = torch.where(self.active, 1.0, -1.0)
+        self.decisions.zero_()
+        self.u_hist.zero_()
+        self.layer = 0
+        return self
+
+    # -------------------------------------------------------------- decisions
+    @property
+    def max_depth(self) -> int:
+        return int(self.u_hist.shape[0])
+
+    @property
+    def widths(self) -> torch.Tensor:
+        return self.decisions[: self.max_depth]
+
+    @property
+    def flags(self) -> torch.Tensor:
+        return self.decisions[self.max_depth : 2 * self.max_depth]
+
+    @property
+    def verify(self) -> torch.Tensor:
+        return self.decisions[2 * self.max_depth :]
+
+    @property
+    def frontier_valid(self) -> torch.Tensor:
+        """[B, W] bool: frontier rows that hold a node (the others' logits are ignored)."""
+        return self.frontier_scores >= 0
+
+    def _publish(self, point: int) -> None:
+        if self.host_decisions is not None:
+            self.host_decisions.copy_(self.decisions, non_blocking=True)
+            self.events[point].record()
+
+    def _host(self, point: int) -> torch.Tensor:
+        if self.host_decisions is None:
+            return self.decisions.cpu()
+        self.events[point].synchronize()
+        return self.host_decisions
+
+    def width(self, i: int) -> int:
+        """Width chosen at draft layer ``i`` (rows of the next draft forward); one event wait."""
+        return int(self._host(i)[i])
+
+    def wants_next_layer(self) -> bool:
+        """Whether the policy drafts layer ``self.layer`` (False before any layer: never)."""
+        if self.layer == 0:
+            return True
+        i = self.layer - 1
+        return bool(self._host(i)[self.max_depth + i]) and self.layer < self.max_depth
+
+    def verify_count(self) -> int:
+        """Nodes per request sent to verification (root included), after ``build_tree_emit``."""
+        return int(self._host(self.max_depth)[2 * self.max_depth])
+
+
+def _check_policy(policy: object) -> None:
+    if not isinstance(policy, (EagleStatic, Cast)):
+        raise ValueError(f"Invalid type of policy: expected treeops.EagleStatic or treeops.Cast, "
+                         f"got {type(policy).__name__}")
+
+
+def _check_state(state: object, policy: Policy) -> DraftState:
+    if not isinstance(state, DraftState):
+        raise ValueError(f"Invalid type of state: expected treeops.DraftState, got "
+                         f"{type(state).__name__}")
+    D, W, K = policy.max_depth, policy.max_width, policy.topk
+    B = state.active.shape[0]
+    check_tensor("state.cand_scores", state.cand_scores, shape=(B, D, W * K), dtype=torch.float32)
+    check_tensor("state.frontier", state.frontier, shape=(B, W), dtype=torch.int32)
+    check_tensor("state.workspace['pos']", state.workspace["pos"], shape=(B, D * W * K))
+    check_tensor("state.workspace['sel']", state.workspace["sel"], shape=(B, policy.capacity))
+    return state
+
+
+def build_tree_expand(logits: torch.Tensor, state: DraftState, policy: Policy, *,
+                      validate: bool = False) -> None:
+    """Expand one draft layer: softmax + top-k of the frontier's logits, path scores, the next
+    frontier and the policy's decisions (DESIGN.md op 3); advances ``state.layer``.
+
+    Args:
+        logits: [B, W, V] bfloat16/float16/float32, the draft model's logits at each frontier row
+            (row r of request b predicts the children of frontier node r; rows with
+            ``state.frontier_valid`` False are ignored). The last dimension must be contiguous.
+        state: the step's ``DraftState`` (made by ``DraftState.new`` for this ``policy``).
+        policy: ``EagleStatic`` or ``Cast``.
+        validate: also reject NaN logits (a host sync).
+
+    Writes candidates of layer ``state.layer``, the next frontier (``frontier``,
+    ``frontier_tokens``, ``frontier_scores``) and ``widths[i]``, ``flags[i]``; on CUDA one Triton
+    launch (online softmax and top-k over V in one pass, then the batch-level width), no host sync.
+
+    Example:
+        >>> import torch, treeops
+        >>> pol = treeops.EagleStatic(depth=2, topk=2, budget=4)
+        >>> st = treeops.DraftState.new(pol, torch.tensor([7]), torch.tensor([5]))
+        >>> treeops.build_tree_expand(torch.tensor([[[0., 2., 1.], [0., 0., 0.]]]), st, pol)
+        >>> st.frontier_tokens.tolist(), st.layer
+        ([[1, 2]], 1)
+    """
+    _check_policy(policy)
+    _check_state(state, policy)
+    check_tensor("logits", logits, shape=(state.active.shape[0], policy.max_width, None),
+                 dtype=(torch.float32, torch.bfloat16, torch.float16))
+    check_same_device(logits=logits, state=state.cand_scores)
+    V = logits.shape[2]
+    if V < policy.topk:
+        raise ValueError(f"Invalid shape of logits: expected vocabulary V >= topk = {policy.topk}, "
+                         f"got V = {V}")
+    if logits.stride(2) != 1:
+        raise ValueError(f"Invalid stride of logits: expected the vocabulary dimension "
+                         f"contiguous (stride 1), got {logits.stride(2)}")
+    if state.layer >= policy.max_depth:
+        raise ValueError(f"Invalid state: all {policy.max_depth} draft layers already expanded "
+                         "(call state.reset for the next decoding step)")
+    if validate and bool(torch.isnan(logits).any()):
+        raise ValueError("Invalid value in logits: expected numbers, got NaN")
+    if logits.is_cuda:
+        from .kernels.build_tree import expand as _expand
+
+        _expand(logits, state, policy)
+        state.layer += 1
+    else:
+        _ref.build_tree_expand(logits, state, policy)
+    state._publish(state.layer - 1)
+
+
+def build_tree_emit(state: DraftState, policy: Policy, *, out: Tree | None = None,
+                    validate: bool = False) -> Tree:
+    """Rerank every candidate of the step and emit the ``Tree`` (DESIGN.md op 3).
+
+    The tree holds the root and the ``n - 1`` best candidates in rank order (score descending,
+    ties to the lower candidate index), where ``n`` is ``EagleStatic.budget`` or CAST's
+    Algorithm 1 with ``C3`` (``state.verify``), capped per request by its candidates.
+    Ancestor-closed by construction. Capacity ``N = policy.capacity``.
+
+    Args:
+        state: the ``DraftState`` after at least one ``build_tree_expand``.
+        policy: the policy the state was drafted with.
+        out: optional ``Tree`` of capacity N and batch B to write into (no allocation).
+        validate: also check the emitted tree's invariants (a host sync).
+
+    On CUDA two Triton launches (select, then count + emit), no host sync.
+    """
+    _check_policy(policy)
+    _check_state(state, policy)
+    if state.layer < 1:
+        raise ValueError("Invalid state: expected at least one expanded draft layer, got 0")
+    if out is not None:
+        check_tree(out, name="out")
+        if out.parents.shape != (state.active.shape[0], policy.capacity):
+            raise ValueError(f"Invalid shape of out.parents: expected "
+                             f"{[state.active.shape[0], policy.capacity]}, got "
+                             f"{list(out.parents.shape)}")
+        check_same_device(out=out.parents, state=state.cand_scores)
+    if state.cand_scores.is_cuda:
+        from .kernels.build_tree import emit as _emit
+
+        tree = _emit(state, policy, out=out)
+    else:
+        tree = _ref.build_tree_emit(state, policy, out=out)
+    state._publish(state.max_depth)
+    if validate:
+        tree.validate()
+        check_finite("tree.scores", tree.scores, nonnegative=True)
+    return tree
+
+
+def build_tree(policy: Policy, draft_fn: Callable[[DraftState], torch.Tensor],
+               root_tokens: torch.Tensor, seq_lens: torch.Tensor,
+               active: torch.Tensor | None = None, *, state: DraftState | None = None,
+               out: Tree | None = None) -> Tree:
+    """Draft one decoding step's tree: ``draft_fn(state) -> logits [B, W, V]`` is called once per
+    draft layer (``state.layer`` says which; ``state.frontier_tokens`` are its inputs), until the
+    policy stops (EAGLE: ``depth`` layers; CAST: its depth rule, one event wait per layer), then
+    the candidates are reranked into a ``Tree``. Pass ``state`` (and ``out``) to reuse buffers.
+
+    Example:
+        >>> import torch, treeops
+        >>> g = torch.Generator().manual_seed(0)
+        >>> fn = lambda st: torch.randn(1, 3, 50, generator=g)
+        >>> t = treeops.build_tree(treeops.EagleStatic(depth=3, topk=3, budget=8), fn,
+        ...                        torch.tensor([1]), torch.tensor([10]))
+        >>> int(t.num_nodes[0]), t.validate()
+        (8, None)
+    """
+    if state is None:
+        state = DraftState.new(policy, root_tokens, seq_lens, active)
+    else:
+        state.reset(root_tokens, seq_lens, active)
+    while state.wants_next_layer():
+        build_tree_expand(draft_fn(state), state, policy)
+    return build_tree_emit(state, policy, out=out)

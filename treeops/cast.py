@@ -1,3 +1,151 @@
-"""Being written."""
+"""CAST: the cost table and Algorithm 1 (DESIGN.md ops 4 and 5).
 
-__all__: list[str] = []
+``CostTable`` holds measured forward times ``f(B, c, n)`` of the target and the draft;
+``cast_width``, ``cast_depth`` and ``cast_rerank`` are Algorithm 1 applied to draft width, draft
+depth and the verification count. Inside a decoding step these decisions are fused into the tree
+build kernels (``treeops.build_tree_expand`` / ``build_tree_emit`` with a ``treeops.Cast``
+policy); the functions here are the same rules as standalone ops, for engines that build trees
+their own way. They are small batched torch ops without host synchronisation on every device
+(the reference implementation; a separate kernel would not pay for its launch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_finite, check_same_device, check_tensor
+from .reference import cast as _ref
+from .reference.cast import CostTable
+
+__all__ = ["CostTable", "cast_select", "cast_width", "cast_depth", "cast_rerank"]
+
+
+def _check_scores_costs(scores: torch.Tensor, costs: torch.Tensor, active: torch.Tensor | None,
+                        C: float, cname: str, validate: bool) -> None:
+    sizes: dict[str, int] = {}
+    check_tensor("scores", scores, shape=("B", "M"),
+                 dtype=(torch.float32, torch.float64, torch.bfloat16, torch.float16), sizes=sizes)
+    check_tensor("costs", costs, shape=("K",), dtype=(torch.float32, torch.float64), sizes=sizes)
+    if active is not None:
+        check_tensor("active", active, shape=("B",), dtype=torch.bool, sizes=sizes)
+    check_same_device(scores=scores, costs=costs, active=active)
+    if sizes["K"] < 1:
+        raise ValueError("Invalid shape of costs: expected [K] with K >= 1, got [0]")
+    if not isinstance(C, (int, float)) or C != C:
+        raise ValueError(f"Invalid value of {cname}: expected a number, got {C!r}")
+    if validate:
+        check_finite("scores", scores, nonnegative=True)
+        check_finite("costs", costs, nonnegative=True)
+
+
+def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
+    """Algorithm 1: the largest ``k`` in ``[1, K]`` maximising ``u_k - C * c_k``.
+
+    Args:
+        u: [K] utilities, ``u[k - 1] = u_k`` (non-decreasing in the CAST rules).
+        c: [K] costs, ``c[k - 1] = c_k``.
+        C: threshold.
+
+    Returns:
+        0-d int32 tensor on ``u``'s device.
+
+    Example:
+        >>> import torch, treeops
+        >>> int(treeops.cast_select(torch.tensor([1., 1.5, 1.75, 1.875]),
+        ...                         torch.tensor([1., 2., 3., 4.]), 0.25))
+        3
+    """
+    sizes: dict[str, int] = {}
+    check_tensor("u", u, shape=("K",), dtype=(torch.float32, torch.float64), sizes=sizes)
+    check_tensor("c", c, shape=("K",), dtype=(torch.float32, torch.float64), sizes=sizes)
+    check_same_device(u=u, c=c)
+    if sizes["K"] < 1:
+        raise ValueError("Invalid shape of u: expected [K] with K >= 1, got [0]")
+    return _ref.cast_select(u, c, C)
+
+
+def cast_width(scores: torch.Tensor, costs: torch.Tensor, C1: float, *,
+               active: torch.Tensor | None = None, validate: bool = False) -> torch.Tensor:
+    """CAST's width for the next frontier (Algorithm 1 with threshold ``C1``).
+
+    Args:
+        scores: [B, M] float, this draft layer's candidate path scores per request (any order;
+            a negative entry means "no candidate" and counts as 0 — rejected under ``validate``).
+        costs: [K] float, ``c_k = S_D(B)[select(ctx)][k] / S_T(B)[select(ctx)][1]``
+            (``CostTable.width_costs``); K is the largest width allowed.
+        C1: threshold.
+        active: [B] bool, requests that count in the batch mean (default all).
+        validate: also reject NaN/inf/negative scores and costs (a host sync).
+
+    Returns:
+        0-d int32 tensor, the width ``n`` in ``[1, K]``: the largest k maximising
+        ``u_k - C1 * c_k`` with ``u_k`` = mean over active requests of their k best scores.
+
+    Example:
+        >>> import torch, treeops
+        >>> s = torch.tensor([[0.5, 0.25, 0.125, 0.0625]])
+        >>> int(treeops.cast_width(s, torch.tensor([1., 1., 1., 1.]), C1=1.0))  # equal costs: all
+        4
+    """
+    _check_scores_costs(scores, costs, active, C1, "C1", validate)
+    return _ref.cast_width(scores, costs, C1, active)
+
+
+def cast_depth(u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int, *,
+               validate: bool = False) -> torch.Tensor:
+    """CAST's depth rule: draft layer i+1 iff ``alpha * u^(i) / c^(i) >= C2``.
+
+    Args:
+        u_hist: [i + 1] float, ``u^(0)_{n_0} .. u^(i)_{n_i}``: the utility of the chosen width at
+            each layer drafted so far in this decoding step.
+        c: 0-d float, ``c^(i)_{n_i}``, the normalised draft cost of the current width.
+        C2: threshold.
+        R: FIFO length (>= 1).
+        validate: also reject NaN/inf/negative utilities and costs (a host sync).
+
+    ``alpha`` is the mean of the last ``R`` entries of ``[1, phi_0, .., phi_{i-1}]`` with
+    ``phi_j = u^(j+1) / u^(j)`` (0 where ``u^(j) = 0``). Returns a 0-d bool tensor.
+
+    Example:
+        >>> import torch, treeops
+        >>> bool(treeops.cast_depth(torch.tensor([1.0, 0.5]), torch.tensor(0.25), C2=1.0, R=4))
+        True
+    """
+    check_tensor("u_hist", u_hist, shape=(None,), dtype=(torch.float32, torch.float64))
+    check_tensor("c", c, shape=(), dtype=(torch.float32, torch.float64))
+    check_same_device(u_hist=u_hist, c=c)
+    if u_hist.numel() < 1:
+        raise ValueError("Invalid shape of u_hist: expected [i + 1] with at least one entry, got [0]")
+    if not isinstance(R, int) or isinstance(R, bool) or R < 1:
+        raise ValueError(f"Invalid value of R: expected a positive int, got {R!r}")
+    if validate:
+        check_finite("u_hist", u_hist, nonnegative=True)
+        check_finite("c", c, nonnegative=True)
+    return _ref.cast_depth(u_hist, c, C2, R)
+
+
+def cast_rerank(scores: torch.Tensor, costs: torch.Tensor, C3: float, *,
+                active: torch.Tensor | None = None, validate: bool = False) -> torch.Tensor:
+    """CAST's verification count, root included (Algorithm 1 with threshold ``C3``).
+
+    Args:
+        scores: [B, M] float, every candidate path score of the decoding step per request
+            (negative = no candidate; rejected under ``validate``).
+        costs: [K] float, ``c_k = S_T(B)[select(ctx)][k] / S_T(B)[select(ctx)][1]``
+            (``CostTable.rerank_costs``); K is the tree capacity.
+        C3: threshold.
+        active: [B] bool (default all).
+        validate: also reject NaN/inf/negative scores and costs (a host sync).
+
+    Returns:
+        0-d int32 tensor ``n`` in ``[1, K]``; ``u_k`` = mean over active requests of
+        ``1 + (sum of their k - 1 best scores)``.
+
+    Example:
+        >>> import torch, treeops
+        >>> s = torch.tensor([[0.5, 0.25, 0.125]])
+        >>> int(treeops.cast_rerank(s, torch.tensor([1., 1.25, 1.5, 1.75]), C3=1.0))
+        3
+    """
+    _check_scores_costs(scores, costs, active, C3, "C3", validate)
+    return _ref.cast_rerank(scores, costs, C3, active)

@@ -1,0 +1,395 @@
+"""CAST (DESIGN.md ops 4 and 5): the cost table and Algorithm 1, written the obvious way.
+
+Algorithm 1 (this project's robust form): given utilities ``u_1..u_K`` (non-decreasing) and costs
+``c_1..c_K``, choose ``n`` = the *largest* ``k`` in ``[1, K]`` maximising ``u_k - C * c_k``.
+
+* width (draft layer i): ``u_k`` = batch mean over active requests of the sum of their ``k`` best
+  candidate scores at this layer; ``c_k = S_D(B)[select(ctx_i)][k] / S_T(B)[select(ctx_i)][1]``;
+  threshold ``C1``.
+* depth: the ratios ``phi_j = u^(j+1) / u^(j)`` of the widths' utilities, a FIFO of the last ``R``
+  reset to ``{1}`` every decoding step, ``alpha`` its mean; draft layer i+1 iff
+  ``alpha * u^(i) / c^(i) >= C2``.
+* rerank: ``u_k`` = batch mean of the root (score 1) plus the ``k - 1`` best candidates of the
+  whole step; ``c_k = S_T(B)[select(ctx)][k] / S_T(B)[select(ctx)][1]``; threshold ``C3``.
+
+Everything here computes in float64 on the host's view of the tensors; the Triton kernels compute
+in float32 and agree exactly whenever the inputs are dyadic (the tests' choice) and up to rounding
+at exact near-ties otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CostTable", "cast_select", "cast_utilities", "cast_width", "cast_depth", "cast_rerank"]
+
+
+# --------------------------------------------------------------------------------------- table
+@dataclass
+class CostTable:
+    """Forward times ``f(B, c, n)`` of the target (``S_T``) and the draft (``S_D``, LM head included).
+
+    ``target[i, k, n - 1]`` is the time of one target forward of ``n`` new tokens per request at batch
+    ``batch_sizes[i]`` and context ``(k + 1) * L`` (the context grid ``c = kL``, ``k = 1..M``); ``draft``
+    likewise. Both are float64 tensors ``[len(batch_sizes), M, n_max]`` in microseconds, made
+    non-decreasing in ``n`` on construction (running max over measurement noise). ``meta`` records
+    the GPU, model identities, versions and whatever else the calibration knew (e.g. that the
+    target was timed on a few layers and scaled).
+
+    Example:
+        >>> t = CostTable.from_functions(lambda B, c, n: 100 + B * n, lambda B, c, n: 10 + B * n,
+        ...                              batch_sizes=[1, 8], L=1024, M=4, n_max=16)
+        >>> t.select(3000), t.select(10**6), t.batch_index(5)
+        (3072, 4096, 1)
+    """
+
+    batch_sizes: list[int]
+    L: int
+    target: torch.Tensor
+    draft: torch.Tensor
+    meta: dict[str, Any] = field(default_factory=dict)
+    _dev_cache: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        bs = [int(b) for b in self.batch_sizes]
+        if not bs or any(b < 1 for b in bs) or sorted(set(bs)) != bs:
+            raise ValueError(
+                f"Invalid value of batch_sizes: expected increasing positive ints, got {bs}"
+            )
+        if not isinstance(self.L, int) or self.L < 1:
+            raise ValueError(f"Invalid value of L: expected a positive int, got {self.L!r}")
+        for name in ("target", "draft"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[0] != len(bs):
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"Invalid shape of {name}: expected [{len(bs)}, M, n_max], got {got}"
+                )
+            t = t.detach().to("cpu", torch.float64)
+            if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+                raise ValueError(
+                    f"Invalid value in {name}: expected finite non-negative times, got NaN, inf "
+                    "or a negative number"
+                )
+            setattr(self, name, torch.cummax(t, dim=2).values.contiguous())
+        if self.target.shape != self.draft.shape:
+            raise ValueError(
+                f"Invalid shape of draft: expected {list(self.target.shape)} (as target), "
+                f"got {list(self.draft.shape)}"
+            )
+        if bool((self.target[:, :, 0] <= 0).any()):
+            raise ValueError("Invalid value in target: expected S_T(B)[c][1] > 0 (it divides)")
+        self.batch_sizes = bs
+
+    def __repr__(self) -> str:
+        return (f"CostTable(batch_sizes={self.batch_sizes}, L={self.L}, M={self.M}, "
+                f"n_max={self.n_max}, gpu={self.meta.get('gpu')!r})")
+
+    # ----------------------------------------------------------------- lookup
+    @property
+    def M(self) -> int:
+        """Number of context buckets (contexts L, 2L, ..., ML)."""
+        return int(self.target.shape[1])
+
+    @property
+    def n_max(self) -> int:
+        return int(self.target.shape[2])
+
+    def bucket(self, c: int) -> int:
+        """Index of context ``c``'s bucket: ``min(c // L, M - 1)`` (``select(c) = L * (bucket + 1)``)."""
+        return min(max(int(c), 0) // self.L, self.M - 1)
+
+    def select(self, c: int) -> int:
+        """``select(c) = L * (min(floor(c / L), M - 1) + 1)``: the grid context that prices ``c``."""
+        return self.L * (self.bucket(c) + 1)
+
+    def batch_index(self, B: int) -> int:
+        """Row of batch size ``B``: the smallest measured batch >= B (the largest if B exceeds all)."""
+        for i, b in enumerate(self.batch_sizes):
+            if b >= B:
+                return i
+        return len(self.batch_sizes) - 1
+
+    def S_T(self, B: int, c: int) -> torch.Tensor:
+        """Target times [n_max] (float64, µs) for batch ``B`` at context ``select(c)``."""
+        return self.target[self.batch_index(B), self.bucket(c)]
+
+    def S_D(self, B: int, c: int) -> torch.Tensor:
+        """Draft times [n_max] (float64, µs) for batch ``B`` at context ``select(c)``."""
+        return self.draft[self.batch_index(B), self.bucket(c)]
+
+    def width_costs(self, B: int, c: int, K: int) -> torch.Tensor:
+        """``c_k = S_D(B)[select(c)][k] / S_T(B)[select(c)][1]``, k = 1..K: [K] float64."""
+        self._check_k("K", K)
+        return self.S_D(B, c)[:K] / self.S_T(B, c)[0]
+
+    def rerank_costs(self, B: int, c: int, N: int) -> torch.Tensor:
+        """``c_k = S_T(B)[select(c)][k] / S_T(B)[select(c)][1]``, k = 1..N: [N] float64."""
+        self._check_k("N", N)
+        return self.S_T(B, c)[:N] / self.S_T(B, c)[0]
+
+    def _check_k(self, name: str, k: int) -> None:
+        if not 1 <= k <= self.n_max:
+            raise ValueError(f"Invalid value of {name}: expected 1 <= {name} <= n_max = "
+                             f"{self.n_max}, got {k}")
+
+    def device_tables(self, B: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target, draft) rows of batch ``B`` as float32 ``[M, n_max]`` tensors on ``device``,
+        cached: the view the selection kernels read (they bucket the context on the device)."""
+        key = (self.batch_index(B), str(torch.device(device)))
+        if key not in self._dev_cache:
+            i = key[0]
+            self._dev_cache[key] = (
+                self.target[i].to(device=device, dtype=torch.float32).contiguous(),
+                self.draft[i].to(device=device, dtype=torch.float32).contiguous(),
+            )
+        return self._dev_cache[key]
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_functions(
+        cls,
+        target_cost: Callable[[int, int, int], float],
+        draft_cost: Callable[[int, int, int], float],
+        batch_sizes: Sequence[int],
+        L: int,
+        M: int,
+        n_max: int,
+        meta: dict[str, Any] | None = None,
+    ) -> CostTable:
+        """A table from cost functions ``f(B, c, n)`` (µs), evaluated on the full grid."""
+        shape = (len(batch_sizes), M, n_max)
+        tt = torch.empty(shape, dtype=torch.float64)
+        dd = torch.empty(shape, dtype=torch.float64)
+        for i, B in enumerate(batch_sizes):
+            for k in range(M):
+                for n in range(1, n_max + 1):
+                    tt[i, k, n - 1] = float(target_cost(B, (k + 1) * L, n))
+                    dd[i, k, n - 1] = float(draft_cost(B, (k + 1) * L, n))
+        return cls(list(batch_sizes), L, tt, dd, dict(meta or {}))
+
+    @staticmethod
+    def measure(
+        fn: Callable[[int, int, int], object],
+        B: int,
+        c: int,
+        n: int,
+        *,
+        warmup: int = 3,
+        iters: int = 10,
+        device: torch.device | str | None = None,
+    ) -> float:
+        """Median time in µs of ``fn(B, c, n)`` after ``warmup`` calls: CUDA events on a CUDA
+        device, ``time.perf_counter`` otherwise."""
+        dev = torch.device(device) if device is not None else (
+            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        for _ in range(warmup):
+            fn(B, c, n)
+        times = []
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            for _ in range(iters):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(B, c, n)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+        else:
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn(B, c, n)
+                times.append((time.perf_counter() - t0) * 1e6)
+        return float(statistics.median(times))
+
+    @classmethod
+    def calibrate(
+        cls,
+        target_fn: Callable[[int, int, int], object],
+        draft_fn: Callable[[int, int, int], object],
+        batch_sizes: Sequence[int],
+        L: int,
+        M: int,
+        n_max: int,
+        *,
+        ns: Sequence[int] | None = None,
+        warmup: int = 3,
+        iters: int = 10,
+        device: torch.device | str | None = None,
+        meta: dict[str, Any] | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> CostTable:
+        """Measure ``f(B, c, n)`` of ``target_fn`` and ``draft_fn`` (each runs one forward of ``n``
+        new tokens per request at batch ``B`` and context ``c``; the draft's includes its LM head).
+
+        Times are taken at contexts ``c = L, 2L, ..., ML`` and at token counts ``ns`` (default: every
+        n in 1..n_max; must start at 1 and end at n_max), linearly interpolated between measured n,
+        then made non-decreasing in n. ``meta`` is stored with the GPU name and versions added.
+        """
+        ns = sorted(set(ns)) if ns is not None else list(range(1, n_max + 1))
+        if ns[0] != 1 or ns[-1] != n_max:
+            raise ValueError(f"Invalid value of ns: expected to start at 1 and end at n_max = "
+                             f"{n_max}, got {ns[0]}..{ns[-1]}")
+        shape = (len(batch_sizes), M, n_max)
+        out = {"target": torch.empty(shape, dtype=torch.float64),
+               "draft": torch.empty(shape, dtype=torch.float64)}
+        for name, fn in (("target", target_fn), ("draft", draft_fn)):
+            for i, B in enumerate(batch_sizes):
+                for k in range(M):
+                    c = (k + 1) * L
+                    pts = [cls.measure(fn, B, c, n, warmup=warmup, iters=iters, device=device)
+                           for n in ns]
+                    if progress is not None:
+                        progress(f"{name} B={B} c={c}: " + " ".join(f"{v:.1f}" for v in pts))
+                    for n in range(1, n_max + 1):
+                        j = max(idx for idx, m in enumerate(ns) if m <= n)
+                        if ns[j] == n:
+                            out[name][i, k, n - 1] = pts[j]
+                        else:
+                            f = (n - ns[j]) / (ns[j + 1] - ns[j])
+                            out[name][i, k, n - 1] = pts[j] + f * (pts[j + 1] - pts[j])
+        info = default_meta(device)
+        info.update(meta or {})
+        info.setdefault("measured_ns", ns)
+        info.setdefault("warmup", warmup)
+        info.setdefault("iters", iters)
+        return cls(list(batch_sizes), L, out["target"], out["draft"], info)
+
+    # ---------------------------------------------------------------- save/load
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "treeops.CostTable/1",
+            "units": "microseconds",
+            "batch_sizes": self.batch_sizes,
+            "L": self.L,
+            "M": self.M,
+            "n_max": self.n_max,
+            "meta": self.meta,
+            "target": self.target.tolist(),
+            "draft": self.draft.tolist(),
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write the table as JSON (times, grid, and ``meta``: GPU name, models, versions)."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        d = json.loads(Path(path).read_text())
+        if d.get("format") != "treeops.CostTable/1":
+            raise ValueError(f"Invalid cost table file {path}: expected format "
+                             f"'treeops.CostTable/1', got {d.get('format')!r}")
+        return cls(d["batch_sizes"], int(d["L"]), torch.tensor(d["target"], dtype=torch.float64),
+                   torch.tensor(d["draft"], dtype=torch.float64), d.get("meta", {}))
+
+
+def default_meta(device: torch.device | str | None = None) -> dict[str, Any]:
+    """GPU name and library versions, recorded with every calibrated table."""
+    import platform
+
+    import triton
+
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor()})"
+    try:
+        from treeops import __version__ as tv
+    except ImportError:  # pragma: no cover
+        tv = "unknown"
+    return {
+        "gpu": gpu,
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "treeops": tv,
+                     "cuda": torch.version.cuda},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+# --------------------------------------------------------------------------------- Algorithm 1
+def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
+    """Algorithm 1: the largest ``k`` in ``[1, K]`` maximising ``u_k - C * c_k``.
+
+    Args:
+        u: [K] utilities (float), ``u[k - 1] = u_k``.
+        c: [K] costs, ``c[k - 1] = c_k``.
+        C: the threshold.
+
+    Returns a 0-d int32 tensor on ``u``'s device.
+    """
+    obj = u.double() - float(C) * c.double()
+    best = obj.max()
+    ks = torch.arange(1, obj.numel() + 1, device=u.device)
+    return torch.where(obj == best, ks, 0).max().to(torch.int32)
+
+
+def cast_utilities(scores: torch.Tensor, K: int, active: torch.Tensor | None = None,
+                   root: bool = False) -> torch.Tensor:
+    """``u_k``, k = 1..K: the mean over active requests of the sum of their ``k`` best scores
+    (with ``root``, the root's score 1 counts as the first). [K] float64.
+
+    ``scores`` is [B, M], negative entries mean "no candidate" (counted as 0).
+    """
+    s = scores.double().clamp(min=0)
+    B, M = s.shape
+    take = K - 1 if root else K
+    best = torch.sort(s, dim=1, descending=True).values[:, :take]
+    if best.shape[1] < take:
+        best = torch.cat([best, best.new_zeros(B, take - best.shape[1])], dim=1)
+    if root:
+        best = torch.cat([best.new_ones(B, 1), best], dim=1)
+    cum = torch.cumsum(best, dim=1)  # [B, K]
+    act = torch.ones(B, dtype=torch.bool, device=s.device) if active is None else active.bool()
+    total = torch.where(act[:, None], cum, 0.0).sum(dim=0)
+    return total / act.sum().clamp(min=1)  # no active request: all utilities 0
+
+
+def cast_width(scores: torch.Tensor, costs: torch.Tensor, C1: float,
+               active: torch.Tensor | None = None) -> torch.Tensor:
+    """Width of the next frontier (DESIGN.md op 5): Algorithm 1 with ``u_k`` = batch mean of the
+    k best candidate scores of this layer (``scores`` [B, M], < 0 = none), ``c_k = costs[k - 1]``
+    (K = len(costs)) and threshold ``C1``. Returns a 0-d int32 tensor in [1, K]."""
+    K = costs.numel()
+    return cast_select(cast_utilities(scores, K, active), costs, C1)
+
+
+def cast_depth(u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int) -> torch.Tensor:
+    """Whether to draft the next layer (DESIGN.md op 5).
+
+    Args:
+        u_hist: [i + 1] the utilities ``u^(0)_{n_0} .. u^(i)_{n_i}`` of the widths chosen so far
+            in this decoding step (the FIFO's reset is the start of the step).
+        c: 0-d, ``c^(i)_{n_i}``, the normalised draft cost of the current width.
+        C2: the threshold.
+        R: the FIFO length.
+
+    The FIFO holds ``1`` then ``phi_j = u^(j+1) / u^(j)`` (0 where ``u^(j) = 0``) for j < i; only
+    its last ``R`` entries count; ``alpha`` = their mean; returns ``alpha * u^(i) / c >= C2``
+    (0-d bool).
+    """
+    u = u_hist.double()
+    seq = [torch.ones((), dtype=torch.float64, device=u.device)]
+    for j in range(u.numel() - 1):
+        seq.append(torch.where(u[j] > 0, u[j + 1] / torch.where(u[j] > 0, u[j], 1.0), 0.0))
+    fifo = torch.stack(seq[-R:])
+    alpha = fifo.mean()
+    return (alpha * u[-1] / c.double()) >= C2
+
+
+def cast_rerank(scores: torch.Tensor, costs: torch.Tensor, C3: float,
+                active: torch.Tensor | None = None) -> torch.Tensor:
+    """Number of nodes sent to verification (root included): Algorithm 1 with ``u_k`` = batch
+    mean of the root's score 1 plus the ``k - 1`` best candidate scores of the step (``scores``
+    [B, M], < 0 = none), ``c_k = costs[k - 1]`` (K = len(costs)), threshold ``C3``. 0-d int32."""
+    K = costs.numel()
+    return cast_select(cast_utilities(scores, K, active, root=True), costs, C3)
+
