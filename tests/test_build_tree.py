@@ -1,0 +1,457 @@
+"""Tree build: the reference against a brute-force step, the Triton kernels against the reference
+(interpreter; exact integer outputs), and bad input."""
+
+from __future__ import annotations
+
+import math
+import random
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import treeops
+from helpers import assert_close
+from treeops.reference import build_tree as ref
+
+
+# ----------------------------------------------------------------------------- brute force
+def f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def brute_select(u, c, C) -> int:
+    best, arg = None, 0
+    for k in range(1, len(u) + 1):
+        v = u[k - 1] - C * c[k - 1]
+        if best is None or v >= best:
+            best, arg = v, k
+    return arg
+
+
+def brute_util(rows: list[list[float]], K: int, root: bool) -> list[Fraction]:
+    out = []
+    for s in rows:
+        s = sorted((Fraction(max(v, 0.0)) for v in s), reverse=True)
+        if root:
+            s = [Fraction(1)] + s
+        s = (s + [Fraction(0)] * K)[:K]
+        acc, cum = Fraction(0), []
+        for v in s:
+            acc += v
+            cum.append(acc)
+        out.append(cum)
+    if not out:
+        return [Fraction(0)] * K
+    return [sum(r[k] for r in out) / len(out) for k in range(K)]
+
+
+class Brute:
+    """One decoding step computed independently of the reference: Python lists, math.exp."""
+
+    def __init__(self, policy, root_tokens, seq_lens, active):
+        self.p = policy
+        self.B = len(root_tokens)
+        self.root = root_tokens
+        self.seq = seq_lens
+        self.active = active
+        self.cands: list[list[tuple[int, float, int, int]]] = [[] for _ in range(self.B)]
+        # frontier rows: (candidate index or -1 for the root, score, token)
+        self.frontier = [[(-1, 1.0, root_tokens[b])] if active[b] else [] for b in range(self.B)]
+        self.widths: list[int] = []
+        self.flags: list[int] = []
+        self.u_hist: list[Fraction] = []
+
+    def costs(self, ctx: int, kind: str, n: int) -> list[Fraction]:
+        t = self.p.cost_table
+        tt, dd = t.device_tables(self.B, "cpu")
+        k = min(ctx // t.L, t.M - 1)
+        row = dd[k] if kind == "draft" else tt[k]
+        return [Fraction(float(row[j])) / Fraction(float(tt[k, 0])) for j in range(n)]
+
+    def max_ctx(self) -> int:
+        s = [self.seq[b] for b in range(self.B) if self.active[b]]
+        return max(s) if s else 0
+
+    def expand(self, logits: torch.Tensor) -> None:
+        i = len(self.widths)
+        W, K = self.p.max_width, self.p.topk
+        C = W * K
+        layer: list[list[tuple[int, float, int, int]]] = []
+        for b in range(self.B):
+            here = []
+            for r, (parent, ps, _) in enumerate(self.frontier[b]):
+                xs = logits[b, r].double().tolist()
+                m = max(xs)
+                s = sum(math.exp(x - m) for x in xs)
+                order = sorted(range(len(xs)), key=lambda t: (-xs[t], t))[:K]
+                for j, tok in enumerate(order):
+                    p = f32(math.exp(xs[tok] - m) / s)
+                    score = float(np.float32(ps) * np.float32(p))
+                    here.append((i * C + r * K + j, score, tok, parent))
+            layer.append(here)
+            self.cands[b] += here
+        if self.p.is_cast:
+            ctx = self.max_ctx() + sum(self.widths)
+            c = self.costs(ctx, "draft", W)
+            u = brute_util([[s for _, s, _, _ in layer[b]] for b in range(self.B)
+                            if self.active[b]], W, root=False)
+            n = brute_select(u, c, Fraction(self.p.C1))
+            self.u_hist.append(u[n - 1])
+            fifo = [Fraction(1)] + [
+                (self.u_hist[j + 1] / self.u_hist[j] if self.u_hist[j] > 0 else Fraction(0))
+                for j in range(len(self.u_hist) - 1)]
+            fifo = fifo[-self.p.R:]
+            alpha = sum(fifo) / len(fifo)
+            flag = alpha * u[n - 1] / c[n - 1] >= Fraction(self.p.C2) and i + 1 < self.p.max_depth
+        else:
+            n = W
+            flag = i + 1 < self.p.max_depth
+        self.widths.append(n)
+        self.flags.append(int(flag))
+        for b in range(self.B):
+            best = sorted(layer[b], key=lambda c: (-c[1], c[0]))[:n]
+            self.frontier[b] = [(idx, s, tok) for idx, s, tok, _ in best]
+
+    def emit(self):
+        N = self.p.capacity
+        if self.p.is_cast:
+            c = self.costs(self.max_ctx(), "target", N)
+            u = brute_util([[s for _, s, _, _ in self.cands[b]] for b in range(self.B)
+                            if self.active[b]], N, root=True)
+            n = brute_select(u, c, Fraction(self.p.C3))
+        else:
+            n = N
+        trees = []
+        for b in range(self.B):
+            if not self.active[b]:
+                trees.append(None)
+                continue
+            chosen = sorted(self.cands[b], key=lambda c: (-c[1], c[0]))[: n - 1]
+            pos = {c[0]: j + 1 for j, c in enumerate(chosen)}
+            par = [-1] + [0 if c[3] < 0 else pos[c[3]] for c in chosen]  # KeyError: not closed
+            toks = [self.root[b]] + [c[2] for c in chosen]
+            scores = [1.0] + [c[1] for c in chosen]
+            trees.append((par, toks, scores))
+        return n, trees
+
+
+# ---------------------------------------------------------------------------------- inputs
+def cost_table(seed: int, n_max: int) -> treeops.CostTable:
+    """Dyadic costs (exact in float32) with plateaus; S_T[1] a power of two so c_k is exact."""
+    r = random.Random(seed)
+    t = torch.empty(2, 3, n_max, dtype=torch.float64)
+    d = torch.empty(2, 3, n_max, dtype=torch.float64)
+    for i in range(2):
+        for k in range(3):
+            v, w = 64.0 * (k + 1), 4.0 + r.randrange(8)
+            for n in range(n_max):
+                if n and r.random() < 0.4:
+                    v += r.randrange(1, 16)
+                if r.random() < 0.5:
+                    w += r.randrange(0, 4) / 4
+                t[i, k, n], d[i, k, n] = v, w
+    return treeops.CostTable([4, 64], 16, t, d, {"gpu": "test"})
+
+
+@st.composite
+def steps(draw, max_batch=64, max_vocab=40, max_w=4, max_k=4, max_depth=4, max_n=32,
+          dtypes=(torch.float32, torch.bfloat16)):
+    """A policy, a batch (ragged activity), and the draft logits of every layer."""
+    B = draw(st.integers(1, max_batch))
+    K = draw(st.integers(1, max_k))
+    W = draw(st.integers(1, max_w))
+    D = draw(st.integers(1, max_depth))
+    V = draw(st.integers(max(K, 2), max_vocab))
+    N = draw(st.integers(max(W, 1), max_n))
+    kind = draw(st.sampled_from(["eagle", "cast"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = random.Random(seed)
+    if kind == "eagle":
+        policy = treeops.EagleStatic(depth=D, topk=W, budget=N) if W == K else None
+        if policy is None:  # EAGLE's frontier width equals its top-k
+            K = W
+            V = max(V, K)
+            policy = treeops.EagleStatic(depth=D, topk=W, budget=N)
+    else:
+        policy = treeops.Cast(C1=draw(st.sampled_from([0.0, 0.03125, 0.125, 0.5, 2.0])),
+                              C2=draw(st.sampled_from([0.0, 0.0625, 0.25, 1.0, 64.0])),
+                              C3=draw(st.sampled_from([0.0, 0.001, 0.01, 0.05, 1.0])),
+                              R=draw(st.integers(1, 4)), cost_table=cost_table(seed, max(N, W)),
+                              topk=K, max_width=W, max_depth=D, capacity=N)
+    ties = draw(st.booleans())
+    dtype = draw(st.sampled_from(dtypes))
+    g = torch.Generator().manual_seed(seed)
+    if ties:  # probabilities 1/count or 0, exact everywhere: equal scores across rows and layers
+        logits = torch.where(torch.rand(D, B, W, V, generator=g) < 0.3, 0.0, -1000.0)
+    else:
+        logits = torch.randn(D, B, W, V, generator=g) * 3
+    logits = logits.to(dtype)
+    active = [rng.random() < 0.85 for _ in range(B)]
+    if not any(active) and rng.random() < 0.7:
+        active[0] = True
+    roots = [rng.randrange(V) for _ in range(B)]
+    seq = [rng.randrange(0, 60) for _ in range(B)]
+    return policy, logits, roots, seq, active
+
+
+def start(policy, roots, seq, active, device="cpu"):
+    return treeops.DraftState.new(policy, torch.tensor(roots, device=device),
+                                  torch.tensor(seq, device=device),
+                                  torch.tensor(active, device=device))
+
+
+# ------------------------------------------------------------------- reference vs brute force
+def check_layer(state, brute, i):
+    B = state.active.shape[0]
+    W, K = brute.p.max_width, brute.p.topk
+    assert int(state.widths[i]) == brute.widths[i]
+    assert int(state.flags[i]) == brute.flags[i]
+    for b in range(B):
+        got = {}
+        for slot in range(W * K):
+            s = float(state.cand_scores[b, i, slot])
+            if s >= 0:
+                got[i * W * K + slot] = (s, int(state.cand_tokens[b, i, slot]),
+                                         int(state.cand_parents[b, i, slot]))
+        want = {c[0]: c[1:] for c in brute.cands[b] if c[0] // (W * K) == i}
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k][1:] == want[k][1:]
+            assert got[k][0] == pytest.approx(want[k][0], rel=1e-6, abs=1e-30)
+        f = [(int(state.frontier[b, r]), int(state.frontier_tokens[b, r]))
+             for r in range(W) if float(state.frontier_scores[b, r]) >= 0]
+        assert f == [(idx, tok) for idx, _, tok in brute.frontier[b]]
+
+
+def check_tree(tree, brute):
+    n, trees = brute.emit()
+    tree.validate()
+    B = tree.batch_size
+    for b in range(B):
+        if trees[b] is None:
+            assert int(tree.num_nodes[b]) == 0
+            continue
+        par, toks, scores = trees[b]
+        m = int(tree.num_nodes[b])
+        assert m == len(par)
+        assert tree.parents[b, :m].tolist() == par
+        assert tree.tokens[b, :m].tolist() == toks
+        assert tree.scores[b, :m].tolist() == pytest.approx(scores, rel=1e-6, abs=1e-30)
+    return n
+
+
+@given(steps())
+def test_reference_matches_brute_force(case):
+    policy, logits, roots, seq, active = case
+    state = start(policy, roots, seq, active)
+    brute = Brute(policy, roots, seq, active)
+    i = 0
+    while state.wants_next_layer():
+        ref.build_tree_expand(logits[i], state, policy)
+        brute.expand(logits[i])
+        check_layer(state, brute, i)
+        i += 1
+    tree = ref.build_tree_emit(state, policy)
+    n = check_tree(tree, brute)
+    assert int(state.verify[0]) == n
+
+
+@given(steps(max_batch=8))
+def test_rerank_is_ancestor_closed_rank_ordered_top_n(case):
+    """Properties of the emitted tree checked on the tree alone: rank order (scores
+    non-increasing in node index), every node's parent earlier, and the chosen set is exactly the
+    brute-force top of all candidates (no better candidate left out)."""
+    policy, logits, roots, seq, active = case
+    state = start(policy, roots, seq, active)
+    tree = treeops.build_tree(policy, lambda s: logits[s.layer], torch.tensor(roots),
+                              torch.tensor(seq), torch.tensor(active), state=state)
+    D = state.layer
+    for b in range(tree.batch_size):
+        m = int(tree.num_nodes[b])
+        sc = tree.scores[b, :m].tolist()
+        assert all(x >= y for x, y in zip(sc, sc[1:]))
+        assert all(0 <= int(tree.parents[b, j]) < j for j in range(1, m))
+        allc = sorted((s for s in state.cand_scores[b, :D].flatten().tolist() if s >= 0),
+                      reverse=True)
+        if m:
+            assert sorted(sc[1:], reverse=True) == allc[: m - 1]
+            if m - 1 < len(allc):
+                assert m == int(state.verify[0])  # only a lack of candidates cuts a tree short
+
+
+def test_named_cases():
+    # one node (depth 1, top-1), a chain (top-1, deep), a star (one layer, wide)
+    for D, K, N in ((1, 1, 2), (6, 1, 7), (1, 8, 9), (3, 2, 16)):
+        policy = treeops.EagleStatic(depth=D, topk=K, budget=N)
+        g = torch.Generator().manual_seed(D * 100 + K)
+        logits = torch.randn(D, 2, K, 50, generator=g)
+        tree = treeops.build_tree(policy, lambda s: logits[s.layer], torch.tensor([3, 4]),
+                                  torch.tensor([0, 9]))
+        tree.validate()
+        assert tree.num_nodes.tolist() == [min(N, 1 + K + (D - 1) * K * K)] * 2
+        if K == 1:  # a chain: depth = index
+            assert tree.depth[0, : int(tree.num_nodes[0])].tolist() == list(range(D + 1))
+
+
+def test_ties_break_by_candidate_index():
+    # every logit equal: all probabilities 1/V; candidates of layer 0 tie, lower index first
+    policy = treeops.EagleStatic(depth=2, topk=2, budget=7)
+    logits = torch.zeros(1, 2, 4)
+    st_ = start(policy, [9], [5], [True])
+    ref.build_tree_expand(logits, st_, policy)
+    assert st_.cand_tokens[0, 0, :2].tolist() == [0, 1]
+    assert st_.frontier.tolist() == [[0, 1]]
+    ref.build_tree_expand(logits, st_, policy)
+    tree = ref.build_tree_emit(st_, policy)
+    # layer-0 candidates (score 1/4) first, then layer 1 in (row, rank) order (1/16 each)
+    assert tree.parents[0].tolist() == [-1, 0, 0, 1, 1, 2, 2]
+    assert tree.tokens[0].tolist() == [9, 0, 1, 0, 1, 0, 1]
+
+
+def test_inactive_rows_draft_nothing():
+    policy = treeops.EagleStatic(depth=2, topk=2, budget=5)
+    logits = torch.randn(2, 3, 2, 10)
+    st_ = start(policy, [1, 2, 3], [4, 5, 6], [True, False, True])
+    tree = treeops.build_tree(policy, lambda s: logits[s.layer], st_.root_tokens, st_.seq_lens,
+                              st_.active, state=st_)
+    assert tree.num_nodes.tolist() == [5, 0, 5]
+    assert (st_.cand_scores[1] == -1).all()
+    tree.validate()
+
+
+def test_cast_prefers_small_trees_when_verification_is_expensive():
+    cheap = treeops.CostTable.from_functions(lambda B, c, n: 100.0, lambda B, c, n: 1.0,
+                                             [64], 1024, 1, 64)
+    steep = treeops.CostTable.from_functions(lambda B, c, n: 100.0 * n, lambda B, c, n: 1.0 * n,
+                                             [64], 1024, 1, 64)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 8, 4, 64, generator=g) * 2
+    sizes = []
+    for table in (cheap, steep):
+        pol = treeops.Cast(C1=0.05, C2=0.05, C3=0.05, R=3, cost_table=table, topk=4, max_width=4,
+                           max_depth=6, capacity=64)
+        tree = treeops.build_tree(pol, lambda s: logits[s.layer], torch.arange(8),
+                                  torch.full((8,), 100))
+        tree.validate()
+        sizes.append(int(tree.num_nodes.max()))
+    assert sizes[0] > sizes[1] >= 1
+
+
+# ------------------------------------------------------------------------------- bad input
+def test_bad_input_rejected():
+    pol = treeops.EagleStatic(depth=2, topk=2, budget=4)
+    st_ = start(pol, [1], [2], [True])
+    with pytest.raises(ValueError, match=r"Invalid shape of logits: expected \[1, 2, \*\], "
+                                         r"got \[1, 3, 5\]"):
+        treeops.build_tree_expand(torch.zeros(1, 3, 5), st_, pol)
+    with pytest.raises(ValueError, match=r"Invalid dtype of logits: expected one of"):
+        treeops.build_tree_expand(torch.zeros(1, 2, 5, dtype=torch.int32), st_, pol)
+    with pytest.raises(ValueError, match=r"expected vocabulary V >= topk = 2, got V = 1"):
+        treeops.build_tree_expand(torch.zeros(1, 2, 1), st_, pol)
+    with pytest.raises(ValueError, match=r"Invalid stride of logits"):
+        treeops.build_tree_expand(torch.zeros(1, 5, 2).transpose(1, 2), st_, pol)
+    with pytest.raises(ValueError, match=r"Invalid value in logits: expected numbers, got NaN"):
+        treeops.build_tree_expand(torch.full((1, 2, 5), float("nan")), st_, pol, validate=True)
+    with pytest.raises(ValueError, match=r"Invalid type of policy: expected treeops.EagleStatic"):
+        treeops.build_tree_expand(torch.zeros(1, 2, 5), st_, "eagle")
+    other = treeops.EagleStatic(depth=3, topk=2, budget=4)
+    with pytest.raises(ValueError, match=r"Invalid shape of state.cand_scores"):
+        treeops.build_tree_expand(torch.zeros(1, 2, 5), st_, other)
+    with pytest.raises(ValueError, match=r"expected at least one expanded draft layer"):
+        treeops.build_tree_emit(st_, pol)
+    treeops.build_tree_expand(torch.zeros(1, 2, 5), st_, pol)
+    treeops.build_tree_expand(torch.zeros(1, 2, 5), st_, pol)
+    with pytest.raises(ValueError, match=r"all 2 draft layers already expanded"):
+        treeops.build_tree_expand(torch.zeros(1, 2, 5), st_, pol)
+    with pytest.raises(ValueError, match=r"Invalid shape of out.parents: expected \[1, 4\]"):
+        treeops.build_tree_emit(st_, pol, out=treeops.Tree.empty(1, 8))
+    with pytest.raises(ValueError, match=r"Invalid value of topk: expected a positive int, got 0"):
+        treeops.EagleStatic(depth=2, topk=0, budget=4)
+    small = treeops.CostTable([1], 8, torch.ones(1, 1, 8), torch.ones(1, 1, 8))
+    with pytest.raises(ValueError, match=r"Invalid value of cost_table: expected n_max >= "
+                                         r"max\(max_width, capacity\) = 64, got 8"):
+        treeops.Cast(C1=1, C2=1, C3=1, R=2, cost_table=small)
+    with pytest.raises(ValueError, match=r"Invalid value of C2: expected a number, got nan"):
+        treeops.Cast(C1=1, C2=float("nan"), C3=1, R=2, cost_table=small, capacity=8)
+    with pytest.raises(ValueError, match=r"Invalid dtype of root_tokens: expected torch.int64"):
+        treeops.DraftState.new(pol, torch.tensor([1], dtype=torch.int32), torch.tensor([2]))
+    with pytest.raises(ValueError, match=r"Invalid shape of seq_lens: expected \[1\], got \[2\]"):
+        st_.reset(torch.tensor([1]), torch.tensor([2, 3]))
+
+
+def test_emit_into_out_and_reuse_state():
+    pol = treeops.EagleStatic(depth=2, topk=3, budget=8)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 2, 3, 20, generator=g)
+    fn = lambda s: logits[s.layer]  # noqa: E731
+    a = treeops.build_tree(pol, fn, torch.tensor([1, 2]), torch.tensor([3, 4]))
+    out = treeops.Tree.empty(2, 8)
+    st_ = start(pol, [7, 7], [0, 0], [False, False])
+    b = treeops.build_tree(pol, fn, torch.tensor([1, 2]), torch.tensor([3, 4]), state=st_, out=out)
+    assert b is out
+    for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert st_.verify_count() == 8 and st_.width(0) == 3 and not st_.wants_next_layer()
+
+
+# ------------------------------------------------------- Triton kernels (interpreter) vs reference
+def _kb():
+    from treeops.kernels import build_tree as kb
+
+    return kb
+
+
+def compare_states(a, b, i, what=""):
+    for f in ("cand_tokens", "cand_parents"):
+        assert torch.equal(getattr(a, f)[:, i], getattr(b, f)[:, i]), f"{what} {f}"
+    for f in ("frontier", "frontier_tokens"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f"{what} {f}"
+    assert torch.equal(a.cand_scores[:, i] < 0, b.cand_scores[:, i] < 0), what
+    assert_close(a.cand_scores[:, i].clamp(min=0), b.cand_scores[:, i].clamp(min=0), torch.float32,
+                 f"{what} scores")
+    assert torch.equal(a.frontier_scores < 0, b.frontier_scores < 0), what
+    assert torch.equal(a.decisions, b.decisions), f"{what} decisions"
+
+
+def run_both(policy, logits, roots, seq, active, block_v=None):
+    kb = _kb()
+    sk = start(policy, roots, seq, active)
+    sr = start(policy, roots, seq, active)
+    i = 0
+    while sr.wants_next_layer():
+        kb.expand(logits[i], sk, policy, block_v=block_v)
+        sk.layer += 1
+        ref.build_tree_expand(logits[i], sr, policy)
+        compare_states(sk, sr, i, f"layer {i}")
+        i += 1
+    tk = kb.emit(sk, policy)
+    tr = ref.build_tree_emit(sr, policy)
+    assert torch.equal(sk.verify, sr.verify)
+    for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling"):
+        assert torch.equal(getattr(tk, f), getattr(tr, f)), f
+    assert_close(tk.scores, tr.scores, torch.float32, "tree scores")
+    tk.validate()
+    return tk
+
+
+@given(steps(max_batch=6, max_vocab=24, max_w=4, max_k=4, max_depth=3, max_n=16))
+def test_kernels_match_reference(case):
+    policy, logits, roots, seq, active = case
+    run_both(policy, logits, roots, seq, active, block_v=8)
+
+
+def test_kernels_named_large_case():
+    # the issue's shape family at interpreter scale: W = K = 4, depth 4, N = 32, V spanning blocks
+    g = torch.Generator().manual_seed(11)
+    pol = treeops.EagleStatic(depth=4, topk=4, budget=32)
+    logits = (torch.randn(4, 3, 4, 300, generator=g) * 3).to(torch.bfloat16)
+    run_both(pol, logits, [1, 2, 3], [10, 20, 30], [True, True, True], block_v=64)
+    table = cost_table(7, 40)
+    cast = treeops.Cast(C1=0.125, C2=0.0625, C3=0.01, R=2, cost_table=table, topk=3, max_width=5,
+                        max_depth=4, capacity=40)
+    logits = torch.randn(4, 3, 5, 300, generator=g) * 3
+    run_both(cast, logits, [1, 2, 3], [10, 40, 5], [True, False, True], block_v=128)
