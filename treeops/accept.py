@@ -1,3 +1,241 @@
-"""Being written."""
+"""Acceptance of a verified draft tree: greedy and lossless sampling (DESIGN.md op 7).
 
-__all__: list[str] = []
+CUDA tensors run one fused Triton launch (``treeops.kernels.accept``) that reads the target's
+logits once per node (top-k/top-p sampling rows read them again for the threshold search), with
+the argmax / softmax statistics fused; CPU tensors run the PyTorch reference
+(``treeops.reference.accept``), which is the specification.
+
+Output, an ``Acceptance`` (a NamedTuple, so it unpacks):
+
+| field | shape, dtype | meaning; padding |
+| --- | --- | --- |
+| ``accepted`` | [B, N] int32 | accepted node indices, root first (``accepted[b, d]`` is the node at depth d); -1 |
+| ``accept_len`` | [B] int32 | accepted nodes, root counted = number of emitted tokens; 0 for an inactive row |
+| ``bonus`` | [B] int64 | the last emitted token (the next step's root); -1 for an inactive row |
+| ``logprobs`` | [B, N] float32 or None | ``logprobs[b, q]``: log-probability of the (q+1)-th emitted token, under the distribution the op decided with at node ``accepted[b, q]``; 0 |
+| ``topk`` | [B, N, k] int32 or None | ids of the k largest raw logits of every verified node (i < num_nodes), largest first, ties by lower id; -1 for nodes >= num_nodes |
+
+Emitted tokens are ``tokens[accepted[b, 1:accept_len]]`` followed by ``bonus``: exactly
+``accept_len`` of them. The capacity of ``accepted`` is N (max depth + 1 <= N). ``topk`` is the
+form ``AdjacencyTable.update`` consumes (row of token ``tokens[b, i]`` <- ``topk[b, i]``).
+
+Stop ids and budgets (both optional) truncate what is emitted: with ``max_new_tokens[b] = M``
+(values below 1 count as 1) at most M tokens are emitted; if an emitted token is a stop id,
+emission ends right after the first one. The result is reported in the same form: the accepted
+path is cut so that the last kept token becomes ``bonus`` (when the cut falls inside the tree,
+``bonus`` is the token of the first dropped tree node). ``compact_kv`` then keeps exactly the
+K/V of ``accepted[:accept_len]``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ._checks import check_finite, check_range, check_same_device, check_tensor
+from .tree import Tree, check_tree
+
+__all__ = ["Acceptance", "accept_greedy", "accept_sample"]
+
+_LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+class Acceptance(NamedTuple):
+    """Result of ``accept_greedy`` / ``accept_sample`` (see the module docstring)."""
+
+    accepted: torch.Tensor
+    accept_len: torch.Tensor
+    bonus: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    topk: torch.Tensor | None = None
+
+
+def _check_accept_inputs(tree, target_logits, stop_ids, max_new_tokens, topk_ids, out,
+                         return_logprobs, *, temperature=None, top_k=None, top_p=None,
+                         uniforms=None, validate=False) -> None:
+    tree = check_tree(tree, validate=validate)
+    sizes = {"B": tree.batch_size, "N": tree.capacity}
+    check_tensor("target_logits", target_logits, shape=("B", "N", "V"), dtype=_LOGIT_DTYPES,
+                 sizes=sizes)
+    V = sizes["V"]
+    if V < 1:
+        raise ValueError("Invalid shape of target_logits: expected V >= 1, got 0")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, torch.Tensor) or stop_ids.dim() not in (1, 2):
+            got = list(stop_ids.shape) if isinstance(stop_ids, torch.Tensor) else type(stop_ids).__name__
+            raise ValueError(f"Invalid shape of stop_ids: expected [S] or [B, S], got {got}")
+        check_tensor("stop_ids", stop_ids, shape=("S",) if stop_ids.dim() == 1 else ("B", "S"),
+                     dtype=_INT_DTYPES, sizes=sizes)
+    if max_new_tokens is not None:
+        check_tensor("max_new_tokens", max_new_tokens, shape=("B",), dtype=_INT_DTYPES, sizes=sizes)
+    if not isinstance(topk_ids, int) or isinstance(topk_ids, bool) or not 0 <= topk_ids <= V:
+        raise ValueError(f"Invalid value of topk_ids: expected an int in [0, V={V}], got {topk_ids!r}")
+    if not isinstance(return_logprobs, bool):
+        raise ValueError(f"Invalid type of return_logprobs: expected bool, got "
+                         f"{type(return_logprobs).__name__}")
+    sampling = uniforms is not None or temperature is not None
+    if sampling:
+        check_tensor("temperature", temperature, shape=("B",), dtype=torch.float32, sizes=sizes)
+        check_tensor("top_k", top_k, shape=("B",), dtype=_INT_DTYPES, sizes=sizes)
+        check_tensor("top_p", top_p, shape=("B",), dtype=torch.float32, sizes=sizes)
+        check_tensor("uniforms", uniforms, shape=("B", "N"), dtype=torch.float32, sizes=sizes)
+    check_same_device(tree=tree.parents, target_logits=target_logits, stop_ids=stop_ids,
+                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                      top_p=top_p, uniforms=uniforms)
+    if out is not None:
+        if not isinstance(out, Acceptance):
+            raise ValueError(f"Invalid type of out: expected treeops.Acceptance, got "
+                             f"{type(out).__name__}")
+        B, N = sizes["B"], sizes["N"]
+        check_tensor("out.accepted", out.accepted, shape=(B, N), dtype=torch.int32)
+        check_tensor("out.accept_len", out.accept_len, shape=(B,), dtype=torch.int32)
+        check_tensor("out.bonus", out.bonus, shape=(B,), dtype=torch.int64)
+        if return_logprobs:
+            check_tensor("out.logprobs", out.logprobs, shape=(B, N), dtype=torch.float32)
+        if topk_ids:
+            check_tensor("out.topk", out.topk, shape=(B, N, topk_ids), dtype=torch.int32)
+        check_same_device(target_logits=target_logits, **{
+            f"out.{k}": v for k, v in out._asdict().items() if v is not None})
+        for name, t in out._asdict().items():
+            if t is not None and not t.is_contiguous():
+                raise ValueError(f"Invalid layout of out.{name}: expected a contiguous tensor")
+    if validate:
+        if bool(torch.isnan(target_logits).any()):
+            raise ValueError("Invalid value in target_logits: expected no NaN, got NaN")
+        if stop_ids is not None:
+            check_range("stop_ids", stop_ids, -1, None)
+        if max_new_tokens is not None:
+            check_range("max_new_tokens", max_new_tokens[tree.num_nodes > 0], 1, None)
+        if sampling:
+            check_finite("temperature", temperature, nonnegative=True)
+            check_finite("top_p", top_p)
+            if bool(((top_p <= 0) | (top_p > 1)).any()):
+                raise ValueError(f"Invalid value in top_p: expected values in (0, 1], got "
+                                 f"{top_p.tolist()}")
+            if bool(((uniforms < 0) | (uniforms >= 1) | torch.isnan(uniforms)).any()):
+                raise ValueError("Invalid value in uniforms: expected values in [0, 1)")
+
+
+def accept_greedy(
+    tree: Tree,
+    target_logits: torch.Tensor,
+    *,
+    stop_ids: torch.Tensor | None = None,
+    max_new_tokens: torch.Tensor | None = None,
+    return_logprobs: bool = False,
+    topk_ids: int = 0,
+    out: Acceptance | None = None,
+    validate: bool = False,
+) -> Acceptance:
+    """Greedy acceptance of a verified tree, with the argmax fused.
+
+    From the root, follow the child (index < ``num_nodes``) whose token equals the argmax of the
+    target's logits at the current node (ties: lowest id); the bonus is the argmax at the last
+    accepted node.
+
+    Args:
+        tree: the verified ``Tree`` (capacity N).
+        target_logits: [B, N, V] bfloat16/float16/float32, the target's logits at every node
+            (any strides; V up to 256K).
+        stop_ids: [S] or [B, S] int32/int64 stop (EOS) ids, -1 entries ignored.
+        max_new_tokens: [B] int32/int64, per-request token budget for this step (>= 1).
+        return_logprobs: also return ``log_softmax(logits)`` of the emitted tokens.
+        topk_ids: k > 0 also returns ``topk`` [B, N, k]: each verified node's k largest logits'
+            ids (for ``AdjacencyTable.update``), from the same pass over the logits.
+        out: an ``Acceptance`` of preallocated tensors to write into.
+        validate: check the tree and the value ranges (host syncs).
+
+    Returns:
+        ``Acceptance(accepted [B, N] int32, accept_len [B] int32, bonus [B] int64, logprobs
+        [B, N] float32 | None, topk [B, N, k] int32 | None)``; see the module docstring.
+
+    Example:
+        >>> import torch, treeops
+        >>> t = treeops.Tree.from_parents(torch.tensor([[-1, 0, 0, 1]], dtype=torch.int32),
+        ...     torch.tensor([4], dtype=torch.int32), torch.tensor([[7, 3, 5, 2]]))
+        >>> logits = torch.zeros(1, 4, 8); logits[0, 0, 3] = 1; logits[0, 1, 2] = 1
+        >>> logits[0, 3, 6] = 1
+        >>> r = treeops.accept_greedy(t, logits)
+        >>> r.accepted.tolist(), r.accept_len.tolist(), r.bonus.tolist()
+        ([[0, 1, 3, -1]], [3], [6])
+    """
+    _check_accept_inputs(tree, target_logits, stop_ids, max_new_tokens, topk_ids, out,
+                         return_logprobs, validate=validate)
+    if target_logits.is_cuda:
+        from .kernels.accept import accept_launch
+
+        return accept_launch(tree, target_logits, stop_ids=stop_ids,
+                             max_new_tokens=max_new_tokens, return_logprobs=return_logprobs,
+                             topk_ids=topk_ids, out=out)
+    from .reference.accept import accept_greedy as ref
+
+    return ref(tree, target_logits, stop_ids=stop_ids, max_new_tokens=max_new_tokens,
+               return_logprobs=return_logprobs, topk_ids=topk_ids, out=out)
+
+
+def accept_sample(
+    tree: Tree,
+    target_logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    *,
+    stop_ids: torch.Tensor | None = None,
+    max_new_tokens: torch.Tensor | None = None,
+    return_logprobs: bool = False,
+    topk_ids: int = 0,
+    out: Acceptance | None = None,
+    validate: bool = False,
+) -> Acceptance:
+    """Lossless sampling acceptance of a verified tree (DESIGN.md op 7's interval rule).
+
+    Target distribution at node i: ``softmax(logits_i / T)``, then top-k (ties: lower id), then
+    top-p (smallest prefix by probability descending, id ascending, whose mass >= top_p),
+    renormalised; computed inside the kernel, no [B, N, V] probability tensor. At the current
+    node, [0, 1) is laid out as the children's probabilities in sibling order (a repeated token
+    counted once), then every other token in id order; ``uniforms[b, i]`` picks a piece: a
+    child's piece accepts it and the walk continues, another token's piece is the bonus. If
+    rounding leaves u past the end, the last piece of positive length is taken. The emitted
+    tokens have exactly the target's distribution. ``T = 0`` rows are greedy.
+
+    Args:
+        tree, target_logits, stop_ids, max_new_tokens, topk_ids, out, validate: as in
+            ``accept_greedy``.
+        temperature: [B] float32, >= 0 (0 = greedy).
+        top_k: [B] int32/int64; <= 0 or >= V disables top-k.
+        top_p: [B] float32 in (0, 1]; 1 disables top-p.
+        uniforms: [B, N] float32 in [0, 1), one per node (reproducible, graph safe).
+        return_logprobs: also return ``log p_i`` of the emitted tokens (``T = 0`` rows:
+            ``log_softmax(logits)``).
+
+    Returns:
+        an ``Acceptance``, as in ``accept_greedy``.
+
+    Example:
+        >>> import torch, treeops
+        >>> t = treeops.Tree.from_parents(torch.tensor([[-1, 0]], dtype=torch.int32),
+        ...     torch.tensor([2], dtype=torch.int32), torch.tensor([[7, 3]]))
+        >>> logits = torch.zeros(1, 2, 4)
+        >>> r = treeops.accept_sample(t, logits, torch.ones(1), torch.zeros(1, dtype=torch.int32),
+        ...     torch.ones(1), torch.tensor([[0.1, 0.6]]))
+        >>> r.accepted.tolist(), r.accept_len.tolist(), r.bonus.tolist()
+        ([[0, 1]], [2], [2])
+    """
+    _check_accept_inputs(tree, target_logits, stop_ids, max_new_tokens, topk_ids, out,
+                         return_logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
+                         uniforms=uniforms, validate=validate)
+    if target_logits.is_cuda:
+        from .kernels.accept import accept_launch
+
+        return accept_launch(tree, target_logits, temperature=temperature, top_k=top_k,
+                             top_p=top_p, uniforms=uniforms, stop_ids=stop_ids,
+                             max_new_tokens=max_new_tokens, return_logprobs=return_logprobs,
+                             topk_ids=topk_ids, out=out)
+    from .reference.accept import accept_sample as ref
+
+    return ref(tree, target_logits, temperature, top_k, top_p, uniforms, stop_ids=stop_ids,
+               max_new_tokens=max_new_tokens, return_logprobs=return_logprobs,
+               topk_ids=topk_ids, out=out)
