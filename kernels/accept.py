@@ -26,8 +26,8 @@ import triton.language as tl
 
 from treeops.accept import Acceptance
 
-BIG = 2147483647
-INT32_MIN = -2147483648
+BIG = tl.constexpr(2147483647)
+INT32_MIN = tl.constexpr(-2147483648)
 
 
 @triton.jit
@@ -132,8 +132,8 @@ def _node_stats(
     S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, NPIV: tl.constexpr,
     K: tl.constexpr, K_PAD: tl.constexpr, SAMPLE: tl.constexpr,
 ):
-    i_s = pid % S
-    i_n = (pid // S) % N
+    i_s = (pid % S).to(tl.int32)
+    i_n = ((pid // S) % N).to(tl.int32)
     i_b = pid // (S * N)
     n = tl.load(p_num_nodes + i_b)
     active = i_n < n

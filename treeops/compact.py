@@ -1,3 +1,160 @@
-"""Being written."""
+"""KV-cache compaction after acceptance (DESIGN.md op 8).
 
-__all__: list[str] = []
+CUDA tensors run one Triton launch (``treeops.kernels.compact_kv``): one program per (request,
+layer, KV head) walks the accepted path in increasing depth and copies slot ``s + i`` to slot
+``s + depth(i)`` in place; CPU tensors run the reference (``treeops.reference.compact_kv``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._checks import check_range, check_same_device, check_tensor
+from .tree import Tree, check_tree
+
+__all__ = ["compact_kv"]
+
+Caches = torch.Tensor | Sequence[torch.Tensor]
+
+
+def _layers(caches: Caches) -> list[torch.Tensor]:
+    if isinstance(caches, torch.Tensor):
+        return list(caches.unbind(0))
+    return list(caches)
+
+
+def _check_caches(name: str, caches: object) -> tuple[tuple[int, ...], torch.dtype]:
+    if isinstance(caches, torch.Tensor):
+        check_tensor(name, caches, shape=(None, None, None, None, None))
+        if not caches.is_floating_point():
+            raise ValueError(f"Invalid dtype of {name}: expected a floating dtype, got {caches.dtype}")
+        if caches.shape[0] < 1:
+            raise ValueError(f"Invalid shape of {name}: expected at least one layer, got 0")
+        return tuple(caches.shape[1:]), caches.dtype
+    if not isinstance(caches, (list, tuple)) or not caches:
+        raise ValueError(f"Invalid type of {name}: expected a [L, num_pages, page_size, H_kv, D] "
+                         f"tensor or a non-empty list of [num_pages, page_size, H_kv, D] tensors, "
+                         f"got {type(caches).__name__}")
+    first = caches[0]
+    check_tensor(f"{name}[0]", first, shape=(None, None, None, None))
+    if not first.is_floating_point():
+        raise ValueError(f"Invalid dtype of {name}[0]: expected a floating dtype, got {first.dtype}")
+    for j, c in enumerate(caches):
+        check_tensor(f"{name}[{j}]", c, shape=tuple(first.shape), dtype=first.dtype,
+                     device=first.device)
+        if c.stride() != first.stride():
+            raise ValueError(f"Invalid strides of {name}[{j}]: expected {first.stride()} (as "
+                             f"{name}[0]), got {c.stride()}")
+    return tuple(first.shape), first.dtype
+
+
+def _check_compact_inputs(k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len,
+                          out, validate) -> None:
+    tree = check_tree(tree, validate=validate)
+    k_shape, k_dtype = _check_caches("k_caches", k_caches)
+    v_shape, v_dtype = _check_caches("v_caches", v_caches)
+    if v_shape != k_shape:
+        raise ValueError(f"Invalid shape of v_caches: expected per-layer {list(k_shape)} (as "
+                         f"k_caches), got {list(v_shape)}")
+    if v_dtype != k_dtype:
+        raise ValueError(f"Invalid dtype of v_caches: expected {k_dtype} (as k_caches), got {v_dtype}")
+    nk = len(k_caches) if not isinstance(k_caches, torch.Tensor) else k_caches.shape[0]
+    nv = len(v_caches) if not isinstance(v_caches, torch.Tensor) else v_caches.shape[0]
+    if nk != nv:
+        raise ValueError(f"Invalid number of layers in v_caches: expected {nk}, got {nv}")
+    sizes = {"B": tree.batch_size, "N": tree.capacity}
+    check_tensor("block_table", block_table, shape=("B", None), dtype=torch.int32, sizes=sizes)
+    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=(torch.int32, torch.int64), sizes=sizes)
+    check_tensor("accepted", accepted, shape=("B", "N"), dtype=torch.int32, sizes=sizes)
+    check_tensor("accept_len", accept_len, shape=("B",), dtype=torch.int32, sizes=sizes)
+    if out is not None:
+        check_tensor("out", out, shape=("B",), dtype=torch.int32, sizes=sizes)
+    first_k = k_caches if isinstance(k_caches, torch.Tensor) else k_caches[0]
+    first_v = v_caches if isinstance(v_caches, torch.Tensor) else v_caches[0]
+    check_same_device(k_caches=first_k, v_caches=first_v, block_table=block_table,
+                      seq_lens=seq_lens, tree=tree.parents, accepted=accepted,
+                      accept_len=accept_len, out=out)
+    if validate:
+        N = sizes["N"]
+        check_range("accept_len", accept_len, 0, N + 1)
+        check_range("accept_len", accept_len[tree.num_nodes > 0], 1, None)
+        check_range("seq_lens", seq_lens, 0, None)
+        ps = k_shape[1]
+        cover = seq_lens.to(torch.int64) + N
+        if bool((cover > block_table.shape[1] * ps).any()):
+            raise ValueError(f"Invalid value in seq_lens: the block table covers "
+                             f"{block_table.shape[1] * ps} slots, but seq_lens + N needs "
+                             f"{int(cover.max())}")
+        check_range("block_table", block_table, 0, k_shape[0])
+        d = torch.arange(N, device=accepted.device)
+        live = d[None, :] < accept_len[:, None].to(torch.int64)
+        acc = accepted.to(torch.int64)
+        if bool((live & ((acc < 0) | (acc >= N))).any()):
+            raise ValueError("Invalid value in accepted: expected node indices in [0, N) "
+                             "within accept_len")
+        idx = acc.clamp(0, N - 1)
+        if bool((live & (tree.depth.gather(1, idx).to(torch.int64) != d[None, :])).any()):
+            raise ValueError("Invalid value in accepted: accepted[b, d] must be a node at depth d")
+
+
+def compact_kv(
+    k_caches: Caches,
+    v_caches: Caches,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tree: Tree,
+    accepted: torch.Tensor,
+    accept_len: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    validate: bool = False,
+) -> torch.Tensor:
+    """Compact the accepted path's K/V in place and return the new sequence lengths.
+
+    Node i's K/V was written to slot ``s + i`` (``s = seq_lens[b]``) before verification; the
+    node accepted at depth d (``accepted[b, d]``) moves to slot ``s + d`` for every layer and KV
+    head, walking the path in increasing depth (safe in place: ``d <= i``, and a later node's
+    source is beyond every earlier destination). Nodes already in place are skipped. Slots
+    outside ``[s, s + accept_len)`` are untouched.
+
+    Args:
+        k_caches, v_caches: [L, num_pages, page_size, H_kv, D] (stacked layers) or a list/tuple of
+            L tensors [num_pages, page_size, H_kv, D] of one shape, dtype and strides (any
+            floating dtype, any strides). A contiguous cache is one page per request.
+        block_table: [B, max_pages] int32, logical page -> physical page.
+        seq_lens: [B] int32/int64, tokens in the cache before this step (the tree root's slot).
+        tree: the verified ``Tree`` (capacity N).
+        accepted, accept_len: from ``accept_greedy`` / ``accept_sample`` ([B, N] int32, [B] int32).
+        out: optional [B] int32 for the new lengths.
+        validate: check index ranges, page coverage and depths (host syncs).
+
+    Returns:
+        ``seq_lens + accept_len`` as [B] int32.
+
+    With a list of layers the kernel reads a device table of layer pointers, built on the first
+    call for those tensors and cached (call once before capturing a CUDA graph).
+
+    Example:
+        >>> import torch, treeops
+        >>> t = treeops.Tree.from_parents(torch.tensor([[-1, 0, 0]], dtype=torch.int32),
+        ...                               torch.tensor([3], dtype=torch.int32))
+        >>> k = torch.arange(8.).reshape(1, 1, 8, 1, 1); v = -k
+        >>> bt = torch.zeros(1, 1, dtype=torch.int32)
+        >>> new = treeops.compact_kv(k, v, bt, torch.tensor([4], dtype=torch.int32), t,
+        ...                          torch.tensor([[0, 2, -1]], dtype=torch.int32),
+        ...                          torch.tensor([2], dtype=torch.int32))
+        >>> new.tolist(), k.flatten().tolist()
+        ([6], [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 6.0, 7.0])
+    """
+    _check_compact_inputs(k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len,
+                          out, validate)
+    if block_table.is_cuda:
+        from .kernels.compact_kv import compact_kv_launch
+
+        return compact_kv_launch(k_caches, v_caches, block_table, seq_lens, accepted, accept_len,
+                                 out=out)
+    from .reference.compact_kv import compact_kv as ref
+
+    return ref(k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out=out)
