@@ -12,7 +12,9 @@
   4. the last request to finish computes the batch-level decision — EAGLE's fixed width, or
      CAST's width (Algorithm 1 with C1 on the device view of the cost table) and depth flag —
      and trims every request's frontier to that width.
-  Counters are returned to 0 by the program that consumed them, so the launch can be replayed
+  The vocabulary size and the logits' strides are specialised (a model's vocabulary is fixed),
+  so that the masked row loads vectorise. Counters are returned to 0 by the program that
+  consumed them, so the launch can be replayed
   in a CUDA graph. Every writer releases at GPU scope before a barrier and the arrival atomic;
   readers of other programs' data load with ``.cg`` (L2, not a stale L1).
 
@@ -54,16 +56,20 @@ def _unordered(o):
 
 
 @triton.jit
-def _release_then_arrive(P_CTR, N_LANES: tl.constexpr):
-    """Every thread releases its writes at GPU scope, the CTA meets, then one atomic arrives.
-    Returns the counter's previous value (arrival order)."""
-    o = tl.zeros([N_LANES], dtype=tl.int32)
-    tl.atomic_add(P_CTR + o, o, sem="release")
+def _release_then_arrive(P_CTR, LANES: tl.constexpr, FENCE: tl.constexpr):
+    """Every thread fences its writes at GPU scope (``LANES`` = threads per program: one fence
+    each), the CTA meets, then one acq_rel atomic arrives (CUDA's threadfence-reduction pattern).
+    Returns the counter's previous value. The interpreter runs programs one after another and
+    has no inline assembly, so it skips the fence."""
+    if FENCE:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r",
+                                  [tl.zeros([LANES], dtype=tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
     tl.debug_barrier()
     return tl.atomic_add(P_CTR, 1, sem="acq_rel")
 
 
-@triton.jit(do_not_specialize=["B", "V", "layer", "s_lb", "s_lw", "C1", "C2", "L", "M"])
+@triton.jit(do_not_specialize=["B", "layer", "C1", "C2", "L", "M"])
 def _expand_kernel(
     LOGITS, FS, FR, FT, ACT, SEQ,
     CT, CS, CP, DEC, UH, CTR, CUM, TAB_T, TAB_D,
@@ -72,7 +78,7 @@ def _expand_kernel(
     W: tl.constexpr, K: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     NMAX: tl.constexpr, CUMW: tl.constexpr,
     KP: tl.constexpr, CPAD: tl.constexpr, WP: tl.constexpr, BP: tl.constexpr, DP: tl.constexpr,
-    BLOCK_V: tl.constexpr, LANES: tl.constexpr, CAST: tl.constexpr,
+    BLOCK_V: tl.constexpr, LANES: tl.constexpr, FENCE: tl.constexpr, CAST: tl.constexpr,
 ):
     C: tl.constexpr = W * K
     i_p = tl.program_id(0)
@@ -130,7 +136,7 @@ def _expand_kernel(
     tl.store(CP + o_dst, tl.where(row_ok, tl.zeros([KP], tl.int32) + b_par, -1), mask=m_k)
 
     # ---- 3. last row of the request: rank its W*K candidates, write the next frontier
-    if _release_then_arrive(CTR + i_b64, LANES) == W - 1:
+    if _release_then_arrive(CTR + i_b64, LANES, FENCE) == W - 1:
         tl.store(CTR + i_b64, 0)
         o_c = tl.arange(0, CPAD)
         m_c = o_c < C
@@ -156,7 +162,7 @@ def _expand_kernel(
         tl.store(CUM + i_b64 * CUMW + c_rank, c_cum, mask=sel)
 
         # ---- 4. last request: the batch-level decision
-        if _release_then_arrive(CTR + B, LANES) == B - 1:
+        if _release_then_arrive(CTR + B, LANES, FENCE) == B - 1:
             tl.store(CTR + B, 0)
             o_w = tl.arange(0, WP)
             m_w = o_w < W
@@ -341,7 +347,7 @@ def expand(logits: torch.Tensor, state, policy, *, block_v: int | None = None) -
         float(policy.C1) if cast else 0.0, float(policy.C2) if cast else 0.0, L, M,
         W=W, K=K, D=D, R=policy.R if cast else 1, NMAX=nmax, CUMW=ws["cum"].shape[1],
         KP=_pow2(K), CPAD=_pow2(C), WP=_pow2(W), BP=_pow2(B), DP=_pow2(D),
-        BLOCK_V=block_v, LANES=max(block_v, 32 * warps), CAST=cast, num_warps=warps,
+        BLOCK_V=block_v, LANES=32 * warps, FENCE=not _INTERPRET, CAST=cast, num_warps=warps,
     )
 
 

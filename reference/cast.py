@@ -35,12 +35,13 @@ __all__ = ["CostTable", "cast_select", "cast_utilities", "cast_width", "cast_dep
 # --------------------------------------------------------------------------------------- table
 @dataclass
 class CostTable:
-    """Forward times ``f(B, c, n)`` of the target (``S_T``) and the draft (``S_D``, LM head included).
+    """Forward times ``f(B, c, n)`` of the target (``S_T``) and the draft (``S_D``, with its LM
+    head).
 
-    ``target[i, k, n - 1]`` is the time of one target forward of ``n`` new tokens per request at batch
-    ``batch_sizes[i]`` and context ``(k + 1) * L`` (the context grid ``c = kL``, ``k = 1..M``); ``draft``
-    likewise. Both are float64 tensors ``[len(batch_sizes), M, n_max]`` in microseconds, made
-    non-decreasing in ``n`` on construction (running max over measurement noise). ``meta`` records
+    ``target[i, k, n - 1]`` is the time of one target forward of ``n`` new tokens per request at
+    batch ``batch_sizes[i]`` and context ``(k + 1) * L`` (the context grid ``c = kL``,
+    ``k = 1..M``); ``draft`` likewise. Both are float64 tensors ``[len(batch_sizes), M, n_max]``
+    in microseconds, made non-decreasing in ``n`` on construction (running max over measurement noise). ``meta`` records
     the GPU, model identities, versions and whatever else the calibration knew (e.g. that the
     target was timed on a few layers and scaled).
 
@@ -106,15 +107,16 @@ class CostTable:
         return int(self.target.shape[2])
 
     def bucket(self, c: int) -> int:
-        """Index of context ``c``'s bucket: ``min(c // L, M - 1)`` (``select(c) = L * (bucket + 1)``)."""
+        """Index of context ``c``'s bucket: ``min(c // L, M - 1)``
+        (``select(c) = L * (bucket + 1)``)."""
         return min(max(int(c), 0) // self.L, self.M - 1)
 
     def select(self, c: int) -> int:
-        """``select(c) = L * (min(floor(c / L), M - 1) + 1)``: the grid context that prices ``c``."""
+        """``select(c) = L * (min(floor(c / L), M - 1) + 1)``: the grid context pricing ``c``."""
         return self.L * (self.bucket(c) + 1)
 
     def batch_index(self, B: int) -> int:
-        """Row of batch size ``B``: the smallest measured batch >= B (the largest if B exceeds all)."""
+        """Row of batch size ``B``: the smallest measured batch >= B (the largest if none is)."""
         for i, b in enumerate(self.batch_sizes):
             if b >= B:
                 return i
@@ -143,7 +145,8 @@ class CostTable:
             raise ValueError(f"Invalid value of {name}: expected 1 <= {name} <= n_max = "
                              f"{self.n_max}, got {k}")
 
-    def device_tables(self, B: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    def device_tables(self, B: int,
+                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(target, draft) rows of batch ``B`` as float32 ``[M, n_max]`` tensors on ``device``,
         cached: the view the selection kernels read (they bucket the context on the device)."""
         key = (self.batch_index(B), str(torch.device(device)))
@@ -233,9 +236,10 @@ class CostTable:
         """Measure ``f(B, c, n)`` of ``target_fn`` and ``draft_fn`` (each runs one forward of ``n``
         new tokens per request at batch ``B`` and context ``c``; the draft's includes its LM head).
 
-        Times are taken at contexts ``c = L, 2L, ..., ML`` and at token counts ``ns`` (default: every
-        n in 1..n_max; must start at 1 and end at n_max), linearly interpolated between measured n,
-        then made non-decreasing in n. ``meta`` is stored with the GPU name and versions added.
+        Times are taken at contexts ``c = L, 2L, ..., ML`` and at token counts ``ns`` (default:
+        every n in 1..n_max; must start at 1 and end at n_max), linearly interpolated between
+        measured n, then made non-decreasing in n. ``meta`` is stored with the GPU name and
+        versions added.
         """
         ns = sorted(set(ns)) if ns is not None else list(range(1, n_max + 1))
         if ns[0] != 1 or ns[-1] != n_max:

@@ -10,12 +10,15 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from helpers import assert_close
 from hypothesis import given
 from hypothesis import strategies as st
+from treeops.reference import build_tree as ref
 
 import treeops
-from helpers import assert_close
-from treeops.reference import build_tree as ref
+
+# the interpreter converts loop bounds with a NumPy call that NumPy >= 1.25 deprecates
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")
 
 
 # ----------------------------------------------------------------------------- brute force
@@ -273,7 +276,7 @@ def test_rerank_is_ancestor_closed_rank_ordered_top_n(case):
     for b in range(tree.batch_size):
         m = int(tree.num_nodes[b])
         sc = tree.scores[b, :m].tolist()
-        assert all(x >= y for x, y in zip(sc, sc[1:]))
+        assert all(x >= y for x, y in zip(sc[:-1], sc[1:], strict=True))
         assert all(0 <= int(tree.parents[b, j]) < j for j in range(1, m))
         allc = sorted((s for s in state.cand_scores[b, :D].flatten().tolist() if s >= 0),
                       reverse=True)
@@ -289,7 +292,7 @@ def test_named_cases():
         policy = treeops.EagleStatic(depth=D, topk=K, budget=N)
         g = torch.Generator().manual_seed(D * 100 + K)
         logits = torch.randn(D, 2, K, 50, generator=g)
-        tree = treeops.build_tree(policy, lambda s: logits[s.layer], torch.tensor([3, 4]),
+        tree = treeops.build_tree(policy, lambda s, x=logits: x[s.layer], torch.tensor([3, 4]),
                                   torch.tensor([0, 9]))
         tree.validate()
         assert tree.num_nodes.tolist() == [min(N, 1 + K + (D - 1) * K * K)] * 2
@@ -455,3 +458,71 @@ def test_kernels_named_large_case():
                         max_depth=4, capacity=40)
     logits = torch.randn(4, 3, 5, 300, generator=g) * 3
     run_both(cast, logits, [1, 2, 3], [10, 40, 5], [True, False, True], block_v=128)
+
+
+def linear_cast(W, K, lam, delta, C1, B):
+    """A CAST policy whose width costs are exactly c_k = lam * k + delta (S_T[1] = 64)."""
+    n_max = 16
+    t = torch.full((1, 1, n_max), 64.0, dtype=torch.float64)
+    d = torch.tensor([[[64.0 * (lam * k + delta) for k in range(1, n_max + 1)]]],
+                     dtype=torch.float64)
+    table = treeops.CostTable([B], 1024, t, d)
+    return treeops.Cast(C1=C1, C2=0.0, C3=0.0, R=2, cost_table=table, topk=K, max_width=W,
+                        max_depth=2, capacity=16)
+
+
+def dyadic_layer(B, W, K, V, rng):
+    """Frontier scores (multiples of 1/16, descending) and logits whose rows have 1, 2 or 4 zeros
+    and -1000 elsewhere: every candidate score is dyadic, so the batch means are exact."""
+    fs = torch.tensor([sorted((rng.randrange(1, 17) / 16 for _ in range(W)), reverse=True)
+                       for _ in range(B)])
+    logits = torch.full((B, W, V), -1000.0)
+    for b in range(B):
+        for r in range(W):
+            for t in rng.sample(range(V), rng.choice([1, 2, 4])):
+                logits[b, r, t] = 0.0
+    return fs, logits
+
+
+def expand_with(impl, policy, fs, logits):
+    B, W = fs.shape
+    st_ = start(policy, [0] * B, [0] * B, [True] * B)
+    st_.frontier_scores.copy_(fs)  # a frontier of W nodes (all children of the root)
+    if impl == "kernel":
+        _kb().expand(logits, st_, policy, block_v=8)
+    else:
+        ref.build_tree_expand(logits, st_, policy)
+    return st_
+
+
+@given(st.data())
+def test_kernel_theorem_4_1(data):
+    rng = random.Random(data.draw(st.integers(0, 2**31 - 1)))
+    B = data.draw(st.sampled_from([1, 2, 4]))
+    W, K, V = 4, 4, 12
+    fs, logits = dyadic_layer(B, W, K, V, rng)
+    ref_state = expand_with("reference", linear_cast(W, K, 1.0, 0.0, 1.0, B), fs, logits)
+    scores = ref_state.cand_scores[:, 0].clamp(min=0)
+    srt = torch.sort(scores, dim=1, descending=True).values
+    k = data.draw(st.integers(1, W - 1))
+    lam = data.draw(st.sampled_from([0.125, 0.25, 1.0]))
+    delta = data.draw(st.sampled_from([0.0, 0.5, 3.0]))
+    vk, vk1 = float(srt[:, k - 1].sum()), float(srt[:, k].sum())
+    pol = linear_cast(W, K, lam, delta, vk / (B * lam), B)
+    for impl in ("kernel", "reference"):
+        n = int(expand_with(impl, pol, fs, logits).widths[0])
+        assert n == k if vk1 < vk else n > k, (impl, n, k, vk, vk1)
+
+
+def test_kernel_raising_C1_or_draft_costs_never_widens():
+    rng = random.Random(5)
+    B, W, K, V = 4, 4, 3, 16
+    g = torch.Generator().manual_seed(5)
+    fs, _ = dyadic_layer(B, W, K, V, rng)
+    logits = torch.randn(B, W, V, generator=g) * 2
+    widths = [int(expand_with("kernel", linear_cast(W, K, 0.25, 0.5, C1, B), fs, logits).widths[0])
+              for C1 in (0.0, 0.1, 0.3, 0.6, 1.2, 4.0)]
+    assert widths == sorted(widths, reverse=True) and widths[0] == W and widths[-1] == 1
+    widths = [int(expand_with("kernel", linear_cast(W, K, 0.25 * f, 0.5 * f, 0.3, B), fs,
+                              logits).widths[0]) for f in (0.5, 1.0, 2.0, 4.0, 16.0)]
+    assert widths == sorted(widths, reverse=True)

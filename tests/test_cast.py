@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from treeops.reference import cast as ref
 
 import treeops
-from treeops.reference import cast as ref
 
 
 # ------------------------------------------------------------------------------ brute force
@@ -126,7 +126,6 @@ def test_theorem_4_1(batch, data):
     B, M = len(scores), len(scores[0])
     if M < 2:
         return
-    active = [True] * B
     K = data.draw(st.integers(1, M - 1))
     Kmax = data.draw(st.integers(K + 1, M))
     lam = data.draw(st.sampled_from([0.25, 0.5, 1.0, 2.0]))

@@ -3,7 +3,7 @@
 A decoding step drafts layer by layer into a ``DraftState`` (fixed-capacity device buffers), then
 reranks the candidates into a ``Tree``::
 
-    policy = treeops.Cast(C1=0.5, C2=0.2, C3=0.3, R=4, cost_table=table)  # or EagleStatic(6, 10, 60)
+    policy = treeops.Cast(C1=0.5, C2=0.2, C3=0.3, R=4, cost_table=table)  # or EagleStatic(...)
     state = treeops.DraftState.new(policy, root_tokens, seq_lens)       # once; .reset() per step
     while True:
         logits = draft_forward(state.frontier_tokens, ...)              # [B, W, V]
@@ -203,7 +203,7 @@ class DraftState:
 
     def reset(self, root_tokens: torch.Tensor, seq_lens: torch.Tensor,
               active: torch.Tensor | None = None) -> DraftState:
-        """Start a decoding step in place (no allocation, no host sync): the frontier is the root."""
+        """Start a decoding step in place (no allocation, no host sync); the frontier = the root."""
         sizes = {"B": self.active.shape[0]}
         check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64, sizes=sizes)
         check_tensor("seq_lens", seq_lens, shape=("B",), dtype=(torch.int32, torch.int64),

@@ -115,7 +115,7 @@ def cast_depth(u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int, *,
     check_tensor("c", c, shape=(), dtype=(torch.float32, torch.float64))
     check_same_device(u_hist=u_hist, c=c)
     if u_hist.numel() < 1:
-        raise ValueError("Invalid shape of u_hist: expected [i + 1] with at least one entry, got [0]")
+        raise ValueError("Invalid shape of u_hist: expected [i + 1] with i >= 0, got [0]")
     if not isinstance(R, int) or isinstance(R, bool) or R < 1:
         raise ValueError(f"Invalid value of R: expected a positive int, got {R!r}")
     if validate:
