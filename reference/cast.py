@@ -41,9 +41,9 @@ class CostTable:
     ``target[i, k, n - 1]`` is the time of one target forward of ``n`` new tokens per request at
     batch ``batch_sizes[i]`` and context ``(k + 1) * L`` (the context grid ``c = kL``,
     ``k = 1..M``); ``draft`` likewise. Both are float64 tensors ``[len(batch_sizes), M, n_max]``
-    in microseconds, made non-decreasing in ``n`` on construction (running max over measurement noise). ``meta`` records
-    the GPU, model identities, versions and whatever else the calibration knew (e.g. that the
-    target was timed on a few layers and scaled).
+    in microseconds, made non-decreasing in ``n`` on construction (running max over measurement
+    noise). ``meta`` records the GPU, model identities, versions and whatever else the
+    calibration knew (e.g. that the target was timed on a few layers and scaled).
 
     Example:
         >>> t = CostTable.from_functions(lambda B, c, n: 100 + B * n, lambda B, c, n: 10 + B * n,
