@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 BENCH_SHAPES = [(1, 1024, 64), (1, 16384, 64), (8, 4096, 64), (32, 4096, 64), (64, 2048, 32)]
 GRID_SHAPES = [(b, c, n) for b in (1, 4, 16, 64) for c in (512, 4096, 32768) for n in (16, 64, 128)]
 LONG_SHAPES = [(1, 131072, 64)]
+# FlexAttention compiles per shape (tens of seconds of device time each): one shape only
+FLEX_SHAPES = [(8, 4096, 64)]
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 BW, FLOPS = 4.3e12, 790e12
 TOL = 2e-2  # bf16 inputs and outputs, fp32 accumulation: max error / max |ref|
@@ -234,16 +236,16 @@ def measure(name, row, make, ref, graph=True):
         traceback.print_exc(limit=2)
 
 
-def run_shape(B, ctx, n, peers, flex):
+def run_shape(B, ctx, n, peers, flex, override=None):
     c = Case(B, ctx, n)
     fl, nbytes, flops = floor_us(B, ctx, n)
     row = dict(B=B, ctx=ctx, n=n, hq=HQ, hkv=HKV, d=D, page_size=PAGE, dtype="bf16",
                floor_us=round(fl, 2), bytes=nbytes, flops=flops)
     ref = c.reference()
-    fn, cfg = treeops_fn(c)
+    fn, cfg = treeops_fn(c, override)
     row["treeops_config"] = dict(block_m=cfg.block_m, block_n=cfg.block_n,
                                  num_splits=cfg.num_splits, num_warps=cfg.num_warps,
-                                 num_stages=cfg.num_stages)
+                                 num_stages=cfg.num_stages, prefetch=cfg.prefetch)
     measure("treeops", row, lambda: fn, ref)
     row["max_rel_err"] = row.get("treeops_err")
     if row.get("treeops_us") is not None:
@@ -276,7 +278,7 @@ def run_shape(B, ctx, n, peers, flex):
             measure("flex", row, lambda: flex_fn(c, k, v), ref, graph=False)
         else:
             row["flex_us"] = None
-            row["flex_note"] = "not run on this shape (device-time budget: BENCH.md shapes only)"
+            row["flex_note"] = "not run on this shape (device-time budget: compiled for FLEX_SHAPES only)"
     row["sglang_extend_us"] = None
     row["sglang_extend_note"] = "sglang is not installed on the device (no wheel carried)"
     for peer in ("flashinfer_custom", "flashinfer_causal", "sdpa", "flex"):
@@ -290,12 +292,27 @@ def run_shape(B, ctx, n, peers, flex):
 
 
 SWEEP = [
-    dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
-    dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
-    dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
-    dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
-    dict(block_m=64, block_n=128, num_warps=4, num_stages=2),
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=1, prefetch=True),
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=2, prefetch=True),
+    dict(block_m=128, block_n=128, num_warps=8, num_stages=1, prefetch=True),
+    dict(block_m=64, block_n=64, num_warps=4, num_stages=1, prefetch=True),
+    dict(block_m=64, block_n=128, num_warps=4, num_stages=1, prefetch=True),
+    dict(block_m=128, block_n=64, num_warps=8, num_stages=3, prefetch=False),
 ]
+SWEEP_SHAPES = [(1, 1024, 64), (1, 16384, 64), (8, 4096, 64), (32, 4096, 64)]
+
+
+def best_override(rows):
+    """The sweep config with the lowest geometric-mean time over the sweep shapes (default
+    splits only); None if any shape is missing for every config."""
+    score = {}
+    for r in rows:
+        if r.get("us") is None or not r.get("default_splits"):
+            continue
+        key = json.dumps({k: r[k] for k in SWEEP[0]}, sort_keys=True)
+        score.setdefault(key, []).append(math.log(r["us"]))
+    full = {k: sum(v) for k, v in score.items() if len(v) == len(SWEEP_SHAPES)}
+    return json.loads(min(full, key=full.get)) if full else None
 
 
 def sweep(shapes):
@@ -311,7 +328,8 @@ def sweep(shapes):
                 splits = {None: None, "x2": min(32, base * 2), "half": max(1, base // 2)}[ns]
                 if ns is not None and splits == base:
                     continue
-                r = dict(B=B, ctx=ctx, n=n, floor_us=round(fl, 2), **ov, splits=splits or base)
+                r = dict(B=B, ctx=ctx, n=n, floor_us=round(fl, 2), **ov, splits=splits or base,
+                         default_splits=ns is None)
                 try:
                     fn, _ = treeops_fn(c, ov, splits)
                     err = rel_err(fn(), ref)
@@ -342,6 +360,8 @@ def main(argv=None):
     ap.add_argument("--out", default=".")
     ap.add_argument("--shapes", choices=("bench", "all"), default="all")
     ap.add_argument("--sweep", action="store_true", help="also time tile/split variants")
+    ap.add_argument("--auto", action="store_true",
+                    help="with --sweep: time every shape with the sweep's best config")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--commit", default=None)
@@ -357,13 +377,19 @@ def main(argv=None):
     result = dict(gpu=torch.cuda.get_device_name(), versions=versions(), commit=commit,
                   date=time.strftime("%Y-%m-%d"), layout=dict(hq=HQ, hkv=HKV, d=D, page=PAGE),
                   floor=dict(bandwidth=BW, flops=FLOPS), rows=[])
+    override = None
     if args.sweep:
-        result["sweep"] = sweep(BENCH_SHAPES)
+        result["sweep"] = sweep(SWEEP_SHAPES)
+        if args.auto:
+            override = best_override(result["sweep"])
+            result["sweep_choice"] = override
+            print("sweep choice:", override, flush=True)
     shapes = BENCH_SHAPES + ([] if args.shapes == "bench" else GRID_SHAPES + LONG_SHAPES)
     for i, (B, ctx, n) in enumerate(shapes):
         t0 = time.time()
         row = run_shape(B, ctx, n, not args.no_peers,
-                        flex=not args.no_flex and (B, ctx, n) in BENCH_SHAPES)
+                        flex=not args.no_flex and (B, ctx, n) in FLEX_SHAPES,
+                        override=override)
         row["bench_md_shape"] = (B, ctx, n) in BENCH_SHAPES
         result["rows"].append(row)
         print(f"[{i + 1}/{len(shapes)}] {B} {ctx} {n}: {time.time() - t0:.1f}s "

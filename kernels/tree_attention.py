@@ -74,6 +74,7 @@ def _tree_attn_fwd(
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_QS: tl.constexpr, HAS_QL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = G_PAD * BLOCK_Q
     i_t = tl.program_id(0)
@@ -137,14 +138,47 @@ def _tree_attn_fwd(
         # prefix: every key visible; full tiles carry no mask at all
         p_end = tl.minimum(end, seq)
         n_full = tl.maximum(p_end - start, 0) // BLOCK_N
-        for it in range(n_full):
-            pos = start + it * BLOCK_N + o_n  # [BLOCK_N] logical slot
-            page = tl.load(p_bt + pos // PAGE_SIZE).to(tl.int64)
+        if PREFETCH:
+            # Software pipeline by hand: the page ids of tile it+2 and the K/V of tile it+1 are
+            # in flight while tile it is computed. Without it every tile waits on a serial chain
+            # block table -> K/V -> dot (measured on the H200: ~2.5 us per tile at any batch).
+            full_end = start + n_full * BLOCK_N
+            pos = start + o_n
+            m_k = pos < full_end
+            page = tl.load(p_bt + pos // PAGE_SIZE, mask=m_k, other=0).to(tl.int64)
             slot = pos % PAGE_SIZE
-            b_k = tl.load(K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd)
-            b_v = tl.load(V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd)
-            b_acc, b_m, b_l = _attend(b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, None,
-                                      False, UPCAST)
+            k_nxt = tl.load(K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
+                            mask=m_k[:, None], other=0.0)
+            v_nxt = tl.load(V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
+                            mask=m_k[:, None], other=0.0)
+            pos_nxt = pos + BLOCK_N
+            page_nxt = tl.load(p_bt + pos_nxt // PAGE_SIZE, mask=pos_nxt < full_end,
+                               other=0).to(tl.int64)
+            for it in range(n_full):
+                b_k = k_nxt
+                b_v = v_nxt
+                m_k = pos_nxt < full_end
+                slot = pos_nxt % PAGE_SIZE
+                k_nxt = tl.load(K + (page_nxt * s_kp + slot * s_ks + off_kh)[:, None]
+                                + o_d[None, :] * s_kd, mask=m_k[:, None], other=0.0)
+                v_nxt = tl.load(V + (page_nxt * s_vp + slot * s_vs + off_vh)[:, None]
+                                + o_d[None, :] * s_vd, mask=m_k[:, None], other=0.0)
+                pos_nxt = pos_nxt + BLOCK_N
+                page_nxt = tl.load(p_bt + pos_nxt // PAGE_SIZE, mask=pos_nxt < full_end,
+                                   other=0).to(tl.int64)
+                b_acc, b_m, b_l = _attend(b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, None,
+                                          False, UPCAST)
+        else:
+            for it in range(n_full):
+                pos = start + it * BLOCK_N + o_n  # [BLOCK_N] logical slot
+                page = tl.load(p_bt + pos // PAGE_SIZE).to(tl.int64)
+                slot = pos % PAGE_SIZE
+                b_k = tl.load(K + (page * s_kp + slot * s_ks + off_kh)[:, None]
+                              + o_d[None, :] * s_kd)
+                b_v = tl.load(V + (page * s_vp + slot * s_vs + off_vh)[:, None]
+                              + o_d[None, :] * s_vd)
+                b_acc, b_m, b_l = _attend(b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, None,
+                                          False, UPCAST)
         tail = start + n_full * BLOCK_N
         if tail < p_end:
             pos = tail + o_n
@@ -258,6 +292,7 @@ class AttnConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+    prefetch: bool = True
 
     @property
     def block_m(self) -> int:
@@ -284,7 +319,12 @@ def pick_config(B: int, N: int, H_q: int, H_kv: int, D: int, kv_capacity: int, s
         block_m, block_n, warps, stages = 128, 64, 8, 3
     else:
         block_m, block_n, warps, stages = 64, 32, 4, 2
+    prefetch = not interpret
+    ppsm, min_chunk = PROGRAMS_PER_SM, MIN_CHUNK
     if override:
+        prefetch = override.get("prefetch", prefetch)
+        ppsm = override.get("programs_per_sm", ppsm)
+        min_chunk = override.get("min_chunk", min_chunk)
         block_m = override.get("block_m", block_m)
         block_n = override.get("block_n", block_n)
         warps = override.get("num_warps", warps)
@@ -295,12 +335,12 @@ def pick_config(B: int, N: int, H_q: int, H_kv: int, D: int, kv_capacity: int, s
     m_tiles = triton.cdiv(N, block_q)
     if num_splits is None:
         base = B * H_kv * m_tiles
-        target = PROGRAMS_PER_SM * sms
+        target = ppsm * sms
         num_splits = 1
         if base < target:
             num_splits = min(triton.cdiv(target, base), MAX_SPLITS,
-                             max(1, kv_capacity // MIN_CHUNK))
-    return AttnConfig(block_q, g_pad, block_n, max(1, num_splits), warps, stages)
+                             max(1, kv_capacity // min_chunk))
+    return AttnConfig(block_q, g_pad, block_n, max(1, num_splits), warps, stages, prefetch)
 
 
 def workspace_numel(B: int, N: int, H_q: int, D: int, cfg: AttnConfig) -> int:
@@ -353,7 +393,7 @@ def tree_attention_fwd(
         G=H_q // H_kv, G_PAD=cfg.g_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, D=D,
         PAGE_SIZE=page_size, NUM_SPLITS=S,
         HAS_QS=q_start is not None, HAS_QL=q_len is not None, WRITE_LSE=lse is not None,
-        UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=upcast, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if S > 1:
         s_pad = triton.next_power_of_2(S)
