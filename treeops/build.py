@@ -143,7 +143,7 @@ class DraftState:
     ``layer`` (a host int) counts the layers expanded this step. On CUDA the decisions are also
     copied (non-blocking) to ``host_decisions``, a pinned buffer, after each expand/emit, with an
     event per decision point; ``width(i)``, ``wants_next_layer()`` and ``verify_count()`` wait on
-    that event only.
+    that event only (see ``publish`` for CUDA-graph replays).
     """
 
     root_tokens: torch.Tensor
@@ -250,8 +250,12 @@ class DraftState:
         """[B, W] bool: frontier rows that hold a node (the others' logits are ignored)."""
         return self.frontier_scores >= 0
 
-    def _publish(self, point: int) -> None:
-        if self.host_decisions is not None:
+    def publish(self, point: int) -> None:
+        """Copy the decisions to the pinned host buffer (non-blocking) and record decision point
+        ``point``'s event (layer i: ``i``; the rerank: ``max_depth``). The public ops do this
+        after each launch, except while a CUDA graph is being captured: a decoder replaying
+        captured expand/emit launches calls ``publish`` itself after each replay."""
+        if self.host_decisions is not None and not torch.cuda.is_current_stream_capturing():
             self.host_decisions.copy_(self.decisions, non_blocking=True)
             self.events[point].record()
 
@@ -345,7 +349,7 @@ def build_tree_expand(logits: torch.Tensor, state: DraftState, policy: Policy, *
         state.layer += 1
     else:
         _ref.build_tree_expand(logits, state, policy)
-    state._publish(state.layer - 1)
+    state.publish(state.layer - 1)
 
 
 def build_tree_emit(state: DraftState, policy: Policy, *, out: Tree | None = None,
@@ -382,7 +386,7 @@ def build_tree_emit(state: DraftState, policy: Policy, *, out: Tree | None = Non
         tree = _emit(state, policy, out=out)
     else:
         tree = _ref.build_tree_emit(state, policy, out=out)
-    state._publish(state.max_depth)
+    state.publish(state.max_depth)
     if validate:
         tree.validate()
         check_finite("tree.scores", tree.scores, nonnegative=True)

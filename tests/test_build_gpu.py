@@ -1,0 +1,201 @@
+"""GPU tests of the tree build and CAST kernels (compiled, realistic vocabularies).
+
+Run on the H200: ``TREEOPS_GPU_TESTS=1 python -m pytest tests/test_build_gpu.py``. The ``memcheck``
+cases use a fixed table of shapes so that ``compute-sanitizer --tool memcheck python -m pytest
+tests/test_build_gpu.py -k memcheck`` compiles each kernel once per shape.
+
+GPU ``exp`` and division differ from the float64 reference by a few ulps, so candidate scores
+can order differently where two are within rounding of each other. The checks are therefore:
+top-k tokens and parents exact (they depend on logits only), scores close, and every ranking
+(frontier, rerank) exact against the kernel's *own* scores, computed independently on the host;
+decisions against the reference applied to the kernel's state.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_close
+from treeops.kernels import build_tree as KB
+from treeops.reference import build_tree as RB
+
+import treeops
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _table(B, n_max=128):
+    # BENCH.md's curve: flat to ~100 tokens, then linear; a one-layer draft much cheaper
+    return treeops.CostTable.from_functions(
+        lambda b, c, n: 130.0 + c / 4096 + max(0, b * n - 96) * 0.6,
+        lambda b, c, n: 20.0 + c / 16384 + max(0, b * n - 256) * 0.05,
+        batch_sizes=[1, 8, 64], L=1024, M=8, n_max=n_max, meta={"gpu": "synthetic"})
+
+
+def _policy(kind, W=10, K=10, D=8, N=64, B=8):
+    if kind == "eagle":
+        return treeops.EagleStatic(depth=D, topk=W, budget=N)
+    return treeops.Cast(C1=0.3, C2=0.05, C3=0.02, R=4, cost_table=_table(B, max(N, W)),
+                        topk=K, max_width=W, max_depth=D, capacity=N)
+
+
+def _cpu_state(st):
+    c = copy.copy(st)
+    for f in ("root_tokens", "seq_lens", "active", "cand_tokens", "cand_scores", "cand_parents",
+              "frontier", "frontier_tokens", "frontier_scores", "decisions", "u_hist"):
+        setattr(c, f, getattr(st, f).cpu().clone())
+    c.workspace = {k: v.cpu().clone() for k, v in st.workspace.items()}
+    c.host_decisions, c.events = None, []
+    return c
+
+
+def _host_frontier(cand_scores_layer, W):
+    """Top-W of one layer's candidates by (score desc, index asc), from the kernel's floats."""
+    s = cand_scores_layer.cpu()
+    order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :W]
+    return order, s.gather(1, order)
+
+
+def _run(policy, B, V, dtype, seed, active=None, seq=None):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    roots = torch.randint(0, V, (B,), device=DEV, generator=g)
+    seq = torch.randint(0, 20000, (B,), device=DEV, generator=g) if seq is None else seq
+    st = treeops.DraftState.new(policy, roots, seq, active)
+    W, K = policy.max_width, policy.topk
+    C = W * K
+    i = 0
+    while st.wants_next_layer():
+        logits = (torch.randn(B, W, V, device=DEV, generator=g) * 3).to(dtype)
+        before = _cpu_state(st)
+        treeops.build_tree_expand(logits, st, policy)
+        # reference applied to the kernel's state before this layer
+        RB.build_tree_expand(logits.cpu(), before, policy)
+        assert torch.equal(st.cand_tokens[:, i].cpu(), before.cand_tokens[:, i]), f"layer {i}"
+        assert torch.equal(st.cand_parents[:, i].cpu(), before.cand_parents[:, i]), f"layer {i}"
+        assert_close(st.cand_scores[:, i].clamp(min=0), before.cand_scores[:, i].clamp(min=0),
+                     torch.float32, f"layer {i} scores")
+        order, top = _host_frontier(st.cand_scores[:, i], W)
+        n = int(st.decisions[i])
+        assert n == int(before.decisions[i]), f"layer {i} width"
+        flag = policy.max_depth + i
+        assert int(st.decisions[flag]) == int(before.decisions[flag]), f"layer {i} depth flag"
+        keep = (torch.arange(W)[None, :] < n) & (top >= 0)
+        want = torch.where(keep, i * C + order, -1).to(torch.int32)
+        assert torch.equal(st.frontier.cpu(), want), f"layer {i} frontier"
+        assert st.width(i) == n  # pinned host copy agrees
+        i += 1
+    final = _cpu_state(st)
+    tree = treeops.build_tree_emit(st, policy)
+    want = RB.build_tree_emit(final, policy)
+    assert st.verify_count() == int(final.decisions[-1])
+    for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling"):
+        assert torch.equal(getattr(tree, f).cpu(), getattr(want, f)), f
+    assert_close(tree.scores, want.scores, torch.float32, "tree scores")
+    tree.validate()
+    return st, tree
+
+
+@pytest.mark.parametrize("kind", ["eagle", "cast"])
+@pytest.mark.parametrize("B,V,dtype", [
+    (1, 32000, torch.bfloat16),
+    (8, 128256, torch.bfloat16),
+    (64, 32000, torch.bfloat16),
+    (5, 50257, torch.float32),
+    (3, 1000, torch.float16),
+])
+def test_realistic(kind, B, V, dtype):
+    _run(_policy(kind, B=B), B, V, dtype, seed=B * 31 + V)
+
+
+def test_inactive_rows_and_small_widths():
+    B = 6
+    active = torch.tensor([True, False, True, True, False, True], device=DEV)
+    pol = treeops.Cast(C1=2.0, C2=0.5, C3=0.2, R=2, cost_table=_table(B), topk=4, max_width=6,
+                       max_depth=5, capacity=32)
+    st, tree = _run(pol, B, 4096, torch.bfloat16, seed=3, active=active)
+    assert tree.num_nodes.cpu().tolist()[1] == 0 and tree.num_nodes.cpu().tolist()[4] == 0
+
+
+def test_cuda_graph_replay_matches_eager():
+    """Capture one expand (and the emit) in CUDA graphs; replay many times with new logits: the
+    arrival counters must come back to 0 every time and the results equal eager runs."""
+    B, W, V = 64, 10, 32000
+    pol = _policy("cast", B=B)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    roots = torch.randint(0, V, (B,), device=DEV, generator=g)
+    seq = torch.full((B,), 3000, device=DEV)
+    static_logits = torch.randn(B, W, V, device=DEV, generator=g).to(torch.bfloat16)
+    st = treeops.DraftState.new(pol, roots, seq)
+    out = treeops.Tree.empty(B, pol.capacity, DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (compiles) outside the capture
+        KB.expand(static_logits, st, pol)
+        KB.emit(st, pol, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    st.reset(roots, seq)
+    graph_expand, graph_emit = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph_expand):
+        KB.expand(static_logits, st, pol)
+    st.layer = 1
+    with torch.cuda.graph(graph_emit):
+        KB.emit(st, pol, out=out)
+    eager = treeops.DraftState.new(pol, roots, seq)
+    for rep in range(20):
+        x = (torch.randn(B, W, V, device=DEV, generator=g) * (1 + rep % 4)).to(torch.bfloat16)
+        static_logits.copy_(x)
+        st.reset(roots, seq)
+        graph_expand.replay()
+        st.layer = 1
+        graph_emit.replay()
+        eager.reset(roots, seq)
+        KB.expand(x, eager, pol)
+        eager.layer = 1
+        ref_tree = KB.emit(eager, pol)
+        torch.cuda.synchronize()
+        assert int(st.workspace["counters"].abs().sum()) == 0
+        for f in ("cand_tokens", "cand_scores", "cand_parents", "frontier", "decisions"):
+            assert torch.equal(getattr(st, f), getattr(eager, f)), (rep, f)
+        for f in ("tokens", "parents", "num_nodes", "anc", "first_child", "next_sibling"):
+            assert torch.equal(getattr(out, f), getattr(ref_tree, f)), (rep, f)
+
+
+def test_stress_arrival_counters():
+    """Many programs racing for the arrival counters (B*W = 1280 programs, small V so they finish
+    together): every launch must produce the decision exactly once and reset the counters."""
+    B, W, V = 128, 10, 512
+    pol = _policy("cast", B=B)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    st = treeops.DraftState.new(pol, torch.zeros(B, dtype=torch.int64, device=DEV),
+                                torch.full((B,), 100, device=DEV))
+    frontier_scores = torch.rand(B, W, device=DEV, generator=g)
+    for rep in range(200):
+        st.frontier_scores.copy_(frontier_scores)
+        st.layer = 0
+        logits = torch.randn(B, W, V, device=DEV, generator=g)
+        KB.expand(logits, st, pol)
+        if rep % 50 == 0 or rep == 199:
+            torch.cuda.synchronize()
+            assert int(st.workspace["counters"].abs().sum()) == 0, rep
+            order, top = _host_frontier(st.cand_scores[:, 0], W)
+            n = int(st.decisions[0])
+            keep = (torch.arange(W)[None, :] < n) & (top >= 0)
+            assert torch.equal(st.frontier.cpu(), torch.where(keep, order, -1).to(torch.int32))
+    torch.cuda.synchronize()
+    assert int(st.workspace["counters"].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("kind,B,W,K,V,D,N", [
+    ("eagle", 2, 4, 4, 1000, 3, 16),
+    ("cast", 3, 10, 10, 4099, 4, 64),
+    ("eagle", 1, 10, 10, 32000, 2, 128),
+])
+def test_memcheck(kind, B, W, K, V, D, N):
+    """A fixed table for compute-sanitizer (odd V: the masked tail of the row)."""
+    pol = (treeops.EagleStatic(depth=D, topk=W, budget=N) if kind == "eagle" else
+           treeops.Cast(C1=0.1, C2=0.01, C3=0.01, R=2, cost_table=_table(B, max(N, W)), topk=K,
+                        max_width=W, max_depth=D, capacity=N))
+    _run(pol, B, V, torch.bfloat16, seed=7)
