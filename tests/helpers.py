@@ -39,9 +39,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     )
 
 
-def tree_from_lists(parents: list[list[int]], tokens: list[list[int]] | None = None,
-                    scores: list[list[float]] | None = None, capacity: int | None = None,
-                    device: str = "cpu") -> treeops.Tree:
+def tree_from_lists(
+    parents: list[list[int]],
+    tokens: list[list[int]] | None = None,
+    scores: list[list[float]] | None = None,
+    capacity: int | None = None,
+    device: str = "cpu",
+) -> treeops.Tree:
     """A Tree from per-request Python lists (rows may differ in length; [] = inactive row)."""
     B = len(parents)
     N = capacity or max(1, max(len(p) for p in parents))

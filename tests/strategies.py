@@ -40,7 +40,7 @@ def tokens_for(parents: list[int], vocab: int, rng: random.Random) -> list[int]:
     """Random tokens, distinct among siblings (needs vocab >= the widest fan-out)."""
     toks: list[int] = []
     used: dict[int, set[int]] = {}
-    for i, p in enumerate(parents):
+    for _i, p in enumerate(parents):
         s = used.setdefault(p, set())
         t = rng.randrange(vocab)
         while t in s:
@@ -70,8 +70,9 @@ class TreeCase:
     vocab: int
 
 
-def make_tree(parents: list[list[int]], capacity: int, vocab: int, rng: random.Random,
-              ties: bool = False) -> treeops.Tree:
+def make_tree(
+    parents: list[list[int]], capacity: int, vocab: int, rng: random.Random, ties: bool = False
+) -> treeops.Tree:
     B = len(parents)
     par = torch.full((B, capacity), -1, dtype=torch.int32)
     tok = torch.zeros(B, capacity, dtype=torch.int64)
@@ -87,8 +88,15 @@ def make_tree(parents: list[list[int]], capacity: int, vocab: int, rng: random.R
 
 
 @st.composite
-def trees(draw, max_batch: int = 4, capacities=(1, 4, 8, 16, 32, 64), vocab: int = 64,
-          kinds=TREE_KINDS, allow_inactive: bool = True, ties: bool | None = None) -> TreeCase:
+def trees(
+    draw,
+    max_batch: int = 4,
+    capacities=(1, 4, 8, 16, 32, 64),
+    vocab: int = 64,
+    kinds=TREE_KINDS,
+    allow_inactive: bool = True,
+    ties: bool | None = None,
+) -> TreeCase:
     """A ragged batch of trees: each row its own kind and size; capacity a power of two."""
     N = draw(st.sampled_from(capacities))
     B = draw(st.integers(1, max_batch))
@@ -113,8 +121,16 @@ class PagedKV:
     page_size: int
 
 
-def paged_kv(lengths: list[int], page_size: int | None, h_kv: int, d: int, dtype: torch.dtype,
-             rng: random.Random, strided: bool = False, device: str = "cpu") -> PagedKV:
+def paged_kv(
+    lengths: list[int],
+    page_size: int | None,
+    h_kv: int,
+    d: int,
+    dtype: torch.dtype,
+    rng: random.Random,
+    strided: bool = False,
+    device: str = "cpu",
+) -> PagedKV:
     """Random K/V caches covering ``lengths[b]`` slots per request, pages shuffled.
 
     ``page_size=None`` gives one page per request (a contiguous cache). ``strided`` stores K and
@@ -144,8 +160,12 @@ def paged_kv(lengths: list[int], page_size: int | None, h_kv: int, d: int, dtype
     return PagedKV(kc.to(device), vc.to(device), bt.to(device), page_size)
 
 
-def logits_like(shape: tuple[int, ...], rng: random.Random, ties: bool = False,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def logits_like(
+    shape: tuple[int, ...],
+    rng: random.Random,
+    ties: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Random logits; with ``ties`` drawn from a handful of values so equal maxima are common."""
     g = torch.Generator().manual_seed(rng.randrange(2**31))
     if ties:

@@ -50,8 +50,9 @@ def _probe(py: Path, cwd: Path) -> list[str]:
 
 
 def _pip(py: Path, *args: str) -> None:
-    out = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", *args],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--no-deps", *args], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -68,18 +69,26 @@ def test_editable_install_maps_subpackages(tmp_path):
 @pytest.mark.slow
 def test_wheel_install_maps_subpackages(tmp_path):
     wheels = tmp_path / "wheels"
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
-                          str(wheels), str(REPO)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(REPO)],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     (wheel,) = wheels.glob("treeops-*.whl")
     py = _fresh_venv(tmp_path / "venv")
     _pip(py, str(wheel))
-    site = Path(subprocess.check_output(
-        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
-    ).strip()).resolve()
+    site = Path(
+        subprocess.check_output(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+    ).resolve()
     files = [Path(p) for p in _probe(py, tmp_path)]
-    assert files == [site / "treeops" / "__init__.py", site / "treeops" / "kernels" / "__init__.py",
-                     site / "treeops" / "reference" / "__init__.py"]
+    assert files == [
+        site / "treeops" / "__init__.py",
+        site / "treeops" / "kernels" / "__init__.py",
+        site / "treeops" / "reference" / "__init__.py",
+    ]
     assert not (site / "kernels").exists() and not (site / "reference").exists()
     assert (site / "treeops" / "py.typed").exists()
 

@@ -91,8 +91,9 @@ def test_draw_shows_structure():
 
 
 def _good():
-    return tree_from_lists([[-1, 0, 0, 1]], tokens=[[5, 6, 7, 8]], scores=[[1, 0.5, 0.25, 0.125]],
-                           capacity=6)
+    return tree_from_lists(
+        [[-1, 0, 0, 1]], tokens=[[5, 6, 7, 8]], scores=[[1, 0.5, 0.25, 0.125]], capacity=6
+    )
 
 
 @pytest.mark.parametrize(
@@ -124,22 +125,29 @@ def test_validate_names_each_violation(corrupt, message):
 def test_field_checks():
     t = _good()
     t.parents = t.parents.long()
-    with pytest.raises(ValueError, match=r"Invalid dtype of tree.parents: expected torch.int32, got torch.int64"):
+    with pytest.raises(
+        ValueError, match=r"Invalid dtype of tree.parents: expected torch.int32, got torch.int64"
+    ):
         t.validate()
     t = _good()
     t.depth = t.depth[:, :3]
-    with pytest.raises(ValueError, match=r"Invalid shape of tree.depth: expected \[1, 6\], got \[1, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"Invalid shape of tree.depth: expected \[1, 6\], got \[1, 3\]"
+    ):
         t.check_fields()
     with pytest.raises(ValueError, match="Invalid dtype of parents"):
         treeops.Tree.from_parents(torch.tensor([[-1, 0]]), torch.tensor([2], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"Invalid shape of num_nodes: expected \[1\], got \[2\]"):
-        treeops.Tree.from_parents(torch.tensor([[-1, 0]], dtype=torch.int32),
-                                  torch.tensor([2, 2], dtype=torch.int32))
+        treeops.Tree.from_parents(
+            torch.tensor([[-1, 0]], dtype=torch.int32), torch.tensor([2, 2], dtype=torch.int32)
+        )
     with pytest.raises(ValueError, match="Invalid dtype of seq_lens"):
         _good().positions(torch.tensor([1.0]))
 
 
-@given(st.sampled_from(["chain", "star", "binary", "random"]), st.integers(1, 70), st.integers(0, 99))
+@given(
+    st.sampled_from(["chain", "star", "binary", "random"]), st.integers(1, 70), st.integers(0, 99)
+)
 def test_named_shapes_validate(kind, n, seed):
     rng = random.Random(seed)
     t = make_tree([parents_of(kind, n, rng)], max(n, 1), 128, rng)

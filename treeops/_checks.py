@@ -37,7 +37,9 @@ def check_tensor(
     if dtype is not None:
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if t.dtype not in allowed:
-            exp = allowed[0] if len(allowed) == 1 else "one of (" + ", ".join(map(str, allowed)) + ")"
+            exp = (
+                allowed[0] if len(allowed) == 1 else "one of (" + ", ".join(map(str, allowed)) + ")"
+            )
             raise ValueError(f"Invalid dtype of {name}: expected {exp}, got {t.dtype}")
     if shape is not None:
         expected: list[Dim] = []
@@ -98,7 +100,9 @@ def check_finite(name: str, t: torch.Tensor, *, nonnegative: bool = False) -> No
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"Invalid value in {name}: expected finite numbers, got NaN or inf")
     if nonnegative and bool((t < 0).any()):
-        raise ValueError(f"Invalid value in {name}: expected non-negative numbers, got {float(t.min())}")
+        raise ValueError(
+            f"Invalid value in {name}: expected non-negative numbers, got {float(t.min())}"
+        )
 
 
 def check_positive_int(name: str, v: object) -> int:

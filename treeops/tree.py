@@ -150,19 +150,25 @@ class Tree:
     # ------------------------------------------------------------- utilities
     def positions(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """RoPE positions ``seq_lens[b] + depth[b, i]``, [B, N] int64 (padding: ``seq_lens[b]``)."""
-        check_tensor("seq_lens", seq_lens, shape=(self.batch_size,), dtype=(torch.int32, torch.int64))
+        check_tensor(
+            "seq_lens", seq_lens, shape=(self.batch_size,), dtype=(torch.int32, torch.int64)
+        )
         check_same_device(tree=self.parents, seq_lens=seq_lens)
         return seq_lens.to(torch.int64)[:, None] + self.depth.to(torch.int64)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Tree:
-        return Tree(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-                       for f in fields(self)})
+        return Tree(
+            **{
+                f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+                for f in fields(self)
+            }
+        )
 
     def clone(self) -> Tree:
         return Tree(**{f.name: getattr(self, f.name).clone() for f in fields(self)})
 
     def ancestor_mask(self) -> torch.Tensor:
-        """[B, N, N] bool, ``[b, i, j]`` iff node j is an ancestor-or-self of node i (from ``anc``)."""
+        """[B, N, N] bool: ``[b, i, j]`` iff node j is an ancestor-or-self of node i (from anc)."""
         N = self.capacity
         j = torch.arange(N, device=self.device)
         words = self.anc[:, :, j // 32].to(torch.int64) & 0xFFFFFFFF  # [B, N, N]
@@ -176,12 +182,15 @@ class Tree:
         check_tensor("tree.tokens", self.tokens, shape=("B", "N"), dtype=torch.int64, sizes=sizes)
         check_tensor("tree.num_nodes", self.num_nodes, shape=("B",), dtype=torch.int32, sizes=sizes)
         check_tensor("tree.depth", self.depth, shape=("B", "N"), dtype=torch.int32, sizes=sizes)
-        check_tensor("tree.anc", self.anc, shape=("B", "N", anc_words(N)), dtype=torch.int32,
-                     sizes=sizes)
-        check_tensor("tree.first_child", self.first_child, shape=("B", "N"), dtype=torch.int32,
-                     sizes=sizes)
-        check_tensor("tree.next_sibling", self.next_sibling, shape=("B", "N"), dtype=torch.int32,
-                     sizes=sizes)
+        check_tensor(
+            "tree.anc", self.anc, shape=("B", "N", anc_words(N)), dtype=torch.int32, sizes=sizes
+        )
+        check_tensor(
+            "tree.first_child", self.first_child, shape=("B", "N"), dtype=torch.int32, sizes=sizes
+        )
+        check_tensor(
+            "tree.next_sibling", self.next_sibling, shape=("B", "N"), dtype=torch.int32, sizes=sizes
+        )
         check_tensor("tree.scores", self.scores, shape=("B", "N"), dtype=torch.float32, sizes=sizes)
         check_same_device(**{f"tree.{f.name}": getattr(self, f.name) for f in fields(self)})
 
@@ -268,18 +277,29 @@ class Tree:
                         )
                     seen[tok[k]] = k
             if n >= 1 and ns[0] != -1:
-                raise ValueError(f"Invalid tree: request {b}: next_sibling[0] = {ns[0]}, expected -1")
+                raise ValueError(
+                    f"Invalid tree: request {b}: next_sibling[0] = {ns[0]}, expected -1"
+                )
             # padding
-            pads = {"tokens": 0, "parents": -1, "depth": 0, "first_child": -1,
-                    "next_sibling": -1, "scores": 0.0}
+            pads = {
+                "tokens": 0,
+                "parents": -1,
+                "depth": 0,
+                "first_child": -1,
+                "next_sibling": -1,
+                "scores": 0.0,
+            }
             for name, val in pads.items():
                 row = getattr(t, name)[b, n:]
                 if bool((row != val).any()):
                     raise ValueError(
-                        f"Invalid tree: request {b}: padding of {name} at nodes >= {n} must be {val}"
+                        f"Invalid tree: request {b}: padding of {name} at nodes >= {n} "
+                        f"must be {val}"
                     )
             if bool((t.anc[b, n:] != 0).any()):
-                raise ValueError(f"Invalid tree: request {b}: padding of anc at nodes >= {n} must be 0")
+                raise ValueError(
+                    f"Invalid tree: request {b}: padding of anc at nodes >= {n} must be 0"
+                )
 
     def draw(self, b: int = 0, vocab: list[str] | None = None) -> str:
         """A text drawing of request ``b``'s tree: one line per node, indented by depth."""
@@ -342,7 +362,9 @@ def _links(par: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.
 def check_tree(tree: object, *, validate: bool = False, name: str = "tree") -> Tree:
     """Public-op helper: ``tree`` is a ``Tree`` with consistent fields (and, if asked, valid)."""
     if not isinstance(tree, Tree):
-        raise ValueError(f"Invalid type of {name}: expected treeops.Tree, got {type(tree).__name__}")
+        raise ValueError(
+            f"Invalid type of {name}: expected treeops.Tree, got {type(tree).__name__}"
+        )
     tree.check_fields()
     if validate:
         tree.validate()

@@ -1,0 +1,187 @@
+"""``treeops demo``: every op once per decoding step, on CPU, with synthetic models.
+
+A toy "language" stands in for the models: the true next token after ``t`` is ``nxt(t)``. The
+target's logits favour it strongly but sometimes prefer another token; the draft's logits favour
+it less sharply, with noise. That is enough for trees, CAST's choices, Graft's retrieval and
+greedy acceptance to behave as they do with real models. The example decoder (``treeops.decoder``)
+replaces these synthetic parts with a real target/draft pair.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .accept import accept_greedy
+from .attention import kv_append, rope, tree_attention
+from .build import Cast, DraftState, build_tree
+from .compact import compact_kv
+from .graft import AdjacencyTable, PruneCheckpoints, RankTemplate, graft, prune
+from .reference.cast import CostTable
+
+V = 96  # vocabulary
+H_Q, H_KV, D = 4, 2, 64
+PAGE = 16
+LAYERS = 2
+
+
+def nxt(t: torch.Tensor) -> torch.Tensor:
+    return (7 * t + 3) % V
+
+
+def _target_logits(tokens: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """[B, N] tokens -> [B, N, V] logits: the true successor wins except at a few nodes."""
+    B, N = tokens.shape
+    logits = torch.randn(B, N, V, generator=g)
+    truth = nxt(tokens)
+    other = (truth + 1 + torch.randint(0, V - 1, (B, N), generator=g)) % V
+    wrong = torch.rand(B, N, generator=g) < 0.15
+    winner = torch.where(wrong, other, truth)
+    logits.scatter_(2, winner[..., None], 8.0)
+    return logits
+
+
+def _draft_logits(tokens: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """[B, W] frontier tokens -> [B, W, V]: the true successor favoured, less sharply."""
+    B, W = tokens.shape
+    logits = torch.randn(B, W, V, generator=g) * 1.5
+    logits.scatter_add_(2, nxt(tokens)[..., None], torch.full((B, W, 1), 5.0))
+    return logits
+
+
+def _cost_table() -> CostTable:
+    """A small synthetic cost table with the H200's shape (BENCH.md): flat while the forward is
+    weight-bound (here up to 32 tokens), then growing with tokens; the draft costs a quarter."""
+
+    def target(B: int, c: int, n: int) -> float:
+        return 100.0 + 0.02 * B * c / 1024 + max(0, B * n - 32) * 1.0
+
+    def draft(B: int, c: int, n: int) -> float:
+        return target(B, c, n) / 4
+
+    return CostTable.from_functions(
+        target,
+        draft,
+        batch_sizes=[1, 2, 4, 8, 16],
+        L=256,
+        M=4,
+        n_max=64,
+        meta={"gpu": "synthetic", "model": "demo"},
+    )
+
+
+def _short(xs: list[int], shown: int = 5) -> str:
+    return str(xs) if len(xs) <= shown else str(xs[:shown])[:-1] + ", ...]"
+
+
+def run_demo(batch: int = 4, steps: int = 4, seed: int = 0) -> int:
+    g = torch.Generator().manual_seed(seed)
+    B = batch
+    N = 32
+    policy = Cast(
+        C1=1.0,
+        C2=0.5,
+        C3=0.3,
+        R=4,
+        cost_table=_cost_table(),
+        topk=4,
+        max_width=4,
+        max_depth=6,
+        capacity=N,
+    )
+    template = RankTemplate.default()
+    table = AdjacencyTable(V, k=8)
+    checkpoints = PruneCheckpoints()
+
+    # A paged KV cache per layer (stacked [L, pages, PAGE, H_kv, D]) with random prompts' K/V.
+    prompt_lens = torch.randint(20, 60, (B,), generator=g, dtype=torch.int32)
+    max_len = int(prompt_lens.max()) + steps * N + N
+    pages_per = -(-max_len // PAGE)
+    perm = torch.randperm(B * pages_per, generator=g).to(torch.int32)
+    block_table = perm.view(B, pages_per)
+    k_cache = torch.randn(LAYERS, B * pages_per, PAGE, H_KV, D, generator=g)
+    v_cache = torch.randn(LAYERS, B * pages_per, PAGE, H_KV, D, generator=g)
+    seq_lens = prompt_lens.clone()
+
+    # Warm the successor table from the "prompts": token sequences of the toy language.
+    prompts = torch.randint(0, V, (B, 1), generator=g)
+    for _ in range(15):
+        prompts = torch.cat([prompts, nxt(prompts[:, -1:])], dim=1)
+    table.warm_start(prompts, _target_logits(prompts, g))
+    root = nxt(prompts[:, -1])
+
+    print(
+        f"treeops demo: B={B}, vocab={V}, tree capacity N={N}, CAST policy, Graft template "
+        f"of {template.size} nodes, {LAYERS} layers of attention (H_q={H_Q}, H_kv={H_KV}, "
+        f"D={D}), page size {PAGE}\n"
+    )
+    header = (
+        f"{'step':>4}  {'draft widths':<16}{'verify':>7}{'pruned':>8}{'grafted':>8}"
+        f"{'accepted/request':>22}{'seq_lens':>22}{'ms':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    state = None
+    emitted = torch.zeros(B, dtype=torch.int64)
+    drawn = None
+    for step in range(steps):
+        t0 = time.perf_counter()
+        # 1. Draft a CAST tree.
+        if state is None:
+            state = DraftState.new(policy, root, seq_lens)
+        tree = build_tree(
+            policy, lambda st: _draft_logits(st.frontier_tokens, g), root, seq_lens, state=state
+        )
+        widths = [int(w) for w in state.widths[: state.layer]]
+        verify = tree.num_nodes.clone()
+        # 2. Graft: prune requests whose best depth-1 score is low, refill from the table.
+        keep = checkpoints.start(B)
+        checkpoints.check(0, tree.scores[:, 1].contiguous(), keep)
+        pruned = prune(tree, keep)
+        hybrid = graft(pruned, table, template, budget=verify)
+        # 3. Verify: per layer, append the tree's K/V and run tree attention.
+        x = torch.randn(B, N, H_Q, D, generator=g)
+        for layer in range(LAYERS):
+            k_new = torch.randn(B, N, H_KV, D, generator=g)
+            v_new = torch.randn(B, N, H_KV, D, generator=g)
+            kv_append(
+                k_new,
+                v_new,
+                k_cache[layer],
+                v_cache[layer],
+                block_table,
+                seq_lens,
+                hybrid.num_nodes,
+                hybrid.depth,
+            )
+            q = rope(x, hybrid.positions(seq_lens))
+            x = tree_attention(q, k_cache[layer], v_cache[layer], block_table, seq_lens, hybrid)
+        # 4. Accept greedily against the target's logits, learn successors, compact the cache.
+        logits = _target_logits(hybrid.tokens, g)
+        acc = accept_greedy(hybrid, logits)
+        table.update(hybrid, logits)
+        seq_lens = compact_kv(
+            k_cache, v_cache, block_table, seq_lens, hybrid, acc.accepted, acc.accept_len
+        )
+        root = acc.bonus
+        emitted += acc.accept_len.to(torch.int64)
+        ms = (time.perf_counter() - t0) * 1e3
+        n_pruned = int((tree.num_nodes - pruned.num_nodes).sum())
+        n_grafted = int((hybrid.num_nodes - pruned.num_nodes).sum())
+        if drawn is None and n_grafted > 0:
+            drawn = (step, hybrid, int((hybrid.num_nodes - pruned.num_nodes).argmax()))
+        print(
+            f"{step:>4}  {str(widths):<16}{int(verify.max()):>7}{n_pruned:>8}{n_grafted:>8}"
+            f"{_short(acc.accept_len.tolist()):>22}{_short(seq_lens.tolist()):>22}{ms:>8.1f}"
+        )
+    if drawn is None:
+        drawn = (steps - 1, hybrid, 0)
+    step, t, b = drawn
+    print(f"\nstep {step}, request {b}'s tree (grafted nodes have score 0):")
+    print(t.draw(b))
+    print(
+        f"\ntokens emitted per request (accepted + bonus, over {steps} steps): "
+        f"{emitted.tolist()}; mean per step {float(emitted.float().mean()) / steps:.2f}"
+    )
+    return 0
