@@ -1,0 +1,23 @@
+"""``treeops demo`` runs end to end on CPU and prints its table and a tree."""
+
+import shutil
+import subprocess
+
+from treeops.cli import main
+
+
+def test_demo_runs(capsys):
+    assert main(["demo", "--batch", "2", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "draft widths" in out and "accepted/request" in out
+    rows = [line for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert len(rows) == 2
+    assert "request " in out and "[0]" in out  # the drawn tree
+    assert "tokens emitted per request" in out
+
+
+def test_console_script_installed(tmp_path):
+    exe = shutil.which("treeops")
+    assert exe is not None, "the treeops console script is not on PATH (pip install -e .)"
+    out = subprocess.run([exe, "--help"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0 and "demo" in out.stdout
