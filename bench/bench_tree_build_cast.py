@@ -1,0 +1,565 @@
+"""Tree build and CAST on the GPU: treeops against plain PyTorch and the physical floor.
+
+    python bench/bench_tree_build_cast.py --out DIR [--quick] [--table COST_TABLE.json]
+    TRITON_INTERPRET=1 python bench/bench_tree_build_cast.py --dry-run   # CPU smoke test
+
+Rows (DESIGN.md op 3, issue 4), W = top-k = 10, depth 8, bf16 draft logits:
+  ``layer``         one expand step (softmax + top-k over V + path scores + next frontier +
+                    the policy's decision), policy ``eagle`` and ``cast``, B x V;
+  ``rerank_build``  rerank the 8 layers' candidates and emit the Tree, B x N (x policy);
+  ``step``          a whole decoding step of bookkeeping: reset, 8 expand steps, rerank + emit
+                    (EAGLE static depth), B x V x N.
+For each row, on the same inputs in one process: ``treeops_us`` (the Triton launches replayed in
+a CUDA graph), ``torch_us`` (the same step written in PyTorch without host syncs, replayed in a
+CUDA graph: the strongest plain-PyTorch form), ``eager_us`` (the step as EAGLE's reference code
+writes it: one request at a time, eager, the tree mask built on the host), and ``floor_us`` =
+max(bytes that must move / 4.3 TB/s, an empty kernel replayed in a CUDA graph measured in this
+run). Logits rotate over buffers larger than the L2. Before timing, treeops' output is compared
+with the PyTorch version on the same inputs; a mismatch is recorded instead of a speed. Writes
+``DIR/tree_build_cast.json`` (``gpu``, ``versions``, ``commit``, ``rows``) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+W = TOPK = 10
+DEPTH = 8
+BW = 4.3e12
+ROTATE_BYTES = 240 << 20  # > 2x the H200's 60 MB L2 (and then some): logits never sit in L2
+
+
+# ------------------------------------------------------------------------------------ timing
+def time_graph(fn, dev) -> float:
+    """Median µs of ``fn`` replayed in a CUDA graph (a CPU run times it eagerly)."""
+    if dev.type != "cuda":
+        return time_eager(fn, dev, iters=3)
+    import triton.testing as tt
+
+    return float(tt.do_bench_cudagraph(fn, rep=100, return_mode="median")) * 1e3
+
+
+def time_eager(fn, dev, iters=20, warmup=3) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
+    return float(statistics.median(ts))
+
+
+def empty_kernel_us(dev) -> float:
+    import triton
+
+    @triton.jit
+    def _empty(X):
+        pass
+
+    buf = torch.zeros(1, device=dev)
+    return time_graph(lambda: _empty[(1,)](buf), dev)
+
+
+# ---------------------------------------------------------------------------- policies/inputs
+def synthetic_table():
+    """BENCH.md's curve (flat to ~100 tokens per forward, then linear) for an 8B-class target and
+    a one-layer draft; used when no calibrated table is given."""
+    import treeops
+
+    return treeops.CostTable.from_functions(
+        lambda B, c, n: 130.0 * 32 + c * B / 512 + max(0, B * n - 96) * 0.6 * 32,
+        lambda B, c, n: 130.0 + 700 + c * B / 16384 + max(0, B * n - 96) * 0.6,
+        batch_sizes=[1, 2, 4, 8, 16, 32, 64], L=4096, M=8, n_max=128,
+        meta={"gpu": "synthetic (BENCH.md curve)"})
+
+
+def make_policy(kind, N, table):
+    import treeops
+
+    if kind == "eagle":
+        return treeops.EagleStatic(depth=DEPTH, topk=TOPK, budget=N)
+    # C1 = 0: Algorithm 1 runs in full but always keeps W rows, so every replay does equal work
+    return treeops.Cast(C1=0.0, C2=0.0, C3=0.02, R=4, cost_table=table, topk=TOPK, max_width=W,
+                        max_depth=DEPTH, capacity=N)
+
+
+def logits_buffers(B, V, dev, count=None, seed=0):
+    nbytes = B * W * V * 2
+    n = count or max(2, -(-ROTATE_BYTES // nbytes))
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return [(torch.randn(B, W, V, device=dev, generator=g) * 3).to(torch.bfloat16)
+            for _ in range(n)]
+
+
+# ------------------------------------------------------------------- PyTorch, graph-capturable
+class TorchBuild:
+    """The same step in PyTorch: no host syncs, fixed shapes, so it can be captured."""
+
+    def __init__(self, policy, B, dev):
+        self.p = policy
+        self.B = B
+        D, C, N = DEPTH, W * TOPK, policy.capacity
+        self.C = C
+        self.cand_tokens = torch.zeros(B, D, C, dtype=torch.int64, device=dev)
+        self.cand_scores = torch.full((B, D, C), -1.0, device=dev)
+        self.cand_parents = torch.full((B, D, C), -1, dtype=torch.int32, device=dev)
+        self.frontier = torch.full((B, W), -1, dtype=torch.int32, device=dev)
+        self.ftokens = torch.zeros(B, W, dtype=torch.int64, device=dev)
+        self.fscores = torch.full((B, W), -1.0, device=dev)
+        self.widths = torch.zeros(D, dtype=torch.int64, device=dev)
+        self.roots = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.seq = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.ar_w = torch.arange(W, device=dev)
+        self.ar_n = torch.arange(N, device=dev)
+        self.ar_c = torch.arange(1, N, dtype=torch.int32, device=dev).expand(B, N - 1)
+        self.pos = torch.zeros(B, D * C, dtype=torch.int32, device=dev)
+        if policy.is_cast:
+            t, d = policy.cost_table.device_tables(B, dev)
+            self.tab_t, self.tab_d = t, d
+        self.tokens = torch.zeros(B, N, dtype=torch.int64, device=dev)
+        self.parents = torch.zeros(B, N, dtype=torch.int64, device=dev)
+
+    def reset(self, roots, seq):
+        self.roots.copy_(roots)
+        self.seq.copy_(seq)
+        self.frontier.fill_(-1)
+        self.fscores.fill_(-1.0)
+        self.fscores[:, 0] = 1.0
+        self.ftokens.zero_()
+        self.ftokens[:, 0] = roots
+
+    def layer(self, i, logits):
+        B, C, K = self.B, self.C, TOPK
+        x = logits.float()
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        tv, ti = torch.topk(x, K, dim=-1)
+        p = torch.exp(tv - lse)
+        ok = (self.fscores >= 0)[:, :, None]
+        sc = torch.where(ok, self.fscores[:, :, None] * p, -1.0).view(B, C)
+        self.cand_scores[:, i] = sc
+        self.cand_tokens[:, i] = torch.where(ok, ti, 0).view(B, C)
+        par = self.frontier[:, :, None].expand(B, W, K)
+        self.cand_parents[:, i] = torch.where(ok, par, -1).reshape(B, C)
+        ns, ni = torch.topk(sc, W, dim=-1)
+        keep = ns >= 0
+        if self.p.is_cast:
+            ctx = self.seq.max() + self.widths[:i].sum()
+            k = torch.clamp(ctx // self.p.cost_table.L, max=self.p.cost_table.M - 1)
+            c = self.tab_d[k, :W] / self.tab_t[k, 0]
+            u = torch.cumsum(ns.clamp(min=0), dim=1).mean(dim=0)
+            obj = u - self.p.C1 * c
+            n = W - torch.argmax(torch.flip(obj, (0,)))  # the largest argmax
+            self.widths[i] = n
+            keep = keep & (self.ar_w[None, :] < n)
+        self.fscores.copy_(torch.where(keep, ns, -1.0))
+        self.frontier.copy_(torch.where(keep, i * C + ni, -1).to(torch.int32))
+        self.ftokens.copy_(torch.where(keep, self.cand_tokens[:, i].gather(1, ni), 0))
+
+    def emit(self):
+        """Top N-1 candidates + root, parents through a position map, depth, anc bits, links."""
+        B, N, D, C = self.B, self.p.capacity, DEPTH, self.C
+        allc = self.cand_scores.view(B, D * C)
+        ts, ti = torch.topk(allc, N - 1, dim=1)
+        ok = ts >= 0
+        self.pos.scatter_(1, ti, self.ar_c)
+        pc = self.cand_parents.view(B, D * C).gather(1, ti).long()
+        par = torch.where(pc >= 0, self.pos.gather(1, pc.clamp(min=0)).long(), 0)
+        par = torch.where(ok, par, -1)
+        parents = torch.cat([torch.full((B, 1), -1, device=par.device, dtype=torch.long), par], 1)
+        tokens = torch.cat([self.roots[:, None], self.cand_tokens.view(B, D * C).gather(1, ti)], 1)
+        depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=ti.device), ti // C + 1], 1)
+        # ancestor closure by pointer chasing (depth <= D), packed into int32 words
+        anc = self.ar_n[None, :, None] == self.ar_n[None, None, :]  # [1, N, N]
+        anc = anc.expand(B, N, N).clone()
+        cur = parents
+        for _ in range(D):
+            anc |= (cur[:, :, None] == self.ar_n[None, None, :]) & (cur >= 0)[:, :, None]
+            cur = torch.where(cur >= 0, parents.gather(1, cur.clamp(min=0)), -1)
+        words = (N + 31) // 32
+        padded = torch.zeros(B, N, words * 32, dtype=torch.long, device=anc.device)
+        padded[:, :, :N] = anc.long()
+        shifts = torch.arange(32, device=anc.device)
+        packed = (padded.view(B, N, words, 32) << shifts).sum(-1)
+        packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        # links: first child and next sibling by [B, N, N] comparisons
+        big = torch.full((B, N, N), N, device=anc.device)
+        idx = self.ar_n
+        kid = parents[:, None, :] == idx[None, :, None]
+        fc = torch.where(kid, idx[None, None, :], big).min(dim=2).values
+        sib = ((parents[:, :, None] == parents[:, None, :]) & (parents[:, :, None] >= 0)
+               & (idx[None, None, :] > idx[None, :, None]))
+        ns = torch.where(sib, idx[None, None, :], big).min(dim=2).values
+        self.tokens.copy_(tokens)
+        self.parents.copy_(parents)
+        return tokens, parents, depth, packed, torch.where(fc < N, fc, -1), \
+            torch.where(ns < N, ns, -1)
+
+
+# ----------------------------------------------------------------------- EAGLE's eager style
+def eagle_layer_eager(logits, scores, K):
+    """EAGLE(-2)'s topK_genrate body for one draft layer, one request at a time (its code is
+    batch-size 1): log-softmax, top-k per row, cumulative log scores, top-k of the layer."""
+    out = []
+    for b in range(logits.shape[0]):
+        last_p = torch.log_softmax(logits[b].float(), dim=-1)
+        top = torch.topk(last_p, K, dim=-1)
+        cu = top.values + scores[b][:, None]
+        topk_cs = torch.topk(cu.view(-1), K, dim=-1)
+        input_ids = top.indices.view(-1)[topk_cs.indices]
+        out.append((topk_cs.values, topk_cs.indices // K, input_ids))
+    return out
+
+
+def eagle_rerank_eager(all_scores, all_tokens, all_parents, N):
+    """EAGLE-2's rerank + tree mask, one request at a time (``tolist`` and a host loop)."""
+    res = []
+    for b in range(all_scores.shape[0]):
+        top = torch.topk(all_scores[b], N - 1, dim=-1)
+        idx = torch.sort(top.indices).values
+        draft_tokens = all_tokens[b][idx]
+        draft_parents = all_parents[b][idx].long()
+        mask_index = torch.searchsorted(idx, draft_parents, right=False)
+        mask_index[draft_parents < 0] = -1
+        mask_index = mask_index + 1
+        mask_index_list = mask_index.tolist()
+        tree_mask = torch.eye(N).bool()
+        tree_mask[:, 0] = True
+        for i in range(N - 1):
+            tree_mask[i + 1].add_(tree_mask[mask_index_list[i]])
+        pos = torch.sum(tree_mask, dim=1) - 1
+        res.append((draft_tokens, tree_mask.to(all_scores.device), pos.to(all_scores.device)))
+    return res
+
+
+# ------------------------------------------------------------------------------------ rows
+def fresh_state(policy, B, V, dev):
+    import treeops
+
+    g = torch.Generator(device=dev).manual_seed(1)
+    roots = torch.randint(0, V, (B,), device=dev, generator=g)
+    seq = torch.randint(1000, 8000, (B,), device=dev, generator=g)
+    return treeops.DraftState.new(policy, roots, seq), roots, seq
+
+
+def cpu_copy(st):
+    """A CPU copy of a DraftState (for the reference)."""
+    import copy
+
+    c = copy.copy(st)
+    for f in ("root_tokens", "seq_lens", "active", "cand_tokens", "cand_scores", "cand_parents",
+              "frontier", "frontier_tokens", "frontier_scores", "decisions", "u_hist"):
+        setattr(c, f, getattr(st, f).cpu().clone())
+    c.workspace = {k: v.cpu().clone() for k, v in st.workspace.items()}
+    c.host_decisions, c.events = None, []
+    return c
+
+
+def check_layer(before, st, logits, pol, i):
+    """treeops' layer i against the reference applied to the same state (``before``, on the
+    CPU): top-k tokens and parents exact, scores close, the frontier exactly the top-W of
+    treeops' own scores (GPU exp rounds differently, so near-equal scores may swap)."""
+    from treeops.reference import build_tree as RB
+
+    before.layer = i
+    RB.build_tree_expand(logits.cpu(), before, pol)
+    if not torch.equal(st.cand_tokens[:, i].cpu(), before.cand_tokens[:, i]):
+        return f"layer {i}: candidate tokens differ from the reference"
+    if not torch.equal(st.cand_parents[:, i].cpu(), before.cand_parents[:, i]):
+        return f"layer {i}: candidate parents differ from the reference"
+    if not torch.allclose(st.cand_scores[:, i].cpu(), before.cand_scores[:, i], rtol=1e-5,
+                          atol=1e-9):
+        return f"layer {i}: candidate scores differ from the reference"
+    sc = st.cand_scores[:, i].cpu()
+    order = torch.sort(sc, dim=1, descending=True, stable=True).indices[:, :W]
+    top = sc.gather(1, order)
+    n = int(st.decisions[i])
+    keep = (torch.arange(W)[None, :] < n) & (top >= 0)
+    if not torch.equal(st.frontier.cpu(), torch.where(keep, i * W * TOPK + order, -1).int()):
+        return f"layer {i}: frontier is not the top-{n} of the layer"
+    return None
+
+
+def check_tree(st, pol, tree):
+    """treeops' tree against the reference rerank of the same candidates (exact)."""
+    from treeops.reference import build_tree as RB
+
+    want = RB.build_tree_emit(cpu_copy(st), pol)
+    for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling"):
+        if not torch.equal(getattr(tree, f).cpu(), getattr(want, f)):
+            return f"tree.{f} differs from the reference"
+    return None
+
+
+def check_torch(tb_scores, st_scores):
+    """The PyTorch baseline computes the same candidates (up to the order of tied scores)."""
+    a = torch.sort(tb_scores.float().flatten(1), dim=1).values
+    b = torch.sort(st_scores.float().flatten(1), dim=1).values
+    return "ok" if torch.allclose(a, b, rtol=1e-3, atol=1e-6) else "scores differ"
+
+
+def row_layer(kind, B, V, table, dev, empty_us, quick):
+    from treeops.kernels import build_tree as KB
+
+    pol = make_policy(kind, 64, table)
+    bufs = logits_buffers(B, V, dev)
+    st, roots, seq = fresh_state(pol, B, V, dev)
+    tb = TorchBuild(pol, B, dev)
+    tb.reset(roots, seq)
+    # layer 0 from the root, then time layer 1 (a full frontier of W rows)
+    KB.expand(bufs[0], st, pol)
+    tb.layer(0, bufs[0])
+    st.layer = 1
+    row = dict(op="layer", policy=kind, B=B, N=None, V=V, W=W, topk=TOPK, dtype="bf16")
+    nbytes = B * W * V * 2
+    row["bytes"] = nbytes
+    row["floor_us"] = round(max(nbytes / BW * 1e6, empty_us), 2)
+    before = cpu_copy(st)
+    KB.expand(bufs[1], st, pol)
+    tb.layer(1, bufs[1])
+    err = check_layer(before, st, bufs[1], pol, 1)
+    row["check"] = err or "ok"
+    row["torch_check"] = check_torch(tb.cand_scores[:, 1], st.cand_scores[:, 1])
+    cyc = itertools.cycle(bufs)
+    cyc2 = itertools.cycle(bufs)
+    if err is None:
+        row["treeops_us"] = round(time_graph(lambda: KB.expand(next(cyc), st, pol), dev), 2)
+    row["torch_us"] = round(time_graph(lambda: tb.layer(1, next(cyc2)), dev), 2)
+    if kind == "eagle":
+        sc = torch.zeros(B, W, device=dev)
+        row["eager_us"] = round(time_eager(lambda: eagle_layer_eager(next(cyc), sc, TOPK), dev,
+                                           iters=3 if quick else 10), 2)
+    finish(row)
+    return row
+
+
+def prepared(kind, B, N, V, table, dev):
+    """A state after DEPTH expand steps (treeops and PyTorch fed the same logits)."""
+    from treeops.kernels import build_tree as KB
+
+    pol = make_policy(kind, N, table)
+    bufs = logits_buffers(B, V, dev, count=DEPTH, seed=2)
+    st, roots, seq = fresh_state(pol, B, V, dev)
+    tb = TorchBuild(pol, B, dev)
+    tb.reset(roots, seq)
+    for i in range(DEPTH):
+        st.layer = i
+        KB.expand(bufs[i], st, pol)
+        tb.layer(i, bufs[i])
+    st.layer = DEPTH
+    return pol, bufs, st, tb, roots, seq
+
+
+def row_rerank(kind, B, N, table, dev, empty_us, quick, V=32000):
+    import treeops
+    from treeops.kernels import build_tree as KB
+
+    pol, bufs, st, tb, _, _ = prepared(kind, B, N, V, table, dev)
+    del bufs
+    tb.cand_scores.copy_(st.cand_scores)  # same candidates for both (no tie ambiguity)
+    tb.cand_tokens.copy_(st.cand_tokens)
+    tb.cand_parents.copy_(st.cand_parents)
+    out = treeops.Tree.empty(B, N, dev)
+    C = W * TOPK
+    aw = (N + 31) // 32
+    nbytes = B * DEPTH * C * (4 + 8 + 4) + B * N * (8 + 4 + 4 + 4 * aw + 4 + 4 + 4) + B * 4
+    row = dict(op="rerank_build", policy=kind, B=B, N=N, V=None, W=W, topk=TOPK, bytes=nbytes,
+               floor_us=round(max(nbytes / BW * 1e6, empty_us), 2))
+    tree = KB.emit(st, pol, out=out)
+    err = check_tree(st, pol, tree)
+    ok = err is None
+    row["check"] = err or "ok"
+    if kind == "cast":
+        row["verify_count"] = int(st.decisions[-1])
+    if ok:
+        row["treeops_us"] = round(time_graph(lambda: KB.emit(st, pol, out=out), dev), 2)
+    if kind == "eagle":
+        row["torch_us"] = round(time_graph(tb.emit, dev), 2)
+        flat_s = st.cand_scores.view(B, -1)
+        flat_t = st.cand_tokens.view(B, -1)
+        flat_p = st.cand_parents.view(B, -1)
+        row["eager_us"] = round(time_eager(lambda: eagle_rerank_eager(flat_s, flat_t, flat_p, N),
+                                           dev, iters=2 if quick else 5, warmup=1), 2)
+    else:
+        row["torch_us"] = None
+        row["torch_note"] = "the PyTorch baseline has EAGLE's fixed count (no C3 rule)"
+    finish(row)
+    return row
+
+
+def row_step(B, N, V, table, dev, empty_us, quick):
+    import treeops
+    from treeops.kernels import build_tree as KB
+
+    pol = make_policy("eagle", N, table)
+    bufs = logits_buffers(B, V, dev, count=DEPTH, seed=3)
+    st, roots, seq = fresh_state(pol, B, V, dev)
+    tb = TorchBuild(pol, B, dev)
+    out = treeops.Tree.empty(B, N, dev)
+
+    def step_treeops():
+        st.reset(roots, seq)
+        for i in range(DEPTH):
+            st.layer = i
+            KB.expand(bufs[i], st, pol)
+        st.layer = DEPTH
+        return KB.emit(st, pol, out=out)
+
+    def step_torch():
+        tb.reset(roots, seq)
+        for i in range(DEPTH):
+            tb.layer(i, bufs[i])
+        return tb.emit()
+
+    # check: every layer against the reference on treeops' own state, then the rerank
+    st.reset(roots, seq)
+    err = None
+    for i in range(DEPTH):
+        before = cpu_copy(st)
+        st.layer = i
+        KB.expand(bufs[i], st, pol)
+        err = err or check_layer(before, st, bufs[i], pol, i)
+    st.layer = DEPTH
+    err = err or check_tree(st, pol, KB.emit(st, pol, out=out))
+    step_torch()
+    ok = err is None
+    nbytes = DEPTH * B * W * V * 2
+    row = dict(op="step", policy="eagle", B=B, N=N, V=V, W=W, topk=TOPK, depth=DEPTH,
+               bytes=nbytes, floor_us=round(max(nbytes / BW * 1e6, empty_us), 2),
+               check=err or "ok", torch_check=check_torch(tb.cand_scores, st.cand_scores))
+    if ok:
+        row["treeops_us"] = round(time_graph(step_treeops, dev), 2)
+    row["torch_us"] = round(time_graph(step_torch, dev), 2)
+    finish(row)
+    return row
+
+
+def finish(row):
+    t, p, f = row.get("treeops_us"), row.get("torch_us"), row.get("floor_us")
+    if t and p:
+        row["speedup_vs_torch"] = round(p / t, 2)
+    if t and row.get("eager_us"):
+        row["speedup_vs_eager"] = round(row["eager_us"] / t, 2)
+    if t and f:
+        row["treeops_over_floor"] = round(t / f, 2)
+
+
+# ------------------------------------------------------------------------------------ main
+def versions():
+    import triton
+
+    import treeops
+
+    return {"torch": torch.__version__, "triton": triton.__version__,
+            "treeops": treeops.__version__, "cuda": torch.version.cuda}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--quick", action="store_true", help="B in {1, 64}, V = 32000, N = 64 only")
+    ap.add_argument("--ops", default="layer,rerank_build,step")
+    ap.add_argument("--table", default=None, help="a CostTable JSON for the CAST rows")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script)")
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args(argv)
+    global W, TOPK, DEPTH, ROTATE_BYTES
+    import treeops
+
+    if args.dry_run:
+        dev = torch.device("cpu")
+        W = TOPK = 3
+        DEPTH = 3
+        ROTATE_BYTES = 1
+        Bs, Vs, Ns = (1, 3), (100,), (8,)
+    else:
+        dev = torch.device("cuda")
+        Bs, Vs, Ns = (1, 8, 32, 64), (32000, 128256), (32, 64, 128)
+        if args.quick:
+            Bs, Vs, Ns = (1, 64), (32000,), (64,)
+    table = treeops.CostTable.load(args.table) if args.table else synthetic_table()
+    commit = args.commit
+    if commit is None:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=HERE,
+                                             text=True).strip()
+        except Exception:  # noqa: BLE001
+            commit = "unknown"
+    ops = set(args.ops.split(","))
+    empty_us = empty_kernel_us(dev)
+    rows = []
+    result = dict(gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
+                  versions=versions(), commit=commit, empty_kernel_graph_us=round(empty_us, 2),
+                  cost_table=table.meta, rows=rows,
+                  date=time.strftime("%Y-%m-%d", time.gmtime()))
+
+    def run(fn, *a):
+        try:
+            r = fn(*a)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            r = dict(op=fn.__name__, args=[str(x) for x in a if not hasattr(x, "meta")],
+                     error=f"{type(e).__name__}: {str(e)[:400]}")
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    for B in Bs:
+        if "layer" in ops:
+            for V in Vs:
+                for kind in ("eagle", "cast"):
+                    run(row_layer, kind, B, V, table, dev, empty_us, args.quick)
+        if "rerank_build" in ops:
+            for N in Ns:
+                for kind in ("eagle", "cast"):
+                    run(row_rerank, kind, B, N, table, dev, empty_us, args.quick, Vs[0])
+        if "step" in ops:
+            for V in Vs:
+                for N in Ns:
+                    run(row_step, B, N, V, table, dev, empty_us, args.quick)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tree_build_cast.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print_table(rows, empty_us)
+    return result
+
+
+def print_table(rows, empty_us):
+    def f(x):
+        return "-" if x is None else (f"{x:.1f}" if isinstance(x, float) else str(x))
+
+    print(f"\nempty kernel in a CUDA graph: {empty_us:.2f} us")
+    hdr = ("op", "policy", "B", "N", "V", "treeops_us", "torch_us", "eager_us", "floor_us",
+           "speedup_vs_torch", "treeops_over_floor", "check")
+    print(" | ".join(hdr))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['op']} {r.get('args')}: ERROR {r['error']}")
+            continue
+        print(" | ".join(f(r.get(k)) for k in hdr))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(HERE, ".."))
+    main()
