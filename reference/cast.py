@@ -217,6 +217,47 @@ class CostTable:
         return float(statistics.median(times))
 
     @classmethod
+    def measure_grid(
+        cls,
+        fn: Callable[[int, int, int], object],
+        batch_sizes: Sequence[int],
+        L: int,
+        M: int,
+        n_max: int,
+        *,
+        ns: Sequence[int] | None = None,
+        warmup: int = 3,
+        iters: int = 10,
+        device: torch.device | str | None = None,
+        progress: Callable[[str], None] | None = None,
+        name: str = "",
+    ) -> torch.Tensor:
+        """Times of ``fn(B, c, n)`` on the grid: [len(batch_sizes), M, n_max] float64 µs, measured
+        at contexts ``c = L, 2L, ..., ML`` and token counts ``ns`` (default every n in 1..n_max;
+        must start at 1 and end at n_max), linearly interpolated between measured n (not yet
+        made non-decreasing: the constructor does that)."""
+        ns = sorted(set(ns)) if ns is not None else list(range(1, n_max + 1))
+        if ns[0] != 1 or ns[-1] != n_max:
+            raise ValueError(f"Invalid value of ns: expected to start at 1 and end at n_max = "
+                             f"{n_max}, got {ns[0]}..{ns[-1]}")
+        out = torch.zeros(len(batch_sizes), M, n_max, dtype=torch.float64)
+        for i, B in enumerate(batch_sizes):
+            for k in range(M):
+                c = (k + 1) * L
+                pts = [cls.measure(fn, B, c, n, warmup=warmup, iters=iters, device=device)
+                       for n in ns]
+                if progress is not None:
+                    progress(f"{name} B={B} c={c}: " + " ".join(f"{v:.1f}" for v in pts))
+                for n in range(1, n_max + 1):
+                    j = max(idx for idx, m in enumerate(ns) if m <= n)
+                    if ns[j] == n:
+                        out[i, k, n - 1] = pts[j]
+                    else:
+                        f = (n - ns[j]) / (ns[j + 1] - ns[j])
+                        out[i, k, n - 1] = pts[j] + f * (pts[j + 1] - pts[j])
+        return out
+
+    @classmethod
     def calibrate(
         cls,
         target_fn: Callable[[int, int, int], object],
@@ -234,41 +275,19 @@ class CostTable:
         progress: Callable[[str], None] | None = None,
     ) -> CostTable:
         """Measure ``f(B, c, n)`` of ``target_fn`` and ``draft_fn`` (each runs one forward of ``n``
-        new tokens per request at batch ``B`` and context ``c``; the draft's includes its LM head).
-
-        Times are taken at contexts ``c = L, 2L, ..., ML`` and at token counts ``ns`` (default:
-        every n in 1..n_max; must start at 1 and end at n_max), linearly interpolated between
-        measured n, then made non-decreasing in n. ``meta`` is stored with the GPU name and
-        versions added.
+        new tokens per request at batch ``B`` and context ``c``; the draft's includes its LM head)
+        on the grid of ``measure_grid`` (CUDA events on a GPU, warm-up, median), and build the
+        table (non-decreasing in n). ``meta`` is stored with the GPU name and versions added.
         """
-        ns = sorted(set(ns)) if ns is not None else list(range(1, n_max + 1))
-        if ns[0] != 1 or ns[-1] != n_max:
-            raise ValueError(f"Invalid value of ns: expected to start at 1 and end at n_max = "
-                             f"{n_max}, got {ns[0]}..{ns[-1]}")
-        shape = (len(batch_sizes), M, n_max)
-        out = {"target": torch.empty(shape, dtype=torch.float64),
-               "draft": torch.empty(shape, dtype=torch.float64)}
-        for name, fn in (("target", target_fn), ("draft", draft_fn)):
-            for i, B in enumerate(batch_sizes):
-                for k in range(M):
-                    c = (k + 1) * L
-                    pts = [cls.measure(fn, B, c, n, warmup=warmup, iters=iters, device=device)
-                           for n in ns]
-                    if progress is not None:
-                        progress(f"{name} B={B} c={c}: " + " ".join(f"{v:.1f}" for v in pts))
-                    for n in range(1, n_max + 1):
-                        j = max(idx for idx, m in enumerate(ns) if m <= n)
-                        if ns[j] == n:
-                            out[name][i, k, n - 1] = pts[j]
-                        else:
-                            f = (n - ns[j]) / (ns[j + 1] - ns[j])
-                            out[name][i, k, n - 1] = pts[j] + f * (pts[j + 1] - pts[j])
+        kw = dict(ns=ns, warmup=warmup, iters=iters, device=device, progress=progress)
+        tt = cls.measure_grid(target_fn, batch_sizes, L, M, n_max, name="target", **kw)
+        dd = cls.measure_grid(draft_fn, batch_sizes, L, M, n_max, name="draft", **kw)
         info = default_meta(device)
         info.update(meta or {})
-        info.setdefault("measured_ns", ns)
+        info.setdefault("measured_ns", sorted(set(ns)) if ns is not None else "all")
         info.setdefault("warmup", warmup)
         info.setdefault("iters", iters)
-        return cls(list(batch_sizes), L, out["target"], out["draft"], info)
+        return cls(list(batch_sizes), L, tt, dd, info)
 
     # ---------------------------------------------------------------- save/load
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,281 @@
+"""Calibrate CAST's cost table on this GPU for a Llama-shaped 8B-class target and a one-layer draft.
+
+    python bench/calibrate_cost_table.py --out DIR [--quick] [--layers 2]
+    python bench/calibrate_cost_table.py --dry-run            # tiny model on the CPU
+
+Target: hidden 4096, 32 query / 8 KV heads of dim 128, MLP 14336, vocab 128256, 32 layers,
+bf16. ``--layers`` decoder layers are timed (``f_layers(B, c, n)``) and scaled by 32 / layers; the
+final norm + LM head over the n new tokens is timed separately (``f_head``) and added:
+``S_T = 32 / layers * f_layers + f_head``. The JSON's ``meta`` says so and keeps both parts.
+Draft (EAGLE-style, DESIGN.md: "the draft includes its LM head"): fc (2 x hidden -> hidden) +
+one decoder layer + norm + LM head, timed whole.
+
+A forward of n new tokens per request at context c: RMSNorm, QKV projection, the new K/V written
+into a bf16 cache after c tokens, attention of the n queries over the c + n keys (torch SDPA,
+flash backend, GQA; the tree mask only touches the last n keys, so an unmasked pass is the same
+work), O projection, RMSNorm, SwiGLU MLP. Grid: B in {1, 2, 4, 8, 16, 32, 64}, c = L, 2L, ..., ML
+(L = 4096, M = 8: up to 32K), n measured at ``NS`` up to 128 and interpolated; CUDA events,
+warm-up, median (``treeops.CostTable.calibrate``'s protocol). Writes ``DIR/cost_table_h200.json``
+(a ``treeops.CostTable``), ``DIR/cost_table_h200.svg`` (S_T and S_D against n, per batch size, at
+one context), and prints a summary table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+NS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128]
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+
+
+class Dims:
+    def __init__(self, hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256,
+                 layers=32, draft_vocab=None):
+        self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
+        self.mlp, self.vocab, self.layers = mlp, vocab, layers
+        self.draft_vocab = draft_vocab or vocab
+
+    def describe(self):
+        return (f"hidden {self.hidden}, {self.heads} query / {self.kv_heads} KV heads of dim "
+                f"{self.head_dim}, MLP {self.mlp}, vocab {self.vocab}, {self.layers} layers")
+
+
+def rms_norm(x, w, eps=1e-5):
+    v = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(v + eps)).to(x.dtype) * w
+
+
+class Layer:
+    """One Llama decoder layer with a KV cache of capacity ``cap`` tokens per request."""
+
+    def __init__(self, d: Dims, B: int, cap: int, dev, dtype, g):
+        h, hd = d.hidden, d.head_dim
+        s = 0.02
+
+        def w(*shape):
+            return (torch.randn(*shape, device=dev, generator=g) * s).to(dtype)
+
+        self.d = d
+        self.wqkv = w((d.heads + 2 * d.kv_heads) * hd, h)
+        self.wo = w(h, d.heads * hd)
+        self.wgu = w(2 * d.mlp, h)
+        self.wd = w(h, d.mlp)
+        self.n1 = torch.ones(h, device=dev, dtype=dtype)
+        self.n2 = torch.ones(h, device=dev, dtype=dtype)
+        self.k = (torch.randn(B, d.kv_heads, cap, hd, device=dev, generator=g)).to(dtype)
+        self.v = (torch.randn(B, d.kv_heads, cap, hd, device=dev, generator=g)).to(dtype)
+
+    def __call__(self, x, c):
+        d = self.d
+        B, n, _ = x.shape
+        hd = d.head_dim
+        qkv = F.linear(rms_norm(x, self.n1), self.wqkv)
+        q, k, v = qkv.split([d.heads * hd, d.kv_heads * hd, d.kv_heads * hd], dim=-1)
+        q = q.view(B, n, d.heads, hd).transpose(1, 2)
+        self.k[:, :, c:c + n] = k.view(B, n, d.kv_heads, hd).transpose(1, 2)
+        self.v[:, :, c:c + n] = v.view(B, n, d.kv_heads, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, self.k[:, :, :c + n], self.v[:, :, :c + n],
+                                           enable_gqa=True)
+        x = x + F.linear(o.transpose(1, 2).reshape(B, n, d.heads * hd), self.wo)
+        gu = F.linear(rms_norm(x, self.n2), self.wgu)
+        gate, up = gu.chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.wd)
+
+
+class Models:
+    """Weights and caches for one batch size (caches sized for the largest context)."""
+
+    def __init__(self, d: Dims, B: int, cap: int, n_layers: int, dev, dtype):
+        g = torch.Generator(device=dev).manual_seed(B)
+        self.d, self.dev, self.dtype = d, dev, dtype
+        self.layers = [Layer(d, B, cap, dev, dtype, g) for _ in range(n_layers)]
+        self.draft_layer = Layer(d, B, cap, dev, dtype, g)
+        self.fc = (torch.randn(d.hidden, 2 * d.hidden, device=dev, generator=g) * 0.02).to(dtype)
+        self.norm = torch.ones(d.hidden, device=dev, dtype=dtype)
+        self.head = (torch.randn(d.vocab, d.hidden, device=dev, generator=g) * 0.02).to(dtype)
+        self.dhead = self.head[: d.draft_vocab]
+        self.x = {}
+
+    def inp(self, B, n, width=1):
+        key = (n, width)
+        if key not in self.x:
+            self.x[key] = torch.randn(B, n, width * self.d.hidden, device=self.dev).to(self.dtype)
+        return self.x[key]
+
+    @torch.inference_mode()
+    def target_layers(self, B, c, n):
+        x = self.inp(B, n)
+        for layer in self.layers:
+            x = layer(x, c)
+        return x
+
+    @torch.inference_mode()
+    def target_head(self, B, c, n):
+        return F.linear(rms_norm(self.inp(B, n), self.norm), self.head)
+
+    @torch.inference_mode()
+    def draft(self, B, c, n):
+        x = F.linear(self.inp(B, n, 2), self.fc)
+        x = self.draft_layer(x, c)
+        return F.linear(rms_norm(x, self.norm), self.dhead)
+
+
+def svg_plot(table, path, c, title):
+    """S_T and S_D (µs) against n for every batch size at context ``c``: a dependency-free SVG."""
+    Wd, Ht, pad = 900, 520, 60
+    k = table.bucket(c)
+    curves = []
+    for i, B in enumerate(table.batch_sizes):
+        curves.append((f"S_T B={B}", table.target[i, k].tolist(), "-"))
+        curves.append((f"S_D B={B}", table.draft[i, k].tolist(), "4,3"))
+    # log scale: batch 1 and batch 64 differ by two orders of magnitude
+    ymax = max(max(v) for _, v, _ in curves) * 1.2
+    ymin = max(min(min(v) for _, v, _ in curves) / 1.2, 1e-3)
+    lo, hi = math.log10(ymin), math.log10(ymax)
+    n = table.n_max
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+              "#7f7f7f", "#bcbd22", "#17becf"]
+
+    def X(j):
+        return pad + (Wd - 2 * pad) * j / max(n - 1, 1)
+
+    def Y(v):
+        return Ht - pad - (Ht - 2 * pad) * (math.log10(max(v, ymin)) - lo) / (hi - lo)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{Wd}" height="{Ht}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<rect width="{Wd}" height="{Ht}" fill="white"/>',
+           f'<text x="{Wd / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>',
+           f'<line x1="{pad}" y1="{Ht - pad}" x2="{Wd - pad}" y2="{Ht - pad}" stroke="black"/>',
+           f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{Ht - pad}" stroke="black"/>',
+           f'<text x="{Wd / 2}" y="{Ht - 20}" text-anchor="middle">n (new tokens per request)'
+           '</text>',
+           f'<text x="15" y="{Ht / 2}" transform="rotate(-90 15 {Ht / 2})" '
+           'text-anchor="middle">forward time (us, log scale)</text>']
+    for e in range(math.floor(lo), math.ceil(hi) + 1):
+        for m in (1, 2, 5):
+            v = m * 10.0**e
+            if ymin <= v <= ymax:
+                out.append(f'<text x="{pad - 5}" y="{Y(v) + 4}" text-anchor="end">{v:g}</text>')
+                out.append(f'<line x1="{pad}" y1="{Y(v)}" x2="{Wd - pad}" y2="{Y(v)}" '
+                           'stroke="#ddd"/>')
+    for j in (1, 32, 64, 96, 128):
+        if j <= n:
+            out.append(f'<text x="{X(j - 1)}" y="{Ht - pad + 15}" text-anchor="middle">{j}</text>')
+    for ci, (label, vals, dash) in enumerate(curves):
+        col = colors[(ci // 2) % len(colors)]
+        pts = " ".join(f"{X(j):.1f},{Y(v):.1f}" for j, v in enumerate(vals))
+        out.append(f'<polyline fill="none" stroke="{col}" stroke-width="1.5" '
+                   f'stroke-dasharray="{"none" if dash == "-" else dash}" points="{pts}"/>')
+        if dash == "-":
+            out.append(f'<text x="{Wd - pad + 3}" y="{Y(vals[-1]) + 4}" fill="{col}">B={label[6:]}'
+                       '</text>')
+    out.append(f'<text x="{pad + 10}" y="{pad - 8}">solid: target S_T; dashed: draft S_D; '
+               f'context {table.select(c)}</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--layers", type=int, default=2, help="target layers timed (scaled to 32)")
+    ap.add_argument("--L", type=int, default=4096)
+    ap.add_argument("--M", type=int, default=8)
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--ns", default=",".join(map(str, NS)))
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="draft LM head size (default: the target's 128256)")
+    ap.add_argument("--quick", action="store_true", help="fewer points: M = 4, 7 n values")
+    ap.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU")
+    args = ap.parse_args(argv)
+    import treeops
+    from treeops.reference.cast import default_meta
+
+    batches = [int(b) for b in args.batches.split(",")]
+    ns = [int(n) for n in args.ns.split(",")]
+    L, M = args.L, args.M
+    if args.quick:
+        M, ns = min(M, 4), [1, 8, 32, 64, 96, 112, 128]
+        L = 8192
+    if args.dry_run:
+        dev, dtype = torch.device("cpu"), torch.float32
+        d = Dims(hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=1000, layers=32)
+        batches, L, M, ns = [1, 2], 64, 2, [1, 4, 8]
+        iters, warmup = 2, 1
+    else:
+        dev, dtype = torch.device("cuda"), torch.bfloat16
+        d = Dims(draft_vocab=args.draft_vocab)
+        iters, warmup = args.iters, args.warmup
+        torch.backends.cuda.matmul.allow_tf32 = True
+    n_max = ns[-1]
+    cap = L * M + n_max
+    kw = dict(ns=ns, warmup=warmup, iters=iters, device=dev)
+    t0 = time.time()
+    parts = {"layers": [], "head": [], "draft": []}
+    for B in batches:
+        models = Models(d, B, cap, args.layers, dev, dtype)
+        for name, fn in (("layers", models.target_layers), ("head", models.target_head),
+                         ("draft", models.draft)):
+            g = treeops.CostTable.measure_grid(fn, [B], L, M, n_max, name=name,
+                                               progress=lambda s: print(s, flush=True), **kw)
+            parts[name].append(g)
+        del models
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    layers = torch.cat(parts["layers"])
+    head = torch.cat(parts["head"])
+    draft = torch.cat(parts["draft"])
+    target = layers * (d.layers / args.layers) + head
+    meta = default_meta(dev)
+    meta.update({
+        "target": f"Llama-shaped 8B-class: {d.describe()}, bf16",
+        "target_timing": (f"{args.layers} decoder layers timed and scaled x{d.layers}/"
+                          f"{args.layers}, plus final RMSNorm + LM head over the n tokens "
+                          "(timed separately); embeddings and sampling not included"),
+        "target_per_layer_us": (layers / args.layers).tolist(),
+        "target_head_us": head.tolist(),
+        "draft": (f"EAGLE-style: fc (2 x {d.hidden} -> {d.hidden}) + one decoder layer + "
+                  f"RMSNorm + LM head ({d.draft_vocab} tokens), timed whole"),
+        "attention": "torch SDPA (flash, GQA) over a bf16 cache of c + n tokens, unmasked",
+        "measured_ns": ns,
+        "warmup": warmup,
+        "iters": iters,
+        "calibration_seconds": round(time.time() - t0, 1),
+    })
+    table = treeops.CostTable(batches, L, target, draft, meta)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "cost_table_h200.json" if not args.dry_run else
+                        "cost_table_dry_run.json")
+    table.save(path)
+    svg = path[:-5] + ".svg"
+    c_plot = min(4096, L * M)
+    svg_plot(table, svg, c_plot, f"CAST cost table, {meta['gpu']}")
+    # summary: S_T and S_D at one context, a few n, every batch size; what a tree would cost
+    print(f"\nwrote {path} and {svg} in {meta['calibration_seconds']} s")
+    print(f"context {table.select(c_plot)}: forward time in us (target S_T / draft S_D)")
+    show = [n for n in (1, 16, 32, 64, 96, 128) if n <= n_max]
+    print("B    | " + " | ".join(f"n={n:>3}" for n in show))
+    for i, B in enumerate(batches):
+        k = table.bucket(c_plot)
+        cells = [f"{table.target[i, k, n - 1]:.0f}/{table.draft[i, k, n - 1]:.0f}" for n in show]
+        print(f"{B:<4} | " + " | ".join(f"{c:>5}" for c in cells))
+    print(json.dumps({"S_T(64, 4096, 64) / S_T(64, 4096, 1)": round(
+        float(table.S_T(64, c_plot)[min(63, n_max - 1)] / table.S_T(64, c_plot)[0]), 2)}))
+    return table
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    main()
