@@ -316,7 +316,8 @@ def pick_config(B: int, N: int, H_q: int, H_kv: int, D: int, kv_capacity: int, s
     elif D <= 64:
         block_m, block_n, warps, stages = 128, 64, 4, 3
     elif D <= 128:
-        block_m, block_n, warps, stages = 128, 64, 8, 3
+        # H200 sweep (bench/attention_notes.md): with the hand-pipelined loop, one stage beats 2/3
+        block_m, block_n, warps, stages = 128, 64, 8, 1
     else:
         block_m, block_n, warps, stages = 64, 32, 4, 2
     prefetch = not interpret
