@@ -240,8 +240,8 @@ def _emit_kernel(
     TOK, PAR, NUM, DEP, ANC, FC, NS, SC,
     B, n_layers, C3, L, M,
     D: tl.constexpr, C: tl.constexpr, N: tl.constexpr, AW: tl.constexpr, CUMW: tl.constexpr,
-    NMAX: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, AWP: tl.constexpr,
-    CAST: tl.constexpr,
+    NMAX: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, LOG_D: tl.constexpr,
+    DOT_T: tl.constexpr, CAST: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, NP)
@@ -279,20 +279,19 @@ def _emit_kernel(
     b_pc = tl.load(CP + base + b_sel, mask=cand, other=-1)
     b_par = tl.where(b_pc >= 0, tl.load(POS + base + b_pc, mask=cand & (b_pc >= 0), other=0), 0)
     b_par = tl.where(cand, b_par, -1)  # [NP]
-    b_dep = tl.where(cand, b_sel // C + 1, 0)
 
-    # ancestor bits: self, then the selected ancestors (at most D candidate parents), root
-    o_w = tl.arange(0, AWP)
-    b_anc = tl.where((o_n // 32)[:, None] == o_w[None, :], (1 << (o_n % 32))[:, None], 0)
-    b_anc = tl.where(live[:, None], b_anc, 0)
-    b_anc = b_anc | tl.where(cand[:, None] & (o_w[None, :] == 0), 1, 0)
-    cur = tl.where(cand, b_pc, -1)
-    for _ in range(n_layers):
-        up = cur >= 0
-        p_node = tl.load(POS + base + cur, mask=up, other=0)
-        b_anc = b_anc | tl.where(up[:, None] & ((p_node // 32)[:, None] == o_w[None, :]),
-                                 (1 << (p_node % 32))[:, None], 0)
-        cur = tl.where(up, tl.load(CP + base + cur, mask=up, other=-1), -1)
+    # ancestor-or-self matrix by repeated squaring of (I + parent), 2^LOG_D >= D covers every
+    # path; 0/1 values are exact in fp16 and counts in the fp32 accumulator
+    o_c = tl.arange(0, NP)
+    b_am = ((o_n[:, None] == o_c[None, :]) | (b_par[:, None] == o_c[None, :])) & live[:, None]
+    b_af = b_am.to(DOT_T)  # [NP, NP]
+    for _ in tl.static_range(LOG_D):
+        b_af = tl.where(tl.dot(b_af, b_af) > 0, 1.0, 0.0).to(DOT_T)
+    b_ai = (b_af > 0).to(tl.int32)
+    b_dep = tl.where(live, tl.sum(b_ai, axis=1) - 1, 0)
+    b_bits = tl.where(b_ai != 0, (1 << (o_c % 32))[None, :], 0)  # distinct bits: sum == or
+    b_anc = tl.sum(tl.reshape(b_bits, [NP, NP // 32, 32]), axis=2)  # [NP, NP // 32]
+    o_w = tl.arange(0, NP // 32)
 
     # links: first child = smallest child index; next sibling = next larger index, same parent
     big = NP + 1
@@ -309,7 +308,7 @@ def _emit_kernel(
     tl.store(SC + o_out, tl.where(live, b_sc, 0.0), mask=m_n)
     tl.store(FC + o_out, tl.where(b_fc < big, b_fc, -1), mask=m_n)
     tl.store(NS + o_out, tl.where(b_ns < big, b_ns, -1), mask=m_n)
-    tl.store(ANC + o_out[:, None] * AW + o_w[None, :], b_anc,
+    tl.store(ANC + o_out[:, None] * AW + o_w[None, :], b_anc.to(tl.int32),
              mask=m_n[:, None] & (o_w[None, :] < AW))
     tl.store(NUM + i_b, m)
 
@@ -374,7 +373,7 @@ def emit(state, policy, *, out: Tree | None = None) -> Tree:
             raise ValueError(f"Invalid layout of out.{f}: expected a contiguous tensor")
     ws = state.workspace
     tab_t, _, L, M, nmax = _tables(state, policy)
-    NP = _pow2(N)
+    NP = max(_pow2(N), 32)  # >= 32: whole anc words, and tl.dot's minimum
     TP = max(_pow2(D * C), NP)
     warps = 1 if _INTERPRET else 4
     _select_kernel[(B,)](
@@ -388,6 +387,7 @@ def emit(state, policy, *, out: Tree | None = None) -> Tree:
         out.next_sibling, out.scores,
         B, state.layer, float(policy.C3) if policy.is_cast else 0.0, L, M,
         D=D, C=C, N=N, AW=anc_words(N), CUMW=ws["cum"].shape[1], NMAX=nmax, NP=NP,
-        BP=_pow2(B), AWP=_pow2(anc_words(N)), CAST=policy.is_cast, num_warps=warps,
+        BP=_pow2(B), LOG_D=max(0, (D - 1).bit_length()),
+        DOT_T=tl.float32 if _INTERPRET else tl.float16, CAST=policy.is_cast, num_warps=warps,
     )
     return out
