@@ -352,6 +352,34 @@ def row_layer(kind, B, V, table, dev, empty_us, quick):
     return row
 
 
+def row_sweep(B, V, table, dev, empty_us):
+    """The expand kernel's tile and warp count on one shape (defaults are set from this)."""
+    from treeops.kernels import build_tree as KB
+
+    pol = make_policy("eagle", 64, table)
+    bufs = logits_buffers(B, V, dev)
+    st, _, _ = fresh_state(pol, B, V, dev)
+    KB.expand(bufs[0], st, pol)
+    st.layer = 1
+    cyc = itertools.cycle(bufs)
+    row = dict(op="layer_sweep", policy="eagle", B=B, N=None, V=V,
+               floor_us=round(max(B * W * V * 2 / BW * 1e6, empty_us), 2), configs={})
+    for bv in (1024, 2048, 4096, 8192):
+        for nw in (4, 8, 16):
+            try:
+                KB.expand(bufs[1], st, pol, block_v=bv, num_warps=nw)
+                t = time_graph(lambda bv=bv, nw=nw: KB.expand(next(cyc), st, pol, block_v=bv,
+                                                               num_warps=nw), dev)
+                row["configs"][f"block_v={bv},warps={nw}"] = round(t, 2)
+            except Exception as e:  # noqa: BLE001
+                row["configs"][f"block_v={bv},warps={nw}"] = f"{type(e).__name__}: {e}"[:200]
+    ok = {k: v for k, v in row["configs"].items() if isinstance(v, float)}
+    if ok:
+        best = min(ok, key=ok.get)
+        row["best"], row["treeops_us"] = best, ok[best]
+    return row
+
+
 def prepared(kind, B, N, V, table, dev):
     """A state after DEPTH expand steps (treeops and PyTorch fed the same logits)."""
     from treeops.kernels import build_tree as KB
@@ -477,7 +505,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true", help="B in {1, 64}, V = 32000, N = 64 only")
-    ap.add_argument("--ops", default="layer,rerank_build,step")
+    ap.add_argument("--ops", default="layer,rerank_build,step",
+                    help="comma-separated; add 'sweep' for the expand kernel's tile sweep")
     ap.add_argument("--table", default=None, help="a CostTable JSON for the CAST rows")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script)")
@@ -525,6 +554,9 @@ def main(argv=None):
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
+    if "sweep" in ops:
+        for B, V in ((Bs[-1], Vs[0]), (Bs[0], Vs[-1])):
+            run(row_sweep, B, V, table, dev, empty_us)
     for B in Bs:
         if "layer" in ops:
             for V in Vs:
@@ -556,6 +588,10 @@ def print_table(rows, empty_us):
     for r in rows:
         if "error" in r:
             print(f"{r['op']} {r.get('args')}: ERROR {r['error']}")
+            continue
+        if r["op"] == "layer_sweep":
+            print(f"layer sweep B={r['B']} V={r['V']} floor {r['floor_us']}: best {r.get('best')} "
+                  f"{r.get('treeops_us')} us; {r['configs']}")
             continue
         print(" | ".join(f(r.get(k)) for k in hdr))
 

@@ -326,8 +326,10 @@ def _tables(state, policy):
     return dummy, dummy, 1, 1, 1
 
 
-def expand(logits: torch.Tensor, state, policy, *, block_v: int | None = None) -> None:
-    """Expand draft layer ``state.layer`` (does not advance it; the public op does)."""
+def expand(logits: torch.Tensor, state, policy, *, block_v: int | None = None,
+           num_warps: int | None = None) -> None:
+    """Expand draft layer ``state.layer`` (does not advance it; the public op does).
+    ``block_v`` (vocabulary tile, a power of two) and ``num_warps`` override the defaults."""
     B, W, V = logits.shape
     K, D = policy.topk, policy.max_depth
     C = W * K
@@ -336,7 +338,7 @@ def expand(logits: torch.Tensor, state, policy, *, block_v: int | None = None) -
     ws = state.workspace
     tab_t, tab_d, L, M, nmax = _tables(state, policy)
     cast = policy.is_cast
-    warps = 1 if _INTERPRET else (8 if block_v >= 2048 else 4)
+    warps = num_warps or (1 if _INTERPRET else (8 if block_v >= 2048 else 4))
     _expand_kernel[(B * W,)](
         logits, state.frontier_scores, state.frontier, state.frontier_tokens,
         state.active.view(torch.uint8), state.seq_lens,
