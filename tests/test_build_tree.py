@@ -526,3 +526,17 @@ def test_kernel_raising_C1_or_draft_costs_never_widens():
     widths = [int(expand_with("kernel", linear_cast(W, K, 0.25 * f, 0.5 * f, 0.3, B), fs,
                               logits).widths[0]) for f in (0.5, 1.0, 2.0, 4.0, 16.0)]
     assert widths == sorted(widths, reverse=True)
+
+
+def test_kernels_issue_extremes():
+    """The issue's limits at interpreter cost: B = 64 (small trees), and top-k 10 / depth 10 /
+    N = 128 (few requests); CAST with ties in the second."""
+    g = torch.Generator().manual_seed(13)
+    pol = treeops.EagleStatic(depth=2, topk=2, budget=5)
+    logits = torch.randn(2, 64, 2, 16, generator=g) * 3
+    active = [b % 7 != 3 for b in range(64)]
+    run_both(pol, logits, list(range(64)), [b * 3 for b in range(64)], active, block_v=16)
+    cast = treeops.Cast(C1=0.01, C2=0.0, C3=0.001, R=3, cost_table=cost_table(3, 128), topk=10,
+                        max_width=10, max_depth=10, capacity=128)
+    logits = torch.where(torch.rand(10, 2, 10, 40, generator=g) < 0.06, 0.0, -1000.0)
+    run_both(cast, logits, [5, 6], [17, 40], [True, True], block_v=32)
