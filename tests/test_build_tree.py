@@ -10,12 +10,12 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close
 from hypothesis import given
 from hypothesis import strategies as st
-from treeops.reference import build_tree as ref
 
 import treeops
+from helpers import assert_close
+from treeops.reference import build_tree as ref
 
 # the interpreter converts loop bounds with a NumPy call that NumPy >= 1.25 deprecates
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")
