@@ -334,11 +334,13 @@ def expand(logits: torch.Tensor, state, policy, *, block_v: int | None = None,
     K, D = policy.topk, policy.max_depth
     C = W * K
     if block_v is None:
-        block_v = min(_pow2(V), 256 if _INTERPRET else 4096)
+        # small CTAs, many per SM: a row's top-K merges are chains of block reductions (latency),
+        # which other resident rows' streaming hides; one request alone gets wider tiles
+        block_v = min(_pow2(V), 256 if _INTERPRET else (2048 if B * W >= 256 else 4096))
     ws = state.workspace
     tab_t, tab_d, L, M, nmax = _tables(state, policy)
     cast = policy.is_cast
-    warps = num_warps or (1 if _INTERPRET else (8 if block_v >= 2048 else 4))
+    warps = num_warps or (1 if _INTERPRET else (8 if block_v >= 4096 else 4))
     _expand_kernel[(B * W,)](
         logits, state.frontier_scores, state.frontier, state.frontier_tokens,
         state.active.view(torch.uint8), state.seq_lens,
