@@ -112,7 +112,9 @@ def _tie_cut(p_row, stride_v, V, m, T, thr, thr0, cut0, base, goal,
 
 
 @triton.jit
-def _mass(p_row, stride_v, V, m, T, thr, cut, BLOCK: tl.constexpr):
+def _mass(p_row, stride_v, V, m, T, thr, cut, p_cs, p_cm, BLOCK: tl.constexpr,
+          STORE: tl.constexpr):
+    """Mass of the kept set; with STORE, also each block's mass (and m) for the walker."""
     z = tl.zeros([], dtype=tl.float32)
     for v0 in range(0, V, BLOCK):
         o_v = v0 + tl.arange(0, BLOCK)
@@ -120,17 +122,21 @@ def _mass(p_row, stride_v, V, m, T, thr, cut, BLOCK: tl.constexpr):
         b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v,
                       other=float("-inf")).to(tl.float32)
         m_k = m_v & _kept(_key(b_x), o_v, thr, cut)
-        z += tl.sum(tl.where(m_k, _weight(b_x, m, T), 0.0), axis=0)
+        b_z = tl.sum(tl.where(m_k, _weight(b_x, m, T), 0.0), axis=0)
+        if STORE:
+            tl.store(p_cs + v0 // BLOCK, b_z)
+            tl.store(p_cm + v0 // BLOCK, m)
+        z += b_z
     return z
 
 
 @triton.jit
 def _node_stats(
     pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp,
-    p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut,
+    p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm,
     N, V, CHUNK,
     S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, NPIV: tl.constexpr,
-    K: tl.constexpr, K_PAD: tl.constexpr, SAMPLE: tl.constexpr,
+    NCH, K: tl.constexpr, K_PAD: tl.constexpr, SAMPLE: tl.constexpr, NEED_SE: tl.constexpr,
 ):
     i_s = (pid % S).to(tl.int32)
     i_n = ((pid // S) % N).to(tl.int32)
@@ -142,6 +148,8 @@ def _node_stats(
         T_in = tl.load(p_temp + i_b).to(tl.float32)
         T = tl.where(T_in > 0, T_in, 1.0)
     p_row = p_logits + i_b * s_lb + i_n.to(tl.int64) * s_ln
+    p_cs = p_wcs + pid * NCH
+    p_cm = p_wcm + pid * NCH
     v_start = i_s * CHUNK
     v_end = tl.minimum(v_start + CHUNK, V)
     m = tl.full([], float("-inf"), tl.float32)
@@ -161,8 +169,15 @@ def _node_stats(
             b_a = tl.min(tl.where(m_v & (b_x == b_m), o_v, BIG), axis=0)
             arg = tl.where((b_m > m) | ((b_m == m) & (b_a < arg)), b_a, arg)
             new_m = tl.maximum(m, b_m)
-            scale = tl.where(new_m == float("-inf"), 1.0, tl.exp((m - new_m) / T))
-            se = se * scale + tl.sum(tl.where(m_v, _weight(b_x, new_m, T), 0.0), axis=0)
+            if NEED_SE:
+                scale = tl.where(new_m == float("-inf"), 1.0, tl.exp((m - new_m) / T))
+                b_z = tl.sum(tl.where(m_v, _weight(b_x, new_m, T), 0.0), axis=0)
+                se = se * scale + b_z
+                if SAMPLE:
+                    # per-block mass (relative to the running max) lets the walker find the
+                    # block of the bonus token without rescanning the row
+                    tl.store(p_cs + v0 // BLOCK_V, b_z)
+                    tl.store(p_cm + v0 // BLOCK_V, new_m)
             m = new_m
             if K > 0:
                 # insert the block's better elements into the unsorted top-K buffer; after the
@@ -201,13 +216,14 @@ def _node_stats(
                     cut = _tie_cut(p_row, s_lv, V, m, T, thr, lo0, cut, f_gt,
                                    k.to(tl.float32), False, BLOCK_T)
                 if use_p:
-                    goal = top_p * _mass(p_row, s_lv, V, m, T, thr, cut, BLOCK_T)
+                    goal = top_p * _mass(p_row, s_lv, V, m, T, thr, cut, p_cs, p_cm, BLOCK_T,
+                                         False)
                     thr_p, f_gt = _count_search(p_row, s_lv, V, m, T, thr, cut, goal, thr, hi,
                                                 True, BLOCK_T, NPIV)
                     cut = _tie_cut(p_row, s_lv, V, m, T, thr_p, thr, cut, f_gt, goal, True,
                                    BLOCK_T)
                     thr = thr_p
-                se = _mass(p_row, s_lv, V, m, T, thr, cut, BLOCK_T)
+                se = _mass(p_row, s_lv, V, m, T, thr, cut, p_cs, p_cm, BLOCK_V, True)
         tl.store(p_wthr + o_w, thr)
         tl.store(p_wcut + o_w, cut)
     tl.store(p_wmax + o_w, m)
@@ -247,7 +263,8 @@ def _greedy_walk(n, valid, par, tok, arg, nz, N, N_PAD: tl.constexpr):
 
 @triton.jit
 def _sample_walk(i_b, p_logits, s_lb, s_ln, s_lv, p_uni, s_ub, n, valid, par, tok, nm, nz, thr,
-                 cutv, T, N, V, N_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
+                 cutv, p_wcs, p_wcm, T, N, V, NCH, N_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
+                 NCH_PAD: tl.constexpr):
     """DESIGN.md op 7's interval rule, node by node, in unnormalised weights: u * Z is laid out
     as the kept children's weights in sibling (= index) order, then every other kept token's
     weight in id order."""
@@ -279,10 +296,27 @@ def _sample_walk(i_b, p_logits, s_lb, s_ln, s_lv, p_uni, s_ub, n, valid, par, to
         if hit == BIG:
             # u lies past the children: scan every other kept token in id order
             goal2 = goal - tl.sum(wc, axis=0)
-            run = tl.zeros([], dtype=tl.float32)
+            # first block whose cumulative non-child mass passes goal2, from the block masses
+            # the node's program stored; the scan starts there (it moves on if rounding says
+            # the crossing is later, and falls back to the last positive block)
+            o_c = tl.arange(0, NCH_PAD)
+            m_c2 = o_c < NCH
+            o_cs = (i_b * N + cur) * NCH + o_c
+            c_s = tl.load(p_wcs + o_cs, mask=m_c2, other=0.0, volatile=True)
+            c_m = tl.load(p_wcm + o_cs, mask=m_c2, other=float("-inf"), volatile=True)
+            c_z = tl.where(c_m == float("-inf"), 0.0, c_s * tl.exp((c_m - m_c) / T))
+            blk = (tok // BLOCK_V).to(tl.int32)
+            corr = tl.sum(tl.where(ch[:, None] & (blk[:, None] == o_c[None, :]), wc[:, None], 0.0),
+                          axis=0)
+            c_o = tl.maximum(c_z - corr, 0.0)
+            c_cum = tl.cumsum(c_o, 0)
+            c0 = tl.min(tl.where(m_c2 & (c_o > 0) & (c_cum > goal2), o_c, NCH_PAD), axis=0)
+            c_last = tl.max(tl.where(m_c2 & (c_o > 0), o_c, 0), axis=0)
+            c0 = tl.where(c0 < NCH_PAD, c0, c_last)
+            run = tl.sum(tl.where(o_c < c0, c_o, 0.0), axis=0)
             found = tl.full([], BIG, tl.int32)
             last = tl.full([], -1, tl.int32)
-            v0 = tl.zeros([], dtype=tl.int32)
+            v0 = c0 * BLOCK_V
             while (v0 < V) & (found == BIG):
                 o_v = v0 + tl.arange(0, BLOCK_V)
                 m_v = o_v < V
@@ -329,11 +363,12 @@ def _sample_walk(i_b, p_logits, s_lb, s_ln, s_lv, p_uni, s_ub, n, valid, par, to
 def _walk(
     i_b, p_logits, s_lb, s_ln, s_lv, p_tokens, s_tb, p_parents, s_pb, p_num_nodes,
     p_temp, p_uni, s_ub, p_stop, s_sb, n_stop, p_budget,
-    p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut,
+    p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm,
     p_acc, p_len, p_bonus, p_lp, p_topk,
-    N, V,
+    N, V, NCH,
     N_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
-    K: tl.constexpr, K_PAD: tl.constexpr, SAMPLE: tl.constexpr, HAS_STOP: tl.constexpr,
+    NCH_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, SAMPLE: tl.constexpr,
+    HAS_STOP: tl.constexpr,
     STOP_PAD: tl.constexpr, HAS_BUDGET: tl.constexpr, HAS_LP: tl.constexpr,
 ):
     i_b = i_b.to(tl.int64)
@@ -364,7 +399,8 @@ def _walk(
     if SAMPLE:
         if T_in > 0:
             path, em, lp, L = _sample_walk(i_b, p_logits, s_lb, s_ln, s_lv, p_uni, s_ub, n, valid,
-                                           par, tok, nm, nz, thr, cutv, T, N, V, N_PAD, BLOCK_V)
+                                           par, tok, nm, nz, thr, cutv, p_wcs, p_wcm, T, N, V,
+                                           NCH, N_PAD, BLOCK_V, NCH_PAD)
         else:
             path, em, lp, L = _greedy_walk(n, valid, par, tok, arg, nz, N, N_PAD)
     else:
@@ -404,23 +440,24 @@ def _walk(
             avail = avail & (ci != bi[:, None])
 
 
-@triton.jit(do_not_specialize=["B", "N", "V", "CHUNK", "n_stop"])
+@triton.jit(do_not_specialize=["B", "N", "V", "CHUNK", "NCH", "n_stop"])
 def _accept_kernel(
     p_logits, s_lb, s_ln, s_lv, p_tokens, s_tb, p_parents, s_pb, p_num_nodes,
     p_temp, p_topk_param, p_topp, p_uni, s_ub, p_stop, s_sb, n_stop, p_budget,
-    p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_count,
+    p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm, p_count,
     p_acc, p_len, p_bonus, p_lp, p_topk,
-    B, N, V, CHUNK,
+    B, N, V, CHUNK, NCH,
     N_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_T: tl.constexpr, NPIV: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-    SAMPLE: tl.constexpr, HAS_STOP: tl.constexpr, STOP_PAD: tl.constexpr,
-    HAS_BUDGET: tl.constexpr, HAS_LP: tl.constexpr, PHASE: tl.constexpr, FENCE: tl.constexpr,
+    BLOCK_T: tl.constexpr, NPIV: tl.constexpr, NCH_PAD: tl.constexpr, K: tl.constexpr,
+    K_PAD: tl.constexpr, SAMPLE: tl.constexpr, NEED_SE: tl.constexpr, HAS_STOP: tl.constexpr,
+    STOP_PAD: tl.constexpr, HAS_BUDGET: tl.constexpr, HAS_LP: tl.constexpr,
+    PHASE: tl.constexpr, FENCE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     if PHASE != 2:
         _node_stats(pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp,
-                    p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, N, V, CHUNK,
-                    S, BLOCK_V, BLOCK_T, NPIV, K, K_PAD, SAMPLE)
+                    p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm, N, V, CHUNK,
+                    S, BLOCK_V, BLOCK_T, NPIV, NCH, K, K_PAD, SAMPLE, NEED_SE)
     if PHASE == 0:
         i_b = pid // (S * N)
         if FENCE:
@@ -432,18 +469,18 @@ def _accept_kernel(
         if count == N * S - 1:
             _walk(i_b, p_logits, s_lb, s_ln, s_lv, p_tokens, s_tb, p_parents, s_pb, p_num_nodes,
                   p_temp, p_uni, s_ub, p_stop, s_sb, n_stop, p_budget,
-                  p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut,
-                  p_acc, p_len, p_bonus, p_lp, p_topk, N, V,
-                  N_PAD, S, S_PAD, BLOCK_V, K, K_PAD, SAMPLE, HAS_STOP, STOP_PAD, HAS_BUDGET,
-                  HAS_LP)
+                  p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm,
+                  p_acc, p_len, p_bonus, p_lp, p_topk, N, V, NCH,
+                  N_PAD, S, S_PAD, BLOCK_V, NCH_PAD, K, K_PAD, SAMPLE, HAS_STOP, STOP_PAD,
+                  HAS_BUDGET, HAS_LP)
             tl.store(p_count + i_b, 0)
     if PHASE == 2:
         _walk(pid, p_logits, s_lb, s_ln, s_lv, p_tokens, s_tb, p_parents, s_pb, p_num_nodes,
               p_temp, p_uni, s_ub, p_stop, s_sb, n_stop, p_budget,
-              p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut,
-              p_acc, p_len, p_bonus, p_lp, p_topk, N, V,
-              N_PAD, S, S_PAD, BLOCK_V, K, K_PAD, SAMPLE, HAS_STOP, STOP_PAD, HAS_BUDGET,
-              HAS_LP)
+              p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm,
+              p_acc, p_len, p_bonus, p_lp, p_topk, N, V, NCH,
+              N_PAD, S, S_PAD, BLOCK_V, NCH_PAD, K, K_PAD, SAMPLE, HAS_STOP, STOP_PAD,
+              HAS_BUDGET, HAS_LP)
 
 
 def _pow2(x: int) -> int:
@@ -484,12 +521,17 @@ def default_splits(B: int, N: int, V: int, device: torch.device, block_v: int) -
 
 def accept_launch(tree, target_logits, *, temperature=None, top_k=None, top_p=None,
                   uniforms=None, stop_ids=None, max_new_tokens=None, return_logprobs=False,
-                  topk_ids=0, out=None, num_splits=None, block_v=None, phase=0,
+                  topk_ids=0, out=None, num_splits=None, block_v=None, phase=None,
                   workspace=None, num_pivots=16) -> Acceptance:
     """Launch the acceptance kernel (greedy when ``uniforms`` is None). Inputs are assumed
     validated by ``treeops.accept``. ``phase=0``: one fused launch; ``phase=1``: two launches
     (node statistics, then the walk), a fallback. ``num_splits``/``block_v`` override the
-    defaults (tests use small ones to exercise the split and block loops)."""
+    defaults (tests use small ones to exercise the split and block loops). The default phase is
+    0, or ``TREEOPS_ACCEPT_PHASE`` from the environment."""
+    if phase is None:
+        import os
+
+        phase = int(os.environ.get("TREEOPS_ACCEPT_PHASE", "0"))
     B, N, V = target_logits.shape
     dev = target_logits.device
     sample = uniforms is not None
@@ -511,21 +553,19 @@ def accept_launch(tree, target_logits, *, temperature=None, top_k=None, top_p=No
             torch.empty(B, N, dtype=torch.float32, device=dev) if return_logprobs else None,
             torch.empty(B, N, K, dtype=torch.int32, device=dev) if K else None,
         )
+    NCH = -(-V // block_v) if sample else 1
+    BNS = B * N * S
+    n_f = [BNS, BNS, BNS * K_PAD if K else 1, B * N * NCH if sample else 1,
+           B * N * NCH if sample else 1]
+    n_i = [BNS, BNS * K_PAD if K else 1, B * N if sample else 1, B * N if sample else 1]
     if workspace is None:
-        ws_f = torch.empty(2 * B * N * S + (B * N * S * K_PAD if K else 1), dtype=torch.float32,
-                           device=dev)
-        ws_i = torch.empty(B * N * S + (B * N * S * K_PAD if K else 1) + 2 * B * N,
-                           dtype=torch.int32, device=dev)
+        ws_f = torch.empty(sum(n_f), dtype=torch.float32, device=dev)
+        ws_i = torch.empty(sum(n_i), dtype=torch.int32, device=dev)
         count = _counters(dev, B)
     else:
         ws_f, ws_i, count = workspace
-    BNS = B * N * S
-    w_max, w_se = ws_f[:BNS], ws_f[BNS:2 * BNS]
-    w_tkv = ws_f[2 * BNS:]
-    w_arg = ws_i[:BNS]
-    w_tki = ws_i[BNS:]
-    w_thr = ws_i[ws_i.numel() - 2 * B * N: ws_i.numel() - B * N]
-    w_cut = ws_i[ws_i.numel() - B * N:]
+    w_max, w_se, w_tkv, w_cs, w_cm = torch.split(ws_f[: sum(n_f)], n_f)
+    w_arg, w_tki, w_thr, w_cut = torch.split(ws_i[: sum(n_i)], n_i)
     dummy_f = w_se
     has_stop = stop_ids is not None
     n_stop = stop_ids.shape[-1] if has_stop else 0
@@ -534,10 +574,11 @@ def accept_launch(tree, target_logits, *, temperature=None, top_k=None, top_p=No
         stop_ids = stop_ids.contiguous()
         s_sb = stop_ids.stride(0) if stop_ids.dim() == 2 else 0
     tk, tp = tree.tokens, tree.parents
-    num_warps = 8 if block_v >= 4096 else 4
+    num_warps = 8 if (block_v >= 4096 or sample) and not _interpreted() else 4
     common = dict(
         N_PAD=_pow2(N), S=S, S_PAD=_pow2(S), BLOCK_V=block_v, BLOCK_T=block_t, NPIV=num_pivots,
-        K=K, K_PAD=K_PAD, SAMPLE=sample, HAS_STOP=has_stop, STOP_PAD=_pow2(max(n_stop, 1)),
+        NCH_PAD=_pow2(NCH), K=K, K_PAD=K_PAD, SAMPLE=sample,
+        NEED_SE=sample or bool(return_logprobs), HAS_STOP=has_stop, STOP_PAD=_pow2(max(n_stop, 1)),
         HAS_BUDGET=max_new_tokens is not None, HAS_LP=bool(return_logprobs),
         FENCE=not _interpreted(), num_warps=num_warps,
     )
@@ -549,10 +590,10 @@ def accept_launch(tree, target_logits, *, temperature=None, top_k=None, top_p=No
         uniforms.stride(0) if sample else 0,
         stop_ids if has_stop else w_arg, s_sb, n_stop,
         max_new_tokens if max_new_tokens is not None else w_arg,
-        w_max, w_arg, w_se, w_tkv, w_tki, w_thr, w_cut, count,
+        w_max, w_arg, w_se, w_tkv, w_tki, w_thr, w_cut, w_cs, w_cm, count,
         out.accepted, out.accept_len, out.bonus,
         out.logprobs if return_logprobs else dummy_f, out.topk if K else w_arg,
-        B, N, V, chunk,
+        B, N, V, chunk, NCH,
     ]
     assert tk.stride(1) == 1 and tp.stride(1) == 1 and (not sample or uniforms.stride(1) == 1)
     if phase == 0:
