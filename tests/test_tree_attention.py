@@ -1,0 +1,270 @@
+"""Tree-masked paged attention: reference against an independent float64 softmax, the Triton
+kernel (under the interpreter) against the reference, and the public op's input checks."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from helpers import assert_close, tree_from_lists
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import make_tree, parents_of, paged_kv, trees
+
+import treeops
+from treeops.kernels import tree_attention as K
+from treeops.reference import tree_attention as R
+
+
+def brute_force(q, kv, seq_lens, parents, q_start=None, q_len=None, scale=None):
+    """float64, one (request, node, head) at a time; tree visibility from walking ``parents``
+    (not from ``anc``), slot -> page by plain integer arithmetic. Returns out, lse."""
+    B, N, H_q, D = q.shape
+    H_kv = kv.k_cache.shape[2]
+    ps = kv.k_cache.shape[1]
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    out = torch.zeros(B, N, H_q, D, dtype=torch.float64)
+    lse = torch.full((B, N, H_q), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        par, s, n = parents[b], int(seq_lens[b]), len(parents[b])
+        lo = 0 if q_start is None else int(q_start[b])
+        hi = N if q_len is None else lo + int(q_len[b])
+        for i in range(max(lo, 0), min(hi, n)):
+            anc, j = set(), i
+            while j >= 0:
+                anc.add(j)
+                j = par[j]
+            slots = list(range(s)) + [s + j for j in sorted(anc)]
+            for h in range(H_q):
+                kvh = h // (H_q // H_kv)
+                keys = torch.stack([kv.k_cache[int(kv.block_table[b, p // ps]), p % ps, kvh]
+                                    for p in slots]).double()
+                vals = torch.stack([kv.v_cache[int(kv.block_table[b, p // ps]), p % ps, kvh]
+                                    for p in slots]).double()
+                logits = keys @ q[b, i, h].double() * scale
+                m = logits.max()
+                w = torch.exp(logits - m)
+                out[b, i, h] = (w[:, None] * vals).sum(0) / w.sum()
+                lse[b, i, h] = m + torch.log(w.sum())
+    return out, lse
+
+
+def _lse_close(actual, expected, what):
+    inf = torch.isinf(expected)
+    assert bool(torch.isinf(actual[inf]).all() and (actual[inf] < 0).all()), f"{what}: -inf rows"
+    assert bool(torch.isfinite(actual[~inf]).all()), f"{what}: inf where finite expected"
+    assert_close(actual[~inf], expected[~inf], torch.float32, what)
+
+
+@given(tc=trees(max_batch=3, capacities=(1, 4, 8, 16)), data=st.data())
+def test_reference_matches_float64_softmax(tc, data):
+    rng = random.Random(data.draw(st.integers(0, 2**16)))
+    B, N = tc.tree.batch_size, tc.tree.capacity
+    H_kv = data.draw(st.sampled_from([1, 2]))
+    H_q = H_kv * data.draw(st.sampled_from([1, 2, 4]))
+    D = 8
+    seq = [data.draw(st.integers(0, 20)) for _ in range(B)]
+    kv = paged_kv([s + N for s in seq], data.draw(st.sampled_from([1, 4, None])), H_kv, D,
+                  torch.float32, rng)
+    q = torch.randn(B, N, H_q, D, dtype=torch.float32)
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    qs = ql = None
+    if data.draw(st.booleans()):
+        qs = torch.tensor([rng.randrange(N + 1) for _ in range(B)], dtype=torch.int32)
+        ql = torch.tensor([rng.randrange(N + 1) for _ in range(B)], dtype=torch.int32)
+    out, lse = R.tree_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, tc.tree,
+                                qs, ql, return_lse=True)
+    exp_out, exp_lse = brute_force(q, kv, seq_lens, tc.parents, qs, ql)
+    assert_close(out, exp_out, torch.float32, "reference out")
+    _lse_close(lse, exp_lse, "reference lse")
+
+
+def run_kernel(q, kv, seq_lens, tree, q_start=None, q_len=None, num_splits=None, override=None,
+               workspace=None, scale=None):
+    B, N, H_q, D = q.shape
+    out = torch.empty_like(q)  # poisoned by conftest: every element must be written
+    lse = torch.empty(B, N, H_q, dtype=torch.float32)
+    K.tree_attention_fwd(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, tree.num_nodes,
+                         tree.anc, q_start, q_len, scale or 1 / math.sqrt(D), out, lse, workspace,
+                         num_splits, override)
+    return out, lse
+
+
+def check_kernel(q, kv, seq_lens, tree, q_start=None, q_len=None, what="", **kw):
+    out, lse = run_kernel(q, kv, seq_lens, tree, q_start, q_len, **kw)
+    ref, ref_lse = R.tree_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, tree,
+                                    q_start, q_len, return_lse=True, sm_scale=kw.get("scale"))
+    assert_close(out, ref, q.dtype, f"out {what}")
+    _lse_close(lse, ref_lse, f"lse {what}")
+    dead = torch.isinf(ref_lse)
+    assert bool((out[dead] == 0).all()), f"{what}: rows that see nothing must be exactly 0"
+    return out, lse
+
+
+@given(tc=trees(max_batch=3, capacities=(1, 4, 8, 16, 32)), data=st.data())
+def test_kernel_matches_reference(tc, data):
+    rng = random.Random(data.draw(st.integers(0, 2**16)))
+    B, N = tc.tree.batch_size, tc.tree.capacity
+    group = data.draw(st.sampled_from([1, 4, 8]))
+    H_kv = data.draw(st.sampled_from([1, 2])) if group < 8 else 1
+    dtype = data.draw(st.sampled_from([torch.float16, torch.float32]))
+    page = data.draw(st.sampled_from([1, 16, 64, None]))
+    seq = [data.draw(st.sampled_from([0, 1, 31, 64, 100])) for _ in range(B)]
+    kv = paged_kv([s + N for s in seq], page, H_kv, 64, dtype, rng,
+                  strided=data.draw(st.booleans()))
+    q = torch.randn(B, N, H_kv * group, 64).to(dtype)
+    if data.draw(st.booleans()):  # a strided q: [B, H_q, N, D] storage seen as [B, N, H_q, D]
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    qs = ql = None
+    if data.draw(st.booleans()):
+        qs = torch.tensor([rng.randrange(N + 1) for _ in range(B)], dtype=torch.int32)
+        ql = torch.tensor([rng.randrange(N + 1) for _ in range(B)], dtype=torch.int32)
+    splits = data.draw(st.sampled_from([None, 1, 3]))
+    override = {"prefetch": data.draw(st.booleans()), "block_n": 32}
+    check_kernel(q, kv, seq_lens, tc.tree, qs, ql, num_splits=splits, override=override,
+                 what=f"page={page} group={group} {dtype} splits={splits}")
+
+
+@pytest.mark.parametrize("D,H_q,H_kv,page", [(128, 8, 2, 16), (256, 4, 1, None)])
+def test_kernel_large_head_dims(D, H_q, H_kv, page):
+    rng = random.Random(D)
+    tree = make_tree([parents_of("random", 11, rng), parents_of("chain", 16, rng)], 16, 64, rng)
+    seq = [70, 5]
+    kv = paged_kv([s + 16 for s in seq], page, H_kv, D, torch.float16, rng)
+    q = torch.randn(2, 16, H_q, D).to(torch.float16)
+    check_kernel(q, kv, torch.tensor(seq, dtype=torch.int32), tree, what=f"D={D}")
+
+
+def test_kernel_one_larger_case_with_splits_and_workspace():
+    """Longer prefixes, GQA 4, page 16, split-KV through a caller-supplied workspace."""
+    rng = random.Random(5)
+    N = 64
+    tree = make_tree([parents_of("random", 64, rng), parents_of("binary", 40, rng)], N, 64, rng)
+    seq = [300, 157]
+    kv = paged_kv([s + N for s in seq], 16, 1, 64, torch.float16, rng)
+    q = torch.randn(2, N, 4, 64).to(torch.float16)
+    cfg = K.pick_config(2, N, 4, 1, 64, kv.block_table.shape[1] * 16, 4, True, num_splits=4)
+    ws = torch.zeros(K.workspace_numel(2, N, 4, 64, cfg), dtype=torch.float32)
+    check_kernel(q, kv, torch.tensor(seq, dtype=torch.int32), tree, num_splits=4, workspace=ws,
+                 override={"prefetch": True})
+    assert bool((ws != 0).any()), "the caller's workspace was not used"
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_rows_that_see_nothing_are_exact_zero(splits):
+    """Inactive request, empty query range, padding nodes and q_start past num_nodes."""
+    rng = random.Random(6)
+    tree = tree_from_lists([[], [-1, 0, 1], [-1, 0], [-1]], capacity=8)
+    seq = torch.tensor([5, 0, 9, 3], dtype=torch.int32)
+    kv = paged_kv([13, 8, 17, 11], 4, 1, 64, torch.float32, rng)
+    q = torch.randn(4, 8, 2, 64)
+    qs = torch.tensor([0, 1, 1, 3], dtype=torch.int32)
+    ql = torch.tensor([8, 0, 8, 2], dtype=torch.int32)
+    out, lse = check_kernel(q, kv, seq, tree, qs, ql, num_splits=splits)
+    live = torch.zeros(4, 8, dtype=torch.bool)
+    live[2, 1] = True  # request 2: node 1 is the only queried node that exists
+    assert bool((out[~live] == 0).all())
+    assert bool(torch.isneginf(lse[~live]).all())
+    assert bool(torch.isfinite(lse[live]).all())
+
+
+def test_empty_prefix_root_sees_itself():
+    """seq_len 0: the root's only key is itself, so its output is its own V row."""
+    rng = random.Random(7)
+    tree = tree_from_lists([[-1, 0, 0]], capacity=4)
+    kv = paged_kv([4], 16, 1, 64, torch.float32, rng)
+    q = torch.randn(1, 4, 1, 64)
+    out, lse = check_kernel(q, kv, torch.tensor([0], dtype=torch.int32), tree)
+    page = int(kv.block_table[0, 0])
+    assert_close(out[0, 0, 0], kv.v_cache[page, 0, 0], torch.float32, "root output")
+
+
+def test_sm_scale_is_used():
+    rng = random.Random(8)
+    tree = tree_from_lists([[-1, 0, 1, 1]], capacity=4)
+    kv = paged_kv([40], 16, 1, 64, torch.float32, rng)
+    q = torch.randn(1, 4, 2, 64)
+    seq = torch.tensor([36], dtype=torch.int32)
+    check_kernel(q, kv, seq, tree, scale=0.5)
+
+
+# ----------------------------------------------------------------------------- public op
+def _inputs(B=2, N=8, H_q=4, H_kv=2, D=64, dtype=torch.float32):
+    rng = random.Random(9)
+    tree = make_tree([parents_of("random", N, rng) for _ in range(B)], N, 64, rng)
+    kv = paged_kv([20 + N] * B, 16, H_kv, D, dtype, rng)
+    q = torch.randn(B, N, H_q, D).to(dtype)
+    return dict(q=q, k_cache=kv.k_cache, v_cache=kv.v_cache, block_table=kv.block_table,
+                seq_lens=torch.full((B,), 20, dtype=torch.int32), tree=tree)
+
+
+def test_public_op_on_cpu_is_the_reference_and_fills_buffers():
+    a = _inputs()
+    out = torch.empty_like(a["q"])
+    lse = torch.empty(2, 8, 4)
+    res = treeops.tree_attention(**a, return_lse=True, out=out, lse=lse, validate=True)
+    assert res[0] is out and res[1] is lse
+    ref, ref_lse = R.tree_attention(**a, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert isinstance(treeops.tree_attention(**a), torch.Tensor)
+    ws = treeops.tree_attention_workspace(a["q"], a["k_cache"], a["block_table"])
+    assert ws.dtype == torch.float32 and ws.dim() == 1
+
+
+def _bad(**changes):
+    a = _inputs()
+    a.update(changes)
+    return a
+
+
+@pytest.mark.parametrize("args,message", [
+    (lambda: _bad(q=torch.randn(2, 8, 4, 64).to(torch.int32)), "Invalid dtype of q"),
+    (lambda: _bad(q=torch.randn(2, 8, 4, 32)), "Invalid head dim of q: expected one of (64, 128, 256), got 32"),
+    (lambda: _bad(q=torch.randn(3, 8, 4, 64)), "Invalid shape of q: expected [2, 8, H_q, D], got [3, 8, 4, 64]"),
+    (lambda: _bad(k_cache=torch.randn(3, 16, 2, 64).half()), "Invalid dtype of k_cache: expected torch.float32, got torch.float16"),
+    (lambda: _bad(v_cache=torch.randn(3, 16, 2, 128)), "Invalid shape of v_cache"),
+    (lambda: _bad(q=torch.randn(2, 8, 3, 64)), "H_q = 3 must be a multiple of H_kv = 2"),
+    (lambda: _bad(block_table=torch.zeros(2, 4, dtype=torch.int64)), "Invalid dtype of block_table: expected torch.int32, got torch.int64"),
+    (lambda: _bad(seq_lens=torch.zeros(3, dtype=torch.int32)), "Invalid shape of seq_lens: expected [2], got [3]"),
+    (lambda: _bad(tree="tree"), "Invalid type of tree: expected treeops.Tree, got str"),
+    (lambda: _bad(seq_lens=torch.zeros(2, dtype=torch.int32, device="meta")), "Invalid device of seq_lens"),
+    (lambda: dict(_bad(), q_start=torch.zeros(2, dtype=torch.int64)), "Invalid dtype of q_start"),
+    (lambda: dict(_bad(), out=torch.zeros(2, 8, 4, 64, dtype=torch.float16)), "Invalid dtype of out"),
+    (lambda: dict(_bad(), lse=torch.zeros(2, 8, 5)), "Invalid shape of lse"),
+    (lambda: dict(_bad(), workspace=torch.zeros(4, dtype=torch.int32)), "Invalid dtype of workspace"),
+    (lambda: dict(_bad(), sm_scale=-1.0), "Invalid value of sm_scale"),
+])
+def test_public_op_rejects_bad_input(args, message):
+    with pytest.raises(ValueError) as e:
+        treeops.tree_attention(**args())
+    assert message in str(e.value)
+
+
+def test_validate_checks_values():
+    a = _inputs()
+    bt = a["block_table"].clone()
+    bt[0, 0] = 99
+    with pytest.raises(ValueError, match="Invalid value in block_table: expected < 5, got 99"):
+        treeops.tree_attention(**dict(a, block_table=bt), validate=True)
+    with pytest.raises(ValueError, match="exceeds the block table's capacity of 32 slots"):
+        treeops.tree_attention(**dict(a, seq_lens=torch.tensor([25, 0], dtype=torch.int32)),
+                               validate=True)
+    with pytest.raises(ValueError, match="Invalid value in q_start: expected < 9, got 10"):
+        treeops.tree_attention(**a, q_start=torch.tensor([10, 0], dtype=torch.int32),
+                               validate=True)
+    t = a["tree"].clone()
+    t.depth[0, 1] = 5
+    with pytest.raises(ValueError, match="Invalid tree: request 0: depth"):
+        treeops.tree_attention(**dict(a, tree=t), validate=True)
+
+
+def test_split_count_depends_on_capacities_only():
+    """Same shapes, different values: same config; more programs than SMs: no split."""
+    c1 = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False)
+    c2 = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False)
+    assert c1 == c2 and c1.num_splits > 1
+    assert K.pick_config(64, 64, 32, 8, 128, 4096, 132, False).num_splits == 1
+    assert K.pick_config(1, 64, 32, 8, 128, 128, 132, False).num_splits == 1  # tiny capacity
