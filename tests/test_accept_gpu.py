@@ -1,0 +1,218 @@
+"""GPU tests of acceptance and KV compaction (compiled kernels, realistic sizes).
+
+Skipped unless ``TREEOPS_GPU_TESTS=1`` on a CUDA machine. Fixed shapes (no hypothesis), so the
+file also runs under ``compute-sanitizer --tool memcheck``:
+
+    TREEOPS_GPU_TESTS=1 python -m pytest tests/test_accept_gpu.py -q
+    TREEOPS_GPU_TESTS=1 compute-sanitizer --tool memcheck python -m pytest tests/test_accept_gpu.py -q -k "not stress"
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from strategies import make_tree, parents_of
+from test_accept import assert_same, biased_logits, near_boundary
+
+import treeops
+from treeops.kernels import accept as kacc
+from treeops.kernels.accept import accept_launch
+from treeops.kernels.compact_kv import compact_kv_launch
+from treeops.reference import accept as ref
+
+pytestmark = pytest.mark.gpu
+DEV = os.environ.get("TREEOPS_GPU_TEST_DEVICE", "cuda")  # "cpu": a dry run of the test logic
+
+
+def tree_batch(B: int, N: int, V: int, seed: int):
+    rng = random.Random(seed)
+    kinds = ["random", "chain", "binary", "star", "random", "single", "inactive"]
+    rows = [parents_of(kinds[b % len(kinds)], N if b % 3 else rng.randint(1, N), rng)
+            for b in range(B)]
+    if not any(rows):
+        rows[0] = [-1]
+    return make_tree(rows, N, V, rng), rng
+
+
+@pytest.mark.parametrize("B,N,V,dtype", [
+    (4, 64, 128256, torch.bfloat16),
+    (3, 16, 32000, torch.float16),
+    (2, 64, 128256, torch.float32),
+    (1, 64, 32000, torch.bfloat16),
+    (9, 7, 151936, torch.bfloat16),
+])
+@pytest.mark.parametrize("phase", [0, 1])
+def test_greedy_gpu_matches_reference(B, N, V, dtype, phase):
+    tree, rng = tree_batch(B, N, V, seed=B * 1000 + N)
+    lg = biased_logits(tree, V, rng, ties=False, dtype=dtype, boost=0.0)  # bf16: real ties
+    want = ref.accept_greedy(tree, lg, return_logprobs=True, topk_ids=8)
+    tg, lgg = tree.to(DEV), lg.to(DEV)
+    got = accept_launch(tg, lgg, return_logprobs=True, topk_ids=8, phase=phase)
+    assert_same(Acc_cpu(got), want, lp_tol=5e-4)
+    pub = treeops.accept_greedy(tg, lgg)
+    assert torch.equal(pub.accepted.cpu(), want.accepted) and torch.equal(pub.bonus.cpu(), want.bonus)
+    # every split count gives the same answer
+    for s in (1, 3, 8):
+        r = accept_launch(tg, lgg, num_splits=s, phase=phase, topk_ids=3)
+        assert torch.equal(r.accepted.cpu(), want.accepted) and torch.equal(r.bonus.cpu(), want.bonus)
+        assert torch.equal(r.topk.cpu(), want.topk[..., :3])
+    assert all(int(c.abs().sum()) == 0 for c in kacc._COUNTERS.values())
+
+
+def Acc_cpu(r):
+    return treeops.Acceptance(*[None if t is None else t.cpu() for t in r])
+
+
+@pytest.mark.parametrize("B,N,V,dtype", [
+    (4, 64, 128256, torch.bfloat16),
+    (3, 16, 32000, torch.float32),
+    (6, 32, 50000, torch.float16),
+])
+@pytest.mark.parametrize("phase", [0, 1])
+def test_sample_gpu_matches_reference(B, N, V, dtype, phase):
+    tree, rng = tree_batch(B, N, V, seed=B * 7 + N)
+    lg = biased_logits(tree, V, rng, ties=False, dtype=dtype, boost=4.0)
+    T = torch.tensor([[0.0, 0.7, 1.0, 1.3][b % 4] for b in range(B)])
+    k = torch.tensor([[0, 50, 1000, 0, 20][b % 5] for b in range(B)], dtype=torch.int32)
+    p = torch.tensor([[1.0, 0.9, 0.95, 0.8][b % 4] for b in range(B)])
+    stops = torch.tensor([5, 17, -1])
+    bud = torch.tensor([[50, 3, 8][b % 3] for b in range(B)], dtype=torch.int32)
+    for trial in range(3):
+        u = torch.rand(B, N, generator=torch.Generator().manual_seed(trial))
+        if near_boundary(tree, lg, T, k, p, u, stops, bud):
+            continue
+        want = ref.accept_sample(tree, lg, T, k, p, u, stop_ids=stops, max_new_tokens=bud,
+                                 return_logprobs=True, topk_ids=4)
+        args = [t.to(DEV) for t in (T, k, p, u)]
+        got = accept_launch(tree.to(DEV), lg.to(DEV), temperature=args[0], top_k=args[1],
+                            top_p=args[2], uniforms=args[3], stop_ids=stops.to(DEV),
+                            max_new_tokens=bud.to(DEV), return_logprobs=True, topk_ids=4,
+                            phase=phase)
+        assert_same(Acc_cpu(got), want, lp_tol=5e-4)
+
+
+STRESS_SHAPE = (16, 256, 4, 8, 128)  # B, N, layers, KV heads, head dim
+
+
+def _phys(bt: torch.Tensor, slots: torch.Tensor, ps: int):
+    """(page, offset) of logical slots [B, M] through the block table."""
+    return bt.gather(1, (slots // ps).long()).long(), (slots % ps).long()
+
+
+@pytest.mark.parametrize("page_size", [1, 16, None], ids=["ps1", "ps16", "contiguous"])
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "list"])
+def test_compact_gpu_stress(page_size, stacked):
+    """Long accepted paths whose destinations are earlier sources (i_d = 2d and random
+    increasing paths): any ordering race in the in-place copy shows as a mismatch."""
+    B, N, L, H, D = STRESS_SHAPE
+    rng = random.Random(page_size or 0)
+    seq = torch.tensor([rng.randint(0, 300) for _ in range(B)], dtype=torch.int32)
+    ps = page_size or int(seq.max()) + N
+    pages = [-(-(int(s) + N) // ps) for s in seq]
+    perm = torch.randperm(sum(pages) + 3, generator=torch.Generator().manual_seed(1))
+    bt = torch.zeros(B, max(pages), dtype=torch.int32)
+    k = 0
+    for b in range(B):
+        bt[b, : pages[b]] = perm[k: k + pages[b]].to(torch.int32)
+        k += pages[b]
+    P = sum(pages) + 3
+    shape = (L, P, ps, H, D)
+    kc0 = torch.randn(shape).to(DEV, torch.bfloat16)
+    vc0 = torch.randn(shape).to(DEV, torch.bfloat16)
+    btg, seqg = bt.to(DEV), seq.to(DEV)
+    for trial in range(12):
+        acc = torch.full((B, N), -1, dtype=torch.int32)
+        alen = torch.zeros(B, dtype=torch.int32)
+        for b in range(B):
+            if trial % 3 == 0:
+                path = [2 * d for d in range(N // 2)]
+            else:
+                path, cur = [0], 0
+                while True:
+                    cur += rng.choice([1, 1, 2, 3, 5])
+                    if cur >= N or len(path) >= N:
+                        break
+                    path.append(cur)
+                path = path[: rng.randint(1, len(path))]
+            acc[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
+            alen[b] = len(path)
+        accg, aleng = acc.to(DEV), alen.to(DEV)
+        kc, vc = kc0.clone(), vc0.clone()
+        kk = kc if stacked else list(kc.unbind(0))
+        vv = vc if stacked else list(vc.unbind(0))
+        new = compact_kv_launch(kk, vv, btg, seqg, accg, aleng)
+        assert torch.equal(new.cpu(), seq + alen)
+        d = torch.arange(N, device=DEV)[None, :].expand(B, N)
+        live = d < aleng[:, None]
+        src = seqg[:, None] + torch.where(live, accg, d)
+        dst = seqg[:, None] + d
+        sp, so = _phys(btg, src, ps)
+        dp, do = _phys(btg, dst, ps)
+        want_k, want_v = kc0.clone(), vc0.clone()
+        want_k[:, dp[live], do[live]] = kc0[:, sp[live], so[live]]
+        want_v[:, dp[live], do[live]] = vc0[:, sp[live], so[live]]
+        assert torch.equal(kc, want_k) and torch.equal(vc, want_v), f"trial {trial}"
+
+
+def test_cuda_graph_capture_and_replay():
+    """greedy -> compact and sampling captured in one CUDA graph through the public ops;
+    replays on fresh inputs match eager runs, and the arrival counters end at zero."""
+    B, N, V = 8, 64, 128256
+    tree, rng = tree_batch(B, N, V, seed=3)
+    tree = tree.to(DEV)
+    lg = torch.empty(B, N, V, device=DEV, dtype=torch.bfloat16)
+    T = torch.full((B,), 0.8, device=DEV)
+    k = torch.full((B,), 40, device=DEV, dtype=torch.int32)
+    p = torch.full((B,), 0.9, device=DEV)
+    u = torch.empty(B, N, device=DEV)
+    L, H, D, ps = 4, 8, 128, 16
+    seq = torch.full((B,), 100, device=DEV, dtype=torch.int32)
+    pages = -(-(100 + N) // ps)
+    bt = torch.arange(B * pages, device=DEV, dtype=torch.int32).reshape(B, pages)
+    kc = torch.empty(L, B * pages, ps, H, D, device=DEV, dtype=torch.bfloat16)
+    vc = torch.empty_like(kc)
+
+    def fill(seed):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        cpu_rng = random.Random(seed)
+        lg.copy_(biased_logits(tree.to("cpu"), V, cpu_rng, ties=False, dtype=torch.bfloat16,
+                               boost=3.0).to(DEV))
+        u.copy_(torch.rand(B, N, device=DEV, generator=g))
+        kc.copy_(torch.randn(kc.shape, device=DEV, generator=g).to(kc.dtype))
+        vc.copy_(torch.randn(vc.shape, device=DEV, generator=g).to(vc.dtype))
+
+    def step():
+        g = treeops.accept_greedy(tree, lg, return_logprobs=True, topk_ids=4)
+        new = treeops.compact_kv(kc, vc, bt, seq, tree, g.accepted, g.accept_len)
+        s = treeops.accept_sample(tree, lg, T, k, p, u, return_logprobs=True)
+        return g, new, s
+
+    fill(0)
+    step()  # compile, allocate counters
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for seed in (1, 2, 3):
+        fill(seed)
+        k0, v0 = kc.clone(), vc.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        got_k, got_v = kc.clone(), vc.clone()
+        kc.copy_(k0)
+        vc.copy_(v0)
+        eager = step()
+        torch.cuda.synchronize()
+        for a, b in zip(static[0], eager[0]):
+            if a is not None:
+                assert torch.equal(a, b)
+        assert torch.equal(static[1], eager[1])
+        for a, b in zip(static[2], eager[2]):
+            if a is not None:
+                assert torch.equal(a, b)
+        assert torch.equal(got_k, kc) and torch.equal(got_v, vc)
+        assert int(static[0].accept_len.float().mean()) >= 1
+    assert all(int(c.abs().sum()) == 0 for c in kacc._COUNTERS.values())
