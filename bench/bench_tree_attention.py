@@ -278,7 +278,8 @@ def run_shape(B, ctx, n, peers, flex, override=None):
             measure("flex", row, lambda: flex_fn(c, k, v), ref, graph=False)
         else:
             row["flex_us"] = None
-            row["flex_note"] = "not run on this shape (device-time budget: compiled for FLEX_SHAPES only)"
+            row["flex_note"] = ("not run on this shape (device-time budget: compiled for "
+                                "FLEX_SHAPES only)")
     row["sglang_extend_us"] = None
     row["sglang_extend_note"] = "sglang is not installed on the device (no wheel carried)"
     for peer in ("flashinfer_custom", "flashinfer_causal", "sdpa", "flex"):
@@ -286,8 +287,6 @@ def run_shape(B, ctx, n, peers, flex, override=None):
             row[f"speedup_vs_{peer}"] = round(row[f"{peer}_us"] / row["treeops_us"], 2)
     if row.get("treeops_us"):
         row["treeops_over_floor"] = round(row["treeops_us"] / fl, 2)
-    del c, k, v
-    torch.cuda.empty_cache()
     return row
 
 
@@ -387,6 +386,7 @@ def main(argv=None):
     shapes = BENCH_SHAPES + ([] if args.shapes == "bench" else GRID_SHAPES + LONG_SHAPES)
     for i, (B, ctx, n) in enumerate(shapes):
         t0 = time.time()
+        torch.cuda.empty_cache()
         row = run_shape(B, ctx, n, not args.no_peers,
                         flex=not args.no_flex and (B, ctx, n) in FLEX_SHAPES,
                         override=override)

@@ -154,7 +154,7 @@ def _tree_attn_fwd(
             pos_nxt = pos + BLOCK_N
             page_nxt = tl.load(p_bt + pos_nxt // PAGE_SIZE, mask=pos_nxt < full_end,
                                other=0).to(tl.int64)
-            for it in range(n_full):
+            for _ in range(n_full):
                 b_k = k_nxt
                 b_v = v_nxt
                 m_k = pos_nxt < full_end
@@ -270,7 +270,7 @@ def _merge_splits(
         tl.store(L + i_b * s_lb + row * s_ln + o_h * s_lh, b_out, mask=m_h)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

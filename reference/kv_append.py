@@ -19,7 +19,7 @@ def rope_inv_freq(d: int, theta: float, device: torch.device | str = "cpu") -> t
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotate ``x`` [..., H, D] by RoPE at ``positions`` [...] (integers); fp32 math, x's dtype out."""
+    """Rotate ``x`` [..., H, D] by RoPE at integer ``positions`` [...]; fp32 math, x's dtype."""
     d = x.shape[-1]
     ang = positions.to(torch.float32)[..., None] * rope_inv_freq(d, theta, x.device)  # [..., D/2]
     cos = torch.cos(ang)[..., None, :]  # [..., 1, D/2]

@@ -11,10 +11,10 @@ import random
 
 import pytest
 import torch
-from helpers import assert_close
-from strategies import make_tree, parents_of, paged_kv
 
 import treeops
+from helpers import assert_close
+from strategies import make_tree, paged_kv, parents_of
 from treeops.kernels import tree_attention as K
 from treeops.reference import kv_append as RK
 from treeops.reference import tree_attention as RA

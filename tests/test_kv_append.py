@@ -8,12 +8,12 @@ import random
 
 import pytest
 import torch
-from helpers import assert_close
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import paged_kv, trees
 
 import treeops
+from helpers import assert_close
+from strategies import paged_kv, trees
 from treeops.kernels import kv_append as KA
 from treeops.reference import kv_append as RK
 
@@ -140,13 +140,18 @@ def test_public_op_on_cpu_is_the_reference():
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(k=torch.randn(2, 8, 2, 64)), "Invalid dtype of v: expected torch.float32, got torch.float16"),
-    (dict(k=torch.randn(2, 8, 2, 48).half()), "Invalid head dim of k: expected one of (64, 128, 256), got 48"),
-    (dict(v=torch.randn(2, 8, 3, 64).half()), "Invalid shape of v: expected [2, 8, 2, 64], got [2, 8, 3, 64]"),
+    (dict(k=torch.randn(2, 8, 2, 64)),
+     "Invalid dtype of v: expected torch.float32, got torch.float16"),
+    (dict(k=torch.randn(2, 8, 2, 48).half()),
+     "Invalid head dim of k: expected one of (64, 128, 256), got 48"),
+    (dict(v=torch.randn(2, 8, 3, 64).half()),
+     "Invalid shape of v: expected [2, 8, 2, 64], got [2, 8, 3, 64]"),
     (dict(k_cache=torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16)), "Invalid dtype of k_cache"),
     (dict(block_table=torch.zeros(2, 2, dtype=torch.int64)), "Invalid dtype of block_table"),
-    (dict(num_tokens=torch.zeros(3, dtype=torch.int32)), "Invalid shape of num_tokens: expected [2], got [3]"),
-    (dict(depth=torch.zeros(2, 7, dtype=torch.int32)), "Invalid shape of depth: expected [2, 8], got [2, 7]"),
+    (dict(num_tokens=torch.zeros(3, dtype=torch.int32)),
+     "Invalid shape of num_tokens: expected [2], got [3]"),
+    (dict(depth=torch.zeros(2, 7, dtype=torch.int32)),
+     "Invalid shape of depth: expected [2, 8], got [2, 7]"),
     (dict(rope_theta=0.0), "Invalid value of rope_theta"),
     (dict(seq_lens=torch.zeros(2, dtype=torch.int32, device="meta")), "Invalid device of seq_lens"),
 ])

@@ -8,12 +8,12 @@ import random
 
 import pytest
 import torch
-from helpers import assert_close, tree_from_lists
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import make_tree, parents_of, paged_kv, trees
 
 import treeops
+from helpers import assert_close, tree_from_lists
+from strategies import make_tree, paged_kv, parents_of, trees
 from treeops.kernels import tree_attention as K
 from treeops.reference import tree_attention as R
 
@@ -222,19 +222,27 @@ def _bad(**changes):
 
 @pytest.mark.parametrize("args,message", [
     (lambda: _bad(q=torch.randn(2, 8, 4, 64).to(torch.int32)), "Invalid dtype of q"),
-    (lambda: _bad(q=torch.randn(2, 8, 4, 32)), "Invalid head dim of q: expected one of (64, 128, 256), got 32"),
-    (lambda: _bad(q=torch.randn(3, 8, 4, 64)), "Invalid shape of q: expected [2, 8, H_q, D], got [3, 8, 4, 64]"),
-    (lambda: _bad(k_cache=torch.randn(3, 16, 2, 64).half()), "Invalid dtype of k_cache: expected torch.float32, got torch.float16"),
+    (lambda: _bad(q=torch.randn(2, 8, 4, 32)),
+     "Invalid head dim of q: expected one of (64, 128, 256), got 32"),
+    (lambda: _bad(q=torch.randn(3, 8, 4, 64)),
+     "Invalid shape of q: expected [2, 8, H_q, D], got [3, 8, 4, 64]"),
+    (lambda: _bad(k_cache=torch.randn(3, 16, 2, 64).half()),
+     "Invalid dtype of k_cache: expected torch.float32, got torch.float16"),
     (lambda: _bad(v_cache=torch.randn(3, 16, 2, 128)), "Invalid shape of v_cache"),
     (lambda: _bad(q=torch.randn(2, 8, 3, 64)), "H_q = 3 must be a multiple of H_kv = 2"),
-    (lambda: _bad(block_table=torch.zeros(2, 4, dtype=torch.int64)), "Invalid dtype of block_table: expected torch.int32, got torch.int64"),
-    (lambda: _bad(seq_lens=torch.zeros(3, dtype=torch.int32)), "Invalid shape of seq_lens: expected [2], got [3]"),
+    (lambda: _bad(block_table=torch.zeros(2, 4, dtype=torch.int64)),
+     "Invalid dtype of block_table: expected torch.int32, got torch.int64"),
+    (lambda: _bad(seq_lens=torch.zeros(3, dtype=torch.int32)),
+     "Invalid shape of seq_lens: expected [2], got [3]"),
     (lambda: _bad(tree="tree"), "Invalid type of tree: expected treeops.Tree, got str"),
-    (lambda: _bad(seq_lens=torch.zeros(2, dtype=torch.int32, device="meta")), "Invalid device of seq_lens"),
+    (lambda: _bad(seq_lens=torch.zeros(2, dtype=torch.int32, device="meta")),
+     "Invalid device of seq_lens"),
     (lambda: dict(_bad(), q_start=torch.zeros(2, dtype=torch.int64)), "Invalid dtype of q_start"),
-    (lambda: dict(_bad(), out=torch.zeros(2, 8, 4, 64, dtype=torch.float16)), "Invalid dtype of out"),
+    (lambda: dict(_bad(), out=torch.zeros(2, 8, 4, 64, dtype=torch.float16)),
+     "Invalid dtype of out"),
     (lambda: dict(_bad(), lse=torch.zeros(2, 8, 5)), "Invalid shape of lse"),
-    (lambda: dict(_bad(), workspace=torch.zeros(4, dtype=torch.int32)), "Invalid dtype of workspace"),
+    (lambda: dict(_bad(), workspace=torch.zeros(4, dtype=torch.int32)),
+     "Invalid dtype of workspace"),
     (lambda: dict(_bad(), sm_scale=-1.0), "Invalid value of sm_scale"),
 ])
 def test_public_op_rejects_bad_input(args, message):
@@ -268,3 +276,19 @@ def test_split_count_depends_on_capacities_only():
     assert c1 == c2 and c1.num_splits > 1
     assert K.pick_config(64, 64, 32, 8, 128, 4096, 132, False).num_splits == 1
     assert K.pick_config(1, 64, 32, 8, 128, 128, 132, False).num_splits == 1  # tiny capacity
+
+
+@settings(max_examples=8)
+@given(tc=trees(max_batch=2, capacities=(64,), kinds=("random", "chain", "star", "binary")),
+       data=st.data())
+def test_kernel_matches_reference_full_trees(tc, data):
+    """Capacity 64 (two anc words), longer prefixes, GQA 8, forced splits and both loops."""
+    rng = random.Random(data.draw(st.integers(0, 2**16)))
+    B, N = tc.tree.batch_size, tc.tree.capacity
+    seq = [data.draw(st.integers(0, 300)) for _ in range(B)]
+    kv = paged_kv([s + N for s in seq], data.draw(st.sampled_from([1, 16, 64, None])), 1, 64,
+                  torch.float16, rng)
+    q = torch.randn(B, N, 8, 64).to(torch.float16)
+    check_kernel(q, kv, torch.tensor(seq, dtype=torch.int32), tc.tree,
+                 num_splits=data.draw(st.sampled_from([1, 2, 5])),
+                 override={"prefetch": data.draw(st.booleans()), "block_n": 64})
