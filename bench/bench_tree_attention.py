@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 
+import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -413,6 +414,21 @@ def print_table(rows):
               f"{f(r.get('sdpa_us')):>8} {f(r.get('flex_us')):>8} "
               f"{f(r.get('speedup_vs_flashinfer_custom')):>5} {f(r.get('treeops_over_floor')):>5} "
               f"{r.get('max_rel_err') or 0:.1e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: f"B{s[0]}-ctx{s[1]}-n{s[2]}")
+def test_bench_tree_attention(benchmark, shape):
+    """pytest-benchmark entry (``python -m pytest bench/bench_tree_attention.py
+    --benchmark-enable``): treeops alone on BENCH.md's shapes, checked before timed. Host
+    launch overhead is included here (no CUDA graph); the script's table replays graphs."""
+    c = Case(*shape)
+    fn, cfg = treeops_fn(c)
+    assert rel_err(fn(), c.reference()) <= TOL
+    benchmark.extra_info.update(floor_us=floor_us(*shape)[0], num_splits=cfg.num_splits,
+                                block_m=cfg.block_m, block_n=cfg.block_n)
+    benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=50, warmup_rounds=5)
 
 
 if __name__ == "__main__":
