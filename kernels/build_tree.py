@@ -69,27 +69,10 @@ def _release_then_arrive(P_CTR, LANES: tl.constexpr, FENCE: tl.constexpr):
     return tl.atomic_add(P_CTR, 1, sem="acq_rel")
 
 
-@triton.jit(do_not_specialize=["B", "layer", "C1", "C2", "L", "M"])
-def _expand_kernel(
-    LOGITS, FS, FR, FT, ACT, SEQ,
-    CT, CS, CP, DEC, UH, CTR, CUM, TAB_T, TAB_D,
-    B, V, layer, s_lb, s_lw,
-    C1, C2, L, M,
-    W: tl.constexpr, K: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-    NMAX: tl.constexpr, CUMW: tl.constexpr,
-    KP: tl.constexpr, CPAD: tl.constexpr, WP: tl.constexpr, BP: tl.constexpr, DP: tl.constexpr,
-    BLOCK_V: tl.constexpr, LANES: tl.constexpr, FENCE: tl.constexpr, CAST: tl.constexpr,
-):
-    C: tl.constexpr = W * K
-    i_p = tl.program_id(0)
-    i_b = i_p // W
-    i_r = i_p % W
-    i_b64 = i_b.to(tl.int64)
-
-    # ---- 1. one pass over the row: online softmax + running top-K of packed keys
-    b_fs = tl.load(FS + i_b64 * W + i_r)
-    b_act = tl.load(ACT + i_b64) != 0
-    row_ok = (b_fs >= 0) & b_act
+@triton.jit
+def _stream_row(p_row, v_lo, v_hi, V, row_ok, K: tl.constexpr, KP: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    """Online max/sum and running top-K keys of logits ``[v_lo, v_hi)`` of one row."""
     o_k = tl.arange(0, KP)
     key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
     # distinct sentinels so that "the worst slot" is unique; any real key beats them
@@ -98,10 +81,9 @@ def _expand_kernel(
     m_run = tl.sum(tl.zeros([KP], tl.float32)) - float("inf")  # fp32 scalars (loop-carried)
     s_run = tl.sum(tl.zeros([KP], tl.float32))
     if row_ok:
-        p_row = LOGITS + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
-        for v0 in range(0, V, BLOCK_V):
+        for v0 in range(v_lo, v_hi, BLOCK_V):
             o_v = v0 + tl.arange(0, BLOCK_V)
-            m_v = o_v < V
+            m_v = o_v < V  # (not v_hi: V is specialised, so the masked loads still vectorise)
             b_x = tl.load(p_row + o_v, mask=m_v, other=-float("inf")).to(tl.float32) + 0.0
             b_max = tl.max(b_x)
             m_new = tl.maximum(m_run, b_max)
@@ -118,6 +100,90 @@ def _expand_kernel(
                     b_key = tl.where(b_key == b_best, -9223372036854775807 - 1, b_key)
                     b_thr = tl.min(b_top)
                     b_best = tl.max(b_key)
+    return m_run, s_run, b_top
+
+
+@triton.jit
+def _combine_splits(PM, PS, PK, o_row, SPLIT: tl.constexpr, SP: tl.constexpr, K: tl.constexpr,
+                    KP: tl.constexpr):
+    """Merge the SPLIT partial (max, sum, top-K keys) of one row (written by other programs)."""
+    o_s = tl.arange(0, SP)
+    o_k = tl.arange(0, KP)
+    m_s = o_s < SPLIT
+    b_pm = tl.load(PM + o_row * SPLIT + o_s, mask=m_s, other=-float("inf"), cache_modifier=".cg")
+    b_ps = tl.load(PS + o_row * SPLIT + o_s, mask=m_s, other=0.0, cache_modifier=".cg")
+    m_run = tl.max(b_pm)
+    m_use = tl.where(m_run == -float("inf"), 0.0, m_run)
+    s_run = tl.sum(tl.where(m_s, b_ps * tl.exp(b_pm - m_use), 0.0))
+    b_keys = tl.load(PK + (o_row * SPLIT + o_s)[:, None] * KP + o_k[None, :],
+                     mask=m_s[:, None] & (o_k < K)[None, :], other=-9223372036854775807 - 1,
+                     cache_modifier=".cg")  # [SP, KP]
+    b_top = tl.full([KP], 9223372036854775807, tl.int64)
+    for j in tl.static_range(K):
+        b_best = tl.max(tl.max(b_keys, axis=1), axis=0)
+        b_top = tl.where(o_k == j, b_best, b_top)
+        b_keys = tl.where(b_keys == b_best, -9223372036854775807 - 1, b_keys)
+    return m_run, s_run, b_top
+
+
+@triton.jit(do_not_specialize=["B", "layer", "C1", "C2", "L", "M"])
+def _expand_kernel(
+    LOGITS, FS, FR, FT, ACT, SEQ,
+    CT, CS, CP, DEC, UH, CTR, CUM, TAB_T, TAB_D, RCTR, PM, PS, PK,
+    B, V, layer, s_lb, s_lw,
+    C1, C2, L, M,
+    W: tl.constexpr, K: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+    NMAX: tl.constexpr, CUMW: tl.constexpr,
+    KP: tl.constexpr, CPAD: tl.constexpr, WP: tl.constexpr, BP: tl.constexpr, DP: tl.constexpr,
+    BLOCK_V: tl.constexpr, SPLIT: tl.constexpr, SP: tl.constexpr, CHUNK: tl.constexpr,
+    LANES: tl.constexpr, FENCE: tl.constexpr, CAST: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    i_row = i_p // SPLIT
+    i_s = i_p % SPLIT
+    i_b = i_row // W
+    i_r = i_row % W
+    i_b64 = i_b.to(tl.int64)
+
+    # ---- 1. one pass over (a chunk of) the row: online softmax + running top-K of packed keys
+    b_fs = tl.load(FS + i_b64 * W + i_r)
+    b_act = tl.load(ACT + i_b64) != 0
+    row_ok = (b_fs >= 0) & b_act
+    p_row = LOGITS + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
+    v_lo = i_s * CHUNK
+    m_run, s_run, b_top = _stream_row(p_row, v_lo, tl.minimum(v_lo + CHUNK, V), V, row_ok,
+                                      K, KP, BLOCK_V)
+    if SPLIT > 1:
+        # the row's last chunk to finish merges the partials and carries on
+        o_part = i_row.to(tl.int64) * SPLIT + i_s
+        tl.store(PM + o_part, m_run)
+        tl.store(PS + o_part, s_run)
+        tl.store(PK + o_part * KP + tl.arange(0, KP), b_top)
+        if _release_then_arrive(RCTR + i_row, LANES, FENCE) == SPLIT - 1:
+            tl.store(RCTR + i_row, 0)
+            m_run, s_run, b_top = _combine_splits(PM, PS, PK, i_row.to(tl.int64), SPLIT, SP,
+                                                  K, KP)
+            _finish_row(FS, FR, FT, ACT, SEQ, CT, CS, CP, DEC, UH, CTR, CUM, TAB_T, TAB_D,
+                        B, layer, C1, C2, L, M, i_b64, i_r, b_fs, row_ok, m_run, s_run, b_top,
+                        W, K, D, R, NMAX, CUMW, KP, CPAD, WP, BP, DP, LANES, FENCE, CAST)
+    else:
+        _finish_row(FS, FR, FT, ACT, SEQ, CT, CS, CP, DEC, UH, CTR, CUM, TAB_T, TAB_D,
+                    B, layer, C1, C2, L, M, i_b64, i_r, b_fs, row_ok, m_run, s_run, b_top,
+                    W, K, D, R, NMAX, CUMW, KP, CPAD, WP, BP, DP, LANES, FENCE, CAST)
+
+
+@triton.jit
+def _finish_row(
+    FS, FR, FT, ACT, SEQ, CT, CS, CP, DEC, UH, CTR, CUM, TAB_T, TAB_D,
+    B, layer, C1, C2, L, M, i_b64, i_r, b_fs, row_ok, m_run, s_run, b_top,
+    W: tl.constexpr, K: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+    NMAX: tl.constexpr, CUMW: tl.constexpr,
+    KP: tl.constexpr, CPAD: tl.constexpr, WP: tl.constexpr, BP: tl.constexpr, DP: tl.constexpr,
+    LANES: tl.constexpr, FENCE: tl.constexpr, CAST: tl.constexpr,
+):
+    C: tl.constexpr = W * K
+    o_k = tl.arange(0, KP)
+    key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
 
     # ---- 2. the row's candidates in rank order (logit desc, id asc)
     b_kv = tl.where(o_k < K, b_top, key_min)
@@ -314,6 +380,10 @@ def _emit_kernel(
 
 
 # --------------------------------------------------------------------------------- launchers
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
@@ -326,31 +396,64 @@ def _tables(state, policy):
     return dummy, dummy, 1, 1, 1
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(dev: torch.device) -> int:
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
 def expand(logits: torch.Tensor, state, policy, *, block_v: int | None = None,
-           num_warps: int | None = None) -> None:
+           num_warps: int | None = None, split: int | None = None) -> None:
     """Expand draft layer ``state.layer`` (does not advance it; the public op does).
-    ``block_v`` (vocabulary tile, a power of two) and ``num_warps`` override the defaults."""
+
+    ``block_v`` (vocabulary tile, a power of two), ``num_warps`` and ``split`` (programs per row,
+    each streaming one chunk of V; default: enough rows x chunks for two programs per SM, from
+    the SM count and V only) override the defaults. A split > 1 allocates its small workspace on
+    the first call (do that call before capturing a CUDA graph)."""
     B, W, V = logits.shape
     K, D = policy.topk, policy.max_depth
     C = W * K
     if block_v is None:
         # small CTAs, many per SM: a row's top-K merges are chains of block reductions (latency),
-        # which other resident rows' streaming hides; one request alone gets wider tiles
+        # which other resident rows' streaming hides; few rows get wider tiles
         block_v = min(_pow2(V), 256 if _INTERPRET else (2048 if B * W >= 256 else 4096))
+    if split is None:
+        split = 1
+        if logits.is_cuda:
+            split = max(1, min(_cdiv(2 * _sm_count(logits.device), B * W), _cdiv(V, block_v), 32))
+    chunk = _cdiv(_cdiv(V, split), block_v) * block_v  # ceil(V / split) in whole tiles
+    split = _cdiv(V, chunk)
     ws = state.workspace
+    KP = _pow2(K)
+    if split > 1:
+        need = B * W * split
+        if "part_m" not in ws or ws["part_m"].numel() < need or ws["part_k"].shape[1] != KP:
+            dev = logits.device
+            ws["row_counters"] = torch.zeros(B * W, dtype=torch.int32, device=dev)
+            ws["part_m"] = torch.zeros(need, dtype=torch.float32, device=dev)
+            ws["part_s"] = torch.zeros(need, dtype=torch.float32, device=dev)
+            ws["part_k"] = torch.zeros(need, KP, dtype=torch.int64, device=dev)
+        rctr, pm, ps, pk = ws["row_counters"], ws["part_m"], ws["part_s"], ws["part_k"]
+    else:
+        rctr = pm = ps = pk = ws["counters"]  # never read (SPLIT = 1)
     tab_t, tab_d, L, M, nmax = _tables(state, policy)
     cast = policy.is_cast
     warps = num_warps or (1 if _INTERPRET else (8 if block_v >= 4096 else 4))
-    _expand_kernel[(B * W,)](
+    _expand_kernel[(B * W * split,)](
         logits, state.frontier_scores, state.frontier, state.frontier_tokens,
         state.active.view(torch.uint8), state.seq_lens,
         state.cand_tokens, state.cand_scores, state.cand_parents, state.decisions, state.u_hist,
-        ws["counters"], ws["cum"], tab_t, tab_d,
+        ws["counters"], ws["cum"], tab_t, tab_d, rctr, pm, ps, pk,
         B, V, state.layer, logits.stride(0), logits.stride(1),
         float(policy.C1) if cast else 0.0, float(policy.C2) if cast else 0.0, L, M,
         W=W, K=K, D=D, R=policy.R if cast else 1, NMAX=nmax, CUMW=ws["cum"].shape[1],
-        KP=_pow2(K), CPAD=_pow2(C), WP=_pow2(W), BP=_pow2(B), DP=_pow2(D),
-        BLOCK_V=block_v, LANES=32 * warps, FENCE=not _INTERPRET, CAST=cast, num_warps=warps,
+        KP=KP, CPAD=_pow2(C), WP=_pow2(W), BP=_pow2(B), DP=_pow2(D),
+        BLOCK_V=block_v, SPLIT=split, SP=_pow2(split), CHUNK=chunk,
+        LANES=32 * warps, FENCE=not _INTERPRET, CAST=cast, num_warps=warps,
     )
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from treeops.reference import cast as ref
 
 import treeops
+from treeops.reference import cast as ref
 
 
 # ------------------------------------------------------------------------------ brute force
