@@ -299,10 +299,12 @@ class AttnConfig:
         return self.block_q * self.g_pad
 
 
-# Split-KV: aim for this many programs per SM, never fewer than MIN_CHUNK keys per split.
+# Split-KV: aim for this many programs per SM, never fewer than MIN_CHUNK keys per split, at
+# most MAX_SPLITS. H200 sweep at B=1, H_kv=8, n=64 (bench/attention_notes.md): 8 splits beat 16
+# (66 vs 75 us at ctx 16384) and 4 (13.8 vs 16.2 us at ctx 1024).
 PROGRAMS_PER_SM = 2
-MIN_CHUNK = 256
-MAX_SPLITS = 16
+MIN_CHUNK = 128
+MAX_SPLITS = 8
 
 
 def pick_config(B: int, N: int, H_q: int, H_kv: int, D: int, kv_capacity: int, sms: int,
