@@ -1,0 +1,554 @@
+"""Acceptance and KV-compaction benchmark on one GPU (DESIGN.md ops 7-8, BENCH.md protocol).
+
+    python bench/bench_accept.py --out DIR          # writes DIR/accept.json, prints a table
+
+Rows: greedy and sampling acceptance, B in {1, 8, 64}, N = 64, V in {32000, 128256}, bf16 logits,
+against the usual two-step pipeline -- torch argmax (or softmax / top-k / top-p over the whole
+logits) and then a per-request tree walk in torch, vectorised over the batch, on device --
+and, for sampling, FlashInfer's softmax / top-k / top-p renorm kernels as the first step where
+``flashinfer.sampling`` imports. compact_kv: 32 layers, 8 KV heads, D = 128, bf16, page size 16,
+B in {1, 8, 64}, every request's accepted path (0, 2, 5, 9, 14), against torch advanced-index
+gather/scatter. Every op is checked before it is timed (treeops against the CPU reference on a
+subset of requests; the torch pipeline's agreement with treeops is reported). Times are medians
+of CUDA-graph replays (each graph holds several calls on rotated inputs so the 60 MB L2 does not
+flatter small cases). Floor = max(bytes / 4.3 TB/s, an empty Triton kernel replayed in a CUDA
+graph, measured in this run); bytes = logits read once, or the moved K/V read and written once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+import treeops
+from treeops.kernels.accept import accept_launch
+from treeops.reference import accept as ref
+
+HBM_BYTES_PER_S = 4.3e12
+DEV = "cuda"
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+# ------------------------------------------------------------------------------------ timing
+def graph_time_us(calls, reps: int, iters: int = 10) -> float:
+    """Median time per call of ``calls`` (a list of closures, e.g. one per rotated input set)
+    replayed ``reps`` times inside one CUDA graph."""
+    if DEV == "cpu":  # --cpu-dry-run: exercise the script's logic under the interpreter
+        t0 = time.perf_counter()
+        for f in calls:
+            f()
+        return (time.perf_counter() - t0) * 1e6 / len(calls)
+    for f in calls:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            for f in calls:
+                f()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / (reps * len(calls)))
+    del g
+    return statistics.median(times)
+
+
+def empty_kernel_us() -> float:
+    x = torch.zeros(1, device=DEV)
+    if DEV == "cpu":
+        return 0.0
+    return graph_time_us([lambda: _empty_kernel[(1,)](x)], reps=200)
+
+
+def rotation(nbytes: int) -> tuple[int, int]:
+    """(copies, reps): enough input copies to exceed ~2x the L2, and about 24 calls a graph."""
+    copies = max(1, min(32, math.ceil(128e6 / max(nbytes, 1))))
+    if DEV == "cpu":
+        copies = 2
+    reps = max(1, min(12, 24 // copies))
+    if nbytes > 256e6:
+        reps = 1
+    return copies, reps
+
+
+# ------------------------------------------------------------------------------------ inputs
+def bench_tree(B: int, N: int, V: int, seed: int) -> treeops.Tree:
+    """EAGLE-like draft trees of N = 64 nodes over 8 levels (depth 7), in rank order: each
+    node's parent is in the previous level, biased towards its best-ranked nodes; distinct
+    sibling tokens."""
+    assert N == 64
+    widths = [1, 4, 8, 12, 14, 12, 8, 5]
+    rng = random.Random(seed)
+    par = torch.full((B, N), -1, dtype=torch.int32)
+    tok = torch.zeros(B, N, dtype=torch.int64)
+    for b in range(B):
+        used: dict[int, set] = {}
+        start, prev = 0, []
+        for w in widths:
+            level = list(range(start, start + w))
+            kids = sorted(prev[min(int(rng.expovariate(0.6)), len(prev) - 1)] for _ in level) \
+                if prev else [-1]
+            for i, p in zip(level, kids):
+                par[b, i] = p
+                s = used.setdefault(p, set())
+                t = rng.randrange(V)
+                while t in s:
+                    t = rng.randrange(V)
+                s.add(t)
+                tok[b, i] = t
+            start, prev = start + w, level
+    scores = torch.linspace(1.0, 0.01, N).expand(B, N).contiguous()
+    return treeops.Tree.from_parents(par, torch.full((B,), N, dtype=torch.int32), tok,
+                                     scores).to(DEV)
+
+
+def bench_logits(tree: treeops.Tree, V: int, seed: int, boost: float) -> torch.Tensor:
+    """Random bf16 logits where most nodes favour one of their children (so paths are
+    accepted, about 4-6 nodes deep)."""
+    B, N = tree.parents.shape
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    lg = torch.randn(B, N, V, device=DEV, generator=g, dtype=torch.float32).mul_(2.0)
+    lg = lg.to(torch.bfloat16)
+    par = tree.parents.cpu()
+    rng = random.Random(seed)
+    rows, cols, toks = [], [], []
+    for b in range(B):
+        for i in range(N):
+            kids = (par[b] == i).nonzero().flatten().tolist()
+            if kids and rng.random() < 0.8:
+                rows.append(b)
+                cols.append(i)
+                toks.append(int(tree.tokens[b, rng.choice(kids)]))
+    r = torch.tensor(rows, device=DEV)
+    c = torch.tensor(cols, device=DEV)
+    t = torch.tensor(toks, device=DEV)
+    lg[r, c, t] = (lg[r, c].float().amax(-1) + boost).to(torch.bfloat16)
+    return lg
+
+
+def max_depth(tree: treeops.Tree) -> int:
+    return int(tree.depth.max())
+
+
+# --------------------------------------------------------------------------- torch pipeline
+def torch_walk_greedy(am: torch.Tensor, tree: treeops.Tree, steps: int):
+    """Per-request greedy walk, vectorised over the batch, ``steps`` fixed (no host sync)."""
+    B, N = am.shape
+    ar = torch.arange(B, device=DEV)
+    idx = torch.arange(N, device=DEV)
+    valid = idx[None, :] < tree.num_nodes[:, None]
+    cur = torch.zeros(B, dtype=torch.long, device=DEV)
+    done = tree.num_nodes == 0
+    L = (~done).long()
+    path = torch.full((B, N), -1, dtype=torch.long, device=DEV)
+    path[:, 0] = torch.where(done, -1, 0)
+    bonus = torch.full((B,), -1, dtype=torch.long, device=DEV)
+    for _ in range(steps):
+        amc = am[ar, cur]
+        hit = valid & (idx[None, :] > 0) & (tree.parents == cur[:, None]) & \
+            (tree.tokens == amc[:, None])
+        first = torch.where(hit, idx[None, :], N).amin(1)
+        has = (first < N) & ~done
+        stop = ~has & ~done
+        bonus = torch.where(stop, amc, bonus)
+        done = done | stop
+        path.scatter_(1, L.clamp(max=N - 1)[:, None],
+                      torch.where(has, first, path.gather(1, L.clamp(max=N - 1)[:, None])[:, 0])[:, None])
+        cur = torch.where(has, first, cur)
+        L = L + has.long()
+    return path, L, bonus
+
+
+def torch_walk_sample(probs: torch.Tensor, tree: treeops.Tree, u: torch.Tensor, steps: int):
+    """DESIGN.md op 7's interval rule on a materialised [B, N, V] probability tensor."""
+    B, N, V = probs.shape
+    ar = torch.arange(B, device=DEV)
+    idx = torch.arange(N, device=DEV)
+    vid = torch.arange(V, device=DEV)
+    valid = idx[None, :] < tree.num_nodes[:, None]
+    tok = tree.tokens.clamp(0, V - 1)
+    cur = torch.zeros(B, dtype=torch.long, device=DEV)
+    done = tree.num_nodes == 0
+    L = (~done).long()
+    path = torch.full((B, N), -1, dtype=torch.long, device=DEV)
+    path[:, 0] = torch.where(done, -1, 0)
+    bonus = torch.full((B,), -1, dtype=torch.long, device=DEV)
+    for _ in range(steps):
+        pc = probs[ar, cur]  # [B, V]
+        uc = u[ar, cur]
+        ch = valid & (idx[None, :] > 0) & (tree.parents == cur[:, None])
+        cp = torch.where(ch, pc.gather(1, tok), 0.0)
+        cum = cp.cumsum(1)
+        hit = ch & (cp > 0) & (cum > uc[:, None])
+        first = torch.where(hit, idx[None, :], N).amin(1)
+        has = (first < N) & ~done
+        is_child = torch.zeros(B, V, dtype=torch.int32, device=DEV).scatter_add_(1, tok, ch.int()) > 0
+        rest = pc.masked_fill(is_child, 0.0)
+        csum = cp.sum(1, keepdim=True) + rest.cumsum(1)
+        pick = torch.where((csum > uc[:, None]) & (rest > 0), vid[None, :], V).amin(1)
+        last = torch.where(rest > 0, vid[None, :], -1).amax(1)
+        pick = torch.where(pick < V, pick, last)
+        stop = ~has & ~done
+        bonus = torch.where(stop, pick, bonus)
+        done = done | stop
+        Lc = L.clamp(max=N - 1)[:, None]
+        path.scatter_(1, Lc, torch.where(has, first, path.gather(1, Lc)[:, 0])[:, None])
+        cur = torch.where(has, first, cur)
+        L = L + has.long()
+    return path, L, bonus
+
+
+def torch_probs(lg, T, k, p, use_k: bool, use_p: bool):
+    """softmax(logits / T), top-k, top-p, renormalised: the usual sort-based torch recipe."""
+    B, N, V = lg.shape
+    x = lg.float() / T.view(B, 1, 1)
+    if use_k or use_p:
+        xs, order = x.sort(dim=-1, descending=True, stable=True)
+        pos = torch.arange(V, device=DEV)
+        if use_k:
+            xs = xs.masked_fill(pos.view(1, 1, V) >= k.view(B, 1, 1), float("-inf"))
+        if use_p:
+            ps = xs.softmax(-1)
+            excl = ps.cumsum(-1) - ps  # mass strictly before each sorted token
+            xs = xs.masked_fill(excl >= p.view(B, 1, 1), float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter_(-1, order, xs)
+    return x.softmax(-1)
+
+
+def flashinfer_probs(fi, lg, T_rows, k_rows, p_rows, use_k: bool, use_p: bool):
+    B, N, V = lg.shape
+    x = lg.view(B * N, V)
+    try:
+        probs = fi.softmax(x, temperature=T_rows)
+    except Exception:  # noqa: BLE001 -- builds that take fp32 logits only
+        probs = fi.softmax(x.float(), temperature=T_rows)
+    if use_k:
+        probs = fi.top_k_renorm_probs(probs, k_rows)
+    if use_p:
+        probs = fi.top_p_renorm_probs(probs, p_rows)
+    return probs.view(B, N, V)
+
+
+# ---------------------------------------------------------------------------- correctness
+def subset(tree: treeops.Tree, rows: int) -> treeops.Tree:
+    return treeops.Tree(**{f: getattr(tree, f)[:rows].cpu() for f in
+                           ("tokens", "parents", "num_nodes", "depth", "anc", "first_child",
+                            "next_sibling", "scores")})
+
+
+def check_against_reference(tree, lg, res, sample=None, rows: int = 4) -> tuple[bool, str]:
+    """treeops == reference on the first ``rows`` requests (sampling: a mismatch is tolerated
+    only where shifting the uniforms or top_p by 1e-6 changes the reference's own answer)."""
+    rows = min(rows, tree.batch_size)
+    t = subset(tree, rows)
+    x = lg[:rows].cpu()
+    if sample is None:
+        want = ref.accept_greedy(t, x)
+    else:
+        T, k, p, u = (a[:rows].cpu() for a in sample)
+        want = ref.accept_sample(t, x, T, k, p, u)
+    got = (res.accepted[:rows].cpu(), res.accept_len[:rows].cpu(), res.bonus[:rows].cpu())
+    ok = (torch.equal(got[0], want.accepted) and torch.equal(got[1], want.accept_len)
+          and torch.equal(got[2], want.bonus))
+    if ok:
+        return True, ""
+    if sample is not None:
+        for du, dp in ((1e-6, 0), (-1e-6, 0), (0, 1e-6), (0, -1e-6)):
+            r = ref.accept_sample(t, x, T, k, (p + dp).clamp(max=1.0),
+                                  (u + du).clamp(0, 1 - 2**-24))
+            if not (torch.equal(r.accepted, want.accepted) and torch.equal(r.bonus, want.bonus)):
+                return True, "mismatch within 1e-6 of an interval boundary (allowed)"
+    return False, f"treeops {got[1].tolist()}/{got[2].tolist()} != reference " \
+                  f"{want.accept_len.tolist()}/{want.bonus.tolist()}"
+
+
+def agreement(a_path, a_len, a_bonus, res) -> float:
+    same = (a_len.to(torch.int32) == res.accept_len) & (a_bonus == res.bonus)
+    N = res.accepted.shape[1]
+    d = torch.arange(N, device=DEV)[None, :]
+    live = d < res.accept_len[:, None]
+    same &= ((a_path.to(torch.int32) == res.accepted) | ~live).all(1)
+    return float(same.float().mean())
+
+
+# ------------------------------------------------------------------------------------ rows
+def bench_accept_row(op: str, B: int, V: int, empty_us: float, fi, params=None) -> dict:
+    N = 64
+    seed = B * 131 + V
+    tree = bench_tree(B, N, V, seed)
+    steps = max_depth(tree) + 1
+    nbytes = B * N * V * 2
+    copies, reps = rotation(nbytes)
+    boost = 16.0 if op == "sampling" else 4.0
+    lgs = [bench_logits(tree, V, seed + c, boost) for c in range(copies)]
+    row = dict(op=op, B=B, N=N, V=V, dtype="bfloat16", copies=copies, reps=reps)
+    floor_bytes_us = nbytes / HBM_BYTES_PER_S * 1e6
+    row.update(floor_bytes_us=floor_bytes_us, empty_kernel_us=empty_us,
+               floor_us=max(floor_bytes_us, empty_us))
+    if op == "greedy":
+        res = treeops.accept_greedy(tree, lgs[0])
+        ok, why = check_against_reference(tree, lgs[0], res)
+        row.update(correct=ok, note=why, mean_accept_len=float(res.accept_len.float().mean()))
+        if not ok:
+            return row
+        path, L, bonus = torch_walk_greedy(lgs[0].argmax(-1), tree, steps)
+        row["torch_agrees"] = agreement(path, L, bonus, res)
+        row["treeops_us"] = graph_time_us([lambda x=x: treeops.accept_greedy(tree, x)
+                                           for x in lgs], reps)
+        row["treeops_two_launch_us"] = graph_time_us(
+            [lambda x=x: accept_launch(tree, x, phase=1) for x in lgs], reps)
+        row["torch_step1_us"] = graph_time_us([lambda x=x: x.argmax(-1) for x in lgs], reps)
+        row["torch_us"] = graph_time_us(
+            [lambda x=x: torch_walk_greedy(x.argmax(-1), tree, steps) for x in lgs], reps)
+        row["walk_steps"] = steps
+    else:
+        Tv, kv, pv = params
+        T = torch.full((B,), Tv, device=DEV)
+        k = torch.full((B,), kv, device=DEV, dtype=torch.int32)
+        p = torch.full((B,), pv, device=DEV)
+        use_k, use_p = 0 < kv < V, pv < 1.0
+        row.update(temperature=Tv, top_k=kv, top_p=pv)
+        us = [torch.rand(B, N, device=DEV, generator=torch.Generator(device=DEV).manual_seed(c))
+              for c in range(copies)]
+        res = treeops.accept_sample(tree, lgs[0], T, k, p, us[0])
+        ok, why = check_against_reference(tree, lgs[0], res, (T, k, p, us[0]))
+        row.update(correct=ok, note=why, mean_accept_len=float(res.accept_len.float().mean()))
+        if not ok:
+            return row
+        probs = torch_probs(lgs[0], T, k, p, use_k, use_p)
+        path, L, bonus = torch_walk_sample(probs, tree, us[0], steps)
+        del probs
+        row["torch_agrees"] = agreement(path, L, bonus, res)
+        pairs = list(zip(lgs, us))
+        row["treeops_us"] = graph_time_us(
+            [lambda x=x, u=u: treeops.accept_sample(tree, x, T, k, p, u) for x, u in pairs], reps)
+        row["treeops_two_launch_us"] = graph_time_us(
+            [lambda x=x, u=u: accept_launch(tree, x, temperature=T, top_k=k, top_p=p,
+                                            uniforms=u, phase=1) for x, u in pairs], reps)
+        row["torch_step1_us"] = graph_time_us(
+            [lambda x=x: torch_probs(x, T, k, p, use_k, use_p) for x in lgs], reps)
+        row["torch_us"] = graph_time_us(
+            [lambda x=x, u=u: torch_walk_sample(torch_probs(x, T, k, p, use_k, use_p), tree, u,
+                                                steps) for x, u in pairs], reps)
+        row["walk_steps"] = steps
+        if fi is None:
+            row["flashinfer_skipped"] = FI_REASON
+        else:
+            try:
+                T_r = T.repeat_interleave(N)
+                k_r = k.repeat_interleave(N)
+                p_r = p.repeat_interleave(N)
+                probs = flashinfer_probs(fi, lgs[0], T_r, k_r, p_r, use_k, use_p)
+                path, L, bonus = torch_walk_sample(probs, tree, us[0], steps)
+                del probs
+                row["flashinfer_agrees"] = agreement(path, L, bonus, res)
+                row["flashinfer_step1_us"] = graph_time_us(
+                    [lambda x=x: flashinfer_probs(fi, x, T_r, k_r, p_r, use_k, use_p)
+                     for x in lgs], reps)
+                row["flashinfer_us"] = graph_time_us(
+                    [lambda x=x, u=u: torch_walk_sample(
+                        flashinfer_probs(fi, x, T_r, k_r, p_r, use_k, use_p), tree, u, steps)
+                     for x, u in pairs], reps)
+            except Exception as e:  # noqa: BLE001 -- record why the peer did not run
+                row["flashinfer_skipped"] = f"{type(e).__name__}: {e}"[:300]
+    del lgs
+    torch.cuda.empty_cache()
+    return row
+
+
+def bench_compact_row(B: int, empty_us: float) -> dict:
+    Lyr, H, D, PS, N = (32, 8, 128, 16, 64) if DEV != "cpu" else (2, 2, 8, 16, 64)
+    path = [0, 2, 5, 9, 14]
+    seq0 = 1000 if DEV != "cpu" else 20
+    pages = -(-(seq0 + N) // PS)
+    P = B * pages + 1
+    perm = torch.randperm(P, generator=torch.Generator().manual_seed(B))[: B * pages]
+    bt = perm.view(B, pages).to(torch.int32).to(DEV)
+    kc = torch.empty(Lyr, P, PS, H, D, device=DEV, dtype=torch.bfloat16).normal_()
+    vc = torch.empty_like(kc).normal_()
+    seq = torch.full((B,), seq0, device=DEV, dtype=torch.int32)
+    rows_par = [[-1] + list(range(N - 1))] * B  # a chain: any depth exists
+    tree = treeops.Tree.from_parents(torch.tensor(rows_par, dtype=torch.int32),
+                                     torch.full((B,), N, dtype=torch.int32)).to(DEV)
+    # path (0, 2, 5, 9, 14) on a chain is not a root path, so the tree is only used for shapes;
+    # the kernel reads accepted / accept_len
+    acc = torch.full((B, N), -1, dtype=torch.int32, device=DEV)
+    acc[:, : len(path)] = torch.tensor(path, dtype=torch.int32, device=DEV)
+    alen = torch.full((B,), len(path), dtype=torch.int32, device=DEV)
+    moved = len(path) - 1
+    nbytes = B * Lyr * H * moved * D * 2 * 2 * 2  # K and V, read and written
+    floor_bytes_us = nbytes / HBM_BYTES_PER_S * 1e6
+    row = dict(op="compact_kv", B=B, N=N, V=None, layers=Lyr, kv_heads=H, head_dim=D,
+               page_size=PS, path=path, floor_bytes_us=floor_bytes_us, empty_kernel_us=empty_us,
+               floor_us=max(floor_bytes_us, empty_us))
+
+    # slots [s, s + N) of every request: before, and the expected after
+    slots = seq[:, None].long() + torch.arange(N, device=DEV)[None, :]
+    pg = bt.long().gather(1, slots // PS)
+    off = slots % PS
+    before_k, before_v = kc[:, pg, off].clone(), vc[:, pg, off].clone()  # [L, B, N, H, D]
+    want_k, want_v = before_k.clone(), before_v.clone()
+    src = torch.tensor(path, device=DEV)
+    want_k[:, :, : len(path)] = before_k[:, :, src]
+    want_v[:, :, : len(path)] = before_v[:, :, src]
+
+    def check(name):
+        ok = torch.equal(kc[:, pg, off], want_k) and torch.equal(vc[:, pg, off], want_v)
+        kc[:, pg, off] = before_k
+        vc[:, pg, off] = before_v
+        return ok
+
+    def run_treeops():
+        return treeops.compact_kv(kc, vc, bt, seq, tree, acc, alen)
+
+    d = torch.arange(1, len(path), device=DEV)
+
+    def run_torch():
+        # the usual recipe: physical indices from (seq_lens, accepted) on device, then one
+        # advanced-index gather (all sources first) and scatter per cache, every layer at once
+        s_src = seq[:, None].long() + acc[:, 1: len(path)].long()
+        s_dst = seq[:, None].long() + d[None, :]
+        sp = bt.long().gather(1, s_src // PS).flatten()
+        so = (s_src % PS).flatten()
+        dp = bt.long().gather(1, s_dst // PS).flatten()
+        do = (s_dst % PS).flatten()
+        kc[:, dp, do] = kc[:, sp, so]
+        vc[:, dp, do] = vc[:, sp, so]
+        return seq + alen
+
+    new = run_treeops()
+    ok_t = check("treeops") and torch.equal(new, seq + alen)
+    run_torch()
+    ok_p = check("torch")
+    row.update(correct=ok_t, torch_correct=ok_p)
+    if not ok_t:
+        row["note"] = "treeops output does not match the expected cache"
+        return row
+    reps = 20 if B <= 8 else 5
+    row["treeops_us"] = graph_time_us([run_treeops], reps)
+    row["torch_us"] = graph_time_us([run_torch], reps)
+    del kc, vc
+    torch.cuda.empty_cache()
+    return row
+
+
+FI_REASON = ""
+
+
+def main() -> None:
+    global FI_REASON
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory for accept.json")
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="V = 32000 and B = 8 only")
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="tiny sizes on CPU under TRITON_INTERPRET=1 (checks the script only)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.cpu_dry_run:
+        global DEV
+        DEV = "cpu"
+        args.no_flashinfer = True
+    else:
+        assert torch.cuda.is_available(), "needs a CUDA GPU"
+    t_start = time.time()
+    fi = None
+    if args.no_flashinfer:
+        FI_REASON = "disabled by --no-flashinfer"
+    else:
+        try:
+            import flashinfer.sampling as fi  # noqa: F811
+        except Exception as e:  # noqa: BLE001
+            FI_REASON = f"flashinfer.sampling not importable: {type(e).__name__}: {e}"[:300]
+    versions = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+                    python=sys.version.split()[0], treeops=treeops.__version__)
+    if fi is not None:
+        import flashinfer
+
+        versions["flashinfer"] = getattr(flashinfer, "__version__", "?")
+    commit = os.environ.get("TREEOPS_COMMIT")
+    if not commit:
+        try:
+            here = os.path.dirname(os.path.abspath(__file__))
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                                    text=True, timeout=10).stdout.strip() or "unknown"
+        except Exception:  # noqa: BLE001
+            commit = "unknown"
+    empty_us = empty_kernel_us()
+    Bs = [8] if args.quick else [1, 8, 64]
+    Vs = [32000] if args.quick else [32000, 128256]
+    if args.cpu_dry_run:
+        Bs, Vs = [1, 2], [300]
+    rows = []
+
+    def add(r):
+        rows.append(r)
+        t = r.get("treeops_us")
+        print(f"  {r['op']:<11} B={r['B']:<3} V={r['V']!s:<7} treeops={t if t is None else round(t, 1)}"
+              f" torch={r.get('torch_us') and round(r['torch_us'], 1)} correct={r.get('correct')}"
+              f" [{time.time() - t_start:.0f}s]", flush=True)
+
+    for V in Vs:
+        for B in Bs:
+            add(bench_accept_row("greedy", B, V, empty_us, fi))
+            add(bench_accept_row("sampling", B, V, empty_us, fi, (0.8, 0, 1.0)))
+            add(bench_accept_row("sampling", B, V, empty_us, fi, (0.8, 50, 0.9)))
+    for B in Bs:
+        add(bench_compact_row(B, empty_us))
+    for r in rows:
+        if r.get("treeops_us"):
+            r["treeops_over_floor"] = r["treeops_us"] / r["floor_us"]
+            if r.get("torch_us"):
+                r["treeops_over_torch"] = r["treeops_us"] / r["torch_us"]
+            if r.get("flashinfer_us"):
+                r["treeops_over_flashinfer"] = r["treeops_us"] / r["flashinfer_us"]
+    out = dict(gpu=torch.cuda.get_device_name() if DEV != "cpu" else "cpu (dry run)",
+               versions=versions, commit=commit,
+               date=time.strftime("%Y-%m-%d"), hbm_bytes_per_s=HBM_BYTES_PER_S,
+               empty_kernel_graph_us=empty_us, wall_s=round(time.time() - t_start, 1), rows=rows)
+    path = os.path.join(args.out, "accept.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+    def fmt(x):
+        return "-" if x is None else (f"{x:.1f}" if isinstance(x, float) else str(x))
+
+    print(f"\n{out['gpu']}  commit {commit[:10]}  empty-kernel graph replay {empty_us:.2f} us"
+          f"  ({out['wall_s']} s) -> {path}")
+    hdr = ("op", "B", "V", "T/k/p", "treeops", "2-launch", "torch", "flashinfer", "floor",
+           "x floor", "x torch", "ok", "acc len")
+    print(" | ".join(f"{h:>10}" for h in hdr))
+    for r in rows:
+        tkp = "" if r["op"] != "sampling" else f"{r['temperature']}/{r['top_k']}/{r['top_p']}"
+        cells = (r["op"], r["B"], r["V"], tkp, r.get("treeops_us"), r.get("treeops_two_launch_us"),
+                 r.get("torch_us"), r.get("flashinfer_us"), r["floor_us"],
+                 r.get("treeops_over_floor"), r.get("treeops_over_torch"), r.get("correct"),
+                 r.get("mean_accept_len"))
+        print(" | ".join(f"{fmt(c):>10}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
