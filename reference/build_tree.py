@@ -35,7 +35,7 @@ from treeops.tree import Tree
 
 from .cast import cast_depth, cast_select, cast_utilities
 
-__all__ = ["build_tree_expand", "build_tree_emit"]
+__all__ = ["build_tree_expand", "build_tree_emit", "build_tree"]
 
 
 def build_tree_expand(logits: torch.Tensor, state: Any, policy: Any) -> None:
@@ -132,6 +132,23 @@ def build_tree_emit(state: Any, policy: Any, *, out: Tree | None = None) -> Tree
             getattr(out, f).copy_(getattr(tree, f))
         return out
     return tree
+
+
+def build_tree(policy: Any, draft_fn: Any, root_tokens: torch.Tensor, seq_lens: torch.Tensor,
+               active: torch.Tensor | None = None, *, state: Any = None,
+               out: Tree | None = None) -> Tree:
+    """One decoding step: ``draft_fn(state) -> logits [B, W, V]`` per draft layer while the policy
+    drafts (``state.flags``, at most ``max_depth`` layers), then rerank and emit."""
+    from treeops.build import DraftState  # the state's home; imported late (import cycle)
+
+    if state is None:
+        state = DraftState.new(policy, root_tokens, seq_lens, active)
+    else:
+        state.reset(root_tokens, seq_lens, active)
+    while state.layer == 0 or (bool(state.flags[state.layer - 1])
+                               and state.layer < policy.max_depth):
+        build_tree_expand(draft_fn(state), state, policy)
+    return build_tree_emit(state, policy, out=out)
 
 
 def _rows(policy: Any, B: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -286,6 +286,17 @@ def test_rerank_is_ancestor_closed_rank_ordered_top_n(case):
                 assert m == int(state.verify[0])  # only a lack of candidates cuts a tree short
 
 
+def test_reference_build_tree_is_the_public_loop():
+    pol = treeops.Cast(C1=0.05, C2=0.1, C3=0.01, R=2, cost_table=cost_table(1, 16), topk=3,
+                       max_width=4, max_depth=5, capacity=16)
+    logits = torch.randn(5, 3, 4, 30, generator=torch.Generator().manual_seed(2)) * 2
+    args = (torch.tensor([1, 2, 3]), torch.tensor([5, 50, 500]))
+    a = ref.build_tree(pol, lambda s: logits[s.layer], *args)
+    b = treeops.build_tree(pol, lambda s: logits[s.layer], *args)
+    for f in ("tokens", "parents", "num_nodes", "anc", "first_child", "next_sibling", "scores"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
 def test_named_cases():
     # one node (depth 1, top-1), a chain (top-1, deep), a star (one layer, wide)
     for D, K, N in ((1, 1, 2), (6, 1, 7), (1, 8, 9), (3, 2, 16)):
