@@ -29,7 +29,6 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
 import treeops
 from treeops.kernels.accept import accept_launch
@@ -109,8 +108,11 @@ def bench_tree(B: int, N: int, V: int, seed: int) -> treeops.Tree:
         start, prev = 0, []
         for w in widths:
             level = list(range(start, start + w))
-            kids = sorted(prev[min(int(rng.expovariate(0.6)), len(prev) - 1)] for _ in level) \
-                if prev else [-1]
+            kids = (
+                sorted(prev[min(int(rng.expovariate(0.6)), len(prev) - 1)] for _ in level)
+                if prev
+                else [-1]
+            )
             for i, p in zip(level, kids):
                 par[b, i] = p
                 s = used.setdefault(p, set())
@@ -121,8 +123,9 @@ def bench_tree(B: int, N: int, V: int, seed: int) -> treeops.Tree:
                 tok[b, i] = t
             start, prev = start + w, level
     scores = torch.linspace(1.0, 0.01, N).expand(B, N).contiguous()
-    return treeops.Tree.from_parents(par, torch.full((B,), N, dtype=torch.int32), tok,
-                                     scores).to(DEV)
+    return treeops.Tree.from_parents(par, torch.full((B,), N, dtype=torch.int32), tok, scores).to(
+        DEV
+    )
 
 
 def bench_logits(tree: treeops.Tree, V: int, seed: int, boost: float) -> torch.Tensor:
@@ -168,15 +171,22 @@ def torch_walk_greedy(am: torch.Tensor, tree: treeops.Tree, steps: int):
     bonus = torch.full((B,), -1, dtype=torch.long, device=DEV)
     for _ in range(steps):
         amc = am[ar, cur]
-        hit = valid & (idx[None, :] > 0) & (tree.parents == cur[:, None]) & \
-            (tree.tokens == amc[:, None])
+        hit = (
+            valid
+            & (idx[None, :] > 0)
+            & (tree.parents == cur[:, None])
+            & (tree.tokens == amc[:, None])
+        )
         first = torch.where(hit, idx[None, :], N).amin(1)
         has = (first < N) & ~done
         stop = ~has & ~done
         bonus = torch.where(stop, amc, bonus)
         done = done | stop
-        path.scatter_(1, L.clamp(max=N - 1)[:, None],
-                      torch.where(has, first, path.gather(1, L.clamp(max=N - 1)[:, None])[:, 0])[:, None])
+        path.scatter_(
+            1,
+            L.clamp(max=N - 1)[:, None],
+            torch.where(has, first, path.gather(1, L.clamp(max=N - 1)[:, None])[:, 0])[:, None],
+        )
         cur = torch.where(has, first, cur)
         L = L + has.long()
     return path, L, bonus
@@ -205,7 +215,9 @@ def torch_walk_sample(probs: torch.Tensor, tree: treeops.Tree, u: torch.Tensor, 
         hit = ch & (cp > 0) & (cum > uc[:, None])
         first = torch.where(hit, idx[None, :], N).amin(1)
         has = (first < N) & ~done
-        is_child = torch.zeros(B, V, dtype=torch.int32, device=DEV).scatter_add_(1, tok, ch.int()) > 0
+        is_child = (
+            torch.zeros(B, V, dtype=torch.int32, device=DEV).scatter_add_(1, tok, ch.int()) > 0
+        )
         rest = pc.masked_fill(is_child, 0.0)
         csum = cp.sum(1, keepdim=True) + rest.cumsum(1)
         pick = torch.where((csum > uc[:, None]) & (rest > 0), vid[None, :], V).amin(1)
@@ -254,9 +266,21 @@ def flashinfer_probs(fi, lg, T_rows, k_rows, p_rows, use_k: bool, use_p: bool):
 
 # ---------------------------------------------------------------------------- correctness
 def subset(tree: treeops.Tree, rows: int) -> treeops.Tree:
-    return treeops.Tree(**{f: getattr(tree, f)[:rows].cpu() for f in
-                           ("tokens", "parents", "num_nodes", "depth", "anc", "first_child",
-                            "next_sibling", "scores")})
+    return treeops.Tree(
+        **{
+            f: getattr(tree, f)[:rows].cpu()
+            for f in (
+                "tokens",
+                "parents",
+                "num_nodes",
+                "depth",
+                "anc",
+                "first_child",
+                "next_sibling",
+                "scores",
+            )
+        }
+    )
 
 
 def check_against_reference(tree, lg, res, sample=None, rows: int = 4) -> tuple[bool, str]:
@@ -271,18 +295,25 @@ def check_against_reference(tree, lg, res, sample=None, rows: int = 4) -> tuple[
         T, k, p, u = (a[:rows].cpu() for a in sample)
         want = ref.accept_sample(t, x, T, k, p, u)
     got = (res.accepted[:rows].cpu(), res.accept_len[:rows].cpu(), res.bonus[:rows].cpu())
-    ok = (torch.equal(got[0], want.accepted) and torch.equal(got[1], want.accept_len)
-          and torch.equal(got[2], want.bonus))
+    ok = (
+        torch.equal(got[0], want.accepted)
+        and torch.equal(got[1], want.accept_len)
+        and torch.equal(got[2], want.bonus)
+    )
     if ok:
         return True, ""
     if sample is not None:
         for du, dp in ((1e-6, 0), (-1e-6, 0), (0, 1e-6), (0, -1e-6)):
-            r = ref.accept_sample(t, x, T, k, (p + dp).clamp(max=1.0),
-                                  (u + du).clamp(0, 1 - 2**-24))
+            r = ref.accept_sample(
+                t, x, T, k, (p + dp).clamp(max=1.0), (u + du).clamp(0, 1 - 2**-24)
+            )
             if not (torch.equal(r.accepted, want.accepted) and torch.equal(r.bonus, want.bonus)):
                 return True, "mismatch within 1e-6 of an interval boundary (allowed)"
-    return False, f"treeops {got[1].tolist()}/{got[2].tolist()} != reference " \
-                  f"{want.accept_len.tolist()}/{want.bonus.tolist()}"
+    return (
+        False,
+        f"treeops {got[1].tolist()}/{got[2].tolist()} != reference "
+        f"{want.accept_len.tolist()}/{want.bonus.tolist()}",
+    )
 
 
 def agreement(a_path, a_len, a_bonus, res) -> float:
@@ -306,8 +337,11 @@ def bench_accept_row(op: str, B: int, V: int, empty_us: float, fi, params=None) 
     lgs = [bench_logits(tree, V, seed + c, boost) for c in range(copies)]
     row = dict(op=op, B=B, N=N, V=V, dtype="bfloat16", copies=copies, reps=reps)
     floor_bytes_us = nbytes / HBM_BYTES_PER_S * 1e6
-    row.update(floor_bytes_us=floor_bytes_us, empty_kernel_us=empty_us,
-               floor_us=max(floor_bytes_us, empty_us))
+    row.update(
+        floor_bytes_us=floor_bytes_us,
+        empty_kernel_us=empty_us,
+        floor_us=max(floor_bytes_us, empty_us),
+    )
     if op == "greedy":
         res = treeops.accept_greedy(tree, lgs[0])
         ok, why = check_against_reference(tree, lgs[0], res)
@@ -316,13 +350,16 @@ def bench_accept_row(op: str, B: int, V: int, empty_us: float, fi, params=None) 
             return row
         path, L, bonus = torch_walk_greedy(lgs[0].argmax(-1), tree, steps)
         row["torch_agrees"] = agreement(path, L, bonus, res)
-        row["treeops_us"] = graph_time_us([lambda x=x: treeops.accept_greedy(tree, x)
-                                           for x in lgs], reps)
+        row["treeops_us"] = graph_time_us(
+            [lambda x=x: treeops.accept_greedy(tree, x) for x in lgs], reps
+        )
         row["treeops_two_launch_us"] = graph_time_us(
-            [lambda x=x: accept_launch(tree, x, phase=1) for x in lgs], reps)
+            [lambda x=x: accept_launch(tree, x, phase=1) for x in lgs], reps
+        )
         row["torch_step1_us"] = graph_time_us([lambda x=x: x.argmax(-1) for x in lgs], reps)
         row["torch_us"] = graph_time_us(
-            [lambda x=x: torch_walk_greedy(x.argmax(-1), tree, steps) for x in lgs], reps)
+            [lambda x=x: torch_walk_greedy(x.argmax(-1), tree, steps) for x in lgs], reps
+        )
         row["walk_steps"] = steps
     else:
         Tv, kv, pv = params
@@ -331,8 +368,10 @@ def bench_accept_row(op: str, B: int, V: int, empty_us: float, fi, params=None) 
         p = torch.full((B,), pv, device=DEV)
         use_k, use_p = 0 < kv < V, pv < 1.0
         row.update(temperature=Tv, top_k=kv, top_p=pv)
-        us = [torch.rand(B, N, device=DEV, generator=torch.Generator(device=DEV).manual_seed(c))
-              for c in range(copies)]
+        us = [
+            torch.rand(B, N, device=DEV, generator=torch.Generator(device=DEV).manual_seed(c))
+            for c in range(copies)
+        ]
         res = treeops.accept_sample(tree, lgs[0], T, k, p, us[0])
         ok, why = check_against_reference(tree, lgs[0], res, (T, k, p, us[0]))
         row.update(correct=ok, note=why, mean_accept_len=float(res.accept_len.float().mean()))
@@ -344,15 +383,29 @@ def bench_accept_row(op: str, B: int, V: int, empty_us: float, fi, params=None) 
         row["torch_agrees"] = agreement(path, L, bonus, res)
         pairs = list(zip(lgs, us))
         row["treeops_us"] = graph_time_us(
-            [lambda x=x, u=u: treeops.accept_sample(tree, x, T, k, p, u) for x, u in pairs], reps)
+            [lambda x=x, u=u: treeops.accept_sample(tree, x, T, k, p, u) for x, u in pairs], reps
+        )
         row["treeops_two_launch_us"] = graph_time_us(
-            [lambda x=x, u=u: accept_launch(tree, x, temperature=T, top_k=k, top_p=p,
-                                            uniforms=u, phase=1) for x, u in pairs], reps)
+            [
+                lambda x=x, u=u: accept_launch(
+                    tree, x, temperature=T, top_k=k, top_p=p, uniforms=u, phase=1
+                )
+                for x, u in pairs
+            ],
+            reps,
+        )
         row["torch_step1_us"] = graph_time_us(
-            [lambda x=x: torch_probs(x, T, k, p, use_k, use_p) for x in lgs], reps)
+            [lambda x=x: torch_probs(x, T, k, p, use_k, use_p) for x in lgs], reps
+        )
         row["torch_us"] = graph_time_us(
-            [lambda x=x, u=u: torch_walk_sample(torch_probs(x, T, k, p, use_k, use_p), tree, u,
-                                                steps) for x, u in pairs], reps)
+            [
+                lambda x=x, u=u: torch_walk_sample(
+                    torch_probs(x, T, k, p, use_k, use_p), tree, u, steps
+                )
+                for x, u in pairs
+            ],
+            reps,
+        )
         row["walk_steps"] = steps
         if fi is None:
             row["flashinfer_skipped"] = FI_REASON
@@ -366,12 +419,18 @@ def bench_accept_row(op: str, B: int, V: int, empty_us: float, fi, params=None) 
                 del probs
                 row["flashinfer_agrees"] = agreement(path, L, bonus, res)
                 row["flashinfer_step1_us"] = graph_time_us(
-                    [lambda x=x: flashinfer_probs(fi, x, T_r, k_r, p_r, use_k, use_p)
-                     for x in lgs], reps)
+                    [lambda x=x: flashinfer_probs(fi, x, T_r, k_r, p_r, use_k, use_p) for x in lgs],
+                    reps,
+                )
                 row["flashinfer_us"] = graph_time_us(
-                    [lambda x=x, u=u: torch_walk_sample(
-                        flashinfer_probs(fi, x, T_r, k_r, p_r, use_k, use_p), tree, u, steps)
-                     for x, u in pairs], reps)
+                    [
+                        lambda x=x, u=u: torch_walk_sample(
+                            flashinfer_probs(fi, x, T_r, k_r, p_r, use_k, use_p), tree, u, steps
+                        )
+                        for x, u in pairs
+                    ],
+                    reps,
+                )
             except Exception as e:  # noqa: BLE001 -- record why the peer did not run
                 row["flashinfer_skipped"] = f"{type(e).__name__}: {e}"[:300]
     del lgs
@@ -391,8 +450,9 @@ def bench_compact_row(B: int, empty_us: float) -> dict:
     vc = torch.empty_like(kc).normal_()
     seq = torch.full((B,), seq0, device=DEV, dtype=torch.int32)
     rows_par = [[-1] + list(range(N - 1))] * B  # a chain: any depth exists
-    tree = treeops.Tree.from_parents(torch.tensor(rows_par, dtype=torch.int32),
-                                     torch.full((B,), N, dtype=torch.int32)).to(DEV)
+    tree = treeops.Tree.from_parents(
+        torch.tensor(rows_par, dtype=torch.int32), torch.full((B,), N, dtype=torch.int32)
+    ).to(DEV)
     # path (0, 2, 5, 9, 14) on a chain is not a root path, so the tree is only used for shapes;
     # the kernel reads accepted / accept_len
     acc = torch.full((B, N), -1, dtype=torch.int32, device=DEV)
@@ -401,9 +461,20 @@ def bench_compact_row(B: int, empty_us: float) -> dict:
     moved = len(path) - 1
     nbytes = B * Lyr * H * moved * D * 2 * 2 * 2  # K and V, read and written
     floor_bytes_us = nbytes / HBM_BYTES_PER_S * 1e6
-    row = dict(op="compact_kv", B=B, N=N, V=None, layers=Lyr, kv_heads=H, head_dim=D,
-               page_size=PS, path=path, floor_bytes_us=floor_bytes_us, empty_kernel_us=empty_us,
-               floor_us=max(floor_bytes_us, empty_us))
+    row = dict(
+        op="compact_kv",
+        B=B,
+        N=N,
+        V=None,
+        layers=Lyr,
+        kv_heads=H,
+        head_dim=D,
+        page_size=PS,
+        path=path,
+        floor_bytes_us=floor_bytes_us,
+        empty_kernel_us=empty_us,
+        floor_us=max(floor_bytes_us, empty_us),
+    )
 
     # slots [s, s + N) of every request: before, and the expected after
     slots = seq[:, None].long() + torch.arange(N, device=DEV)[None, :]
@@ -429,7 +500,7 @@ def bench_compact_row(B: int, empty_us: float) -> dict:
     def run_torch():
         # the usual recipe: physical indices from (seq_lens, accepted) on device, then one
         # advanced-index gather (all sources first) and scatter per cache, every layer at once
-        s_src = seq[:, None].long() + acc[:, 1: len(path)].long()
+        s_src = seq[:, None].long() + acc[:, 1 : len(path)].long()
         s_dst = seq[:, None].long() + d[None, :]
         sp = bt.long().gather(1, s_src // PS).flatten()
         so = (s_src % PS).flatten()
@@ -450,8 +521,6 @@ def bench_compact_row(B: int, empty_us: float) -> dict:
     reps = 20 if B <= 8 else 5
     row["treeops_us"] = graph_time_us([run_treeops], reps)
     row["torch_us"] = graph_time_us([run_torch], reps)
-    del kc, vc
-    torch.cuda.empty_cache()
     return row
 
 
@@ -464,8 +533,11 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="directory for accept.json")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--quick", action="store_true", help="V = 32000 and B = 8 only")
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="tiny sizes on CPU under TRITON_INTERPRET=1 (checks the script only)")
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="tiny sizes on CPU under TRITON_INTERPRET=1 (checks the script only)",
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.cpu_dry_run:
@@ -483,8 +555,13 @@ def main() -> None:
             import flashinfer.sampling as fi  # noqa: F811
         except Exception as e:  # noqa: BLE001
             FI_REASON = f"flashinfer.sampling not importable: {type(e).__name__}: {e}"[:300]
-    versions = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-                    python=sys.version.split()[0], treeops=treeops.__version__)
+    versions = dict(
+        torch=torch.__version__,
+        triton=triton.__version__,
+        cuda=torch.version.cuda,
+        python=sys.version.split()[0],
+        treeops=treeops.__version__,
+    )
     if fi is not None:
         import flashinfer
 
@@ -493,8 +570,16 @@ def main() -> None:
     if not commit:
         try:
             here = os.path.dirname(os.path.abspath(__file__))
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                                    text=True, timeout=10).stdout.strip() or "unknown"
+            commit = (
+                subprocess.run(
+                    ["git", "rev-parse", "HEAD"],
+                    cwd=here,
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout.strip()
+                or "unknown"
+            )
         except Exception:  # noqa: BLE001
             commit = "unknown"
     empty_us = empty_kernel_us()
@@ -507,9 +592,13 @@ def main() -> None:
     def add(r):
         rows.append(r)
         t = r.get("treeops_us")
-        print(f"  {r['op']:<11} B={r['B']:<3} V={r['V']!s:<7} treeops={t if t is None else round(t, 1)}"
-              f" torch={r.get('torch_us') and round(r['torch_us'], 1)} correct={r.get('correct')}"
-              f" [{time.time() - t_start:.0f}s]", flush=True)
+        print(
+            f"  {r['op']:<11} B={r['B']:<3} V={r['V']!s:<7} "
+            f"treeops={t if t is None else round(t, 1)}"
+            f" torch={r.get('torch_us') and round(r['torch_us'], 1)} correct={r.get('correct')}"
+            f" [{time.time() - t_start:.0f}s]",
+            flush=True,
+        )
 
     for V in Vs:
         for B in Bs:
@@ -525,10 +614,16 @@ def main() -> None:
                 r["treeops_over_torch"] = r["treeops_us"] / r["torch_us"]
             if r.get("flashinfer_us"):
                 r["treeops_over_flashinfer"] = r["treeops_us"] / r["flashinfer_us"]
-    out = dict(gpu=torch.cuda.get_device_name() if DEV != "cpu" else "cpu (dry run)",
-               versions=versions, commit=commit,
-               date=time.strftime("%Y-%m-%d"), hbm_bytes_per_s=HBM_BYTES_PER_S,
-               empty_kernel_graph_us=empty_us, wall_s=round(time.time() - t_start, 1), rows=rows)
+    out = dict(
+        gpu=torch.cuda.get_device_name() if DEV != "cpu" else "cpu (dry run)",
+        versions=versions,
+        commit=commit,
+        date=time.strftime("%Y-%m-%d"),
+        hbm_bytes_per_s=HBM_BYTES_PER_S,
+        empty_kernel_graph_us=empty_us,
+        wall_s=round(time.time() - t_start, 1),
+        rows=rows,
+    )
     path = os.path.join(args.out, "accept.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
@@ -536,17 +631,43 @@ def main() -> None:
     def fmt(x):
         return "-" if x is None else (f"{x:.1f}" if isinstance(x, float) else str(x))
 
-    print(f"\n{out['gpu']}  commit {commit[:10]}  empty-kernel graph replay {empty_us:.2f} us"
-          f"  ({out['wall_s']} s) -> {path}")
-    hdr = ("op", "B", "V", "T/k/p", "treeops", "2-launch", "torch", "flashinfer", "floor",
-           "x floor", "x torch", "ok", "acc len")
+    print(
+        f"\n{out['gpu']}  commit {commit[:10]}  empty-kernel graph replay {empty_us:.2f} us"
+        f"  ({out['wall_s']} s) -> {path}"
+    )
+    hdr = (
+        "op",
+        "B",
+        "V",
+        "T/k/p",
+        "treeops",
+        "2-launch",
+        "torch",
+        "flashinfer",
+        "floor",
+        "x floor",
+        "x torch",
+        "ok",
+        "acc len",
+    )
     print(" | ".join(f"{h:>10}" for h in hdr))
     for r in rows:
         tkp = "" if r["op"] != "sampling" else f"{r['temperature']}/{r['top_k']}/{r['top_p']}"
-        cells = (r["op"], r["B"], r["V"], tkp, r.get("treeops_us"), r.get("treeops_two_launch_us"),
-                 r.get("torch_us"), r.get("flashinfer_us"), r["floor_us"],
-                 r.get("treeops_over_floor"), r.get("treeops_over_torch"), r.get("correct"),
-                 r.get("mean_accept_len"))
+        cells = (
+            r["op"],
+            r["B"],
+            r["V"],
+            tkp,
+            r.get("treeops_us"),
+            r.get("treeops_two_launch_us"),
+            r.get("torch_us"),
+            r.get("flashinfer_us"),
+            r["floor_us"],
+            r.get("treeops_over_floor"),
+            r.get("treeops_over_torch"),
+            r.get("correct"),
+            r.get("mean_accept_len"),
+        )
         print(" | ".join(f"{fmt(c):>10}" for c in cells))
 
 

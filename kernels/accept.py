@@ -50,8 +50,21 @@ def _kept(key, ids, thr, idcut):
 
 
 @triton.jit
-def _count_search(p_row, stride_v, V, m, T, thr0, cut0, goal, lo, hi,
-                  USE_MASS: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr):
+def _count_search(
+    p_row,
+    stride_v,
+    V,
+    m,
+    T,
+    thr0,
+    cut0,
+    goal,
+    lo,
+    hi,
+    USE_MASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NPIV: tl.constexpr,
+):
     """Largest key ``lo`` with f(lo) >= goal, f(P) = count (or mass) of kept-by-(thr0, cut0)
     tokens with key >= P. Invariant: f(lo) >= goal > f(hi) (f(hi) = 0 on entry). Returns
     (lo, f(lo + 1))."""
@@ -64,8 +77,9 @@ def _count_search(p_row, stride_v, V, m, T, thr0, cut0, goal, lo, hi,
         for v0 in range(0, V, BLOCK):
             o_v = v0 + tl.arange(0, BLOCK)
             m_v = o_v < V
-            b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v,
-                          other=float("-inf")).to(tl.float32)
+            b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
+                tl.float32
+            )
             b_k = _key(b_x)
             m_k = m_v & _kept(b_k, o_v, thr0, cut0)
             if USE_MASS:
@@ -85,8 +99,20 @@ def _count_search(p_row, stride_v, V, m, T, thr0, cut0, goal, lo, hi,
 
 
 @triton.jit
-def _tie_cut(p_row, stride_v, V, m, T, thr, thr0, cut0, base, goal,
-             USE_MASS: tl.constexpr, BLOCK: tl.constexpr):
+def _tie_cut(
+    p_row,
+    stride_v,
+    V,
+    m,
+    T,
+    thr,
+    thr0,
+    cut0,
+    base,
+    goal,
+    USE_MASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Lowest id t with key == thr (and kept by (thr0, cut0)) at which base + running count (or
     mass) of such tokens in id order reaches ``goal``; the last such id if it never does."""
     run = base
@@ -95,8 +121,9 @@ def _tie_cut(p_row, stride_v, V, m, T, thr, thr0, cut0, base, goal,
     for v0 in range(0, V, BLOCK):
         o_v = v0 + tl.arange(0, BLOCK)
         m_v = o_v < V
-        b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v,
-                      other=float("-inf")).to(tl.float32)
+        b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
+            tl.float32
+        )
         b_k = _key(b_x)
         eq = m_v & (b_k == thr) & _kept(b_k, o_v, thr0, cut0)
         if USE_MASS:
@@ -112,15 +139,15 @@ def _tie_cut(p_row, stride_v, V, m, T, thr, thr0, cut0, base, goal,
 
 
 @triton.jit
-def _mass(p_row, stride_v, V, m, T, thr, cut, p_cs, p_cm, BLOCK: tl.constexpr,
-          STORE: tl.constexpr):
+def _mass(p_row, stride_v, V, m, T, thr, cut, p_cs, p_cm, BLOCK: tl.constexpr, STORE: tl.constexpr):
     """Mass of the kept set; with STORE, also each block's mass (and m) for the walker."""
     z = tl.zeros([], dtype=tl.float32)
     for v0 in range(0, V, BLOCK):
         o_v = v0 + tl.arange(0, BLOCK)
         m_v = o_v < V
-        b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v,
-                      other=float("-inf")).to(tl.float32)
+        b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
+            tl.float32
+        )
         m_k = m_v & _kept(_key(b_x), o_v, thr, cut)
         b_z = tl.sum(tl.where(m_k, _weight(b_x, m, T), 0.0), axis=0)
         if STORE:
@@ -132,11 +159,36 @@ def _mass(p_row, stride_v, V, m, T, thr, cut, p_cs, p_cm, BLOCK: tl.constexpr,
 
 @triton.jit
 def _node_stats(
-    pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp,
-    p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm,
-    N, V, CHUNK,
-    S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr, NPIV: tl.constexpr,
-    NCH, K: tl.constexpr, K_PAD: tl.constexpr, SAMPLE: tl.constexpr, NEED_SE: tl.constexpr,
+    pid,
+    p_logits,
+    s_lb,
+    s_ln,
+    s_lv,
+    p_num_nodes,
+    p_temp,
+    p_topk_param,
+    p_topp,
+    p_wmax,
+    p_warg,
+    p_wse,
+    p_wtkv,
+    p_wtki,
+    p_wthr,
+    p_wcut,
+    p_wcs,
+    p_wcm,
+    N,
+    V,
+    CHUNK,
+    S: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NPIV: tl.constexpr,
+    NCH,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    NEED_SE: tl.constexpr,
 ):
     i_s = (pid % S).to(tl.int32)
     i_n = ((pid // S) % N).to(tl.int32)
@@ -163,8 +215,9 @@ def _node_stats(
             o_v = v0 + tl.arange(0, BLOCK_V)
             m_v = o_v < v_end
             # upcast right after the load: bf16 arithmetic is wrong under the interpreter
-            b_x = tl.load(p_row + o_v.to(tl.int64) * s_lv, mask=m_v,
-                          other=float("-inf")).to(tl.float32)
+            b_x = tl.load(p_row + o_v.to(tl.int64) * s_lv, mask=m_v, other=float("-inf")).to(
+                tl.float32
+            )
             b_m = tl.max(b_x, axis=0)
             b_a = tl.min(tl.where(m_v & (b_x == b_m), o_v, BIG), axis=0)
             arg = tl.where((b_m > m) | ((b_m == m) & (b_a < arg)), b_a, arg)
@@ -211,17 +264,30 @@ def _node_stats(
             if use_k | use_p:
                 hi = _key(m) + 1
                 if use_k:
-                    thr, f_gt = _count_search(p_row, s_lv, V, m, T, lo0, cut, k.to(tl.float32),
-                                              lo0, hi, False, BLOCK_T, NPIV)
-                    cut = _tie_cut(p_row, s_lv, V, m, T, thr, lo0, cut, f_gt,
-                                   k.to(tl.float32), False, BLOCK_T)
+                    thr, f_gt = _count_search(
+                        p_row,
+                        s_lv,
+                        V,
+                        m,
+                        T,
+                        lo0,
+                        cut,
+                        k.to(tl.float32),
+                        lo0,
+                        hi,
+                        False,
+                        BLOCK_T,
+                        NPIV,
+                    )
+                    cut = _tie_cut(
+                        p_row, s_lv, V, m, T, thr, lo0, cut, f_gt, k.to(tl.float32), False, BLOCK_T
+                    )
                 if use_p:
-                    goal = top_p * _mass(p_row, s_lv, V, m, T, thr, cut, p_cs, p_cm, BLOCK_T,
-                                         False)
-                    thr_p, f_gt = _count_search(p_row, s_lv, V, m, T, thr, cut, goal, thr, hi,
-                                                True, BLOCK_T, NPIV)
-                    cut = _tie_cut(p_row, s_lv, V, m, T, thr_p, thr, cut, f_gt, goal, True,
-                                   BLOCK_T)
+                    goal = top_p * _mass(p_row, s_lv, V, m, T, thr, cut, p_cs, p_cm, BLOCK_T, False)
+                    thr_p, f_gt = _count_search(
+                        p_row, s_lv, V, m, T, thr, cut, goal, thr, hi, True, BLOCK_T, NPIV
+                    )
+                    cut = _tie_cut(p_row, s_lv, V, m, T, thr_p, thr, cut, f_gt, goal, True, BLOCK_T)
                     thr = thr_p
                 se = _mass(p_row, s_lv, V, m, T, thr, cut, p_cs, p_cm, BLOCK_V, True)
         tl.store(p_wthr + o_w, thr)
@@ -250,8 +316,9 @@ def _greedy_walk(n, valid, par, tok, arg, nz, N, N_PAD: tl.constexpr):
         # the argmax's weight is exp(0) = 1: log p = -log Z
         lp = tl.where(o == L - 1, -tl.log(z_c), lp)
         em = tl.where(o == L - 1, am.to(tl.int64), em)
-        nxt = tl.min(tl.where(valid & (o > 0) & (par == cur) & (tok == am.to(tl.int64)), o, BIG),
-                     axis=0)
+        nxt = tl.min(
+            tl.where(valid & (o > 0) & (par == cur) & (tok == am.to(tl.int64)), o, BIG), axis=0
+        )
         going = nxt < BIG
         if going:
             path = tl.where(o == L, nxt, path)
@@ -262,9 +329,32 @@ def _greedy_walk(n, valid, par, tok, arg, nz, N, N_PAD: tl.constexpr):
 
 
 @triton.jit
-def _sample_walk(i_b, p_logits, s_lb, s_ln, s_lv, p_uni, s_ub, n, valid, par, tok, nm, nz, thr,
-                 cutv, p_wcs, p_wcm, T, N, V, NCH, N_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
-                 NCH_PAD: tl.constexpr):
+def _sample_walk(
+    i_b,
+    p_logits,
+    s_lb,
+    s_ln,
+    s_lv,
+    p_uni,
+    s_ub,
+    n,
+    valid,
+    par,
+    tok,
+    nm,
+    nz,
+    thr,
+    cutv,
+    p_wcs,
+    p_wcm,
+    T,
+    N,
+    V,
+    NCH,
+    N_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    NCH_PAD: tl.constexpr,
+):
     """DESIGN.md op 7's interval rule, node by node, in unnormalised weights: u * Z is laid out
     as the kept children's weights in sibling (= index) order, then every other kept token's
     weight in id order."""
@@ -276,8 +366,18 @@ def _sample_walk(i_b, p_logits, s_lb, s_ln, s_lv, p_uni, s_ub, n, valid, par, to
     L = tl.where(n > 0, 1, 0)
     going = n > 0
     # a token repeated among siblings counts once, at its first sibling
-    dup = tl.max(((par[:, None] == par[None, :]) & (tok[:, None] == tok[None, :])
-                  & (o[None, :] < o[:, None]) & valid[None, :]).to(tl.int32), axis=1) > 0
+    dup = (
+        tl.max(
+            (
+                (par[:, None] == par[None, :])
+                & (tok[:, None] == tok[None, :])
+                & (o[None, :] < o[:, None])
+                & valid[None, :]
+            ).to(tl.int32),
+            axis=1,
+        )
+        > 0
+    )
     cand = valid & (o > 0) & ~dup & (tok >= 0) & (tok < V)
     while going:
         m_c = tl.sum(tl.where(o == cur, nm, 0.0), axis=0)
@@ -288,8 +388,9 @@ def _sample_walk(i_b, p_logits, s_lb, s_ln, s_lv, p_uni, s_ub, n, valid, par, to
         p_row = p_logits + i_b * s_lb + cur.to(tl.int64) * s_ln
         ch = cand & (par == cur)
         xc = tl.load(p_row + tok * s_lv, mask=ch, other=float("-inf")).to(tl.float32)
-        wc = tl.where(ch & _kept(_key(xc), tok.to(tl.int32), thr_c, cut_c),
-                      _weight(xc, m_c, T), 0.0)
+        wc = tl.where(
+            ch & _kept(_key(xc), tok.to(tl.int32), thr_c, cut_c), _weight(xc, m_c, T), 0.0
+        )
         cum = tl.cumsum(wc, 0)
         goal = u * z_c
         hit = tl.min(tl.where(ch & (wc > 0) & (cum > goal), o, BIG), axis=0)
@@ -306,8 +407,9 @@ def _sample_walk(i_b, p_logits, s_lb, s_ln, s_lv, p_uni, s_ub, n, valid, par, to
             c_m = tl.load(p_wcm + o_cs, mask=m_c2, other=float("-inf"), volatile=True)
             c_z = tl.where(c_m == float("-inf"), 0.0, c_s * tl.exp((c_m - m_c) / T))
             blk = (tok // BLOCK_V).to(tl.int32)
-            corr = tl.sum(tl.where(ch[:, None] & (blk[:, None] == o_c[None, :]), wc[:, None], 0.0),
-                          axis=0)
+            corr = tl.sum(
+                tl.where(ch[:, None] & (blk[:, None] == o_c[None, :]), wc[:, None], 0.0), axis=0
+            )
             c_o = tl.maximum(c_z - corr, 0.0)
             c_cum = tl.cumsum(c_o, 0)
             c0 = tl.min(tl.where(m_c2 & (c_o > 0) & (c_cum > goal2), o_c, NCH_PAD), axis=0)
@@ -320,10 +422,10 @@ def _sample_walk(i_b, p_logits, s_lb, s_ln, s_lv, p_uni, s_ub, n, valid, par, to
             while (v0 < V) & (found == BIG):
                 o_v = v0 + tl.arange(0, BLOCK_V)
                 m_v = o_v < V
-                b_x = tl.load(p_row + o_v.to(tl.int64) * s_lv, mask=m_v,
-                              other=float("-inf")).to(tl.float32)
-                b_w = tl.where(m_v & _kept(_key(b_x), o_v, thr_c, cut_c),
-                               _weight(b_x, m_c, T), 0.0)
+                b_x = tl.load(p_row + o_v.to(tl.int64) * s_lv, mask=m_v, other=float("-inf")).to(
+                    tl.float32
+                )
+                b_w = tl.where(m_v & _kept(_key(b_x), o_v, thr_c, cut_c), _weight(b_x, m_c, T), 0.0)
                 # zero the children's tokens of this block, one child at a time (few)
                 rem = ch & (tok >= v0) & (tok < v0 + BLOCK_V)
                 while tl.max(rem.to(tl.int32), axis=0) > 0:
@@ -358,18 +460,54 @@ def _sample_walk(i_b, p_logits, s_lb, s_ln, s_lv, p_uni, s_ub, n, valid, par, to
     return path, em, lp, L
 
 
-
 @triton.jit
 def _walk(
-    i_b, p_logits, s_lb, s_ln, s_lv, p_tokens, s_tb, p_parents, s_pb, p_num_nodes,
-    p_temp, p_uni, s_ub, p_stop, s_sb, n_stop, p_budget,
-    p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm,
-    p_acc, p_len, p_bonus, p_lp, p_topk,
-    N, V, NCH,
-    N_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
-    NCH_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, SAMPLE: tl.constexpr,
+    i_b,
+    p_logits,
+    s_lb,
+    s_ln,
+    s_lv,
+    p_tokens,
+    s_tb,
+    p_parents,
+    s_pb,
+    p_num_nodes,
+    p_temp,
+    p_uni,
+    s_ub,
+    p_stop,
+    s_sb,
+    n_stop,
+    p_budget,
+    p_wmax,
+    p_warg,
+    p_wse,
+    p_wtkv,
+    p_wtki,
+    p_wthr,
+    p_wcut,
+    p_wcs,
+    p_wcm,
+    p_acc,
+    p_len,
+    p_bonus,
+    p_lp,
+    p_topk,
+    N,
+    V,
+    NCH,
+    N_PAD: tl.constexpr,
+    S: tl.constexpr,
+    S_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    NCH_PAD: tl.constexpr,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    SAMPLE: tl.constexpr,
     HAS_STOP: tl.constexpr,
-    STOP_PAD: tl.constexpr, HAS_BUDGET: tl.constexpr, HAS_LP: tl.constexpr,
+    STOP_PAD: tl.constexpr,
+    HAS_BUDGET: tl.constexpr,
+    HAS_LP: tl.constexpr,
 ):
     i_b = i_b.to(tl.int64)
     o = tl.arange(0, N_PAD)
@@ -398,9 +536,32 @@ def _walk(
     # walk: path[d] = node at depth d; em[q] = (q+1)-th emitted token; lp[q] its log-prob
     if SAMPLE:
         if T_in > 0:
-            path, em, lp, L = _sample_walk(i_b, p_logits, s_lb, s_ln, s_lv, p_uni, s_ub, n, valid,
-                                           par, tok, nm, nz, thr, cutv, p_wcs, p_wcm, T, N, V,
-                                           NCH, N_PAD, BLOCK_V, NCH_PAD)
+            path, em, lp, L = _sample_walk(
+                i_b,
+                p_logits,
+                s_lb,
+                s_ln,
+                s_lv,
+                p_uni,
+                s_ub,
+                n,
+                valid,
+                par,
+                tok,
+                nm,
+                nz,
+                thr,
+                cutv,
+                p_wcs,
+                p_wcm,
+                T,
+                N,
+                V,
+                NCH,
+                N_PAD,
+                BLOCK_V,
+                NCH_PAD,
+            )
         else:
             path, em, lp, L = _greedy_walk(n, valid, par, tok, arg, nz, N, N_PAD)
     else:
@@ -412,8 +573,10 @@ def _walk(
     if HAS_STOP:
         o_st = tl.arange(0, STOP_PAD)
         stops = tl.load(p_stop + i_b * s_sb + o_st, mask=o_st < n_stop, other=-1).to(tl.int64)
-        is_stop = tl.max(((em[:, None] == stops[None, :]) & (stops[None, :] >= 0)).to(tl.int32),
-                         axis=1) > 0
+        is_stop = (
+            tl.max(((em[:, None] == stops[None, :]) & (stops[None, :] >= 0)).to(tl.int32), axis=1)
+            > 0
+        )
         first = tl.min(tl.where(is_stop & (o < cut), o, BIG), axis=0)
         cut = tl.where(first < BIG, first + 1, cut)
     cut = tl.where(n > 0, cut, 0)
@@ -435,52 +598,212 @@ def _walk(
         for r in tl.static_range(K):
             bv = tl.max(tl.where(avail, cv, float("-inf")), axis=1)
             bi = tl.min(tl.where(avail & (cv == bv[:, None]), ci, BIG), axis=1)
-            tl.store(p_topk + (i_b * N + o) * K + r, tl.where(valid & (bi < BIG), bi, -1),
-                     mask=m_out)
+            tl.store(
+                p_topk + (i_b * N + o) * K + r, tl.where(valid & (bi < BIG), bi, -1), mask=m_out
+            )
             avail = avail & (ci != bi[:, None])
 
 
 @triton.jit(do_not_specialize=["B", "N", "V", "CHUNK", "NCH", "n_stop"])
 def _accept_kernel(
-    p_logits, s_lb, s_ln, s_lv, p_tokens, s_tb, p_parents, s_pb, p_num_nodes,
-    p_temp, p_topk_param, p_topp, p_uni, s_ub, p_stop, s_sb, n_stop, p_budget,
-    p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm, p_count,
-    p_acc, p_len, p_bonus, p_lp, p_topk,
-    B, N, V, CHUNK, NCH,
-    N_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_T: tl.constexpr, NPIV: tl.constexpr, NCH_PAD: tl.constexpr, K: tl.constexpr,
-    K_PAD: tl.constexpr, SAMPLE: tl.constexpr, NEED_SE: tl.constexpr, HAS_STOP: tl.constexpr,
-    STOP_PAD: tl.constexpr, HAS_BUDGET: tl.constexpr, HAS_LP: tl.constexpr,
-    PHASE: tl.constexpr, FENCE: tl.constexpr,
+    p_logits,
+    s_lb,
+    s_ln,
+    s_lv,
+    p_tokens,
+    s_tb,
+    p_parents,
+    s_pb,
+    p_num_nodes,
+    p_temp,
+    p_topk_param,
+    p_topp,
+    p_uni,
+    s_ub,
+    p_stop,
+    s_sb,
+    n_stop,
+    p_budget,
+    p_wmax,
+    p_warg,
+    p_wse,
+    p_wtkv,
+    p_wtki,
+    p_wthr,
+    p_wcut,
+    p_wcs,
+    p_wcm,
+    p_count,
+    p_acc,
+    p_len,
+    p_bonus,
+    p_lp,
+    p_topk,
+    B,
+    N,
+    V,
+    CHUNK,
+    NCH,
+    N_PAD: tl.constexpr,
+    S: tl.constexpr,
+    S_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NPIV: tl.constexpr,
+    NCH_PAD: tl.constexpr,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    NEED_SE: tl.constexpr,
+    HAS_STOP: tl.constexpr,
+    STOP_PAD: tl.constexpr,
+    HAS_BUDGET: tl.constexpr,
+    HAS_LP: tl.constexpr,
+    PHASE: tl.constexpr,
+    FENCE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     if PHASE != 2:
-        _node_stats(pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp,
-                    p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm, N, V, CHUNK,
-                    S, BLOCK_V, BLOCK_T, NPIV, NCH, K, K_PAD, SAMPLE, NEED_SE)
+        _node_stats(
+            pid,
+            p_logits,
+            s_lb,
+            s_ln,
+            s_lv,
+            p_num_nodes,
+            p_temp,
+            p_topk_param,
+            p_topp,
+            p_wmax,
+            p_warg,
+            p_wse,
+            p_wtkv,
+            p_wtki,
+            p_wthr,
+            p_wcut,
+            p_wcs,
+            p_wcm,
+            N,
+            V,
+            CHUNK,
+            S,
+            BLOCK_V,
+            BLOCK_T,
+            NPIV,
+            NCH,
+            K,
+            K_PAD,
+            SAMPLE,
+            NEED_SE,
+        )
     if PHASE == 0:
         i_b = pid // (S * N)
         if FENCE:
             # every thread's workspace stores are ordered before the release below
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+            tl.inline_asm_elementwise(
+                "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+            )
         tl.debug_barrier()
         count = tl.atomic_add(p_count + i_b, 1, sem="acq_rel", scope="gpu")
         if count == N * S - 1:
-            _walk(i_b, p_logits, s_lb, s_ln, s_lv, p_tokens, s_tb, p_parents, s_pb, p_num_nodes,
-                  p_temp, p_uni, s_ub, p_stop, s_sb, n_stop, p_budget,
-                  p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm,
-                  p_acc, p_len, p_bonus, p_lp, p_topk, N, V, NCH,
-                  N_PAD, S, S_PAD, BLOCK_V, NCH_PAD, K, K_PAD, SAMPLE, HAS_STOP, STOP_PAD,
-                  HAS_BUDGET, HAS_LP)
+            _walk(
+                i_b,
+                p_logits,
+                s_lb,
+                s_ln,
+                s_lv,
+                p_tokens,
+                s_tb,
+                p_parents,
+                s_pb,
+                p_num_nodes,
+                p_temp,
+                p_uni,
+                s_ub,
+                p_stop,
+                s_sb,
+                n_stop,
+                p_budget,
+                p_wmax,
+                p_warg,
+                p_wse,
+                p_wtkv,
+                p_wtki,
+                p_wthr,
+                p_wcut,
+                p_wcs,
+                p_wcm,
+                p_acc,
+                p_len,
+                p_bonus,
+                p_lp,
+                p_topk,
+                N,
+                V,
+                NCH,
+                N_PAD,
+                S,
+                S_PAD,
+                BLOCK_V,
+                NCH_PAD,
+                K,
+                K_PAD,
+                SAMPLE,
+                HAS_STOP,
+                STOP_PAD,
+                HAS_BUDGET,
+                HAS_LP,
+            )
             tl.store(p_count + i_b, 0)
     if PHASE == 2:
-        _walk(pid, p_logits, s_lb, s_ln, s_lv, p_tokens, s_tb, p_parents, s_pb, p_num_nodes,
-              p_temp, p_uni, s_ub, p_stop, s_sb, n_stop, p_budget,
-              p_wmax, p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm,
-              p_acc, p_len, p_bonus, p_lp, p_topk, N, V, NCH,
-              N_PAD, S, S_PAD, BLOCK_V, NCH_PAD, K, K_PAD, SAMPLE, HAS_STOP, STOP_PAD,
-              HAS_BUDGET, HAS_LP)
+        _walk(
+            pid,
+            p_logits,
+            s_lb,
+            s_ln,
+            s_lv,
+            p_tokens,
+            s_tb,
+            p_parents,
+            s_pb,
+            p_num_nodes,
+            p_temp,
+            p_uni,
+            s_ub,
+            p_stop,
+            s_sb,
+            n_stop,
+            p_budget,
+            p_wmax,
+            p_warg,
+            p_wse,
+            p_wtkv,
+            p_wtki,
+            p_wthr,
+            p_wcut,
+            p_wcs,
+            p_wcm,
+            p_acc,
+            p_len,
+            p_bonus,
+            p_lp,
+            p_topk,
+            N,
+            V,
+            NCH,
+            N_PAD,
+            S,
+            S_PAD,
+            BLOCK_V,
+            NCH_PAD,
+            K,
+            K_PAD,
+            SAMPLE,
+            HAS_STOP,
+            STOP_PAD,
+            HAS_BUDGET,
+            HAS_LP,
+        )
 
 
 def _pow2(x: int) -> int:
@@ -519,10 +842,25 @@ def default_splits(B: int, N: int, V: int, device: torch.device, block_v: int) -
     return s
 
 
-def accept_launch(tree, target_logits, *, temperature=None, top_k=None, top_p=None,
-                  uniforms=None, stop_ids=None, max_new_tokens=None, return_logprobs=False,
-                  topk_ids=0, out=None, num_splits=None, block_v=None, phase=None,
-                  workspace=None, num_pivots=16) -> Acceptance:
+def accept_launch(
+    tree,
+    target_logits,
+    *,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    uniforms=None,
+    stop_ids=None,
+    max_new_tokens=None,
+    return_logprobs=False,
+    topk_ids=0,
+    out=None,
+    num_splits=None,
+    block_v=None,
+    phase=None,
+    workspace=None,
+    num_pivots=16,
+) -> Acceptance:
     """Launch the acceptance kernel (greedy when ``uniforms`` is None). Inputs are assumed
     validated by ``treeops.accept``. ``phase=0``: one fused launch; ``phase=1``: two launches
     (node statistics, then the walk), a fallback. ``num_splits``/``block_v`` override the
@@ -542,7 +880,8 @@ def accept_launch(tree, target_logits, *, temperature=None, top_k=None, top_p=No
         S = 1
     else:
         S = num_splits if num_splits is not None else default_splits(B, N, V, dev, block_v)
-    chunk = -(-(-(-V // S)) // block_v) * block_v
+    per_split = -(-V // S)
+    chunk = -(-per_split // block_v) * block_v
     K = int(topk_ids)
     K_PAD = _pow2(max(K, 1))
     if out is None:
@@ -555,8 +894,13 @@ def accept_launch(tree, target_logits, *, temperature=None, top_k=None, top_p=No
         )
     NCH = -(-V // block_v) if sample else 1
     BNS = B * N * S
-    n_f = [BNS, BNS, BNS * K_PAD if K else 1, B * N * NCH if sample else 1,
-           B * N * NCH if sample else 1]
+    n_f = [
+        BNS,
+        BNS,
+        BNS * K_PAD if K else 1,
+        B * N * NCH if sample else 1,
+        B * N * NCH if sample else 1,
+    ]
     n_i = [BNS, BNS * K_PAD if K else 1, B * N if sample else 1, B * N if sample else 1]
     if workspace is None:
         ws_f = torch.empty(sum(n_f), dtype=torch.float32, device=dev)
@@ -576,24 +920,63 @@ def accept_launch(tree, target_logits, *, temperature=None, top_k=None, top_p=No
     tk, tp = tree.tokens, tree.parents
     num_warps = 8 if (block_v >= 4096 or sample) and not _interpreted() else 4
     common = dict(
-        N_PAD=_pow2(N), S=S, S_PAD=_pow2(S), BLOCK_V=block_v, BLOCK_T=block_t, NPIV=num_pivots,
-        NCH_PAD=_pow2(NCH), K=K, K_PAD=K_PAD, SAMPLE=sample,
-        NEED_SE=sample or bool(return_logprobs), HAS_STOP=has_stop, STOP_PAD=_pow2(max(n_stop, 1)),
-        HAS_BUDGET=max_new_tokens is not None, HAS_LP=bool(return_logprobs),
-        FENCE=not _interpreted(), num_warps=num_warps,
+        N_PAD=_pow2(N),
+        S=S,
+        S_PAD=_pow2(S),
+        BLOCK_V=block_v,
+        BLOCK_T=block_t,
+        NPIV=num_pivots,
+        NCH_PAD=_pow2(NCH),
+        K=K,
+        K_PAD=K_PAD,
+        SAMPLE=sample,
+        NEED_SE=sample or bool(return_logprobs),
+        HAS_STOP=has_stop,
+        STOP_PAD=_pow2(max(n_stop, 1)),
+        HAS_BUDGET=max_new_tokens is not None,
+        HAS_LP=bool(return_logprobs),
+        FENCE=not _interpreted(),
+        num_warps=num_warps,
     )
     args = [
-        target_logits, target_logits.stride(0), target_logits.stride(1), target_logits.stride(2),
-        tk, tk.stride(0), tp, tp.stride(0), tree.num_nodes,
-        temperature if sample else dummy_f, top_k if sample else w_arg,
-        top_p if sample else dummy_f, uniforms if sample else dummy_f,
+        target_logits,
+        target_logits.stride(0),
+        target_logits.stride(1),
+        target_logits.stride(2),
+        tk,
+        tk.stride(0),
+        tp,
+        tp.stride(0),
+        tree.num_nodes,
+        temperature if sample else dummy_f,
+        top_k if sample else w_arg,
+        top_p if sample else dummy_f,
+        uniforms if sample else dummy_f,
         uniforms.stride(0) if sample else 0,
-        stop_ids if has_stop else w_arg, s_sb, n_stop,
+        stop_ids if has_stop else w_arg,
+        s_sb,
+        n_stop,
         max_new_tokens if max_new_tokens is not None else w_arg,
-        w_max, w_arg, w_se, w_tkv, w_tki, w_thr, w_cut, w_cs, w_cm, count,
-        out.accepted, out.accept_len, out.bonus,
-        out.logprobs if return_logprobs else dummy_f, out.topk if K else w_arg,
-        B, N, V, chunk, NCH,
+        w_max,
+        w_arg,
+        w_se,
+        w_tkv,
+        w_tki,
+        w_thr,
+        w_cut,
+        w_cs,
+        w_cm,
+        count,
+        out.accepted,
+        out.accept_len,
+        out.bonus,
+        out.logprobs if return_logprobs else dummy_f,
+        out.topk if K else w_arg,
+        B,
+        N,
+        V,
+        chunk,
+        NCH,
     ]
     assert tk.stride(1) == 1 and tp.stride(1) == 1 and (not sample or uniforms.stride(1) == 1)
     if phase == 0:

@@ -25,10 +25,34 @@ def _slot_offset(p_bt_row, slot, PS: tl.constexpr, s_page, s_slot):
 
 @triton.jit(do_not_specialize=["N", "L", "H"])
 def _compact_kernel(
-    p_k, p_v, p_ktab, p_vtab, s_kl, s_kp, s_ks, s_kh, s_kd, s_vl, s_vp, s_vs, s_vh, s_vd,
-    p_bt, s_btb, p_seq, p_acc, s_ab, p_len, p_out,
-    N, L, H, D,
-    PS: tl.constexpr, D_PAD: tl.constexpr, STACKED: tl.constexpr,
+    p_k,
+    p_v,
+    p_ktab,
+    p_vtab,
+    s_kl,
+    s_kp,
+    s_ks,
+    s_kh,
+    s_kd,
+    s_vl,
+    s_vp,
+    s_vs,
+    s_vh,
+    s_vd,
+    p_bt,
+    s_btb,
+    p_seq,
+    p_acc,
+    s_ab,
+    p_len,
+    p_out,
+    N,
+    L,
+    H,
+    D,
+    PS: tl.constexpr,
+    D_PAD: tl.constexpr,
+    STACKED: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     i_h = pid % H
@@ -79,8 +103,9 @@ def _pointer_table(layers) -> torch.Tensor:
     return tab
 
 
-def compact_kv_launch(k_caches, v_caches, block_table, seq_lens, accepted, accept_len, *,
-                      out=None) -> torch.Tensor:
+def compact_kv_launch(
+    k_caches, v_caches, block_table, seq_lens, accepted, accept_len, *, out=None
+) -> torch.Tensor:
     """Launch the compaction (inputs validated by ``treeops.compact``); returns the new lengths."""
     B, N = accepted.shape
     stacked = isinstance(k_caches, torch.Tensor)
@@ -103,9 +128,28 @@ def compact_kv_launch(k_caches, v_caches, block_table, seq_lens, accepted, accep
         out = torch.empty(B, dtype=torch.int32, device=accepted.device)
     grid = (B * L * H,)
     _compact_kernel[grid](
-        k0, v0, ktab, vtab, s_kl, *k_str, s_vl, *v_str,
-        block_table, block_table.stride(0), seq_lens, accepted, accepted.stride(0), accept_len,
-        out, N, L, H, D,
-        PS=PS, D_PAD=triton.next_power_of_2(D), STACKED=stacked, num_warps=1 if D <= 128 else 2,
+        k0,
+        v0,
+        ktab,
+        vtab,
+        s_kl,
+        *k_str,
+        s_vl,
+        *v_str,
+        block_table,
+        block_table.stride(0),
+        seq_lens,
+        accepted,
+        accepted.stride(0),
+        accept_len,
+        out,
+        N,
+        L,
+        H,
+        D,
+        PS=PS,
+        D_PAD=triton.next_power_of_2(D),
+        STACKED=stacked,
+        num_warps=1 if D <= 128 else 2,
     )
     return out

@@ -13,9 +13,10 @@ bonus`` -- always exactly ``accept_len`` of them. Then:
 * stop ids: if some emitted ``e_j`` is a stop id, emission ends with the first such ``e_j``.
 
 The truncated result is reported in the same form: with ``C`` tokens kept, ``accept_len = C``,
-``accepted = a_0 .. a_{C-1}`` and ``bonus = e_C`` -- which is the token of the tree node ``a_C`` when
-the cut falls inside the tree. So "emitted = accepted non-root tokens, then bonus" always holds,
-the next step's root is ``bonus``, and ``compact_kv`` keeps exactly the K/V of the accepted nodes.
+``accepted = a_0 .. a_{C-1}`` and ``bonus = e_C`` -- which is the token of the tree node
+``a_C`` when the cut falls inside the tree. So "emitted = accepted non-root tokens, then bonus"
+always holds, the next step's root is ``bonus``, and ``compact_kv`` keeps exactly the K/V of
+the accepted nodes.
 Inactive rows (``num_nodes = 0``) have ``accept_len = 0``, ``bonus = -1``, all ``-1`` accepted.
 """
 
@@ -28,7 +29,9 @@ from treeops.accept import Acceptance, _check_accept_inputs
 __all__ = ["accept_greedy", "accept_sample", "target_probs"]
 
 
-def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def target_probs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
     """DESIGN.md op 7's target distribution of one node, float64 ``[V]``.
 
     ``p = softmax(logits / T)``; top-k keeps the ``top_k`` largest (ties: lower id; ``top_k <= 0``
@@ -64,8 +67,9 @@ def _children(parents: list[int], n: int, node: int) -> list[int]:
     return [j for j in range(1, n) if parents[j] == node]
 
 
-def _finish(tree, logits, b: int, path: list[int], bonus: int, lp_dist, stop_ids,
-            max_new_tokens) -> tuple[list[int], int, list[float]]:
+def _finish(
+    tree, logits, b: int, path: list[int], bonus: int, lp_dist, stop_ids, max_new_tokens
+) -> tuple[list[int], int, list[float]]:
     """Apply the budget and stop ids to the walk (path, bonus); return (path, bonus, logprobs)."""
     tok = tree.tokens[b].tolist()
     emitted = [tok[a] for a in path[1:]] + [bonus]
@@ -107,9 +111,13 @@ def _emit(tree, logits, results, return_logprobs: bool, topk_ids: int) -> Accept
                 x = logits[b, i].to(torch.float64)
                 topk[b, i] = torch.sort(-x, stable=True).indices[:topk_ids].to(torch.int32)
     dev = tree.device
-    return Acceptance(accepted.to(dev), accept_len.to(dev), bonus.to(dev),
-                      None if logprobs is None else logprobs.to(dev),
-                      None if topk is None else topk.to(dev))
+    return Acceptance(
+        accepted.to(dev),
+        accept_len.to(dev),
+        bonus.to(dev),
+        None if logprobs is None else logprobs.to(dev),
+        None if topk is None else topk.to(dev),
+    )
 
 
 def _copy_out(res: Acceptance, out: Acceptance | None) -> Acceptance:
@@ -122,13 +130,30 @@ def _copy_out(res: Acceptance, out: Acceptance | None) -> Acceptance:
     return out
 
 
-def accept_greedy(tree, target_logits, *, stop_ids=None, max_new_tokens=None,
-                  return_logprobs=False, topk_ids=0, out=None, validate=False) -> Acceptance:
+def accept_greedy(
+    tree,
+    target_logits,
+    *,
+    stop_ids=None,
+    max_new_tokens=None,
+    return_logprobs=False,
+    topk_ids=0,
+    out=None,
+    validate=False,
+) -> Acceptance:
     """Greedy acceptance: from the root follow the child whose token is the argmax of the
     target's logits at the current node (ties: lowest id); bonus = argmax at the last accepted
     node. ``logprobs`` are ``log_softmax(logits)`` (temperature 1) of the emitted tokens."""
-    _check_accept_inputs(tree, target_logits, stop_ids, max_new_tokens, topk_ids, out,
-                         return_logprobs, validate=validate)
+    _check_accept_inputs(
+        tree,
+        target_logits,
+        stop_ids,
+        max_new_tokens,
+        topk_ids,
+        out,
+        return_logprobs,
+        validate=validate,
+    )
     t = tree.to("cpu")
     lg = target_logits.detach().to("cpu", torch.float64)
     B, N = t.parents.shape
@@ -151,15 +176,36 @@ def accept_greedy(tree, target_logits, *, stop_ids=None, max_new_tokens=None,
         def lp_dist(i, b=b):
             return torch.log_softmax(lg[b, i], 0)
 
-        results.append(_finish(t, lg, b, path, bonus, lp_dist,
-                               None if stop_ids is None else stop_ids.cpu(),
-                               None if max_new_tokens is None else max_new_tokens.cpu()))
+        results.append(
+            _finish(
+                t,
+                lg,
+                b,
+                path,
+                bonus,
+                lp_dist,
+                None if stop_ids is None else stop_ids.cpu(),
+                None if max_new_tokens is None else max_new_tokens.cpu(),
+            )
+        )
     return _copy_out(_emit(t, lg, results, return_logprobs, topk_ids), out)
 
 
-def accept_sample(tree, target_logits, temperature, top_k, top_p, uniforms, *, stop_ids=None,
-                  max_new_tokens=None, return_logprobs=False, topk_ids=0, out=None,
-                  validate=False) -> Acceptance:
+def accept_sample(
+    tree,
+    target_logits,
+    temperature,
+    top_k,
+    top_p,
+    uniforms,
+    *,
+    stop_ids=None,
+    max_new_tokens=None,
+    return_logprobs=False,
+    topk_ids=0,
+    out=None,
+    validate=False,
+) -> Acceptance:
     """Lossless sampling acceptance, DESIGN.md op 7's interval rule.
 
     At the current node ``i`` (target distribution ``p_i = target_probs(...)``) the interval
@@ -171,9 +217,20 @@ def accept_sample(tree, target_logits, temperature, top_k, top_p, uniforms, *, s
     ``temperature = 0`` are greedy. ``logprobs`` are ``log p_i`` of the emitted tokens (for
     ``T = 0`` rows, ``log_softmax(logits)``).
     """
-    _check_accept_inputs(tree, target_logits, stop_ids, max_new_tokens, topk_ids, out,
-                         return_logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
-                         uniforms=uniforms, validate=validate)
+    _check_accept_inputs(
+        tree,
+        target_logits,
+        stop_ids,
+        max_new_tokens,
+        topk_ids,
+        out,
+        return_logprobs,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        uniforms=uniforms,
+        validate=validate,
+    )
     t = tree.to("cpu")
     lg = target_logits.detach().to("cpu", torch.float64)
     temp = temperature.detach().cpu().to(torch.float64).tolist()
@@ -239,7 +296,16 @@ def accept_sample(tree, target_logits, temperature, top_k, top_p, uniforms, *, s
         def lp_dist(i, b=b):
             return torch.log(probs(i)) if temp[b] > 0 else torch.log_softmax(lg[b, i], 0)
 
-        results.append(_finish(t, lg, b, path, bonus, lp_dist,
-                               None if stop_ids is None else stop_ids.cpu(),
-                               None if max_new_tokens is None else max_new_tokens.cpu()))
+        results.append(
+            _finish(
+                t,
+                lg,
+                b,
+                path,
+                bonus,
+                lp_dist,
+                None if stop_ids is None else stop_ids.cpu(),
+                None if max_new_tokens is None else max_new_tokens.cpu(),
+            )
+        )
     return _copy_out(_emit(t, lg, results, return_logprobs, topk_ids), out)

@@ -9,13 +9,24 @@ from treeops.compact import _check_compact_inputs, _layers
 __all__ = ["compact_kv"]
 
 
-def compact_kv(k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, *,
-               out=None, validate=False) -> torch.Tensor:
+def compact_kv(
+    k_caches,
+    v_caches,
+    block_table,
+    seq_lens,
+    tree,
+    accepted,
+    accept_len,
+    *,
+    out=None,
+    validate=False,
+) -> torch.Tensor:
     """Move the accepted path's K/V from slot ``s + accepted[b, d]`` to slot ``s + d`` (d = the
     node's depth) for every layer and KV head, in increasing depth, in place; return the new
     ``seq_lens = s + accept_len`` (int32). Slots outside ``[s, s + accept_len)`` are untouched."""
-    _check_compact_inputs(k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len,
-                          out, validate)
+    _check_compact_inputs(
+        k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
+    )
     B = block_table.shape[0]
     ps = _layers(k_caches)[0].shape[1]
     bt = block_table.cpu()

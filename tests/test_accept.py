@@ -4,28 +4,31 @@ interval-midpoint test for sampling, and kernel == reference on random uniforms.
 
 from __future__ import annotations
 
-import os
 import itertools
 import math
+import os
 import random
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import logits_like, make_tree, parents_of, trees
 
 import treeops
 from helpers import tree_from_lists
+from strategies import logits_like, make_tree, parents_of, trees
 from treeops.kernels.accept import accept_launch
 from treeops.reference import accept as ref
 
 # interpreter noise: -inf - -inf in masked lanes, NumPy's scalar-conversion deprecation
-pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU tensors need the Triton interpreter; on a GPU run "
-                                        "tests/test_accept_gpu.py")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1",
+        reason="CPU tensors need the Triton interpreter; on a GPU run tests/test_accept_gpu.py",
+    ),
+]
 
 
 # ----------------------------------------------------------------------------- independent models
@@ -90,7 +93,8 @@ def assert_same(a, b, lp_tol=1e-5):
             assert torch.equal(x, y), f"{f}: {x.tolist()} != {y.tolist()}"
     if a.logprobs is not None:
         assert torch.allclose(a.logprobs, b.logprobs, atol=lp_tol, rtol=0), (
-            f"logprobs {a.logprobs.tolist()} != {b.logprobs.tolist()}")
+            f"logprobs {a.logprobs.tolist()} != {b.logprobs.tolist()}"
+        )
 
 
 def biased_logits(tree, V: int, rng: random.Random, ties: bool, dtype=torch.float32, boost=None):
@@ -104,22 +108,29 @@ def biased_logits(tree, V: int, rng: random.Random, ties: bool, dtype=torch.floa
             kids = children(par, n, i)
             if kids and rng.random() < 0.75:
                 t = int(tree.tokens[b, rng.choice(kids)])
-                lg[b, i, t] = float(lg[b, i].max()) + (boost if boost is not None else
-                                                        (0.0 if ties else 1.0))
+                lg[b, i, t] = float(lg[b, i].max()) + (
+                    boost if boost is not None else (0.0 if ties else 1.0)
+                )
     return lg.to(dtype)
 
 
 # ---------------------------------------------------------------------------------- greedy
-@given(case=trees(max_batch=3, capacities=(1, 4, 8, 16), vocab=24), seed=st.integers(0, 2**20),
-       ties=st.booleans(), splits=st.sampled_from([1, 2, 3]), block=st.sampled_from([8, 16]),
-       phase=st.sampled_from([0, 1]))
+@given(
+    case=trees(max_batch=3, capacities=(1, 4, 8, 16), vocab=24),
+    seed=st.integers(0, 2**20),
+    ties=st.booleans(),
+    splits=st.sampled_from([1, 2, 3]),
+    block=st.sampled_from([8, 16]),
+    phase=st.sampled_from([0, 1]),
+)
 def test_greedy_brute_force(case, seed, ties, splits, block, phase):
     rng = random.Random(seed)
     tree, V = case.tree, case.vocab
     lg = biased_logits(tree, V, rng, ties)
     want_ref = ref.accept_greedy(tree, lg, return_logprobs=True, topk_ids=3)
-    got = run_kernel(tree, lg, return_logprobs=True, topk_ids=3, num_splits=splits,
-                     block_v=block, phase=phase)
+    got = run_kernel(
+        tree, lg, return_logprobs=True, topk_ids=3, num_splits=splits, block_v=block, phase=phase
+    )
     for res in (want_ref, got):
         for b in range(tree.batch_size):
             n = int(tree.num_nodes[b])
@@ -141,8 +152,11 @@ def test_greedy_brute_force(case, seed, ties, splits, block, phase):
             assert res.logprobs[b, :L].tolist() == pytest.approx(want_lp, abs=1e-5)
             assert res.logprobs[b, L:].abs().sum() == 0
             for i in range(tree.capacity):
-                want = sorted(range(V), key=lambda t, i=i: (-float(x[i, t]), t))[:3] if i < n \
+                want = (
+                    sorted(range(V), key=lambda t, i=i: (-float(x[i, t]), t))[:3]
+                    if i < n
                     else [-1] * 3
+                )
                 assert res.topk[b, i].tolist() == want
     assert_same(got, want_ref)
 
@@ -179,14 +193,19 @@ def test_public_ops_dispatch_to_reference_on_cpu():
     rng = random.Random(0)
     tree = make_tree([parents_of("random", 8, rng)], 8, 16, rng)
     lg = biased_logits(tree, 16, rng, ties=True)
-    assert_same(treeops.accept_greedy(tree, lg, topk_ids=2), ref.accept_greedy(tree, lg, topk_ids=2))
+    assert_same(
+        treeops.accept_greedy(tree, lg, topk_ids=2), ref.accept_greedy(tree, lg, topk_ids=2)
+    )
 
 
 # ------------------------------------------------------------------------ stop ids and budgets
 def chain_case():
     # chain 0-1-2-3-4 with tokens 10..14; the target agrees with every edge, bonus 7
-    tree = tree_from_lists([[-1, 0, 1, 2, 3], [-1, 0, 1, 2, 3], [-1, 0, 1, 2, 3], []],
-                           [[10, 11, 12, 13, 14]] * 3 + [[]], capacity=6)
+    tree = tree_from_lists(
+        [[-1, 0, 1, 2, 3], [-1, 0, 1, 2, 3], [-1, 0, 1, 2, 3], []],
+        [[10, 11, 12, 13, 14]] * 3 + [[]],
+        capacity=6,
+    )
     lg = torch.zeros(4, 6, 16)
     for i, t in enumerate([11, 12, 13, 14, 7]):
         lg[:, i, t] = 5.0
@@ -234,8 +253,7 @@ def test_stop_budget_property(case, seed):
     bud = torch.tensor([rng.randrange(0, 6) for _ in range(B)], dtype=torch.int32)
     full = ref.accept_greedy(tree, lg)
     want = ref.accept_greedy(tree, lg, stop_ids=stops, max_new_tokens=bud, return_logprobs=True)
-    got = run_kernel(tree, lg, stop_ids=stops, max_new_tokens=bud, return_logprobs=True,
-                     block_v=8)
+    got = run_kernel(tree, lg, stop_ids=stops, max_new_tokens=bud, return_logprobs=True, block_v=8)
     assert_same(got, want)
     for b in range(B):
         em = emitted_of(full, tree, b)
@@ -276,10 +294,13 @@ def test_out_buffers_are_written_in_place():
     tree, lg = chain_case()
     B, N = tree.parents.shape
     for fn in (ref.accept_greedy, run_kernel):
-        out = treeops.Acceptance(torch.full((B, N), 77, dtype=torch.int32),
-                                 torch.full((B,), 77, dtype=torch.int32),
-                                 torch.full((B,), 77, dtype=torch.int64),
-                                 torch.full((B, N), 77.0), torch.full((B, N, 2), 77, dtype=torch.int32))
+        out = treeops.Acceptance(
+            torch.full((B, N), 77, dtype=torch.int32),
+            torch.full((B,), 77, dtype=torch.int32),
+            torch.full((B,), 77, dtype=torch.int64),
+            torch.full((B, N), 77.0),
+            torch.full((B, N, 2), 77, dtype=torch.int32),
+        )
         r = fn(tree, lg, out=out, return_logprobs=True, topk_ids=2)
         assert r is out
         assert_same(out, ref.accept_greedy(tree, lg, return_logprobs=True, topk_ids=2))
@@ -344,9 +365,21 @@ def joint_check(tree, lg, T, k, p, K, run):
     leaves = midpoint_leaves(tree, lg, T, k, p, K)
     R = len(leaves)
     rep = lambda t: t.expand(R, *t.shape[1:]).contiguous()  # noqa: E731
-    big = treeops.Tree(**{f: rep(getattr(tree, f)) for f in
-                          ("tokens", "parents", "num_nodes", "depth", "anc", "first_child",
-                           "next_sibling", "scores")})
+    big = treeops.Tree(
+        **{
+            f: rep(getattr(tree, f))
+            for f in (
+                "tokens",
+                "parents",
+                "num_nodes",
+                "depth",
+                "anc",
+                "first_child",
+                "next_sibling",
+                "scores",
+            )
+        }
+    )
     u = torch.full((R, N), 0.5)
     for r, (a, *_) in enumerate(leaves):
         for node, val in a.items():
@@ -356,8 +389,9 @@ def joint_check(tree, lg, T, k, p, K, run):
 
     def target_cond(ctx):
         node = node_of(tree, 0, ctx)
-        return probs_indep(lg[0, node].double().tolist(), T, k, p) if node >= 0 \
-            else cont_probs(ctx, V)
+        return (
+            probs_indep(lg[0, node].double().tolist(), T, k, p) if node >= 0 else cont_probs(ctx, V)
+        )
 
     got: dict[tuple, float] = {}
     for r, (_, w, expect, length) in enumerate(leaves):
@@ -433,11 +467,18 @@ def test_lossless_reference(shape, params):
     joint_check(tree, lg, *params, K=3, run=ref_run)
 
 
-@pytest.mark.parametrize("shape,params", [
-    ("chain", (1.0, 0, 1.0)), ("star", (0.6, 0, 1.0)), ("deep", (1.7, 3, 1.0)),
-    ("random", (1.0, 0, 0.8)), ("random", (0.8, 4, 0.7)), ("star", (0.0, 0, 1.0)),
-    ("chain", (0.8, 4, 0.7)),
-])
+@pytest.mark.parametrize(
+    "shape,params",
+    [
+        ("chain", (1.0, 0, 1.0)),
+        ("star", (0.6, 0, 1.0)),
+        ("deep", (1.7, 3, 1.0)),
+        ("random", (1.0, 0, 0.8)),
+        ("random", (0.8, 4, 0.7)),
+        ("star", (0.0, 0, 1.0)),
+        ("chain", (0.8, 4, 0.7)),
+    ],
+)
 def test_lossless_kernel(shape, params):
     tree, lg = lossless_case(shape, seed=7 + len(shape))
     joint_check(tree, lg, *params, K=2, run=kernel_run)
@@ -456,16 +497,29 @@ def near_boundary(tree, lg, T, k, p, u, stops, bud):
     """True if shifting every uniform or top_p by 1e-6 changes the reference's decisions."""
     base = ref.accept_sample(tree, lg, T, k, p, u, stop_ids=stops, max_new_tokens=bud)
     for du, dp in ((1e-6, 0), (-1e-6, 0), (0, 1e-6), (0, -1e-6)):
-        r = ref.accept_sample(tree, lg, T, k, (p + dp).clamp(max=1.0), (u + du).clamp(0, 1 - 2**-24),
-                              stop_ids=stops, max_new_tokens=bud)
+        r = ref.accept_sample(
+            tree,
+            lg,
+            T,
+            k,
+            (p + dp).clamp(max=1.0),
+            (u + du).clamp(0, 1 - 2**-24),
+            stop_ids=stops,
+            max_new_tokens=bud,
+        )
         if not (torch.equal(r.accepted, base.accepted) and torch.equal(r.bonus, base.bonus)):
             return True
     return False
 
 
-@given(case=trees(max_batch=3, capacities=(4, 8, 16), vocab=40), seed=st.integers(0, 2**20),
-       ties=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       block=st.sampled_from([16, 64]), phase=st.sampled_from([0, 1]))
+@given(
+    case=trees(max_batch=3, capacities=(4, 8, 16), vocab=40),
+    seed=st.integers(0, 2**20),
+    ties=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    block=st.sampled_from([16, 64]),
+    phase=st.sampled_from([0, 1]),
+)
 def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase):
     rng = random.Random(seed)
     tree, V = case.tree, case.vocab
@@ -479,11 +533,23 @@ def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase):
     bud = torch.tensor([rng.randrange(1, 6) for _ in range(B)]) if rng.random() < 0.3 else None
     if near_boundary(tree, lg, T, k, p, u, stops, bud):
         return
-    want = ref.accept_sample(tree, lg, T, k, p, u, stop_ids=stops, max_new_tokens=bud,
-                             return_logprobs=True, topk_ids=2)
-    got = accept_launch(tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u, stop_ids=stops,
-                        max_new_tokens=bud, return_logprobs=True, topk_ids=2, block_v=block,
-                        phase=phase)
+    want = ref.accept_sample(
+        tree, lg, T, k, p, u, stop_ids=stops, max_new_tokens=bud, return_logprobs=True, topk_ids=2
+    )
+    got = accept_launch(
+        tree,
+        lg,
+        temperature=T,
+        top_k=k,
+        top_p=p,
+        uniforms=u,
+        stop_ids=stops,
+        max_new_tokens=bud,
+        return_logprobs=True,
+        topk_ids=2,
+        block_v=block,
+        phase=phase,
+    )
     assert_same(got, want, lp_tol=2e-4)
 
 
@@ -499,8 +565,9 @@ def test_sample_top_k_top_p_kept_set_matches_reference_probs():
     for q in torch.linspace(0.01, 0.99, 7):
         u = torch.full((6, 1), float(q))
         want = ref.accept_sample(tree, lg, T, k, p, u, return_logprobs=True)
-        got = accept_launch(tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u,
-                            return_logprobs=True, block_v=8)
+        got = accept_launch(
+            tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u, return_logprobs=True, block_v=8
+        )
         assert_same(got, want)
         for b in range(6):
             dist = probs_indep(x.double().tolist(), float(T[b]), int(k[b]), float(p[b]))
@@ -517,8 +584,9 @@ def test_sample_large_vocab_named_case():
     p = torch.tensor([0.9, 0.8])
     u = torch.rand(2, 12, generator=torch.Generator().manual_seed(2))
     want = ref.accept_sample(tree, lg, T, k, p, u, return_logprobs=True)
-    got = accept_launch(tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u,
-                        return_logprobs=True, block_v=1024)
+    got = accept_launch(
+        tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u, return_logprobs=True, block_v=1024
+    )
     assert_same(got, want, lp_tol=2e-4)
 
 
@@ -526,48 +594,92 @@ def test_sample_large_vocab_named_case():
 def _good():
     tree, lg = chain_case()
     B, N = tree.parents.shape
-    return dict(tree=tree, target_logits=lg, temperature=torch.ones(B),
-                top_k=torch.zeros(B, dtype=torch.int32), top_p=torch.ones(B),
-                uniforms=torch.rand(B, N))
+    return dict(
+        tree=tree,
+        target_logits=lg,
+        temperature=torch.ones(B),
+        top_k=torch.zeros(B, dtype=torch.int32),
+        top_p=torch.ones(B),
+        uniforms=torch.rand(B, N),
+    )
 
 
-@pytest.mark.parametrize("change,msg", [
-    (lambda a: a.update(tree="x"), "Invalid type of tree: expected treeops.Tree"),
-    (lambda a: a.update(target_logits=a["target_logits"][:, :3]),
-     "Invalid shape of target_logits: expected [4, 6, V]"),
-    (lambda a: a.update(target_logits=a["target_logits"].double()),
-     "Invalid dtype of target_logits"),
-    (lambda a: a.update(temperature=torch.ones(3)), "Invalid shape of temperature: expected [4]"),
-    (lambda a: a.update(temperature=torch.ones(4, dtype=torch.float64)),
-     "Invalid dtype of temperature: expected torch.float32"),
-    (lambda a: a.update(top_k=torch.zeros(4)), "Invalid dtype of top_k"),
-    (lambda a: a.update(top_p=torch.ones(4, 1)), "Invalid shape of top_p"),
-    (lambda a: a.update(uniforms=torch.rand(4, 5)), "Invalid shape of uniforms: expected [4, 6]"),
-    (lambda a: a.update(uniforms=torch.rand(4, 6, dtype=torch.float64)),
-     "Invalid dtype of uniforms"),
-    (lambda a: a.update(stop_ids=torch.zeros(2, 2, 2, dtype=torch.int64)),
-     "Invalid shape of stop_ids: expected [S] or [B, S]"),
-    (lambda a: a.update(stop_ids=torch.zeros(3, 2, dtype=torch.int64)),
-     "Invalid shape of stop_ids: expected [4, S]"),
-    (lambda a: a.update(stop_ids=torch.zeros(2)), "Invalid dtype of stop_ids"),
-    (lambda a: a.update(max_new_tokens=torch.ones(5, dtype=torch.int32)),
-     "Invalid shape of max_new_tokens"),
-    (lambda a: a.update(topk_ids=17), "Invalid value of topk_ids: expected an int in [0, V=16]"),
-    (lambda a: a.update(topk_ids=-1), "Invalid value of topk_ids"),
-    (lambda a: a.update(return_logprobs=1), "Invalid type of return_logprobs"),
-    (lambda a: a.update(out=(1, 2, 3)), "Invalid type of out"),
-    (lambda a: a.update(out=treeops.Acceptance(torch.zeros(4, 6, dtype=torch.int64),
-                                               torch.zeros(4, dtype=torch.int32),
-                                               torch.zeros(4, dtype=torch.int64))),
-     "Invalid dtype of out.accepted"),
-    (lambda a: a.update(validate=True, top_p=torch.zeros(4)), "Invalid value in top_p"),
-    (lambda a: a.update(validate=True, temperature=-torch.ones(4)), "Invalid value in temperature"),
-    (lambda a: a.update(validate=True, uniforms=torch.ones(4, 6)), "Invalid value in uniforms"),
-    (lambda a: a.update(validate=True, max_new_tokens=torch.zeros(4, dtype=torch.int32)),
-     "Invalid value in max_new_tokens: expected >= 1"),
-    (lambda a: a.update(validate=True, target_logits=a["target_logits"] * float("nan")),
-     "Invalid value in target_logits"),
-])
+@pytest.mark.parametrize(
+    "change,msg",
+    [
+        (lambda a: a.update(tree="x"), "Invalid type of tree: expected treeops.Tree"),
+        (
+            lambda a: a.update(target_logits=a["target_logits"][:, :3]),
+            "Invalid shape of target_logits: expected [4, 6, V]",
+        ),
+        (
+            lambda a: a.update(target_logits=a["target_logits"].double()),
+            "Invalid dtype of target_logits",
+        ),
+        (
+            lambda a: a.update(temperature=torch.ones(3)),
+            "Invalid shape of temperature: expected [4]",
+        ),
+        (
+            lambda a: a.update(temperature=torch.ones(4, dtype=torch.float64)),
+            "Invalid dtype of temperature: expected torch.float32",
+        ),
+        (lambda a: a.update(top_k=torch.zeros(4)), "Invalid dtype of top_k"),
+        (lambda a: a.update(top_p=torch.ones(4, 1)), "Invalid shape of top_p"),
+        (
+            lambda a: a.update(uniforms=torch.rand(4, 5)),
+            "Invalid shape of uniforms: expected [4, 6]",
+        ),
+        (
+            lambda a: a.update(uniforms=torch.rand(4, 6, dtype=torch.float64)),
+            "Invalid dtype of uniforms",
+        ),
+        (
+            lambda a: a.update(stop_ids=torch.zeros(2, 2, 2, dtype=torch.int64)),
+            "Invalid shape of stop_ids: expected [S] or [B, S]",
+        ),
+        (
+            lambda a: a.update(stop_ids=torch.zeros(3, 2, dtype=torch.int64)),
+            "Invalid shape of stop_ids: expected [4, S]",
+        ),
+        (lambda a: a.update(stop_ids=torch.zeros(2)), "Invalid dtype of stop_ids"),
+        (
+            lambda a: a.update(max_new_tokens=torch.ones(5, dtype=torch.int32)),
+            "Invalid shape of max_new_tokens",
+        ),
+        (
+            lambda a: a.update(topk_ids=17),
+            "Invalid value of topk_ids: expected an int in [0, V=16]",
+        ),
+        (lambda a: a.update(topk_ids=-1), "Invalid value of topk_ids"),
+        (lambda a: a.update(return_logprobs=1), "Invalid type of return_logprobs"),
+        (lambda a: a.update(out=(1, 2, 3)), "Invalid type of out"),
+        (
+            lambda a: a.update(
+                out=treeops.Acceptance(
+                    torch.zeros(4, 6, dtype=torch.int64),
+                    torch.zeros(4, dtype=torch.int32),
+                    torch.zeros(4, dtype=torch.int64),
+                )
+            ),
+            "Invalid dtype of out.accepted",
+        ),
+        (lambda a: a.update(validate=True, top_p=torch.zeros(4)), "Invalid value in top_p"),
+        (
+            lambda a: a.update(validate=True, temperature=-torch.ones(4)),
+            "Invalid value in temperature",
+        ),
+        (lambda a: a.update(validate=True, uniforms=torch.ones(4, 6)), "Invalid value in uniforms"),
+        (
+            lambda a: a.update(validate=True, max_new_tokens=torch.zeros(4, dtype=torch.int32)),
+            "Invalid value in max_new_tokens: expected >= 1",
+        ),
+        (
+            lambda a: a.update(validate=True, target_logits=a["target_logits"] * float("nan")),
+            "Invalid value in target_logits",
+        ),
+    ],
+)
 def test_bad_input(change, msg):
     args = _good()
     change(args)

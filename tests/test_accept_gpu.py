@@ -4,7 +4,8 @@ Skipped unless ``TREEOPS_GPU_TESTS=1`` on a CUDA machine. Fixed shapes (no hypot
 file also runs under ``compute-sanitizer --tool memcheck``:
 
     TREEOPS_GPU_TESTS=1 python -m pytest tests/test_accept_gpu.py -q
-    TREEOPS_GPU_TESTS=1 compute-sanitizer --tool memcheck python -m pytest tests/test_accept_gpu.py -q -k "not stress"
+    TREEOPS_GPU_TESTS=1 compute-sanitizer --tool memcheck \
+        python -m pytest tests/test_accept_gpu.py -q -k "not stress"
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import random
 
 import pytest
 import torch
-from strategies import make_tree, parents_of
 from test_accept import assert_same, biased_logits, near_boundary
 
 import treeops
+from strategies import make_tree, parents_of
 from treeops.kernels import accept as kacc
 from treeops.kernels.accept import accept_launch
 from treeops.kernels.compact_kv import compact_kv_launch
@@ -30,20 +31,24 @@ DEV = os.environ.get("TREEOPS_GPU_TEST_DEVICE", "cuda")  # "cpu": a dry run of t
 def tree_batch(B: int, N: int, V: int, seed: int):
     rng = random.Random(seed)
     kinds = ["random", "chain", "binary", "star", "random", "single", "inactive"]
-    rows = [parents_of(kinds[b % len(kinds)], N if b % 3 else rng.randint(1, N), rng)
-            for b in range(B)]
+    rows = [
+        parents_of(kinds[b % len(kinds)], N if b % 3 else rng.randint(1, N), rng) for b in range(B)
+    ]
     if not any(rows):
         rows[0] = [-1]
     return make_tree(rows, N, V, rng), rng
 
 
-@pytest.mark.parametrize("B,N,V,dtype", [
-    (4, 64, 128256, torch.bfloat16),
-    (3, 16, 32000, torch.float16),
-    (2, 64, 128256, torch.float32),
-    (1, 64, 32000, torch.bfloat16),
-    (9, 7, 151936, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "B,N,V,dtype",
+    [
+        (4, 64, 128256, torch.bfloat16),
+        (3, 16, 32000, torch.float16),
+        (2, 64, 128256, torch.float32),
+        (1, 64, 32000, torch.bfloat16),
+        (9, 7, 151936, torch.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("phase", [0, 1])
 def test_greedy_gpu_matches_reference(B, N, V, dtype, phase):
     tree, rng = tree_batch(B, N, V, seed=B * 1000 + N)
@@ -53,11 +58,15 @@ def test_greedy_gpu_matches_reference(B, N, V, dtype, phase):
     got = accept_launch(tg, lgg, return_logprobs=True, topk_ids=8, phase=phase)
     assert_same(Acc_cpu(got), want, lp_tol=5e-4)
     pub = treeops.accept_greedy(tg, lgg)
-    assert torch.equal(pub.accepted.cpu(), want.accepted) and torch.equal(pub.bonus.cpu(), want.bonus)
+    assert torch.equal(pub.accepted.cpu(), want.accepted) and torch.equal(
+        pub.bonus.cpu(), want.bonus
+    )
     # every split count gives the same answer
     for s in (1, 3, 8):
         r = accept_launch(tg, lgg, num_splits=s, phase=phase, topk_ids=3)
-        assert torch.equal(r.accepted.cpu(), want.accepted) and torch.equal(r.bonus.cpu(), want.bonus)
+        assert torch.equal(r.accepted.cpu(), want.accepted) and torch.equal(
+            r.bonus.cpu(), want.bonus
+        )
         assert torch.equal(r.topk.cpu(), want.topk[..., :3])
     assert all(int(c.abs().sum()) == 0 for c in kacc._COUNTERS.values())
 
@@ -66,11 +75,14 @@ def Acc_cpu(r):
     return treeops.Acceptance(*[None if t is None else t.cpu() for t in r])
 
 
-@pytest.mark.parametrize("B,N,V,dtype", [
-    (4, 64, 128256, torch.bfloat16),
-    (3, 16, 32000, torch.float32),
-    (6, 32, 50000, torch.float16),
-])
+@pytest.mark.parametrize(
+    "B,N,V,dtype",
+    [
+        (4, 64, 128256, torch.bfloat16),
+        (3, 16, 32000, torch.float32),
+        (6, 32, 50000, torch.float16),
+    ],
+)
 @pytest.mark.parametrize("phase", [0, 1])
 def test_sample_gpu_matches_reference(B, N, V, dtype, phase):
     tree, rng = tree_batch(B, N, V, seed=B * 7 + N)
@@ -84,13 +96,32 @@ def test_sample_gpu_matches_reference(B, N, V, dtype, phase):
         u = torch.rand(B, N, generator=torch.Generator().manual_seed(trial))
         if near_boundary(tree, lg, T, k, p, u, stops, bud):
             continue
-        want = ref.accept_sample(tree, lg, T, k, p, u, stop_ids=stops, max_new_tokens=bud,
-                                 return_logprobs=True, topk_ids=4)
+        want = ref.accept_sample(
+            tree,
+            lg,
+            T,
+            k,
+            p,
+            u,
+            stop_ids=stops,
+            max_new_tokens=bud,
+            return_logprobs=True,
+            topk_ids=4,
+        )
         args = [t.to(DEV) for t in (T, k, p, u)]
-        got = accept_launch(tree.to(DEV), lg.to(DEV), temperature=args[0], top_k=args[1],
-                            top_p=args[2], uniforms=args[3], stop_ids=stops.to(DEV),
-                            max_new_tokens=bud.to(DEV), return_logprobs=True, topk_ids=4,
-                            phase=phase)
+        got = accept_launch(
+            tree.to(DEV),
+            lg.to(DEV),
+            temperature=args[0],
+            top_k=args[1],
+            top_p=args[2],
+            uniforms=args[3],
+            stop_ids=stops.to(DEV),
+            max_new_tokens=bud.to(DEV),
+            return_logprobs=True,
+            topk_ids=4,
+            phase=phase,
+        )
         assert_same(Acc_cpu(got), want, lp_tol=5e-4)
 
 
@@ -116,7 +147,7 @@ def test_compact_gpu_stress(page_size, stacked):
     bt = torch.zeros(B, max(pages), dtype=torch.int32)
     k = 0
     for b in range(B):
-        bt[b, : pages[b]] = perm[k: k + pages[b]].to(torch.int32)
+        bt[b, : pages[b]] = perm[k : k + pages[b]].to(torch.int32)
         k += pages[b]
     P = sum(pages) + 3
     shape = (L, P, ps, H, D)
@@ -178,8 +209,11 @@ def test_cuda_graph_capture_and_replay():
     def fill(seed):
         g = torch.Generator(device=DEV).manual_seed(seed)
         cpu_rng = random.Random(seed)
-        lg.copy_(biased_logits(tree.to("cpu"), V, cpu_rng, ties=False, dtype=torch.bfloat16,
-                               boost=3.0).to(DEV))
+        lg.copy_(
+            biased_logits(
+                tree.to("cpu"), V, cpu_rng, ties=False, dtype=torch.bfloat16, boost=3.0
+            ).to(DEV)
+        )
         u.copy_(torch.rand(B, N, device=DEV, generator=g))
         kc.copy_(torch.randn(kc.shape, device=DEV, generator=g).to(kc.dtype))
         vc.copy_(torch.randn(vc.shape, device=DEV, generator=g).to(vc.dtype))

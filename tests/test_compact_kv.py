@@ -10,16 +10,19 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import make_tree, paged_kv, parents_of
 
 import treeops
+from strategies import make_tree, paged_kv, parents_of
 from treeops.kernels.compact_kv import compact_kv_launch
 from treeops.reference.compact_kv import compact_kv as ref_compact
 
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU tensors need the Triton interpreter; on a GPU run "
-                                        "tests/test_accept_gpu.py")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1",
+        reason="CPU tensors need the Triton interpreter; on a GPU run tests/test_accept_gpu.py",
+    ),
+]
 
 POISON = 1234.5
 
@@ -33,8 +36,18 @@ def random_path(par: list[int], rng: random.Random) -> list[int]:
         path.append(rng.choice(kids))
 
 
-def make_case(rng: random.Random, B: int, N: int, L: int, H: int, D: int, page_size, dtype,
-              stacked: bool, strided: bool = False):
+def make_case(
+    rng: random.Random,
+    B: int,
+    N: int,
+    L: int,
+    H: int,
+    D: int,
+    page_size,
+    dtype,
+    stacked: bool,
+    strided: bool = False,
+):
     kinds = ["chain", "random", "star", "binary", "single", "inactive"]
     rows = [parents_of(rng.choice(kinds), rng.randint(1, N), rng) for _ in range(B)]
     tree = make_tree(rows, N, 64, rng)
@@ -120,8 +133,9 @@ def clone(c):
 def test_compact_poison(page_size, stacked):
     rng = random.Random(17 + (page_size or 0) + stacked)
     B, N = 4, 12
-    tree, kc, vc, bt, seq, acc, alen = make_case(rng, B, N, 3, 2, 8, page_size, torch.bfloat16,
-                                                 stacked)
+    tree, kc, vc, bt, seq, acc, alen = make_case(
+        rng, B, N, 3, 2, 8, page_size, torch.bfloat16, stacked
+    )
     alen_eff = alen.clone()
     # the slots [s, s + N) that compaction may read must hold real data, not poison: poison only
     # what lies outside every request's tree region as well, then check the tree region beyond
@@ -148,15 +162,28 @@ def test_compact_poison(page_size, stacked):
                         assert torch.equal(logical(l1, bt, b, slot), logical(l0, bt, b, slot))
 
 
-@given(seed=st.integers(0, 2**20), page_size=st.sampled_from([1, 4, 16, None]),
-       stacked=st.booleans(), strided=st.booleans(),
-       dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
-       D=st.sampled_from([8, 12]))
+@given(
+    seed=st.integers(0, 2**20),
+    page_size=st.sampled_from([1, 4, 16, None]),
+    stacked=st.booleans(),
+    strided=st.booleans(),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    D=st.sampled_from([8, 12]),
+)
 def test_compact_kernel_equals_reference(seed, page_size, stacked, strided, dtype, D):
     rng = random.Random(seed)
-    tree, kc, vc, bt, seq, acc, alen = make_case(rng, rng.randint(1, 4), rng.choice([4, 8, 16]),
-                                                 rng.randint(1, 3), rng.choice([1, 2]), D,
-                                                 page_size, dtype, stacked, strided)
+    tree, kc, vc, bt, seq, acc, alen = make_case(
+        rng,
+        rng.randint(1, 4),
+        rng.choice([4, 8, 16]),
+        rng.randint(1, 3),
+        rng.choice([1, 2]),
+        D,
+        page_size,
+        dtype,
+        stacked,
+        strided,
+    )
     k1, v1, k2, v2 = clone(kc), clone(vc), clone(kc), clone(vc)
     out = torch.full_like(seq, -7)
     new1 = compact_kv_launch(k1, v1, bt, seq, acc, alen, out=out)
@@ -178,14 +205,24 @@ def test_compact_after_acceptance_end_to_end():
     kv = paged_kv([10 + 8, 3 + 8], 4, 2, 8, torch.float32, rng)
     seq = torch.tensor([10, 3], dtype=torch.int32)
     k0 = kv.k_cache.clone()
-    new = treeops.compact_kv(kv.k_cache[None], kv.v_cache[None], kv.block_table, seq, tree,
-                             r.accepted, r.accept_len, validate=True)
+    new = treeops.compact_kv(
+        kv.k_cache[None],
+        kv.v_cache[None],
+        kv.block_table,
+        seq,
+        tree,
+        r.accepted,
+        r.accept_len,
+        validate=True,
+    )
     assert new.tolist() == (seq + r.accept_len).tolist()
     for b in range(2):
         for d in range(int(r.accept_len[b])):
             src = int(seq[b]) + int(r.accepted[b, d])
-            assert torch.equal(logical(kv.k_cache, kv.block_table, b, int(seq[b]) + d),
-                               logical(k0, kv.block_table, b, src))
+            assert torch.equal(
+                logical(kv.k_cache, kv.block_table, b, int(seq[b]) + d),
+                logical(k0, kv.block_table, b, src),
+            )
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -195,38 +232,69 @@ def _good():
     acc = torch.tensor([[0, 1, -1, -1], [0, -1, -1, -1]], dtype=torch.int32)
     tree = make_tree([[-1, 0, 1, 2], [-1, 0]], 4, 16, rng)
     alen = torch.tensor([2, 1], dtype=torch.int32)
-    return dict(k_caches=kc, v_caches=vc, block_table=bt, seq_lens=seq, tree=tree, accepted=acc,
-                accept_len=alen)
+    return dict(
+        k_caches=kc,
+        v_caches=vc,
+        block_table=bt,
+        seq_lens=seq,
+        tree=tree,
+        accepted=acc,
+        accept_len=alen,
+    )
 
 
-@pytest.mark.parametrize("change,msg", [
-    (lambda a: a.update(k_caches=a["k_caches"][0]), "Invalid shape of k_caches"),
-    (lambda a: a.update(k_caches="x"), "Invalid type of k_caches"),
-    (lambda a: a.update(k_caches=a["k_caches"].int()), "Invalid dtype of k_caches"),
-    (lambda a: a.update(v_caches=a["v_caches"].float()), "Invalid dtype of v_caches"),
-    (lambda a: a.update(v_caches=a["v_caches"][:, :, :, :, :4]), "Invalid shape of v_caches"),
-    (lambda a: a.update(v_caches=a["v_caches"][:1]), "Invalid number of layers in v_caches"),
-    (lambda a: a.update(k_caches=list(a["k_caches"]), v_caches=[a["v_caches"][0],
-                                                                a["v_caches"][1][:, :2]]),
-     "Invalid shape of v_caches[1]"),
-    (lambda a: a.update(k_caches=[a["k_caches"][0], a["k_caches"][1].transpose(1, 2)
-                                  .contiguous().transpose(1, 2)], v_caches=list(a["v_caches"])),
-     "Invalid strides of k_caches[1]"),
-    (lambda a: a.update(block_table=a["block_table"].long()), "Invalid dtype of block_table"),
-    (lambda a: a.update(block_table=a["block_table"][:1]), "Invalid shape of block_table"),
-    (lambda a: a.update(seq_lens=a["seq_lens"].float()), "Invalid dtype of seq_lens"),
-    (lambda a: a.update(accepted=a["accepted"][:, :3]), "Invalid shape of accepted: expected [2, 4]"),
-    (lambda a: a.update(accept_len=a["accept_len"].long()), "Invalid dtype of accept_len"),
-    (lambda a: a.update(tree=None), "Invalid type of tree"),
-    (lambda a: a.update(out=torch.zeros(2, dtype=torch.int64)), "Invalid dtype of out"),
-    (lambda a: a.update(validate=True, accept_len=torch.tensor([5, 1], dtype=torch.int32)),
-     "Invalid value in accept_len: expected < 5"),
-    (lambda a: a.update(validate=True, accepted=torch.tensor([[0, 2, -1, -1], [0, -1, -1, -1]],
-                                                             dtype=torch.int32)),
-     "Invalid value in accepted: accepted[b, d] must be a node at depth d"),
-    (lambda a: a.update(validate=True, seq_lens=torch.tensor([1000, 0], dtype=torch.int32)),
-     "Invalid value in seq_lens: the block table covers"),
-])
+@pytest.mark.parametrize(
+    "change,msg",
+    [
+        (lambda a: a.update(k_caches=a["k_caches"][0]), "Invalid shape of k_caches"),
+        (lambda a: a.update(k_caches="x"), "Invalid type of k_caches"),
+        (lambda a: a.update(k_caches=a["k_caches"].int()), "Invalid dtype of k_caches"),
+        (lambda a: a.update(v_caches=a["v_caches"].float()), "Invalid dtype of v_caches"),
+        (lambda a: a.update(v_caches=a["v_caches"][:, :, :, :, :4]), "Invalid shape of v_caches"),
+        (lambda a: a.update(v_caches=a["v_caches"][:1]), "Invalid number of layers in v_caches"),
+        (
+            lambda a: a.update(
+                k_caches=list(a["k_caches"]), v_caches=[a["v_caches"][0], a["v_caches"][1][:, :2]]
+            ),
+            "Invalid shape of v_caches[1]",
+        ),
+        (
+            lambda a: a.update(
+                k_caches=[
+                    a["k_caches"][0],
+                    a["k_caches"][1].transpose(1, 2).contiguous().transpose(1, 2),
+                ],
+                v_caches=list(a["v_caches"]),
+            ),
+            "Invalid strides of k_caches[1]",
+        ),
+        (lambda a: a.update(block_table=a["block_table"].long()), "Invalid dtype of block_table"),
+        (lambda a: a.update(block_table=a["block_table"][:1]), "Invalid shape of block_table"),
+        (lambda a: a.update(seq_lens=a["seq_lens"].float()), "Invalid dtype of seq_lens"),
+        (
+            lambda a: a.update(accepted=a["accepted"][:, :3]),
+            "Invalid shape of accepted: expected [2, 4]",
+        ),
+        (lambda a: a.update(accept_len=a["accept_len"].long()), "Invalid dtype of accept_len"),
+        (lambda a: a.update(tree=None), "Invalid type of tree"),
+        (lambda a: a.update(out=torch.zeros(2, dtype=torch.int64)), "Invalid dtype of out"),
+        (
+            lambda a: a.update(validate=True, accept_len=torch.tensor([5, 1], dtype=torch.int32)),
+            "Invalid value in accept_len: expected < 5",
+        ),
+        (
+            lambda a: a.update(
+                validate=True,
+                accepted=torch.tensor([[0, 2, -1, -1], [0, -1, -1, -1]], dtype=torch.int32),
+            ),
+            "Invalid value in accepted: accepted[b, d] must be a node at depth d",
+        ),
+        (
+            lambda a: a.update(validate=True, seq_lens=torch.tensor([1000, 0], dtype=torch.int32)),
+            "Invalid value in seq_lens: the block table covers",
+        ),
+    ],
+)
 def test_bad_input(change, msg):
     args = _good()
     change(args)

@@ -7,13 +7,16 @@ the argmax / softmax statistics fused; CPU tensors run the PyTorch reference
 
 Output, an ``Acceptance`` (a NamedTuple, so it unpacks):
 
-| field | shape, dtype | meaning; padding |
-| --- | --- | --- |
-| ``accepted`` | [B, N] int32 | accepted node indices, root first (``accepted[b, d]`` is the node at depth d); -1 |
-| ``accept_len`` | [B] int32 | accepted nodes, root counted = number of emitted tokens; 0 for an inactive row |
-| ``bonus`` | [B] int64 | the last emitted token (the next step's root); -1 for an inactive row |
-| ``logprobs`` | [B, N] float32 or None | ``logprobs[b, q]``: log-probability of the (q+1)-th emitted token, under the distribution the op decided with at node ``accepted[b, q]``; 0 |
-| ``topk`` | [B, N, k] int32 or None | ids of the k largest raw logits of every verified node (i < num_nodes), largest first, ties by lower id; -1 for nodes >= num_nodes |
+* ``accepted`` [B, N] int32: accepted node indices, root first (``accepted[b, d]`` is the
+  node at depth d); padding -1.
+* ``accept_len`` [B] int32: accepted nodes, root counted = number of emitted tokens; 0 for an
+  inactive row.
+* ``bonus`` [B] int64: the last emitted token (the next step's root); -1 for an inactive row.
+* ``logprobs`` [B, N] float32 or None: ``logprobs[b, q]`` is the log-probability of the
+  (q+1)-th emitted token under the distribution the op decided with at node
+  ``accepted[b, q]`` (greedy: ``log_softmax(logits)``); padding 0.
+* ``topk`` [B, N, k] int32 or None: ids of the k largest raw logits of every verified node
+  (i < num_nodes), largest first, ties by lower id; -1 rows for nodes >= num_nodes.
 
 Emitted tokens are ``tokens[accepted[b, 1:accept_len]]`` followed by ``bonus``: exactly
 ``accept_len`` of them. The capacity of ``accepted`` is N (max depth + 1 <= N). ``topk`` is the
@@ -52,42 +55,75 @@ class Acceptance(NamedTuple):
     topk: torch.Tensor | None = None
 
 
-def _check_accept_inputs(tree, target_logits, stop_ids, max_new_tokens, topk_ids, out,
-                         return_logprobs, *, temperature=None, top_k=None, top_p=None,
-                         uniforms=None, validate=False) -> None:
+def _check_accept_inputs(
+    tree,
+    target_logits,
+    stop_ids,
+    max_new_tokens,
+    topk_ids,
+    out,
+    return_logprobs,
+    *,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    uniforms=None,
+    validate=False,
+) -> None:
     tree = check_tree(tree, validate=validate)
     sizes = {"B": tree.batch_size, "N": tree.capacity}
-    check_tensor("target_logits", target_logits, shape=("B", "N", "V"), dtype=_LOGIT_DTYPES,
-                 sizes=sizes)
+    check_tensor(
+        "target_logits", target_logits, shape=("B", "N", "V"), dtype=_LOGIT_DTYPES, sizes=sizes
+    )
     V = sizes["V"]
     if V < 1:
         raise ValueError("Invalid shape of target_logits: expected V >= 1, got 0")
     if stop_ids is not None:
         if not isinstance(stop_ids, torch.Tensor) or stop_ids.dim() not in (1, 2):
-            got = list(stop_ids.shape) if isinstance(stop_ids, torch.Tensor) else type(stop_ids).__name__
+            got = (
+                list(stop_ids.shape)
+                if isinstance(stop_ids, torch.Tensor)
+                else type(stop_ids).__name__
+            )
             raise ValueError(f"Invalid shape of stop_ids: expected [S] or [B, S], got {got}")
-        check_tensor("stop_ids", stop_ids, shape=("S",) if stop_ids.dim() == 1 else ("B", "S"),
-                     dtype=_INT_DTYPES, sizes=sizes)
+        check_tensor(
+            "stop_ids",
+            stop_ids,
+            shape=("S",) if stop_ids.dim() == 1 else ("B", "S"),
+            dtype=_INT_DTYPES,
+            sizes=sizes,
+        )
     if max_new_tokens is not None:
         check_tensor("max_new_tokens", max_new_tokens, shape=("B",), dtype=_INT_DTYPES, sizes=sizes)
     if not isinstance(topk_ids, int) or isinstance(topk_ids, bool) or not 0 <= topk_ids <= V:
-        raise ValueError(f"Invalid value of topk_ids: expected an int in [0, V={V}], got {topk_ids!r}")
+        raise ValueError(
+            f"Invalid value of topk_ids: expected an int in [0, V={V}], got {topk_ids!r}"
+        )
     if not isinstance(return_logprobs, bool):
-        raise ValueError(f"Invalid type of return_logprobs: expected bool, got "
-                         f"{type(return_logprobs).__name__}")
+        raise ValueError(
+            f"Invalid type of return_logprobs: expected bool, got {type(return_logprobs).__name__}"
+        )
     sampling = uniforms is not None or temperature is not None
     if sampling:
         check_tensor("temperature", temperature, shape=("B",), dtype=torch.float32, sizes=sizes)
         check_tensor("top_k", top_k, shape=("B",), dtype=_INT_DTYPES, sizes=sizes)
         check_tensor("top_p", top_p, shape=("B",), dtype=torch.float32, sizes=sizes)
         check_tensor("uniforms", uniforms, shape=("B", "N"), dtype=torch.float32, sizes=sizes)
-    check_same_device(tree=tree.parents, target_logits=target_logits, stop_ids=stop_ids,
-                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                      top_p=top_p, uniforms=uniforms)
+    check_same_device(
+        tree=tree.parents,
+        target_logits=target_logits,
+        stop_ids=stop_ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        uniforms=uniforms,
+    )
     if out is not None:
         if not isinstance(out, Acceptance):
-            raise ValueError(f"Invalid type of out: expected treeops.Acceptance, got "
-                             f"{type(out).__name__}")
+            raise ValueError(
+                f"Invalid type of out: expected treeops.Acceptance, got {type(out).__name__}"
+            )
         B, N = sizes["B"], sizes["N"]
         check_tensor("out.accepted", out.accepted, shape=(B, N), dtype=torch.int32)
         check_tensor("out.accept_len", out.accept_len, shape=(B,), dtype=torch.int32)
@@ -96,8 +132,10 @@ def _check_accept_inputs(tree, target_logits, stop_ids, max_new_tokens, topk_ids
             check_tensor("out.logprobs", out.logprobs, shape=(B, N), dtype=torch.float32)
         if topk_ids:
             check_tensor("out.topk", out.topk, shape=(B, N, topk_ids), dtype=torch.int32)
-        check_same_device(target_logits=target_logits, **{
-            f"out.{k}": v for k, v in out._asdict().items() if v is not None})
+        check_same_device(
+            target_logits=target_logits,
+            **{f"out.{k}": v for k, v in out._asdict().items() if v is not None},
+        )
         for name, t in out._asdict().items():
             if t is not None and not t.is_contiguous():
                 raise ValueError(f"Invalid layout of out.{name}: expected a contiguous tensor")
@@ -112,8 +150,9 @@ def _check_accept_inputs(tree, target_logits, stop_ids, max_new_tokens, topk_ids
             check_finite("temperature", temperature, nonnegative=True)
             check_finite("top_p", top_p)
             if bool(((top_p <= 0) | (top_p > 1)).any()):
-                raise ValueError(f"Invalid value in top_p: expected values in (0, 1], got "
-                                 f"{top_p.tolist()}")
+                raise ValueError(
+                    f"Invalid value in top_p: expected values in (0, 1], got {top_p.tolist()}"
+                )
             if bool(((uniforms < 0) | (uniforms >= 1) | torch.isnan(uniforms)).any()):
                 raise ValueError("Invalid value in uniforms: expected values in [0, 1)")
 
@@ -161,18 +200,39 @@ def accept_greedy(
         >>> r.accepted.tolist(), r.accept_len.tolist(), r.bonus.tolist()
         ([[0, 1, 3, -1]], [3], [6])
     """
-    _check_accept_inputs(tree, target_logits, stop_ids, max_new_tokens, topk_ids, out,
-                         return_logprobs, validate=validate)
+    _check_accept_inputs(
+        tree,
+        target_logits,
+        stop_ids,
+        max_new_tokens,
+        topk_ids,
+        out,
+        return_logprobs,
+        validate=validate,
+    )
     if target_logits.is_cuda:
         from .kernels.accept import accept_launch
 
-        return accept_launch(tree, target_logits, stop_ids=stop_ids,
-                             max_new_tokens=max_new_tokens, return_logprobs=return_logprobs,
-                             topk_ids=topk_ids, out=out)
+        return accept_launch(
+            tree,
+            target_logits,
+            stop_ids=stop_ids,
+            max_new_tokens=max_new_tokens,
+            return_logprobs=return_logprobs,
+            topk_ids=topk_ids,
+            out=out,
+        )
     from .reference.accept import accept_greedy as ref
 
-    return ref(tree, target_logits, stop_ids=stop_ids, max_new_tokens=max_new_tokens,
-               return_logprobs=return_logprobs, topk_ids=topk_ids, out=out)
+    return ref(
+        tree,
+        target_logits,
+        stop_ids=stop_ids,
+        max_new_tokens=max_new_tokens,
+        return_logprobs=return_logprobs,
+        topk_ids=topk_ids,
+        out=out,
+    )
 
 
 def accept_sample(
@@ -224,18 +284,48 @@ def accept_sample(
         >>> r.accepted.tolist(), r.accept_len.tolist(), r.bonus.tolist()
         ([[0, 1]], [2], [2])
     """
-    _check_accept_inputs(tree, target_logits, stop_ids, max_new_tokens, topk_ids, out,
-                         return_logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
-                         uniforms=uniforms, validate=validate)
+    _check_accept_inputs(
+        tree,
+        target_logits,
+        stop_ids,
+        max_new_tokens,
+        topk_ids,
+        out,
+        return_logprobs,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        uniforms=uniforms,
+        validate=validate,
+    )
     if target_logits.is_cuda:
         from .kernels.accept import accept_launch
 
-        return accept_launch(tree, target_logits, temperature=temperature, top_k=top_k,
-                             top_p=top_p, uniforms=uniforms, stop_ids=stop_ids,
-                             max_new_tokens=max_new_tokens, return_logprobs=return_logprobs,
-                             topk_ids=topk_ids, out=out)
+        return accept_launch(
+            tree,
+            target_logits,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            uniforms=uniforms,
+            stop_ids=stop_ids,
+            max_new_tokens=max_new_tokens,
+            return_logprobs=return_logprobs,
+            topk_ids=topk_ids,
+            out=out,
+        )
     from .reference.accept import accept_sample as ref
 
-    return ref(tree, target_logits, temperature, top_k, top_p, uniforms, stop_ids=stop_ids,
-               max_new_tokens=max_new_tokens, return_logprobs=return_logprobs,
-               topk_ids=topk_ids, out=out)
+    return ref(
+        tree,
+        target_logits,
+        temperature,
+        top_k,
+        top_p,
+        uniforms,
+        stop_ids=stop_ids,
+        max_new_tokens=max_new_tokens,
+        return_logprobs=return_logprobs,
+        topk_ids=topk_ids,
+        out=out,
+    )

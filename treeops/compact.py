@@ -29,37 +29,51 @@ def _check_caches(name: str, caches: object) -> tuple[tuple[int, ...], torch.dty
     if isinstance(caches, torch.Tensor):
         check_tensor(name, caches, shape=(None, None, None, None, None))
         if not caches.is_floating_point():
-            raise ValueError(f"Invalid dtype of {name}: expected a floating dtype, got {caches.dtype}")
+            raise ValueError(
+                f"Invalid dtype of {name}: expected a floating dtype, got {caches.dtype}"
+            )
         if caches.shape[0] < 1:
             raise ValueError(f"Invalid shape of {name}: expected at least one layer, got 0")
         return tuple(caches.shape[1:]), caches.dtype
     if not isinstance(caches, (list, tuple)) or not caches:
-        raise ValueError(f"Invalid type of {name}: expected a [L, num_pages, page_size, H_kv, D] "
-                         f"tensor or a non-empty list of [num_pages, page_size, H_kv, D] tensors, "
-                         f"got {type(caches).__name__}")
+        raise ValueError(
+            f"Invalid type of {name}: expected a [L, num_pages, page_size, H_kv, D] "
+            f"tensor or a non-empty list of [num_pages, page_size, H_kv, D] tensors, "
+            f"got {type(caches).__name__}"
+        )
     first = caches[0]
     check_tensor(f"{name}[0]", first, shape=(None, None, None, None))
     if not first.is_floating_point():
-        raise ValueError(f"Invalid dtype of {name}[0]: expected a floating dtype, got {first.dtype}")
+        raise ValueError(
+            f"Invalid dtype of {name}[0]: expected a floating dtype, got {first.dtype}"
+        )
     for j, c in enumerate(caches):
-        check_tensor(f"{name}[{j}]", c, shape=tuple(first.shape), dtype=first.dtype,
-                     device=first.device)
+        check_tensor(
+            f"{name}[{j}]", c, shape=tuple(first.shape), dtype=first.dtype, device=first.device
+        )
         if c.stride() != first.stride():
-            raise ValueError(f"Invalid strides of {name}[{j}]: expected {first.stride()} (as "
-                             f"{name}[0]), got {c.stride()}")
+            raise ValueError(
+                f"Invalid strides of {name}[{j}]: expected {first.stride()} (as "
+                f"{name}[0]), got {c.stride()}"
+            )
     return tuple(first.shape), first.dtype
 
 
-def _check_compact_inputs(k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len,
-                          out, validate) -> None:
+def _check_compact_inputs(
+    k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
+) -> None:
     tree = check_tree(tree, validate=validate)
     k_shape, k_dtype = _check_caches("k_caches", k_caches)
     v_shape, v_dtype = _check_caches("v_caches", v_caches)
     if v_shape != k_shape:
-        raise ValueError(f"Invalid shape of v_caches: expected per-layer {list(k_shape)} (as "
-                         f"k_caches), got {list(v_shape)}")
+        raise ValueError(
+            f"Invalid shape of v_caches: expected per-layer {list(k_shape)} (as "
+            f"k_caches), got {list(v_shape)}"
+        )
     if v_dtype != k_dtype:
-        raise ValueError(f"Invalid dtype of v_caches: expected {k_dtype} (as k_caches), got {v_dtype}")
+        raise ValueError(
+            f"Invalid dtype of v_caches: expected {k_dtype} (as k_caches), got {v_dtype}"
+        )
     nk = len(k_caches) if not isinstance(k_caches, torch.Tensor) else k_caches.shape[0]
     nv = len(v_caches) if not isinstance(v_caches, torch.Tensor) else v_caches.shape[0]
     if nk != nv:
@@ -73,9 +87,16 @@ def _check_compact_inputs(k_caches, v_caches, block_table, seq_lens, tree, accep
         check_tensor("out", out, shape=("B",), dtype=torch.int32, sizes=sizes)
     first_k = k_caches if isinstance(k_caches, torch.Tensor) else k_caches[0]
     first_v = v_caches if isinstance(v_caches, torch.Tensor) else v_caches[0]
-    check_same_device(k_caches=first_k, v_caches=first_v, block_table=block_table,
-                      seq_lens=seq_lens, tree=tree.parents, accepted=accepted,
-                      accept_len=accept_len, out=out)
+    check_same_device(
+        k_caches=first_k,
+        v_caches=first_v,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        tree=tree.parents,
+        accepted=accepted,
+        accept_len=accept_len,
+        out=out,
+    )
     if validate:
         N = sizes["N"]
         check_range("accept_len", accept_len, 0, N + 1)
@@ -84,16 +105,19 @@ def _check_compact_inputs(k_caches, v_caches, block_table, seq_lens, tree, accep
         ps = k_shape[1]
         cover = seq_lens.to(torch.int64) + N
         if bool((cover > block_table.shape[1] * ps).any()):
-            raise ValueError(f"Invalid value in seq_lens: the block table covers "
-                             f"{block_table.shape[1] * ps} slots, but seq_lens + N needs "
-                             f"{int(cover.max())}")
+            raise ValueError(
+                f"Invalid value in seq_lens: the block table covers "
+                f"{block_table.shape[1] * ps} slots, but seq_lens + N needs "
+                f"{int(cover.max())}"
+            )
         check_range("block_table", block_table, 0, k_shape[0])
         d = torch.arange(N, device=accepted.device)
         live = d[None, :] < accept_len[:, None].to(torch.int64)
         acc = accepted.to(torch.int64)
         if bool((live & ((acc < 0) | (acc >= N))).any()):
-            raise ValueError("Invalid value in accepted: expected node indices in [0, N) "
-                             "within accept_len")
+            raise ValueError(
+                "Invalid value in accepted: expected node indices in [0, N) within accept_len"
+            )
         idx = acc.clamp(0, N - 1)
         if bool((live & (tree.depth.gather(1, idx).to(torch.int64) != d[None, :])).any()):
             raise ValueError("Invalid value in accepted: accepted[b, d] must be a node at depth d")
@@ -148,13 +172,15 @@ def compact_kv(
         >>> new.tolist(), k.flatten().tolist()
         ([6], [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 6.0, 7.0])
     """
-    _check_compact_inputs(k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len,
-                          out, validate)
+    _check_compact_inputs(
+        k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
+    )
     if block_table.is_cuda:
         from .kernels.compact_kv import compact_kv_launch
 
-        return compact_kv_launch(k_caches, v_caches, block_table, seq_lens, accepted, accept_len,
-                                 out=out)
+        return compact_kv_launch(
+            k_caches, v_caches, block_table, seq_lens, accepted, accept_len, out=out
+        )
     from .reference.compact_kv import compact_kv as ref
 
     return ref(k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out=out)
