@@ -1,0 +1,532 @@
+"""Graft: templates, the adjacency table, retrieval, pruning, checkpoints and graft_merge.
+
+References are checked against independent computations (brute-force trie semantics, a sorted
+top-k, rank-path enumeration); the Triton kernels (run by the interpreter) against the
+references with exact integer equality.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import treeops
+from helpers import tree_from_lists
+from strategies import logits_like, make_tree, parents_of, trees
+from treeops import (
+    NO_PRUNE,
+    AdjacencyTable,
+    PruneCheckpoints,
+    RankTemplate,
+    Retrieved,
+    calibrate_thresholds,
+    graft,
+    graft_merge,
+    prune,
+)
+from treeops.reference import graft as ref
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@st.composite
+def templates(draw, max_rank: int = 3, max_size: int = 24) -> RankTemplate:
+    """Random rank-path templates (plus the named ones), ranks < max_rank + 1."""
+    kind = draw(st.sampled_from(["random", "random", "chain", "balanced", "default_small"]))
+    if kind == "chain":
+        return RankTemplate.chain(draw(st.integers(0, 6)))
+    if kind == "balanced":
+        return RankTemplate.balanced(draw(st.integers(1, min(3, max_rank + 1))),
+                                     draw(st.integers(1, 3)))
+    if kind == "default_small":
+        probs = [0.6, 0.2, 0.1, 0.05][: max_rank + 1]
+        return RankTemplate.from_rank_probs(probs, size=draw(st.integers(1, max_size)),
+                                            max_depth=draw(st.integers(1, 6)))
+    rng = random.Random(draw(st.integers(0, 2**31 - 1)))
+    paths = {()}
+    for _ in range(draw(st.integers(0, max_size - 1))):
+        base = rng.choice(sorted(paths))
+        if len(base) < 6:
+            paths.add(base + (rng.randrange(max_rank + 1),))
+    return RankTemplate.from_paths(sorted(paths))
+
+
+def random_table(V: int, k: int, rng: random.Random, empty: float = 0.2,
+                 tree: treeops.Tree | None = None) -> torch.Tensor:
+    """A [V, k] table with empty entries; with ``tree``, some rows also point at the tree's own
+    children so that retrieved nodes coincide with draft nodes (the trie merge reuses them)."""
+    tab = torch.tensor([[rng.randrange(V) if rng.random() > empty else -1 for _ in range(k)]
+                        for _ in range(V)], dtype=torch.int32)
+    if tree is not None:
+        for b in range(tree.batch_size):
+            for i in range(1, int(tree.num_nodes[b])):
+                if rng.random() < 0.5:
+                    p = int(tree.parents[b, i])
+                    tab[int(tree.tokens[b, p]), rng.randrange(k)] = int(tree.tokens[b, i])
+    return tab
+
+
+def table_of(tab: torch.Tensor) -> AdjacencyTable:
+    t = AdjacencyTable(tab.shape[0], tab.shape[1])
+    t.table.copy_(tab)
+    return t
+
+
+def token_paths(tokens: list[int], parents: list[int], n: int) -> list[tuple[int, ...]]:
+    """Root-to-node token sequences (root token excluded) of nodes 0..n-1."""
+    out: list[tuple[int, ...]] = []
+    for i in range(n):
+        path = []
+        j = i
+        while j > 0:
+            path.append(tokens[j])
+            j = parents[j]
+        out.append(tuple(reversed(path)))
+    return out
+
+
+def brute_retrieve(tab: torch.Tensor, root: int, template: RankTemplate, limit: int):
+    """Enumerate template nodes recursively (depth-first), then keep them in template order."""
+    V = tab.shape[0]
+    par, rk = template.parents.tolist(), template.ranks.tolist()
+    kids: dict[int, list[int]] = {}
+    for j in range(1, template.size):
+        kids.setdefault(par[j], []).append(j)
+    found: dict[int, int] = {0: root}
+
+    def walk(j: int) -> None:
+        t = found[j]
+        for c in kids.get(j, []):
+            if 0 <= t < V:
+                s = int(tab[t, rk[c]])
+                if 0 <= s < V:
+                    found[c] = s
+                    walk(c)
+
+    walk(0)
+    order = sorted(found)
+    kept = [0] + order[1 : 1 + limit]
+    return [found[j] for j in kept], kept
+
+
+def sorted_topk(row: torch.Tensor, k: int) -> list[int]:
+    vals = row.double().tolist()
+    ids = sorted(range(len(vals)), key=lambda i: (-vals[i], i))[:k]
+    return ids + [-1] * (k - len(ids))
+
+
+# ----------------------------------------------------------------------------- templates
+
+
+def test_default_template_shape():
+    t = RankTemplate.default()
+    assert t.size == 80 and t.max_depth == 9
+    par, rk, dep = t.parents.tolist(), t.ranks.tolist(), t.depth.tolist()
+    assert dep == sorted(dep)  # breadth-first
+    assert all(0 <= par[j] < j for j in range(1, 80))
+    # rank-0 chains deeper, higher ranks narrower: the deepest node holding rank r, and the
+    # number of nodes of rank r, never increase with r
+    deepest = [max((dep[j] for j in range(1, 80) if rk[j] == r), default=0) for r in range(8)]
+    count = [sum(1 for j in range(1, 80) if rk[j] == r) for r in range(8)]
+    assert deepest == sorted(deepest, reverse=True) and deepest[0] == 9
+    assert count == sorted(count, reverse=True)
+    # the pure rank-0 chain reaches the bottom
+    j = max(range(80), key=lambda j: (dep[j], -j))
+    while j > 0:
+        assert rk[j] == 0
+        j = par[j]
+
+
+def test_from_rank_probs_takes_most_probable_paths():
+    probs = [0.5, 0.3, 0.1]
+    t = RankTemplate.from_rank_probs(probs, size=12, max_depth=4)
+    paths = []
+    for j in range(t.size):
+        p, i = [], j
+        while i > 0:
+            p.append(int(t.ranks[i]))
+            i = int(t.parents[i])
+        paths.append(tuple(reversed(p)))
+
+    def prob(p):
+        out = 1.0
+        for r in p:
+            out *= probs[r]
+        return out
+
+    every = [()]
+    frontier = [()]
+    for _ in range(4):
+        frontier = [p + (r,) for p in frontier for r in range(3)]
+        every += frontier
+    cutoff = sorted((prob(p) for p in every), reverse=True)[11]
+    assert all(prob(p) >= cutoff for p in paths)
+    assert len(set(paths)) == 12
+
+
+@pytest.mark.parametrize("parents,ranks,msg", [
+    ([0, 0], [-1, 0], "parents[0] = 0, expected -1"),
+    ([-1, 1], [-1, 0], "parents[1] = 1, expected 0 <= p < 1"),
+    ([-1, 0, 0], [-1, 1, 1], "node 2 repeats rank 1 among the children of 0"),
+    ([-1, 0, 1, 0], [-1, 0, 0, 1], "node 3 at depth 1 after a node at depth 2"),
+    ([-1, 0], [-1, -2], "ranks[1] = -2, expected >= 0"),
+    ([], [], "expected 1 to 256 nodes, got 0"),
+])
+def test_template_rejects(parents, ranks, msg):
+    with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+        RankTemplate(parents, ranks)
+
+
+def test_template_from_paths_needs_prefixes():
+    with pytest.raises(ValueError, match=r"path \(0, 1\) given without its prefix \(0,\)"):
+        RankTemplate.from_paths([(0, 1)])
+
+
+# ----------------------------------------------------------------------------- update
+
+
+def chain_tree(seq: list[int], capacity: int) -> treeops.Tree:
+    return tree_from_lists([[-1] + list(range(len(seq) - 1))], [seq], capacity=capacity)
+
+
+def test_table_learns_a_sequence_and_retrieves_its_continuation():
+    V, k = 50, 8
+    seq = [7, 3, 19, 42, 5, 11, 30, 2, 8]
+    rng = random.Random(1)
+    table = AdjacencyTable(V, k)
+    # verify the sequence as a chain: the target's logits at node i peak at seq[i + 1]
+    tree = chain_tree(seq[:-1], capacity=10)
+    logits = logits_like((1, 10, V), rng)
+    for i in range(len(seq) - 1):
+        logits[0, i, seq[i + 1]] = 100.0
+    table.update(tree, logits)
+    r = table.retrieve(torch.tensor([seq[0]]), RankTemplate.chain(8))
+    assert r.tokens[0, : int(r.num_nodes[0])].tolist() == seq
+    # through the default template the rank-0 chain is the continuation too
+    r = table.retrieve(torch.tensor([seq[0]]), RankTemplate.default())
+    n = int(r.num_nodes[0])
+    paths = token_paths(r.tokens[0].tolist(), r.parents[0].tolist(), n)
+    assert tuple(seq[1:]) in paths
+    # and grafting it onto a root-only tree yields the sequence as the tree's deepest path
+    root = tree_from_lists([[-1]], [[seq[0]]], capacity=64)
+    hybrid = graft(root, table, RankTemplate.default(), budget=60)
+    hybrid.validate()
+    hp = token_paths(hybrid.tokens[0].tolist(), hybrid.parents[0].tolist(),
+                     int(hybrid.num_nodes[0]))
+    assert tuple(seq[1:]) in hp
+
+
+@given(st.integers(0, 2**31 - 1), st.booleans(), st.sampled_from([1, 3, 8]))
+def test_update_matches_sorted_topk_and_lowest_index_wins(seed, ties, k):
+    rng = random.Random(seed)
+    B, N, V = rng.randint(1, 3), rng.choice([1, 4, 8]), rng.choice([8, 16, 40])
+    # few distinct tokens, so that many nodes share one
+    rows = [parents_of(rng.choice(["random", "chain", "star", "inactive"]), rng.randint(0, N), rng)
+            for _ in range(B)]
+    tree = make_tree(rows, N, V, rng)
+    tree.tokens.copy_(torch.where(tree.tokens >= 0, tree.tokens % 4, tree.tokens))
+    logits = logits_like((B, N, V), rng, ties=ties)
+    table = AdjacencyTable(V, k)
+    before = table.table.clone()
+    table.update(tree, logits)
+    want = before.clone()
+    owner: dict[int, tuple[int, int]] = {}
+    for b in range(B):
+        for i in range(int(tree.num_nodes[b])):
+            owner.setdefault(int(tree.tokens[b, i]), (b, i))
+    for tok, (b, i) in owner.items():
+        want[tok] = torch.tensor(sorted_topk(logits[b, i], k), dtype=torch.int32)
+    assert torch.equal(table.table, want)
+    # deterministic: the same update on a fresh table gives the same table
+    again = AdjacencyTable(V, k)
+    again.update(tree, logits)
+    assert torch.equal(again.table, table.table)
+
+
+def test_update_from_topk_ids_pads_and_truncates():
+    tree = tree_from_lists([[-1, 0, 0], [-1, 0]], [[1, 2, 1], [2, 3]], capacity=3)
+    ids = torch.tensor([[[5, 6], [7, 8], [9, 9]], [[1, 1], [4, -1], [0, 0]]], dtype=torch.int32)
+    table = AdjacencyTable(10, 3)
+    table.update(tree, topk_ids=ids)
+    want = torch.full((10, 3), -1, dtype=torch.int32)
+    want[1] = torch.tensor([5, 6, -1])  # node (0, 0); node (0, 2) carries 1 too but comes later
+    want[2] = torch.tensor([7, 8, -1])  # node (0, 1) beats node (1, 0)
+    want[3] = torch.tensor([4, -1, -1])
+    assert torch.equal(table.table, want)
+    table2 = AdjacencyTable(10, 1)
+    table2.update(tree, topk_ids=ids)
+    assert table2.table[:, 0].tolist() == [-1, 5, 7, 4, -1, -1, -1, -1, -1, -1]
+
+
+def test_warm_start_last_occurrence_wins():
+    V = 12
+    prompt = torch.tensor([[1, 2, 1, 3], [2, 5, 0, 0]])
+    lengths = torch.tensor([4, 2], dtype=torch.int32)
+    ids = torch.arange(2 * 4 * 2, dtype=torch.int32).reshape(2, 4, 2) % V
+    table = AdjacencyTable(V, 2)
+    table.warm_start(prompt, lengths=lengths, topk_ids=ids)
+    assert table.table[1].tolist() == ids[0, 2].tolist()
+    assert table.table[2].tolist() == ids[1, 0].tolist()  # b*L + t = 4 beats 1
+    assert table.table[5].tolist() == ids[1, 1].tolist()
+    assert table.table[0].tolist() == [-1, -1]  # (1, 2) and (1, 3) are past the length
+    logits = logits_like((2, 4, V), random.Random(3))
+    t2 = AdjacencyTable(V, 3)
+    t2.warm_start(prompt, logits, lengths)
+    assert t2.table[1].tolist() == sorted_topk(logits[0, 2], 3)
+
+
+# ----------------------------------------------------------------------------- retrieve
+
+
+@given(st.integers(0, 2**31 - 1), templates(), st.sampled_from([None, 0, 3, "tensor"]))
+def test_retrieve_matches_recursive_enumeration(seed, template, count):
+    rng = random.Random(seed)
+    V, k, B = rng.choice([3, 8, 20]), 4, rng.randint(1, 3)
+    tab = random_table(V, k, rng, empty=rng.choice([0.0, 0.3, 0.7]))
+    roots = torch.tensor([rng.randrange(-1, V + 1) for _ in range(B)], dtype=torch.int64)
+    cnt = torch.tensor([rng.randrange(0, 10) for _ in range(B)], dtype=torch.int32) \
+        if count == "tensor" else count
+    r = table_of(tab).retrieve(roots, template, cnt)
+    r.validate()
+    assert r.tokens.shape == (B, template.size) and r.max_depth == template.max_depth
+    for b in range(B):
+        limit = template.size if cnt is None else int(cnt[b]) if count == "tensor" else cnt
+        toks, kept = brute_retrieve(tab, int(roots[b]), template, limit)
+        n = int(r.num_nodes[b])
+        assert r.tokens[b, :n].tolist() == toks
+        assert r.depth[b, :n].tolist() == [int(template.depth[j]) for j in kept]
+        want_par = [-1] + [kept.index(int(template.parents[j])) for j in kept[1:]]
+        assert r.parents[b, :n].tolist() == want_par
+        assert (r.tokens[b, n:] == 0).all() and (r.parents[b, n:] == -1).all()
+        assert (r.depth[b, n:] == 0).all()
+
+
+# ----------------------------------------------------------------------------- prune
+
+
+@given(trees(max_batch=3, capacities=(1, 8, 16, 64)), st.integers(0, 2**31 - 1))
+def test_prune_keeps_top_scores_ancestor_closed(case, seed):
+    rng = random.Random(seed)
+    tree = case.tree
+    B, N = tree.parents.shape
+    keep = torch.tensor([rng.choice([0, 1, 3, 8, 40, NO_PRUNE]) for _ in range(B)],
+                        dtype=torch.int32)
+    out = prune(tree, keep)
+    out.validate()
+    assert torch.equal(out.num_nodes, ref.prune(tree, keep).num_nodes)
+    # the fast (CUDA) path, run on CPU, agrees field by field
+    from treeops.graft import _prune_torch
+    fast = _prune_torch(tree, keep)
+    for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling",
+              "scores"):
+        assert torch.equal(getattr(fast, f), getattr(out, f)), f
+    for b in range(B):
+        n0, n = int(tree.num_nodes[b]), int(out.num_nodes[b])
+        assert n == (0 if n0 == 0 else min(n0, int(keep[b]) + 1))
+        if n0 == 0:
+            continue
+        # the kept draft nodes are the top keep by (score desc, index asc) and ancestor-closed
+        sc = tree.scores[b, 1:n0].tolist()
+        top = sorted(range(1, n0), key=lambda i: (-sc[i - 1], i))[: n - 1]
+        assert sorted(top) == list(range(1, n))
+        par = tree.parents[b].tolist()
+        assert all(par[i] in range(n) for i in range(1, n))
+        assert torch.equal(out.tokens[b, :n], tree.tokens[b, :n])
+        assert torch.equal(out.anc[b, :n], tree.anc[b, :n])
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoints_first_firing_decides_and_stop():
+    ck = PruneCheckpoints(steps=(0, 1, 5), keeps=(8, 24, 40), thresholds=(0.3, 0.2, 0.05))
+    keep = ck.start(4)
+    assert keep.tolist() == [NO_PRUNE] * 4
+    stop = ck.check(0, torch.tensor([0.1, 0.5, 0.5, 0.5]), keep)
+    assert stop.tolist() == [True, False, False, False] and keep[0] == 8
+    stop = ck.check(1, torch.tensor([0.01, 0.1, 0.5, 0.5]), keep)
+    assert keep.tolist()[:2] == [8, 24] and stop.tolist() == [True, True, False, False]
+    stop = ck.check(3, torch.tensor([0.0, 0.0, 0.0, 0.0]), keep)  # not a checkpoint
+    assert stop.tolist() == [True, True, False, False]
+    stop = ck.check(5, torch.tensor([0.0, 0.0, 0.04, 0.05]), keep)
+    assert keep.tolist() == [8, 24, 40, NO_PRUNE] and stop.tolist() == [True, True, True, False]
+
+
+@given(st.integers(0, 2**31 - 1))
+def test_checkpoints_device_rule_matches_reference(seed):
+    rng = random.Random(seed)
+    B = rng.randint(1, 6)
+    ck = PruneCheckpoints(thresholds=(0.5, 0.25, 0.125))
+    k1, k2 = ck.start(B), ck.start(B)
+    for step in range(7):
+        best = torch.tensor([rng.choice([0.0, 0.125, 0.25, 0.5, 1.0]) for _ in range(B)])
+        s1 = ck.check(step, best, k1)
+        if step in ck.steps:  # the CUDA branch, written out on CPU tensors
+            c = ck.steps.index(step)
+            hit = (k2 >= NO_PRUNE) & (best < ck.thresholds[c])
+            k2.copy_(torch.where(hit, torch.full_like(k2, ck.keeps[c]), k2))
+        assert torch.equal(k1, k2) and torch.equal(s1, k2 < NO_PRUNE)
+
+
+def test_calibrate_thresholds():
+    scores = torch.tensor([[0.1, 0.1, 0.1], [0.2, 0.2, 0.2], [0.3, 0.3, 0.3], [0.9, 0.9, 0.9]])
+    acc = torch.tensor([3, 30, 5, 50])
+    th = calibrate_thresholds(scores, acc, keeps=(8, 24, 40), max_loss=0.0)
+    # keep 8: step 0.2 would lose (30 > 8) -> prune only below 0.2 (just above 0.1)
+    assert 0.1 < th[0] <= 0.2
+    # keep 24: 0.2 loses too
+    assert 0.1 < th[1] <= 0.2
+    # keep 40: only 0.9 loses -> threshold just above 0.3
+    assert 0.3 < th[2] <= 0.9
+    th = calibrate_thresholds(scores, acc, keeps=(8, 24, 40), max_loss=0.5)
+    assert th[0] > 0.3  # 1 of 3 lost at 0.3: allowed
+    assert calibrate_thresholds(scores, torch.tensor([99] * 4), max_loss=0.0) == (0.0,) * 3
+    with pytest.raises(ValueError, match=r"Invalid shape of best_scores: expected \[S, 3\]"):
+        calibrate_thresholds(scores[:, :2], acc)
+
+
+# ----------------------------------------------------------------------------- graft_merge
+
+
+def check_hybrid(pruned: treeops.Tree, retrieved: Retrieved, budget, hybrid: treeops.Tree):
+    """Properties of graft_merge, checked independently of the reference's loop."""
+    hybrid.validate()
+    B, N = pruned.parents.shape
+    for b in range(B):
+        cap = budget if isinstance(budget, int) else int(budget[b])
+        cap = min(cap, N)
+        n0 = min(int(pruned.num_nodes[b]), cap)
+        n = int(hybrid.num_nodes[b])
+        assert n <= max(cap, 0)  # within budget
+        # the (budget-truncated) pruned tree is contained unchanged
+        for f in ("tokens", "parents", "scores", "depth"):
+            assert torch.equal(getattr(hybrid, f)[b, :n0], getattr(pruned, f)[b, :n0]), f
+        if n0 == 0:
+            assert n == 0
+            continue
+        assert (hybrid.scores[b, n0:n] == 0).all()
+        hp = token_paths(hybrid.tokens[b].tolist(), hybrid.parents[b].tolist(), n)
+        rn = int(retrieved.num_nodes[b])
+        rp = set(token_paths(retrieved.tokens[b].tolist(), retrieved.parents[b].tolist(), rn))
+        dp = set(token_paths(pruned.tokens[b].tolist(), pruned.parents[b].tolist(), n0))
+        # every grafted node is a retrieved path that the pruned tree lacked
+        for i in range(n0, n):
+            assert hp[i] in rp and hp[i] not in dp
+        assert len(set(hp)) == n  # a trie: no path twice (siblings distinct)
+        if n < cap:  # budget left: every retrieved path made it
+            assert rp <= set(hp)
+        # grafted nodes come in retrieval order (breadth-first): depth never decreases
+        d = hybrid.depth[b, n0:n].tolist()
+        assert d == sorted(d)
+
+
+@given(trees(max_batch=3, capacities=(1, 8, 16, 64), vocab=12), templates(),
+       st.integers(0, 2**31 - 1), st.booleans())
+def test_graft_merge_properties(case, template, seed, tensor_budget):
+    rng = random.Random(seed)
+    tree = case.tree
+    B, N = tree.parents.shape
+    keep = torch.tensor([rng.choice([0, 2, 8, NO_PRUNE]) for _ in range(B)], dtype=torch.int32)
+    pruned = prune(tree, keep)
+    tab = random_table(case.vocab, 4, rng, tree=pruned)
+    table = table_of(tab)
+    if tensor_budget:
+        budget = torch.tensor([rng.randrange(0, N + 3) for _ in range(B)], dtype=torch.int32)
+    else:
+        budget = rng.randrange(1, N + 3)
+    r = table.retrieve(pruned.tokens[:, 0], template)
+    hybrid = graft_merge(pruned, r, budget)
+    check_hybrid(pruned, r, budget, hybrid)
+    fused = graft(pruned, table, template, budget)
+    for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling",
+              "scores"):
+        assert torch.equal(getattr(fused, f), getattr(hybrid, f)), f
+
+
+def test_graft_merge_reuses_existing_children_and_drops_past_budget():
+    # root 1 with children 2 (node 1) and 3 (node 2); node 1 has child 4 (node 3)
+    tree = tree_from_lists([[-1, 0, 0, 1]], [[1, 2, 3, 4]], [[1.0, 0.5, 0.25, 0.125]], capacity=8)
+    # retrieved: 1 -> {3, 5}, 3 -> {4}, 5 -> {6, 7}; 3 reuses node 2, 4 under it is new
+    r = Retrieved(tokens=torch.tensor([[1, 3, 5, 4, 6, 7, 0, 0]]),
+                  parents=torch.tensor([[-1, 0, 0, 1, 2, 2, -1, -1]], dtype=torch.int32),
+                  depth=torch.tensor([[0, 1, 1, 2, 2, 2, 0, 0]], dtype=torch.int32),
+                  num_nodes=torch.tensor([6], dtype=torch.int32), max_depth=2)
+    h = graft_merge(tree, r, budget=7)
+    h.validate()
+    assert int(h.num_nodes[0]) == 7
+    assert h.tokens[0].tolist() == [1, 2, 3, 4, 5, 4, 6, 0]
+    assert h.parents[0].tolist() == [-1, 0, 0, 1, 0, 2, 4, -1]
+    assert h.scores[0].tolist() == [1.0, 0.5, 0.25, 0.125, 0, 0, 0, 0]
+    h = graft_merge(tree, r, budget=torch.tensor([2], dtype=torch.int32))  # truncates the draft
+    assert h.num_nodes.tolist() == [2] and h.tokens[0, :2].tolist() == [1, 2]
+
+
+def test_graft_merge_retrieved_duplicates_merge_with_each_other():
+    tree = tree_from_lists([[-1]], [[1]], capacity=8)
+    r = Retrieved(tokens=torch.tensor([[1, 5, 5, 6, 7, 6]]),
+                  parents=torch.tensor([[-1, 0, 0, 1, 2, 2]], dtype=torch.int32),
+                  depth=torch.tensor([[0, 1, 1, 2, 2, 2]], dtype=torch.int32),
+                  num_nodes=torch.tensor([6], dtype=torch.int32), max_depth=2)
+    h = graft_merge(tree, r, budget=8)
+    h.validate()
+    assert h.tokens[0, : int(h.num_nodes[0])].tolist() == [1, 5, 6, 7]
+    assert h.parents[0, :4].tolist() == [-1, 0, 1, 1]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_messages():
+    tree = tree_from_lists([[-1, 0]], [[1, 2]], capacity=4)
+    table = AdjacencyTable(8, 2)
+    tpl = RankTemplate.chain(2)
+    with pytest.raises(ValueError, match="Invalid dtype of root_tokens: expected torch.int64"):
+        table.retrieve(torch.tensor([1], dtype=torch.int32), tpl)
+    with pytest.raises(ValueError, match="rank 2 needs k > 2, but the table has k = 2"):
+        table.retrieve(torch.tensor([1]), RankTemplate.balanced(3, 1))
+    with pytest.raises(ValueError, match="Invalid type of template: expected treeops.RankTemplate"):
+        table.retrieve(torch.tensor([1]), [0, 1])
+    with pytest.raises(ValueError, match=r"Invalid shape of target_logits: expected \[1, 4, 8\]"):
+        table.update(tree, torch.zeros(1, 4, 9))
+    with pytest.raises(ValueError, match="update: expected exactly one of the logits and topk_ids"):
+        table.update(tree)
+    with pytest.raises(ValueError, match="Invalid dtype of topk_ids: expected torch.int32"):
+        table.update(tree, topk_ids=torch.zeros(1, 4, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="Invalid stride of target_logits"):
+        table.update(tree, torch.zeros(1, 8, 4).transpose(1, 2))
+    with pytest.raises(ValueError, match=r"Invalid value in tokens: expected < 8, got 9"):
+        bad = tree_from_lists([[-1, 0]], [[1, 9]], capacity=4)
+        table.update(bad, torch.zeros(1, 4, 8), validate=True)
+    with pytest.raises(ValueError, match=r"Invalid value of budget: expected an int >= 1"):
+        graft(tree, table, tpl, budget=0)
+    with pytest.raises(ValueError, match=r"Invalid shape of budget: expected \[1\], got \[2\]"):
+        graft(tree, table, tpl, budget=torch.ones(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="Invalid dtype of budget: expected torch.int32"):
+        graft(tree, table, tpl, budget=torch.ones(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="Invalid value of count: expected an int >= 0"):
+        graft(tree, table, tpl, budget=4, count=-1)
+    with pytest.raises(ValueError, match="Invalid type of table: expected treeops.AdjacencyTable"):
+        graft(tree, table.table, tpl, budget=4)
+    r = table.retrieve(torch.tensor([1]), tpl)
+    with pytest.raises(ValueError, match="Invalid type of retrieved: expected treeops.Retrieved"):
+        graft_merge(tree, (r.tokens, r.parents), 4)
+    bad_r = Retrieved(r.tokens, r.parents.clone(), r.depth, r.num_nodes, r.max_depth)
+    bad_r.parents[0, 1] = 1
+    bad_r.num_nodes[0] = 2
+    with pytest.raises(ValueError, match=r"parents\[1\] = 1, expected 0 <= p < 1"):
+        graft_merge(tree, bad_r, 4, validate=True)
+    with pytest.raises(ValueError, match="Invalid value of keep: expected an int >= 0"):
+        prune(tree, -1)
+    with pytest.raises(ValueError, match="Invalid type of tree: expected treeops.Tree"):
+        prune(tree.parents, 1)
+    with pytest.raises(ValueError, match="Invalid checkpoints: 3 steps, 2 keeps and 3 thresholds"):
+        PruneCheckpoints(keeps=(8, 24))
+    with pytest.raises(ValueError, match="Invalid value of vocab_size: expected a positive int"):
+        AdjacencyTable(0)
+    with pytest.raises(ValueError, match="Invalid dtype of lengths: expected torch.int32"):
+        table.warm_start(torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 3, 8),
+                         lengths=torch.tensor([3]))
