@@ -253,10 +253,13 @@ def torch_probs(lg, T, k, p, use_k: bool, use_p: bool):
 def flashinfer_probs(fi, lg, T_rows, k_rows, p_rows, use_k: bool, use_p: bool):
     B, N, V = lg.shape
     x = lg.view(B * N, V)
-    try:
-        probs = fi.softmax(x, temperature=T_rows)
-    except Exception:  # noqa: BLE001 -- builds that take fp32 logits only
-        probs = fi.softmax(x.float(), temperature=T_rows)
+    if not hasattr(fi, "softmax"):  # older FlashInfer: torch's softmax as the first kernel
+        probs = (x.float() / T_rows[:, None]).softmax(-1)
+    else:
+        try:
+            probs = fi.softmax(x, temperature=T_rows)
+        except Exception:  # noqa: BLE001 -- builds that take fp32 logits only
+            probs = fi.softmax(x.float(), temperature=T_rows)
     if use_k:
         probs = fi.top_k_renorm_probs(probs, k_rows)
     if use_p:

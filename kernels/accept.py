@@ -283,7 +283,11 @@ def _node_stats(
                         p_row, s_lv, V, m, T, thr, lo0, cut, f_gt, k.to(tl.float32), False, BLOCK_T
                     )
                 if use_p:
-                    goal = top_p * _mass(p_row, s_lv, V, m, T, thr, cut, p_cs, p_cm, BLOCK_T, False)
+                    # the mass top-p is relative to: all tokens (pass 1's sum) or the top-k set
+                    z_k = se
+                    if use_k:
+                        z_k = _mass(p_row, s_lv, V, m, T, thr, cut, p_cs, p_cm, BLOCK_T, False)
+                    goal = top_p * z_k
                     thr_p, f_gt = _count_search(
                         p_row, s_lv, V, m, T, thr, cut, goal, thr, hi, True, BLOCK_T, NPIV
                     )
