@@ -56,6 +56,16 @@ def _unordered(o):
 
 
 @triton.jit
+def _cand_key(s, o, C: tl.constexpr, CPAD: tl.constexpr):
+    """Packed rank key of candidates (score, slot): valid (score >= 0) by score bits over
+    2^31 - 1 - slot; invalid below every valid key, still distinct; padding (slot >= C) lowest."""
+    key = tl.where(s >= 0, (s.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+                   | (0x7FFFFFFF - o).to(tl.int64),
+                   -9223372036854775807 + CPAD - o.to(tl.int64))
+    return tl.where(o < C, key, -9223372036854775807 - 1)
+
+
+@triton.jit
 def _release_then_arrive(P_CTR, LANES: tl.constexpr, FENCE: tl.constexpr):
     """Every thread fences its writes at GPU scope (``LANES`` = threads per program: one fence
     each), the CTA meets, then one acq_rel atomic arrives (CUDA's threadfence-reduction pattern).
@@ -81,10 +91,24 @@ def _stream_row(p_row, v_lo, v_hi, V, row_ok, K: tl.constexpr, KP: tl.constexpr,
     m_run = tl.sum(tl.zeros([KP], tl.float32)) - float("inf")  # fp32 scalars (loop-carried)
     s_run = tl.sum(tl.zeros([KP], tl.float32))
     if row_ok:
+        # two tiles in flight ahead of the one being reduced (a tile's registers are raw
+        # 16-bit values: cheap), so each HBM round trip overlaps two tiles of work. Masks
+        # combine "< V" (V is specialised: the loads vectorise) with a uniform chunk bound.
+        o_b = tl.arange(0, BLOCK_V)
+        b_n1 = tl.load(p_row + v_lo + o_b, mask=(v_lo + o_b < V) & (v_lo < v_hi),
+                       other=-float("inf"))
+        b_n2 = tl.load(p_row + v_lo + BLOCK_V + o_b,
+                       mask=(v_lo + BLOCK_V + o_b < V) & (v_lo + BLOCK_V < v_hi),
+                       other=-float("inf"))
         for v0 in range(v_lo, v_hi, BLOCK_V):
-            o_v = v0 + tl.arange(0, BLOCK_V)
-            m_v = o_v < V  # (not v_hi: V is specialised, so the masked loads still vectorise)
-            b_x = tl.load(p_row + o_v, mask=m_v, other=-float("inf")).to(tl.float32) + 0.0
+            o_v = v0 + o_b
+            m_v = o_v < V
+            b_raw = b_n1
+            b_n1 = b_n2
+            v2 = v0 + 2 * BLOCK_V
+            b_n2 = tl.load(p_row + v2 + o_b, mask=(v2 + o_b < V) & (v2 < v_hi),
+                           other=-float("inf"))
+            b_x = b_raw.to(tl.float32) + 0.0
             b_max = tl.max(b_x)
             m_new = tl.maximum(m_run, b_max)
             m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: no NaN
@@ -136,7 +160,7 @@ def _expand_kernel(
     NMAX: tl.constexpr, CUMW: tl.constexpr,
     KP: tl.constexpr, CPAD: tl.constexpr, WP: tl.constexpr, BP: tl.constexpr, DP: tl.constexpr,
     BLOCK_V: tl.constexpr, SPLIT: tl.constexpr, SP: tl.constexpr, CHUNK: tl.constexpr,
-    LANES: tl.constexpr, FENCE: tl.constexpr, CAST: tl.constexpr,
+    JB: tl.constexpr, LANES: tl.constexpr, FENCE: tl.constexpr, CAST: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     i_row = i_p // SPLIT
@@ -165,11 +189,11 @@ def _expand_kernel(
                                                   K, KP)
             _finish_row(FS, FR, FT, ACT, SEQ, CT, CS, CP, DEC, UH, CTR, CUM, TAB_T, TAB_D,
                         B, layer, C1, C2, L, M, i_b64, i_r, b_fs, row_ok, m_run, s_run, b_top,
-                        W, K, D, R, NMAX, CUMW, KP, CPAD, WP, BP, DP, LANES, FENCE, CAST)
+                        W, K, D, R, NMAX, CUMW, KP, CPAD, WP, BP, DP, JB, LANES, FENCE, CAST)
     else:
         _finish_row(FS, FR, FT, ACT, SEQ, CT, CS, CP, DEC, UH, CTR, CUM, TAB_T, TAB_D,
                     B, layer, C1, C2, L, M, i_b64, i_r, b_fs, row_ok, m_run, s_run, b_top,
-                    W, K, D, R, NMAX, CUMW, KP, CPAD, WP, BP, DP, LANES, FENCE, CAST)
+                    W, K, D, R, NMAX, CUMW, KP, CPAD, WP, BP, DP, JB, LANES, FENCE, CAST)
 
 
 @triton.jit
@@ -179,7 +203,7 @@ def _finish_row(
     W: tl.constexpr, K: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     NMAX: tl.constexpr, CUMW: tl.constexpr,
     KP: tl.constexpr, CPAD: tl.constexpr, WP: tl.constexpr, BP: tl.constexpr, DP: tl.constexpr,
-    LANES: tl.constexpr, FENCE: tl.constexpr, CAST: tl.constexpr,
+    JB: tl.constexpr, LANES: tl.constexpr, FENCE: tl.constexpr, CAST: tl.constexpr,
 ):
     C: tl.constexpr = W * K
     o_k = tl.arange(0, KP)
@@ -206,18 +230,21 @@ def _finish_row(
         tl.store(CTR + i_b64, 0)
         o_c = tl.arange(0, CPAD)
         m_c = o_c < C
-        b_s = tl.load(CS + i_b64 * (D * C) + layer * C + o_c, mask=m_c, other=-1.0,
-                      cache_modifier=".cg")
+        p_cs = CS + i_b64 * (D * C) + layer * C
+        b_s = tl.load(p_cs + o_c, mask=m_c, other=-1.0, cache_modifier=".cg")
         ok_c = b_s >= 0
-        # valid: score bits (>= 0) over index; invalid: below every valid key, still distinct
-        c_key = tl.where(ok_c, (b_s.to(tl.int32, bitcast=True).to(tl.int64) << 32)
-                         | (0x7FFFFFFF - o_c).to(tl.int64),
-                         -9223372036854775807 + CPAD - o_c.to(tl.int64))
-        c_key = tl.where(m_c, c_key, -9223372036854775807 - 1)
-        c_gt = c_key[None, :] > c_key[:, None]  # [CPAD, CPAD]: j outranks i
-        c_rank = tl.sum(c_gt.to(tl.int32), axis=1)  # [CPAD]
-        b_s0 = tl.where(ok_c, b_s, 0.0)
-        c_cum = tl.sum(tl.where(c_gt, b_s0[None, :], 0.0), axis=1) + b_s0  # sum of scores >= own
+        c_key = _cand_key(b_s, o_c, C, CPAD)
+        # rank (how many outrank each) and the score sum of those at or above it, against
+        # chunks of JB candidates: a [CPAD, CPAD] compare at once would set the register
+        # budget of the whole kernel (and so its occupancy)
+        c_rank = tl.zeros([CPAD], tl.int32)
+        c_cum = tl.where(ok_c, b_s, 0.0)
+        for j0 in tl.static_range(0, CPAD, JB):
+            o_j = j0 + tl.arange(0, JB)
+            s_j = tl.load(p_cs + o_j, mask=o_j < C, other=-1.0, cache_modifier=".cg")
+            gt = _cand_key(s_j, o_j, C, CPAD)[None, :] > c_key[:, None]  # [CPAD, JB]
+            c_rank += tl.sum(gt.to(tl.int32), axis=1)
+            c_cum += tl.sum(tl.where(gt, tl.maximum(s_j, 0.0)[None, :], 0.0), axis=1)
         sel = m_c & (c_rank < W)
         c_tok = tl.load(CT + i_b64 * (D * C) + layer * C + o_c, mask=sel & ok_c, other=0,
                         cache_modifier=".cg")
@@ -452,7 +479,7 @@ def expand(logits: torch.Tensor, state, policy, *, block_v: int | None = None,
         float(policy.C1) if cast else 0.0, float(policy.C2) if cast else 0.0, L, M,
         W=W, K=K, D=D, R=policy.R if cast else 1, NMAX=nmax, CUMW=ws["cum"].shape[1],
         KP=KP, CPAD=_pow2(C), WP=_pow2(W), BP=_pow2(B), DP=_pow2(D),
-        BLOCK_V=block_v, SPLIT=split, SP=_pow2(split), CHUNK=chunk,
+        BLOCK_V=block_v, SPLIT=split, SP=_pow2(split), CHUNK=chunk, JB=min(16, _pow2(C)),
         LANES=32 * warps, FENCE=not _INTERPRET, CAST=cast, num_warps=warps,
     )
 
