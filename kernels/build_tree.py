@@ -509,7 +509,7 @@ def emit(state, policy, *, out: Tree | None = None) -> Tree:
     tab_t, _, L, M, nmax = _tables(state, policy)
     NP = max(_pow2(N), 32)  # >= 32: whole anc words, and tl.dot's minimum
     TP = max(_pow2(D * C), NP)
-    warps = 1 if _INTERPRET else 4
+    warps = 1 if _INTERPRET else (4 if NP <= 64 else 8)  # [NP, NP] tiles: 199 regs at 64 / 4 warps
     _select_kernel[(B,)](
         state.cand_scores, ws["sel"], ws["pos"], ws["cum"], state.layer,
         D=D, C=C, N=N, CUMW=ws["cum"].shape[1], TP=TP, NP=NP, num_warps=warps,
