@@ -399,7 +399,8 @@ def build_tree(policy: Policy, draft_fn: Callable[[DraftState], torch.Tensor],
                out: Tree | None = None) -> Tree:
     """Draft one decoding step's tree: ``draft_fn(state) -> logits [B, W, V]`` is called once per
     draft layer (``state.layer`` says which; ``state.frontier_tokens`` are its inputs), until the
-    policy stops (EAGLE: ``depth`` layers; CAST: its depth rule, one event wait per layer), then
+    policy stops (EAGLE: ``depth`` layers, no host wait; CAST: its depth rule, one event wait per
+    layer), then
     the candidates are reranked into a ``Tree``. Pass ``state`` (and ``out``) to reuse buffers.
 
     Example:
@@ -415,6 +416,10 @@ def build_tree(policy: Policy, draft_fn: Callable[[DraftState], torch.Tensor],
         state = DraftState.new(policy, root_tokens, seq_lens, active)
     else:
         state.reset(root_tokens, seq_lens, active)
-    while state.wants_next_layer():
-        build_tree_expand(draft_fn(state), state, policy)
+    if policy.is_cast:
+        while state.wants_next_layer():  # CAST's depth is decided on the device: one wait
+            build_tree_expand(draft_fn(state), state, policy)
+    else:
+        for _ in range(policy.depth):  # static depth: no wait at all
+            build_tree_expand(draft_fn(state), state, policy)
     return build_tree_emit(state, policy, out=out)
