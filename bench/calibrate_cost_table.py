@@ -13,8 +13,9 @@ one decoder layer + norm + LM head, timed whole.
 A forward of n new tokens per request at context c: RMSNorm, QKV projection, the new K/V written
 into a bf16 cache after c tokens, attention of the n queries over the c + n keys (torch SDPA,
 flash backend, GQA; the tree mask only touches the last n keys, so an unmasked pass is the same
-work; RoPE is left out, its cost is negligible), O projection, RMSNorm, SwiGLU MLP. Grid: B in {1, 2, 4, 8, 16, 32, 64}, c = L, 2L, ..., ML
-(L = 4096, M = 8: up to 32K), n measured at ``NS`` up to 128 and interpolated; CUDA events,
+work; RoPE is left out, its cost is negligible), O projection, RMSNorm, SwiGLU MLP.
+Grid: B in {1, 2, 4, 8, 16, 32, 64}, c = L, 2L, ..., ML (L = 4096, M = 8: up to 32K), n
+measured at ``NS`` up to 128 and interpolated; CUDA events,
 warm-up, median (``treeops.CostTable.calibrate``'s protocol). Writes ``DIR/cost_table_h200.json``
 (a ``treeops.CostTable``), ``DIR/cost_table_h200.svg`` (S_T and S_D against n, per batch size, at
 one context), and prints a summary table last.
