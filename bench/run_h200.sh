@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Everything that belongs to one H200 device call: GPU tests, compute-sanitizer, benchmarks.
+# Usage (on the GPU machine, in the repo root): OUT=dir bash bench/run_h200.sh STAGE...
+# Stages: tests:<names>  memcheck:<names>  calibrate  bench_build  bench_accept  bench_graft
+#         bench_attention   (<names>: comma list of attention,build,accept,graft).
+# Each stage runs under its own time limit (STAGE_LIMIT, seconds) so that one slow stage cannot
+# take the others' results with it; a log per call and the JSON files land in $OUT.
+set -u
+OUT=${OUT:-/tmp/treeops-out}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+LIMIT=${STAGE_LIMIT:-300}
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || echo "install failed" | tee -a "$LOG"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee -a "$LOG"
+files() { local f=""; for n in ${1//,/ }; do f="$f tests/test_${n}_gpu.py"; done; echo $f; }
+summary=""
+for stage in "$@"; do
+  t0=$(date +%s)
+  case $stage in
+    tests:*) cmd="python3 -m pytest -q -m gpu -p no:cacheprovider $(files ${stage#tests:})";;
+    memcheck:*) cmd="compute-sanitizer --tool memcheck --error-exitcode 17 python3 -m pytest -q -m gpu -k memcheck -p no:cacheprovider $(files ${stage#memcheck:})";;
+    calibrate) cmd="python3 bench/calibrate_cost_table.py --out $OUT";;
+    bench_build) cmd="python3 bench/bench_tree_build_cast.py --out $OUT --table $OUT/cost_table_h200.json --ops ${BUILD_OPS:-layer,rerank_build,step}";;
+    bench_accept) cmd="python3 bench/bench_accept.py --out $OUT";;
+    bench_graft) cmd="python3 bench/bench_graft.py --out $OUT";;
+    bench_attention) cmd="python3 bench/bench_tree_attention.py --out $OUT ${ATT_ARGS:-}";;
+    *) echo "unknown stage $stage"; continue;;
+  esac
+  echo "=== $stage: $cmd" | tee -a "$LOG"
+  TREEOPS_GPU_TESTS=1 timeout "$LIMIT" bash -c "$cmd" >>"$LOG" 2>&1
+  rc=$?
+  dt=$(( $(date +%s) - t0 ))
+  tail -n 25 "$LOG" | grep -E "passed|failed|error|ERROR SUMMARY|Traceback|Error" | tail -n 4
+  summary="$summary\n$(printf '%-28s rc=%-4s %4ss' "$stage" "$rc" "$dt")"
+done
+echo -e "\n=== summary$summary" | tee -a "$LOG"
