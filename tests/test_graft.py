@@ -530,3 +530,106 @@ def test_bad_input_messages():
     with pytest.raises(ValueError, match="Invalid dtype of lengths: expected torch.int32"):
         table.warm_start(torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 3, 8),
                          lengths=torch.tensor([3]))
+
+
+# ----------------------------------------------------------------------------- kernels
+
+from treeops.kernels import graft as kern  # noqa: E402
+
+TREE_FIELDS = ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling",
+               "scores")
+
+
+def assert_same_tree(got: treeops.Tree, want: treeops.Tree) -> None:
+    for f in TREE_FIELDS:
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+
+
+@given(trees(max_batch=3, capacities=(1, 8, 16, 64), vocab=12), templates(),
+       st.integers(0, 2**31 - 1), st.sampled_from(["int", "tensor"]),
+       st.sampled_from([None, 5, "tensor"]))
+def test_graft_kernel_matches_reference(case, template, seed, budget_kind, count):
+    rng = random.Random(seed)
+    tree = case.tree
+    B, N = tree.parents.shape
+    keep = torch.tensor([rng.choice([0, 2, 8, NO_PRUNE]) for _ in range(B)], dtype=torch.int32)
+    pruned = prune(tree, keep)
+    tab = random_table(case.vocab, 4, rng, tree=pruned)
+    if budget_kind == "tensor":
+        budget = torch.tensor([rng.randrange(-1, N + 3) for _ in range(B)], dtype=torch.int32)
+    else:
+        budget = rng.randrange(1, N + 3)
+    cnt = torch.tensor([rng.randrange(0, 12) for _ in range(B)], dtype=torch.int32) \
+        if count == "tensor" else count
+    want = ref.graft(pruned, tab, template, budget, cnt)
+    par, rank, dep = template.tensors("cpu")
+    got = treeops.Tree(*kern.graft_fused(pruned, budget, table=tab, t_parents=par, t_ranks=rank,
+                                         t_depth=dep, max_depth=template.max_depth, count=cnt))
+    assert_same_tree(got, want)
+    # two steps: retrieve, then merge the packed paths
+    r = ref.adjacency_retrieve(tab, pruned.tokens[:, 0], template, cnt)
+    tok, rpar, rdep, num = kern.retrieve(tab, pruned.tokens[:, 0], par, rank, dep,
+                                         template.max_depth, cnt)
+    for a, b_ in zip((tok, rpar, rdep, num), (r.tokens, r.parents, r.depth, r.num_nodes)):
+        assert torch.equal(a, b_)
+    got = treeops.Tree(*kern.graft_fused(pruned, budget, r_tokens=r.tokens, r_parents=r.parents,
+                                         r_depth=r.depth, r_num=r.num_nodes,
+                                         max_depth=r.max_depth))
+    assert_same_tree(got, ref.graft_merge(pruned, r, budget))
+
+
+def test_graft_kernel_default_template_budget_60():
+    """The production shape: N = 64, budget 60, default template, a warm table, B = 4."""
+    rng = random.Random(7)
+    rows = [parents_of(k, n, rng) for k, n in (("random", 64), ("random", 9), ("chain", 25),
+                                                ("single", 1))]
+    tree = make_tree(rows, 64, 64, rng)
+    pruned = prune(tree, torch.tensor([40, 8, 24, NO_PRUNE], dtype=torch.int32))
+    tab = random_table(64, 8, rng, empty=0.1, tree=pruned)
+    tpl = RankTemplate.default()
+    want = ref.graft(pruned, tab, tpl, 60)
+    want.validate()
+    assert int(want.num_nodes.max()) == 60  # the budget fills
+    par, rank, dep = tpl.tensors("cpu")
+    got = treeops.Tree(*kern.graft_fused(pruned, 60, table=tab, t_parents=par, t_ranks=rank,
+                                         t_depth=dep, max_depth=tpl.max_depth))
+    assert_same_tree(got, want)
+
+
+def run_update_kernel(table, tokens, num, logits=None, ids=None, last_wins=False):
+    owner = torch.full((table.shape[0],), kern.INT32_MAX, dtype=torch.int32)
+    kern.adjacency_update(table, owner, {}, tokens, num, logits, ids, last_wins)
+    assert (owner == kern.INT32_MAX).all()  # every claim released
+
+
+@given(st.integers(0, 2**31 - 1), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.booleans(), st.sampled_from([1, 3, 8]), st.sampled_from([7, 40, 600]))
+def test_update_kernel_matches_reference(seed, dtype, ties, k, V):
+    rng = random.Random(seed)
+    B, N = rng.randint(1, 3), rng.choice([1, 4, 8])
+    rows = [parents_of(rng.choice(["random", "star", "inactive"]), rng.randint(0, N), rng)
+            for _ in range(B)]
+    tree = make_tree(rows, N, max(V, N), rng)
+    tree.tokens.copy_(tree.tokens % min(V, 5))  # many duplicates
+    logits = logits_like((B, N, V), rng, ties=ties, dtype=dtype)
+    if rng.random() < 0.3:
+        logits[..., rng.randrange(V)] = float("-inf")
+    want = torch.full((V, k), -1, dtype=torch.int32)
+    ref.adjacency_update(want, tree, logits, None)
+    got = torch.full((V, k), -1, dtype=torch.int32)
+    run_update_kernel(got, tree.tokens, tree.num_nodes, logits=logits)
+    assert torch.equal(got, want)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, V, (B, N, rng.choice([1, k, k + 2])), generator=g, dtype=torch.int32)
+    want.fill_(-1)
+    got.fill_(-1)
+    ref.adjacency_update(want, tree, None, ids)
+    run_update_kernel(got, tree.tokens, tree.num_nodes, ids=ids)
+    assert torch.equal(got, want)
+    # warm start: prompts are [B, L] token rows with lengths; the last occurrence wins
+    lengths = torch.tensor([rng.randint(0, N) for _ in range(B)], dtype=torch.int32)
+    want.fill_(-1)
+    got.fill_(-1)
+    ref.adjacency_warm_start(want, tree.tokens, logits, lengths, None)
+    run_update_kernel(got, tree.tokens, lengths, logits=logits, last_wins=True)
+    assert torch.equal(got, want)

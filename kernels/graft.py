@@ -1,0 +1,563 @@
+"""Graft kernels: fused retrieve + trie merge + rebuild, retrieval alone, and the table update.
+
+``_graft_kernel``: one program per request holds the draft tree ([NB] vectors) and the retrieved
+nodes ([TB] vectors) in registers and walks the retrieved tree one depth at a time (at most 9 for
+the default template). Per depth, every node at that depth at once: look up its token (template
+mode: ``table[parent token, rank]``), find a draft child of its merged parent with the same token
+(a [TB, NB] compare), else the first retrieved node of the same level with the same merged parent
+and token (a [TB, TB] compare) is the new node, numbered in retrieval order by a cumsum and kept
+while under the budget. Parent values are gathered through the parent one-hot matrix, so no
+scratch memory and no barrier is needed; the result equals the reference's serial loop because
+nodes are processed in breadth-first order. Then depth, ``anc`` (per retrieved node: parent's row
+| own bit), the links ([NB, NB] minima) and padding are written in one pass.
+
+``adjacency_update``: stage 1, grid (nodes, splits): each program streams its slice of V and keeps
+a running top-k (value desc, id asc); a block enters the running list only if its best element
+beats the current k-th, so most blocks cost one max. Split 0 also claims the node's token with
+``atomic_min(owner[token], flat index)``. Stage 2, grid (node blocks): merge the splits' lists,
+and the node whose index equals ``owner[token]`` writes the row and resets the owner to INT32_MAX
+(losers read either their winner's index or INT32_MAX, never their own), so the owner buffer is
+all INT32_MAX again after every update and no host sync or memset is needed. With ``topk_ids``
+stage 1 only claims.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INT32_MAX = 2**31 - 1
+_BIG = tl.constexpr(1 << 30)
+_I32MAX = tl.constexpr(INT32_MAX)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit(do_not_specialize=["N", "T", "V", "max_depth", "budget_val", "count_val"])
+def _graft_kernel(
+    # input tree, contiguous [B, N] / [B, N, W]
+    tok_ptr, par_ptr, num_ptr, dep_ptr, anc_ptr, sc_ptr,
+    # output tree
+    o_tok_ptr, o_par_ptr, o_num_ptr, o_dep_ptr, o_anc_ptr, o_fc_ptr, o_ns_ptr, o_sc_ptr,
+    budget_ptr, budget_val, count_ptr, count_val,
+    # template mode: table [V, K] and the template [T]
+    table_ptr, t_par_ptr, t_rank_ptr, t_dep_ptr,
+    # loaded mode: retrieved [B, T]
+    r_tok_ptr, r_par_ptr, r_dep_ptr, r_num_ptr,
+    # scratch per request: [TB] keys, [TB] tokens, [TB] compare keys, [TB, WB] anc rows
+    ws_key_ptr, ws_tok_ptr, ws_cmp_ptr, ws_anc_ptr,
+    N, T, V, max_depth,
+    K: tl.constexpr, W: tl.constexpr,
+    NB: tl.constexpr, TB: tl.constexpr, WB: tl.constexpr, CB: tl.constexpr,
+    FROM_TABLE: tl.constexpr, BUDGET_T: tl.constexpr, COUNT_T: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    o_n = tl.arange(0, NB)  # [NB] output / draft node index
+    o_j = tl.arange(0, TB)  # [TB] retrieved node index
+    o_w = tl.arange(0, WB)  # [WB] anc word
+    p_key = ws_key_ptr + i_b * TB
+    p_tok = ws_tok_ptr + i_b * TB
+    p_cmp = ws_cmp_ptr + i_b * TB
+    p_anc = ws_anc_ptr + i_b * TB * WB
+
+    if BUDGET_T:
+        cap = tl.load(budget_ptr + i_b)
+    else:
+        cap = budget_val + tl.zeros([], tl.int32)
+    cap = tl.minimum(tl.maximum(cap, 0), N)
+    n_draft = tl.minimum(tl.load(num_ptr + i_b), cap)
+    active = n_draft > 0
+
+    m_d = o_n < n_draft
+    p_row = i_b * N + o_n
+    b_dtok = tl.load(tok_ptr + p_row, mask=m_d, other=0)  # [NB] int64
+    b_dpar = tl.load(par_ptr + p_row, mask=m_d, other=-1)  # [NB] int32
+
+    if FROM_TABLE:
+        m_t = o_j < T
+        b_rpar = tl.load(t_par_ptr + o_j, mask=m_t, other=-1)
+        b_rank = tl.load(t_rank_ptr + o_j, mask=m_t, other=0)
+        b_rdep = tl.load(t_dep_ptr + o_j, mask=m_t, other=0)
+        root_tok = tl.load(tok_ptr + i_b * N)
+        b_rtok = tl.where(o_j == 0, root_tok, -1).to(tl.int64)  # [TB], -1 = not retrieved
+        if COUNT_T:
+            limit = tl.load(count_ptr + i_b)
+        else:
+            limit = count_val + tl.zeros([], tl.int32)
+    else:
+        r_num = tl.load(r_num_ptr + i_b)
+        m_t = o_j < r_num
+        p_r = i_b * T + o_j
+        b_rtok = tl.load(r_tok_ptr + p_r, mask=m_t, other=0)
+        b_rpar = tl.load(r_par_ptr + p_r, mask=m_t, other=-1)
+        b_rdep = tl.load(r_dep_ptr + p_r, mask=m_t, other=0)
+    b_pp = tl.minimum(tl.maximum(b_rpar, 0), TB - 1)  # parent slot, safe to gather from
+
+    # merged index of each retrieved node (-1 = none); its anc row (root: bit 0)
+    b_key = tl.where(o_j == 0, 0, -1)
+    tl.store(p_key + o_j, b_key)
+    tl.store(p_tok + o_j, b_rtok)
+    tl.store(p_anc + o_j[:, None] * WB + o_w[None, :],
+             tl.where((o_j[:, None] == 0) & (o_w[None, :] == 0), 1, 0))
+    tl.debug_barrier()
+    b_pkey = tl.full([TB], -1, tl.int32)  # merged index of each node's parent
+    b_new = o_j < 0  # [TB] node became a new merged node
+    n_used = n_draft
+    n_got = tl.zeros([], tl.int32)
+    for d in range(1, max_depth + 1):
+        m_at = (b_rdep == d) & (o_j > 0) & m_t
+        b_pk = tl.load(p_key + b_pp, mask=m_at, other=-1)  # [TB] parents' keys
+        if FROM_TABLE:
+            b_ptok = tl.load(p_tok + b_pp, mask=m_at, other=-1)
+            m_look = m_at & (b_ptok >= 0) & (b_ptok < V)
+            b_nt = tl.load(table_ptr + b_ptok * K + b_rank, mask=m_look, other=-1).to(tl.int64)
+            m_got = m_look & (b_nt >= 0) & (b_nt < V)
+            m_got = m_got & (n_got + tl.cumsum(m_got.to(tl.int32), 0) <= limit)
+            n_got += tl.sum(m_got.to(tl.int32), 0)
+            b_rtok = tl.where(m_at, tl.where(m_got, b_nt, -1), b_rtok)
+            tl.store(p_tok + o_j, b_rtok, mask=m_at)
+        else:
+            m_got = m_at
+        m_live = m_got & (b_pk >= 0) & active
+        # a draft child of the merged parent with the same token
+        # tokens compared as int32: vocabularies are < 2**31, and int32 tiles halve the registers
+        b_t32 = b_rtok.to(tl.int32)
+        b_dm = tl.full([TB], _BIG, tl.int32)
+        for c in tl.static_range(0, NB, CB):
+            o_c = c + tl.arange(0, CB)
+            m_c = (o_c < n_draft) & (o_c > 0)
+            b_cpar = tl.load(par_ptr + i_b * N + o_c, mask=m_c, other=-2)  # [CB]
+            b_ctok = tl.load(tok_ptr + i_b * N + o_c, mask=m_c, other=0).to(tl.int32)
+            m_dm = (b_cpar[None, :] == b_pk[:, None]) & (b_ctok[None, :] == b_t32[:, None])
+            b_dm = tl.minimum(b_dm, tl.min(tl.where(m_dm, o_c[None, :], _BIG), axis=1))
+        b_dm = tl.where(m_live, b_dm, _BIG)
+        m_un = m_live & (b_dm == _BIG)
+        # else the first node of this level with the same merged parent and token
+        # (compared in column chunks through scratch memory: a [TB, TB] tile would spill)
+        b_cmp = tl.where(m_un, (b_pk.to(tl.int64) << 32) | (b_t32.to(tl.int64) & 0xFFFFFFFF), -1)
+        tl.store(p_cmp + o_j, b_cmp)
+        tl.debug_barrier()
+        b_canon = tl.full([TB], _BIG, tl.int32)
+        for c in tl.static_range(0, TB, CB):
+            o_c = c + tl.arange(0, CB)
+            b_col = tl.load(p_cmp + o_c)  # [CB]
+            m_same = (b_cmp[:, None] == b_col[None, :]) & (b_col[None, :] >= 0)  # [TB, CB]
+            b_canon = tl.minimum(b_canon, tl.min(tl.where(m_same, o_c[None, :], _BIG), axis=1))
+        m_first = m_un & (b_canon == o_j)
+        b_idx = n_used + tl.cumsum(m_first.to(tl.int32), 0) - 1
+        m_kept = m_first & (b_idx < cap)
+        n_used += tl.sum(m_first.to(tl.int32), 0)
+        tl.store(p_key + o_j, tl.where(m_kept, b_idx, -1), mask=m_first)
+        tl.debug_barrier()
+        b_ckey = tl.load(p_key + tl.minimum(b_canon, TB - 1), mask=m_un, other=-1)
+        b_key = tl.where(m_at, tl.where(m_live, tl.where(m_un, b_ckey, b_dm), -1), b_key)
+        b_pkey = tl.where(m_at, b_pk, b_pkey)
+        b_new = b_new | m_kept
+        # anc row = parent's row | own bit
+        m_set = m_at & (b_key >= 0)
+        b_prow = tl.load(p_anc + b_pp[:, None] * WB + o_w[None, :], mask=m_set[:, None], other=0)
+        b_kc = tl.maximum(b_key, 0)[:, None]
+        b_row = b_prow | tl.where(b_kc // 32 == o_w[None, :], 1 << (b_kc % 32), 0)
+        tl.store(p_key + o_j, b_key, mask=m_at)
+        tl.store(p_anc + o_j[:, None] * WB + o_w[None, :], b_row, mask=m_set[:, None])
+        tl.debug_barrier()
+
+    n_out = tl.minimum(n_used, cap)
+    m_o = o_n < n_out
+    m_aw = o_w[None, :] < W
+    p_orow = i_b * N * W + o_n[:, None] * W + o_w[None, :]
+    # draft nodes and padding from the draft vectors; new nodes scattered to their index
+    m_keep = m_d | ~m_o
+    b_ddep = tl.load(dep_ptr + p_row, mask=m_d, other=0)
+    b_danc = tl.load(anc_ptr + p_orow, mask=m_d[:, None] & m_aw, other=0)  # [NB, WB]
+    m_n = m_keep & (o_n < N)
+    tl.store(o_tok_ptr + p_row, b_dtok, mask=m_n)
+    tl.store(o_par_ptr + p_row, b_dpar, mask=m_n)
+    tl.store(o_dep_ptr + p_row, b_ddep, mask=m_n)
+    tl.store(o_anc_ptr + p_orow, b_danc, mask=m_n[:, None] & m_aw)
+    b_nk = tl.maximum(b_key, 0)
+    p_new = i_b * N + b_nk
+    tl.store(o_tok_ptr + p_new, b_rtok, mask=b_new)
+    tl.store(o_par_ptr + p_new, b_pkey, mask=b_new)
+    tl.store(o_dep_ptr + p_new, b_rdep, mask=b_new)
+    b_ranc = tl.load(p_anc + o_j[:, None] * WB + o_w[None, :], mask=b_new[:, None], other=0)
+    tl.store(o_anc_ptr + i_b * N * W + b_nk[:, None] * W + o_w[None, :], b_ranc,
+             mask=b_new[:, None] & m_aw)
+    tl.store(o_sc_ptr + p_row, tl.load(sc_ptr + p_row, mask=m_d, other=0.0), mask=o_n < N)
+    tl.store(o_num_ptr + i_b, n_out)
+    tl.debug_barrier()
+    # links: first child and next sibling in increasing index, from the written parents
+    o_par = tl.load(o_par_ptr + p_row, mask=m_o, other=-1)
+    b_fc = tl.full([NB], _BIG, tl.int32)
+    b_ns = tl.full([NB], _BIG, tl.int32)
+    for c in tl.static_range(0, NB, CB):
+        o_c = c + tl.arange(0, CB)
+        b_cpar = tl.load(o_par_ptr + i_b * N + o_c, mask=o_c < n_out, other=-2)  # [CB]
+        m_kid = b_cpar[None, :] == o_n[:, None]  # [p, i]
+        b_fc = tl.minimum(b_fc, tl.min(tl.where(m_kid, o_c[None, :], _BIG), axis=1))
+        m_sib = (b_cpar[None, :] == o_par[:, None]) & (o_c[None, :] > o_n[:, None])  # [i, j]
+        b_ns = tl.minimum(b_ns, tl.min(tl.where(m_sib, o_c[None, :], _BIG), axis=1))
+    b_fc = tl.where(m_o, b_fc, _BIG)
+    b_ns = tl.where(m_o & (o_par >= 0), b_ns, _BIG)
+    tl.store(o_fc_ptr + p_row, tl.where(b_fc < _BIG, b_fc, -1), mask=o_n < N)
+    tl.store(o_ns_ptr + p_row, tl.where(b_ns < _BIG, b_ns, -1), mask=o_n < N)
+
+
+@triton.jit(do_not_specialize=["T", "V", "max_depth", "count_val", "stride_root"])
+def _retrieve_kernel(
+    table_ptr, root_ptr, stride_root, t_par_ptr, t_rank_ptr, t_dep_ptr, count_ptr, count_val,
+    o_tok_ptr, o_par_ptr, o_dep_ptr, o_num_ptr, ws_tok_ptr, ws_pos_ptr,
+    T, V, max_depth,
+    K: tl.constexpr, TB: tl.constexpr, COUNT_T: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    o_j = tl.arange(0, TB)
+    m_t = o_j < T
+    p_tok = ws_tok_ptr + i_b * TB
+    p_pos = ws_pos_ptr + i_b * TB
+    b_rpar = tl.load(t_par_ptr + o_j, mask=m_t, other=-1)
+    b_pp = tl.minimum(tl.maximum(b_rpar, 0), TB - 1)
+    b_rank = tl.load(t_rank_ptr + o_j, mask=m_t, other=0)
+    b_rdep = tl.load(t_dep_ptr + o_j, mask=m_t, other=0)
+    b_tok = tl.where(o_j == 0, tl.load(root_ptr + i_b * stride_root), -1).to(tl.int64)
+    if COUNT_T:
+        limit = tl.load(count_ptr + i_b)
+    else:
+        limit = count_val + tl.zeros([], tl.int32)
+    tl.store(p_tok + o_j, b_tok)
+    tl.debug_barrier()
+    n_got = tl.zeros([], tl.int32)
+    for d in range(1, max_depth + 1):
+        m_at = (b_rdep == d) & (o_j > 0) & m_t
+        b_ptok = tl.load(p_tok + b_pp, mask=m_at, other=-1)
+        m_look = m_at & (b_ptok >= 0) & (b_ptok < V)
+        b_nt = tl.load(table_ptr + b_ptok * K + b_rank, mask=m_look, other=-1).to(tl.int64)
+        m_got = m_look & (b_nt >= 0) & (b_nt < V)
+        m_got = m_got & (n_got + tl.cumsum(m_got.to(tl.int32), 0) <= limit)
+        n_got += tl.sum(m_got.to(tl.int32), 0)
+        b_tok = tl.where(m_at, tl.where(m_got, b_nt, -1), b_tok)
+        tl.store(p_tok + o_j, b_tok, mask=m_at)
+        tl.debug_barrier()
+    # pack in template order: node j goes to slot pos[j]
+    m_ok = ((b_tok >= 0) | (o_j == 0)) & m_t
+    b_pos = tl.cumsum(m_ok.to(tl.int32), 0) - 1
+    tl.store(p_pos + o_j, b_pos)
+    tl.debug_barrier()
+    b_ppos = tl.load(p_pos + b_pp, mask=m_ok & (o_j > 0), other=-1)
+    n = tl.sum(m_ok.to(tl.int32), 0)
+    p = i_b * T
+    m_pad = (o_j >= n) & m_t
+    tl.store(o_tok_ptr + p + o_j, tl.zeros([TB], tl.int64), mask=m_pad)
+    tl.store(o_par_ptr + p + o_j, tl.full([TB], -1, tl.int32), mask=m_pad)
+    tl.store(o_dep_ptr + p + o_j, tl.zeros([TB], tl.int32), mask=m_pad)
+    b_slot = tl.maximum(b_pos, 0)
+    tl.store(o_tok_ptr + p + b_slot, b_tok, mask=m_ok)
+    tl.store(o_par_ptr + p + b_slot, b_ppos, mask=m_ok)
+    tl.store(o_dep_ptr + p + b_slot, b_rdep, mask=m_ok)
+    tl.store(o_num_ptr + i_b, n)
+
+
+@triton.jit(do_not_specialize=["N", "V", "n_flat", "chunk", "stride_b", "stride_n"])
+def _topk_partial_kernel(
+    x_ptr, tok_ptr, num_ptr, owner_ptr, ws_val_ptr, ws_id_ptr,
+    N, V, n_flat, chunk, stride_b, stride_n,
+    K: tl.constexpr, KB: tl.constexpr, S: tl.constexpr, BLOCK_V: tl.constexpr,
+    LAST_WINS: tl.constexpr,
+):
+    i_f = tl.program_id(0).to(tl.int64)  # flattened node b*N + i
+    i_s = tl.program_id(1)
+    i_b = i_f // N
+    i_n = i_f % N
+    tok = tl.load(tok_ptr + i_f)
+    valid = (i_n < tl.load(num_ptr + i_b)) & (tok >= 0) & (tok < V)
+    if valid:
+        if i_s == 0:
+            if LAST_WINS:
+                claim = (n_flat - 1 - i_f).to(tl.int32)
+            else:
+                claim = i_f.to(tl.int32)
+            tl.atomic_min(owner_ptr + tok, claim)
+        o_k = tl.arange(0, KB)
+        # running top-k: empty slots are (-inf, _BIG + slot), beaten by any element
+        b_rv = tl.full([KB], float("-inf"), tl.float32)
+        b_ri = _BIG + o_k
+        p_x = x_ptr + i_b * stride_b + i_n * stride_n
+        lo = i_s * chunk
+        hi = tl.minimum(lo + chunk, V)
+        for start in range(lo, hi, BLOCK_V):
+            o_v = start + tl.arange(0, BLOCK_V)
+            m_v = o_v < hi
+            b_x = tl.load(p_x + o_v, mask=m_v, other=float("-inf")).to(tl.float32)
+            # the running list's worst entry (value asc, id desc) and the block's best
+            wv = tl.min(tl.where(o_k < K, b_rv, float("inf")), 0)
+            wi = tl.max(tl.where((o_k < K) & (b_rv == wv), b_ri, -1), 0)
+            bv = tl.max(tl.where(m_v, b_x, float("-inf")), 0)
+            bi = tl.min(tl.where(m_v & (b_x == bv), o_v, _I32MAX), 0)
+            beats = (bv > wv) | ((bv == wv) & (bi < wi))
+            while beats:
+                b_rv = tl.where(b_ri == wi, bv, b_rv)
+                b_ri = tl.where(b_ri == wi, bi, b_ri)
+                m_v = m_v & (o_v != bi)
+                wv = tl.min(tl.where(o_k < K, b_rv, float("inf")), 0)
+                wi = tl.max(tl.where((o_k < K) & (b_rv == wv), b_ri, -1), 0)
+                bv = tl.max(tl.where(m_v, b_x, float("-inf")), 0)
+                bi = tl.min(tl.where(m_v & (b_x == bv), o_v, _I32MAX), 0)
+                beats = (bv > wv) | ((bv == wv) & (bi < wi))
+        p_ws = (i_f * S + i_s) * KB + o_k
+        tl.store(ws_val_ptr + p_ws, b_rv)
+        tl.store(ws_id_ptr + p_ws, b_ri)
+
+
+@triton.jit(do_not_specialize=["N", "n_flat"])
+def _claim_kernel(tok_ptr, num_ptr, owner_ptr, N, V, n_flat,
+                  BLOCK: tl.constexpr, LAST_WINS: tl.constexpr):
+    o_f = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_f = o_f < n_flat
+    tok = tl.load(tok_ptr + o_f, mask=m_f, other=-1)
+    num = tl.load(num_ptr + o_f // N, mask=m_f, other=0)
+    valid = m_f & (o_f % N < num) & (tok >= 0) & (tok < V)
+    if LAST_WINS:
+        claim = (n_flat - 1 - o_f).to(tl.int32)
+    else:
+        claim = o_f.to(tl.int32)
+    tl.atomic_min(owner_ptr + tok, claim, mask=valid)
+
+
+@triton.jit(do_not_specialize=["N", "V", "n_flat", "k_ids", "stride_ib", "stride_in", "n_cand"])
+def _update_write_kernel(
+    tok_ptr, num_ptr, owner_ptr, table_ptr, ws_val_ptr, ws_id_ptr, ids_ptr,
+    N, V, n_flat, k_ids, stride_ib, stride_in, n_cand,
+    K: tl.constexpr, KB: tl.constexpr, C: tl.constexpr, BLOCK_M: tl.constexpr,
+    FROM_LOGITS: tl.constexpr, LAST_WINS: tl.constexpr,
+):
+    o_f = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] flat nodes
+    m_f = o_f < n_flat
+    tok = tl.load(tok_ptr + o_f, mask=m_f, other=-1)
+    num = tl.load(num_ptr + o_f // N, mask=m_f, other=0)
+    valid = m_f & (o_f % N < num) & (tok >= 0) & (tok < V)
+    if LAST_WINS:
+        claim = (n_flat - 1 - o_f).to(tl.int32)
+    else:
+        claim = o_f.to(tl.int32)
+    owner = tl.load(owner_ptr + tok, mask=valid, other=-1)
+    win = valid & (owner == claim)
+    o_k = tl.arange(0, KB)
+    if FROM_LOGITS:
+        # merge the splits' lists: n_cand = S * KB candidates per node, C its power of two
+        o_c = tl.arange(0, C)
+        p_c = o_f[:, None] * n_cand + o_c[None, :]
+        m_c = win[:, None] & (o_c[None, :] < n_cand)
+        b_v = tl.load(ws_val_ptr + p_c, mask=m_c, other=float("-inf"))  # [M, C]
+        b_i = tl.load(ws_id_ptr + p_c, mask=m_c, other=_BIG)
+        m_alive = b_i < V
+        b_row = tl.full([BLOCK_M, KB], -1, tl.int32)
+        for r in tl.static_range(K):
+            bv = tl.max(tl.where(m_alive, b_v, float("-inf")), axis=1)
+            bi = tl.min(tl.where(m_alive & (b_v == bv[:, None]), b_i, _I32MAX), axis=1)
+            b_row = tl.where(o_k[None, :] == r, tl.where(bi < V, bi, -1)[:, None], b_row)
+            m_alive = m_alive & (b_i != bi[:, None])
+    else:
+        p_i = o_f[:, None] // N * stride_ib + o_f[:, None] % N * stride_in + o_k[None, :]
+        b_row = tl.load(ids_ptr + p_i, mask=win[:, None] & (o_k[None, :] < k_ids), other=-1)
+    m_w = win[:, None] & (o_k[None, :] < K)
+    tl.store(table_ptr + tok[:, None] * K + o_k[None, :], b_row, mask=m_w)
+    tl.store(owner_ptr + tok, tl.full([BLOCK_M], _I32MAX, tl.int32), mask=win)
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def _num_warps(tb: int, nb: int) -> int:
+    return 16 if max(tb, nb) >= 256 else 8 if max(tb, nb) >= 128 else 4
+
+
+def _contig(name: str, t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"Invalid layout of {name}: expected a contiguous tensor")
+    return t
+
+
+def graft_fused(
+    tree,
+    budget: torch.Tensor | int,
+    *,
+    table: torch.Tensor | None = None,
+    t_parents: torch.Tensor | None = None,
+    t_ranks: torch.Tensor | None = None,
+    t_depth: torch.Tensor | None = None,
+    count: torch.Tensor | int | None = None,
+    r_tokens: torch.Tensor | None = None,
+    r_parents: torch.Tensor | None = None,
+    r_depth: torch.Tensor | None = None,
+    r_num: torch.Tensor | None = None,
+    max_depth: int = 0,
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Retrieve (from ``table`` through the template, or the given ``r_*``) + merge + rebuild.
+
+    Returns the output tree's fields in ``Tree`` order (tokens, parents, num_nodes, depth, anc,
+    first_child, next_sibling, scores), written into ``out`` when given.
+    """
+    fields = ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling",
+              "scores")
+    for f in fields:
+        _contig(f"tree.{f}", getattr(tree, f))
+    B, N = tree.parents.shape
+    W = tree.anc.shape[2]
+    dev = tree.parents.device
+    if out is None:
+        out = (
+            torch.empty(B, N, dtype=torch.int64, device=dev),
+            torch.empty(B, N, dtype=torch.int32, device=dev),
+            torch.empty(B, dtype=torch.int32, device=dev),
+            torch.empty(B, N, dtype=torch.int32, device=dev),
+            torch.empty(B, N, W, dtype=torch.int32, device=dev),
+            torch.empty(B, N, dtype=torch.int32, device=dev),
+            torch.empty(B, N, dtype=torch.int32, device=dev),
+            torch.empty(B, N, dtype=torch.float32, device=dev),
+        )
+    from_table = table is not None
+    if from_table:
+        assert t_parents is not None and t_ranks is not None and t_depth is not None
+        T = t_parents.shape[0]
+        V, K = table.shape
+        r_args = (tree.tokens, tree.parents, tree.depth, tree.num_nodes)  # unused
+        t_args = (table, t_parents, t_ranks, t_depth)
+    else:
+        assert r_tokens is not None and r_parents is not None and r_depth is not None
+        assert r_num is not None
+        T = r_tokens.shape[1]
+        V, K = 1, 1
+        r_args = (_contig("retrieved.tokens", r_tokens), _contig("retrieved.parents", r_parents),
+                  _contig("retrieved.depth", r_depth), r_num)
+        t_args = (tree.parents, tree.parents, tree.parents, tree.parents)  # unused
+    budget_t = isinstance(budget, torch.Tensor)
+    count_t = isinstance(count, torch.Tensor)
+    if budget_t:
+        _contig("budget", budget)
+    if count_t:
+        _contig("count", count)
+    count_val = T - 1 if count is None or count_t else int(count)
+    NB = max(triton.next_power_of_2(N), 2)
+    TB = max(triton.next_power_of_2(T), 2)
+    WB = max(triton.next_power_of_2(W), 2)
+    ws_key = torch.empty(B * TB, dtype=torch.int32, device=dev)
+    ws_tok = torch.empty(B * TB, dtype=torch.int64, device=dev)
+    ws_cmp = torch.empty(B * TB, dtype=torch.int64, device=dev)
+    ws_anc = torch.empty(B * TB * WB, dtype=torch.int32, device=dev)
+    _graft_kernel[(B,)](
+        tree.tokens, tree.parents, tree.num_nodes, tree.depth, tree.anc, tree.scores,
+        out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7],
+        budget if budget_t else tree.num_nodes, 0 if budget_t else int(budget),
+        count if count_t else tree.num_nodes, count_val,
+        *t_args, *r_args, ws_key, ws_tok, ws_cmp, ws_anc,
+        N, T, V, max_depth,
+        K=K, W=W, NB=NB, TB=TB, WB=WB, CB=min(TB, NB, 32),
+        FROM_TABLE=from_table, BUDGET_T=budget_t, COUNT_T=count_t,
+        num_warps=_num_warps(TB, NB),
+    )
+    return out
+
+
+def retrieve(
+    table: torch.Tensor,
+    root_tokens: torch.Tensor,
+    t_parents: torch.Tensor,
+    t_ranks: torch.Tensor,
+    t_depth: torch.Tensor,
+    max_depth: int,
+    count: torch.Tensor | int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed retrieval: (tokens [B, T] int64, parents [B, T] int32, depth [B, T] int32,
+    num_nodes [B] int32)."""
+    B = root_tokens.shape[0]
+    T = t_parents.shape[0]
+    V, K = table.shape
+    dev = table.device
+    tok = torch.empty(B, T, dtype=torch.int64, device=dev)
+    par = torch.empty(B, T, dtype=torch.int32, device=dev)
+    dep = torch.empty(B, T, dtype=torch.int32, device=dev)
+    num = torch.empty(B, dtype=torch.int32, device=dev)
+    count_t = isinstance(count, torch.Tensor)
+    count_val = T - 1 if count is None or count_t else int(count)
+    TB = max(triton.next_power_of_2(T), 2)
+    ws_tok = torch.empty(B * TB, dtype=torch.int64, device=dev)
+    ws_pos = torch.empty(B * TB, dtype=torch.int32, device=dev)
+    _retrieve_kernel[(B,)](
+        table, root_tokens, root_tokens.stride(0), t_parents, t_ranks, t_depth,
+        count if count_t else num, count_val,
+        tok, par, dep, num, ws_tok, ws_pos, T, V, max_depth,
+        K=K, TB=TB, COUNT_T=count_t, num_warps=_num_warps(TB, 1),
+    )
+    return tok, par, dep, num
+
+
+def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
+    """Splits of V per node: enough programs to fill the GPU (4 per SM), at least one block of V
+    each. Depends on shapes and the SM count only (fixed for a CUDA graph)."""
+    if device.type != "cuda":
+        return min(2, triton.cdiv(V, block_v))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(4 * sms, max(n_flat, 1))
+    return max(1, min(want, triton.cdiv(V, block_v), 64))
+
+
+def adjacency_update(
+    table: torch.Tensor,
+    owner: torch.Tensor,
+    workspace: dict,
+    tokens: torch.Tensor,
+    num_nodes: torch.Tensor,
+    logits: torch.Tensor | None,
+    topk_ids: torch.Tensor | None,
+    last_wins: bool,
+) -> None:
+    """``table[tokens[b, i]] = top-k(logits[b, i])`` (or ``topk_ids[b, i, :k]``) for
+    ``i < num_nodes[b]``; duplicate tokens: lowest flattened index wins (highest when
+    ``last_wins``). ``owner`` [V] int32 must be all INT32_MAX (it is again afterwards)."""
+    V, K = table.shape
+    B, N = tokens.shape
+    n_flat = B * N
+    KB = max(triton.next_power_of_2(K), 2)
+    _contig("tokens", tokens)
+    if n_flat == 0:
+        return
+    if logits is not None:
+        block_v = 256 if _INTERPRET else 2048
+        S = _splits(n_flat, V, block_v, logits.device)
+        chunk = triton.cdiv(triton.cdiv(V, S), block_v) * block_v
+        S = triton.cdiv(V, chunk)
+        key = (n_flat, S, KB)
+        if key not in workspace:
+            workspace[key] = (
+                torch.empty(n_flat * S * KB, dtype=torch.float32, device=table.device),
+                torch.empty(n_flat * S * KB, dtype=torch.int32, device=table.device),
+            )
+        ws_val, ws_id = workspace[key]
+        _topk_partial_kernel[(n_flat, S)](
+            logits, tokens, num_nodes, owner, ws_val, ws_id,
+            N, V, n_flat, chunk, logits.stride(0), logits.stride(1),
+            K=K, KB=KB, S=S, BLOCK_V=block_v, LAST_WINS=last_wins, num_warps=4,
+        )
+        n_cand = S * KB
+        ids, s_ib, s_in, k_ids = ws_id, 0, 0, 0
+    else:
+        assert topk_ids is not None
+        _claim_kernel[(triton.cdiv(n_flat, 256),)](
+            tokens, num_nodes, owner, N, V, n_flat, BLOCK=256, LAST_WINS=last_wins,
+        )
+        ws_val, ws_id = table, table  # unused
+        n_cand = KB
+        ids, s_ib, s_in, k_ids = topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.shape[2]
+        if topk_ids.stride(2) != 1:
+            raise ValueError("Invalid stride of topk_ids: expected the last dimension contiguous")
+    C = triton.next_power_of_2(n_cand)
+    block_m = max(1, min(64, 2048 // C))
+    _update_write_kernel[(triton.cdiv(n_flat, block_m),)](
+        tokens, num_nodes, owner, table, ws_val, ws_id, ids,
+        N, V, n_flat, k_ids, s_ib, s_in, n_cand,
+        K=K, KB=KB, C=C, BLOCK_M=block_m, FROM_LOGITS=logits is not None,
+        LAST_WINS=last_wins, num_warps=4,
+    )
