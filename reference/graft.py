@@ -65,7 +65,8 @@ def adjacency_warm_start(
     lengths: torch.Tensor | None = None,
     topk_ids: torch.Tensor | None = None,
 ) -> None:
-    """In place: for ``t < lengths[b]``, ``table[prompt_tokens[b, t]] = top-k(prefill_logits[b, t])``.
+    """In place: for ``t < lengths[b]``, the row of ``prompt_tokens[b, t]`` becomes
+    ``top-k(prefill_logits[b, t])``.
 
     ``prompt_tokens`` [B, L] int64, ``prefill_logits`` [B, L, V] or ``topk_ids`` [B, L, k'],
     ``lengths`` [B] int32 (default L). The last occurrence (highest ``b*L + t``) wins.
@@ -139,7 +140,8 @@ def adjacency_retrieve(
             n += 1
         num[b] = n
     dev = root_tokens.device
-    return Retrieved(tokens.to(dev), parents.to(dev), depth.to(dev), num.to(dev), template.max_depth)
+    return Retrieved(tokens.to(dev), parents.to(dev), depth.to(dev), num.to(dev),
+                     template.max_depth)
 
 
 def graft_merge(tree: Tree, retrieved: Retrieved, budget: torch.Tensor | int) -> Tree:
@@ -149,7 +151,8 @@ def graft_merge(tree: Tree, retrieved: Retrieved, budget: torch.Tensor | int) ->
     ancestor-closed), then takes retrieved nodes 1.. in order: node j goes under the merged node
     of its retrieved parent; if that parent has a child with j's token, j reuses it, otherwise j
     becomes a new node (score 0) while the request has fewer than ``budget[b]`` nodes, and is
-    dropped, with its subtree, when it is full. Retrieved node 0 stands for the tree's root.
+    dropped, with its subtree, when it is full. Retrieved node 0 stands for the tree's root;
+    retrieved nodes come in breadth-first order (depth never decreasing), as retrieve gives them.
     """
     B, N = tree.parents.shape
     par = torch.full((B, N), -1, dtype=torch.int32)
@@ -169,7 +172,7 @@ def graft_merge(tree: Tree, retrieved: Retrieved, budget: torch.Tensor | int) ->
             continue
         children: dict[int, dict[int, int]] = {}
         for i in range(1, n):
-            children.setdefault(int(par[b, i]), {})[int(tok[b, i])] = i
+            children.setdefault(int(par[b, i]), {}).setdefault(int(tok[b, i]), i)
         where = {0: 0}  # retrieved index -> merged index
         for j in range(1, int(r.num_nodes[b])):
             p = int(r.parents[b, j])

@@ -127,7 +127,9 @@ class RankTemplate:
         self.max_rank = max(rk)
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def tensors(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def tensors(
+        self, device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(parents, ranks, depth)`` on ``device`` (copied once, then cached)."""
         dev = torch.device(device)
         if dev not in self._on:
@@ -204,6 +206,8 @@ class RankTemplate:
 class Retrieved:
     """Retrieved paths of a batch, packed in template (breadth-first) order, capacity T.
 
+    Nodes are in breadth-first order (depth never decreases), the order graft_merge inserts in.
+
     Fields:
         tokens: [B, T] int64, index 0 = the root token; padding 0.
         parents: [B, T] int32, index into the same row (``parents[b, j] < j``), -1 for the root
@@ -241,14 +245,15 @@ class Retrieved:
             )
         if not isinstance(self.max_depth, int) or self.max_depth < 0:
             raise ValueError(
-                f"Invalid value of retrieved.max_depth: expected an int >= 0, got {self.max_depth!r}"
+                "Invalid value of retrieved.max_depth: expected an int >= 0, got "
+                f"{self.max_depth!r}"
             )
         check_same_device(**{"retrieved.tokens": self.tokens, "retrieved.parents": self.parents,
                              "retrieved.depth": self.depth, "retrieved.num_nodes": self.num_nodes})
 
     def validate(self) -> None:
-        """Host-side: ``1 <= num_nodes <= T``, parents point backwards, depth consistent and at
-        most ``max_depth``."""
+        """Host-side: ``1 <= num_nodes <= T``, parents point backwards, depth consistent, at most
+        ``max_depth`` and non-decreasing (breadth-first order)."""
         self.check_fields()
         r = self.to("cpu")
         B, T = r.tokens.shape
@@ -267,6 +272,11 @@ class Retrieved:
                     raise ValueError(
                         f"Invalid retrieved: request {b}: depth[{j}] = {d}, expected "
                         f"{int(r.depth[b, p]) + 1} <= max_depth {self.max_depth}"
+                    )
+                if d < int(r.depth[b, j - 1]):
+                    raise ValueError(
+                        f"Invalid retrieved: request {b}: node {j} at depth {d} after a node at "
+                        f"depth {int(r.depth[b, j - 1])}, expected breadth-first order"
                     )
             if n and int(r.depth[b, 0]) != 0:
                 raise ValueError(f"Invalid retrieved: request {b}: depth[0] must be 0")
@@ -538,7 +548,7 @@ def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tr
     Returns a new ``Tree`` (padding and links past the new ``num_nodes`` cleared). No host sync.
     """
     check_tree(tree, validate=validate)
-    B, N = tree.batch_size, tree.capacity
+    B = tree.batch_size
     if isinstance(keep, torch.Tensor):
         check_tensor("keep", keep, shape=(B,), dtype=torch.int32)
         check_same_device(tree=tree.parents, keep=keep)

@@ -1,0 +1,389 @@
+# ruff: noqa: B023  (the timed thunks run within the loop iteration that defines them)
+"""Graft on the GPU: retrieve + merge + rebuild, and the table update, against PyTorch.
+
+    python bench/bench_graft.py --out DIR
+
+For B in {1, 8, 64}, V in {32000, 128256}, capacity N = 64, budget 60 (root included), the
+default 80-node template and k = 8:
+
+- ``retrieve_merge``: ``treeops.graft`` (one fused launch) on a draft tree pruned to 25 nodes,
+  against the same steps written as sync-free batched PyTorch (``torch_graft`` below);
+- ``update``: ``AdjacencyTable.update`` from bf16 target logits [B, 64, V] of 60 verified nodes
+  (fused top-8 over V + duplicate resolution), against ``torch.topk`` + ``scatter_reduce``;
+- ``update_ids``: the same from acceptance's ``topk_ids`` (no logits pass).
+
+Every timed call is captured in a CUDA graph (R calls on rotated inputs per graph, so the L2
+does not hold them) and replayed; the time per call is the median over replays. The floor is
+max(bytes that must move / 4.3 TB/s, an empty kernel replayed the same way in the same run).
+Each treeops output is checked against the reference first (exact equality); a mismatch is
+reported instead of a time. Writes DIR/graft.json and prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+
+import treeops
+from treeops import AdjacencyTable, RankTemplate, Tree, graft, prune
+from treeops.reference import graft as ref
+
+HBM_BYTES_PER_S = 4.3e12
+INT32_MAX = 2**31 - 1
+
+
+# ----------------------------------------------------------------------------- PyTorch peers
+
+
+_LEVELS: dict = {}
+
+
+def _levels(template: RankTemplate, dev: torch.device) -> list[tuple[torch.Tensor]]:
+    """Template columns of each depth on ``dev``, copied once (not inside a graph capture)."""
+    key = (id(template), str(dev))
+    if key not in _LEVELS:
+        _LEVELS[key] = [(torch.nonzero(template.depth == d).flatten().to(dev),)
+                        for d in range(1, template.max_depth + 1)]
+    return _LEVELS[key]
+
+
+def torch_graft(tree: Tree, table: torch.Tensor, template: RankTemplate, budget: int) -> Tree:
+    """Retrieve + trie merge + rebuild as batched, sync-free PyTorch (capturable in a graph):
+    the template is static, so each depth is a fixed set of columns."""
+    B, N = tree.parents.shape
+    W = tree.anc.shape[2]
+    V = table.shape[0]
+    dev = tree.parents.device
+    T = template.size
+    t_par, t_rank, t_dep = template.tensors(dev)
+    levels = _levels(template, dev)
+    cap = min(budget, N)
+    n_draft = torch.clamp(tree.num_nodes, max=cap).long()
+    active = n_draft > 0
+    ii = torch.arange(N, device=dev)
+    dmask = (ii[None] < n_draft[:, None]) & (ii[None] > 0)
+    d_par = torch.where(dmask, tree.parents.long(), -2)
+    rtok = torch.full((B, T), -1, dtype=torch.int64, device=dev)
+    rtok[:, 0] = tree.tokens[:, 0]
+    key = torch.full((B, T), -1, dtype=torch.int64, device=dev)
+    key[:, 0] = 0
+    pkey = torch.full((B, T), -1, dtype=torch.int64, device=dev)
+    new = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    ranc = torch.zeros(B, T, W, dtype=torch.int64, device=dev)
+    ranc[:, 0, 0] = 1
+    n_used = n_draft.clone()
+    words = torch.arange(W, device=dev)
+    for (cols,) in levels:
+        L = cols.shape[0]
+        pcols = t_par[cols].long()
+        ptok = rtok[:, pcols]  # [B, L]
+        pk = key[:, pcols]
+        look = (ptok >= 0) & (ptok < V)
+        nt = table[ptok.clamp(0, V - 1), t_rank[cols].long()[None, :].expand(B, L)].long()
+        got = look & (nt >= 0) & (nt < V)
+        nt = torch.where(got, nt, -1)
+        rtok[:, cols] = nt
+        live = got & (pk >= 0) & active[:, None]
+        match = (d_par[:, None, :] == pk[:, :, None]) & (tree.tokens[:, None, :] == nt[:, :, None])
+        dm = torch.where(match, ii, N).amin(-1)  # [B, L]
+        un = live & (dm == N)
+        ll = torch.arange(L, device=dev)
+        same = (un[:, :, None] & un[:, None, :] & (pk[:, :, None] == pk[:, None, :])
+                & (nt[:, :, None] == nt[:, None, :]))
+        canon = torch.where(same, ll, L).amin(-1)
+        first = un & (canon == ll)
+        idx = n_used[:, None] + torch.cumsum(first.long(), 1) - 1
+        kept = first & (idx < cap)
+        n_used = n_used + first.long().sum(1)
+        ckey = torch.where(kept, idx, -1)
+        dup = ckey.gather(1, canon.clamp(max=L - 1))
+        k = torch.where(live, torch.where(un, dup, dm), -1)
+        key[:, cols] = k
+        pkey[:, cols] = pk
+        new[:, cols] = kept
+        kc = k.clamp(min=0)
+        bit = torch.where((kc // 32)[:, :, None] == words, (1 << (kc % 32))[:, :, None], 0)
+        row = ranc[:, pcols] | bit
+        ranc[:, cols] = torch.where((k >= 0)[:, :, None], row, ranc[:, cols])
+    n_out = torch.minimum(n_used, torch.full_like(n_used, cap))
+    keepd = ii[None] < n_draft[:, None]
+    dest = torch.where(new, key, N)  # column N: a dummy slot for nodes that are not new
+
+    def scatter(base: torch.Tensor, vals: torch.Tensor, pad) -> torch.Tensor:
+        ext = torch.cat([torch.where(keepd, base, pad), base[:, :1]], 1)
+        ext.scatter_(1, dest, vals.to(base.dtype))
+        return ext[:, :N]
+
+    tokens = scatter(tree.tokens, rtok, 0)
+    parents = scatter(tree.parents, pkey, -1)
+    depth = scatter(tree.depth, t_dep.long()[None].expand(B, T), 0)
+    anc32 = ((ranc + 2**31) % 2**32 - 2**31).to(torch.int32)  # bit 31 is the sign bit
+    anc_ext = torch.cat([torch.where(keepd[:, :, None], tree.anc, 0), tree.anc[:, :1]], 1)
+    anc_ext.scatter_(1, dest[:, :, None].expand(B, T, W), anc32)
+    anc = anc_ext[:, :N]
+    valid = ii[None] < n_out[:, None]
+    par = torch.where(valid, parents, -1)
+    child_of = (par[:, None, :] == ii[None, :, None]) & valid[:, None, :]
+    fc = torch.where(child_of, ii, N).amin(-1)
+    sib = ((par[:, :, None] == par[:, None, :]) & (par[:, :, None] >= 0) & valid[:, :, None]
+           & valid[:, None, :] & (ii[None, None, :] > ii[None, :, None]))
+    ns = torch.where(sib, ii, N).amin(-1)
+    return Tree(
+        tokens=torch.where(valid, tokens, 0),
+        parents=par,
+        num_nodes=n_out.to(torch.int32),
+        depth=torch.where(valid, depth, 0),
+        anc=torch.where(valid[:, :, None], anc, 0),
+        first_child=torch.where(valid & (fc < N), fc, -1).to(torch.int32),
+        next_sibling=torch.where(valid & (ns < N), ns, -1).to(torch.int32),
+        scores=torch.where(keepd & valid, tree.scores, 0.0),
+    )
+
+
+class TorchTable:
+    """The update as sync-free PyTorch: owner by ``scatter_reduce(amin)``, ``torch.topk``, rows
+    written by ``index_copy_`` (non-winners go to a dummy row V)."""
+
+    def __init__(self, V: int, k: int, device):
+        self.table = torch.full((V + 1, k), -1, dtype=torch.int32, device=device)
+        self.owner = torch.full((V + 1,), INT32_MAX, dtype=torch.int64, device=device)
+        self.V, self.k = V, k
+
+    def update(self, tokens, num_nodes, logits=None, topk_ids=None) -> None:
+        B, N = tokens.shape
+        flat = torch.arange(B * N, device=tokens.device)
+        valid = (torch.arange(N, device=tokens.device)[None] < num_nodes[:, None]).flatten()
+        tok = torch.where(valid, tokens.flatten(), self.V)
+        self.owner.fill_(INT32_MAX)
+        self.owner.scatter_reduce_(0, tok, flat, "amin")
+        win = valid & (self.owner[tok] == flat)
+        dest = torch.where(win, tok, self.V)
+        if logits is not None:
+            rows = torch.topk(logits.view(B * N, -1), self.k, dim=1).indices.to(torch.int32)
+        else:
+            rows = topk_ids.reshape(B * N, -1)[:, : self.k]
+        self.table.index_copy_(0, dest, rows)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def random_tree(B: int, N: int, n: int, V: int, gen: torch.Generator, device) -> Tree:
+    """B random draft trees of n nodes in rank order, siblings' tokens distinct (V large)."""
+    par = torch.full((B, N), -1, dtype=torch.int32)
+    for i in range(1, n):
+        recent = torch.randint(max(0, i - 3), i, (B,), generator=gen)
+        anyp = torch.randint(0, i, (B,), generator=gen)
+        pick = torch.rand(B, generator=gen) < 0.5
+        par[:, i] = torch.where(pick, anyp, recent).to(torch.int32)
+    tok = torch.randint(0, V, (B, N), generator=gen)
+    scores = torch.sort(torch.rand(B, N, generator=gen), dim=1, descending=True).values
+    scores[:, 0] = 1.0
+    num = torch.full((B,), n, dtype=torch.int32)
+    return Tree.from_parents(par, num, tok, scores).to(device)
+
+
+def random_table(V: int, k: int, gen: torch.Generator, device) -> AdjacencyTable:
+    t = AdjacencyTable(V, k, device=device)
+    vals = torch.randint(0, V, (V, k), generator=gen, dtype=torch.int32)
+    empty = torch.rand(V, k, generator=gen) < 0.1
+    t.table.copy_(torch.where(empty, -1, vals).to(device))
+    return t
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+def graph_us(calls, replays: int = 50) -> float:
+    """Capture ``calls`` (a list of thunks, run in order) in one CUDA graph; median time per
+    call over ``replays`` replays, in microseconds."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in calls:  # warm-up: compile, allocate workspaces
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / len(calls))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def tree_equal(a: Tree, b: Tree) -> bool:
+    return all(torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu())
+               for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child",
+                         "next_sibling", "scores"))
+
+
+def stable_topk_table(tokens, num_nodes, logits, k, V, base):
+    """The update's exact result (ties to the lowest id, lowest flat index wins), on device."""
+    B, N = tokens.shape
+    want = base.clone()
+    flat = torch.arange(B * N, device=tokens.device)
+    valid = (torch.arange(N, device=tokens.device)[None] < num_nodes[:, None]).flatten()
+    tok = torch.where(valid, tokens.flatten(), V)
+    owner = torch.full((V + 1,), INT32_MAX, dtype=torch.int64, device=tokens.device)
+    owner.scatter_reduce_(0, tok, flat, "amin")
+    win = (valid & (owner[tok] == flat)).nonzero().flatten()
+    x = logits.view(B * N, V)[win].float()
+    ids = torch.sort(-x, dim=1, stable=True).indices[:, :k].to(torch.int32)
+    want[tok[win]] = ids
+    return want
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--vocabs", default="32000,128256")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_graft needs a CUDA device")
+    os.makedirs(args.out, exist_ok=True)
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    N, budget, k, n_verify = 64, 60, 8, 60
+    tpl = RankTemplate.default()
+    x = torch.zeros(1, device=dev)
+    empty_us = graph_us([lambda: _empty_kernel[(1,)](x)] * 16)
+    rows = []
+    for V in [int(v) for v in args.vocabs.split(",")]:
+        for B in [int(b) for b in args.batches.split(",")]:
+            t0 = time.time()
+            # ---------------- retrieve + merge + rebuild
+            tree = random_tree(B, N, n_verify, V, gen, dev)
+            pruned = prune(tree, 24)
+            table = random_table(V, k, gen, dev)
+            # make some retrieved tokens coincide with draft children (the trie reuses them)
+            tab_cpu = table.table.cpu()
+            tk, pr = pruned.tokens.cpu(), pruned.parents.cpu()
+            for b in range(B):
+                for i in range(1, 25, 3):
+                    tab_cpu[int(tk[b, int(pr[b, i])]), i % k] = int(tk[b, i])
+            table.table.copy_(tab_cpu.to(dev))
+            want = ref.graft(pruned.to("cpu"), tab_cpu, tpl, budget)
+            _levels(tpl, dev)
+            got = graft(pruned, table, tpl, budget)
+            ok = tree_equal(got, want)
+            ok_torch = tree_equal(torch_graft(pruned, table.table, tpl, budget), want)
+            W = tree.anc.shape[2]
+            tree_bytes = B * N * (8 + 4 * 6 + 4 * W) + B * 4
+            nbytes = 2 * tree_bytes + B * tpl.size * 4
+            t_ops = graph_us([lambda: graft(pruned, table, tpl, budget)] * 16) if ok else None
+            t_torch = graph_us([lambda: torch_graft(pruned, table.table, tpl, budget)] * 4) \
+                if ok_torch else None
+            rows.append(dict(op="retrieve_merge", B=B, budget=budget, V=V, N=N,
+                             treeops_us=t_ops, torch_us=t_torch,
+                             floor_us=max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us),
+                             bytes=nbytes, match=ok, torch_match=ok_torch))
+            # ---------------- update from logits
+            size = B * N * V * 2
+            R = max(2, min(8, (256 << 20) // size + 1))
+            logits = [torch.randn(B, N, V, device=dev, dtype=torch.bfloat16) * 3 for _ in range(R)]
+            base = table.table.clone()
+            want_t = stable_topk_table(tree.tokens, tree.num_nodes, logits[0], k, V, base)
+            table.update(tree, logits[0])
+            ok = torch.equal(table.table, want_t)
+            again = AdjacencyTable(V, k, device=dev)
+            again.table.copy_(base)
+            again.update(tree, logits[0])
+            ok = ok and torch.equal(again.table, want_t)  # deterministic
+            ttab = TorchTable(V, k, dev)
+            nbytes = B * n_verify * V * 2 + B * n_verify * (k * 4 + 8)
+            t_ops = graph_us([(lambda lg=lg: table.update(tree, lg)) for lg in logits]) \
+                if ok else None
+            t_torch = graph_us([(lambda lg=lg: ttab.update(tree.tokens, tree.num_nodes, lg))
+                                for lg in logits])
+            rows.append(dict(op="update", B=B, budget=budget, V=V, N=N, treeops_us=t_ops,
+                             torch_us=t_torch,
+                             floor_us=max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us),
+                             bytes=nbytes, match=ok))
+            del logits
+            # ---------------- update from topk_ids
+            ids = torch.randint(-1, V, (B, N, k), device=dev, dtype=torch.int32)
+            table.table.copy_(base)
+            table.update(tree, topk_ids=ids)
+            want_i = base.clone()
+            flat = torch.arange(B * N, device=dev)
+            valid = (torch.arange(N, device=dev)[None] < tree.num_nodes[:, None]).flatten()
+            tok = torch.where(valid, tree.tokens.flatten(), V)
+            owner = torch.full((V + 1,), INT32_MAX, dtype=torch.int64, device=dev)
+            owner.scatter_reduce_(0, tok, flat, "amin")
+            win = (valid & (owner[tok] == flat)).nonzero().flatten()
+            want_i[tok[win]] = ids.view(B * N, k)[win]
+            ok = torch.equal(table.table, want_i)
+            nbytes = B * n_verify * (k * 4 * 2 + 8)
+            t_ops = graph_us([lambda: table.update(tree, topk_ids=ids)] * 16) if ok else None
+            t_torch = graph_us([lambda: ttab.update(tree.tokens, tree.num_nodes, topk_ids=ids)]
+                               * 4)
+            rows.append(dict(op="update_ids", B=B, budget=budget, V=V, N=N, treeops_us=t_ops,
+                             torch_us=t_torch,
+                             floor_us=max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us),
+                             bytes=nbytes, match=ok))
+            print(f"  V={V} B={B} done in {time.time() - t0:.1f} s", file=sys.stderr)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        commit = ""
+    out = dict(
+        gpu=torch.cuda.get_device_name(),
+        date=time.strftime("%Y-%m-%d"),
+        versions=dict(torch=torch.__version__, triton=triton.__version__,
+                      treeops=treeops.__version__, cuda=torch.version.cuda),
+        commit=commit or "unknown",
+        empty_kernel_graph_us=empty_us,
+        notes="median per call over CUDA-graph replays; N=64, k=8, default 80-node template; "
+              "retrieve_merge on trees pruned to 25 nodes; update from bf16 logits of 60 nodes",
+        rows=rows,
+    )
+    path = os.path.join(args.out, "graft.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+    def fmt(v):
+        return "mismatch" if v is None else f"{v:8.1f}"
+
+    print(f"\n{out['gpu']}  empty kernel in a graph: {empty_us:.2f} us  -> {path}")
+    print(f"{'op':15s} {'B':>3s} {'V':>7s} {'treeops':>9s} {'torch':>9s} {'floor':>8s} "
+          f"{'x floor':>8s} {'x torch':>8s}")
+    for r in rows:
+        t, p, fl = r["treeops_us"], r["torch_us"], r["floor_us"]
+        xf = f"{t / fl:8.2f}" if t else "       -"
+        xt = f"{t / p:8.2f}" if t and p else "       -"
+        print(f"{r['op']:15s} {r['B']:3d} {r['V']:7d} {fmt(t):>9s} {fmt(p):>9s} {fl:8.1f} "
+              f"{xf} {xt}")
+
+
+if __name__ == "__main__":
+    main()
