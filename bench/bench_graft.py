@@ -308,7 +308,7 @@ def main() -> None:
                              bytes=nbytes, match=ok, torch_match=ok_torch))
             # ---------------- update from logits
             size = B * N * V * 2
-            R = max(2, min(8, (256 << 20) // size + 1))
+            R = max(2, min(64, (256 << 20) // size + 1))  # rotate through >= 256 MB
             logits = [torch.randn(B, N, V, device=dev, dtype=torch.bfloat16) * 3 for _ in range(R)]
             base = table.table.clone()
             want_t = stable_topk_table(tree.tokens, tree.num_nodes, logits[0], k, V, base)

@@ -50,7 +50,7 @@ def _graft_kernel(
     ws_key_ptr, ws_tok_ptr, ws_cmp_ptr, ws_anc_ptr,
     N, T, V, max_depth,
     K: tl.constexpr, W: tl.constexpr,
-    NB: tl.constexpr, TB: tl.constexpr, WB: tl.constexpr, CB: tl.constexpr,
+    NB: tl.constexpr, TB: tl.constexpr, WB: tl.constexpr, CT: tl.constexpr, CN: tl.constexpr,
     FROM_TABLE: tl.constexpr, BUDGET_T: tl.constexpr, COUNT_T: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
@@ -125,10 +125,10 @@ def _graft_kernel(
         # tokens compared as int32: vocabularies are < 2**31, and int32 tiles halve the registers
         b_t32 = b_rtok.to(tl.int32)
         b_dm = tl.full([TB], _BIG, tl.int32)
-        for c in tl.static_range(0, NB, CB):
-            o_c = c + tl.arange(0, CB)
+        for c in tl.static_range(0, NB, CN):
+            o_c = c + tl.arange(0, CN)
             m_c = (o_c < n_draft) & (o_c > 0)
-            b_cpar = tl.load(par_ptr + i_b * N + o_c, mask=m_c, other=-2)  # [CB]
+            b_cpar = tl.load(par_ptr + i_b * N + o_c, mask=m_c, other=-2)  # [CN]
             b_ctok = tl.load(tok_ptr + i_b * N + o_c, mask=m_c, other=0).to(tl.int32)
             m_dm = (b_cpar[None, :] == b_pk[:, None]) & (b_ctok[None, :] == b_t32[:, None])
             b_dm = tl.minimum(b_dm, tl.min(tl.where(m_dm, o_c[None, :], _BIG), axis=1))
@@ -140,10 +140,10 @@ def _graft_kernel(
         tl.store(p_cmp + o_j, b_cmp)
         tl.debug_barrier()
         b_canon = tl.full([TB], _BIG, tl.int32)
-        for c in tl.static_range(0, TB, CB):
-            o_c = c + tl.arange(0, CB)
-            b_col = tl.load(p_cmp + o_c)  # [CB]
-            m_same = (b_cmp[:, None] == b_col[None, :]) & (b_col[None, :] >= 0)  # [TB, CB]
+        for c in tl.static_range(0, TB, CT):
+            o_c = c + tl.arange(0, CT)
+            b_col = tl.load(p_cmp + o_c)  # [CT]
+            m_same = (b_cmp[:, None] == b_col[None, :]) & (b_col[None, :] >= 0)  # [TB, CT]
             b_canon = tl.minimum(b_canon, tl.min(tl.where(m_same, o_c[None, :], _BIG), axis=1))
         m_first = m_un & (b_canon == o_j)
         b_idx = n_used + tl.cumsum(m_first.to(tl.int32), 0) - 1
@@ -192,9 +192,9 @@ def _graft_kernel(
     o_par = tl.load(o_par_ptr + p_row, mask=m_o, other=-1)
     b_fc = tl.full([NB], _BIG, tl.int32)
     b_ns = tl.full([NB], _BIG, tl.int32)
-    for c in tl.static_range(0, NB, CB):
-        o_c = c + tl.arange(0, CB)
-        b_cpar = tl.load(o_par_ptr + i_b * N + o_c, mask=o_c < n_out, other=-2)  # [CB]
+    for c in tl.static_range(0, NB, CN):
+        o_c = c + tl.arange(0, CN)
+        b_cpar = tl.load(o_par_ptr + i_b * N + o_c, mask=o_c < n_out, other=-2)  # [CN]
         m_kid = b_cpar[None, :] == o_n[:, None]  # [p, i]
         b_fc = tl.minimum(b_fc, tl.min(tl.where(m_kid, o_c[None, :], _BIG), axis=1))
         m_sib = (b_cpar[None, :] == o_par[:, None]) & (o_c[None, :] > o_n[:, None])  # [i, j]
@@ -454,7 +454,7 @@ def graft_fused(
         count if count_t else tree.num_nodes, count_val,
         *t_args, *r_args, ws_key, ws_tok, ws_cmp, ws_anc,
         N, T, V, max_depth,
-        K=K, W=W, NB=NB, TB=TB, WB=WB, CB=min(TB, NB, 32),
+        K=K, W=W, NB=NB, TB=TB, WB=WB, CT=min(TB, 32), CN=min(NB, 32),
         FROM_TABLE=from_table, BUDGET_T=budget_t, COUNT_T=count_t,
         num_warps=_num_warps(TB, NB),
     )
