@@ -85,6 +85,13 @@ class RankTemplate:
     chain reaches depth 9, rank 1 reaches 6 levels, ranks >= 4 sit near the top only. Fit
     ``probs`` to measured rank acceptance of a model pair and rebuild for a better tree;
     ``balanced`` and ``chain`` give the usual alternatives for comparison.
+
+    Measured (``python bench/bench_graft.py --template-coverage``: a byte-level table learnt
+    from 3.2 MB of CPython's standard library, retrieval walked along the true continuation of
+    4000 held-out positions), mean accepted length of retrieval alone: default 2.14,
+    same-size template from flatter probabilities 1.81, rank-0 chain of 9 1.45, balanced 8x2
+    (73 nodes) 1.32, balanced 4x3 (85 nodes) 1.26. Acceptance in the example decoder with a
+    real model pair is still to be measured there.
     """
 
     def __init__(self, parents: Sequence[int], ranks: Sequence[int]):
