@@ -158,6 +158,119 @@ def _mass(p_row, stride_v, V, m, T, thr, cut, p_cs, p_cm, BLOCK: tl.constexpr, S
 
 
 @triton.jit
+def _unkey(k):
+    bits = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fast_threshold(
+    p_row,
+    stride_v,
+    V,
+    m,
+    T,
+    z_all,
+    k,
+    top_p,
+    use_k,
+    use_p,
+    p_gm,
+    p_cand,
+    p_cs,
+    p_cm,
+    NCH,
+    BLOCK_V: tl.constexpr,
+    NCH_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    CAP: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """Kept set of a top-k/top-p row in two passes when it is small: a lower bound L on the
+    threshold from the group maxima, every token >= L compacted into CAP slots, sorted in
+    registers by (logit desc, id asc). Returns (thr, idcut, Z, ok); ok = 0 if L was not found
+    or more than CAP tokens reach it (then the caller runs the exact search)."""
+    tl.debug_barrier()  # group maxima were stored by other threads of this program
+    o_g = tl.arange(0, G_PAD)
+    n_g = (V + GROUP - 1) // GROUP
+    gm = tl.load(p_gm + o_g, mask=o_g < n_g, other=float("-inf"))
+    gs = tl.sort(gm, descending=True)
+    L = tl.full([], float("-inf"), tl.float32)
+    ok = n_g > 0
+    if use_k:
+        # k distinct group maxima are >= the k-th largest of them
+        ok = k <= n_g
+        L = tl.sum(tl.where(o_g == k - 1, gs, 0.0), axis=0)
+    else:
+        # tokens >= L carry at least the group maxima's mass, which reaches top_p * Z
+        gw = tl.where(gs == float("-inf"), 0.0, tl.exp((gs - m) / T))
+        cw = tl.cumsum(gw, 0)
+        pos = tl.min(tl.where((cw >= top_p * z_all) & (o_g < n_g), o_g, G_PAD), axis=0)
+        ok = pos < G_PAD
+        L = tl.sum(tl.where(o_g == pos, gs, 0.0), axis=0)
+    ok = ok & (L > float("-inf"))
+    count = tl.zeros([], dtype=tl.int32)
+    if ok:
+        for v0 in range(0, V, BLOCK_V):
+            o_v = v0 + tl.arange(0, BLOCK_V)
+            m_v = o_v < V
+            b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
+                tl.float32
+            )
+            sel = m_v & (b_x >= L)
+            slot = count + tl.cumsum(sel.to(tl.int32), 0) - 1
+            packed = (_key(b_x).to(tl.int64) << 32) | (2147483647 - o_v.to(tl.int64))
+            tl.store(p_cand + slot, packed, mask=sel & (slot < CAP))
+            count += tl.sum(sel.to(tl.int32), axis=0)
+        ok = count <= CAP
+    thr = tl.full([], INT32_MIN, tl.int32)
+    cut = tl.zeros([], dtype=tl.int32) + V
+    z = z_all
+    if ok:
+        tl.debug_barrier()
+        o_c = tl.arange(0, CAP)
+        cand = tl.load(p_cand + o_c, mask=o_c < count, other=-9223372036854775807 - 1)
+        srt = tl.sort(cand, descending=True)
+        k_s = (srt >> 32).to(tl.int32)
+        id_s = (2147483647 - (srt & 0xFFFFFFFF)).to(tl.int32)
+        x_s = _unkey(k_s)
+        valid = o_c < count
+        w_s = tl.where(valid, _weight(x_s, m, T), 0.0)
+        C = count
+        z_k = z_all
+        if use_k:
+            C = tl.minimum(C, k)
+            z_k = tl.sum(tl.where(o_c < k, w_s, 0.0), axis=0)
+        if use_p:
+            cum = tl.cumsum(w_s, 0)
+            c_p = tl.min(tl.where(valid & (cum >= top_p * z_k), o_c, CAP), axis=0) + 1
+            C = tl.minimum(C, c_p)
+        thr = tl.sum(tl.where(o_c == C - 1, k_s, 0), axis=0)
+        cut = tl.sum(tl.where(o_c == C - 1, id_s, 0), axis=0)
+        w_s = tl.where(o_c < C, w_s, 0.0)
+        z = tl.sum(w_s, axis=0)
+        # per-block kept mass for the walker, from the kept tokens (SUB of them at a time)
+        tl.store(p_cand + o_c, srt)
+        tl.debug_barrier()
+        o_b = tl.arange(0, NCH_PAD)
+        acc = tl.zeros([NCH_PAD], dtype=tl.float32)
+        for c0 in range(0, C, SUB):
+            o_s = c0 + tl.arange(0, SUB)
+            m_s = o_s < C
+            p_s = tl.load(p_cand + o_s, mask=m_s, other=0)
+            i_s = (2147483647 - (p_s & 0xFFFFFFFF)).to(tl.int32)
+            w = tl.where(m_s, _weight(_unkey((p_s >> 32).to(tl.int32)), m, T), 0.0)
+            blk = i_s // BLOCK_V
+            acc += tl.sum(
+                tl.where(m_s[:, None] & (blk[:, None] == o_b[None, :]), w[:, None], 0.0), axis=0
+            )
+        tl.store(p_cs + o_b, acc, mask=o_b < NCH)
+        tl.store(p_cm + o_b, m + tl.zeros([NCH_PAD], dtype=tl.float32), mask=o_b < NCH)
+    return thr, cut, z, ok
+
+
+@triton.jit
 def _node_stats(
     pid,
     p_logits,
@@ -177,6 +290,8 @@ def _node_stats(
     p_wcut,
     p_wcs,
     p_wcm,
+    p_wgm,
+    p_wcand,
     N,
     V,
     CHUNK,
@@ -185,10 +300,15 @@ def _node_stats(
     BLOCK_T: tl.constexpr,
     NPIV: tl.constexpr,
     NCH,
+    NCH_PAD: tl.constexpr,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     SAMPLE: tl.constexpr,
     NEED_SE: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    CAP: tl.constexpr,
+    SUB: tl.constexpr,
 ):
     i_s = (pid % S).to(tl.int32)
     i_n = ((pid // S) % N).to(tl.int32)
@@ -204,6 +324,14 @@ def _node_stats(
     p_cm = p_wcm + pid * NCH
     v_start = i_s * CHUNK
     v_end = tl.minimum(v_start + CHUNK, V)
+    trunc = False
+    if SAMPLE:
+        k = tl.load(p_topk_param + i_b).to(tl.int32)
+        top_p = tl.load(p_topp + i_b).to(tl.float32)
+        use_k = (k > 0) & (k < V)
+        use_p = top_p < 1.0
+        trunc = active & (T_in > 0) & (use_k | use_p)
+    p_gm = p_wgm + pid * G_PAD
     m = tl.full([], float("-inf"), tl.float32)
     arg = tl.full([], BIG, tl.int32)
     se = tl.zeros([], dtype=tl.float32)
@@ -231,6 +359,12 @@ def _node_stats(
                     # block of the bonus token without rescanning the row
                     tl.store(p_cs + v0 // BLOCK_V, b_z)
                     tl.store(p_cm + v0 // BLOCK_V, new_m)
+                    if trunc:
+                        # maxima of groups of GROUP tokens: distinct tokens, so the k-th largest
+                        # group maximum bounds the k-th largest logit from below
+                        o_g = v0 // GROUP + tl.arange(0, BLOCK_V // GROUP)
+                        b_g = tl.max(tl.reshape(b_x, [BLOCK_V // GROUP, GROUP]), axis=1)
+                        tl.store(p_gm + o_g, b_g, mask=o_g < G_PAD)
             m = new_m
             if K > 0:
                 # insert the block's better elements into the unsorted top-K buffer; after the
@@ -256,13 +390,35 @@ def _node_stats(
         lo0 = tl.full([], INT32_MIN, tl.int32)
         thr = lo0
         cut = tl.zeros([], dtype=tl.int32) + V
-        if active & (T_in > 0):
-            k = tl.load(p_topk_param + i_b).to(tl.int32)
-            top_p = tl.load(p_topp + i_b).to(tl.float32)
-            use_k = (k > 0) & (k < V)
-            use_p = top_p < 1.0
-            if use_k | use_p:
-                hi = _key(m) + 1
+        if trunc:
+            hi = _key(m) + 1
+            thr, cut, z, fast = _fast_threshold(
+                p_row,
+                s_lv,
+                V,
+                m,
+                T,
+                se,
+                k,
+                top_p,
+                use_k,
+                use_p,
+                p_gm,
+                p_wcand + pid * CAP,
+                p_cs,
+                p_cm,
+                NCH,
+                BLOCK_V,
+                NCH_PAD,
+                GROUP,
+                G_PAD,
+                CAP,
+                SUB,
+            )
+            if fast:
+                se = z
+            else:
+                # exact multi-pivot search over the whole row (wide nucleus, k beyond CAP)
                 if use_k:
                     thr, f_gt = _count_search(
                         p_row,
@@ -637,6 +793,8 @@ def _accept_kernel(
     p_wcut,
     p_wcs,
     p_wcm,
+    p_wgm,
+    p_wcand,
     p_count,
     p_acc,
     p_len,
@@ -665,6 +823,10 @@ def _accept_kernel(
     HAS_LP: tl.constexpr,
     PHASE: tl.constexpr,
     FENCE: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    CAP: tl.constexpr,
+    SUB: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     if PHASE != 2:
@@ -687,6 +849,8 @@ def _accept_kernel(
             p_wcut,
             p_wcs,
             p_wcm,
+            p_wgm,
+            p_wcand,
             N,
             V,
             CHUNK,
@@ -695,10 +859,15 @@ def _accept_kernel(
             BLOCK_T,
             NPIV,
             NCH,
+            NCH_PAD,
             K,
             K_PAD,
             SAMPLE,
             NEED_SE,
+            GROUP,
+            G_PAD,
+            CAP,
+            SUB,
         )
     if PHASE == 0:
         i_b = pid // (S * N)
@@ -864,6 +1033,8 @@ def accept_launch(
     phase=None,
     workspace=None,
     num_pivots=16,
+    cap=None,
+    max_groups=None,
 ) -> Acceptance:
     """Launch the acceptance kernel (greedy when ``uniforms`` is None). Inputs are assumed
     validated by ``treeops.accept``. ``phase=0``: one fused launch; ``phase=1``: two launches
@@ -897,6 +1068,16 @@ def accept_launch(
             torch.empty(B, N, K, dtype=torch.int32, device=dev) if K else None,
         )
     NCH = -(-V // block_v) if sample else 1
+    # top-k/top-p fast path: group maxima (at most max_groups groups) and CAP candidate slots,
+    # both sorted in registers (512 each on the GPU; 64 under the interpreter, whose tl.sort
+    # takes about a second for 1024 elements)
+    if cap is None:
+        cap = 64 if _interpreted() else 512
+    if max_groups is None:
+        max_groups = 64 if _interpreted() else 512
+    group = min(block_v, _pow2(-(-V // max_groups)))
+    G_PAD = _pow2(-(-V // group))
+    CAP = _pow2(cap)
     BNS = B * N * S
     n_f = [
         BNS,
@@ -906,13 +1087,15 @@ def accept_launch(
         B * N * NCH if sample else 1,
     ]
     n_i = [BNS, BNS * K_PAD if K else 1, B * N if sample else 1, B * N if sample else 1]
+    n_f.append(B * N * G_PAD if sample else 1)
     if workspace is None:
         ws_f = torch.empty(sum(n_f), dtype=torch.float32, device=dev)
         ws_i = torch.empty(sum(n_i), dtype=torch.int32, device=dev)
         count = _counters(dev, B)
     else:
         ws_f, ws_i, count = workspace
-    w_max, w_se, w_tkv, w_cs, w_cm = torch.split(ws_f[: sum(n_f)], n_f)
+    w_max, w_se, w_tkv, w_cs, w_cm, w_gm = torch.split(ws_f[: sum(n_f)], n_f)
+    w_cand = torch.empty(B * N * CAP if sample else 1, dtype=torch.int64, device=dev)
     w_arg, w_tki, w_thr, w_cut = torch.split(ws_i[: sum(n_i)], n_i)
     dummy_f = w_se
     has_stop = stop_ids is not None
@@ -940,6 +1123,10 @@ def accept_launch(
         HAS_BUDGET=max_new_tokens is not None,
         HAS_LP=bool(return_logprobs),
         FENCE=not _interpreted(),
+        GROUP=group,
+        G_PAD=G_PAD,
+        CAP=CAP,
+        SUB=min(128, CAP),
         num_warps=num_warps,
     )
     args = [
@@ -970,6 +1157,8 @@ def accept_launch(
         w_cut,
         w_cs,
         w_cm,
+        w_gm,
+        w_cand,
         count,
         out.accepted,
         out.accept_len,

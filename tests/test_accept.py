@@ -456,8 +456,12 @@ def ref_run(tree, lg, T, k, p, u):
     return ref.accept_sample(tree, lg, T, k, p, u)
 
 
-def kernel_run(tree, lg, T, k, p, u):
-    return accept_launch(tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u, block_v=8)
+def kernel_run(tree, lg, T, k, p, u, cap=None):
+    return accept_launch(tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u, block_v=8, cap=cap)
+
+
+def kernel_run_exact_search(tree, lg, T, k, p, u):
+    return kernel_run(tree, lg, T, k, p, u, cap=1)
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda t: f"T{t[0]}-k{t[1]}-p{t[2]}")
@@ -482,6 +486,16 @@ def test_lossless_reference(shape, params):
 def test_lossless_kernel(shape, params):
     tree, lg = lossless_case(shape, seed=7 + len(shape))
     joint_check(tree, lg, *params, K=2, run=kernel_run)
+
+
+@pytest.mark.parametrize(
+    "shape,params",
+    [("random", (1.0, 0, 0.8)), ("chain", (0.8, 4, 0.7)), ("deep", (1.7, 3, 1.0))],
+)
+def test_lossless_kernel_exact_search(shape, params):
+    """The same with the candidate path disabled (cap=1): the multi-pivot threshold search."""
+    tree, lg = lossless_case(shape, seed=7 + len(shape))
+    joint_check(tree, lg, *params, K=2, run=kernel_run_exact_search)
 
 
 def test_sampling_with_repeated_sibling_token():
@@ -519,8 +533,11 @@ def near_boundary(tree, lg, T, k, p, u, stops, bud):
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     block=st.sampled_from([16, 64]),
     phase=st.sampled_from([0, 1]),
+    cap=st.sampled_from([2, None]),
 )
-def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase):
+def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase, cap):
+    """cap=2 forces the exact multi-pivot search; the default takes the two-pass candidate path
+    wherever the group maxima bound the threshold."""
     rng = random.Random(seed)
     tree, V = case.tree, case.vocab
     B = tree.batch_size
@@ -549,6 +566,7 @@ def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase):
         topk_ids=2,
         block_v=block,
         phase=phase,
+        cap=cap,
     )
     assert_same(got, want, lp_tol=2e-4)
 
