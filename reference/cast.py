@@ -149,7 +149,12 @@ class CostTable:
                       device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(target, draft) rows of batch ``B`` as float32 ``[M, n_max]`` tensors on ``device``,
         cached: the view the selection kernels read (they bucket the context on the device)."""
-        key = (self.batch_index(B), str(torch.device(device)))
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            # "cuda" and "cuda:0" must hit the same entry: a miss inside CUDA-graph capture
+            # would copy host -> device, which capture forbids.
+            dev = torch.device("cuda", torch.cuda.current_device())
+        key = (self.batch_index(B), str(dev))
         if key not in self._dev_cache:
             i = key[0]
             self._dev_cache[key] = (

@@ -198,6 +198,9 @@ class DraftState:
         if dev.type == "cuda":
             st.host_decisions = torch.zeros(2 * D + 1, dtype=torch.int32, pin_memory=True)
             st.events = [torch.cuda.Event() for _ in range(D + 1)]
+        if policy.is_cast:
+            # Copy the cost table to the device now, outside any CUDA-graph capture.
+            policy.cost_table.device_tables(B, dev)
         st.reset(root_tokens, seq_lens, active)
         return st
 
