@@ -1,15 +1,17 @@
 """Graft kernels: fused retrieve + trie merge + rebuild, retrieval alone, and the table update.
 
-``_graft_kernel``: one program per request holds the draft tree ([NB] vectors) and the retrieved
-nodes ([TB] vectors) in registers and walks the retrieved tree one depth at a time (at most 9 for
-the default template). Per depth, every node at that depth at once: look up its token (template
-mode: ``table[parent token, rank]``), find a draft child of its merged parent with the same token
-(a [TB, NB] compare), else the first retrieved node of the same level with the same merged parent
-and token (a [TB, TB] compare) is the new node, numbered in retrieval order by a cumsum and kept
-while under the budget. Parent values are gathered through the parent one-hot matrix, so no
-scratch memory and no barrier is needed; the result equals the reference's serial loop because
-nodes are processed in breadth-first order. Then depth, ``anc`` (per retrieved node: parent's row
-| own bit), the links ([NB, NB] minima) and padding are written in one pass.
+``_graft_kernel``: one program per request walks the retrieved tree one depth at a time (at most
+9 for the default template); breadth-first order makes each depth a contiguous range of retrieved
+nodes, processed in tiles of LB (the template's widest depth, 16 by default). Per depth, three
+passes separated by barriers, with per-node state (merged index, token, anc row) in a small
+scratch buffer so that a parent's values are plain gathers: (1) the node's token (template mode:
+``table[parent token, rank]``, up to ``count``) and a draft child of its merged parent with the
+same token ([LB, 32] compares); (2) among the rest, the first node of the depth with the same
+merged parent and token becomes a new node, numbered in order by a cumsum and kept while under
+the budget; (3) repeats take that node's index, and the anc row is the parent's row | own bit.
+Because nodes go in breadth-first order this equals the reference's serial loop. Then draft nodes,
+new nodes (scattered to their index) and padding are written, and the links are computed from the
+written parents in [NB, 32] tiles. Registers stay under 64 per thread on sm_90 (no spills).
 
 ``adjacency_update``: stage 1, grid (nodes, splits): each program streams its slice of V and keeps
 a running top-k (value desc, id asc); a block enters the running list only if its best element
@@ -46,20 +48,24 @@ def _graft_kernel(
     table_ptr, t_par_ptr, t_rank_ptr, t_dep_ptr,
     # loaded mode: retrieved [B, T]
     r_tok_ptr, r_par_ptr, r_dep_ptr, r_num_ptr,
-    # scratch per request: [TB] keys, [TB] tokens, [TB] compare keys, [TB, WB] anc rows
-    ws_key_ptr, ws_tok_ptr, ws_cmp_ptr, ws_anc_ptr,
+    # scratch per request: int32 [5, TB] (key, canon, parent key, new, -), int64 [2, TB]
+    # (token, compare key), int32 [TB, WB] anc rows
+    ws_i_ptr, ws_l_ptr, ws_anc_ptr,
     N, T, V, max_depth,
     K: tl.constexpr, W: tl.constexpr,
-    NB: tl.constexpr, TB: tl.constexpr, WB: tl.constexpr, CT: tl.constexpr, CN: tl.constexpr,
+    NB: tl.constexpr, TB: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr, CN: tl.constexpr,
     FROM_TABLE: tl.constexpr, BUDGET_T: tl.constexpr, COUNT_T: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, NB)  # [NB] output / draft node index
     o_j = tl.arange(0, TB)  # [TB] retrieved node index
     o_w = tl.arange(0, WB)  # [WB] anc word
-    p_key = ws_key_ptr + i_b * TB
-    p_tok = ws_tok_ptr + i_b * TB
-    p_cmp = ws_cmp_ptr + i_b * TB
+    p_key = ws_i_ptr + i_b * 5 * TB
+    p_canon = p_key + TB
+    p_pkey = p_key + 2 * TB
+    p_new = p_key + 3 * TB
+    p_tok = ws_l_ptr + i_b * 2 * TB
+    p_cmp = p_tok + TB
     p_anc = ws_anc_ptr + i_b * TB * WB
 
     if BUDGET_T:
@@ -69,122 +75,147 @@ def _graft_kernel(
     cap = tl.minimum(tl.maximum(cap, 0), N)
     n_draft = tl.minimum(tl.load(num_ptr + i_b), cap)
     active = n_draft > 0
-
     m_d = o_n < n_draft
     p_row = i_b * N + o_n
-    b_dtok = tl.load(tok_ptr + p_row, mask=m_d, other=0)  # [NB] int64
-    b_dpar = tl.load(par_ptr + p_row, mask=m_d, other=-1)  # [NB] int32
 
     if FROM_TABLE:
         m_t = o_j < T
-        b_rpar = tl.load(t_par_ptr + o_j, mask=m_t, other=-1)
-        b_rank = tl.load(t_rank_ptr + o_j, mask=m_t, other=0)
         b_rdep = tl.load(t_dep_ptr + o_j, mask=m_t, other=0)
         root_tok = tl.load(tok_ptr + i_b * N)
-        b_rtok = tl.where(o_j == 0, root_tok, -1).to(tl.int64)  # [TB], -1 = not retrieved
         if COUNT_T:
             limit = tl.load(count_ptr + i_b)
         else:
             limit = count_val + tl.zeros([], tl.int32)
     else:
-        r_num = tl.load(r_num_ptr + i_b)
-        m_t = o_j < r_num
-        p_r = i_b * T + o_j
-        b_rtok = tl.load(r_tok_ptr + p_r, mask=m_t, other=0)
-        b_rpar = tl.load(r_par_ptr + p_r, mask=m_t, other=-1)
-        b_rdep = tl.load(r_dep_ptr + p_r, mask=m_t, other=0)
-    b_pp = tl.minimum(tl.maximum(b_rpar, 0), TB - 1)  # parent slot, safe to gather from
+        m_t = o_j < tl.load(r_num_ptr + i_b)
+        b_rdep = tl.load(r_dep_ptr + i_b * T + o_j, mask=m_t, other=0)
+        root_tok = tl.load(r_tok_ptr + i_b * T)
 
-    # merged index of each retrieved node (-1 = none); its anc row (root: bit 0)
-    b_key = tl.where(o_j == 0, 0, -1)
-    tl.store(p_key + o_j, b_key)
-    tl.store(p_tok + o_j, b_rtok)
+    # every retrieved node starts unmapped (-1); the root maps to merged node 0, anc bit 0
+    tl.store(p_key + o_j, tl.where(o_j == 0, 0, -1))
+    tl.store(p_pkey + o_j, tl.full([TB], -1, tl.int32))
+    tl.store(p_new + o_j, tl.zeros([TB], tl.int32))
+    tl.store(p_tok + o_j, tl.where(o_j == 0, root_tok, -1).to(tl.int64))
     tl.store(p_anc + o_j[:, None] * WB + o_w[None, :],
              tl.where((o_j[:, None] == 0) & (o_w[None, :] == 0), 1, 0))
     tl.debug_barrier()
-    b_pkey = tl.full([TB], -1, tl.int32)  # merged index of each node's parent
-    b_new = o_j < 0  # [TB] node became a new merged node
     n_used = n_draft
     n_got = tl.zeros([], tl.int32)
+    lo = tl.full([], 1, tl.int32)
+    # breadth-first order: depth d occupies retrieved nodes [lo, hi)
     for d in range(1, max_depth + 1):
-        m_at = (b_rdep == d) & (o_j > 0) & m_t
-        b_pk = tl.load(p_key + b_pp, mask=m_at, other=-1)  # [TB] parents' keys
-        if FROM_TABLE:
-            b_ptok = tl.load(p_tok + b_pp, mask=m_at, other=-1)
-            m_look = m_at & (b_ptok >= 0) & (b_ptok < V)
-            b_nt = tl.load(table_ptr + b_ptok * K + b_rank, mask=m_look, other=-1).to(tl.int64)
-            m_got = m_look & (b_nt >= 0) & (b_nt < V)
-            m_got = m_got & (n_got + tl.cumsum(m_got.to(tl.int32), 0) <= limit)
-            n_got += tl.sum(m_got.to(tl.int32), 0)
-            b_rtok = tl.where(m_at, tl.where(m_got, b_nt, -1), b_rtok)
-            tl.store(p_tok + o_j, b_rtok, mask=m_at)
-        else:
-            m_got = m_at
-        m_live = m_got & (b_pk >= 0) & active
-        # a draft child of the merged parent with the same token
-        # tokens compared as int32: vocabularies are < 2**31, and int32 tiles halve the registers
-        b_t32 = b_rtok.to(tl.int32)
-        b_dm = tl.full([TB], _BIG, tl.int32)
-        for c in tl.static_range(0, NB, CN):
-            o_c = c + tl.arange(0, CN)
-            m_c = (o_c < n_draft) & (o_c > 0)
-            b_cpar = tl.load(par_ptr + i_b * N + o_c, mask=m_c, other=-2)  # [CN]
-            b_ctok = tl.load(tok_ptr + i_b * N + o_c, mask=m_c, other=0).to(tl.int32)
-            m_dm = (b_cpar[None, :] == b_pk[:, None]) & (b_ctok[None, :] == b_t32[:, None])
-            b_dm = tl.minimum(b_dm, tl.min(tl.where(m_dm, o_c[None, :], _BIG), axis=1))
-        b_dm = tl.where(m_live, b_dm, _BIG)
-        m_un = m_live & (b_dm == _BIG)
-        # else the first node of this level with the same merged parent and token
-        # (compared in column chunks through scratch memory: a [TB, TB] tile would spill)
-        b_cmp = tl.where(m_un, (b_pk.to(tl.int64) << 32) | (b_t32.to(tl.int64) & 0xFFFFFFFF), -1)
-        tl.store(p_cmp + o_j, b_cmp)
+        hi = lo + tl.sum(((b_rdep == d) & m_t & (o_j > 0)).to(tl.int32), 0)
+        # pass 1: the token (template: a table look-up) and a draft child to reuse
+        for c0 in range(lo, hi, LB):
+            o_l = c0 + tl.arange(0, LB)  # [LB]
+            m_l = o_l < hi
+            if FROM_TABLE:
+                b_par = tl.load(t_par_ptr + o_l, mask=m_l, other=0)
+            else:
+                b_par = tl.load(r_par_ptr + i_b * T + o_l, mask=m_l, other=0)
+            b_pp = tl.minimum(tl.maximum(b_par, 0), TB - 1)
+            b_pk = tl.load(p_key + b_pp, mask=m_l, other=-1)
+            if FROM_TABLE:
+                b_rank = tl.load(t_rank_ptr + o_l, mask=m_l, other=0)
+                b_ptok = tl.load(p_tok + b_pp, mask=m_l, other=-1)
+                m_look = m_l & (b_ptok >= 0) & (b_ptok < V)
+                b_nt = tl.load(table_ptr + b_ptok * K + b_rank, mask=m_look, other=-1)
+                m_got = m_look & (b_nt >= 0) & (b_nt < V)
+                m_got = m_got & (n_got + tl.cumsum(m_got.to(tl.int32), 0) <= limit)
+                n_got += tl.sum(m_got.to(tl.int32), 0)
+                b_tok = tl.where(m_got, b_nt, -1).to(tl.int64)
+                tl.store(p_tok + o_l, b_tok, mask=m_l)
+            else:
+                b_tok = tl.load(r_tok_ptr + i_b * T + o_l, mask=m_l, other=-1)
+                m_got = m_l
+            m_live = m_got & (b_pk >= 0) & active
+            # tokens compared as int32: vocabularies are < 2**31
+            b_t32 = b_tok.to(tl.int32)
+            b_dm = tl.full([LB], _BIG, tl.int32)
+            for c in tl.static_range(0, NB, CN):
+                o_c = c + tl.arange(0, CN)
+                m_c = (o_c < n_draft) & (o_c > 0)
+                b_cpar = tl.load(par_ptr + i_b * N + o_c, mask=m_c, other=-2)  # [CN]
+                b_ctok = tl.load(tok_ptr + i_b * N + o_c, mask=m_c, other=0).to(tl.int32)
+                m_dm = (b_cpar[None, :] == b_pk[:, None]) & (b_ctok[None, :] == b_t32[:, None])
+                b_dm = tl.minimum(b_dm, tl.min(tl.where(m_dm, o_c[None, :], _BIG), axis=1))
+            m_un = m_live & (b_dm == _BIG)
+            b_cmp = tl.where(m_un, (b_pk.to(tl.int64) << 32) | (b_t32.to(tl.int64) & 0xFFFFFFFF),
+                             -1)
+            tl.store(p_cmp + o_l, b_cmp, mask=m_l)
+            tl.store(p_key + o_l, tl.where(m_live & ~m_un, b_dm, -1), mask=m_l)
+            tl.store(p_pkey + o_l, b_pk, mask=m_l)
         tl.debug_barrier()
-        b_canon = tl.full([TB], _BIG, tl.int32)
-        for c in tl.static_range(0, TB, CT):
-            o_c = c + tl.arange(0, CT)
-            b_col = tl.load(p_cmp + o_c)  # [CT]
-            m_same = (b_cmp[:, None] == b_col[None, :]) & (b_col[None, :] >= 0)  # [TB, CT]
-            b_canon = tl.minimum(b_canon, tl.min(tl.where(m_same, o_c[None, :], _BIG), axis=1))
-        m_first = m_un & (b_canon == o_j)
-        b_idx = n_used + tl.cumsum(m_first.to(tl.int32), 0) - 1
-        m_kept = m_first & (b_idx < cap)
-        n_used += tl.sum(m_first.to(tl.int32), 0)
-        tl.store(p_key + o_j, tl.where(m_kept, b_idx, -1), mask=m_first)
+        # pass 2: the first node of the level with the same merged parent and token is new,
+        # numbered in order while under the budget
+        for c0 in range(lo, hi, LB):
+            o_l = c0 + tl.arange(0, LB)
+            m_l = o_l < hi
+            b_cmp = tl.load(p_cmp + o_l, mask=m_l, other=-1)
+            b_canon = tl.full([LB], _BIG, tl.int32)
+            for c1 in range(lo, hi, LB):
+                o_m = c1 + tl.arange(0, LB)
+                b_col = tl.load(p_cmp + o_m, mask=o_m < hi, other=-1)
+                m_same = (b_cmp[:, None] == b_col[None, :]) & (b_col[None, :] >= 0)
+                b_canon = tl.minimum(b_canon, tl.min(tl.where(m_same, o_m[None, :], _BIG), 1))
+            m_first = (b_cmp >= 0) & (b_canon == o_l)
+            b_idx = n_used + tl.cumsum(m_first.to(tl.int32), 0) - 1
+            m_kept = m_first & (b_idx < cap)
+            n_used += tl.sum(m_first.to(tl.int32), 0)
+            tl.store(p_key + o_l, tl.where(m_kept, b_idx, -1), mask=m_first)
+            tl.store(p_canon + o_l, b_canon, mask=m_l)
+            tl.store(p_new + o_l, m_kept.to(tl.int32), mask=m_l)
         tl.debug_barrier()
-        b_ckey = tl.load(p_key + tl.minimum(b_canon, TB - 1), mask=m_un, other=-1)
-        b_key = tl.where(m_at, tl.where(m_live, tl.where(m_un, b_ckey, b_dm), -1), b_key)
-        b_pkey = tl.where(m_at, b_pk, b_pkey)
-        b_new = b_new | m_kept
-        # anc row = parent's row | own bit
-        m_set = m_at & (b_key >= 0)
-        b_prow = tl.load(p_anc + b_pp[:, None] * WB + o_w[None, :], mask=m_set[:, None], other=0)
-        b_kc = tl.maximum(b_key, 0)[:, None]
-        b_row = b_prow | tl.where(b_kc // 32 == o_w[None, :], 1 << (b_kc % 32), 0)
-        tl.store(p_key + o_j, b_key, mask=m_at)
-        tl.store(p_anc + o_j[:, None] * WB + o_w[None, :], b_row, mask=m_set[:, None])
+        # pass 3: repeats take their first's index; anc row = parent's row | own bit
+        for c0 in range(lo, hi, LB):
+            o_l = c0 + tl.arange(0, LB)
+            m_l = o_l < hi
+            b_cmp = tl.load(p_cmp + o_l, mask=m_l, other=-1)
+            b_canon = tl.load(p_canon + o_l, mask=m_l, other=0)
+            m_dup = (b_cmp >= 0) & (b_canon != o_l)
+            b_key = tl.load(p_key + o_l, mask=m_l, other=-1)
+            b_ck = tl.load(p_key + tl.minimum(tl.maximum(b_canon, 0), TB - 1), mask=m_dup,
+                           other=-1)
+            b_key = tl.where(m_dup, b_ck, b_key)
+            tl.store(p_key + o_l, b_key, mask=m_dup)
+            if FROM_TABLE:
+                b_par = tl.load(t_par_ptr + o_l, mask=m_l, other=0)
+            else:
+                b_par = tl.load(r_par_ptr + i_b * T + o_l, mask=m_l, other=0)
+            b_pp = tl.minimum(tl.maximum(b_par, 0), TB - 1)
+            m_set = m_l & (b_key >= 0)
+            b_prow = tl.load(p_anc + b_pp[:, None] * WB + o_w[None, :], mask=m_set[:, None],
+                             other=0)  # [LB, WB]
+            b_kc = tl.maximum(b_key, 0)[:, None]
+            b_row = b_prow | tl.where(b_kc // 32 == o_w[None, :], 1 << (b_kc % 32), 0)
+            tl.store(p_anc + o_l[:, None] * WB + o_w[None, :], b_row, mask=m_set[:, None])
         tl.debug_barrier()
+        lo = hi
 
     n_out = tl.minimum(n_used, cap)
     m_o = o_n < n_out
     m_aw = o_w[None, :] < W
     p_orow = i_b * N * W + o_n[:, None] * W + o_w[None, :]
-    # draft nodes and padding from the draft vectors; new nodes scattered to their index
-    m_keep = m_d | ~m_o
-    b_ddep = tl.load(dep_ptr + p_row, mask=m_d, other=0)
-    b_danc = tl.load(anc_ptr + p_orow, mask=m_d[:, None] & m_aw, other=0)  # [NB, WB]
-    m_n = m_keep & (o_n < N)
-    tl.store(o_tok_ptr + p_row, b_dtok, mask=m_n)
-    tl.store(o_par_ptr + p_row, b_dpar, mask=m_n)
-    tl.store(o_dep_ptr + p_row, b_ddep, mask=m_n)
-    tl.store(o_anc_ptr + p_orow, b_danc, mask=m_n[:, None] & m_aw)
-    b_nk = tl.maximum(b_key, 0)
-    p_new = i_b * N + b_nk
-    tl.store(o_tok_ptr + p_new, b_rtok, mask=b_new)
-    tl.store(o_par_ptr + p_new, b_pkey, mask=b_new)
-    tl.store(o_dep_ptr + p_new, b_rdep, mask=b_new)
-    b_ranc = tl.load(p_anc + o_j[:, None] * WB + o_w[None, :], mask=b_new[:, None], other=0)
+    # draft nodes and padding from the draft tree; new nodes scattered to their index
+    m_n = (m_d | ~m_o) & (o_n < N)
+    tl.store(o_tok_ptr + p_row, tl.load(tok_ptr + p_row, mask=m_d, other=0), mask=m_n)
+    tl.store(o_par_ptr + p_row, tl.load(par_ptr + p_row, mask=m_d, other=-1), mask=m_n)
+    tl.store(o_dep_ptr + p_row, tl.load(dep_ptr + p_row, mask=m_d, other=0), mask=m_n)
+    tl.store(o_anc_ptr + p_orow, tl.load(anc_ptr + p_orow, mask=m_d[:, None] & m_aw, other=0),
+             mask=m_n[:, None] & m_aw)
+    m_new = (tl.load(p_new + o_j) != 0) & m_t
+    b_nk = tl.minimum(tl.maximum(tl.load(p_key + o_j), 0), NB - 1)
+    if FROM_TABLE:
+        b_rtok = tl.load(p_tok + o_j)
+    else:
+        b_rtok = tl.load(r_tok_ptr + i_b * T + o_j, mask=m_t, other=0)
+    p_new_row = i_b * N + b_nk
+    tl.store(o_tok_ptr + p_new_row, b_rtok, mask=m_new)
+    tl.store(o_par_ptr + p_new_row, tl.load(p_pkey + o_j), mask=m_new)
+    tl.store(o_dep_ptr + p_new_row, b_rdep, mask=m_new)
+    b_ranc = tl.load(p_anc + o_j[:, None] * WB + o_w[None, :], mask=m_new[:, None], other=0)
     tl.store(o_anc_ptr + i_b * N * W + b_nk[:, None] * W + o_w[None, :], b_ranc,
-             mask=b_new[:, None] & m_aw)
+             mask=m_new[:, None] & m_aw)
     tl.store(o_sc_ptr + p_row, tl.load(sc_ptr + p_row, mask=m_d, other=0.0), mask=o_n < N)
     tl.store(o_num_ptr + i_b, n_out)
     tl.debug_barrier()
@@ -393,9 +424,13 @@ def graft_fused(
     r_depth: torch.Tensor | None = None,
     r_num: torch.Tensor | None = None,
     max_depth: int = 0,
+    level_width: int = 32,
     out: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Retrieve (from ``table`` through the template, or the given ``r_*``) + merge + rebuild.
+
+    ``level_width``: the widest depth of the retrieved tree if known (the template's), which
+    sizes the per-depth tiles; wider depths are processed in several tiles.
 
     Returns the output tree's fields in ``Tree`` order (tokens, parents, num_nodes, depth, anc,
     first_child, next_sibling, scores), written into ``out`` when given.
@@ -443,20 +478,20 @@ def graft_fused(
     NB = max(triton.next_power_of_2(N), 2)
     TB = max(triton.next_power_of_2(T), 2)
     WB = max(triton.next_power_of_2(W), 2)
-    ws_key = torch.empty(B * TB, dtype=torch.int32, device=dev)
-    ws_tok = torch.empty(B * TB, dtype=torch.int64, device=dev)
-    ws_cmp = torch.empty(B * TB, dtype=torch.int64, device=dev)
+    level_block = min(32, max(2, triton.next_power_of_2(level_width)))
+    ws_i = torch.empty(B * 5 * TB, dtype=torch.int32, device=dev)
+    ws_l = torch.empty(B * 2 * TB, dtype=torch.int64, device=dev)
     ws_anc = torch.empty(B * TB * WB, dtype=torch.int32, device=dev)
     _graft_kernel[(B,)](
         tree.tokens, tree.parents, tree.num_nodes, tree.depth, tree.anc, tree.scores,
         out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7],
         budget if budget_t else tree.num_nodes, 0 if budget_t else int(budget),
         count if count_t else tree.num_nodes, count_val,
-        *t_args, *r_args, ws_key, ws_tok, ws_cmp, ws_anc,
+        *t_args, *r_args, ws_i, ws_l, ws_anc,
         N, T, V, max_depth,
-        K=K, W=W, NB=NB, TB=TB, WB=WB, CT=min(TB, 32), CN=min(NB, 32),
+        K=K, W=W, NB=NB, TB=TB, WB=WB, LB=level_block, CN=min(NB, 32),
         FROM_TABLE=from_table, BUDGET_T=budget_t, COUNT_T=count_t,
-        num_warps=_num_warps(TB, NB),
+        num_warps=4,
     )
     return out
 

@@ -547,8 +547,9 @@ def assert_same_tree(got: treeops.Tree, want: treeops.Tree) -> None:
 
 @given(trees(max_batch=3, capacities=(1, 8, 16, 64), vocab=12), templates(),
        st.integers(0, 2**31 - 1), st.sampled_from(["int", "tensor"]),
-       st.sampled_from([None, 5, "tensor"]))
-def test_graft_kernel_matches_reference(case, template, seed, budget_kind, count):
+       st.sampled_from([None, 5, "tensor"]), st.sampled_from([2, 32]))
+def test_graft_kernel_matches_reference(case, template, seed, budget_kind, count, level_width):
+    """level_width 2 makes every depth span several tiles (the loops over tiles of a depth)."""
     rng = random.Random(seed)
     tree = case.tree
     B, N = tree.parents.shape
@@ -564,7 +565,8 @@ def test_graft_kernel_matches_reference(case, template, seed, budget_kind, count
     want = ref.graft(pruned, tab, template, budget, cnt)
     par, rank, dep = template.tensors("cpu")
     got = treeops.Tree(*kern.graft_fused(pruned, budget, table=tab, t_parents=par, t_ranks=rank,
-                                         t_depth=dep, max_depth=template.max_depth, count=cnt))
+                                         t_depth=dep, max_depth=template.max_depth, count=cnt,
+                                         level_width=level_width))
     assert_same_tree(got, want)
     # two steps: retrieve, then merge the packed paths
     r = ref.adjacency_retrieve(tab, pruned.tokens[:, 0], template, cnt)
@@ -574,7 +576,7 @@ def test_graft_kernel_matches_reference(case, template, seed, budget_kind, count
         assert torch.equal(a, b_)
     got = treeops.Tree(*kern.graft_fused(pruned, budget, r_tokens=r.tokens, r_parents=r.parents,
                                          r_depth=r.depth, r_num=r.num_nodes,
-                                         max_depth=r.max_depth))
+                                         max_depth=r.max_depth, level_width=level_width))
     assert_same_tree(got, ref.graft_merge(pruned, r, budget))
 
 
@@ -591,9 +593,11 @@ def test_graft_kernel_default_template_budget_60():
     want.validate()
     assert int(want.num_nodes.max()) == 60  # the budget fills
     par, rank, dep = tpl.tensors("cpu")
-    got = treeops.Tree(*kern.graft_fused(pruned, 60, table=tab, t_parents=par, t_ranks=rank,
-                                         t_depth=dep, max_depth=tpl.max_depth))
-    assert_same_tree(got, want)
+    for lw in (tpl.max_width, 4):
+        got = treeops.Tree(*kern.graft_fused(pruned, 60, table=tab, t_parents=par, t_ranks=rank,
+                                             t_depth=dep, max_depth=tpl.max_depth,
+                                             level_width=lw))
+        assert_same_tree(got, want)
 
 
 def run_update_kernel(table, tokens, num, logits=None, ids=None, last_wins=False):

@@ -73,7 +73,8 @@ class RankTemplate:
         parents: [T] int32, -1 for the root, ``0 <= parents[j] < j``.
         ranks: [T] int32, -1 for the root, distinct among siblings.
         depth: [T] int32, non-decreasing (breadth-first order).
-    ``size`` = T, ``max_depth`` = depth of the deepest node, ``max_rank`` = largest rank.
+    ``size`` = T, ``max_depth`` = depth of the deepest node, ``max_rank`` = largest rank,
+    ``max_width`` = the most nodes at one depth.
 
     The default (``RankTemplate.default()``, 80 nodes over depths 0..9) is
     ``from_rank_probs(DEFAULT_RANK_PROBS, size=80, max_depth=9)``: the 79 rank paths of highest
@@ -132,6 +133,7 @@ class RankTemplate:
         self.size = T
         self.max_depth = max(depth)
         self.max_rank = max(rk)
+        self.max_width = max(depth.count(d) for d in range(self.max_depth + 1))
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def tensors(
@@ -542,7 +544,7 @@ def graft(
         par, rank, dep = template.tensors(tree.device)
         return Tree(*_k.graft_fused(tree, budget, table=table.table, t_parents=par,
                                     t_ranks=rank, t_depth=dep, max_depth=template.max_depth,
-                                    count=count))
+                                    level_width=template.max_width, count=count))
     return _ref.graft(tree, table.table, template, budget, count)
 
 
