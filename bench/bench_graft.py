@@ -236,6 +236,15 @@ def graph_us(calls, replays: int = 50) -> float:
     return times[len(times) // 2]
 
 
+def wall_us(calls, replays: int = 1) -> float:
+    """CPU dry run: wall-clock time per call (no graphs)."""
+    t = time.perf_counter()
+    for _ in range(replays):
+        for f in calls:
+            f()
+    return (time.perf_counter() - t) * 1e6 / (replays * len(calls))
+
+
 def tree_equal(a: Tree, b: Tree) -> bool:
     return all(torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu())
                for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child",
@@ -333,21 +342,24 @@ def main() -> None:
                     help="compare templates on real text (CPU), then exit")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--vocabs", default="32000,128256")
+    ap.add_argument("--device", default="cuda",
+                    help="'cpu': a dry run of the script's logic (references, wall-clock times)")
     args = ap.parse_args()
     if args.template_coverage:
         coverage_main("")
         return
     if not args.out:
         ap.error("--out is required")
-    if not torch.cuda.is_available():
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_graft needs a CUDA device")
     os.makedirs(args.out, exist_ok=True)
-    dev = torch.device("cuda")
+    timer = graph_us if dev.type == "cuda" else wall_us
     gen = torch.Generator().manual_seed(0)
     N, budget, k, n_verify = 64, 60, 8, 60
     tpl = RankTemplate.default()
     x = torch.zeros(1, device=dev)
-    empty_us = graph_us([lambda: _empty_kernel[(1,)](x)] * 16)
+    empty_us = graph_us([lambda: _empty_kernel[(1,)](x)] * 16) if dev.type == "cuda" else 0.0
     rows = []
     for V in [int(v) for v in args.vocabs.split(",")]:
         for B in [int(b) for b in args.batches.split(",")]:
@@ -371,8 +383,8 @@ def main() -> None:
             W = tree.anc.shape[2]
             tree_bytes = B * N * (8 + 4 * 6 + 4 * W) + B * 4
             nbytes = 2 * tree_bytes + B * tpl.size * 4
-            t_ops = graph_us([lambda: graft(pruned, table, tpl, budget)] * 16) if ok else None
-            t_torch = graph_us([lambda: torch_graft(pruned, table.table, tpl, budget)] * 4) \
+            t_ops = timer([lambda: graft(pruned, table, tpl, budget)] * 16) if ok else None
+            t_torch = timer([lambda: torch_graft(pruned, table.table, tpl, budget)] * 4) \
                 if ok_torch else None
             rows.append(dict(op="retrieve_merge", B=B, budget=budget, V=V, N=N,
                              treeops_us=t_ops, torch_us=t_torch,
@@ -392,9 +404,9 @@ def main() -> None:
             ok = ok and torch.equal(again.table, want_t)  # deterministic
             ttab = TorchTable(V, k, dev)
             nbytes = B * n_verify * V * 2 + B * n_verify * (k * 4 + 8)
-            t_ops = graph_us([(lambda lg=lg: table.update(tree, lg)) for lg in logits]) \
+            t_ops = timer([(lambda lg=lg: table.update(tree, lg)) for lg in logits]) \
                 if ok else None
-            t_torch = graph_us([(lambda lg=lg: ttab.update(tree.tokens, tree.num_nodes, lg))
+            t_torch = timer([(lambda lg=lg: ttab.update(tree.tokens, tree.num_nodes, lg))
                                 for lg in logits])
             rows.append(dict(op="update", B=B, budget=budget, V=V, N=N, treeops_us=t_ops,
                              torch_us=t_torch,
@@ -415,8 +427,8 @@ def main() -> None:
             want_i[tok[win]] = ids.view(B * N, k)[win]
             ok = torch.equal(table.table, want_i)
             nbytes = B * n_verify * (k * 4 * 2 + 8)
-            t_ops = graph_us([lambda: table.update(tree, topk_ids=ids)] * 16) if ok else None
-            t_torch = graph_us([lambda: ttab.update(tree.tokens, tree.num_nodes, topk_ids=ids)]
+            t_ops = timer([lambda: table.update(tree, topk_ids=ids)] * 16) if ok else None
+            t_torch = timer([lambda: ttab.update(tree.tokens, tree.num_nodes, topk_ids=ids)]
                                * 4)
             rows.append(dict(op="update_ids", B=B, budget=budget, V=V, N=N, treeops_us=t_ops,
                              torch_us=t_torch,
@@ -429,7 +441,7 @@ def main() -> None:
     except OSError:
         commit = ""
     out = dict(
-        gpu=torch.cuda.get_device_name(),
+        gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
         date=time.strftime("%Y-%m-%d"),
         versions=dict(torch=torch.__version__, triton=triton.__version__,
                       treeops=treeops.__version__, cuda=torch.version.cuda),
