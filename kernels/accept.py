@@ -12,10 +12,18 @@ replayed in a CUDA graph without a memset. ``phase=1/2`` splits the same code in
 
 Kept set of a sampling node (top-k, then top-p): the first C tokens in the order (logit
 descending, id ascending), i.e. ``key(x_t) > thr or (key(x_t) == thr and t <= idcut)`` with
-``key`` an order-preserving int32 image of the fp32 logit. ``thr`` is found exactly by a
-multi-pivot search over the 2^32 keys (NPIV pivots per pass over the row, 8 passes for
-NPIV = 15), then ties are cut in id order with one prefix-count pass. Rows without top-k/top-p
-skip all of this and read the logits once.
+``key`` an order-preserving int32 image of the fp32 logit. Fast path (two passes over the row):
+pass 1 also stores the maxima of groups of tokens; the k-th largest group maximum (top-k), or
+the smallest group maximum whose running mass of group maxima reaches top_p (top-p only), is a
+lower bound L of the threshold; pass 2 compacts every token >= L into CAP slots, which are
+sorted in registers by (key, id) to read off C, thr, idcut, Z and the per-block masses. When k
+exceeds the number of groups or more than CAP tokens reach L (a wide nucleus), an exact
+multi-pivot search over the 2^32 keys runs instead (NPIV pivots per pass, 8 passes for
+NPIV = 16, plus tie and mass passes). Rows without top-k/top-p read the logits once.
+
+The walker finds the bonus token of a sampling node from the per-block kept masses that the
+node's program stored, then scans that block (and the next ones only if rounding says so), so
+no request rescans a whole row.
 """
 
 from __future__ import annotations
