@@ -453,6 +453,8 @@ def graft_fused(
             torch.empty(B, N, dtype=torch.int32, device=dev),
             torch.empty(B, N, dtype=torch.float32, device=dev),
         )
+    for f, t in zip(fields, out):
+        _contig(f"out.{f}", t)
     from_table = table is not None
     if from_table:
         assert t_parents is not None and t_ranks is not None and t_depth is not None

@@ -598,6 +598,10 @@ def test_graft_kernel_default_template_budget_60():
                                              t_depth=dep, max_depth=tpl.max_depth,
                                              level_width=lw))
         assert_same_tree(got, want)
+    out = treeops.Tree.empty(4, 64)
+    kern.graft_fused(pruned, 60, table=tab, t_parents=par, t_ranks=rank, t_depth=dep,
+                     max_depth=tpl.max_depth, out=tuple(getattr(out, f) for f in TREE_FIELDS))
+    assert_same_tree(out, want)
 
 
 def run_update_kernel(table, tokens, num, logits=None, ids=None, last_wins=False):
@@ -673,3 +677,18 @@ def test_bench_torch_peers_match_reference(case, seed):
     assert torch.equal(tt.table[:V], want)
     assert torch.equal(bench.stable_topk_table(tree.tokens, tree.num_nodes, logits, 3, V,
                                                torch.full((V, 3), -1, dtype=torch.int32)), want)
+
+
+def test_out_buffers():
+    tree = tree_from_lists([[-1, 0, 0]], [[1, 2, 3]], capacity=8)
+    table = AdjacencyTable(8, 2)
+    table.table[1] = torch.tensor([4, 2], dtype=torch.int32)
+    out = treeops.Tree.empty(1, 8)
+    res = graft(tree, table, RankTemplate.balanced(2, 1), 8, out=out)
+    assert res is out
+    assert out.tokens[0, : int(out.num_nodes[0])].tolist() == [1, 2, 3, 4]
+    out.validate()
+    with pytest.raises(ValueError, match="Invalid out: it shares memory with tree"):
+        graft(tree, table, RankTemplate.balanced(2, 1), 8, out=tree)
+    with pytest.raises(ValueError, match=r"Invalid shape of out: expected a tree of shape \[1, 8"):
+        graft(tree, table, RankTemplate.balanced(2, 1), 8, out=treeops.Tree.empty(1, 4))

@@ -474,6 +474,7 @@ def graft_merge(
     retrieved: Retrieved,
     budget: torch.Tensor | int,
     *,
+    out: Tree | None = None,
     validate: bool = False,
 ) -> Tree:
     """Insert retrieved paths into a (pruned) tree as into a trie, up to ``budget`` nodes.
@@ -487,7 +488,8 @@ def graft_merge(
     nodes unchanged, then retrieved nodes in retrieval order: one whose token already sits
     among its merged parent's children reuses that node, otherwise it becomes a new node of score
     0 while fewer than ``budget`` nodes are used (else it is dropped with its subtree). Depth,
-    ``anc`` and the links are rebuilt; the result passes ``Tree.validate()``.
+    ``anc`` and the links are rebuilt; the result passes ``Tree.validate()``. ``out``: a
+    ``Tree`` of the same shape (not ``tree`` itself) to write into instead of allocating.
     """
     check_tree(tree, validate=validate)
     if not isinstance(retrieved, Retrieved):
@@ -504,13 +506,15 @@ def graft_merge(
         retrieved.validate()
         if isinstance(budget, torch.Tensor):
             check_range("budget", budget, 0)
+    _check_out(out, tree)
     if tree.parents.is_cuda:
         from .kernels import graft as _k
 
         return Tree(*_k.graft_fused(
             tree, budget, r_tokens=retrieved.tokens, r_parents=retrieved.parents,
-            r_depth=retrieved.depth, r_num=retrieved.num_nodes, max_depth=retrieved.max_depth))
-    return _ref.graft_merge(tree, retrieved, budget)
+            r_depth=retrieved.depth, r_num=retrieved.num_nodes, max_depth=retrieved.max_depth,
+            out=_fields(out)))
+    return _copy_out(_ref.graft_merge(tree, retrieved, budget), out)
 
 
 def graft(
@@ -520,12 +524,13 @@ def graft(
     budget: torch.Tensor | int,
     count: torch.Tensor | int | None = None,
     *,
+    out: Tree | None = None,
     validate: bool = False,
 ) -> Tree:
     """Retrieve from each request's root token and merge, in one launch on CUDA:
     ``graft_merge(tree, table.retrieve(tree.tokens[:, 0], template, count), budget)``.
 
-    Shapes as in ``graft_merge``; the template has at most 256 nodes. No host sync.
+    Shapes and ``out`` as in ``graft_merge``; the template has at most 256 nodes. No host sync.
     """
     check_tree(tree, validate=validate)
     if not isinstance(table, AdjacencyTable):
@@ -538,14 +543,44 @@ def graft(
     _check_count(count, B, tree.device)
     if validate and isinstance(budget, torch.Tensor):
         check_range("budget", budget, 0)
+    _check_out(out, tree)
     if tree.parents.is_cuda:
         from .kernels import graft as _k
 
         par, rank, dep = template.tensors(tree.device)
         return Tree(*_k.graft_fused(tree, budget, table=table.table, t_parents=par,
                                     t_ranks=rank, t_depth=dep, max_depth=template.max_depth,
-                                    level_width=template.max_width, count=count))
-    return _ref.graft(tree, table.table, template, budget, count)
+                                    level_width=template.max_width, count=count,
+                                    out=_fields(out)))
+    return _copy_out(_ref.graft(tree, table.table, template, budget, count), out)
+
+
+_FIELDS = ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling",
+           "scores")
+
+
+def _check_out(out: Tree | None, tree: Tree) -> None:
+    if out is None:
+        return
+    out = check_tree(out, name="out")
+    if out.parents.shape != tree.parents.shape or out.device != tree.device:
+        raise ValueError(f"Invalid shape of out: expected a tree of shape "
+                         f"{list(tree.parents.shape)} on {tree.device}, got "
+                         f"{list(out.parents.shape)} on {out.device}")
+    if any(getattr(out, f).data_ptr() == getattr(tree, f).data_ptr() for f in _FIELDS):
+        raise ValueError("Invalid out: it shares memory with tree (the merge is not in place)")
+
+
+def _fields(out: Tree | None) -> tuple[torch.Tensor, ...] | None:
+    return None if out is None else tuple(getattr(out, f) for f in _FIELDS)
+
+
+def _copy_out(res: Tree, out: Tree | None) -> Tree:
+    if out is None:
+        return res
+    for f in _FIELDS:
+        getattr(out, f).copy_(getattr(res, f))
+    return out
 
 
 def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tree:
