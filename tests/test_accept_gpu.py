@@ -62,7 +62,7 @@ def test_greedy_gpu_matches_reference(B, N, V, dtype, phase):
         pub.bonus.cpu(), want.bonus
     )
     # every split count gives the same answer
-    for s in (1, 3, 8):
+    for s in (1, 8):
         r = accept_launch(tg, lgg, num_splits=s, phase=phase, topk_ids=3)
         assert torch.equal(r.accepted.cpu(), want.accepted) and torch.equal(
             r.bonus.cpu(), want.bonus
@@ -125,7 +125,7 @@ def test_sample_gpu_matches_reference(B, N, V, dtype, phase):
         assert_same(Acc_cpu(got), want, lp_tol=5e-4)
 
 
-STRESS_SHAPE = (16, 256, 4, 8, 128)  # B, N, layers, KV heads, head dim
+STRESS_SHAPE = (8, 256, 4, 8, 128)  # B, N, layers, KV heads, head dim
 
 
 def _phys(bt: torch.Tensor, slots: torch.Tensor, ps: int):
@@ -154,7 +154,7 @@ def test_compact_gpu_stress(page_size, stacked):
     kc0 = torch.randn(shape).to(DEV, torch.bfloat16)
     vc0 = torch.randn(shape).to(DEV, torch.bfloat16)
     btg, seqg = bt.to(DEV), seq.to(DEV)
-    for trial in range(12):
+    for trial in range(6):
         acc = torch.full((B, N), -1, dtype=torch.int32)
         alen = torch.zeros(B, dtype=torch.int32)
         for b in range(B):
