@@ -294,7 +294,8 @@ class Retrieved:
 def _check_budget(budget: torch.Tensor | int, B: int, dev: torch.device, N: int) -> None:
     if isinstance(budget, torch.Tensor):
         check_tensor("budget", budget, shape=(B,), dtype=torch.int32)
-        check_same_device(tree=torch.empty(0, device=dev), budget=budget)
+        if budget.device != dev:
+            raise ValueError(f"Invalid device of budget: expected {dev}, got {budget.device}")
     elif not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"Invalid value of budget: expected an int >= 1 or a [B] int32 tensor, "
                          f"got {budget!r}")
