@@ -537,6 +537,12 @@ def main() -> None:
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--quick", action="store_true", help="V = 32000 and B = 8 only")
     ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=240.0,
+        help="stop starting new rows (and FlashInfer peers past 60%%) after this",
+    )
+    ap.add_argument(
         "--cpu-dry-run",
         action="store_true",
         help="tiny sizes on CPU under TRITON_INTERPRET=1 (checks the script only)",
@@ -603,33 +609,50 @@ def main() -> None:
             flush=True,
         )
 
-    for V in Vs:
-        for B in Bs:
-            add(bench_accept_row("greedy", B, V, empty_us, fi))
-            add(bench_accept_row("sampling", B, V, empty_us, fi, (0.8, 0, 1.0)))
-            add(bench_accept_row("sampling", B, V, empty_us, fi, (0.8, 50, 0.9)))
-    for B in Bs:
-        add(bench_compact_row(B, empty_us))
-    for r in rows:
-        if r.get("treeops_us"):
-            r["treeops_over_floor"] = r["treeops_us"] / r["floor_us"]
-            if r.get("torch_us"):
-                r["treeops_over_torch"] = r["treeops_us"] / r["torch_us"]
-            if r.get("flashinfer_us"):
-                r["treeops_over_flashinfer"] = r["treeops_us"] / r["flashinfer_us"]
-    out = dict(
-        gpu=torch.cuda.get_device_name() if DEV != "cpu" else "cpu (dry run)",
-        versions=versions,
-        commit=commit,
-        date=time.strftime("%Y-%m-%d"),
-        hbm_bytes_per_s=HBM_BYTES_PER_S,
-        empty_kernel_graph_us=empty_us,
-        wall_s=round(time.time() - t_start, 1),
-        rows=rows,
-    )
     path = os.path.join(args.out, "accept.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+
+    def save():
+        # rewritten after every row, so a stage time limit still leaves the rows measured so far
+        for r in rows:
+            if r.get("treeops_us"):
+                r["treeops_over_floor"] = r["treeops_us"] / r["floor_us"]
+                if r.get("torch_us"):
+                    r["treeops_over_torch"] = r["treeops_us"] / r["torch_us"]
+                if r.get("flashinfer_us"):
+                    r["treeops_over_flashinfer"] = r["treeops_us"] / r["flashinfer_us"]
+        out = dict(
+            gpu=torch.cuda.get_device_name() if DEV != "cpu" else "cpu (dry run)",
+            versions=versions,
+            commit=commit,
+            date=time.strftime("%Y-%m-%d"),
+            hbm_bytes_per_s=HBM_BYTES_PER_S,
+            empty_kernel_graph_us=empty_us,
+            wall_s=round(time.time() - t_start, 1),
+            rows=rows,
+        )
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        return out
+
+    jobs = [lambda B=B: bench_compact_row(B, empty_us) for B in Bs]
+    for op, params in (("greedy", None), ("sampling", (0.8, 0, 1.0)), ("sampling", (0.8, 50, 0.9))):
+        for V in Vs:
+            for B in Bs:
+                jobs.append(
+                    lambda op=op, B=B, V=V, params=params: bench_accept_row(
+                        op, B, V, empty_us, fi, params
+                    )
+                )
+    for job in jobs:
+        if time.time() - t_start > args.budget_s:
+            print(f"time budget of {args.budget_s} s spent: {len(jobs) - len(rows)} rows skipped")
+            break
+        if fi is not None and time.time() - t_start > 0.6 * args.budget_s:
+            FI_REASON = "skipped to stay within --budget-s"
+            fi = None
+        add(job())
+        save()
+    out = save()
 
     def fmt(x):
         return "-" if x is None else (f"{x:.1f}" if isinstance(x, float) else str(x))
