@@ -37,6 +37,28 @@ _I32MAX = tl.constexpr(INT32_MAX)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@triton.jit
+def _draft_match(par_ptr, tok_ptr, row, n_draft, b_pk, b_t32,
+                 LB: tl.constexpr, NB: tl.constexpr, CN: tl.constexpr):
+    """Per retrieved node: the draft child (index < n_draft) of merged node ``b_pk`` carrying
+    token ``b_t32``, or _BIG; draft nodes read in [LB, CN] tiles."""
+    b_dm = tl.full([LB], _BIG, tl.int32)
+    for c in tl.static_range(0, NB, CN):
+        o_c = c + tl.arange(0, CN)
+        m_c = (o_c < n_draft) & (o_c > 0)
+        b_cpar = tl.load(par_ptr + row + o_c, mask=m_c, other=-2)  # [CN]
+        b_ctok = tl.load(tok_ptr + row + o_c, mask=m_c, other=0).to(tl.int32)
+        m_dm = (b_cpar[None, :] == b_pk[:, None]) & (b_ctok[None, :] == b_t32[:, None])
+        b_dm = tl.minimum(b_dm, tl.min(tl.where(m_dm, o_c[None, :], _BIG), axis=1))
+    return b_dm
+
+
+@triton.jit
+def _cmp_key(m_un, b_pk, b_t32):
+    """(merged parent, token) packed in an int64 for nodes still unmatched, else -1."""
+    return tl.where(m_un, (b_pk.to(tl.int64) << 32) | (b_t32.to(tl.int64) & 0xFFFFFFFF), -1)
+
+
 @triton.jit(do_not_specialize=["N", "T", "V", "max_depth", "budget_val", "count_val"])
 def _graft_kernel(
     # input tree, contiguous [B, N] / [B, N, W]
@@ -105,9 +127,9 @@ def _graft_kernel(
     # breadth-first order: depth d occupies retrieved nodes [lo, hi)
     for d in range(1, max_depth + 1):
         hi = lo + tl.sum(((b_rdep == d) & m_t & (o_j > 0)).to(tl.int32), 0)
-        # pass 1: the token (template: a table look-up) and a draft child to reuse
-        for c0 in range(lo, hi, LB):
-            o_l = c0 + tl.arange(0, LB)  # [LB]
+        if hi - lo <= LB:
+            # the whole depth in one tile (always, in template mode): one pass in registers
+            o_l = lo + tl.arange(0, LB)  # [LB]
             m_l = o_l < hi
             if FROM_TABLE:
                 b_par = tl.load(t_par_ptr + o_l, mask=m_l, other=0)
@@ -115,6 +137,8 @@ def _graft_kernel(
                 b_par = tl.load(r_par_ptr + i_b * T + o_l, mask=m_l, other=0)
             b_pp = tl.minimum(tl.maximum(b_par, 0), TB - 1)
             b_pk = tl.load(p_key + b_pp, mask=m_l, other=-1)
+            b_prow = tl.load(p_anc + b_pp[:, None] * WB + o_w[None, :], mask=m_l[:, None],
+                             other=0)  # [LB, WB] parents' anc rows
             if FROM_TABLE:
                 b_rank = tl.load(t_rank_ptr + o_l, mask=m_l, other=0)
                 b_ptok = tl.load(p_tok + b_pp, mask=m_l, other=-1)
@@ -129,67 +153,105 @@ def _graft_kernel(
                 b_tok = tl.load(r_tok_ptr + i_b * T + o_l, mask=m_l, other=-1)
                 m_got = m_l
             m_live = m_got & (b_pk >= 0) & active
-            # tokens compared as int32: vocabularies are < 2**31
             b_t32 = b_tok.to(tl.int32)
-            b_dm = tl.full([LB], _BIG, tl.int32)
-            for c in tl.static_range(0, NB, CN):
-                o_c = c + tl.arange(0, CN)
-                m_c = (o_c < n_draft) & (o_c > 0)
-                b_cpar = tl.load(par_ptr + i_b * N + o_c, mask=m_c, other=-2)  # [CN]
-                b_ctok = tl.load(tok_ptr + i_b * N + o_c, mask=m_c, other=0).to(tl.int32)
-                m_dm = (b_cpar[None, :] == b_pk[:, None]) & (b_ctok[None, :] == b_t32[:, None])
-                b_dm = tl.minimum(b_dm, tl.min(tl.where(m_dm, o_c[None, :], _BIG), axis=1))
+            b_dm = _draft_match(par_ptr, tok_ptr, i_b * N, n_draft, b_pk, b_t32, LB, NB, CN)
             m_un = m_live & (b_dm == _BIG)
-            b_cmp = tl.where(m_un, (b_pk.to(tl.int64) << 32) | (b_t32.to(tl.int64) & 0xFFFFFFFF),
-                             -1)
-            tl.store(p_cmp + o_l, b_cmp, mask=m_l)
-            tl.store(p_key + o_l, tl.where(m_live & ~m_un, b_dm, -1), mask=m_l)
-            tl.store(p_pkey + o_l, b_pk, mask=m_l)
-        tl.debug_barrier()
-        # pass 2: the first node of the level with the same merged parent and token is new,
-        # numbered in order while under the budget
-        for c0 in range(lo, hi, LB):
-            o_l = c0 + tl.arange(0, LB)
-            m_l = o_l < hi
-            b_cmp = tl.load(p_cmp + o_l, mask=m_l, other=-1)
-            b_canon = tl.full([LB], _BIG, tl.int32)
-            for c1 in range(lo, hi, LB):
-                o_m = c1 + tl.arange(0, LB)
-                b_col = tl.load(p_cmp + o_m, mask=o_m < hi, other=-1)
-                m_same = (b_cmp[:, None] == b_col[None, :]) & (b_col[None, :] >= 0)
-                b_canon = tl.minimum(b_canon, tl.min(tl.where(m_same, o_m[None, :], _BIG), 1))
+            b_cmp = _cmp_key(m_un, b_pk, b_t32)
+            m_same = (b_cmp[:, None] == b_cmp[None, :]) & (b_cmp[None, :] >= 0)  # [LB, LB]
+            b_canon = tl.min(tl.where(m_same, o_l[None, :], _BIG), axis=1)
             m_first = (b_cmp >= 0) & (b_canon == o_l)
             b_idx = n_used + tl.cumsum(m_first.to(tl.int32), 0) - 1
             m_kept = m_first & (b_idx < cap)
             n_used += tl.sum(m_first.to(tl.int32), 0)
-            tl.store(p_key + o_l, tl.where(m_kept, b_idx, -1), mask=m_first)
-            tl.store(p_canon + o_l, b_canon, mask=m_l)
-            tl.store(p_new + o_l, m_kept.to(tl.int32), mask=m_l)
-        tl.debug_barrier()
-        # pass 3: repeats take their first's index; anc row = parent's row | own bit
-        for c0 in range(lo, hi, LB):
-            o_l = c0 + tl.arange(0, LB)
-            m_l = o_l < hi
-            b_cmp = tl.load(p_cmp + o_l, mask=m_l, other=-1)
-            b_canon = tl.load(p_canon + o_l, mask=m_l, other=0)
-            m_dup = (b_cmp >= 0) & (b_canon != o_l)
-            b_key = tl.load(p_key + o_l, mask=m_l, other=-1)
-            b_ck = tl.load(p_key + tl.minimum(tl.maximum(b_canon, 0), TB - 1), mask=m_dup,
-                           other=-1)
-            b_key = tl.where(m_dup, b_ck, b_key)
-            tl.store(p_key + o_l, b_key, mask=m_dup)
-            if FROM_TABLE:
-                b_par = tl.load(t_par_ptr + o_l, mask=m_l, other=0)
-            else:
-                b_par = tl.load(r_par_ptr + i_b * T + o_l, mask=m_l, other=0)
-            b_pp = tl.minimum(tl.maximum(b_par, 0), TB - 1)
-            m_set = m_l & (b_key >= 0)
-            b_prow = tl.load(p_anc + b_pp[:, None] * WB + o_w[None, :], mask=m_set[:, None],
-                             other=0)  # [LB, WB]
+            b_fkey = tl.where(m_kept, b_idx, -1)
+            b_ck = tl.sum(tl.where(b_canon[:, None] == o_l[None, :], b_fkey[None, :], 0), axis=1)
+            b_key = tl.where(m_live, tl.where(m_un, b_ck, b_dm), -1)
             b_kc = tl.maximum(b_key, 0)[:, None]
             b_row = b_prow | tl.where(b_kc // 32 == o_w[None, :], 1 << (b_kc % 32), 0)
-            tl.store(p_anc + o_l[:, None] * WB + o_w[None, :], b_row, mask=m_set[:, None])
-        tl.debug_barrier()
+            tl.store(p_key + o_l, b_key, mask=m_l)
+            tl.store(p_pkey + o_l, b_pk, mask=m_l)
+            tl.store(p_new + o_l, m_kept.to(tl.int32), mask=m_l)
+            tl.store(p_anc + o_l[:, None] * WB + o_w[None, :], b_row,
+                     mask=(m_l & (b_key >= 0))[:, None])
+            tl.debug_barrier()
+        else:
+            # pass 1: the token (template: a table look-up) and a draft child to reuse
+            for c0 in range(lo, hi, LB):
+                o_l = c0 + tl.arange(0, LB)  # [LB]
+                m_l = o_l < hi
+                if FROM_TABLE:
+                    b_par = tl.load(t_par_ptr + o_l, mask=m_l, other=0)
+                else:
+                    b_par = tl.load(r_par_ptr + i_b * T + o_l, mask=m_l, other=0)
+                b_pp = tl.minimum(tl.maximum(b_par, 0), TB - 1)
+                b_pk = tl.load(p_key + b_pp, mask=m_l, other=-1)
+                if FROM_TABLE:
+                    b_rank = tl.load(t_rank_ptr + o_l, mask=m_l, other=0)
+                    b_ptok = tl.load(p_tok + b_pp, mask=m_l, other=-1)
+                    m_look = m_l & (b_ptok >= 0) & (b_ptok < V)
+                    b_nt = tl.load(table_ptr + b_ptok * K + b_rank, mask=m_look, other=-1)
+                    m_got = m_look & (b_nt >= 0) & (b_nt < V)
+                    m_got = m_got & (n_got + tl.cumsum(m_got.to(tl.int32), 0) <= limit)
+                    n_got += tl.sum(m_got.to(tl.int32), 0)
+                    b_tok = tl.where(m_got, b_nt, -1).to(tl.int64)
+                    tl.store(p_tok + o_l, b_tok, mask=m_l)
+                else:
+                    b_tok = tl.load(r_tok_ptr + i_b * T + o_l, mask=m_l, other=-1)
+                    m_got = m_l
+                m_live = m_got & (b_pk >= 0) & active
+                # tokens compared as int32: vocabularies are < 2**31
+                b_t32 = b_tok.to(tl.int32)
+                b_dm = _draft_match(par_ptr, tok_ptr, i_b * N, n_draft, b_pk, b_t32, LB, NB, CN)
+                m_un = m_live & (b_dm == _BIG)
+                b_cmp = _cmp_key(m_un, b_pk, b_t32)
+                tl.store(p_cmp + o_l, b_cmp, mask=m_l)
+                tl.store(p_key + o_l, tl.where(m_live & ~m_un, b_dm, -1), mask=m_l)
+                tl.store(p_pkey + o_l, b_pk, mask=m_l)
+            tl.debug_barrier()
+            # pass 2: the first node of the level with the same merged parent and token is new,
+            # numbered in order while under the budget
+            for c0 in range(lo, hi, LB):
+                o_l = c0 + tl.arange(0, LB)
+                m_l = o_l < hi
+                b_cmp = tl.load(p_cmp + o_l, mask=m_l, other=-1)
+                b_canon = tl.full([LB], _BIG, tl.int32)
+                for c1 in range(lo, hi, LB):
+                    o_m = c1 + tl.arange(0, LB)
+                    b_col = tl.load(p_cmp + o_m, mask=o_m < hi, other=-1)
+                    m_same = (b_cmp[:, None] == b_col[None, :]) & (b_col[None, :] >= 0)
+                    b_canon = tl.minimum(b_canon, tl.min(tl.where(m_same, o_m[None, :], _BIG), 1))
+                m_first = (b_cmp >= 0) & (b_canon == o_l)
+                b_idx = n_used + tl.cumsum(m_first.to(tl.int32), 0) - 1
+                m_kept = m_first & (b_idx < cap)
+                n_used += tl.sum(m_first.to(tl.int32), 0)
+                tl.store(p_key + o_l, tl.where(m_kept, b_idx, -1), mask=m_first)
+                tl.store(p_canon + o_l, b_canon, mask=m_l)
+                tl.store(p_new + o_l, m_kept.to(tl.int32), mask=m_l)
+            tl.debug_barrier()
+            # pass 3: repeats take their first's index; anc row = parent's row | own bit
+            for c0 in range(lo, hi, LB):
+                o_l = c0 + tl.arange(0, LB)
+                m_l = o_l < hi
+                b_cmp = tl.load(p_cmp + o_l, mask=m_l, other=-1)
+                b_canon = tl.load(p_canon + o_l, mask=m_l, other=0)
+                m_dup = (b_cmp >= 0) & (b_canon != o_l)
+                b_key = tl.load(p_key + o_l, mask=m_l, other=-1)
+                b_ck = tl.load(p_key + tl.minimum(tl.maximum(b_canon, 0), TB - 1), mask=m_dup,
+                               other=-1)
+                b_key = tl.where(m_dup, b_ck, b_key)
+                tl.store(p_key + o_l, b_key, mask=m_dup)
+                if FROM_TABLE:
+                    b_par = tl.load(t_par_ptr + o_l, mask=m_l, other=0)
+                else:
+                    b_par = tl.load(r_par_ptr + i_b * T + o_l, mask=m_l, other=0)
+                b_pp = tl.minimum(tl.maximum(b_par, 0), TB - 1)
+                m_set = m_l & (b_key >= 0)
+                b_prow = tl.load(p_anc + b_pp[:, None] * WB + o_w[None, :], mask=m_set[:, None],
+                                 other=0)  # [LB, WB]
+                b_kc = tl.maximum(b_key, 0)[:, None]
+                b_row = b_prow | tl.where(b_kc // 32 == o_w[None, :], 1 << (b_kc % 32), 0)
+                tl.store(p_anc + o_l[:, None] * WB + o_w[None, :], b_row, mask=m_set[:, None])
+            tl.debug_barrier()
         lo = hi
 
     n_out = tl.minimum(n_used, cap)
