@@ -1109,9 +1109,6 @@ def accept_launch(
     has_stop = stop_ids is not None
     n_stop = stop_ids.shape[-1] if has_stop else 0
     s_sb = (stop_ids.stride(0) if stop_ids.dim() == 2 else 0) if has_stop else 0
-    if has_stop and stop_ids.stride(-1) != 1:
-        stop_ids = stop_ids.contiguous()
-        s_sb = stop_ids.stride(0) if stop_ids.dim() == 2 else 0
     tk, tp = tree.tokens, tree.parents
     num_warps = 8 if (block_v >= 4096 or sample) and not _interpreted() else 4
     common = dict(
@@ -1179,7 +1176,7 @@ def accept_launch(
         chunk,
         NCH,
     ]
-    assert tk.stride(1) == 1 and tp.stride(1) == 1 and (not sample or uniforms.stride(1) == 1)
+    assert tk.stride(1) == 1 and tp.stride(1) == 1, "tree fields are contiguous along N"
     if phase == 0:
         _accept_kernel[(B * N * S,)](*args, PHASE=0, **common)
     else:

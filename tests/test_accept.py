@@ -662,6 +662,11 @@ def _good():
         ),
         (lambda a: a.update(stop_ids=torch.zeros(2)), "Invalid dtype of stop_ids"),
         (
+            lambda a: a.update(stop_ids=torch.zeros(4, 6, dtype=torch.int64)[:, ::2]),
+            "Invalid layout of stop_ids",
+        ),
+        (lambda a: a.update(uniforms=torch.rand(6, 4).t()), "Invalid layout of uniforms"),
+        (
             lambda a: a.update(max_new_tokens=torch.ones(5, dtype=torch.int32)),
             "Invalid shape of max_new_tokens",
         ),

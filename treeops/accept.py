@@ -93,6 +93,11 @@ def _check_accept_inputs(
             dtype=_INT_DTYPES,
             sizes=sizes,
         )
+        if stop_ids.shape[-1] > 1 and stop_ids.stride(-1) != 1:
+            raise ValueError(
+                f"Invalid layout of stop_ids: expected unit stride in the last dimension, got "
+                f"strides {stop_ids.stride()}"
+            )
     if max_new_tokens is not None:
         check_tensor("max_new_tokens", max_new_tokens, shape=("B",), dtype=_INT_DTYPES, sizes=sizes)
     if not isinstance(topk_ids, int) or isinstance(topk_ids, bool) or not 0 <= topk_ids <= V:
@@ -109,6 +114,11 @@ def _check_accept_inputs(
         check_tensor("top_k", top_k, shape=("B",), dtype=_INT_DTYPES, sizes=sizes)
         check_tensor("top_p", top_p, shape=("B",), dtype=torch.float32, sizes=sizes)
         check_tensor("uniforms", uniforms, shape=("B", "N"), dtype=torch.float32, sizes=sizes)
+        if uniforms.stride(1) != 1 and uniforms.shape[1] > 1:
+            raise ValueError(
+                f"Invalid layout of uniforms: expected unit stride along N, got strides "
+                f"{uniforms.stride()}"
+            )
     check_same_device(
         tree=tree.parents,
         target_logits=target_logits,
