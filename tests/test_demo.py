@@ -2,6 +2,8 @@
 
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 from treeops.cli import main
 
@@ -17,7 +19,9 @@ def test_demo_runs(capsys):
 
 
 def test_console_script_installed(tmp_path):
-    exe = shutil.which("treeops")
-    assert exe is not None, "the treeops console script is not on PATH (pip install -e .)"
+    # The script pip installed beside this interpreter (the venv need not be activated).
+    beside = Path(sys.executable).parent / "treeops"
+    exe = str(beside) if beside.exists() else shutil.which("treeops")
+    assert exe is not None, "no treeops console script beside the interpreter or on PATH"
     out = subprocess.run([exe, "--help"], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0 and "demo" in out.stdout
