@@ -1,13 +1,13 @@
 """KV compaction kernel (DESIGN.md op 8): one program per (request, layer, KV head).
 
-Each program walks the accepted path in increasing depth d and copies the [D] row of slot
-``s + accepted[d]`` to slot ``s + d`` in K and in V. In place is safe in that order: a source
-``s + i_d`` (``i_d >= d``) is never an earlier destination (``< s + d``), and a destination
-``s + d`` that is a later source has already been read. A load and the store that later
-overwrites the same element are issued by the same thread (same [D] layout); a CTA barrier per
-step makes that independent of the layout the compiler picks. Layers come either from one
-stacked tensor (a layer stride) or from a device table of per-layer base pointers, so all layers
-move in one launch. Addresses are int64.
+Each program walks the accepted path in increasing depth, DB nodes at a time, and copies the
+[D] row of slot ``s + accepted[d]`` to slot ``s + d`` in K and in V, in place. Within a chunk all
+sources are loaded (block-table lookups vectorised) before any destination is stored, with a CTA
+barrier between, so the chunk's copies are in flight together. That is safe in place: a source
+``s + i_d`` (``i_d >= d``) is never an earlier destination (``< s + d``), and a chunk's
+destinations are below every later chunk's sources. Layers come either from one stacked tensor
+(a layer stride) or from a device table of per-layer base pointers, so all layers move in one
+launch. Addresses are int64.
 """
 
 from __future__ import annotations
@@ -15,12 +15,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _slot_offset(p_bt_row, slot, PS: tl.constexpr, s_page, s_slot):
-    page = tl.load(p_bt_row + slot // PS).to(tl.int64)
-    return page * s_page + (slot % PS).to(tl.int64) * s_slot
 
 
 @triton.jit(do_not_specialize=["N", "L", "H"])
@@ -52,6 +46,7 @@ def _compact_kernel(
     D,
     PS: tl.constexpr,
     D_PAD: tl.constexpr,
+    DB: tl.constexpr,
     STACKED: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -71,17 +66,29 @@ def _compact_kernel(
     o_kd = o_d.to(tl.int64) * s_kd + i_h * s_kh
     o_vd = o_d.to(tl.int64) * s_vd + i_h * s_vh
     p_bt_row = p_bt + i_b * s_btb
-    for d in range(1, n_acc):
-        i = tl.load(p_acc + i_b * s_ab + d)
-        if i != d:
-            src = _slot_offset(p_bt_row, s + i, PS, s_kp, s_ks)
-            dst = _slot_offset(p_bt_row, s + d, PS, s_kp, s_ks)
-            b_k = tl.load(p_kl + src + o_kd, mask=m_d)
-            tl.store(p_kl + dst + o_kd, b_k, mask=m_d)
-            src = _slot_offset(p_bt_row, s + i, PS, s_vp, s_vs)
-            dst = _slot_offset(p_bt_row, s + d, PS, s_vp, s_vs)
-            b_v = tl.load(p_vl + src + o_vd, mask=m_d)
-            tl.store(p_vl + dst + o_vd, b_v, mask=m_d)
+    o_r = tl.arange(0, DB)
+    # DB path nodes at a time, in increasing depth: every source of the chunk is read before
+    # any of its destinations is written (a barrier between), so the copies of one chunk are
+    # all in flight together; a chunk's destinations (< s + d0 + DB) are never a later
+    # chunk's sources (>= s + d0 + DB), and its sources are never an earlier destination
+    for d0 in range(0, n_acc, DB):
+        d = d0 + o_r
+        i = tl.load(p_acc + i_b * s_ab + d, mask=d < n_acc, other=0)
+        mv = (d < n_acc) & (d > 0) & (i != d)  # [DB]
+        src = s + i.to(tl.int64)
+        dst = s + d.to(tl.int64)
+        src_page = tl.load(p_bt_row + src // PS, mask=mv, other=0).to(tl.int64)
+        dst_page = tl.load(p_bt_row + dst // PS, mask=mv, other=0).to(tl.int64)
+        m2 = mv[:, None] & m_d[None, :]  # [DB, D_PAD]
+        o_ks = src_page * s_kp + (src % PS) * s_ks
+        o_kt = dst_page * s_kp + (dst % PS) * s_ks
+        o_vs = src_page * s_vp + (src % PS) * s_vs
+        o_vt = dst_page * s_vp + (dst % PS) * s_vs
+        b_k = tl.load(p_kl + o_ks[:, None] + o_kd[None, :], mask=m2)
+        b_v = tl.load(p_vl + o_vs[:, None] + o_vd[None, :], mask=m2)
+        tl.debug_barrier()
+        tl.store(p_kl + o_kt[:, None] + o_kd[None, :], b_k, mask=m2)
+        tl.store(p_vl + o_vt[:, None] + o_vd[None, :], b_v, mask=m2)
         tl.debug_barrier()
     if (i_l == 0) & (i_h == 0):
         tl.store(p_out + i_b, (s + n_acc.to(tl.int64)).to(tl.int32))
@@ -104,9 +111,10 @@ def _pointer_table(layers) -> torch.Tensor:
 
 
 def compact_kv_launch(
-    k_caches, v_caches, block_table, seq_lens, accepted, accept_len, *, out=None
+    k_caches, v_caches, block_table, seq_lens, accepted, accept_len, *, out=None, rows_per_step=8
 ) -> torch.Tensor:
-    """Launch the compaction (inputs validated by ``treeops.compact``); returns the new lengths."""
+    """Launch the compaction (inputs validated by ``treeops.compact``); returns the new lengths.
+    ``rows_per_step``: path nodes copied per step (tests use small ones to exercise chunking)."""
     B, N = accepted.shape
     stacked = isinstance(k_caches, torch.Tensor)
     if stacked:
@@ -149,7 +157,8 @@ def compact_kv_launch(
         D,
         PS=PS,
         D_PAD=triton.next_power_of_2(D),
+        DB=rows_per_step,
         STACKED=stacked,
-        num_warps=1 if D <= 128 else 2,
+        num_warps=4 if D <= 128 else 8,
     )
     return out

@@ -193,6 +193,35 @@ def test_compact_kernel_equals_reference(seed, page_size, stacked, strided, dtyp
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("rows_per_step", [1, 2, 8])
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "list"])
+def test_compact_long_paths_in_place(rows_per_step, stacked):
+    """Paths whose destinations are earlier sources (i_d = 2d, and i_d = d + 3), copied in
+    several chunks: a chunk must read all its sources before writing, and chunks go in
+    increasing depth."""
+    rng = random.Random(rows_per_step)
+    B, N = 3, 24
+    tree, kc, vc, bt, seq, _, _ = make_case(rng, B, N, 2, 2, 8, 4, torch.float32, stacked)
+    acc = torch.full((B, N), -1, dtype=torch.int32)
+    paths = [[2 * d for d in range(12)], [0] + [d + 3 for d in range(1, 21)], [0, 1, 5, 6]]
+    for b, p in enumerate(paths):
+        acc[b, : len(p)] = torch.tensor(p, dtype=torch.int32)
+    alen = torch.tensor([len(p) for p in paths], dtype=torch.int32)
+    k1, v1, k2, v2 = clone(kc), clone(vc), clone(kc), clone(vc)
+    compact_kv_launch(k1, v1, bt, seq, acc, alen, rows_per_step=rows_per_step)
+    ref_compact(k2, v2, bt, seq, tree, acc, alen)
+    for a, b in zip(layers(k1) + layers(v1), layers(k2) + layers(v2)):
+        assert torch.equal(a, b)
+    ps = layers(kc)[0].shape[1]
+    for b, p in enumerate(paths):  # and against the original cache, independently
+        for d, i in enumerate(p):
+            for c0, c1 in zip(layers(kc), layers(k1)):
+                assert torch.equal(
+                    logical(c1, bt, b, int(seq[b]) + d), logical(c0, bt, b, int(seq[b]) + i)
+                )
+    assert ps == 4
+
+
 def test_compact_after_acceptance_end_to_end():
     """accept_greedy -> compact_kv: the cache then holds root + accepted path contiguously."""
     rng = random.Random(4)
