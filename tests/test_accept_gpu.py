@@ -47,6 +47,7 @@ def tree_batch(B: int, N: int, V: int, seed: int):
         (2, 64, 128256, torch.float32),
         (1, 64, 32000, torch.bfloat16),
         (9, 7, 151936, torch.bfloat16),
+        (2, 16, 262144, torch.bfloat16),
     ],
 )
 @pytest.mark.parametrize("phase", [0, 1])
@@ -81,6 +82,7 @@ def Acc_cpu(r):
         (4, 64, 128256, torch.bfloat16),
         (3, 16, 32000, torch.float32),
         (6, 32, 50000, torch.float16),
+        (2, 16, 256000, torch.bfloat16),
     ],
 )
 @pytest.mark.parametrize("phase", [0, 1])
