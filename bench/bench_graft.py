@@ -49,8 +49,10 @@ def _levels(template: RankTemplate, dev: torch.device) -> list[tuple[torch.Tenso
     """Template columns of each depth on ``dev``, copied once (not inside a graph capture)."""
     key = (id(template), str(dev))
     if key not in _LEVELS:
-        _LEVELS[key] = [(torch.nonzero(template.depth == d).flatten().to(dev),)
-                        for d in range(1, template.max_depth + 1)]
+        _LEVELS[key] = [
+            (torch.nonzero(template.depth == d).flatten().to(dev),)
+            for d in range(1, template.max_depth + 1)
+        ]
     return _LEVELS[key]
 
 
@@ -95,8 +97,12 @@ def torch_graft(tree: Tree, table: torch.Tensor, template: RankTemplate, budget:
         dm = torch.where(match, ii, N).amin(-1)  # [B, L]
         un = live & (dm == N)
         ll = torch.arange(L, device=dev)
-        same = (un[:, :, None] & un[:, None, :] & (pk[:, :, None] == pk[:, None, :])
-                & (nt[:, :, None] == nt[:, None, :]))
+        same = (
+            un[:, :, None]
+            & un[:, None, :]
+            & (pk[:, :, None] == pk[:, None, :])
+            & (nt[:, :, None] == nt[:, None, :])
+        )
         canon = torch.where(same, ll, L).amin(-1)
         first = un & (canon == ll)
         idx = n_used[:, None] + torch.cumsum(first.long(), 1) - 1
@@ -132,8 +138,13 @@ def torch_graft(tree: Tree, table: torch.Tensor, template: RankTemplate, budget:
     par = torch.where(valid, parents, -1)
     child_of = (par[:, None, :] == ii[None, :, None]) & valid[:, None, :]
     fc = torch.where(child_of, ii, N).amin(-1)
-    sib = ((par[:, :, None] == par[:, None, :]) & (par[:, :, None] >= 0) & valid[:, :, None]
-           & valid[:, None, :] & (ii[None, None, :] > ii[None, :, None]))
+    sib = (
+        (par[:, :, None] == par[:, None, :])
+        & (par[:, :, None] >= 0)
+        & valid[:, :, None]
+        & valid[:, None, :]
+        & (ii[None, None, :] > ii[None, :, None])
+    )
     ns = torch.where(sib, ii, N).amin(-1)
     return Tree(
         tokens=torch.where(valid, tokens, 0),
@@ -246,9 +257,19 @@ def wall_us(calls, replays: int = 1) -> float:
 
 
 def tree_equal(a: Tree, b: Tree) -> bool:
-    return all(torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu())
-               for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child",
-                         "next_sibling", "scores"))
+    return all(
+        torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu())
+        for f in (
+            "tokens",
+            "parents",
+            "num_nodes",
+            "depth",
+            "anc",
+            "first_child",
+            "next_sibling",
+            "scores",
+        )
+    )
 
 
 def stable_topk_table(tokens, num_nodes, logits, k, V, base):
@@ -270,8 +291,13 @@ def stable_topk_table(tokens, num_nodes, logits, k, V, base):
 # ----------------------------------------------------------------------------- templates
 
 
-def template_coverage(text_bytes: bytes, templates: dict[str, RankTemplate], k: int = 8,
-                      positions: int = 4000, seed: int = 0) -> dict[str, float]:
+def template_coverage(
+    text_bytes: bytes,
+    templates: dict[str, RankTemplate],
+    k: int = 8,
+    positions: int = 4000,
+    seed: int = 0,
+) -> dict[str, float]:
     """Mean accepted length of retrieval alone on real text: a byte-level table (V = 256) learns
     each byte's top-k successors (by count) from the first 80 % of the text, then from random
     positions of the rest each template's retrieved tree is walked along the true continuation.
@@ -280,8 +306,9 @@ def template_coverage(text_bytes: bytes, templates: dict[str, RankTemplate], k: 
     cut = int(len(data) * 0.8)
     train, test = data[:cut], data[cut:]
     counts = torch.zeros(256, 256, dtype=torch.float64)
-    counts.index_put_((train[:-1], train[1:]), torch.ones(len(train) - 1, dtype=torch.float64),
-                      accumulate=True)
+    counts.index_put_(
+        (train[:-1], train[1:]), torch.ones(len(train) - 1, dtype=torch.float64), accumulate=True
+    )
     table = AdjacencyTable(256, k)
     table.warm_start(torch.arange(256)[None], counts[None].float())
     table.table[counts.sum(1) == 0] = -1
@@ -322,12 +349,15 @@ def coverage_main(path: str) -> None:
         "balanced 4x3 (85)": RankTemplate.balanced(4, 3),
         "balanced 8x2 (73)": RankTemplate.balanced(8, 2),
         "chain 9 (10)": RankTemplate.chain(9),
-        "flatter probs (80)": RankTemplate.from_rank_probs([0.4, 0.2, 0.12, 0.08, 0.06, 0.05,
-                                                            0.04, 0.03], 80, 9),
+        "flatter probs (80)": RankTemplate.from_rank_probs(
+            [0.4, 0.2, 0.12, 0.08, 0.06, 0.05, 0.04, 0.03], 80, 9
+        ),
     }
     res = template_coverage(text, tpls)
-    print(f"mean accepted length of retrieval alone, byte-level table, {len(text)} bytes of "
-          f"{path or 'stdlib'} source:")
+    print(
+        f"mean accepted length of retrieval alone, byte-level table, {len(text)} bytes of "
+        f"{path or 'stdlib'} source:"
+    )
     for name, v in res.items():
         print(f"  {name:28s} {v:.3f}")
 
@@ -338,12 +368,18 @@ def coverage_main(path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out")
-    ap.add_argument("--template-coverage", action="store_true",
-                    help="compare templates on real text (CPU), then exit")
+    ap.add_argument(
+        "--template-coverage",
+        action="store_true",
+        help="compare templates on real text (CPU), then exit",
+    )
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--vocabs", default="32000,128256")
-    ap.add_argument("--device", default="cuda",
-                    help="'cpu': a dry run of the script's logic (references, wall-clock times)")
+    ap.add_argument(
+        "--device",
+        default="cuda",
+        help="'cpu': a dry run of the script's logic (references, wall-clock times)",
+    )
     args = ap.parse_args()
     if args.template_coverage:
         coverage_main("")
@@ -384,12 +420,26 @@ def main() -> None:
             tree_bytes = B * N * (8 + 4 * 6 + 4 * W) + B * 4
             nbytes = 2 * tree_bytes + B * tpl.size * 4
             t_ops = timer([lambda: graft(pruned, table, tpl, budget)] * 16) if ok else None
-            t_torch = timer([lambda: torch_graft(pruned, table.table, tpl, budget)] * 4) \
-                if ok_torch else None
-            rows.append(dict(op="retrieve_merge", B=B, budget=budget, V=V, N=N,
-                             treeops_us=t_ops, torch_us=t_torch,
-                             floor_us=max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us),
-                             bytes=nbytes, match=ok, torch_match=ok_torch))
+            t_torch = (
+                timer([lambda: torch_graft(pruned, table.table, tpl, budget)] * 4)
+                if ok_torch
+                else None
+            )
+            rows.append(
+                dict(
+                    op="retrieve_merge",
+                    B=B,
+                    budget=budget,
+                    V=V,
+                    N=N,
+                    treeops_us=t_ops,
+                    torch_us=t_torch,
+                    floor_us=max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us),
+                    bytes=nbytes,
+                    match=ok,
+                    torch_match=ok_torch,
+                )
+            )
             # ---------------- update from logits
             size = B * N * V * 2
             R = max(2, min(64, (256 << 20) // size + 1))  # rotate through >= 256 MB
@@ -404,14 +454,24 @@ def main() -> None:
             ok = ok and torch.equal(again.table, want_t)  # deterministic
             ttab = TorchTable(V, k, dev)
             nbytes = B * n_verify * V * 2 + B * n_verify * (k * 4 + 8)
-            t_ops = timer([(lambda lg=lg: table.update(tree, lg)) for lg in logits]) \
-                if ok else None
-            t_torch = timer([(lambda lg=lg: ttab.update(tree.tokens, tree.num_nodes, lg))
-                                for lg in logits])
-            rows.append(dict(op="update", B=B, budget=budget, V=V, N=N, treeops_us=t_ops,
-                             torch_us=t_torch,
-                             floor_us=max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us),
-                             bytes=nbytes, match=ok))
+            t_ops = timer([(lambda lg=lg: table.update(tree, lg)) for lg in logits]) if ok else None
+            t_torch = timer(
+                [(lambda lg=lg: ttab.update(tree.tokens, tree.num_nodes, lg)) for lg in logits]
+            )
+            rows.append(
+                dict(
+                    op="update",
+                    B=B,
+                    budget=budget,
+                    V=V,
+                    N=N,
+                    treeops_us=t_ops,
+                    torch_us=t_torch,
+                    floor_us=max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us),
+                    bytes=nbytes,
+                    match=ok,
+                )
+            )
             del logits
             # ---------------- update from topk_ids
             ids = torch.randint(-1, V, (B, N, k), device=dev, dtype=torch.int32)
@@ -428,27 +488,44 @@ def main() -> None:
             ok = torch.equal(table.table, want_i)
             nbytes = B * n_verify * (k * 4 * 2 + 8)
             t_ops = timer([lambda: table.update(tree, topk_ids=ids)] * 16) if ok else None
-            t_torch = timer([lambda: ttab.update(tree.tokens, tree.num_nodes, topk_ids=ids)]
-                               * 4)
-            rows.append(dict(op="update_ids", B=B, budget=budget, V=V, N=N, treeops_us=t_ops,
-                             torch_us=t_torch,
-                             floor_us=max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us),
-                             bytes=nbytes, match=ok))
+            t_torch = timer([lambda: ttab.update(tree.tokens, tree.num_nodes, topk_ids=ids)] * 4)
+            rows.append(
+                dict(
+                    op="update_ids",
+                    B=B,
+                    budget=budget,
+                    V=V,
+                    N=N,
+                    treeops_us=t_ops,
+                    torch_us=t_torch,
+                    floor_us=max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us),
+                    bytes=nbytes,
+                    match=ok,
+                )
+            )
             print(f"  V={V} B={B} done in {time.time() - t0:.1f} s", file=sys.stderr)
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
     except OSError:
         commit = ""
     out = dict(
         gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
         date=time.strftime("%Y-%m-%d"),
-        versions=dict(torch=torch.__version__, triton=triton.__version__,
-                      treeops=treeops.__version__, cuda=torch.version.cuda),
+        versions=dict(
+            torch=torch.__version__,
+            triton=triton.__version__,
+            treeops=treeops.__version__,
+            cuda=torch.version.cuda,
+        ),
         commit=commit or "unknown",
         empty_kernel_graph_us=empty_us,
         notes="median per call over CUDA-graph replays; N=64, k=8, default 80-node template; "
-              "retrieve_merge on trees pruned to 25 nodes; update from bf16 logits of 60 nodes",
+        "retrieve_merge on trees pruned to 25 nodes; update from bf16 logits of 60 nodes",
         rows=rows,
     )
     path = os.path.join(args.out, "graft.json")
@@ -459,14 +536,17 @@ def main() -> None:
         return "mismatch" if v is None else f"{v:8.1f}"
 
     print(f"\n{out['gpu']}  empty kernel in a graph: {empty_us:.2f} us  -> {path}")
-    print(f"{'op':15s} {'B':>3s} {'V':>7s} {'treeops':>9s} {'torch':>9s} {'floor':>8s} "
-          f"{'x floor':>8s} {'x torch':>8s}")
+    print(
+        f"{'op':15s} {'B':>3s} {'V':>7s} {'treeops':>9s} {'torch':>9s} {'floor':>8s} "
+        f"{'x floor':>8s} {'x torch':>8s}"
+    )
     for r in rows:
         t, p, fl = r["treeops_us"], r["torch_us"], r["floor_us"]
         xf = f"{t / fl:8.2f}" if t else "       -"
         xt = f"{t / p:8.2f}" if t and p else "       -"
-        print(f"{r['op']:15s} {r['B']:3d} {r['V']:7d} {fmt(t):>9s} {fmt(p):>9s} {fl:8.1f} "
-              f"{xf} {xt}")
+        print(
+            f"{r['op']:15s} {r['B']:3d} {r['V']:7d} {fmt(t):>9s} {fmt(p):>9s} {fl:8.1f} {xf} {xt}"
+        )
 
 
 if __name__ == "__main__":

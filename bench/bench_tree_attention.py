@@ -75,7 +75,7 @@ class Case:
     def mask(self, b):
         """[n, ctx + n] bool: prefix visible, tree keys by ancestry."""
         m = torch.ones(self.n, self.ctx + self.n, dtype=torch.bool, device=self.q.device)
-        m[:, self.ctx:] = self.tree_mask[b]
+        m[:, self.ctx :] = self.tree_mask[b]
         return m
 
     def kv_contig(self):
@@ -124,14 +124,30 @@ def treeops_fn(c: Case, override=None, num_splits=None):
 
     out = torch.empty_like(c.q)
     cfg = K.config_for(c.q, c.k_cache, c.block_table, num_splits, override)
-    ws = torch.empty(max(1, K.workspace_numel(c.B, c.n, HQ, D, cfg)), dtype=torch.float32,
-                     device=c.q.device)
+    ws = torch.empty(
+        max(1, K.workspace_numel(c.B, c.n, HQ, D, cfg)), dtype=torch.float32, device=c.q.device
+    )
 
     def fn():
-        K.tree_attention_fwd(c.q, c.k_cache, c.v_cache, c.block_table, c.seq_lens,
-                             c.tree.num_nodes, c.tree.anc, None, None, c.scale, out, None, ws,
-                             num_splits, override)
+        K.tree_attention_fwd(
+            c.q,
+            c.k_cache,
+            c.v_cache,
+            c.block_table,
+            c.seq_lens,
+            c.tree.num_nodes,
+            c.tree.anc,
+            None,
+            None,
+            c.scale,
+            out,
+            None,
+            ws,
+            num_splits,
+            override,
+        )
         return out
+
     return fn, cfg
 
 
@@ -158,11 +174,26 @@ def flashinfer_paged(c: Case, causal: bool):
 
     qo_indptr, kv_indptr, indices, last = fi_indptrs(c)
     w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(fi_workspace(), "NHD")
-    kw = dict(causal=True) if causal else dict(
-        custom_mask=torch.cat([c.mask(b).reshape(-1) for b in range(c.B)]))
+    kw = (
+        dict(causal=True)
+        if causal
+        else dict(custom_mask=torch.cat([c.mask(b).reshape(-1) for b in range(c.B)]))
+    )
     t0 = time.perf_counter()
-    w.plan(qo_indptr, kv_indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16,
-           kv_data_type=torch.bfloat16, sm_scale=c.scale, **kw)
+    w.plan(
+        qo_indptr,
+        kv_indptr,
+        indices,
+        last,
+        HQ,
+        HKV,
+        D,
+        PAGE,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+        sm_scale=c.scale,
+        **kw,
+    )
     torch.cuda.synchronize()
     plan_us = (time.perf_counter() - t0) * 1e6
     q = c.q.reshape(c.B * c.n, HQ, D)
@@ -177,9 +208,17 @@ def flashinfer_ragged(c: Case, k, v):
     kv_indptr = torch.arange(c.B + 1, dtype=torch.int32, device=dev) * (c.ctx + c.n)
     w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(fi_workspace(), "NHD")
     t0 = time.perf_counter()
-    w.plan(qo_indptr, kv_indptr, HQ, HKV, D,
-           custom_mask=torch.cat([c.mask(b).reshape(-1) for b in range(c.B)]),
-           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=c.scale)
+    w.plan(
+        qo_indptr,
+        kv_indptr,
+        HQ,
+        HKV,
+        D,
+        custom_mask=torch.cat([c.mask(b).reshape(-1) for b in range(c.B)]),
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+        sm_scale=c.scale,
+    )
     torch.cuda.synchronize()
     plan_us = (time.perf_counter() - t0) * 1e6
     q = c.q.reshape(c.B * c.n, HQ, D)
@@ -196,8 +235,9 @@ def sdpa_fn(c: Case, k, v):
     kt = k.transpose(1, 2).repeat_interleave(HQ // HKV, 1)  # [B, H_q, L, D]
     vt = v.transpose(1, 2).repeat_interleave(HQ // HKV, 1)
     mask = torch.stack([c.mask(b) for b in range(c.B)])[:, None]  # [B, 1, n, L]
-    return lambda: F.scaled_dot_product_attention(q, kt, vt, attn_mask=mask,
-                                                  scale=c.scale).transpose(1, 2)
+    return lambda: F.scaled_dot_product_attention(
+        q, kt, vt, attn_mask=mask, scale=c.scale
+    ).transpose(1, 2)
 
 
 def flex_fn(c: Case, k, v):
@@ -240,13 +280,29 @@ def measure(name, row, make, ref, graph=True):
 def run_shape(B, ctx, n, peers, flex, override=None):
     c = Case(B, ctx, n)
     fl, nbytes, flops = floor_us(B, ctx, n)
-    row = dict(B=B, ctx=ctx, n=n, hq=HQ, hkv=HKV, d=D, page_size=PAGE, dtype="bf16",
-               floor_us=round(fl, 2), bytes=nbytes, flops=flops)
+    row = dict(
+        B=B,
+        ctx=ctx,
+        n=n,
+        hq=HQ,
+        hkv=HKV,
+        d=D,
+        page_size=PAGE,
+        dtype="bf16",
+        floor_us=round(fl, 2),
+        bytes=nbytes,
+        flops=flops,
+    )
     ref = c.reference()
     fn, cfg = treeops_fn(c, override)
-    row["treeops_config"] = dict(block_m=cfg.block_m, block_n=cfg.block_n,
-                                 num_splits=cfg.num_splits, num_warps=cfg.num_warps,
-                                 num_stages=cfg.num_stages, prefetch=cfg.prefetch)
+    row["treeops_config"] = dict(
+        block_m=cfg.block_m,
+        block_n=cfg.block_n,
+        num_splits=cfg.num_splits,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        prefetch=cfg.prefetch,
+    )
     measure("treeops", row, lambda: fn, ref)
     row["max_rel_err"] = row.get("treeops_err")
     if row.get("treeops_us") is not None:
@@ -262,6 +318,7 @@ def run_shape(B, ctx, n, peers, flex, override=None):
         def fir():
             f, plan["ragged"] = flashinfer_ragged(c, k, v)
             return f
+
         measure("flashinfer_custom", row, lambda: fi(False), ref)
         measure("flashinfer_ragged", row, fir, ref)
         # causal is not the tree's function: time it, check only that it ran (finite)
@@ -279,8 +336,9 @@ def run_shape(B, ctx, n, peers, flex, override=None):
             measure("flex", row, lambda: flex_fn(c, k, v), ref, graph=False)
         else:
             row["flex_us"] = None
-            row["flex_note"] = ("not run on this shape (device-time budget: compiled for "
-                                "FLEX_SHAPES only)")
+            row["flex_note"] = (
+                "not run on this shape (device-time budget: compiled for FLEX_SHAPES only)"
+            )
     row["sglang_extend_us"] = None
     row["sglang_extend_note"] = "sglang is not installed on the device (no wheel carried)"
     for peer in ("flashinfer_custom", "flashinfer_causal", "sdpa", "flex"):
@@ -322,14 +380,22 @@ def sweep(shapes):
         ref = c.reference()
         fl = floor_us(B, ctx, n)[0]
         for ov in SWEEP:
-            for ns in ((None, "x2", "half") if B == 1 else (None,)):
+            for ns in (None, "x2", "half") if B == 1 else (None,):
                 from treeops.kernels import tree_attention as K
+
                 base = K.config_for(c.q, c.k_cache, c.block_table, None, ov).num_splits
                 splits = {None: None, "x2": min(32, base * 2), "half": max(1, base // 2)}[ns]
                 if ns is not None and splits == base:
                     continue
-                r = dict(B=B, ctx=ctx, n=n, floor_us=round(fl, 2), **ov, splits=splits or base,
-                         default_splits=ns is None)
+                r = dict(
+                    B=B,
+                    ctx=ctx,
+                    n=n,
+                    floor_us=round(fl, 2),
+                    **ov,
+                    splits=splits or base,
+                    default_splits=ns is None,
+                )
                 try:
                     fn, _ = treeops_fn(c, ov, splits)
                     err = rel_err(fn(), ref)
@@ -360,8 +426,11 @@ def main(argv=None):
     ap.add_argument("--out", default=".")
     ap.add_argument("--shapes", choices=("bench", "all"), default="all")
     ap.add_argument("--sweep", action="store_true", help="also time tile/split variants")
-    ap.add_argument("--auto", action="store_true",
-                    help="with --sweep: time every shape with the sweep's best config")
+    ap.add_argument(
+        "--auto",
+        action="store_true",
+        help="with --sweep: time every shape with the sweep's best config",
+    )
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--commit", default=None)
@@ -370,13 +439,20 @@ def main(argv=None):
     commit = args.commit
     if commit is None:
         try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=HERE,
-                                             text=True).strip()
+            commit = subprocess.check_output(
+                ["git", "rev-parse", "HEAD"], cwd=HERE, text=True
+            ).strip()
         except Exception:  # noqa: BLE001
             commit = "unknown"
-    result = dict(gpu=torch.cuda.get_device_name(), versions=versions(), commit=commit,
-                  date=time.strftime("%Y-%m-%d"), layout=dict(hq=HQ, hkv=HKV, d=D, page=PAGE),
-                  floor=dict(bandwidth=BW, flops=FLOPS), rows=[])
+    result = dict(
+        gpu=torch.cuda.get_device_name(),
+        versions=versions(),
+        commit=commit,
+        date=time.strftime("%Y-%m-%d"),
+        layout=dict(hq=HQ, hkv=HKV, d=D, page=PAGE),
+        floor=dict(bandwidth=BW, flops=FLOPS),
+        rows=[],
+    )
     override = None
     if args.sweep:
         result["sweep"] = sweep(SWEEP_SHAPES)
@@ -388,15 +464,31 @@ def main(argv=None):
     for i, (B, ctx, n) in enumerate(shapes):
         t0 = time.time()
         torch.cuda.empty_cache()
-        row = run_shape(B, ctx, n, not args.no_peers,
-                        flex=not args.no_flex and (B, ctx, n) in FLEX_SHAPES,
-                        override=override)
+        row = run_shape(
+            B,
+            ctx,
+            n,
+            not args.no_peers,
+            flex=not args.no_flex and (B, ctx, n) in FLEX_SHAPES,
+            override=override,
+        )
         row["bench_md_shape"] = (B, ctx, n) in BENCH_SHAPES
         result["rows"].append(row)
-        print(f"[{i + 1}/{len(shapes)}] {B} {ctx} {n}: {time.time() - t0:.1f}s "
-              + json.dumps({k: row.get(k) for k in ("treeops_us", "flashinfer_custom_us",
-                                                    "flashinfer_causal_us", "floor_us")}),
-              flush=True)
+        print(
+            f"[{i + 1}/{len(shapes)}] {B} {ctx} {n}: {time.time() - t0:.1f}s "
+            + json.dumps(
+                {
+                    k: row.get(k)
+                    for k in (
+                        "treeops_us",
+                        "flashinfer_custom_us",
+                        "flashinfer_causal_us",
+                        "floor_us",
+                    )
+                }
+            ),
+            flush=True,
+        )
         with open(os.path.join(args.out, "tree_attention.json"), "w") as f:
             json.dump(result, f, indent=1)
     print_table(result["rows"])
@@ -405,15 +497,20 @@ def main(argv=None):
 def print_table(rows):
     def f(x):
         return "-" if x is None else f"{x:.1f}"
-    print(f"{'B':>3} {'ctx':>6} {'n':>4} {'floor':>7} {'treeops':>8} {'FIcust':>8} {'FIrag':>8} "
-          f"{'FIcaus':>8} {'sdpa':>8} {'flex':>8} {'xFIc':>5} {'/flr':>5} err")
+
+    print(
+        f"{'B':>3} {'ctx':>6} {'n':>4} {'floor':>7} {'treeops':>8} {'FIcust':>8} {'FIrag':>8} "
+        f"{'FIcaus':>8} {'sdpa':>8} {'flex':>8} {'xFIc':>5} {'/flr':>5} err"
+    )
     for r in rows:
-        print(f"{r['B']:>3} {r['ctx']:>6} {r['n']:>4} {f(r['floor_us']):>7} "
-              f"{f(r.get('treeops_us')):>8} {f(r.get('flashinfer_custom_us')):>8} "
-              f"{f(r.get('flashinfer_ragged_us')):>8} {f(r.get('flashinfer_causal_us')):>8} "
-              f"{f(r.get('sdpa_us')):>8} {f(r.get('flex_us')):>8} "
-              f"{f(r.get('speedup_vs_flashinfer_custom')):>5} {f(r.get('treeops_over_floor')):>5} "
-              f"{r.get('max_rel_err') or 0:.1e}")
+        print(
+            f"{r['B']:>3} {r['ctx']:>6} {r['n']:>4} {f(r['floor_us']):>7} "
+            f"{f(r.get('treeops_us')):>8} {f(r.get('flashinfer_custom_us')):>8} "
+            f"{f(r.get('flashinfer_ragged_us')):>8} {f(r.get('flashinfer_causal_us')):>8} "
+            f"{f(r.get('sdpa_us')):>8} {f(r.get('flex_us')):>8} "
+            f"{f(r.get('speedup_vs_flashinfer_custom')):>5} {f(r.get('treeops_over_floor')):>5} "
+            f"{r.get('max_rel_err') or 0:.1e}"
+        )
 
 
 @pytest.mark.gpu
@@ -426,8 +523,12 @@ def test_bench_tree_attention(benchmark, shape):
     c = Case(*shape)
     fn, cfg = treeops_fn(c)
     assert rel_err(fn(), c.reference()) <= TOL
-    benchmark.extra_info.update(floor_us=floor_us(*shape)[0], num_splits=cfg.num_splits,
-                                block_m=cfg.block_m, block_n=cfg.block_n)
+    benchmark.extra_info.update(
+        floor_us=floor_us(*shape)[0],
+        num_splits=cfg.num_splits,
+        block_m=cfg.block_m,
+        block_n=cfg.block_n,
+    )
     benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=50, warmup_rounds=5)
 
 

@@ -89,8 +89,12 @@ def synthetic_table():
     return treeops.CostTable.from_functions(
         lambda B, c, n: 130.0 * 32 + c * B / 512 + max(0, B * n - 96) * 0.6 * 32,
         lambda B, c, n: 130.0 + 700 + c * B / 16384 + max(0, B * n - 96) * 0.6,
-        batch_sizes=[1, 2, 4, 8, 16, 32, 64], L=4096, M=8, n_max=128,
-        meta={"gpu": "synthetic (BENCH.md curve)"})
+        batch_sizes=[1, 2, 4, 8, 16, 32, 64],
+        L=4096,
+        M=8,
+        n_max=128,
+        meta={"gpu": "synthetic (BENCH.md curve)"},
+    )
 
 
 def make_policy(kind, N, table):
@@ -99,16 +103,26 @@ def make_policy(kind, N, table):
     if kind == "eagle":
         return treeops.EagleStatic(depth=DEPTH, topk=TOPK, budget=N)
     # C1 = 0: Algorithm 1 runs in full but always keeps W rows, so every replay does equal work
-    return treeops.Cast(C1=0.0, C2=0.0, C3=0.02, R=4, cost_table=table, topk=TOPK, max_width=W,
-                        max_depth=DEPTH, capacity=N)
+    return treeops.Cast(
+        C1=0.0,
+        C2=0.0,
+        C3=0.02,
+        R=4,
+        cost_table=table,
+        topk=TOPK,
+        max_width=W,
+        max_depth=DEPTH,
+        capacity=N,
+    )
 
 
 def logits_buffers(B, V, dev, count=None, seed=0):
     nbytes = B * W * V * 2
     n = count or max(2, -(-ROTATE_BYTES // nbytes))
     g = torch.Generator(device=dev).manual_seed(seed)
-    return [(torch.randn(B, W, V, device=dev, generator=g) * 3).to(torch.bfloat16)
-            for _ in range(n)]
+    return [
+        (torch.randn(B, W, V, device=dev, generator=g) * 3).to(torch.bfloat16) for _ in range(n)
+    ]
 
 
 # ------------------------------------------------------------------- PyTorch, graph-capturable
@@ -206,13 +220,22 @@ class TorchBuild:
         idx = self.ar_n
         kid = parents[:, None, :] == idx[None, :, None]
         fc = torch.where(kid, idx[None, None, :], big).min(dim=2).values
-        sib = ((parents[:, :, None] == parents[:, None, :]) & (parents[:, :, None] >= 0)
-               & (idx[None, None, :] > idx[None, :, None]))
+        sib = (
+            (parents[:, :, None] == parents[:, None, :])
+            & (parents[:, :, None] >= 0)
+            & (idx[None, None, :] > idx[None, :, None])
+        )
         ns = torch.where(sib, idx[None, None, :], big).min(dim=2).values
         self.tokens.copy_(tokens)
         self.parents.copy_(parents)
-        return tokens, parents, depth, packed, torch.where(fc < N, fc, -1), \
-            torch.where(ns < N, ns, -1)
+        return (
+            tokens,
+            parents,
+            depth,
+            packed,
+            torch.where(fc < N, fc, -1),
+            torch.where(ns < N, ns, -1),
+        )
 
 
 # ----------------------------------------------------------------------- EAGLE's eager style
@@ -266,8 +289,19 @@ def cpu_copy(st):
     import copy
 
     c = copy.copy(st)
-    for f in ("root_tokens", "seq_lens", "active", "cand_tokens", "cand_scores", "cand_parents",
-              "frontier", "frontier_tokens", "frontier_scores", "decisions", "u_hist"):
+    for f in (
+        "root_tokens",
+        "seq_lens",
+        "active",
+        "cand_tokens",
+        "cand_scores",
+        "cand_parents",
+        "frontier",
+        "frontier_tokens",
+        "frontier_scores",
+        "decisions",
+        "u_hist",
+    ):
         setattr(c, f, getattr(st, f).cpu().clone())
     c.workspace = {k: v.cpu().clone() for k, v in st.workspace.items()}
     c.host_decisions, c.events = None, []
@@ -286,8 +320,9 @@ def check_layer(before, st, logits, pol, i):
         return f"layer {i}: candidate tokens differ from the reference"
     if not torch.equal(st.cand_parents[:, i].cpu(), before.cand_parents[:, i]):
         return f"layer {i}: candidate parents differ from the reference"
-    if not torch.allclose(st.cand_scores[:, i].cpu(), before.cand_scores[:, i], rtol=1e-5,
-                          atol=1e-9):
+    if not torch.allclose(
+        st.cand_scores[:, i].cpu(), before.cand_scores[:, i], rtol=1e-5, atol=1e-9
+    ):
         return f"layer {i}: candidate scores differ from the reference"
     sc = st.cand_scores[:, i].cpu()
     order = torch.sort(sc, dim=1, descending=True, stable=True).indices[:, :W]
@@ -346,8 +381,12 @@ def row_layer(kind, B, V, table, dev, empty_us, quick):
     row["torch_us"] = round(time_graph(lambda: tb.layer(1, next(cyc2)), dev), 2)
     if kind == "eagle":
         sc = torch.zeros(B, W, device=dev)
-        row["eager_us"] = round(time_eager(lambda: eagle_layer_eager(next(cyc), sc, TOPK), dev,
-                                           iters=3 if quick else 10), 2)
+        row["eager_us"] = round(
+            time_eager(
+                lambda: eagle_layer_eager(next(cyc), sc, TOPK), dev, iters=3 if quick else 10
+            ),
+            2,
+        )
     finish(row)
     return row
 
@@ -362,14 +401,25 @@ def row_sweep(B, V, table, dev, empty_us):
     KB.expand(bufs[0], st, pol)
     st.layer = 1
     cyc = itertools.cycle(bufs)
-    row = dict(op="layer_sweep", policy="eagle", B=B, N=None, V=V,
-               floor_us=round(max(B * W * V * 2 / BW * 1e6, empty_us), 2), configs={})
+    row = dict(
+        op="layer_sweep",
+        policy="eagle",
+        B=B,
+        N=None,
+        V=V,
+        floor_us=round(max(B * W * V * 2 / BW * 1e6, empty_us), 2),
+        configs={},
+    )
     for bv, nw, sp in itertools.product((1024, 2048, 4096, 8192), (4, 8, 16), (None, 1, 4)):
         name = f"block_v={bv},warps={nw},split={sp or 'auto'}"
         try:
             KB.expand(bufs[1], st, pol, block_v=bv, num_warps=nw, split=sp)
-            t = time_graph(lambda bv=bv, nw=nw, sp=sp: KB.expand(next(cyc), st, pol, block_v=bv,
-                                                                 num_warps=nw, split=sp), dev)
+            t = time_graph(
+                lambda bv=bv, nw=nw, sp=sp: KB.expand(
+                    next(cyc), st, pol, block_v=bv, num_warps=nw, split=sp
+                ),
+                dev,
+            )
             row["configs"][name] = round(t, 2)
         except Exception as e:  # noqa: BLE001
             row["configs"][name] = f"{type(e).__name__}: {e}"[:200]
@@ -410,8 +460,17 @@ def row_rerank(kind, B, N, table, dev, empty_us, quick, V=32000):
     C = W * TOPK
     aw = (N + 31) // 32
     nbytes = B * DEPTH * C * (4 + 8 + 4) + B * N * (8 + 4 + 4 + 4 * aw + 4 + 4 + 4) + B * 4
-    row = dict(op="rerank_build", policy=kind, B=B, N=N, V=None, W=W, topk=TOPK, bytes=nbytes,
-               floor_us=round(max(nbytes / BW * 1e6, empty_us), 2))
+    row = dict(
+        op="rerank_build",
+        policy=kind,
+        B=B,
+        N=N,
+        V=None,
+        W=W,
+        topk=TOPK,
+        bytes=nbytes,
+        floor_us=round(max(nbytes / BW * 1e6, empty_us), 2),
+    )
     tree = KB.emit(st, pol, out=out)
     err = check_tree(st, pol, tree)
     ok = err is None
@@ -425,8 +484,15 @@ def row_rerank(kind, B, N, table, dev, empty_us, quick, V=32000):
         flat_s = st.cand_scores.view(B, -1)
         flat_t = st.cand_tokens.view(B, -1)
         flat_p = st.cand_parents.view(B, -1)
-        row["eager_us"] = round(time_eager(lambda: eagle_rerank_eager(flat_s, flat_t, flat_p, N),
-                                           dev, iters=2 if quick else 5, warmup=1), 2)
+        row["eager_us"] = round(
+            time_eager(
+                lambda: eagle_rerank_eager(flat_s, flat_t, flat_p, N),
+                dev,
+                iters=2 if quick else 5,
+                warmup=1,
+            ),
+            2,
+        )
     else:
         row["torch_us"] = None
         row["torch_note"] = "the PyTorch baseline has EAGLE's fixed count (no C3 rule)"
@@ -473,9 +539,20 @@ def row_step(B, N, V, table, dev, empty_us, quick, layer_checks=True):
     step_torch()
     ok = err is None
     nbytes = DEPTH * B * W * V * 2
-    row = dict(op="step", policy="eagle", B=B, N=N, V=V, W=W, topk=TOPK, depth=DEPTH,
-               bytes=nbytes, floor_us=round(max(nbytes / BW * 1e6, empty_us), 2),
-               check=err or "ok", torch_check=check_torch(tb.cand_scores, st.cand_scores))
+    row = dict(
+        op="step",
+        policy="eagle",
+        B=B,
+        N=N,
+        V=V,
+        W=W,
+        topk=TOPK,
+        depth=DEPTH,
+        bytes=nbytes,
+        floor_us=round(max(nbytes / BW * 1e6, empty_us), 2),
+        check=err or "ok",
+        torch_check=check_torch(tb.cand_scores, st.cand_scores),
+    )
     if ok:
         row["treeops_us"] = round(time_graph(step_treeops, dev), 2)
     row["torch_us"] = round(time_graph(step_torch, dev), 2)
@@ -499,19 +576,29 @@ def versions():
 
     import treeops
 
-    return {"torch": torch.__version__, "triton": triton.__version__,
-            "treeops": treeops.__version__, "cuda": torch.version.cuda}
+    return {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "treeops": treeops.__version__,
+        "cuda": torch.version.cuda,
+    }
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true", help="B in {1, 64}, V = 32000, N = 64 only")
-    ap.add_argument("--ops", default="layer,rerank_build,step",
-                    help="comma-separated; add 'sweep' for the expand kernel's tile sweep")
+    ap.add_argument(
+        "--ops",
+        default="layer,rerank_build,step",
+        help="comma-separated; add 'sweep' for the expand kernel's tile sweep",
+    )
     ap.add_argument("--table", default=None, help="a CostTable JSON for the CAST rows")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script)")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script)",
+    )
     ap.add_argument("--commit", default=None)
     args = ap.parse_args(argv)
     global W, TOPK, DEPTH, ROTATE_BYTES
@@ -532,25 +619,34 @@ def main(argv=None):
     commit = args.commit
     if commit is None:
         try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=HERE,
-                                             text=True).strip()
+            commit = subprocess.check_output(
+                ["git", "rev-parse", "HEAD"], cwd=HERE, text=True
+            ).strip()
         except Exception:  # noqa: BLE001
             commit = "unknown"
     ops = set(args.ops.split(","))
     empty_us = empty_kernel_us(dev)
     rows = []
-    result = dict(gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
-                  versions=versions(), commit=commit, empty_kernel_graph_us=round(empty_us, 2),
-                  cost_table=table.meta, rows=rows,
-                  date=time.strftime("%Y-%m-%d", time.gmtime()))
+    result = dict(
+        gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
+        versions=versions(),
+        commit=commit,
+        empty_kernel_graph_us=round(empty_us, 2),
+        cost_table=table.meta,
+        rows=rows,
+        date=time.strftime("%Y-%m-%d", time.gmtime()),
+    )
 
     def run(fn, *a):
         try:
             r = fn(*a)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            r = dict(op=fn.__name__, args=[str(x) for x in a if not hasattr(x, "meta")],
-                     error=f"{type(e).__name__}: {str(e)[:400]}")
+            r = dict(
+                op=fn.__name__,
+                args=[str(x) for x in a if not hasattr(x, "meta")],
+                error=f"{type(e).__name__}: {str(e)[:400]}",
+            )
         rows.append(r)
         print(json.dumps(r), flush=True)
         if dev.type == "cuda":
@@ -584,16 +680,30 @@ def print_table(rows, empty_us):
         return "-" if x is None else (f"{x:.1f}" if isinstance(x, float) else str(x))
 
     print(f"\nempty kernel in a CUDA graph: {empty_us:.2f} us")
-    hdr = ("op", "policy", "B", "N", "V", "treeops_us", "torch_us", "eager_us", "floor_us",
-           "speedup_vs_torch", "treeops_over_floor", "check")
+    hdr = (
+        "op",
+        "policy",
+        "B",
+        "N",
+        "V",
+        "treeops_us",
+        "torch_us",
+        "eager_us",
+        "floor_us",
+        "speedup_vs_torch",
+        "treeops_over_floor",
+        "check",
+    )
     print(" | ".join(hdr))
     for r in rows:
         if "error" in r:
             print(f"{r['op']} {r.get('args')}: ERROR {r['error']}")
             continue
         if r["op"] == "layer_sweep":
-            print(f"layer sweep B={r['B']} V={r['V']} floor {r['floor_us']}: best {r.get('best')} "
-                  f"{r.get('treeops_us')} us; {r['configs']}")
+            print(
+                f"layer sweep B={r['B']} V={r['V']} floor {r['floor_us']}: best {r.get('best')} "
+                f"{r.get('treeops_us')} us; {r['configs']}"
+            )
             continue
         print(" | ".join(f(r.get(k)) for k in hdr))
 

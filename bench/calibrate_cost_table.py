@@ -38,15 +38,26 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
 
 class Dims:
-    def __init__(self, hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256,
-                 layers=32, draft_vocab=None):
+    def __init__(
+        self,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        mlp=14336,
+        vocab=128256,
+        layers=32,
+        draft_vocab=None,
+    ):
         self.hidden, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv_heads, head_dim
         self.mlp, self.vocab, self.layers = mlp, vocab, layers
         self.draft_vocab = draft_vocab or vocab
 
     def describe(self):
-        return (f"hidden {self.hidden}, {self.heads} query / {self.kv_heads} KV heads of dim "
-                f"{self.head_dim}, MLP {self.mlp}, vocab {self.vocab}, {self.layers} layers")
+        return (
+            f"hidden {self.hidden}, {self.heads} query / {self.kv_heads} KV heads of dim "
+            f"{self.head_dim}, MLP {self.mlp}, vocab {self.vocab}, {self.layers} layers"
+        )
 
 
 def rms_norm(x, w, eps=1e-5):
@@ -85,9 +96,9 @@ class Layer:
         # the flash backend runs with equal head counts (no enable_gqa fallback risk)
         q = q.view(B, n, d.kv_heads, g, hd).permute(0, 2, 3, 1, 4)
         q = q.reshape(B, d.kv_heads, g * n, hd)
-        self.k[:, :, c:c + n] = k.view(B, n, d.kv_heads, hd).transpose(1, 2)
-        self.v[:, :, c:c + n] = v.view(B, n, d.kv_heads, hd).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, self.k[:, :, :c + n], self.v[:, :, :c + n])
+        self.k[:, :, c : c + n] = k.view(B, n, d.kv_heads, hd).transpose(1, 2)
+        self.v[:, :, c : c + n] = v.view(B, n, d.kv_heads, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, self.k[:, :, : c + n], self.v[:, :, : c + n])
         o = o.view(B, d.kv_heads, g, n, hd).permute(0, 3, 1, 2, 4).reshape(B, n, d.heads * hd)
         x = x + F.linear(o, self.wo)
         gu = F.linear(rms_norm(x, self.n2), self.wgu)
@@ -146,8 +157,18 @@ def svg_plot(table, path, c, title):
     ymin = max(min(min(v) for _, v, _ in curves) / 1.2, 1e-3)
     lo, hi = math.log10(ymin), math.log10(ymax)
     n = table.n_max
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-              "#7f7f7f", "#bcbd22", "#17becf"]
+    colors = [
+        "#1f77b4",
+        "#ff7f0e",
+        "#2ca02c",
+        "#d62728",
+        "#9467bd",
+        "#8c564b",
+        "#e377c2",
+        "#7f7f7f",
+        "#bcbd22",
+        "#17becf",
+    ]
 
     def X(j):
         return pad + (Wd - 2 * pad) * j / max(n - 1, 1)
@@ -155,36 +176,43 @@ def svg_plot(table, path, c, title):
     def Y(v):
         return Ht - pad - (Ht - 2 * pad) * (math.log10(max(v, ymin)) - lo) / (hi - lo)
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{Wd}" height="{Ht}" '
-           f'font-family="sans-serif" font-size="11">',
-           f'<rect width="{Wd}" height="{Ht}" fill="white"/>',
-           f'<text x="{Wd / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>',
-           f'<line x1="{pad}" y1="{Ht - pad}" x2="{Wd - pad}" y2="{Ht - pad}" stroke="black"/>',
-           f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{Ht - pad}" stroke="black"/>',
-           f'<text x="{Wd / 2}" y="{Ht - 20}" text-anchor="middle">n (new tokens per request)'
-           '</text>',
-           f'<text x="15" y="{Ht / 2}" transform="rotate(-90 15 {Ht / 2})" '
-           'text-anchor="middle">forward time (us, log scale)</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{Wd}" height="{Ht}" '
+        f'font-family="sans-serif" font-size="11">',
+        f'<rect width="{Wd}" height="{Ht}" fill="white"/>',
+        f'<text x="{Wd / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>',
+        f'<line x1="{pad}" y1="{Ht - pad}" x2="{Wd - pad}" y2="{Ht - pad}" stroke="black"/>',
+        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{Ht - pad}" stroke="black"/>',
+        f'<text x="{Wd / 2}" y="{Ht - 20}" text-anchor="middle">n (new tokens per request)</text>',
+        f'<text x="15" y="{Ht / 2}" transform="rotate(-90 15 {Ht / 2})" '
+        'text-anchor="middle">forward time (us, log scale)</text>',
+    ]
     for e in range(math.floor(lo), math.ceil(hi) + 1):
         for m in (1, 2, 5):
             v = m * 10.0**e
             if ymin <= v <= ymax:
                 out.append(f'<text x="{pad - 5}" y="{Y(v) + 4}" text-anchor="end">{v:g}</text>')
-                out.append(f'<line x1="{pad}" y1="{Y(v)}" x2="{Wd - pad}" y2="{Y(v)}" '
-                           'stroke="#ddd"/>')
+                out.append(
+                    f'<line x1="{pad}" y1="{Y(v)}" x2="{Wd - pad}" y2="{Y(v)}" stroke="#ddd"/>'
+                )
     for j in (1, 32, 64, 96, 128):
         if j <= n:
             out.append(f'<text x="{X(j - 1)}" y="{Ht - pad + 15}" text-anchor="middle">{j}</text>')
     for ci, (label, vals, dash) in enumerate(curves):
         col = colors[(ci // 2) % len(colors)]
         pts = " ".join(f"{X(j):.1f},{Y(v):.1f}" for j, v in enumerate(vals))
-        out.append(f'<polyline fill="none" stroke="{col}" stroke-width="1.5" '
-                   f'stroke-dasharray="{"none" if dash == "-" else dash}" points="{pts}"/>')
+        out.append(
+            f'<polyline fill="none" stroke="{col}" stroke-width="1.5" '
+            f'stroke-dasharray="{"none" if dash == "-" else dash}" points="{pts}"/>'
+        )
         if dash == "-":
-            out.append(f'<text x="{Wd - pad + 3}" y="{Y(vals[-1]) + 4}" fill="{col}">B={label[6:]}'
-                       '</text>')
-    out.append(f'<text x="{pad + 10}" y="{pad - 8}">solid: target S_T; dashed: draft S_D; '
-               f'context {table.select(c)}</text>')
+            out.append(
+                f'<text x="{Wd - pad + 3}" y="{Y(vals[-1]) + 4}" fill="{col}">B={label[6:]}</text>'
+            )
+    out.append(
+        f'<text x="{pad + 10}" y="{pad - 8}">solid: target S_T; dashed: draft S_D; '
+        f"context {table.select(c)}</text>"
+    )
     out.append("</svg>")
     with open(path, "w") as f:
         f.write("\n".join(out))
@@ -200,8 +228,12 @@ def main(argv=None):
     ap.add_argument("--ns", default=",".join(map(str, NS)))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--draft-vocab", type=int, default=None,
-                    help="draft LM head size (default: the target's 128256)")
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="draft LM head size (default: the target's 128256)",
+    )
     ap.add_argument("--quick", action="store_true", help="fewer points: M = 4, 7 n values")
     ap.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU")
     args = ap.parse_args(argv)
@@ -230,10 +262,14 @@ def main(argv=None):
     parts = {"layers": [], "head": [], "draft": []}
     for B in batches:
         models = Models(d, B, cap, args.layers, dev, dtype)
-        for name, fn in (("layers", models.target_layers), ("head", models.target_head),
-                         ("draft", models.draft)):
-            g = treeops.CostTable.measure_grid(fn, [B], L, M, n_max, name=name,
-                                               progress=lambda s: print(s, flush=True), **kw)
+        for name, fn in (
+            ("layers", models.target_layers),
+            ("head", models.target_head),
+            ("draft", models.draft),
+        ):
+            g = treeops.CostTable.measure_grid(
+                fn, [B], L, M, n_max, name=name, progress=lambda s: print(s, flush=True), **kw
+            )
             parts[name].append(g)
         del models
         if dev.type == "cuda":
@@ -243,26 +279,35 @@ def main(argv=None):
     draft = torch.cat(parts["draft"])
     target = layers * (d.layers / args.layers) + head
     meta = default_meta(dev)
-    meta.update({
-        "target": f"Llama-shaped 8B-class: {d.describe()}, bf16",
-        "target_timing": (f"{args.layers} decoder layers timed and scaled x{d.layers}/"
-                          f"{args.layers}, plus final RMSNorm + LM head over the n tokens "
-                          "(timed separately); embeddings and sampling not included"),
-        "target_per_layer_us": (layers / args.layers).tolist(),
-        "target_head_us": head.tolist(),
-        "draft": (f"EAGLE-style: fc (2 x {d.hidden} -> {d.hidden}) + one decoder layer + "
-                  f"RMSNorm + LM head ({d.draft_vocab} tokens), timed whole"),
-        "attention": ("torch SDPA (flash; the 4 query heads of a KV head folded into the query "
-                      "length) over a bf16 cache of c + n tokens, unmasked"),
-        "measured_ns": ns,
-        "warmup": warmup,
-        "iters": iters,
-        "calibration_seconds": round(time.time() - t0, 1),
-    })
+    meta.update(
+        {
+            "target": f"Llama-shaped 8B-class: {d.describe()}, bf16",
+            "target_timing": (
+                f"{args.layers} decoder layers timed and scaled x{d.layers}/"
+                f"{args.layers}, plus final RMSNorm + LM head over the n tokens "
+                "(timed separately); embeddings and sampling not included"
+            ),
+            "target_per_layer_us": (layers / args.layers).tolist(),
+            "target_head_us": head.tolist(),
+            "draft": (
+                f"EAGLE-style: fc (2 x {d.hidden} -> {d.hidden}) + one decoder layer + "
+                f"RMSNorm + LM head ({d.draft_vocab} tokens), timed whole"
+            ),
+            "attention": (
+                "torch SDPA (flash; the 4 query heads of a KV head folded into the query "
+                "length) over a bf16 cache of c + n tokens, unmasked"
+            ),
+            "measured_ns": ns,
+            "warmup": warmup,
+            "iters": iters,
+            "calibration_seconds": round(time.time() - t0, 1),
+        }
+    )
     table = treeops.CostTable(batches, L, target, draft, meta)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "cost_table_h200.json" if not args.dry_run else
-                        "cost_table_dry_run.json")
+    path = os.path.join(
+        args.out, "cost_table_h200.json" if not args.dry_run else "cost_table_dry_run.json"
+    )
     table.save(path)
     svg = path[:-5] + ".svg"
     c_plot = min(4096, L * M)
@@ -276,8 +321,15 @@ def main(argv=None):
         k = table.bucket(c_plot)
         cells = [f"{table.target[i, k, n - 1]:.0f}/{table.draft[i, k, n - 1]:.0f}" for n in show]
         print(f"{B:<4} | " + " | ".join(f"{c:>5}" for c in cells))
-    print(json.dumps({"S_T(64, 4096, 64) / S_T(64, 4096, 1)": round(
-        float(table.S_T(64, c_plot)[min(63, n_max - 1)] / table.S_T(64, c_plot)[0]), 2)}))
+    print(
+        json.dumps(
+            {
+                "S_T(64, 4096, 64) / S_T(64, 4096, 1)": round(
+                    float(table.S_T(64, c_plot)[min(63, n_max - 1)] / table.S_T(64, c_plot)[0]), 2
+                )
+            }
+        )
+    )
     return table
 
 

@@ -1,6 +1,6 @@
 """Plot treeops against its peers and the floor from a results JSON (tree attention).
 
-    python bench/plot_results.py bench/results/h200/tree_attention.json bench/results/h200/tree_attention.png
+python bench/plot_results.py RESULTS.json OUT.png
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ def main(src: str, dst: str) -> None:
     ax.set_ylabel("median µs (log)")
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, fontsize=7)
-    ax.set_title(f"Tree-masked attention, {data['gpu']}, H_q/H_kv 32/8, D 128, bf16, "
-                 f"commit {data['commit'][:7]}", fontsize=9)
+    ax.set_title(
+        f"Tree-masked attention, {data['gpu']}, H_q/H_kv 32/8, D 128, bf16, "
+        f"commit {data['commit'][:7]}",
+        fontsize=9,
+    )
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(dst, dpi=110)

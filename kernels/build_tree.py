@@ -59,9 +59,11 @@ def _unordered(o):
 def _cand_key(s, o, C: tl.constexpr, CPAD: tl.constexpr):
     """Packed rank key of candidates (score, slot): valid (score >= 0) by score bits over
     2^31 - 1 - slot; invalid below every valid key, still distinct; padding (slot >= C) lowest."""
-    key = tl.where(s >= 0, (s.to(tl.int32, bitcast=True).to(tl.int64) << 32)
-                   | (0x7FFFFFFF - o).to(tl.int64),
-                   -9223372036854775807 + CPAD - o.to(tl.int64))
+    key = tl.where(
+        s >= 0,
+        (s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - o).to(tl.int64),
+        -9223372036854775807 + CPAD - o.to(tl.int64),
+    )
     return tl.where(o < C, key, -9223372036854775807 - 1)
 
 
@@ -72,16 +74,22 @@ def _release_then_arrive(P_CTR, LANES: tl.constexpr, FENCE: tl.constexpr):
     Returns the counter's previous value. The interpreter runs programs one after another and
     has no inline assembly, so it skips the fence."""
     if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r",
-                                  [tl.zeros([LANES], dtype=tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;",
+            "=r,r",
+            [tl.zeros([LANES], dtype=tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
     tl.debug_barrier()
     return tl.atomic_add(P_CTR, 1, sem="acq_rel")
 
 
 @triton.jit
-def _stream_row(p_row, v_lo, v_hi, V, row_ok, K: tl.constexpr, KP: tl.constexpr,
-                BLOCK_V: tl.constexpr):
+def _stream_row(
+    p_row, v_lo, v_hi, V, row_ok, K: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr
+):
     """Online max/sum and running top-K keys of logits ``[v_lo, v_hi)`` of one row."""
     o_k = tl.arange(0, KP)
     key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
@@ -95,19 +103,21 @@ def _stream_row(p_row, v_lo, v_hi, V, row_ok, K: tl.constexpr, KP: tl.constexpr,
         # 16-bit values: cheap), so each HBM round trip overlaps two tiles of work. Masks
         # combine "< V" (V is specialised: the loads vectorise) with a uniform chunk bound.
         o_b = tl.arange(0, BLOCK_V)
-        b_n1 = tl.load(p_row + v_lo + o_b, mask=(v_lo + o_b < V) & (v_lo < v_hi),
-                       other=-float("inf"))
-        b_n2 = tl.load(p_row + v_lo + BLOCK_V + o_b,
-                       mask=(v_lo + BLOCK_V + o_b < V) & (v_lo + BLOCK_V < v_hi),
-                       other=-float("inf"))
+        b_n1 = tl.load(
+            p_row + v_lo + o_b, mask=(v_lo + o_b < V) & (v_lo < v_hi), other=-float("inf")
+        )
+        b_n2 = tl.load(
+            p_row + v_lo + BLOCK_V + o_b,
+            mask=(v_lo + BLOCK_V + o_b < V) & (v_lo + BLOCK_V < v_hi),
+            other=-float("inf"),
+        )
         for v0 in range(v_lo, v_hi, BLOCK_V):
             o_v = v0 + o_b
             m_v = o_v < V
             b_raw = b_n1
             b_n1 = b_n2
             v2 = v0 + 2 * BLOCK_V
-            b_n2 = tl.load(p_row + v2 + o_b, mask=(v2 + o_b < V) & (v2 < v_hi),
-                           other=-float("inf"))
+            b_n2 = tl.load(p_row + v2 + o_b, mask=(v2 + o_b < V) & (v2 < v_hi), other=-float("inf"))
             b_x = b_raw.to(tl.float32) + 0.0
             b_max = tl.max(b_x)
             m_new = tl.maximum(m_run, b_max)
@@ -128,8 +138,9 @@ def _stream_row(p_row, v_lo, v_hi, V, row_ok, K: tl.constexpr, KP: tl.constexpr,
 
 
 @triton.jit
-def _combine_splits(PM, PS, PK, o_row, SPLIT: tl.constexpr, SP: tl.constexpr, K: tl.constexpr,
-                    KP: tl.constexpr):
+def _combine_splits(
+    PM, PS, PK, o_row, SPLIT: tl.constexpr, SP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr
+):
     """Merge the SPLIT partial (max, sum, top-K keys) of one row (written by other programs)."""
     o_s = tl.arange(0, SP)
     o_k = tl.arange(0, KP)
@@ -139,9 +150,12 @@ def _combine_splits(PM, PS, PK, o_row, SPLIT: tl.constexpr, SP: tl.constexpr, K:
     m_run = tl.max(b_pm)
     m_use = tl.where(m_run == -float("inf"), 0.0, m_run)
     s_run = tl.sum(tl.where(m_s, b_ps * tl.exp(b_pm - m_use), 0.0))
-    b_keys = tl.load(PK + (o_row * SPLIT + o_s)[:, None] * KP + o_k[None, :],
-                     mask=m_s[:, None] & (o_k < K)[None, :], other=-9223372036854775807 - 1,
-                     cache_modifier=".cg")  # [SP, KP]
+    b_keys = tl.load(
+        PK + (o_row * SPLIT + o_s)[:, None] * KP + o_k[None, :],
+        mask=m_s[:, None] & (o_k < K)[None, :],
+        other=-9223372036854775807 - 1,
+        cache_modifier=".cg",
+    )  # [SP, KP]
     b_top = tl.full([KP], 9223372036854775807, tl.int64)
     for j in tl.static_range(K):
         b_best = tl.max(tl.max(b_keys, axis=1), axis=0)
@@ -152,15 +166,53 @@ def _combine_splits(PM, PS, PK, o_row, SPLIT: tl.constexpr, SP: tl.constexpr, K:
 
 @triton.jit(do_not_specialize=["B", "layer", "C1", "C2", "L", "M"])
 def _expand_kernel(
-    LOGITS, FS, FR, FT, ACT, SEQ,
-    CT, CS, CP, DEC, UH, CTR, CUM, TAB_T, TAB_D, RCTR, PM, PS, PK,
-    B, V, layer, s_lb, s_lw,
-    C1, C2, L, M,
-    W: tl.constexpr, K: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-    NMAX: tl.constexpr, CUMW: tl.constexpr,
-    KP: tl.constexpr, CPAD: tl.constexpr, WP: tl.constexpr, BP: tl.constexpr, DP: tl.constexpr,
-    BLOCK_V: tl.constexpr, SPLIT: tl.constexpr, SP: tl.constexpr, CHUNK: tl.constexpr,
-    JB: tl.constexpr, LANES: tl.constexpr, FENCE: tl.constexpr, CAST: tl.constexpr,
+    LOGITS,
+    FS,
+    FR,
+    FT,
+    ACT,
+    SEQ,
+    CT,
+    CS,
+    CP,
+    DEC,
+    UH,
+    CTR,
+    CUM,
+    TAB_T,
+    TAB_D,
+    RCTR,
+    PM,
+    PS,
+    PK,
+    B,
+    V,
+    layer,
+    s_lb,
+    s_lw,
+    C1,
+    C2,
+    L,
+    M,
+    W: tl.constexpr,
+    K: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    NMAX: tl.constexpr,
+    CUMW: tl.constexpr,
+    KP: tl.constexpr,
+    CPAD: tl.constexpr,
+    WP: tl.constexpr,
+    BP: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    JB: tl.constexpr,
+    LANES: tl.constexpr,
+    FENCE: tl.constexpr,
+    CAST: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     i_row = i_p // SPLIT
@@ -175,8 +227,9 @@ def _expand_kernel(
     row_ok = (b_fs >= 0) & b_act
     p_row = LOGITS + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
     v_lo = i_s * CHUNK
-    m_run, s_run, b_top = _stream_row(p_row, v_lo, tl.minimum(v_lo + CHUNK, V), V, row_ok,
-                                      K, KP, BLOCK_V)
+    m_run, s_run, b_top = _stream_row(
+        p_row, v_lo, tl.minimum(v_lo + CHUNK, V), V, row_ok, K, KP, BLOCK_V
+    )
     if SPLIT > 1:
         # the row's last chunk to finish merges the partials and carries on
         o_part = i_row.to(tl.int64) * SPLIT + i_s
@@ -185,25 +238,142 @@ def _expand_kernel(
         tl.store(PK + o_part * KP + tl.arange(0, KP), b_top)
         if _release_then_arrive(RCTR + i_row, LANES, FENCE) == SPLIT - 1:
             tl.store(RCTR + i_row, 0)
-            m_run, s_run, b_top = _combine_splits(PM, PS, PK, i_row.to(tl.int64), SPLIT, SP,
-                                                  K, KP)
-            _finish_row(FS, FR, FT, ACT, SEQ, CT, CS, CP, DEC, UH, CTR, CUM, TAB_T, TAB_D,
-                        B, layer, C1, C2, L, M, i_b64, i_r, b_fs, row_ok, m_run, s_run, b_top,
-                        W, K, D, R, NMAX, CUMW, KP, CPAD, WP, BP, DP, JB, LANES, FENCE, CAST)
+            m_run, s_run, b_top = _combine_splits(PM, PS, PK, i_row.to(tl.int64), SPLIT, SP, K, KP)
+            _finish_row(
+                FS,
+                FR,
+                FT,
+                ACT,
+                SEQ,
+                CT,
+                CS,
+                CP,
+                DEC,
+                UH,
+                CTR,
+                CUM,
+                TAB_T,
+                TAB_D,
+                B,
+                layer,
+                C1,
+                C2,
+                L,
+                M,
+                i_b64,
+                i_r,
+                b_fs,
+                row_ok,
+                m_run,
+                s_run,
+                b_top,
+                W,
+                K,
+                D,
+                R,
+                NMAX,
+                CUMW,
+                KP,
+                CPAD,
+                WP,
+                BP,
+                DP,
+                JB,
+                LANES,
+                FENCE,
+                CAST,
+            )
     else:
-        _finish_row(FS, FR, FT, ACT, SEQ, CT, CS, CP, DEC, UH, CTR, CUM, TAB_T, TAB_D,
-                    B, layer, C1, C2, L, M, i_b64, i_r, b_fs, row_ok, m_run, s_run, b_top,
-                    W, K, D, R, NMAX, CUMW, KP, CPAD, WP, BP, DP, JB, LANES, FENCE, CAST)
+        _finish_row(
+            FS,
+            FR,
+            FT,
+            ACT,
+            SEQ,
+            CT,
+            CS,
+            CP,
+            DEC,
+            UH,
+            CTR,
+            CUM,
+            TAB_T,
+            TAB_D,
+            B,
+            layer,
+            C1,
+            C2,
+            L,
+            M,
+            i_b64,
+            i_r,
+            b_fs,
+            row_ok,
+            m_run,
+            s_run,
+            b_top,
+            W,
+            K,
+            D,
+            R,
+            NMAX,
+            CUMW,
+            KP,
+            CPAD,
+            WP,
+            BP,
+            DP,
+            JB,
+            LANES,
+            FENCE,
+            CAST,
+        )
 
 
 @triton.jit
 def _finish_row(
-    FS, FR, FT, ACT, SEQ, CT, CS, CP, DEC, UH, CTR, CUM, TAB_T, TAB_D,
-    B, layer, C1, C2, L, M, i_b64, i_r, b_fs, row_ok, m_run, s_run, b_top,
-    W: tl.constexpr, K: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-    NMAX: tl.constexpr, CUMW: tl.constexpr,
-    KP: tl.constexpr, CPAD: tl.constexpr, WP: tl.constexpr, BP: tl.constexpr, DP: tl.constexpr,
-    JB: tl.constexpr, LANES: tl.constexpr, FENCE: tl.constexpr, CAST: tl.constexpr,
+    FS,
+    FR,
+    FT,
+    ACT,
+    SEQ,
+    CT,
+    CS,
+    CP,
+    DEC,
+    UH,
+    CTR,
+    CUM,
+    TAB_T,
+    TAB_D,
+    B,
+    layer,
+    C1,
+    C2,
+    L,
+    M,
+    i_b64,
+    i_r,
+    b_fs,
+    row_ok,
+    m_run,
+    s_run,
+    b_top,
+    W: tl.constexpr,
+    K: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    NMAX: tl.constexpr,
+    CUMW: tl.constexpr,
+    KP: tl.constexpr,
+    CPAD: tl.constexpr,
+    WP: tl.constexpr,
+    BP: tl.constexpr,
+    DP: tl.constexpr,
+    JB: tl.constexpr,
+    LANES: tl.constexpr,
+    FENCE: tl.constexpr,
+    CAST: tl.constexpr,
 ):
     C: tl.constexpr = W * K
     o_k = tl.arange(0, KP)
@@ -246,8 +416,9 @@ def _finish_row(
             c_rank += tl.sum(gt.to(tl.int32), axis=1)
             c_cum += tl.sum(tl.where(gt, tl.maximum(s_j, 0.0)[None, :], 0.0), axis=1)
         sel = m_c & (c_rank < W)
-        c_tok = tl.load(CT + i_b64 * (D * C) + layer * C + o_c, mask=sel & ok_c, other=0,
-                        cache_modifier=".cg")
+        c_tok = tl.load(
+            CT + i_b64 * (D * C) + layer * C + o_c, mask=sel & ok_c, other=0, cache_modifier=".cg"
+        )
         o_f = i_b64 * W + c_rank
         tl.store(FS + o_f, tl.where(ok_c, b_s, -1.0), mask=sel)
         tl.store(FR + o_f, tl.where(ok_c, layer * C + o_c, -1), mask=sel)
@@ -268,9 +439,12 @@ def _finish_row(
                 b_wid = tl.load(DEC + o_d, mask=o_d < layer, other=0)
                 ctx = tl.max(b_seq) + tl.sum(b_wid).to(tl.int64)
                 bucket = tl.minimum(ctx // L, M - 1)
-                b_cum = tl.load(CUM + o_b[:, None] * CUMW + o_w[None, :],
-                                mask=(m_b & b_a)[:, None] & m_w[None, :], other=0.0,
-                                cache_modifier=".cg")  # [BP, WP]
+                b_cum = tl.load(
+                    CUM + o_b[:, None] * CUMW + o_w[None, :],
+                    mask=(m_b & b_a)[:, None] & m_w[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )  # [BP, WP]
                 n_act = tl.maximum(tl.sum(b_a.to(tl.int32)), 1)
                 b_u = tl.sum(b_cum, axis=0) / n_act.to(tl.float32)  # [WP]
                 t1 = tl.load(TAB_T + bucket * NMAX)
@@ -304,17 +478,28 @@ def _finish_row(
 
 @triton.jit(do_not_specialize=["n_layers"])
 def _select_kernel(
-    CS, SEL, POS, CUM, n_layers,
-    D: tl.constexpr, C: tl.constexpr, N: tl.constexpr, CUMW: tl.constexpr,
-    TP: tl.constexpr, NP: tl.constexpr,
+    CS,
+    SEL,
+    POS,
+    CUM,
+    n_layers,
+    D: tl.constexpr,
+    C: tl.constexpr,
+    N: tl.constexpr,
+    CUMW: tl.constexpr,
+    TP: tl.constexpr,
+    NP: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     o_t = tl.arange(0, TP)
     m_t = o_t < n_layers * C
     b_s = tl.load(CS + i_b * (D * C) + o_t, mask=m_t, other=-1.0)
     ok = b_s >= 0
-    b_key = tl.where(ok, (b_s.to(tl.int32, bitcast=True).to(tl.int64) << 32)
-                     | (0x7FFFFFFF - o_t).to(tl.int64), -9223372036854775807 - 1)
+    b_key = tl.where(
+        ok,
+        (b_s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - o_t).to(tl.int64),
+        -9223372036854775807 - 1,
+    )
     b_top = tl.topk(b_key, NP)  # [NP] descending: score desc, candidate index asc
     o_j = tl.arange(0, NP)
     ok_j = (b_top >= 0) & (o_j < N - 1)
@@ -329,12 +514,41 @@ def _select_kernel(
 
 @triton.jit(do_not_specialize=["B", "n_layers", "C3", "L", "M"])
 def _emit_kernel(
-    CT, CS, CP, SEL, POS, CUM, ACT, SEQ, ROOT, DEC, TAB_T,
-    TOK, PAR, NUM, DEP, ANC, FC, NS, SC,
-    B, n_layers, C3, L, M,
-    D: tl.constexpr, C: tl.constexpr, N: tl.constexpr, AW: tl.constexpr, CUMW: tl.constexpr,
-    NMAX: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, LOG_D: tl.constexpr,
-    DOT_T: tl.constexpr, CAST: tl.constexpr,
+    CT,
+    CS,
+    CP,
+    SEL,
+    POS,
+    CUM,
+    ACT,
+    SEQ,
+    ROOT,
+    DEC,
+    TAB_T,
+    TOK,
+    PAR,
+    NUM,
+    DEP,
+    ANC,
+    FC,
+    NS,
+    SC,
+    B,
+    n_layers,
+    C3,
+    L,
+    M,
+    D: tl.constexpr,
+    C: tl.constexpr,
+    N: tl.constexpr,
+    AW: tl.constexpr,
+    CUMW: tl.constexpr,
+    NMAX: tl.constexpr,
+    NP: tl.constexpr,
+    BP: tl.constexpr,
+    LOG_D: tl.constexpr,
+    DOT_T: tl.constexpr,
+    CAST: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, NP)
@@ -345,8 +559,11 @@ def _emit_kernel(
         b_a = tl.load(ACT + o_b, mask=m_b, other=0) != 0
         ctx = tl.max(tl.load(SEQ + o_b, mask=m_b & b_a, other=0))
         bucket = tl.minimum(ctx // L, M - 1)
-        b_cum = tl.load(CUM + o_b[:, None] * CUMW + o_n[None, :],
-                        mask=(m_b & b_a)[:, None] & m_n[None, :], other=0.0)  # [BP, NP]
+        b_cum = tl.load(
+            CUM + o_b[:, None] * CUMW + o_n[None, :],
+            mask=(m_b & b_a)[:, None] & m_n[None, :],
+            other=0.0,
+        )  # [BP, NP]
         n_act = tl.maximum(tl.sum(b_a.to(tl.int32)), 1)
         b_u = tl.sum(b_cum, axis=0) / n_act.to(tl.float32)
         t1 = tl.load(TAB_T + bucket * NMAX)
@@ -390,8 +607,9 @@ def _emit_kernel(
     big = NP + 1
     kid = (b_par[None, :] == o_n[:, None]) & live[:, None]  # [NP(parent i), NP(child j)]
     b_fc = tl.min(tl.where(kid, o_n[None, :], big), axis=1)
-    sib = ((b_par[None, :] == b_par[:, None]) & (b_par[:, None] >= 0)
-           & (o_n[None, :] > o_n[:, None]))  # [NP(i), NP(j)]: j a later sibling of i
+    sib = (
+        (b_par[None, :] == b_par[:, None]) & (b_par[:, None] >= 0) & (o_n[None, :] > o_n[:, None])
+    )  # [NP(i), NP(j)]: j a later sibling of i
     b_ns = tl.min(tl.where(sib, o_n[None, :], big), axis=1)
 
     o_out = i_b * N + o_n
@@ -401,8 +619,11 @@ def _emit_kernel(
     tl.store(SC + o_out, tl.where(live, b_sc, 0.0), mask=m_n)
     tl.store(FC + o_out, tl.where(b_fc < big, b_fc, -1), mask=m_n)
     tl.store(NS + o_out, tl.where(b_ns < big, b_ns, -1), mask=m_n)
-    tl.store(ANC + o_out[:, None] * AW + o_w[None, :], b_anc.to(tl.int32),
-             mask=m_n[:, None] & (o_w[None, :] < AW))
+    tl.store(
+        ANC + o_out[:, None] * AW + o_w[None, :],
+        b_anc.to(tl.int32),
+        mask=m_n[:, None] & (o_w[None, :] < AW),
+    )
     tl.store(NUM + i_b, m)
 
 
@@ -433,8 +654,15 @@ def _sm_count(dev: torch.device) -> int:
     return _SM_COUNT[i]
 
 
-def expand(logits: torch.Tensor, state, policy, *, block_v: int | None = None,
-           num_warps: int | None = None, split: int | None = None) -> None:
+def expand(
+    logits: torch.Tensor,
+    state,
+    policy,
+    *,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    split: int | None = None,
+) -> None:
     """Expand draft layer ``state.layer`` (does not advance it; the public op does).
 
     ``block_v`` (vocabulary tile, a power of two), ``num_warps`` and ``split`` (programs per row,
@@ -471,16 +699,54 @@ def expand(logits: torch.Tensor, state, policy, *, block_v: int | None = None,
     cast = policy.is_cast
     warps = num_warps or (1 if _INTERPRET else (8 if block_v >= 4096 else 4))
     _expand_kernel[(B * W * split,)](
-        logits, state.frontier_scores, state.frontier, state.frontier_tokens,
-        state.active.view(torch.uint8), state.seq_lens,
-        state.cand_tokens, state.cand_scores, state.cand_parents, state.decisions, state.u_hist,
-        ws["counters"], ws["cum"], tab_t, tab_d, rctr, pm, ps, pk,
-        B, V, state.layer, logits.stride(0), logits.stride(1),
-        float(policy.C1) if cast else 0.0, float(policy.C2) if cast else 0.0, L, M,
-        W=W, K=K, D=D, R=policy.R if cast else 1, NMAX=nmax, CUMW=ws["cum"].shape[1],
-        KP=KP, CPAD=_pow2(C), WP=_pow2(W), BP=_pow2(B), DP=_pow2(D),
-        BLOCK_V=block_v, SPLIT=split, SP=_pow2(split), CHUNK=chunk, JB=min(16, _pow2(C)),
-        LANES=32 * warps, FENCE=not _INTERPRET, CAST=cast, num_warps=warps,
+        logits,
+        state.frontier_scores,
+        state.frontier,
+        state.frontier_tokens,
+        state.active.view(torch.uint8),
+        state.seq_lens,
+        state.cand_tokens,
+        state.cand_scores,
+        state.cand_parents,
+        state.decisions,
+        state.u_hist,
+        ws["counters"],
+        ws["cum"],
+        tab_t,
+        tab_d,
+        rctr,
+        pm,
+        ps,
+        pk,
+        B,
+        V,
+        state.layer,
+        logits.stride(0),
+        logits.stride(1),
+        float(policy.C1) if cast else 0.0,
+        float(policy.C2) if cast else 0.0,
+        L,
+        M,
+        W=W,
+        K=K,
+        D=D,
+        R=policy.R if cast else 1,
+        NMAX=nmax,
+        CUMW=ws["cum"].shape[1],
+        KP=KP,
+        CPAD=_pow2(C),
+        WP=_pow2(W),
+        BP=_pow2(B),
+        DP=_pow2(D),
+        BLOCK_V=block_v,
+        SPLIT=split,
+        SP=_pow2(split),
+        CHUNK=chunk,
+        JB=min(16, _pow2(C)),
+        LANES=32 * warps,
+        FENCE=not _INTERPRET,
+        CAST=cast,
+        num_warps=warps,
     )
 
 
@@ -501,8 +767,16 @@ def emit(state, policy, *, out: Tree | None = None) -> Tree:
             next_sibling=torch.empty(B, N, dtype=torch.int32, device=dev),
             scores=torch.empty(B, N, dtype=torch.float32, device=dev),
         )
-    for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling",
-              "scores"):
+    for f in (
+        "tokens",
+        "parents",
+        "num_nodes",
+        "depth",
+        "anc",
+        "first_child",
+        "next_sibling",
+        "scores",
+    ):
         if not getattr(out, f).is_contiguous():
             raise ValueError(f"Invalid layout of out.{f}: expected a contiguous tensor")
     ws = state.workspace
@@ -511,17 +785,55 @@ def emit(state, policy, *, out: Tree | None = None) -> Tree:
     TP = max(_pow2(D * C), NP)
     warps = 1 if _INTERPRET else (4 if NP <= 64 else 8)  # [NP, NP] tiles: 199 regs at 64 / 4 warps
     _select_kernel[(B,)](
-        state.cand_scores, ws["sel"], ws["pos"], ws["cum"], state.layer,
-        D=D, C=C, N=N, CUMW=ws["cum"].shape[1], TP=TP, NP=NP, num_warps=warps,
+        state.cand_scores,
+        ws["sel"],
+        ws["pos"],
+        ws["cum"],
+        state.layer,
+        D=D,
+        C=C,
+        N=N,
+        CUMW=ws["cum"].shape[1],
+        TP=TP,
+        NP=NP,
+        num_warps=warps,
     )
     _emit_kernel[(B,)](
-        state.cand_tokens, state.cand_scores, state.cand_parents, ws["sel"], ws["pos"], ws["cum"],
-        state.active.view(torch.uint8), state.seq_lens, state.root_tokens, state.decisions, tab_t,
-        out.tokens, out.parents, out.num_nodes, out.depth, out.anc, out.first_child,
-        out.next_sibling, out.scores,
-        B, state.layer, float(policy.C3) if policy.is_cast else 0.0, L, M,
-        D=D, C=C, N=N, AW=anc_words(N), CUMW=ws["cum"].shape[1], NMAX=nmax, NP=NP,
-        BP=_pow2(B), LOG_D=max(0, (D - 1).bit_length()),
-        DOT_T=tl.float32 if _INTERPRET else tl.float16, CAST=policy.is_cast, num_warps=warps,
+        state.cand_tokens,
+        state.cand_scores,
+        state.cand_parents,
+        ws["sel"],
+        ws["pos"],
+        ws["cum"],
+        state.active.view(torch.uint8),
+        state.seq_lens,
+        state.root_tokens,
+        state.decisions,
+        tab_t,
+        out.tokens,
+        out.parents,
+        out.num_nodes,
+        out.depth,
+        out.anc,
+        out.first_child,
+        out.next_sibling,
+        out.scores,
+        B,
+        state.layer,
+        float(policy.C3) if policy.is_cast else 0.0,
+        L,
+        M,
+        D=D,
+        C=C,
+        N=N,
+        AW=anc_words(N),
+        CUMW=ws["cum"].shape[1],
+        NMAX=nmax,
+        NP=NP,
+        BP=_pow2(B),
+        LOG_D=max(0, (D - 1).bit_length()),
+        DOT_T=tl.float32 if _INTERPRET else tl.float16,
+        CAST=policy.is_cast,
+        num_warps=warps,
     )
     return out

@@ -38,8 +38,17 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _draft_match(par_ptr, tok_ptr, row, n_draft, b_pk, b_t32,
-                 LB: tl.constexpr, NB: tl.constexpr, CN: tl.constexpr):
+def _draft_match(
+    par_ptr,
+    tok_ptr,
+    row,
+    n_draft,
+    b_pk,
+    b_t32,
+    LB: tl.constexpr,
+    NB: tl.constexpr,
+    CN: tl.constexpr,
+):
     """Per retrieved node: the draft child (index < n_draft) of merged node ``b_pk`` carrying
     token ``b_t32``, or _BIG; draft nodes read in [LB, CN] tiles."""
     b_dm = tl.full([LB], _BIG, tl.int32)
@@ -62,21 +71,54 @@ def _cmp_key(m_un, b_pk, b_t32):
 @triton.jit(do_not_specialize=["N", "T", "V", "max_depth", "budget_val", "count_val"])
 def _graft_kernel(
     # input tree, contiguous [B, N] / [B, N, W]
-    tok_ptr, par_ptr, num_ptr, dep_ptr, anc_ptr, sc_ptr,
+    tok_ptr,
+    par_ptr,
+    num_ptr,
+    dep_ptr,
+    anc_ptr,
+    sc_ptr,
     # output tree
-    o_tok_ptr, o_par_ptr, o_num_ptr, o_dep_ptr, o_anc_ptr, o_fc_ptr, o_ns_ptr, o_sc_ptr,
-    budget_ptr, budget_val, count_ptr, count_val,
+    o_tok_ptr,
+    o_par_ptr,
+    o_num_ptr,
+    o_dep_ptr,
+    o_anc_ptr,
+    o_fc_ptr,
+    o_ns_ptr,
+    o_sc_ptr,
+    budget_ptr,
+    budget_val,
+    count_ptr,
+    count_val,
     # template mode: table [V, K] and the template [T]
-    table_ptr, t_par_ptr, t_rank_ptr, t_dep_ptr,
+    table_ptr,
+    t_par_ptr,
+    t_rank_ptr,
+    t_dep_ptr,
     # loaded mode: retrieved [B, T]
-    r_tok_ptr, r_par_ptr, r_dep_ptr, r_num_ptr,
+    r_tok_ptr,
+    r_par_ptr,
+    r_dep_ptr,
+    r_num_ptr,
     # scratch per request: int32 [5, TB] (key, canon, parent key, new, -), int64 [2, TB]
     # (token, compare key), int32 [TB, WB] anc rows
-    ws_i_ptr, ws_l_ptr, ws_anc_ptr,
-    N, T, V, max_depth,
-    K: tl.constexpr, W: tl.constexpr,
-    NB: tl.constexpr, TB: tl.constexpr, WB: tl.constexpr, LB: tl.constexpr, CN: tl.constexpr,
-    FROM_TABLE: tl.constexpr, BUDGET_T: tl.constexpr, COUNT_T: tl.constexpr,
+    ws_i_ptr,
+    ws_l_ptr,
+    ws_anc_ptr,
+    N,
+    T,
+    V,
+    max_depth,
+    K: tl.constexpr,
+    W: tl.constexpr,
+    NB: tl.constexpr,
+    TB: tl.constexpr,
+    WB: tl.constexpr,
+    LB: tl.constexpr,
+    CN: tl.constexpr,
+    FROM_TABLE: tl.constexpr,
+    BUDGET_T: tl.constexpr,
+    COUNT_T: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, NB)  # [NB] output / draft node index
@@ -118,8 +160,10 @@ def _graft_kernel(
     tl.store(p_pkey + o_j, tl.full([TB], -1, tl.int32))
     tl.store(p_new + o_j, tl.zeros([TB], tl.int32))
     tl.store(p_tok + o_j, tl.where(o_j == 0, root_tok, -1).to(tl.int64))
-    tl.store(p_anc + o_j[:, None] * WB + o_w[None, :],
-             tl.where((o_j[:, None] == 0) & (o_w[None, :] == 0), 1, 0))
+    tl.store(
+        p_anc + o_j[:, None] * WB + o_w[None, :],
+        tl.where((o_j[:, None] == 0) & (o_w[None, :] == 0), 1, 0),
+    )
     tl.debug_barrier()
     n_used = n_draft
     n_got = tl.zeros([], tl.int32)
@@ -137,8 +181,9 @@ def _graft_kernel(
                 b_par = tl.load(r_par_ptr + i_b * T + o_l, mask=m_l, other=0)
             b_pp = tl.minimum(tl.maximum(b_par, 0), TB - 1)
             b_pk = tl.load(p_key + b_pp, mask=m_l, other=-1)
-            b_prow = tl.load(p_anc + b_pp[:, None] * WB + o_w[None, :], mask=m_l[:, None],
-                             other=0)  # [LB, WB] parents' anc rows
+            b_prow = tl.load(
+                p_anc + b_pp[:, None] * WB + o_w[None, :], mask=m_l[:, None], other=0
+            )  # [LB, WB] parents' anc rows
             if FROM_TABLE:
                 b_rank = tl.load(t_rank_ptr + o_l, mask=m_l, other=0)
                 b_ptok = tl.load(p_tok + b_pp, mask=m_l, other=-1)
@@ -171,8 +216,9 @@ def _graft_kernel(
             tl.store(p_key + o_l, b_key, mask=m_l)
             tl.store(p_pkey + o_l, b_pk, mask=m_l)
             tl.store(p_new + o_l, m_kept.to(tl.int32), mask=m_l)
-            tl.store(p_anc + o_l[:, None] * WB + o_w[None, :], b_row,
-                     mask=(m_l & (b_key >= 0))[:, None])
+            tl.store(
+                p_anc + o_l[:, None] * WB + o_w[None, :], b_row, mask=(m_l & (b_key >= 0))[:, None]
+            )
             tl.debug_barrier()
         else:
             # pass 1: the token (template: a table look-up) and a draft child to reuse
@@ -236,8 +282,9 @@ def _graft_kernel(
                 b_canon = tl.load(p_canon + o_l, mask=m_l, other=0)
                 m_dup = (b_cmp >= 0) & (b_canon != o_l)
                 b_key = tl.load(p_key + o_l, mask=m_l, other=-1)
-                b_ck = tl.load(p_key + tl.minimum(tl.maximum(b_canon, 0), TB - 1), mask=m_dup,
-                               other=-1)
+                b_ck = tl.load(
+                    p_key + tl.minimum(tl.maximum(b_canon, 0), TB - 1), mask=m_dup, other=-1
+                )
                 b_key = tl.where(m_dup, b_ck, b_key)
                 tl.store(p_key + o_l, b_key, mask=m_dup)
                 if FROM_TABLE:
@@ -246,8 +293,9 @@ def _graft_kernel(
                     b_par = tl.load(r_par_ptr + i_b * T + o_l, mask=m_l, other=0)
                 b_pp = tl.minimum(tl.maximum(b_par, 0), TB - 1)
                 m_set = m_l & (b_key >= 0)
-                b_prow = tl.load(p_anc + b_pp[:, None] * WB + o_w[None, :], mask=m_set[:, None],
-                                 other=0)  # [LB, WB]
+                b_prow = tl.load(
+                    p_anc + b_pp[:, None] * WB + o_w[None, :], mask=m_set[:, None], other=0
+                )  # [LB, WB]
                 b_kc = tl.maximum(b_key, 0)[:, None]
                 b_row = b_prow | tl.where(b_kc // 32 == o_w[None, :], 1 << (b_kc % 32), 0)
                 tl.store(p_anc + o_l[:, None] * WB + o_w[None, :], b_row, mask=m_set[:, None])
@@ -263,8 +311,11 @@ def _graft_kernel(
     tl.store(o_tok_ptr + p_row, tl.load(tok_ptr + p_row, mask=m_d, other=0), mask=m_n)
     tl.store(o_par_ptr + p_row, tl.load(par_ptr + p_row, mask=m_d, other=-1), mask=m_n)
     tl.store(o_dep_ptr + p_row, tl.load(dep_ptr + p_row, mask=m_d, other=0), mask=m_n)
-    tl.store(o_anc_ptr + p_orow, tl.load(anc_ptr + p_orow, mask=m_d[:, None] & m_aw, other=0),
-             mask=m_n[:, None] & m_aw)
+    tl.store(
+        o_anc_ptr + p_orow,
+        tl.load(anc_ptr + p_orow, mask=m_d[:, None] & m_aw, other=0),
+        mask=m_n[:, None] & m_aw,
+    )
     m_new = (tl.load(p_new + o_j) != 0) & m_t
     b_nk = tl.minimum(tl.maximum(tl.load(p_key + o_j), 0), NB - 1)
     if FROM_TABLE:
@@ -276,8 +327,11 @@ def _graft_kernel(
     tl.store(o_par_ptr + p_new_row, tl.load(p_pkey + o_j), mask=m_new)
     tl.store(o_dep_ptr + p_new_row, b_rdep, mask=m_new)
     b_ranc = tl.load(p_anc + o_j[:, None] * WB + o_w[None, :], mask=m_new[:, None], other=0)
-    tl.store(o_anc_ptr + i_b * N * W + b_nk[:, None] * W + o_w[None, :], b_ranc,
-             mask=m_new[:, None] & m_aw)
+    tl.store(
+        o_anc_ptr + i_b * N * W + b_nk[:, None] * W + o_w[None, :],
+        b_ranc,
+        mask=m_new[:, None] & m_aw,
+    )
     tl.store(o_sc_ptr + p_row, tl.load(sc_ptr + p_row, mask=m_d, other=0.0), mask=o_n < N)
     tl.store(o_num_ptr + i_b, n_out)
     tl.debug_barrier()
@@ -300,10 +354,26 @@ def _graft_kernel(
 
 @triton.jit(do_not_specialize=["T", "V", "max_depth", "count_val", "stride_root"])
 def _retrieve_kernel(
-    table_ptr, root_ptr, stride_root, t_par_ptr, t_rank_ptr, t_dep_ptr, count_ptr, count_val,
-    o_tok_ptr, o_par_ptr, o_dep_ptr, o_num_ptr, ws_tok_ptr, ws_pos_ptr,
-    T, V, max_depth,
-    K: tl.constexpr, TB: tl.constexpr, COUNT_T: tl.constexpr,
+    table_ptr,
+    root_ptr,
+    stride_root,
+    t_par_ptr,
+    t_rank_ptr,
+    t_dep_ptr,
+    count_ptr,
+    count_val,
+    o_tok_ptr,
+    o_par_ptr,
+    o_dep_ptr,
+    o_num_ptr,
+    ws_tok_ptr,
+    ws_pos_ptr,
+    T,
+    V,
+    max_depth,
+    K: tl.constexpr,
+    TB: tl.constexpr,
+    COUNT_T: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     o_j = tl.arange(0, TB)
@@ -354,9 +424,22 @@ def _retrieve_kernel(
 
 @triton.jit(do_not_specialize=["N", "V", "n_flat", "chunk", "stride_b", "stride_n"])
 def _topk_partial_kernel(
-    x_ptr, tok_ptr, num_ptr, owner_ptr, ws_val_ptr, ws_id_ptr,
-    N, V, n_flat, chunk, stride_b, stride_n,
-    K: tl.constexpr, KB: tl.constexpr, S: tl.constexpr, BLOCK_V: tl.constexpr,
+    x_ptr,
+    tok_ptr,
+    num_ptr,
+    owner_ptr,
+    ws_val_ptr,
+    ws_id_ptr,
+    N,
+    V,
+    n_flat,
+    chunk,
+    stride_b,
+    stride_n,
+    K: tl.constexpr,
+    KB: tl.constexpr,
+    S: tl.constexpr,
+    BLOCK_V: tl.constexpr,
     LAST_WINS: tl.constexpr,
 ):
     i_f = tl.program_id(0).to(tl.int64)  # flattened node b*N + i
@@ -404,8 +487,9 @@ def _topk_partial_kernel(
 
 
 @triton.jit(do_not_specialize=["N", "n_flat"])
-def _claim_kernel(tok_ptr, num_ptr, owner_ptr, N, V, n_flat,
-                  BLOCK: tl.constexpr, LAST_WINS: tl.constexpr):
+def _claim_kernel(
+    tok_ptr, num_ptr, owner_ptr, N, V, n_flat, BLOCK: tl.constexpr, LAST_WINS: tl.constexpr
+):
     o_f = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m_f = o_f < n_flat
     tok = tl.load(tok_ptr + o_f, mask=m_f, other=-1)
@@ -420,10 +504,26 @@ def _claim_kernel(tok_ptr, num_ptr, owner_ptr, N, V, n_flat,
 
 @triton.jit(do_not_specialize=["N", "V", "n_flat", "k_ids", "stride_ib", "stride_in", "n_cand"])
 def _update_write_kernel(
-    tok_ptr, num_ptr, owner_ptr, table_ptr, ws_val_ptr, ws_id_ptr, ids_ptr,
-    N, V, n_flat, k_ids, stride_ib, stride_in, n_cand,
-    K: tl.constexpr, KB: tl.constexpr, C: tl.constexpr, BLOCK_M: tl.constexpr,
-    FROM_LOGITS: tl.constexpr, LAST_WINS: tl.constexpr,
+    tok_ptr,
+    num_ptr,
+    owner_ptr,
+    table_ptr,
+    ws_val_ptr,
+    ws_id_ptr,
+    ids_ptr,
+    N,
+    V,
+    n_flat,
+    k_ids,
+    stride_ib,
+    stride_in,
+    n_cand,
+    K: tl.constexpr,
+    KB: tl.constexpr,
+    C: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    FROM_LOGITS: tl.constexpr,
+    LAST_WINS: tl.constexpr,
 ):
     o_f = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] flat nodes
     m_f = o_f < n_flat
@@ -497,8 +597,16 @@ def graft_fused(
     Returns the output tree's fields in ``Tree`` order (tokens, parents, num_nodes, depth, anc,
     first_child, next_sibling, scores), written into ``out`` when given.
     """
-    fields = ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling",
-              "scores")
+    fields = (
+        "tokens",
+        "parents",
+        "num_nodes",
+        "depth",
+        "anc",
+        "first_child",
+        "next_sibling",
+        "scores",
+    )
     for f in fields:
         _contig(f"tree.{f}", getattr(tree, f))
     B, N = tree.parents.shape
@@ -529,8 +637,12 @@ def graft_fused(
         assert r_num is not None
         T = r_tokens.shape[1]
         V, K = 1, 1
-        r_args = (_contig("retrieved.tokens", r_tokens), _contig("retrieved.parents", r_parents),
-                  _contig("retrieved.depth", r_depth), r_num)
+        r_args = (
+            _contig("retrieved.tokens", r_tokens),
+            _contig("retrieved.parents", r_parents),
+            _contig("retrieved.depth", r_depth),
+            r_num,
+        )
         t_args = (tree.parents, tree.parents, tree.parents, tree.parents)  # unused
     budget_t = isinstance(budget, torch.Tensor)
     count_t = isinstance(count, torch.Tensor)
@@ -547,14 +659,43 @@ def graft_fused(
     ws_l = torch.empty(B * 2 * TB, dtype=torch.int64, device=dev)
     ws_anc = torch.empty(B * TB * WB, dtype=torch.int32, device=dev)
     _graft_kernel[(B,)](
-        tree.tokens, tree.parents, tree.num_nodes, tree.depth, tree.anc, tree.scores,
-        out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7],
-        budget if budget_t else tree.num_nodes, 0 if budget_t else int(budget),
-        count if count_t else tree.num_nodes, count_val,
-        *t_args, *r_args, ws_i, ws_l, ws_anc,
-        N, T, V, max_depth,
-        K=K, W=W, NB=NB, TB=TB, WB=WB, LB=level_block, CN=min(NB, 32),
-        FROM_TABLE=from_table, BUDGET_T=budget_t, COUNT_T=count_t,
+        tree.tokens,
+        tree.parents,
+        tree.num_nodes,
+        tree.depth,
+        tree.anc,
+        tree.scores,
+        out[0],
+        out[1],
+        out[2],
+        out[3],
+        out[4],
+        out[5],
+        out[6],
+        out[7],
+        budget if budget_t else tree.num_nodes,
+        0 if budget_t else int(budget),
+        count if count_t else tree.num_nodes,
+        count_val,
+        *t_args,
+        *r_args,
+        ws_i,
+        ws_l,
+        ws_anc,
+        N,
+        T,
+        V,
+        max_depth,
+        K=K,
+        W=W,
+        NB=NB,
+        TB=TB,
+        WB=WB,
+        LB=level_block,
+        CN=min(NB, 32),
+        FROM_TABLE=from_table,
+        BUDGET_T=budget_t,
+        COUNT_T=count_t,
         num_warps=4,
     )
     return out
@@ -585,10 +726,27 @@ def retrieve(
     ws_tok = torch.empty(B * TB, dtype=torch.int64, device=dev)
     ws_pos = torch.empty(B * TB, dtype=torch.int32, device=dev)
     _retrieve_kernel[(B,)](
-        table, root_tokens, root_tokens.stride(0), t_parents, t_ranks, t_depth,
-        count if count_t else num, count_val,
-        tok, par, dep, num, ws_tok, ws_pos, T, V, max_depth,
-        K=K, TB=TB, COUNT_T=count_t, num_warps=_num_warps(TB, 1),
+        table,
+        root_tokens,
+        root_tokens.stride(0),
+        t_parents,
+        t_ranks,
+        t_depth,
+        count if count_t else num,
+        count_val,
+        tok,
+        par,
+        dep,
+        num,
+        ws_tok,
+        ws_pos,
+        T,
+        V,
+        max_depth,
+        K=K,
+        TB=TB,
+        COUNT_T=count_t,
+        num_warps=_num_warps(TB, 1),
     )
     return tok, par, dep, num
 
@@ -636,16 +794,38 @@ def adjacency_update(
             )
         ws_val, ws_id = workspace[key]
         _topk_partial_kernel[(n_flat, S)](
-            logits, tokens, num_nodes, owner, ws_val, ws_id,
-            N, V, n_flat, chunk, logits.stride(0), logits.stride(1),
-            K=K, KB=KB, S=S, BLOCK_V=block_v, LAST_WINS=last_wins, num_warps=4,
+            logits,
+            tokens,
+            num_nodes,
+            owner,
+            ws_val,
+            ws_id,
+            N,
+            V,
+            n_flat,
+            chunk,
+            logits.stride(0),
+            logits.stride(1),
+            K=K,
+            KB=KB,
+            S=S,
+            BLOCK_V=block_v,
+            LAST_WINS=last_wins,
+            num_warps=4,
         )
         n_cand = S * KB
         ids, s_ib, s_in, k_ids = ws_id, 0, 0, 0
     else:
         assert topk_ids is not None
         _claim_kernel[(triton.cdiv(n_flat, 256),)](
-            tokens, num_nodes, owner, N, V, n_flat, BLOCK=256, LAST_WINS=last_wins,
+            tokens,
+            num_nodes,
+            owner,
+            N,
+            V,
+            n_flat,
+            BLOCK=256,
+            LAST_WINS=last_wins,
         )
         ws_val, ws_id = table, table  # unused
         n_cand = KB
@@ -655,8 +835,25 @@ def adjacency_update(
     C = triton.next_power_of_2(n_cand)
     block_m = max(1, min(64, 2048 // C))
     _update_write_kernel[(triton.cdiv(n_flat, block_m),)](
-        tokens, num_nodes, owner, table, ws_val, ws_id, ids,
-        N, V, n_flat, k_ids, s_ib, s_in, n_cand,
-        K=K, KB=KB, C=C, BLOCK_M=block_m, FROM_LOGITS=logits is not None,
-        LAST_WINS=last_wins, num_warps=4,
+        tokens,
+        num_nodes,
+        owner,
+        table,
+        ws_val,
+        ws_id,
+        ids,
+        N,
+        V,
+        n_flat,
+        k_ids,
+        s_ib,
+        s_in,
+        n_cand,
+        K=K,
+        KB=KB,
+        C=C,
+        BLOCK_M=block_m,
+        FROM_LOGITS=logits is not None,
+        LAST_WINS=last_wins,
+        num_warps=4,
     )

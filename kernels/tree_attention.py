@@ -63,17 +63,55 @@ def _attend(q, k, v, acc, m_i, l_i, qk_scale, vis, MASKED: tl.constexpr, UPCAST:
 
 @triton.jit(do_not_specialize=["N", "H_KV", "qk_scale"])
 def _tree_attn_fwd(
-    Q, K, V, BT, SEQ, NN, ANC, QS, QL, O, L, WO, WL,
-    qk_scale, N, H_KV,
-    s_qb, s_qn, s_qh, s_qd,
-    s_kp, s_ks, s_kh, s_kd,
-    s_vp, s_vs, s_vh, s_vd,
-    s_btb, s_ab, s_an,
-    s_ob, s_on, s_oh, s_od,
-    s_lb, s_ln, s_lh,
-    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    D: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_QS: tl.constexpr, HAS_QL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+    Q,
+    K,
+    V,
+    BT,
+    SEQ,
+    NN,
+    ANC,
+    QS,
+    QL,
+    O,
+    L,
+    WO,
+    WL,
+    qk_scale,
+    N,
+    H_KV,
+    s_qb,
+    s_qn,
+    s_qh,
+    s_qd,
+    s_kp,
+    s_ks,
+    s_kh,
+    s_kd,
+    s_vp,
+    s_vs,
+    s_vh,
+    s_vd,
+    s_btb,
+    s_ab,
+    s_an,
+    s_ob,
+    s_on,
+    s_oh,
+    s_od,
+    s_lb,
+    s_ln,
+    s_lh,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_QS: tl.constexpr,
+    HAS_QL: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = G_PAD * BLOCK_Q
@@ -147,50 +185,75 @@ def _tree_attn_fwd(
             m_k = pos < full_end
             page = tl.load(p_bt + pos // PAGE_SIZE, mask=m_k, other=0).to(tl.int64)
             slot = pos % PAGE_SIZE
-            k_nxt = tl.load(K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
-                            mask=m_k[:, None], other=0.0)
-            v_nxt = tl.load(V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
-                            mask=m_k[:, None], other=0.0)
+            k_nxt = tl.load(
+                K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
+                mask=m_k[:, None],
+                other=0.0,
+            )
+            v_nxt = tl.load(
+                V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
+                mask=m_k[:, None],
+                other=0.0,
+            )
             pos_nxt = pos + BLOCK_N
-            page_nxt = tl.load(p_bt + pos_nxt // PAGE_SIZE, mask=pos_nxt < full_end,
-                               other=0).to(tl.int64)
+            page_nxt = tl.load(p_bt + pos_nxt // PAGE_SIZE, mask=pos_nxt < full_end, other=0).to(
+                tl.int64
+            )
             for _ in range(n_full):
                 b_k = k_nxt
                 b_v = v_nxt
                 m_k = pos_nxt < full_end
                 slot = pos_nxt % PAGE_SIZE
-                k_nxt = tl.load(K + (page_nxt * s_kp + slot * s_ks + off_kh)[:, None]
-                                + o_d[None, :] * s_kd, mask=m_k[:, None], other=0.0)
-                v_nxt = tl.load(V + (page_nxt * s_vp + slot * s_vs + off_vh)[:, None]
-                                + o_d[None, :] * s_vd, mask=m_k[:, None], other=0.0)
+                k_nxt = tl.load(
+                    K + (page_nxt * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
+                    mask=m_k[:, None],
+                    other=0.0,
+                )
+                v_nxt = tl.load(
+                    V + (page_nxt * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
+                    mask=m_k[:, None],
+                    other=0.0,
+                )
                 pos_nxt = pos_nxt + BLOCK_N
-                page_nxt = tl.load(p_bt + pos_nxt // PAGE_SIZE, mask=pos_nxt < full_end,
-                                   other=0).to(tl.int64)
-                b_acc, b_m, b_l = _attend(b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, None,
-                                          False, UPCAST)
+                page_nxt = tl.load(
+                    p_bt + pos_nxt // PAGE_SIZE, mask=pos_nxt < full_end, other=0
+                ).to(tl.int64)
+                b_acc, b_m, b_l = _attend(
+                    b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, None, False, UPCAST
+                )
         else:
             for it in range(n_full):
                 pos = start + it * BLOCK_N + o_n  # [BLOCK_N] logical slot
                 page = tl.load(p_bt + pos // PAGE_SIZE).to(tl.int64)
                 slot = pos % PAGE_SIZE
-                b_k = tl.load(K + (page * s_kp + slot * s_ks + off_kh)[:, None]
-                              + o_d[None, :] * s_kd)
-                b_v = tl.load(V + (page * s_vp + slot * s_vs + off_vh)[:, None]
-                              + o_d[None, :] * s_vd)
-                b_acc, b_m, b_l = _attend(b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, None,
-                                          False, UPCAST)
+                b_k = tl.load(
+                    K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd
+                )
+                b_v = tl.load(
+                    V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd
+                )
+                b_acc, b_m, b_l = _attend(
+                    b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, None, False, UPCAST
+                )
         tail = start + n_full * BLOCK_N
         if tail < p_end:
             pos = tail + o_n
             m_k = pos < p_end
             page = tl.load(p_bt + pos // PAGE_SIZE, mask=m_k, other=0).to(tl.int64)
             slot = pos % PAGE_SIZE
-            b_k = tl.load(K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
-                          mask=m_k[:, None], other=0.0)
-            b_v = tl.load(V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
-                          mask=m_k[:, None], other=0.0)
-            b_acc, b_m, b_l = _attend(b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, m_k[None, :],
-                                      True, UPCAST)
+            b_k = tl.load(
+                K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
+                mask=m_k[:, None],
+                other=0.0,
+            )
+            b_v = tl.load(
+                V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
+                mask=m_k[:, None],
+                other=0.0,
+            )
+            b_acc, b_m, b_l = _attend(
+                b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, m_k[None, :], True, UPCAST
+            )
         # tree nodes: key j visible iff bit j of anc[b, row] (ancestor-or-self)
         p_anc = ANC + i_b * s_ab + o_q[:, None] * s_an  # [BLOCK_M, 1]
         for t0 in range(tl.maximum(start, seq), end, BLOCK_N):
@@ -199,20 +262,27 @@ def _tree_attn_fwd(
             j = pos - seq  # [BLOCK_N] tree node of the key
             page = tl.load(p_bt + pos // PAGE_SIZE, mask=m_k, other=0).to(tl.int64)
             slot = pos % PAGE_SIZE
-            b_k = tl.load(K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
-                          mask=m_k[:, None], other=0.0)
-            b_v = tl.load(V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
-                          mask=m_k[:, None], other=0.0)
-            word = tl.load(p_anc + (j // 32)[None, :], mask=m_row[:, None] & m_k[None, :],
-                           other=0)  # [BLOCK_M, BLOCK_N] int32
+            b_k = tl.load(
+                K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
+                mask=m_k[:, None],
+                other=0.0,
+            )
+            b_v = tl.load(
+                V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
+                mask=m_k[:, None],
+                other=0.0,
+            )
+            word = tl.load(
+                p_anc + (j // 32)[None, :], mask=m_row[:, None] & m_k[None, :], other=0
+            )  # [BLOCK_M, BLOCK_N] int32
             vis = ((word >> (j % 32)[None, :]) & 1) != 0
-            b_acc, b_m, b_l = _attend(b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, vis,
-                                      True, UPCAST)
+            b_acc, b_m, b_l = _attend(b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, vis, True, UPCAST)
 
         seen = b_l > 0.0
         b_o = b_acc / tl.where(seen, b_l, 1.0)[:, None]
-        b_lse = tl.where(seen, (b_m + tl.math.log2(tl.where(seen, b_l, 1.0))) * 0.6931471805599453,
-                         float("-inf"))
+        b_lse = tl.where(
+            seen, (b_m + tl.math.log2(tl.where(seen, b_l, 1.0))) * 0.6931471805599453, float("-inf")
+        )
         if NUM_SPLITS == 1:
             p_o = O + i_b * s_ob + o_q[:, None] * s_on + o_h[:, None] * s_oh + o_d[None, :] * s_od
             tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None])
@@ -227,12 +297,29 @@ def _tree_attn_fwd(
 
 @triton.jit(do_not_specialize=["N", "H_Q"])
 def _merge_splits(
-    WO, WL, NN, QS, QL, O, L,
-    N, H_Q,
-    s_ob, s_on, s_oh, s_od,
-    s_lb, s_ln, s_lh,
-    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-    HAS_QS: tl.constexpr, HAS_QL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    WO,
+    WL,
+    NN,
+    QS,
+    QL,
+    O,
+    L,
+    N,
+    H_Q,
+    s_ob,
+    s_on,
+    s_oh,
+    s_od,
+    s_lb,
+    s_ln,
+    s_lh,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+    HAS_QS: tl.constexpr,
+    HAS_QL: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     """out[b, row, heads] = Σ_s w_s o_s / Σ_s w_s, w_s = exp(lse_s - max lse); inactive rows 0."""
     i_bn = tl.program_id(0).to(tl.int64)
@@ -259,14 +346,16 @@ def _merge_splits(
     b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
     b_w = tl.exp(b_lse - b_max[:, None])
     b_tot = tl.sum(b_w, 1)  # [BLOCK_H]
-    b_part = tl.load(WO + w_row[:, :, None] * D + o_d[None, None, :], mask=m_hs[:, :, None],
-                     other=0.0)  # [BLOCK_H, S_PAD, D]
+    b_part = tl.load(
+        WO + w_row[:, :, None] * D + o_d[None, None, :], mask=m_hs[:, :, None], other=0.0
+    )  # [BLOCK_H, S_PAD, D]
     b_o = tl.sum(b_w[:, :, None] * b_part, 1) / tl.where(b_tot > 0.0, b_tot, 1.0)[:, None]
     p_o = O + i_b * s_ob + row * s_on + o_h[:, None] * s_oh + o_d[None, :] * s_od
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_h[:, None])
     if WRITE_LSE:
-        b_out = tl.where(b_tot > 0.0, b_max + tl.log(tl.where(b_tot > 0.0, b_tot, 1.0)),
-                         float("-inf"))
+        b_out = tl.where(
+            b_tot > 0.0, b_max + tl.log(tl.where(b_tot > 0.0, b_tot, 1.0)), float("-inf")
+        )
         tl.store(L + i_b * s_lb + row * s_ln + o_h * s_lh, b_out, mask=m_h)
 
 
@@ -279,8 +368,9 @@ def sm_count(device: torch.device) -> int:
     """SM count of ``device``, asked lazily (never at import); a pretend 4 off the GPU, so that the
     interpreter tests exercise split-KV."""
     if device.type == "cuda":
-        return _cuda_sm_count(device.index if device.index is not None else
-                              torch.cuda.current_device())
+        return _cuda_sm_count(
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
     return 4
 
 
@@ -307,9 +397,18 @@ MIN_CHUNK = 128
 MAX_SPLITS = 8
 
 
-def pick_config(B: int, N: int, H_q: int, H_kv: int, D: int, kv_capacity: int, sms: int,
-                interpret: bool, num_splits: int | None = None,
-                override: dict | None = None) -> AttnConfig:
+def pick_config(
+    B: int,
+    N: int,
+    H_q: int,
+    H_kv: int,
+    D: int,
+    kv_capacity: int,
+    sms: int,
+    interpret: bool,
+    num_splits: int | None = None,
+    override: dict | None = None,
+) -> AttnConfig:
     """Tile sizes and split count from capacities and the device only (never tensor values)."""
     g = H_q // H_kv
     g_pad = triton.next_power_of_2(g)
@@ -341,8 +440,9 @@ def pick_config(B: int, N: int, H_q: int, H_kv: int, D: int, kv_capacity: int, s
         target = ppsm * sms
         num_splits = 1
         if base < target:
-            num_splits = min(triton.cdiv(target, base), MAX_SPLITS,
-                             max(1, kv_capacity // min_chunk))
+            num_splits = min(
+                triton.cdiv(target, base), MAX_SPLITS, max(1, kv_capacity // min_chunk)
+            )
     return AttnConfig(block_q, g_pad, block_n, max(1, num_splits), warps, stages, prefetch)
 
 
@@ -353,20 +453,45 @@ def workspace_numel(B: int, N: int, H_q: int, D: int, cfg: AttnConfig) -> int:
     return B * N * H_q * cfg.num_splits * (D + 1)
 
 
-def config_for(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-               num_splits: int | None = None, override: dict | None = None) -> AttnConfig:
+def config_for(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_splits: int | None = None,
+    override: dict | None = None,
+) -> AttnConfig:
     B, N, H_q, D = q.shape
     kv_capacity = block_table.shape[1] * k_cache.shape[1]
-    return pick_config(B, N, H_q, k_cache.shape[2], D, kv_capacity, sm_count(q.device),
-                       _INTERPRET, num_splits, override)
+    return pick_config(
+        B,
+        N,
+        H_q,
+        k_cache.shape[2],
+        D,
+        kv_capacity,
+        sm_count(q.device),
+        _INTERPRET,
+        num_splits,
+        override,
+    )
 
 
 def tree_attention_fwd(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, num_nodes: torch.Tensor, anc: torch.Tensor,
-    q_start: torch.Tensor | None, q_len: torch.Tensor | None, sm_scale: float,
-    out: torch.Tensor, lse: torch.Tensor | None, workspace: torch.Tensor | None = None,
-    num_splits: int | None = None, override: dict | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_nodes: torch.Tensor,
+    anc: torch.Tensor,
+    q_start: torch.Tensor | None,
+    q_len: torch.Tensor | None,
+    sm_scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    workspace: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    override: dict | None = None,
 ) -> None:
     """Launch (no checks): writes ``out`` [B, N, H_q, D] and, if given, ``lse`` [B, N, H_q]."""
     B, N, H_q, D = q.shape
@@ -378,7 +503,7 @@ def tree_attention_fwd(
         workspace = torch.empty(need, dtype=torch.float32, device=q.device)
     if S > 1:
         wo = workspace[: B * N * H_q * S * D]
-        wl = workspace[B * N * H_q * S * D: need]
+        wl = workspace[B * N * H_q * S * D : need]
     else:
         wo = wl = out  # never touched
     lse_t = lse if lse is not None else out
@@ -386,27 +511,67 @@ def tree_attention_fwd(
     upcast = _INTERPRET or q.dtype == torch.float32
     grid = (triton.cdiv(N, cfg.block_q), B * H_kv, S)
     _tree_attn_fwd[grid](
-        q, k_cache, v_cache, block_table, seq_lens, num_nodes, anc,
-        q_start if q_start is not None else seq_lens, q_len if q_len is not None else seq_lens,
-        out, lse_t, wo, wl,
-        sm_scale * _LOG2E, N, H_kv,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        block_table.stride(0), anc.stride(0), anc.stride(1),
-        *out.stride(), *lse_strides,
-        G=H_q // H_kv, G_PAD=cfg.g_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, D=D,
-        PAGE_SIZE=page_size, NUM_SPLITS=S,
-        HAS_QS=q_start is not None, HAS_QL=q_len is not None, WRITE_LSE=lse is not None,
-        UPCAST=upcast, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        num_nodes,
+        anc,
+        q_start if q_start is not None else seq_lens,
+        q_len if q_len is not None else seq_lens,
+        out,
+        lse_t,
+        wo,
+        wl,
+        sm_scale * _LOG2E,
+        N,
+        H_kv,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_table.stride(0),
+        anc.stride(0),
+        anc.stride(1),
+        *out.stride(),
+        *lse_strides,
+        G=H_q // H_kv,
+        G_PAD=cfg.g_pad,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_N=cfg.block_n,
+        D=D,
+        PAGE_SIZE=page_size,
+        NUM_SPLITS=S,
+        HAS_QS=q_start is not None,
+        HAS_QL=q_len is not None,
+        WRITE_LSE=lse is not None,
+        UPCAST=upcast,
+        PREFETCH=cfg.prefetch,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if S > 1:
         s_pad = triton.next_power_of_2(S)
         block_h = min(triton.next_power_of_2(H_q), max(1, 4096 // (s_pad * D)))
         _merge_splits[(B * N, triton.cdiv(H_q, block_h))](
-            wo, wl, num_nodes,
-            q_start if q_start is not None else seq_lens, q_len if q_len is not None else seq_lens,
-            out, lse_t, N, H_q, *out.stride(), *lse_strides,
-            NUM_SPLITS=S, S_PAD=s_pad, BLOCK_H=block_h, D=D,
-            HAS_QS=q_start is not None, HAS_QL=q_len is not None, WRITE_LSE=lse is not None,
+            wo,
+            wl,
+            num_nodes,
+            q_start if q_start is not None else seq_lens,
+            q_len if q_len is not None else seq_lens,
+            out,
+            lse_t,
+            N,
+            H_q,
+            *out.stride(),
+            *lse_strides,
+            NUM_SPLITS=S,
+            S_PAD=s_pad,
+            BLOCK_H=block_h,
+            D=D,
+            HAS_QS=q_start is not None,
+            HAS_QL=q_len is not None,
+            WRITE_LSE=lse is not None,
             num_warps=4,
         )
 

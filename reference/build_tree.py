@@ -127,16 +127,31 @@ def build_tree_emit(state: Any, policy: Any, *, out: Tree | None = None) -> Tree
     dev = state.active.device
     tree = Tree.from_parents(par.to(dev), num.to(dev), tok.to(dev), sc.to(dev))
     if out is not None:
-        for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child",
-                  "next_sibling", "scores"):
+        for f in (
+            "tokens",
+            "parents",
+            "num_nodes",
+            "depth",
+            "anc",
+            "first_child",
+            "next_sibling",
+            "scores",
+        ):
             getattr(out, f).copy_(getattr(tree, f))
         return out
     return tree
 
 
-def build_tree(policy: Any, draft_fn: Any, root_tokens: torch.Tensor, seq_lens: torch.Tensor,
-               active: torch.Tensor | None = None, *, state: Any = None,
-               out: Tree | None = None) -> Tree:
+def build_tree(
+    policy: Any,
+    draft_fn: Any,
+    root_tokens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    active: torch.Tensor | None = None,
+    *,
+    state: Any = None,
+    out: Tree | None = None,
+) -> Tree:
     """One decoding step: ``draft_fn(state) -> logits [B, W, V]`` per draft layer while the policy
     drafts (``state.flags``, at most ``max_depth`` layers), then rerank and emit."""
     from treeops.build import DraftState  # the state's home; imported late (import cycle)
@@ -145,8 +160,9 @@ def build_tree(policy: Any, draft_fn: Any, root_tokens: torch.Tensor, seq_lens: 
         state = DraftState.new(policy, root_tokens, seq_lens, active)
     else:
         state.reset(root_tokens, seq_lens, active)
-    while state.layer == 0 or (bool(state.flags[state.layer - 1])
-                               and state.layer < policy.max_depth):
+    while state.layer == 0 or (
+        bool(state.flags[state.layer - 1]) and state.layer < policy.max_depth
+    ):
         build_tree_expand(draft_fn(state), state, policy)
     return build_tree_emit(state, policy, out=out)
 

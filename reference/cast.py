@@ -93,8 +93,10 @@ class CostTable:
         self.batch_sizes = bs
 
     def __repr__(self) -> str:
-        return (f"CostTable(batch_sizes={self.batch_sizes}, L={self.L}, M={self.M}, "
-                f"n_max={self.n_max}, gpu={self.meta.get('gpu')!r})")
+        return (
+            f"CostTable(batch_sizes={self.batch_sizes}, L={self.L}, M={self.M}, "
+            f"n_max={self.n_max}, gpu={self.meta.get('gpu')!r})"
+        )
 
     # ----------------------------------------------------------------- lookup
     @property
@@ -142,11 +144,13 @@ class CostTable:
 
     def _check_k(self, name: str, k: int) -> None:
         if not 1 <= k <= self.n_max:
-            raise ValueError(f"Invalid value of {name}: expected 1 <= {name} <= n_max = "
-                             f"{self.n_max}, got {k}")
+            raise ValueError(
+                f"Invalid value of {name}: expected 1 <= {name} <= n_max = {self.n_max}, got {k}"
+            )
 
-    def device_tables(self, B: int,
-                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    def device_tables(
+        self, B: int, device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(target, draft) rows of batch ``B`` as float32 ``[M, n_max]`` tensors on ``device``,
         cached: the view the selection kernels read (they bucket the context on the device)."""
         dev = torch.device(device)
@@ -199,8 +203,11 @@ class CostTable:
     ) -> float:
         """Median time in µs of ``fn(B, c, n)`` after ``warmup`` calls: CUDA events on a CUDA
         device, ``time.perf_counter`` otherwise."""
-        dev = torch.device(device) if device is not None else (
-            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        dev = (
+            torch.device(device)
+            if device is not None
+            else (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        )
         for _ in range(warmup):
             fn(B, c, n)
         times = []
@@ -243,14 +250,17 @@ class CostTable:
         made non-decreasing: the constructor does that)."""
         ns = sorted(set(ns)) if ns is not None else list(range(1, n_max + 1))
         if ns[0] != 1 or ns[-1] != n_max:
-            raise ValueError(f"Invalid value of ns: expected to start at 1 and end at n_max = "
-                             f"{n_max}, got {ns[0]}..{ns[-1]}")
+            raise ValueError(
+                f"Invalid value of ns: expected to start at 1 and end at n_max = "
+                f"{n_max}, got {ns[0]}..{ns[-1]}"
+            )
         out = torch.zeros(len(batch_sizes), M, n_max, dtype=torch.float64)
         for i, B in enumerate(batch_sizes):
             for k in range(M):
                 c = (k + 1) * L
-                pts = [cls.measure(fn, B, c, n, warmup=warmup, iters=iters, device=device)
-                       for n in ns]
+                pts = [
+                    cls.measure(fn, B, c, n, warmup=warmup, iters=iters, device=device) for n in ns
+                ]
                 if progress is not None:
                     progress(f"{name} B={B} c={c}: " + " ".join(f"{v:.1f}" for v in pts))
                 for n in range(1, n_max + 1):
@@ -316,10 +326,17 @@ class CostTable:
     def load(cls, path: str | Path) -> CostTable:
         d = json.loads(Path(path).read_text())
         if d.get("format") != "treeops.CostTable/1":
-            raise ValueError(f"Invalid cost table file {path}: expected format "
-                             f"'treeops.CostTable/1', got {d.get('format')!r}")
-        return cls(d["batch_sizes"], int(d["L"]), torch.tensor(d["target"], dtype=torch.float64),
-                   torch.tensor(d["draft"], dtype=torch.float64), d.get("meta", {}))
+            raise ValueError(
+                f"Invalid cost table file {path}: expected format "
+                f"'treeops.CostTable/1', got {d.get('format')!r}"
+            )
+        return cls(
+            d["batch_sizes"],
+            int(d["L"]),
+            torch.tensor(d["target"], dtype=torch.float64),
+            torch.tensor(d["draft"], dtype=torch.float64),
+            d.get("meta", {}),
+        )
 
 
 def default_meta(device: torch.device | str | None = None) -> dict[str, Any]:
@@ -328,8 +345,11 @@ def default_meta(device: torch.device | str | None = None) -> dict[str, Any]:
 
     import triton
 
-    dev = torch.device(device) if device is not None else (
-        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    dev = (
+        torch.device(device)
+        if device is not None
+        else (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    )
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor()})"
     try:
         from treeops import __version__ as tv
@@ -337,8 +357,12 @@ def default_meta(device: torch.device | str | None = None) -> dict[str, Any]:
         tv = "unknown"
     return {
         "gpu": gpu,
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "treeops": tv,
-                     "cuda": torch.version.cuda},
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "treeops": tv,
+            "cuda": torch.version.cuda,
+        },
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
@@ -360,8 +384,9 @@ def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
     return torch.where(obj == best, ks, 0).max().to(torch.int32)
 
 
-def cast_utilities(scores: torch.Tensor, K: int, active: torch.Tensor | None = None,
-                   root: bool = False) -> torch.Tensor:
+def cast_utilities(
+    scores: torch.Tensor, K: int, active: torch.Tensor | None = None, root: bool = False
+) -> torch.Tensor:
     """``u_k``, k = 1..K: the mean over active requests of the sum of their ``k`` best scores
     (with ``root``, the root's score 1 counts as the first). [K] float64.
 
@@ -381,8 +406,9 @@ def cast_utilities(scores: torch.Tensor, K: int, active: torch.Tensor | None = N
     return total / act.sum().clamp(min=1)  # no active request: all utilities 0
 
 
-def cast_width(scores: torch.Tensor, costs: torch.Tensor, C1: float,
-               active: torch.Tensor | None = None) -> torch.Tensor:
+def cast_width(
+    scores: torch.Tensor, costs: torch.Tensor, C1: float, active: torch.Tensor | None = None
+) -> torch.Tensor:
     """Width of the next frontier (DESIGN.md op 5): Algorithm 1 with ``u_k`` = batch mean of the
     k best candidate scores of this layer (``scores`` [B, M], < 0 = none), ``c_k = costs[k - 1]``
     (K = len(costs)) and threshold ``C1``. Returns a 0-d int32 tensor in [1, K]."""
@@ -413,11 +439,11 @@ def cast_depth(u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int) -> torc
     return (alpha * u[-1] / c.double()) >= C2
 
 
-def cast_rerank(scores: torch.Tensor, costs: torch.Tensor, C3: float,
-                active: torch.Tensor | None = None) -> torch.Tensor:
+def cast_rerank(
+    scores: torch.Tensor, costs: torch.Tensor, C3: float, active: torch.Tensor | None = None
+) -> torch.Tensor:
     """Number of nodes sent to verification (root included): Algorithm 1 with ``u_k`` = batch
     mean of the root's score 1 plus the ``k - 1`` best candidate scores of the step (``scores``
     [B, M], < 0 = none), ``c_k = costs[k - 1]`` (K = len(costs)), threshold ``C3``. 0-d int32."""
     K = costs.numel()
     return cast_select(cast_utilities(scores, K, active, root=True), costs, C3)
-

@@ -140,8 +140,9 @@ def adjacency_retrieve(
             n += 1
         num[b] = n
     dev = root_tokens.device
-    return Retrieved(tokens.to(dev), parents.to(dev), depth.to(dev), num.to(dev),
-                     template.max_depth)
+    return Retrieved(
+        tokens.to(dev), parents.to(dev), depth.to(dev), num.to(dev), template.max_depth
+    )
 
 
 def graft_merge(tree: Tree, retrieved: Retrieved, budget: torch.Tensor | int) -> Tree:

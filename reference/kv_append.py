@@ -25,7 +25,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> to
     cos = torch.cos(ang)[..., None, :]  # [..., 1, D/2]
     sin = torch.sin(ang)[..., None, :]
     xf = x.float()
-    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 

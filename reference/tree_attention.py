@@ -63,8 +63,9 @@ def tree_attention(
         k = k_cache[page, slot % page_size].float()[:, kv_head]  # [s + n, H_q, D]
         v = v_cache[page, slot % page_size].float()[:, kv_head]
         for i in rows:
-            vis = torch.cat([torch.ones(s, dtype=torch.bool, device=q.device),
-                             visible_tree[b, i, :n]])
+            vis = torch.cat(
+                [torch.ones(s, dtype=torch.bool, device=q.device), visible_tree[b, i, :n]]
+            )
             if not bool(vis.any()):
                 continue
             scores = torch.einsum("hd,lhd->hl", q[b, i].float(), k) * scale  # [H_q, s + n]

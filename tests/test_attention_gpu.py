@@ -35,35 +35,52 @@ def _trees(B, N, kinds, rng, sizes=None):
 def _check(q, kv, seq, tree, dtype, q_start=None, q_len=None, num_splits=None, what=""):
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device=DEV)
-    K.tree_attention_fwd(q, kv.k_cache, kv.v_cache, kv.block_table, seq, tree.num_nodes,
-                         tree.anc, q_start, q_len, q.shape[-1] ** -0.5, out, lse,
-                         num_splits=num_splits)
-    ref, ref_lse = RA.tree_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq, tree,
-                                     q_start, q_len, return_lse=True)
+    K.tree_attention_fwd(
+        q,
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_table,
+        seq,
+        tree.num_nodes,
+        tree.anc,
+        q_start,
+        q_len,
+        q.shape[-1] ** -0.5,
+        out,
+        lse,
+        num_splits=num_splits,
+    )
+    ref, ref_lse = RA.tree_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_table, seq, tree, q_start, q_len, return_lse=True
+    )
     assert_close(out, ref, dtype, f"out {what}")
-    assert_close(lse, ref_lse, torch.float32 if dtype != torch.bfloat16 else torch.float16,
-                 f"lse {what}")
+    assert_close(
+        lse, ref_lse, torch.float32 if dtype != torch.bfloat16 else torch.float16, f"lse {what}"
+    )
     zero = torch.isinf(ref_lse)
     assert bool((out[zero] == 0).all()) and bool(torch.isinf(lse[zero]).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("B,ctx,N,H_q,H_kv,D,page", [
-    (4, 1000, 64, 32, 8, 128, 16),
-    (2, 3000, 64, 32, 8, 128, 64),
-    (3, 517, 32, 32, 32, 64, 1),
-    (2, 700, 64, 16, 2, 256, 16),
-    (1, 5000, 128, 32, 8, 128, None),
-    (8, 300, 16, 28, 4, 128, 16),
-])
+@pytest.mark.parametrize(
+    "B,ctx,N,H_q,H_kv,D,page",
+    [
+        (4, 1000, 64, 32, 8, 128, 16),
+        (2, 3000, 64, 32, 8, 128, 64),
+        (3, 517, 32, 32, 32, 64, 1),
+        (2, 700, 64, 16, 2, 256, 16),
+        (1, 5000, 128, 32, 8, 128, None),
+        (8, 300, 16, 28, 4, 128, 16),
+    ],
+)
 def test_realistic(dtype, B, ctx, N, H_q, H_kv, D, page):
     rng = random.Random(B * 7 + N)
     lens = [ctx + 37 * b for b in range(B)]
-    tree = _trees(B, N, ["random", "chain", "star", "binary"], rng,
-                  sizes=[N, N - 3, 1, N // 2])
+    tree = _trees(B, N, ["random", "chain", "star", "binary"], rng, sizes=[N, N - 3, 1, N // 2])
     seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    kv = paged_kv([L + N for L in lens], page, H_kv, D, dtype, rng, strided=(page == 64),
-                  device=DEV)
+    kv = paged_kv(
+        [L + N for L in lens], page, H_kv, D, dtype, rng, strided=(page == 64), device=DEV
+    )
     q = torch.randn(B, N, H_q, D, device=DEV).to(dtype)
     _check(q, kv, seq, tree, dtype, what=f"{B},{ctx},{N},{H_q},{H_kv},{D},{page}")
     qs = torch.tensor([b % 3 for b in range(B)], dtype=torch.int32, device=DEV)
@@ -78,16 +95,19 @@ def test_public_ops_dispatch_to_kernels():
     seq = torch.tensor([100, 33], dtype=torch.int32, device=DEV)
     kv = paged_kv([133 + N, 33 + N], 16, H_kv, D, torch.bfloat16, rng, device=DEV)
     q = torch.randn(B, N, H_q, D, device=DEV, dtype=torch.bfloat16)
-    out, lse = treeops.tree_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq, tree,
-                                      return_lse=True, validate=True)
-    ref, ref_lse = RA.tree_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq, tree,
-                                     return_lse=True)
+    out, lse = treeops.tree_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_table, seq, tree, return_lse=True, validate=True
+    )
+    ref, ref_lse = RA.tree_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_table, seq, tree, return_lse=True
+    )
     assert_close(out, ref, torch.bfloat16, "out")
     k = torch.randn(B, N, H_kv, D, device=DEV, dtype=torch.bfloat16)
     v = torch.randn(B, N, H_kv, D, device=DEV, dtype=torch.bfloat16)
     kc, vc = kv.k_cache.clone(), kv.v_cache.clone()
-    treeops.kv_append(k, v, kv.k_cache, kv.v_cache, kv.block_table, seq, tree.num_nodes,
-                      tree.depth, validate=True)
+    treeops.kv_append(
+        k, v, kv.k_cache, kv.v_cache, kv.block_table, seq, tree.num_nodes, tree.depth, validate=True
+    )
     RK.kv_append(k, v, kc, vc, kv.block_table, seq, tree.num_nodes, tree.depth)
     assert_close(kv.k_cache, kc, torch.bfloat16, "k_cache")
     assert torch.equal(kv.v_cache, vc)
@@ -117,8 +137,13 @@ def test_cuda_graph_replay():
 
     def load(seed):
         r = random.Random(seed)
-        new = _trees(B, N, ["random", "chain", "star", "inactive"], r,
-                     sizes=[r.randrange(1, N + 1) for _ in range(B)])
+        new = _trees(
+            B,
+            N,
+            ["random", "chain", "star", "inactive"],
+            r,
+            sizes=[r.randrange(1, N + 1) for _ in range(B)],
+        )
         for f in ("num_nodes", "depth", "anc", "parents"):
             getattr(tree, f).copy_(getattr(new, f))
         seq.copy_(torch.tensor([r.randrange(0, (max_pages - 4) * page) for _ in range(B)]))
@@ -207,8 +232,7 @@ def test_memcheck(case):
     k = torch.randn(B, N, H_kv, D, device=DEV, dtype=torch.float16)
     v = torch.randn_like(k)
     kc, vc = kv.k_cache.clone(), kv.v_cache.clone()
-    treeops.kv_append(k, v, kv.k_cache, kv.v_cache, kv.block_table, seq, tree.num_nodes,
-                      tree.depth)
+    treeops.kv_append(k, v, kv.k_cache, kv.v_cache, kv.block_table, seq, tree.num_nodes, tree.depth)
     RK.kv_append(k, v, kc, vc, kv.block_table, seq, tree.num_nodes, tree.depth)
     assert_close(kv.k_cache, kc, torch.float16, "k_cache")
     assert torch.equal(kv.v_cache, vc)

@@ -32,20 +32,45 @@ def _table(B, n_max=128):
     return treeops.CostTable.from_functions(
         lambda b, c, n: 130.0 + c / 4096 + max(0, b * n - 96) * 0.6,
         lambda b, c, n: 20.0 + c / 16384 + max(0, b * n - 256) * 0.05,
-        batch_sizes=[1, 8, 64], L=1024, M=8, n_max=n_max, meta={"gpu": "synthetic"})
+        batch_sizes=[1, 8, 64],
+        L=1024,
+        M=8,
+        n_max=n_max,
+        meta={"gpu": "synthetic"},
+    )
 
 
 def _policy(kind, W=10, K=10, D=8, N=64, B=8):
     if kind == "eagle":
         return treeops.EagleStatic(depth=D, topk=W, budget=N)
-    return treeops.Cast(C1=0.3, C2=0.05, C3=0.02, R=4, cost_table=_table(B, max(N, W)),
-                        topk=K, max_width=W, max_depth=D, capacity=N)
+    return treeops.Cast(
+        C1=0.3,
+        C2=0.05,
+        C3=0.02,
+        R=4,
+        cost_table=_table(B, max(N, W)),
+        topk=K,
+        max_width=W,
+        max_depth=D,
+        capacity=N,
+    )
 
 
 def _cpu_state(st):
     c = copy.copy(st)
-    for f in ("root_tokens", "seq_lens", "active", "cand_tokens", "cand_scores", "cand_parents",
-              "frontier", "frontier_tokens", "frontier_scores", "decisions", "u_hist"):
+    for f in (
+        "root_tokens",
+        "seq_lens",
+        "active",
+        "cand_tokens",
+        "cand_scores",
+        "cand_parents",
+        "frontier",
+        "frontier_tokens",
+        "frontier_scores",
+        "decisions",
+        "u_hist",
+    ):
         setattr(c, f, getattr(st, f).cpu().clone())
     c.workspace = {k: v.cpu().clone() for k, v in st.workspace.items()}
     c.host_decisions, c.events = None, []
@@ -75,8 +100,12 @@ def _run(policy, B, V, dtype, seed, active=None, seq=None):
         RB.build_tree_expand(logits.cpu(), before, policy)
         assert torch.equal(st.cand_tokens[:, i].cpu(), before.cand_tokens[:, i]), f"layer {i}"
         assert torch.equal(st.cand_parents[:, i].cpu(), before.cand_parents[:, i]), f"layer {i}"
-        assert_close(st.cand_scores[:, i].clamp(min=0), before.cand_scores[:, i].clamp(min=0),
-                     torch.float32, f"layer {i} scores")
+        assert_close(
+            st.cand_scores[:, i].clamp(min=0),
+            before.cand_scores[:, i].clamp(min=0),
+            torch.float32,
+            f"layer {i} scores",
+        )
         order, top = _host_frontier(st.cand_scores[:, i], W)
         n = int(st.decisions[i])
         assert n == int(before.decisions[i]), f"layer {i} width"
@@ -99,13 +128,16 @@ def _run(policy, B, V, dtype, seed, active=None, seq=None):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "cast"])
-@pytest.mark.parametrize("B,V,dtype", [
-    (1, 32000, torch.bfloat16),
-    (8, 128256, torch.bfloat16),
-    (64, 32000, torch.bfloat16),
-    (5, 50257, torch.float32),
-    (3, 1000, torch.float16),
-])
+@pytest.mark.parametrize(
+    "B,V,dtype",
+    [
+        (1, 32000, torch.bfloat16),
+        (8, 128256, torch.bfloat16),
+        (64, 32000, torch.bfloat16),
+        (5, 50257, torch.float32),
+        (3, 1000, torch.float16),
+    ],
+)
 def test_realistic(kind, B, V, dtype):
     _run(_policy(kind, B=B), B, V, dtype, seed=B * 31 + V)
 
@@ -113,8 +145,17 @@ def test_realistic(kind, B, V, dtype):
 def test_inactive_rows_and_small_widths():
     B = 6
     active = torch.tensor([True, False, True, True, False, True], device=DEV)
-    pol = treeops.Cast(C1=2.0, C2=0.5, C3=0.2, R=2, cost_table=_table(B), topk=4, max_width=6,
-                       max_depth=5, capacity=32)
+    pol = treeops.Cast(
+        C1=2.0,
+        C2=0.5,
+        C3=0.2,
+        R=2,
+        cost_table=_table(B),
+        topk=4,
+        max_width=6,
+        max_depth=5,
+        capacity=32,
+    )
     st, tree = _run(pol, B, 4096, torch.bfloat16, seed=3, active=active)
     assert tree.num_nodes.cpu().tolist()[1] == 0 and tree.num_nodes.cpu().tolist()[4] == 0
 
@@ -172,8 +213,9 @@ def test_stress_arrival_counters():
     B, W, V = 128, 10, 512
     pol = _policy("cast", B=B)
     g = torch.Generator(device=DEV).manual_seed(1)
-    st = treeops.DraftState.new(pol, torch.zeros(B, dtype=torch.int64, device=DEV),
-                                torch.full((B,), 100, device=DEV))
+    st = treeops.DraftState.new(
+        pol, torch.zeros(B, dtype=torch.int64, device=DEV), torch.full((B,), 100, device=DEV)
+    )
     frontier_scores = torch.rand(B, W, device=DEV, generator=g)
     for rep in range(200):
         st.frontier_scores.copy_(frontier_scores)
@@ -191,14 +233,29 @@ def test_stress_arrival_counters():
     assert int(st.workspace["counters"].abs().sum()) == 0
 
 
-@pytest.mark.parametrize("kind,B,W,K,V,D,N", [
-    ("eagle", 2, 4, 4, 1000, 3, 16),
-    ("cast", 3, 10, 10, 4099, 4, 64),
-    ("eagle", 1, 10, 10, 32000, 2, 128),
-])
+@pytest.mark.parametrize(
+    "kind,B,W,K,V,D,N",
+    [
+        ("eagle", 2, 4, 4, 1000, 3, 16),
+        ("cast", 3, 10, 10, 4099, 4, 64),
+        ("eagle", 1, 10, 10, 32000, 2, 128),
+    ],
+)
 def test_memcheck(kind, B, W, K, V, D, N):
     """A fixed table for compute-sanitizer (odd V: the masked tail of the row)."""
-    pol = (treeops.EagleStatic(depth=D, topk=W, budget=N) if kind == "eagle" else
-           treeops.Cast(C1=0.1, C2=0.01, C3=0.01, R=2, cost_table=_table(B, max(N, W)), topk=K,
-                        max_width=W, max_depth=D, capacity=N))
+    pol = (
+        treeops.EagleStatic(depth=D, topk=W, budget=N)
+        if kind == "eagle"
+        else treeops.Cast(
+            C1=0.1,
+            C2=0.01,
+            C3=0.01,
+            R=2,
+            cost_table=_table(B, max(N, W)),
+            topk=K,
+            max_width=W,
+            max_depth=D,
+            capacity=N,
+        )
+    )
     _run(pol, B, V, torch.bfloat16, seed=7)

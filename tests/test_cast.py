@@ -99,8 +99,9 @@ def test_width_matches_brute_force(batch, data):
     K = data.draw(st.integers(1, 12))
     c = dyadic_costs(data.draw, K)
     C1 = data.draw(st.integers(0, 64)) / 16
-    got = int(treeops.cast_width(torch.tensor(scores), torch.tensor(c), C1,
-                                 active=torch.tensor(active)))
+    got = int(
+        treeops.cast_width(torch.tensor(scores), torch.tensor(c), C1, active=torch.tensor(active))
+    )
     want = brute_select(brute_utilities(scores, K, active), [fr(x) for x in c], fr(C1))
     assert got == want
 
@@ -111,8 +112,9 @@ def test_rerank_matches_brute_force(batch, data):
     K = data.draw(st.integers(1, 16))
     c = dyadic_costs(data.draw, K)
     C3 = data.draw(st.integers(0, 64)) / 16
-    got = int(treeops.cast_rerank(torch.tensor(scores), torch.tensor(c), C3,
-                                  active=torch.tensor(active)))
+    got = int(
+        treeops.cast_rerank(torch.tensor(scores), torch.tensor(c), C3, active=torch.tensor(active))
+    )
     want = brute_select(brute_utilities(scores, K, active, root=True), [fr(x) for x in c], fr(C3))
     assert got == want
     assert 1 <= got <= K
@@ -160,8 +162,11 @@ def test_raising_C1_or_draft_costs_never_widens(batch, data):
 @given(dyadic_batches(), st.integers(1, 12), st.integers(0, 64))
 def test_equal_costs_take_all_K(batch, K, C1):
     scores, active = batch
-    got = int(treeops.cast_width(torch.tensor(scores), torch.full((K,), 0.75), C1 / 8,
-                                 active=torch.tensor(active)))
+    got = int(
+        treeops.cast_width(
+            torch.tensor(scores), torch.full((K,), 0.75), C1 / 8, active=torch.tensor(active)
+        )
+    )
     assert got == K
 
 
@@ -180,8 +185,14 @@ def test_inactive_rows_do_not_count():
     only0 = int(treeops.cast_width(s[:1], c, 0.4))
     assert int(treeops.cast_width(s, c, 0.4, active=torch.tensor([True, False]))) == only0
     # no active request at all: every utility is 0; the cheapest-plateau end wins
-    assert int(treeops.cast_width(s, torch.tensor([1.0, 1.0, 2.0]), 1.0,
-                                  active=torch.tensor([False, False]))) == 2
+    assert (
+        int(
+            treeops.cast_width(
+                s, torch.tensor([1.0, 1.0, 2.0]), 1.0, active=torch.tensor([False, False])
+            )
+        )
+        == 2
+    )
 
 
 # ----------------------------------------------------------------------------------- depth
@@ -202,8 +213,11 @@ def test_depth_matches_a_fifo_simulation(data):
     R = data.draw(st.integers(1, 6))
     c = data.draw(st.sampled_from([0.25, 0.5, 1.0, 2.0, 4.0]))
     C2 = data.draw(st.sampled_from([0.0, 0.125, 0.25, 0.5, 1.0, 2.0]))
-    got = bool(treeops.cast_depth(torch.tensor(u, dtype=torch.float64),
-                                  torch.tensor(c, dtype=torch.float64), C2, R))
+    got = bool(
+        treeops.cast_depth(
+            torch.tensor(u, dtype=torch.float64), torch.tensor(c, dtype=torch.float64), C2, R
+        )
+    )
     assert got == brute_depth(u, c, C2, R)
 
 
@@ -219,15 +233,20 @@ def test_depth_fifo_forgets_beyond_R():
 # ----------------------------------------------------------------------------- bad input
 def test_nan_and_negative_scores_rejected():
     c = torch.tensor([1.0, 2.0])
-    with pytest.raises(ValueError, match=r"Invalid value in scores: expected finite numbers, "
-                                         r"got NaN or inf"):
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid value in scores: expected finite numbers, "
+        r"got NaN or inf",
+    ):
         treeops.cast_width(torch.tensor([[0.5, float("nan")]]), c, 1.0, validate=True)
-    with pytest.raises(ValueError, match=r"Invalid value in scores: expected non-negative "
-                                         r"numbers, got -0.5"):
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid value in scores: expected non-negative "
+        r"numbers, got -0.5",
+    ):
         treeops.cast_rerank(torch.tensor([[0.5, -0.5]]), c, 1.0, validate=True)
     with pytest.raises(ValueError, match=r"Invalid value in costs: expected finite"):
-        treeops.cast_width(torch.tensor([[0.5]]), torch.tensor([float("inf")]), 1.0,
-                           validate=True)
+        treeops.cast_width(torch.tensor([[0.5]]), torch.tensor([float("inf")]), 1.0, validate=True)
     with pytest.raises(ValueError, match=r"Invalid value in u_hist: expected non-negative"):
         treeops.cast_depth(torch.tensor([-1.0]), torch.tensor(1.0), 1.0, 2, validate=True)
 
@@ -260,7 +279,11 @@ def table(**kw):
     return treeops.CostTable.from_functions(
         lambda B, c, n: 100 + c / 1024 + max(0, n - 8) * B,
         lambda B, c, n: 10 + c / 4096 + n * B / 8,
-        L=kw.pop("L", 1024), M=kw.pop("M", 4), n_max=kw.pop("n_max", 32), **kw)
+        L=kw.pop("L", 1024),
+        M=kw.pop("M", 4),
+        n_max=kw.pop("n_max", 32),
+        **kw,
+    )
 
 
 @given(st.integers(0, 10**6), st.integers(1, 4096), st.integers(1, 40))
@@ -330,8 +353,9 @@ def test_calibrate_interpolates_and_records_metadata(monkeypatch):
     def draft(B, c, n):
         return None
 
-    t = treeops.CostTable.calibrate(target, draft, [1, 2], L=1000, M=2, n_max=17,
-                                    ns=[1, 9, 17], meta={"target": "toy"})
+    t = treeops.CostTable.calibrate(
+        target, draft, [1, 2], L=1000, M=2, n_max=17, ns=[1, 9, 17], meta={"target": "toy"}
+    )
     assert len(calls) == 2 * 2 * 2 * 3
     assert {c for _, _, c, _ in calls} == {1000, 2000}
     row = t.target[0, 1].tolist()  # B=1, c=2000: 103 at n=1, 152 at n=9, 119 at n=17
@@ -345,8 +369,9 @@ def test_calibrate_interpolates_and_records_metadata(monkeypatch):
 
 def test_measure_runs_the_callable_on_cpu():
     hits = []
-    us = treeops.CostTable.measure(lambda B, c, n: hits.append((B, c, n)), 2, 64, 3, warmup=2,
-                                   iters=5, device="cpu")
+    us = treeops.CostTable.measure(
+        lambda B, c, n: hits.append((B, c, n)), 2, 64, 3, warmup=2, iters=5, device="cpu"
+    )
     assert len(hits) == 7 and hits[0] == (2, 64, 3) and us >= 0
 
 

@@ -40,12 +40,14 @@ def templates(draw, max_rank: int = 3, max_size: int = 24) -> RankTemplate:
     if kind == "chain":
         return RankTemplate.chain(draw(st.integers(0, 6)))
     if kind == "balanced":
-        return RankTemplate.balanced(draw(st.integers(1, min(3, max_rank + 1))),
-                                     draw(st.integers(1, 3)))
+        return RankTemplate.balanced(
+            draw(st.integers(1, min(3, max_rank + 1))), draw(st.integers(1, 3))
+        )
     if kind == "default_small":
         probs = [0.6, 0.2, 0.1, 0.05][: max_rank + 1]
-        return RankTemplate.from_rank_probs(probs, size=draw(st.integers(1, max_size)),
-                                            max_depth=draw(st.integers(1, 6)))
+        return RankTemplate.from_rank_probs(
+            probs, size=draw(st.integers(1, max_size)), max_depth=draw(st.integers(1, 6))
+        )
     rng = random.Random(draw(st.integers(0, 2**31 - 1)))
     paths = {()}
     for _ in range(draw(st.integers(0, max_size - 1))):
@@ -55,12 +57,15 @@ def templates(draw, max_rank: int = 3, max_size: int = 24) -> RankTemplate:
     return RankTemplate.from_paths(sorted(paths))
 
 
-def random_table(V: int, k: int, rng: random.Random, empty: float = 0.2,
-                 tree: treeops.Tree | None = None) -> torch.Tensor:
+def random_table(
+    V: int, k: int, rng: random.Random, empty: float = 0.2, tree: treeops.Tree | None = None
+) -> torch.Tensor:
     """A [V, k] table with empty entries; with ``tree``, some rows also point at the tree's own
     children so that retrieved nodes coincide with draft nodes (the trie merge reuses them)."""
-    tab = torch.tensor([[rng.randrange(V) if rng.random() > empty else -1 for _ in range(k)]
-                        for _ in range(V)], dtype=torch.int32)
+    tab = torch.tensor(
+        [[rng.randrange(V) if rng.random() > empty else -1 for _ in range(k)] for _ in range(V)],
+        dtype=torch.int32,
+    )
     if tree is not None:
         for b in range(tree.batch_size):
             for i in range(1, int(tree.num_nodes[b])):
@@ -168,14 +173,17 @@ def test_from_rank_probs_takes_most_probable_paths():
     assert len(set(paths)) == 12
 
 
-@pytest.mark.parametrize("parents,ranks,msg", [
-    ([0, 0], [-1, 0], "parents[0] = 0, expected -1"),
-    ([-1, 1], [-1, 0], "parents[1] = 1, expected 0 <= p < 1"),
-    ([-1, 0, 0], [-1, 1, 1], "node 2 repeats rank 1 among the children of 0"),
-    ([-1, 0, 1, 0], [-1, 0, 0, 1], "node 3 at depth 1 after a node at depth 2"),
-    ([-1, 0], [-1, -2], "ranks[1] = -2, expected >= 0"),
-    ([], [], "expected 1 to 256 nodes, got 0"),
-])
+@pytest.mark.parametrize(
+    "parents,ranks,msg",
+    [
+        ([0, 0], [-1, 0], "parents[0] = 0, expected -1"),
+        ([-1, 1], [-1, 0], "parents[1] = 1, expected 0 <= p < 1"),
+        ([-1, 0, 0], [-1, 1, 1], "node 2 repeats rank 1 among the children of 0"),
+        ([-1, 0, 1, 0], [-1, 0, 0, 1], "node 3 at depth 1 after a node at depth 2"),
+        ([-1, 0], [-1, -2], "ranks[1] = -2, expected >= 0"),
+        ([], [], "expected 1 to 256 nodes, got 0"),
+    ],
+)
 def test_template_rejects(parents, ranks, msg):
     with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]")):
         RankTemplate(parents, ranks)
@@ -215,8 +223,9 @@ def test_table_learns_a_sequence_and_retrieves_its_continuation():
     root = tree_from_lists([[-1]], [[seq[0]]], capacity=64)
     hybrid = graft(root, table, RankTemplate.default(), budget=60)
     hybrid.validate()
-    hp = token_paths(hybrid.tokens[0].tolist(), hybrid.parents[0].tolist(),
-                     int(hybrid.num_nodes[0]))
+    hp = token_paths(
+        hybrid.tokens[0].tolist(), hybrid.parents[0].tolist(), int(hybrid.num_nodes[0])
+    )
     assert tuple(seq[1:]) in hp
 
 
@@ -225,8 +234,10 @@ def test_update_matches_sorted_topk_and_lowest_index_wins(seed, ties, k):
     rng = random.Random(seed)
     B, N, V = rng.randint(1, 3), rng.choice([1, 4, 8]), rng.choice([8, 16, 40])
     # few distinct tokens, so that many nodes share one
-    rows = [parents_of(rng.choice(["random", "chain", "star", "inactive"]), rng.randint(0, N), rng)
-            for _ in range(B)]
+    rows = [
+        parents_of(rng.choice(["random", "chain", "star", "inactive"]), rng.randint(0, N), rng)
+        for _ in range(B)
+    ]
     tree = make_tree(rows, N, V, rng)
     tree.tokens.copy_(torch.where(tree.tokens >= 0, tree.tokens % 4, tree.tokens))
     logits = logits_like((B, N, V), rng, ties=ties)
@@ -288,8 +299,11 @@ def test_retrieve_matches_recursive_enumeration(seed, template, count):
     V, k, B = rng.choice([3, 8, 20]), 4, rng.randint(1, 3)
     tab = random_table(V, k, rng, empty=rng.choice([0.0, 0.3, 0.7]))
     roots = torch.tensor([rng.randrange(-1, V + 1) for _ in range(B)], dtype=torch.int64)
-    cnt = torch.tensor([rng.randrange(0, 10) for _ in range(B)], dtype=torch.int32) \
-        if count == "tensor" else count
+    cnt = (
+        torch.tensor([rng.randrange(0, 10) for _ in range(B)], dtype=torch.int32)
+        if count == "tensor"
+        else count
+    )
     r = table_of(tab).retrieve(roots, template, cnt)
     r.validate()
     assert r.tokens.shape == (B, template.size) and r.max_depth == template.max_depth
@@ -313,16 +327,26 @@ def test_prune_keeps_top_scores_ancestor_closed(case, seed):
     rng = random.Random(seed)
     tree = case.tree
     B, N = tree.parents.shape
-    keep = torch.tensor([rng.choice([0, 1, 3, 8, 40, NO_PRUNE]) for _ in range(B)],
-                        dtype=torch.int32)
+    keep = torch.tensor(
+        [rng.choice([0, 1, 3, 8, 40, NO_PRUNE]) for _ in range(B)], dtype=torch.int32
+    )
     out = prune(tree, keep)
     out.validate()
     assert torch.equal(out.num_nodes, ref.prune(tree, keep).num_nodes)
     # the fast (CUDA) path, run on CPU, agrees field by field
     from treeops.graft import _prune_torch
+
     fast = _prune_torch(tree, keep)
-    for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling",
-              "scores"):
+    for f in (
+        "tokens",
+        "parents",
+        "num_nodes",
+        "depth",
+        "anc",
+        "first_child",
+        "next_sibling",
+        "scores",
+    ):
         assert torch.equal(getattr(fast, f), getattr(out, f)), f
     for b in range(B):
         n0, n = int(tree.num_nodes[b]), int(out.num_nodes[b])
@@ -424,8 +448,12 @@ def check_hybrid(pruned: treeops.Tree, retrieved: Retrieved, budget, hybrid: tre
         assert d == sorted(d)
 
 
-@given(trees(max_batch=3, capacities=(1, 8, 16, 64), vocab=12), templates(),
-       st.integers(0, 2**31 - 1), st.booleans())
+@given(
+    trees(max_batch=3, capacities=(1, 8, 16, 64), vocab=12),
+    templates(),
+    st.integers(0, 2**31 - 1),
+    st.booleans(),
+)
 def test_graft_merge_properties(case, template, seed, tensor_budget):
     rng = random.Random(seed)
     tree = case.tree
@@ -442,8 +470,16 @@ def test_graft_merge_properties(case, template, seed, tensor_budget):
     hybrid = graft_merge(pruned, r, budget)
     check_hybrid(pruned, r, budget, hybrid)
     fused = graft(pruned, table, template, budget)
-    for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling",
-              "scores"):
+    for f in (
+        "tokens",
+        "parents",
+        "num_nodes",
+        "depth",
+        "anc",
+        "first_child",
+        "next_sibling",
+        "scores",
+    ):
         assert torch.equal(getattr(fused, f), getattr(hybrid, f)), f
 
 
@@ -451,10 +487,13 @@ def test_graft_merge_reuses_existing_children_and_drops_past_budget():
     # root 1 with children 2 (node 1) and 3 (node 2); node 1 has child 4 (node 3)
     tree = tree_from_lists([[-1, 0, 0, 1]], [[1, 2, 3, 4]], [[1.0, 0.5, 0.25, 0.125]], capacity=8)
     # retrieved: 1 -> {3, 5}, 3 -> {4}, 5 -> {6, 7}; 3 reuses node 2, 4 under it is new
-    r = Retrieved(tokens=torch.tensor([[1, 3, 5, 4, 6, 7, 0, 0]]),
-                  parents=torch.tensor([[-1, 0, 0, 1, 2, 2, -1, -1]], dtype=torch.int32),
-                  depth=torch.tensor([[0, 1, 1, 2, 2, 2, 0, 0]], dtype=torch.int32),
-                  num_nodes=torch.tensor([6], dtype=torch.int32), max_depth=2)
+    r = Retrieved(
+        tokens=torch.tensor([[1, 3, 5, 4, 6, 7, 0, 0]]),
+        parents=torch.tensor([[-1, 0, 0, 1, 2, 2, -1, -1]], dtype=torch.int32),
+        depth=torch.tensor([[0, 1, 1, 2, 2, 2, 0, 0]], dtype=torch.int32),
+        num_nodes=torch.tensor([6], dtype=torch.int32),
+        max_depth=2,
+    )
     h = graft_merge(tree, r, budget=7)
     h.validate()
     assert int(h.num_nodes[0]) == 7
@@ -467,10 +506,13 @@ def test_graft_merge_reuses_existing_children_and_drops_past_budget():
 
 def test_graft_merge_retrieved_duplicates_merge_with_each_other():
     tree = tree_from_lists([[-1]], [[1]], capacity=8)
-    r = Retrieved(tokens=torch.tensor([[1, 5, 5, 6, 7, 6]]),
-                  parents=torch.tensor([[-1, 0, 0, 1, 2, 2]], dtype=torch.int32),
-                  depth=torch.tensor([[0, 1, 1, 2, 2, 2]], dtype=torch.int32),
-                  num_nodes=torch.tensor([6], dtype=torch.int32), max_depth=2)
+    r = Retrieved(
+        tokens=torch.tensor([[1, 5, 5, 6, 7, 6]]),
+        parents=torch.tensor([[-1, 0, 0, 1, 2, 2]], dtype=torch.int32),
+        depth=torch.tensor([[0, 1, 1, 2, 2, 2]], dtype=torch.int32),
+        num_nodes=torch.tensor([6], dtype=torch.int32),
+        max_depth=2,
+    )
     h = graft_merge(tree, r, budget=8)
     h.validate()
     assert h.tokens[0, : int(h.num_nodes[0])].tolist() == [1, 5, 6, 7]
@@ -528,16 +570,25 @@ def test_bad_input_messages():
     with pytest.raises(ValueError, match="Invalid value of vocab_size: expected a positive int"):
         AdjacencyTable(0)
     with pytest.raises(ValueError, match="Invalid dtype of lengths: expected torch.int32"):
-        table.warm_start(torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 3, 8),
-                         lengths=torch.tensor([3]))
+        table.warm_start(
+            torch.zeros(1, 3, dtype=torch.int64), torch.zeros(1, 3, 8), lengths=torch.tensor([3])
+        )
 
 
 # ----------------------------------------------------------------------------- kernels
 
 from treeops.kernels import graft as kern  # noqa: E402
 
-TREE_FIELDS = ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling",
-               "scores")
+TREE_FIELDS = (
+    "tokens",
+    "parents",
+    "num_nodes",
+    "depth",
+    "anc",
+    "first_child",
+    "next_sibling",
+    "scores",
+)
 
 
 def assert_same_tree(got: treeops.Tree, want: treeops.Tree) -> None:
@@ -545,9 +596,14 @@ def assert_same_tree(got: treeops.Tree, want: treeops.Tree) -> None:
         assert torch.equal(getattr(got, f), getattr(want, f)), f
 
 
-@given(trees(max_batch=3, capacities=(1, 8, 16, 64), vocab=12), templates(),
-       st.integers(0, 2**31 - 1), st.sampled_from(["int", "tensor"]),
-       st.sampled_from([None, 5, "tensor"]), st.sampled_from([2, 32]))
+@given(
+    trees(max_batch=3, capacities=(1, 8, 16, 64), vocab=12),
+    templates(),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["int", "tensor"]),
+    st.sampled_from([None, 5, "tensor"]),
+    st.sampled_from([2, 32]),
+)
 def test_graft_kernel_matches_reference(case, template, seed, budget_kind, count, level_width):
     """level_width 2 makes every depth span several tiles (the loops over tiles of a depth)."""
     rng = random.Random(seed)
@@ -560,31 +616,56 @@ def test_graft_kernel_matches_reference(case, template, seed, budget_kind, count
         budget = torch.tensor([rng.randrange(-1, N + 3) for _ in range(B)], dtype=torch.int32)
     else:
         budget = rng.randrange(1, N + 3)
-    cnt = torch.tensor([rng.randrange(0, 12) for _ in range(B)], dtype=torch.int32) \
-        if count == "tensor" else count
+    cnt = (
+        torch.tensor([rng.randrange(0, 12) for _ in range(B)], dtype=torch.int32)
+        if count == "tensor"
+        else count
+    )
     want = ref.graft(pruned, tab, template, budget, cnt)
     par, rank, dep = template.tensors("cpu")
-    got = treeops.Tree(*kern.graft_fused(pruned, budget, table=tab, t_parents=par, t_ranks=rank,
-                                         t_depth=dep, max_depth=template.max_depth, count=cnt,
-                                         level_width=level_width))
+    got = treeops.Tree(
+        *kern.graft_fused(
+            pruned,
+            budget,
+            table=tab,
+            t_parents=par,
+            t_ranks=rank,
+            t_depth=dep,
+            max_depth=template.max_depth,
+            count=cnt,
+            level_width=level_width,
+        )
+    )
     assert_same_tree(got, want)
     # two steps: retrieve, then merge the packed paths
     r = ref.adjacency_retrieve(tab, pruned.tokens[:, 0], template, cnt)
-    tok, rpar, rdep, num = kern.retrieve(tab, pruned.tokens[:, 0], par, rank, dep,
-                                         template.max_depth, cnt)
+    tok, rpar, rdep, num = kern.retrieve(
+        tab, pruned.tokens[:, 0], par, rank, dep, template.max_depth, cnt
+    )
     for a, b_ in zip((tok, rpar, rdep, num), (r.tokens, r.parents, r.depth, r.num_nodes)):
         assert torch.equal(a, b_)
-    got = treeops.Tree(*kern.graft_fused(pruned, budget, r_tokens=r.tokens, r_parents=r.parents,
-                                         r_depth=r.depth, r_num=r.num_nodes,
-                                         max_depth=r.max_depth, level_width=level_width))
+    got = treeops.Tree(
+        *kern.graft_fused(
+            pruned,
+            budget,
+            r_tokens=r.tokens,
+            r_parents=r.parents,
+            r_depth=r.depth,
+            r_num=r.num_nodes,
+            max_depth=r.max_depth,
+            level_width=level_width,
+        )
+    )
     assert_same_tree(got, ref.graft_merge(pruned, r, budget))
 
 
 def test_graft_kernel_default_template_budget_60():
     """The production shape: N = 64, budget 60, default template, a warm table, B = 4."""
     rng = random.Random(7)
-    rows = [parents_of(k, n, rng) for k, n in (("random", 64), ("random", 9), ("chain", 25),
-                                                ("single", 1))]
+    rows = [
+        parents_of(k, n, rng)
+        for k, n in (("random", 64), ("random", 9), ("chain", 25), ("single", 1))
+    ]
     tree = make_tree(rows, 64, 64, rng)
     pruned = prune(tree, torch.tensor([40, 8, 24, NO_PRUNE], dtype=torch.int32))
     tab = random_table(64, 8, rng, empty=0.1, tree=pruned)
@@ -594,13 +675,30 @@ def test_graft_kernel_default_template_budget_60():
     assert int(want.num_nodes.max()) == 60  # the budget fills
     par, rank, dep = tpl.tensors("cpu")
     for lw in (tpl.max_width, 4):
-        got = treeops.Tree(*kern.graft_fused(pruned, 60, table=tab, t_parents=par, t_ranks=rank,
-                                             t_depth=dep, max_depth=tpl.max_depth,
-                                             level_width=lw))
+        got = treeops.Tree(
+            *kern.graft_fused(
+                pruned,
+                60,
+                table=tab,
+                t_parents=par,
+                t_ranks=rank,
+                t_depth=dep,
+                max_depth=tpl.max_depth,
+                level_width=lw,
+            )
+        )
         assert_same_tree(got, want)
     out = treeops.Tree.empty(4, 64)
-    kern.graft_fused(pruned, 60, table=tab, t_parents=par, t_ranks=rank, t_depth=dep,
-                     max_depth=tpl.max_depth, out=tuple(getattr(out, f) for f in TREE_FIELDS))
+    kern.graft_fused(
+        pruned,
+        60,
+        table=tab,
+        t_parents=par,
+        t_ranks=rank,
+        t_depth=dep,
+        max_depth=tpl.max_depth,
+        out=tuple(getattr(out, f) for f in TREE_FIELDS),
+    )
     assert_same_tree(out, want)
 
 
@@ -610,13 +708,20 @@ def run_update_kernel(table, tokens, num, logits=None, ids=None, last_wins=False
     assert (owner == kern.INT32_MAX).all()  # every claim released
 
 
-@given(st.integers(0, 2**31 - 1), st.sampled_from([torch.float32, torch.bfloat16]),
-       st.booleans(), st.sampled_from([1, 3, 8]), st.sampled_from([7, 40, 600]))
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.booleans(),
+    st.sampled_from([1, 3, 8]),
+    st.sampled_from([7, 40, 600]),
+)
 def test_update_kernel_matches_reference(seed, dtype, ties, k, V):
     rng = random.Random(seed)
     B, N = rng.randint(1, 3), rng.choice([1, 4, 8])
-    rows = [parents_of(rng.choice(["random", "star", "inactive"]), rng.randint(0, N), rng)
-            for _ in range(B)]
+    rows = [
+        parents_of(rng.choice(["random", "star", "inactive"]), rng.randint(0, N), rng)
+        for _ in range(B)
+    ]
     tree = make_tree(rows, N, max(V, N), rng)
     tree.tokens.copy_(tree.tokens % min(V, 5))  # many duplicates
     logits = logits_like((B, N, V), rng, ties=ties, dtype=dtype)
@@ -654,8 +759,9 @@ def _bench_module():
     return mod
 
 
-@given(trees(max_batch=3, capacities=(8, 64), vocab=12, allow_inactive=True),
-       st.integers(0, 2**31 - 1))
+@given(
+    trees(max_batch=3, capacities=(8, 64), vocab=12, allow_inactive=True), st.integers(0, 2**31 - 1)
+)
 def test_bench_torch_peers_match_reference(case, seed):
     """The benchmark's PyTorch peers compute the same thing (so its comparison is fair)."""
     bench = _bench_module()
@@ -666,8 +772,9 @@ def test_bench_torch_peers_match_reference(case, seed):
     tab = random_table(case.vocab, 8, rng, tree=pruned)
     tpl = RankTemplate.default() if rng.random() < 0.5 else RankTemplate.balanced(3, 3)
     budget = rng.randrange(1, N + 2)
-    assert_same_tree(bench.torch_graft(pruned, tab, tpl, budget),
-                     ref.graft(pruned, tab, tpl, budget))
+    assert_same_tree(
+        bench.torch_graft(pruned, tab, tpl, budget), ref.graft(pruned, tab, tpl, budget)
+    )
     V = case.vocab
     logits = logits_like((B, N, V), rng)  # no ties: torch.topk's order is then exact
     tt = bench.TorchTable(V, 3, "cpu")
@@ -675,8 +782,12 @@ def test_bench_torch_peers_match_reference(case, seed):
     want = torch.full((V, 3), -1, dtype=torch.int32)
     ref.adjacency_update(want, tree, logits)
     assert torch.equal(tt.table[:V], want)
-    assert torch.equal(bench.stable_topk_table(tree.tokens, tree.num_nodes, logits, 3, V,
-                                               torch.full((V, 3), -1, dtype=torch.int32)), want)
+    assert torch.equal(
+        bench.stable_topk_table(
+            tree.tokens, tree.num_nodes, logits, 3, V, torch.full((V, 3), -1, dtype=torch.int32)
+        ),
+        want,
+    )
 
 
 def test_out_buffers():

@@ -27,8 +27,7 @@ from treeops.reference import graft as ref
 pytestmark = pytest.mark.gpu
 DEV = os.environ.get("TREEOPS_GPU_TEST_DEVICE", "cuda")
 LARGE_V = int(os.environ.get("TREEOPS_GRAFT_LARGE_V", "128256"))
-FIELDS = ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling",
-          "scores")
+FIELDS = ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling", "scores")
 
 
 def same_tree(got: treeops.Tree, want: treeops.Tree) -> None:
@@ -41,14 +40,17 @@ def batch(B: int, N: int, V: int, seed: int, keep: int | None = 24):
     own children in places (so the merge reuses draft nodes)."""
     rng = random.Random(seed)
     kinds = ["random", "chain", "binary", "star", "random", "single", "inactive"]
-    rows = [parents_of(kinds[b % len(kinds)], N if b % 3 else rng.randint(1, N), rng)
-            for b in range(B)]
+    rows = [
+        parents_of(kinds[b % len(kinds)], N if b % 3 else rng.randint(1, N), rng) for b in range(B)
+    ]
     if not any(rows):
         rows[0] = [-1]
     tree = make_tree(rows, N, V, rng)
     if keep is not None:
-        tree = prune(tree, torch.tensor([rng.choice([2, 8, keep, NO_PRUNE]) for _ in range(B)],
-                                         dtype=torch.int32))
+        tree = prune(
+            tree,
+            torch.tensor([rng.choice([2, 8, keep, NO_PRUNE]) for _ in range(B)], dtype=torch.int32),
+        )
     k = 8
     g = torch.Generator().manual_seed(seed)
     tab = torch.randint(0, V, (V, k), generator=g, dtype=torch.int32)
@@ -67,16 +69,20 @@ TEMPLATES = {
 }
 
 
-@pytest.mark.parametrize("B,N,V", [(1, 64, 32000), (8, 64, 200), (64, 64, 32000), (5, 33, 50),
-                                   (3, 128, 1000), (2, 1, 10)])
+@pytest.mark.parametrize(
+    "B,N,V",
+    [(1, 64, 32000), (8, 64, 200), (64, 64, 32000), (5, 33, 50), (3, 128, 1000), (2, 1, 10)],
+)
 @pytest.mark.parametrize("tpl", list(TEMPLATES))
 def test_graft_matches_reference(B, N, V, tpl):
     tree, tab, rng = batch(B, N, V, seed=B * 1000 + N)
     template = TEMPLATES[tpl]
     table = AdjacencyTable(V, 8, device=DEV)
     table.table.copy_(tab)
-    for budget in (60, torch.tensor([rng.randrange(0, N + 2) for _ in range(B)],
-                                    dtype=torch.int32)):
+    for budget in (
+        60,
+        torch.tensor([rng.randrange(0, N + 2) for _ in range(B)], dtype=torch.int32),
+    ):
         for count in (None, 7):
             want = ref.graft(tree, tab, template, budget, count)
             b_dev = budget.to(DEV) if isinstance(budget, torch.Tensor) else budget
@@ -118,10 +124,15 @@ def test_graft_is_graph_capturable():
         same_tree(out, ref.graft(t2, tab2, tpl, 60))
 
 
-@pytest.mark.parametrize("B,N,V,dtype", [(1, 64, 32000, torch.bfloat16),
-                                         (8, 64, 32000, torch.float32),
-                                         (64, 64, 2000, torch.bfloat16),
-                                         (3, 16, 300, torch.float32)])
+@pytest.mark.parametrize(
+    "B,N,V,dtype",
+    [
+        (1, 64, 32000, torch.bfloat16),
+        (8, 64, 32000, torch.float32),
+        (64, 64, 2000, torch.bfloat16),
+        (3, 16, 300, torch.float32),
+    ],
+)
 def test_update_matches_reference(B, N, V, dtype):
     tree, tab, rng = batch(B, N, V, seed=B + N, keep=None)
     tree.tokens.copy_(tree.tokens % max(1, V // 7))  # duplicates across nodes and requests

@@ -44,8 +44,10 @@ def test_rope_reference_matches_float64_rotation():
 def test_rope_is_relative():
     """<rope(q, m), rope(k, n)> depends on m - n only (the property RoPE exists for)."""
     q, k = torch.randn(1, 1, 128, dtype=torch.float64), torch.randn(1, 1, 128, dtype=torch.float64)
+
     def dot(m, n):
         return float((RK.rope(q, torch.tensor([m])) * RK.rope(k, torch.tensor([n]))).sum())
+
     assert math.isclose(dot(10, 3), dot(57, 50), rel_tol=1e-5)
 
 
@@ -96,8 +98,9 @@ def test_kernel_matches_reference(tc, data):
     dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
     page = data.draw(st.sampled_from([1, 16, 64, None]))
     seq = torch.tensor([data.draw(st.integers(0, 80)) for _ in range(B)], dtype=torch.int32)
-    kv = paged_kv([int(s) + N for s in seq], page, H_kv, D, dtype, rng,
-                  strided=data.draw(st.booleans()))
+    kv = paged_kv(
+        [int(s) + N for s in seq], page, H_kv, D, dtype, rng, strided=data.draw(st.booleans())
+    )
     k = torch.randn(B, N, H_kv, D).to(dtype)
     v = torch.randn(B, N, H_kv, D).to(dtype)
     if data.draw(st.booleans()):  # strided k
@@ -106,12 +109,13 @@ def test_kernel_matches_reference(tc, data):
     theta = data.draw(st.sampled_from([10000.0, 500000.0]))
     kc, vc = kv.k_cache.clone(), kv.v_cache.clone()
     RK.kv_append(k, v, kc, vc, kv.block_table, seq, tc.tree.num_nodes, depth, rope_theta=theta)
-    KA.kv_append_fwd(k, v, kv.k_cache, kv.v_cache, kv.block_table, seq, tc.tree.num_nodes, depth,
-                     theta)
+    KA.kv_append_fwd(
+        k, v, kv.k_cache, kv.v_cache, kv.block_table, seq, tc.tree.num_nodes, depth, theta
+    )
     assert_close(kv.k_cache, kc, dtype, "k_cache")
     assert torch.equal(kv.v_cache, vc), "V is copied bit for bit, other slots untouched"
     # untouched slots are bit-identical too (assert_close is relative to the whole cache)
-    changed = (kc != kv.k_cache)
+    changed = kc != kv.k_cache
     written = torch.zeros_like(changed)
     for b in range(B):
         for i in range(int(tc.tree.num_nodes[b])):
@@ -123,10 +127,15 @@ def test_kernel_matches_reference(tc, data):
 def _args(**changes):
     rng = random.Random(1)
     kv = paged_kv([24, 24], 16, 2, 64, torch.float16, rng)
-    a = dict(k=torch.randn(2, 8, 2, 64).half(), v=torch.randn(2, 8, 2, 64).half(),
-             k_cache=kv.k_cache, v_cache=kv.v_cache, block_table=kv.block_table,
-             seq_lens=torch.tensor([16, 3], dtype=torch.int32),
-             num_tokens=torch.tensor([8, 2], dtype=torch.int32))
+    a = dict(
+        k=torch.randn(2, 8, 2, 64).half(),
+        v=torch.randn(2, 8, 2, 64).half(),
+        k_cache=kv.k_cache,
+        v_cache=kv.v_cache,
+        block_table=kv.block_table,
+        seq_lens=torch.tensor([16, 3], dtype=torch.int32),
+        num_tokens=torch.tensor([8, 2], dtype=torch.int32),
+    )
     a.update(changes)
     return a
 
@@ -139,22 +148,38 @@ def test_public_op_on_cpu_is_the_reference():
     assert torch.equal(a["k_cache"], kc) and torch.equal(a["v_cache"], vc)
 
 
-@pytest.mark.parametrize("changes,message", [
-    (dict(k=torch.randn(2, 8, 2, 64)),
-     "Invalid dtype of v: expected torch.float32, got torch.float16"),
-    (dict(k=torch.randn(2, 8, 2, 48).half()),
-     "Invalid head dim of k: expected one of (64, 128, 256), got 48"),
-    (dict(v=torch.randn(2, 8, 3, 64).half()),
-     "Invalid shape of v: expected [2, 8, 2, 64], got [2, 8, 3, 64]"),
-    (dict(k_cache=torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16)), "Invalid dtype of k_cache"),
-    (dict(block_table=torch.zeros(2, 2, dtype=torch.int64)), "Invalid dtype of block_table"),
-    (dict(num_tokens=torch.zeros(3, dtype=torch.int32)),
-     "Invalid shape of num_tokens: expected [2], got [3]"),
-    (dict(depth=torch.zeros(2, 7, dtype=torch.int32)),
-     "Invalid shape of depth: expected [2, 8], got [2, 7]"),
-    (dict(rope_theta=0.0), "Invalid value of rope_theta"),
-    (dict(seq_lens=torch.zeros(2, dtype=torch.int32, device="meta")), "Invalid device of seq_lens"),
-])
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (
+            dict(k=torch.randn(2, 8, 2, 64)),
+            "Invalid dtype of v: expected torch.float32, got torch.float16",
+        ),
+        (
+            dict(k=torch.randn(2, 8, 2, 48).half()),
+            "Invalid head dim of k: expected one of (64, 128, 256), got 48",
+        ),
+        (
+            dict(v=torch.randn(2, 8, 3, 64).half()),
+            "Invalid shape of v: expected [2, 8, 2, 64], got [2, 8, 3, 64]",
+        ),
+        (dict(k_cache=torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16)), "Invalid dtype of k_cache"),
+        (dict(block_table=torch.zeros(2, 2, dtype=torch.int64)), "Invalid dtype of block_table"),
+        (
+            dict(num_tokens=torch.zeros(3, dtype=torch.int32)),
+            "Invalid shape of num_tokens: expected [2], got [3]",
+        ),
+        (
+            dict(depth=torch.zeros(2, 7, dtype=torch.int32)),
+            "Invalid shape of depth: expected [2, 8], got [2, 7]",
+        ),
+        (dict(rope_theta=0.0), "Invalid value of rope_theta"),
+        (
+            dict(seq_lens=torch.zeros(2, dtype=torch.int32, device="meta")),
+            "Invalid device of seq_lens",
+        ),
+    ],
+)
 def test_public_op_rejects_bad_input(changes, message):
     with pytest.raises(ValueError) as e:
         treeops.kv_append(**_args(**changes))
@@ -163,8 +188,8 @@ def test_public_op_rejects_bad_input(changes, message):
 
 def test_validate_checks_capacity_and_ranges():
     with pytest.raises(ValueError, match="exceeds the block table's capacity of 32 slots"):
-        treeops.kv_append(**_args(seq_lens=torch.tensor([30, 0], dtype=torch.int32)),
-                          validate=True)
+        treeops.kv_append(**_args(seq_lens=torch.tensor([30, 0], dtype=torch.int32)), validate=True)
     with pytest.raises(ValueError, match="Invalid value in num_tokens: expected < 9, got 9"):
-        treeops.kv_append(**_args(num_tokens=torch.tensor([9, 0], dtype=torch.int32)),
-                          validate=True)
+        treeops.kv_append(
+            **_args(num_tokens=torch.tensor([9, 0], dtype=torch.int32)), validate=True
+        )

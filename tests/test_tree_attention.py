@@ -39,10 +39,12 @@ def brute_force(q, kv, seq_lens, parents, q_start=None, q_len=None, scale=None):
             slots = list(range(s)) + [s + j for j in sorted(anc)]
             for h in range(H_q):
                 kvh = h // (H_q // H_kv)
-                keys = torch.stack([kv.k_cache[int(kv.block_table[b, p // ps]), p % ps, kvh]
-                                    for p in slots]).double()
-                vals = torch.stack([kv.v_cache[int(kv.block_table[b, p // ps]), p % ps, kvh]
-                                    for p in slots]).double()
+                keys = torch.stack(
+                    [kv.k_cache[int(kv.block_table[b, p // ps]), p % ps, kvh] for p in slots]
+                ).double()
+                vals = torch.stack(
+                    [kv.v_cache[int(kv.block_table[b, p // ps]), p % ps, kvh] for p in slots]
+                ).double()
                 logits = keys @ q[b, i, h].double() * scale
                 m = logits.max()
                 w = torch.exp(logits - m)
@@ -66,36 +68,72 @@ def test_reference_matches_float64_softmax(tc, data):
     H_q = H_kv * data.draw(st.sampled_from([1, 2, 4]))
     D = 8
     seq = [data.draw(st.integers(0, 20)) for _ in range(B)]
-    kv = paged_kv([s + N for s in seq], data.draw(st.sampled_from([1, 4, None])), H_kv, D,
-                  torch.float32, rng)
+    kv = paged_kv(
+        [s + N for s in seq], data.draw(st.sampled_from([1, 4, None])), H_kv, D, torch.float32, rng
+    )
     q = torch.randn(B, N, H_q, D, dtype=torch.float32)
     seq_lens = torch.tensor(seq, dtype=torch.int32)
     qs = ql = None
     if data.draw(st.booleans()):
         qs = torch.tensor([rng.randrange(N + 1) for _ in range(B)], dtype=torch.int32)
         ql = torch.tensor([rng.randrange(N + 1) for _ in range(B)], dtype=torch.int32)
-    out, lse = R.tree_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, tc.tree,
-                                qs, ql, return_lse=True)
+    out, lse = R.tree_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, tc.tree, qs, ql, return_lse=True
+    )
     exp_out, exp_lse = brute_force(q, kv, seq_lens, tc.parents, qs, ql)
     assert_close(out, exp_out, torch.float32, "reference out")
     _lse_close(lse, exp_lse, "reference lse")
 
 
-def run_kernel(q, kv, seq_lens, tree, q_start=None, q_len=None, num_splits=None, override=None,
-               workspace=None, scale=None):
+def run_kernel(
+    q,
+    kv,
+    seq_lens,
+    tree,
+    q_start=None,
+    q_len=None,
+    num_splits=None,
+    override=None,
+    workspace=None,
+    scale=None,
+):
     B, N, H_q, D = q.shape
     out = torch.empty_like(q)  # poisoned by conftest: every element must be written
     lse = torch.empty(B, N, H_q, dtype=torch.float32)
-    K.tree_attention_fwd(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, tree.num_nodes,
-                         tree.anc, q_start, q_len, scale or 1 / math.sqrt(D), out, lse, workspace,
-                         num_splits, override)
+    K.tree_attention_fwd(
+        q,
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_table,
+        seq_lens,
+        tree.num_nodes,
+        tree.anc,
+        q_start,
+        q_len,
+        scale or 1 / math.sqrt(D),
+        out,
+        lse,
+        workspace,
+        num_splits,
+        override,
+    )
     return out, lse
 
 
 def check_kernel(q, kv, seq_lens, tree, q_start=None, q_len=None, what="", **kw):
     out, lse = run_kernel(q, kv, seq_lens, tree, q_start, q_len, **kw)
-    ref, ref_lse = R.tree_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, tree,
-                                    q_start, q_len, return_lse=True, sm_scale=kw.get("scale"))
+    ref, ref_lse = R.tree_attention(
+        q,
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_table,
+        seq_lens,
+        tree,
+        q_start,
+        q_len,
+        return_lse=True,
+        sm_scale=kw.get("scale"),
+    )
     assert_close(out, ref, q.dtype, f"out {what}")
     _lse_close(lse, ref_lse, f"lse {what}")
     dead = torch.isinf(ref_lse)
@@ -112,8 +150,9 @@ def test_kernel_matches_reference(tc, data):
     dtype = data.draw(st.sampled_from([torch.float16, torch.float32]))
     page = data.draw(st.sampled_from([1, 16, 64, None]))
     seq = [data.draw(st.sampled_from([0, 1, 31, 64, 100])) for _ in range(B)]
-    kv = paged_kv([s + N for s in seq], page, H_kv, 64, dtype, rng,
-                  strided=data.draw(st.booleans()))
+    kv = paged_kv(
+        [s + N for s in seq], page, H_kv, 64, dtype, rng, strided=data.draw(st.booleans())
+    )
     q = torch.randn(B, N, H_kv * group, 64).to(dtype)
     if data.draw(st.booleans()):  # a strided q: [B, H_q, N, D] storage seen as [B, N, H_q, D]
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
@@ -124,8 +163,17 @@ def test_kernel_matches_reference(tc, data):
         ql = torch.tensor([rng.randrange(N + 1) for _ in range(B)], dtype=torch.int32)
     splits = data.draw(st.sampled_from([None, 1, 3]))
     override = {"prefetch": data.draw(st.booleans()), "block_n": 32}
-    check_kernel(q, kv, seq_lens, tc.tree, qs, ql, num_splits=splits, override=override,
-                 what=f"page={page} group={group} {dtype} splits={splits}")
+    check_kernel(
+        q,
+        kv,
+        seq_lens,
+        tc.tree,
+        qs,
+        ql,
+        num_splits=splits,
+        override=override,
+        what=f"page={page} group={group} {dtype} splits={splits}",
+    )
 
 
 @pytest.mark.parametrize("D,H_q,H_kv,page", [(128, 8, 2, 16), (256, 4, 1, None)])
@@ -148,8 +196,15 @@ def test_kernel_one_larger_case_with_splits_and_workspace():
     q = torch.randn(2, N, 4, 64).to(torch.float16)
     cfg = K.pick_config(2, N, 4, 1, 64, kv.block_table.shape[1] * 16, 4, True, num_splits=4)
     ws = torch.zeros(K.workspace_numel(2, N, 4, 64, cfg), dtype=torch.float32)
-    check_kernel(q, kv, torch.tensor(seq, dtype=torch.int32), tree, num_splits=4, workspace=ws,
-                 override={"prefetch": True})
+    check_kernel(
+        q,
+        kv,
+        torch.tensor(seq, dtype=torch.int32),
+        tree,
+        num_splits=4,
+        workspace=ws,
+        override={"prefetch": True},
+    )
     assert bool((ws != 0).any()), "the caller's workspace was not used"
 
 
@@ -197,8 +252,14 @@ def _inputs(B=2, N=8, H_q=4, H_kv=2, D=64, dtype=torch.float32):
     tree = make_tree([parents_of("random", N, rng) for _ in range(B)], N, 64, rng)
     kv = paged_kv([20 + N] * B, 16, H_kv, D, dtype, rng)
     q = torch.randn(B, N, H_q, D).to(dtype)
-    return dict(q=q, k_cache=kv.k_cache, v_cache=kv.v_cache, block_table=kv.block_table,
-                seq_lens=torch.full((B,), 20, dtype=torch.int32), tree=tree)
+    return dict(
+        q=q,
+        k_cache=kv.k_cache,
+        v_cache=kv.v_cache,
+        block_table=kv.block_table,
+        seq_lens=torch.full((B,), 20, dtype=torch.int32),
+        tree=tree,
+    )
 
 
 def test_public_op_on_cpu_is_the_reference_and_fills_buffers():
@@ -220,31 +281,53 @@ def _bad(**changes):
     return a
 
 
-@pytest.mark.parametrize("args,message", [
-    (lambda: _bad(q=torch.randn(2, 8, 4, 64).to(torch.int32)), "Invalid dtype of q"),
-    (lambda: _bad(q=torch.randn(2, 8, 4, 32)),
-     "Invalid head dim of q: expected one of (64, 128, 256), got 32"),
-    (lambda: _bad(q=torch.randn(3, 8, 4, 64)),
-     "Invalid shape of q: expected [2, 8, H_q, D], got [3, 8, 4, 64]"),
-    (lambda: _bad(k_cache=torch.randn(3, 16, 2, 64).half()),
-     "Invalid dtype of k_cache: expected torch.float32, got torch.float16"),
-    (lambda: _bad(v_cache=torch.randn(3, 16, 2, 128)), "Invalid shape of v_cache"),
-    (lambda: _bad(q=torch.randn(2, 8, 3, 64)), "H_q = 3 must be a multiple of H_kv = 2"),
-    (lambda: _bad(block_table=torch.zeros(2, 4, dtype=torch.int64)),
-     "Invalid dtype of block_table: expected torch.int32, got torch.int64"),
-    (lambda: _bad(seq_lens=torch.zeros(3, dtype=torch.int32)),
-     "Invalid shape of seq_lens: expected [2], got [3]"),
-    (lambda: _bad(tree="tree"), "Invalid type of tree: expected treeops.Tree, got str"),
-    (lambda: _bad(seq_lens=torch.zeros(2, dtype=torch.int32, device="meta")),
-     "Invalid device of seq_lens"),
-    (lambda: dict(_bad(), q_start=torch.zeros(2, dtype=torch.int64)), "Invalid dtype of q_start"),
-    (lambda: dict(_bad(), out=torch.zeros(2, 8, 4, 64, dtype=torch.float16)),
-     "Invalid dtype of out"),
-    (lambda: dict(_bad(), lse=torch.zeros(2, 8, 5)), "Invalid shape of lse"),
-    (lambda: dict(_bad(), workspace=torch.zeros(4, dtype=torch.int32)),
-     "Invalid dtype of workspace"),
-    (lambda: dict(_bad(), sm_scale=-1.0), "Invalid value of sm_scale"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (lambda: _bad(q=torch.randn(2, 8, 4, 64).to(torch.int32)), "Invalid dtype of q"),
+        (
+            lambda: _bad(q=torch.randn(2, 8, 4, 32)),
+            "Invalid head dim of q: expected one of (64, 128, 256), got 32",
+        ),
+        (
+            lambda: _bad(q=torch.randn(3, 8, 4, 64)),
+            "Invalid shape of q: expected [2, 8, H_q, D], got [3, 8, 4, 64]",
+        ),
+        (
+            lambda: _bad(k_cache=torch.randn(3, 16, 2, 64).half()),
+            "Invalid dtype of k_cache: expected torch.float32, got torch.float16",
+        ),
+        (lambda: _bad(v_cache=torch.randn(3, 16, 2, 128)), "Invalid shape of v_cache"),
+        (lambda: _bad(q=torch.randn(2, 8, 3, 64)), "H_q = 3 must be a multiple of H_kv = 2"),
+        (
+            lambda: _bad(block_table=torch.zeros(2, 4, dtype=torch.int64)),
+            "Invalid dtype of block_table: expected torch.int32, got torch.int64",
+        ),
+        (
+            lambda: _bad(seq_lens=torch.zeros(3, dtype=torch.int32)),
+            "Invalid shape of seq_lens: expected [2], got [3]",
+        ),
+        (lambda: _bad(tree="tree"), "Invalid type of tree: expected treeops.Tree, got str"),
+        (
+            lambda: _bad(seq_lens=torch.zeros(2, dtype=torch.int32, device="meta")),
+            "Invalid device of seq_lens",
+        ),
+        (
+            lambda: dict(_bad(), q_start=torch.zeros(2, dtype=torch.int64)),
+            "Invalid dtype of q_start",
+        ),
+        (
+            lambda: dict(_bad(), out=torch.zeros(2, 8, 4, 64, dtype=torch.float16)),
+            "Invalid dtype of out",
+        ),
+        (lambda: dict(_bad(), lse=torch.zeros(2, 8, 5)), "Invalid shape of lse"),
+        (
+            lambda: dict(_bad(), workspace=torch.zeros(4, dtype=torch.int32)),
+            "Invalid dtype of workspace",
+        ),
+        (lambda: dict(_bad(), sm_scale=-1.0), "Invalid value of sm_scale"),
+    ],
+)
 def test_public_op_rejects_bad_input(args, message):
     with pytest.raises(ValueError) as e:
         treeops.tree_attention(**args())
@@ -258,11 +341,11 @@ def test_validate_checks_values():
     with pytest.raises(ValueError, match="Invalid value in block_table: expected < 5, got 99"):
         treeops.tree_attention(**dict(a, block_table=bt), validate=True)
     with pytest.raises(ValueError, match="exceeds the block table's capacity of 32 slots"):
-        treeops.tree_attention(**dict(a, seq_lens=torch.tensor([25, 0], dtype=torch.int32)),
-                               validate=True)
+        treeops.tree_attention(
+            **dict(a, seq_lens=torch.tensor([25, 0], dtype=torch.int32)), validate=True
+        )
     with pytest.raises(ValueError, match="Invalid value in q_start: expected < 9, got 10"):
-        treeops.tree_attention(**a, q_start=torch.tensor([10, 0], dtype=torch.int32),
-                               validate=True)
+        treeops.tree_attention(**a, q_start=torch.tensor([10, 0], dtype=torch.int32), validate=True)
     t = a["tree"].clone()
     t.depth[0, 1] = 5
     with pytest.raises(ValueError, match="Invalid tree: request 0: depth"):
@@ -279,16 +362,29 @@ def test_split_count_depends_on_capacities_only():
 
 
 @settings(max_examples=8)
-@given(tc=trees(max_batch=2, capacities=(64,), kinds=("random", "chain", "star", "binary")),
-       data=st.data())
+@given(
+    tc=trees(max_batch=2, capacities=(64,), kinds=("random", "chain", "star", "binary")),
+    data=st.data(),
+)
 def test_kernel_matches_reference_full_trees(tc, data):
     """Capacity 64 (two anc words), longer prefixes, GQA 8, forced splits and both loops."""
     rng = random.Random(data.draw(st.integers(0, 2**16)))
     B, N = tc.tree.batch_size, tc.tree.capacity
     seq = [data.draw(st.integers(0, 300)) for _ in range(B)]
-    kv = paged_kv([s + N for s in seq], data.draw(st.sampled_from([1, 16, 64, None])), 1, 64,
-                  torch.float16, rng)
+    kv = paged_kv(
+        [s + N for s in seq],
+        data.draw(st.sampled_from([1, 16, 64, None])),
+        1,
+        64,
+        torch.float16,
+        rng,
+    )
     q = torch.randn(B, N, 8, 64).to(torch.float16)
-    check_kernel(q, kv, torch.tensor(seq, dtype=torch.int32), tc.tree,
-                 num_splits=data.draw(st.sampled_from([1, 2, 5])),
-                 override={"prefetch": data.draw(st.booleans()), "block_n": 64})
+    check_kernel(
+        q,
+        kv,
+        torch.tensor(seq, dtype=torch.int32),
+        tc.tree,
+        num_splits=data.draw(st.sampled_from([1, 2, 5])),
+        override={"prefetch": data.draw(st.booleans()), "block_n": 64},
+    )

@@ -33,19 +33,36 @@ def _check_head_dim(name: str, d: int) -> None:
         raise ValueError(f"Invalid head dim of {name}: expected one of {_HEAD_DIMS}, got {d}")
 
 
-def _check_attention(q, k_cache, v_cache, block_table, seq_lens, tree, q_start, q_len, sm_scale,
-                     out, lse, workspace, validate) -> dict[str, int]:
+def _check_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    tree,
+    q_start,
+    q_len,
+    sm_scale,
+    out,
+    lse,
+    workspace,
+    validate,
+) -> dict[str, int]:
     tree = check_tree(tree, validate=validate)
     sizes: dict[str, int] = {"B": tree.batch_size, "N": tree.capacity}
     check_tensor("q", q, shape=("B", "N", "H_q", "D"), dtype=_FLOATS, sizes=sizes)
     _check_head_dim("q", sizes["D"])
-    check_tensor("k_cache", k_cache, shape=("P", "page_size", "H_kv", "D"), dtype=q.dtype,
-                 sizes=sizes)
-    check_tensor("v_cache", v_cache, shape=("P", "page_size", "H_kv", "D"), dtype=q.dtype,
-                 sizes=sizes)
+    check_tensor(
+        "k_cache", k_cache, shape=("P", "page_size", "H_kv", "D"), dtype=q.dtype, sizes=sizes
+    )
+    check_tensor(
+        "v_cache", v_cache, shape=("P", "page_size", "H_kv", "D"), dtype=q.dtype, sizes=sizes
+    )
     if sizes["H_kv"] < 1 or sizes["H_q"] % sizes["H_kv"] != 0:
-        raise ValueError(f"Invalid shape of k_cache: H_q = {sizes['H_q']} must be a multiple of "
-                         f"H_kv = {sizes['H_kv']}")
+        raise ValueError(
+            f"Invalid shape of k_cache: H_q = {sizes['H_q']} must be a multiple of "
+            f"H_kv = {sizes['H_kv']}"
+        )
     check_tensor("block_table", block_table, shape=("B", None), dtype=torch.int32, sizes=sizes)
     check_tensor("seq_lens", seq_lens, shape=("B",), dtype=torch.int32, sizes=sizes)
     if q_start is not None:
@@ -58,19 +75,32 @@ def _check_attention(q, k_cache, v_cache, block_table, seq_lens, tree, q_start, 
         check_tensor("lse", lse, shape=("B", "N", "H_q"), dtype=torch.float32, sizes=sizes)
     if workspace is not None:
         check_tensor("workspace", workspace, shape=(None,), dtype=torch.float32)
-    if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and
-                                     math.isfinite(sm_scale) and sm_scale > 0):
+    if sm_scale is not None and not (
+        isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0
+    ):
         raise ValueError(f"Invalid value of sm_scale: expected a positive float, got {sm_scale!r}")
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
-                      seq_lens=seq_lens, tree=tree.parents, q_start=q_start, q_len=q_len,
-                      out=out, lse=lse, workspace=workspace)
+    check_same_device(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        tree=tree.parents,
+        q_start=q_start,
+        q_len=q_len,
+        out=out,
+        lse=lse,
+        workspace=workspace,
+    )
     if validate:
         capacity = block_table.shape[1] * sizes["page_size"]
         check_range("seq_lens", seq_lens, 0, None)
         check_range("block_table", block_table, 0, sizes["P"])
         if int((seq_lens.long() + tree.num_nodes.long()).max()) > capacity:
-            raise ValueError(f"Invalid value in seq_lens: seq_lens + num_nodes exceeds the "
-                             f"block table's capacity of {capacity} slots")
+            raise ValueError(
+                f"Invalid value in seq_lens: seq_lens + num_nodes exceeds the "
+                f"block table's capacity of {capacity} slots"
+            )
         if q_start is not None:
             check_range("q_start", q_start, 0, sizes["N"] + 1)
         if q_len is not None:
@@ -78,8 +108,9 @@ def _check_attention(q, k_cache, v_cache, block_table, seq_lens, tree, q_start, 
     return sizes
 
 
-def tree_attention_workspace(q: torch.Tensor, k_cache: torch.Tensor,
-                             block_table: torch.Tensor) -> torch.Tensor:
+def tree_attention_workspace(
+    q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor
+) -> torch.Tensor:
     """Allocate the split-KV workspace ``tree_attention`` needs for these capacities.
 
     Its size depends only on shapes and the device (B, N, H_q, D, H_kv, block-table capacity, SM
@@ -92,8 +123,7 @@ def tree_attention_workspace(q: torch.Tensor, k_cache: torch.Tensor,
 
     B, N, H_q, D = q.shape
     cfg = _k.config_for(q, k_cache, block_table)
-    return torch.zeros(_k.workspace_numel(B, N, H_q, D, cfg), dtype=torch.float32,
-                       device=q.device)
+    return torch.zeros(_k.workspace_numel(B, N, H_q, D, cfg), dtype=torch.float32, device=q.device)
 
 
 def tree_attention(
@@ -154,13 +184,37 @@ def tree_attention(
         >>> out.shape, lse.shape
         (torch.Size([1, 4, 8, 64]), torch.Size([1, 4, 8]))
     """
-    sizes = _check_attention(q, k_cache, v_cache, block_table, seq_lens, tree, q_start, q_len,
-                             sm_scale, out, lse, workspace, validate)
+    sizes = _check_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        tree,
+        q_start,
+        q_len,
+        sm_scale,
+        out,
+        lse,
+        workspace,
+        validate,
+    )
     scale = 1.0 / math.sqrt(sizes["D"]) if sm_scale is None else float(sm_scale)
     if q.device.type != "cuda":
-        return _ref_attn.tree_attention(q, k_cache, v_cache, block_table, seq_lens, tree, q_start,
-                                        q_len, sm_scale=scale, return_lse=return_lse, out=out,
-                                        lse=lse)
+        return _ref_attn.tree_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            tree,
+            q_start,
+            q_len,
+            sm_scale=scale,
+            return_lse=return_lse,
+            out=out,
+            lse=lse,
+        )
     from .kernels import tree_attention as _k
 
     B, N, H_q, D = q.shape
@@ -171,10 +225,25 @@ def tree_attention(
     if workspace is not None:
         need = _k.workspace_numel(B, N, H_q, D, _k.config_for(q, k_cache, block_table))
         if workspace.numel() < need:
-            raise ValueError(f"Invalid shape of workspace: expected at least [{need}] "
-                             f"(tree_attention_workspace), got {list(workspace.shape)}")
-    _k.tree_attention_fwd(q, k_cache, v_cache, block_table, seq_lens, tree.num_nodes, tree.anc,
-                          q_start, q_len, scale, out, lse, workspace)
+            raise ValueError(
+                f"Invalid shape of workspace: expected at least [{need}] "
+                f"(tree_attention_workspace), got {list(workspace.shape)}"
+            )
+    _k.tree_attention_fwd(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        tree.num_nodes,
+        tree.anc,
+        q_start,
+        q_len,
+        scale,
+        out,
+        lse,
+        workspace,
+    )
     return (out, lse) if return_lse else out
 
 
@@ -221,36 +290,51 @@ def kv_append(
     check_tensor("k", k, shape=("B", "N", "H_kv", "D"), dtype=_FLOATS, sizes=sizes)
     _check_head_dim("k", sizes["D"])
     check_tensor("v", v, shape=("B", "N", "H_kv", "D"), dtype=k.dtype, sizes=sizes)
-    check_tensor("k_cache", k_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype,
-                 sizes=sizes)
-    check_tensor("v_cache", v_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype,
-                 sizes=sizes)
+    check_tensor(
+        "k_cache", k_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype, sizes=sizes
+    )
+    check_tensor(
+        "v_cache", v_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype, sizes=sizes
+    )
     check_tensor("block_table", block_table, shape=("B", None), dtype=torch.int32, sizes=sizes)
     check_tensor("seq_lens", seq_lens, shape=("B",), dtype=torch.int32, sizes=sizes)
     check_tensor("num_tokens", num_tokens, shape=("B",), dtype=torch.int32, sizes=sizes)
     if depth is not None:
         check_tensor("depth", depth, shape=("B", "N"), dtype=torch.int32, sizes=sizes)
     if not (isinstance(rope_theta, (int, float)) and rope_theta > 0):
-        raise ValueError(f"Invalid value of rope_theta: expected a positive float, "
-                         f"got {rope_theta!r}")
-    check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
-                      seq_lens=seq_lens, num_tokens=num_tokens, depth=depth)
+        raise ValueError(
+            f"Invalid value of rope_theta: expected a positive float, got {rope_theta!r}"
+        )
+    check_same_device(
+        k=k,
+        v=v,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        num_tokens=num_tokens,
+        depth=depth,
+    )
     if validate:
         capacity = block_table.shape[1] * sizes["page_size"]
         check_range("seq_lens", seq_lens, 0, None)
         check_range("num_tokens", num_tokens, 0, sizes["N"] + 1)
         check_range("block_table", block_table, 0, sizes["P"])
         if int((seq_lens.long() + num_tokens.long()).max()) > capacity:
-            raise ValueError(f"Invalid value in seq_lens: seq_lens + num_tokens exceeds the "
-                             f"block table's capacity of {capacity} slots")
+            raise ValueError(
+                f"Invalid value in seq_lens: seq_lens + num_tokens exceeds the "
+                f"block table's capacity of {capacity} slots"
+            )
     if k.device.type != "cuda":
-        _ref_kv.kv_append(k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth,
-                          rope_theta=rope_theta)
+        _ref_kv.kv_append(
+            k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta=rope_theta
+        )
         return
     from .kernels import kv_append as _k
 
-    _k.kv_append_fwd(k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth,
-                     float(rope_theta))
+    _k.kv_append_fwd(
+        k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, float(rope_theta)
+    )
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
@@ -265,8 +349,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> to
         True
     """
     check_tensor("x", x, dtype=_FLOATS)
-    check_tensor("positions", positions, shape=tuple(x.shape[:-2]),
-                 dtype=(torch.int32, torch.int64))
+    check_tensor(
+        "positions", positions, shape=tuple(x.shape[:-2]), dtype=(torch.int32, torch.int64)
+    )
     if x.shape[-1] % 2:
         raise ValueError(f"Invalid head dim of x: expected an even number, got {x.shape[-1]}")
     check_same_device(x=x, positions=positions)

@@ -34,8 +34,14 @@ from .reference import build_tree as _ref
 from .reference.cast import CostTable
 from .tree import Tree, check_tree
 
-__all__ = ["EagleStatic", "Cast", "DraftState", "build_tree_expand", "build_tree_emit",
-           "build_tree"]
+__all__ = [
+    "EagleStatic",
+    "Cast",
+    "DraftState",
+    "build_tree_expand",
+    "build_tree_emit",
+    "build_tree",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,12 +114,16 @@ class Cast:
         for name in ("R", "topk", "max_width", "max_depth", "capacity"):
             check_positive_int(name, getattr(self, name))
         if not isinstance(self.cost_table, CostTable):
-            raise ValueError(f"Invalid type of cost_table: expected treeops.CostTable, got "
-                             f"{type(self.cost_table).__name__}")
+            raise ValueError(
+                f"Invalid type of cost_table: expected treeops.CostTable, got "
+                f"{type(self.cost_table).__name__}"
+            )
         need = max(self.max_width, self.capacity)
         if self.cost_table.n_max < need:
-            raise ValueError(f"Invalid value of cost_table: expected n_max >= max(max_width, "
-                             f"capacity) = {need}, got {self.cost_table.n_max}")
+            raise ValueError(
+                f"Invalid value of cost_table: expected n_max >= max(max_width, "
+                f"capacity) = {need}, got {self.cost_table.n_max}"
+            )
 
 
 Policy = EagleStatic | Cast
@@ -163,8 +173,12 @@ class DraftState:
     layer: int = 0
 
     @staticmethod
-    def new(policy: Policy, root_tokens: torch.Tensor, seq_lens: torch.Tensor,
-            active: torch.Tensor | None = None) -> DraftState:
+    def new(
+        policy: Policy,
+        root_tokens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        active: torch.Tensor | None = None,
+    ) -> DraftState:
         """Allocate the buffers for ``policy`` and start a step (see ``reset``)."""
         _check_policy(policy)
         check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64)
@@ -204,17 +218,20 @@ class DraftState:
         st.reset(root_tokens, seq_lens, active)
         return st
 
-    def reset(self, root_tokens: torch.Tensor, seq_lens: torch.Tensor,
-              active: torch.Tensor | None = None) -> DraftState:
+    def reset(
+        self, root_tokens: torch.Tensor, seq_lens: torch.Tensor, active: torch.Tensor | None = None
+    ) -> DraftState:
         """Start a decoding step in place (no allocation, no host sync); the frontier = the root."""
         sizes = {"B": self.active.shape[0]}
         check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64, sizes=sizes)
-        check_tensor("seq_lens", seq_lens, shape=("B",), dtype=(torch.int32, torch.int64),
-                     sizes=sizes)
+        check_tensor(
+            "seq_lens", seq_lens, shape=("B",), dtype=(torch.int32, torch.int64), sizes=sizes
+        )
         if active is not None:
             check_tensor("active", active, shape=("B",), dtype=torch.bool, sizes=sizes)
-        check_same_device(state=self.active, root_tokens=root_tokens, seq_lens=seq_lens,
-                          active=active)
+        check_same_device(
+            state=self.active, root_tokens=root_tokens, seq_lens=seq_lens, active=active
+        )
         self.root_tokens.copy_(root_tokens)
         self.seq_lens.copy_(seq_lens)
         if active is None:
@@ -286,14 +303,17 @@ class DraftState:
 
 def _check_policy(policy: object) -> None:
     if not isinstance(policy, (EagleStatic, Cast)):
-        raise ValueError(f"Invalid type of policy: expected treeops.EagleStatic or treeops.Cast, "
-                         f"got {type(policy).__name__}")
+        raise ValueError(
+            f"Invalid type of policy: expected treeops.EagleStatic or treeops.Cast, "
+            f"got {type(policy).__name__}"
+        )
 
 
 def _check_state(state: object, policy: Policy) -> DraftState:
     if not isinstance(state, DraftState):
-        raise ValueError(f"Invalid type of state: expected treeops.DraftState, got "
-                         f"{type(state).__name__}")
+        raise ValueError(
+            f"Invalid type of state: expected treeops.DraftState, got {type(state).__name__}"
+        )
     D, W, K = policy.max_depth, policy.max_width, policy.topk
     B = state.active.shape[0]
     check_tensor("state.cand_scores", state.cand_scores, shape=(B, D, W * K), dtype=torch.float32)
@@ -303,8 +323,9 @@ def _check_state(state: object, policy: Policy) -> DraftState:
     return state
 
 
-def build_tree_expand(logits: torch.Tensor, state: DraftState, policy: Policy, *,
-                      validate: bool = False) -> None:
+def build_tree_expand(
+    logits: torch.Tensor, state: DraftState, policy: Policy, *, validate: bool = False
+) -> None:
     """Expand one draft layer: softmax + top-k of the frontier's logits, path scores, the next
     frontier and the policy's decisions (DESIGN.md op 3); advances ``state.layer``.
 
@@ -330,19 +351,28 @@ def build_tree_expand(logits: torch.Tensor, state: DraftState, policy: Policy, *
     """
     _check_policy(policy)
     _check_state(state, policy)
-    check_tensor("logits", logits, shape=(state.active.shape[0], policy.max_width, None),
-                 dtype=(torch.float32, torch.bfloat16, torch.float16))
+    check_tensor(
+        "logits",
+        logits,
+        shape=(state.active.shape[0], policy.max_width, None),
+        dtype=(torch.float32, torch.bfloat16, torch.float16),
+    )
     check_same_device(logits=logits, state=state.cand_scores)
     V = logits.shape[2]
     if V < policy.topk:
-        raise ValueError(f"Invalid shape of logits: expected vocabulary V >= topk = {policy.topk}, "
-                         f"got V = {V}")
+        raise ValueError(
+            f"Invalid shape of logits: expected vocabulary V >= topk = {policy.topk}, got V = {V}"
+        )
     if logits.stride(2) != 1:
-        raise ValueError(f"Invalid stride of logits: expected the vocabulary dimension "
-                         f"contiguous (stride 1), got {logits.stride(2)}")
+        raise ValueError(
+            f"Invalid stride of logits: expected the vocabulary dimension "
+            f"contiguous (stride 1), got {logits.stride(2)}"
+        )
     if state.layer >= policy.max_depth:
-        raise ValueError(f"Invalid state: all {policy.max_depth} draft layers already expanded "
-                         "(call state.reset for the next decoding step)")
+        raise ValueError(
+            f"Invalid state: all {policy.max_depth} draft layers already expanded "
+            "(call state.reset for the next decoding step)"
+        )
     if validate and bool(torch.isnan(logits).any()):
         raise ValueError("Invalid value in logits: expected numbers, got NaN")
     if logits.is_cuda:
@@ -355,8 +385,9 @@ def build_tree_expand(logits: torch.Tensor, state: DraftState, policy: Policy, *
     state.publish(state.layer - 1)
 
 
-def build_tree_emit(state: DraftState, policy: Policy, *, out: Tree | None = None,
-                    validate: bool = False) -> Tree:
+def build_tree_emit(
+    state: DraftState, policy: Policy, *, out: Tree | None = None, validate: bool = False
+) -> Tree:
     """Rerank every candidate of the step and emit the ``Tree`` (DESIGN.md op 3).
 
     The tree holds the root and the ``n - 1`` best candidates in rank order (score descending,
@@ -379,9 +410,11 @@ def build_tree_emit(state: DraftState, policy: Policy, *, out: Tree | None = Non
     if out is not None:
         check_tree(out, name="out")
         if out.parents.shape != (state.active.shape[0], policy.capacity):
-            raise ValueError(f"Invalid shape of out.parents: expected "
-                             f"{[state.active.shape[0], policy.capacity]}, got "
-                             f"{list(out.parents.shape)}")
+            raise ValueError(
+                f"Invalid shape of out.parents: expected "
+                f"{[state.active.shape[0], policy.capacity]}, got "
+                f"{list(out.parents.shape)}"
+            )
         check_same_device(out=out.parents, state=state.cand_scores)
     if state.cand_scores.is_cuda:
         from .kernels.build_tree import emit as _emit
@@ -396,10 +429,16 @@ def build_tree_emit(state: DraftState, policy: Policy, *, out: Tree | None = Non
     return tree
 
 
-def build_tree(policy: Policy, draft_fn: Callable[[DraftState], torch.Tensor],
-               root_tokens: torch.Tensor, seq_lens: torch.Tensor,
-               active: torch.Tensor | None = None, *, state: DraftState | None = None,
-               out: Tree | None = None) -> Tree:
+def build_tree(
+    policy: Policy,
+    draft_fn: Callable[[DraftState], torch.Tensor],
+    root_tokens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    active: torch.Tensor | None = None,
+    *,
+    state: DraftState | None = None,
+    out: Tree | None = None,
+) -> Tree:
     """Draft one decoding step's tree: ``draft_fn(state) -> logits [B, W, V]`` is called once per
     draft layer (``state.layer`` says which; ``state.frontier_tokens`` are its inputs), until the
     policy stops (EAGLE: ``depth`` layers, no host wait; CAST: its depth rule, one event wait per

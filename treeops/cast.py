@@ -20,11 +20,22 @@ from .reference.cast import CostTable
 __all__ = ["CostTable", "cast_select", "cast_width", "cast_depth", "cast_rerank"]
 
 
-def _check_scores_costs(scores: torch.Tensor, costs: torch.Tensor, active: torch.Tensor | None,
-                        C: float, cname: str, validate: bool) -> None:
+def _check_scores_costs(
+    scores: torch.Tensor,
+    costs: torch.Tensor,
+    active: torch.Tensor | None,
+    C: float,
+    cname: str,
+    validate: bool,
+) -> None:
     sizes: dict[str, int] = {}
-    check_tensor("scores", scores, shape=("B", "M"),
-                 dtype=(torch.float32, torch.float64, torch.bfloat16, torch.float16), sizes=sizes)
+    check_tensor(
+        "scores",
+        scores,
+        shape=("B", "M"),
+        dtype=(torch.float32, torch.float64, torch.bfloat16, torch.float16),
+        sizes=sizes,
+    )
     check_tensor("costs", costs, shape=("K",), dtype=(torch.float32, torch.float64), sizes=sizes)
     if active is not None:
         check_tensor("active", active, shape=("B",), dtype=torch.bool, sizes=sizes)
@@ -64,8 +75,14 @@ def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
     return _ref.cast_select(u, c, C)
 
 
-def cast_width(scores: torch.Tensor, costs: torch.Tensor, C1: float, *,
-               active: torch.Tensor | None = None, validate: bool = False) -> torch.Tensor:
+def cast_width(
+    scores: torch.Tensor,
+    costs: torch.Tensor,
+    C1: float,
+    *,
+    active: torch.Tensor | None = None,
+    validate: bool = False,
+) -> torch.Tensor:
     """CAST's width for the next frontier (Algorithm 1 with threshold ``C1``).
 
     Args:
@@ -91,8 +108,9 @@ def cast_width(scores: torch.Tensor, costs: torch.Tensor, C1: float, *,
     return _ref.cast_width(scores, costs, C1, active)
 
 
-def cast_depth(u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int, *,
-               validate: bool = False) -> torch.Tensor:
+def cast_depth(
+    u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int, *, validate: bool = False
+) -> torch.Tensor:
     """CAST's depth rule: draft layer i+1 iff ``alpha * u^(i) / c^(i) >= C2``.
 
     Args:
@@ -124,8 +142,14 @@ def cast_depth(u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int, *,
     return _ref.cast_depth(u_hist, c, C2, R)
 
 
-def cast_rerank(scores: torch.Tensor, costs: torch.Tensor, C3: float, *,
-                active: torch.Tensor | None = None, validate: bool = False) -> torch.Tensor:
+def cast_rerank(
+    scores: torch.Tensor,
+    costs: torch.Tensor,
+    C3: float,
+    *,
+    active: torch.Tensor | None = None,
+    validate: bool = False,
+) -> torch.Tensor:
     """CAST's verification count, root included (Algorithm 1 with threshold ``C3``).
 
     Args:

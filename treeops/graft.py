@@ -169,8 +169,9 @@ class RankTemplate:
             for p in level:
                 index[p] = len(out)
                 out.append(p)
-        return RankTemplate([-1] + [index[p[:-1]] for p in out[1:]],
-                            [-1] + [p[-1] for p in out[1:]])
+        return RankTemplate(
+            [-1] + [index[p[:-1]] for p in out[1:]], [-1] + [p[-1] for p in out[1:]]
+        )
 
     @staticmethod
     def from_rank_probs(probs: Sequence[float], size: int = 80, max_depth: int = 9) -> RankTemplate:
@@ -234,19 +235,28 @@ class Retrieved:
     max_depth: int = field(default=0)
 
     def to(self, device: torch.device | str) -> Retrieved:
-        return Retrieved(self.tokens.to(device), self.parents.to(device), self.depth.to(device),
-                         self.num_nodes.to(device), self.max_depth)
+        return Retrieved(
+            self.tokens.to(device),
+            self.parents.to(device),
+            self.depth.to(device),
+            self.num_nodes.to(device),
+            self.max_depth,
+        )
 
     def check_fields(self) -> None:
         sizes: dict[str, int] = {}
-        check_tensor("retrieved.tokens", self.tokens, shape=("B", "T"), dtype=torch.int64,
-                     sizes=sizes)
-        check_tensor("retrieved.parents", self.parents, shape=("B", "T"), dtype=torch.int32,
-                     sizes=sizes)
-        check_tensor("retrieved.depth", self.depth, shape=("B", "T"), dtype=torch.int32,
-                     sizes=sizes)
-        check_tensor("retrieved.num_nodes", self.num_nodes, shape=("B",), dtype=torch.int32,
-                     sizes=sizes)
+        check_tensor(
+            "retrieved.tokens", self.tokens, shape=("B", "T"), dtype=torch.int64, sizes=sizes
+        )
+        check_tensor(
+            "retrieved.parents", self.parents, shape=("B", "T"), dtype=torch.int32, sizes=sizes
+        )
+        check_tensor(
+            "retrieved.depth", self.depth, shape=("B", "T"), dtype=torch.int32, sizes=sizes
+        )
+        check_tensor(
+            "retrieved.num_nodes", self.num_nodes, shape=("B",), dtype=torch.int32, sizes=sizes
+        )
         if sizes["T"] > MAX_TEMPLATE:
             raise ValueError(
                 f"Invalid shape of retrieved.tokens: expected at most {MAX_TEMPLATE} columns, "
@@ -257,8 +267,14 @@ class Retrieved:
                 "Invalid value of retrieved.max_depth: expected an int >= 0, got "
                 f"{self.max_depth!r}"
             )
-        check_same_device(**{"retrieved.tokens": self.tokens, "retrieved.parents": self.parents,
-                             "retrieved.depth": self.depth, "retrieved.num_nodes": self.num_nodes})
+        check_same_device(
+            **{
+                "retrieved.tokens": self.tokens,
+                "retrieved.parents": self.parents,
+                "retrieved.depth": self.depth,
+                "retrieved.num_nodes": self.num_nodes,
+            }
+        )
 
     def validate(self) -> None:
         """Host-side: ``1 <= num_nodes <= T``, parents point backwards, depth consistent, at most
@@ -297,8 +313,9 @@ def _check_budget(budget: torch.Tensor | int, B: int, dev: torch.device, N: int)
         if budget.device != dev:
             raise ValueError(f"Invalid device of budget: expected {dev}, got {budget.device}")
     elif not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-        raise ValueError(f"Invalid value of budget: expected an int >= 1 or a [B] int32 tensor, "
-                         f"got {budget!r}")
+        raise ValueError(
+            f"Invalid value of budget: expected an int >= 1 or a [B] int32 tensor, got {budget!r}"
+        )
 
 
 def _check_count(count: torch.Tensor | int | None, B: int, dev: torch.device) -> None:
@@ -309,8 +326,10 @@ def _check_count(count: torch.Tensor | int | None, B: int, dev: torch.device) ->
         if count.device != dev:
             raise ValueError(f"Invalid device of count: expected {dev}, got {count.device}")
     elif not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        raise ValueError(f"Invalid value of count: expected an int >= 0, a [B] int32 tensor or "
-                         f"None, got {count!r}")
+        raise ValueError(
+            f"Invalid value of count: expected an int >= 0, a [B] int32 tensor or "
+            f"None, got {count!r}"
+        )
 
 
 class AdjacencyTable:
@@ -342,18 +361,34 @@ class AdjacencyTable:
         """Empty every row."""
         self.table.fill_(-1)
 
-    def _check_rows(self, what: str, rows: torch.Tensor, B: int, N: int,
-                    logits: torch.Tensor | None, ids: torch.Tensor | None, validate: bool) -> None:
+    def _check_rows(
+        self,
+        what: str,
+        rows: torch.Tensor,
+        B: int,
+        N: int,
+        logits: torch.Tensor | None,
+        ids: torch.Tensor | None,
+        validate: bool,
+    ) -> None:
         if (logits is None) == (ids is None):
-            raise ValueError(f"{what}: expected exactly one of the logits and topk_ids, got "
-                             f"{'both' if logits is not None else 'neither'}")
+            raise ValueError(
+                f"{what}: expected exactly one of the logits and topk_ids, got "
+                f"{'both' if logits is not None else 'neither'}"
+            )
         if logits is not None:
             name = "target_logits" if what == "update" else "prefill_logits"
-            check_tensor(name, logits, shape=(B, N, self.vocab_size),
-                         dtype=(torch.float32, torch.bfloat16, torch.float16))
+            check_tensor(
+                name,
+                logits,
+                shape=(B, N, self.vocab_size),
+                dtype=(torch.float32, torch.bfloat16, torch.float16),
+            )
             if logits.stride(2) != 1:
-                raise ValueError(f"Invalid stride of {name}: expected the last dimension "
-                                 f"contiguous (stride 1), got strides {tuple(logits.stride())}")
+                raise ValueError(
+                    f"Invalid stride of {name}: expected the last dimension "
+                    f"contiguous (stride 1), got strides {tuple(logits.stride())}"
+                )
         if ids is not None:
             check_tensor("topk_ids", ids, shape=(B, N, None), dtype=torch.int32)
             if ids.shape[2] < 1:
@@ -385,13 +420,22 @@ class AdjacencyTable:
         wins. Nodes whose token is outside ``[0, V)`` are skipped. No host sync.
         """
         check_tree(tree, validate=validate)
-        self._check_rows("update", tree.tokens, tree.batch_size, tree.capacity, target_logits,
-                         topk_ids, validate)
+        self._check_rows(
+            "update", tree.tokens, tree.batch_size, tree.capacity, target_logits, topk_ids, validate
+        )
         if self.table.is_cuda:
             from .kernels import graft as _k
 
-            _k.adjacency_update(self.table, self._owner, self._workspace, tree.tokens,
-                                tree.num_nodes, target_logits, topk_ids, last_wins=False)
+            _k.adjacency_update(
+                self.table,
+                self._owner,
+                self._workspace,
+                tree.tokens,
+                tree.num_nodes,
+                target_logits,
+                topk_ids,
+                last_wins=False,
+            )
         else:
             _ref.adjacency_update(self.table, tree, target_logits, topk_ids)
 
@@ -426,8 +470,16 @@ class AdjacencyTable:
         if self.table.is_cuda:
             from .kernels import graft as _k
 
-            _k.adjacency_update(self.table, self._owner, self._workspace, prompt_tokens,
-                                lengths, prefill_logits, topk_ids, last_wins=True)
+            _k.adjacency_update(
+                self.table,
+                self._owner,
+                self._workspace,
+                prompt_tokens,
+                lengths,
+                prefill_logits,
+                topk_ids,
+                last_wins=True,
+            )
         else:
             _ref.adjacency_warm_start(self.table, prompt_tokens, prefill_logits, lengths, topk_ids)
 
@@ -456,18 +508,23 @@ class AdjacencyTable:
             from .kernels import graft as _k
 
             par, rank, dep = template.tensors(self.device)
-            tok, rpar, rdep, num = _k.retrieve(self.table, root_tokens, par, rank, dep,
-                                               template.max_depth, count)
+            tok, rpar, rdep, num = _k.retrieve(
+                self.table, root_tokens, par, rank, dep, template.max_depth, count
+            )
             return Retrieved(tok, rpar, rdep, num, template.max_depth)
         return _ref.adjacency_retrieve(self.table, root_tokens, template, count)
 
     def _check_template(self, template: object) -> None:
         if not isinstance(template, RankTemplate):
-            raise ValueError(f"Invalid type of template: expected treeops.RankTemplate, got "
-                             f"{type(template).__name__}")
+            raise ValueError(
+                f"Invalid type of template: expected treeops.RankTemplate, got "
+                f"{type(template).__name__}"
+            )
         if template.max_rank >= self.k:
-            raise ValueError(f"Invalid template: rank {template.max_rank} needs k > "
-                             f"{template.max_rank}, but the table has k = {self.k}")
+            raise ValueError(
+                f"Invalid template: rank {template.max_rank} needs k > "
+                f"{template.max_rank}, but the table has k = {self.k}"
+            )
 
 
 def graft_merge(
@@ -494,13 +551,16 @@ def graft_merge(
     """
     check_tree(tree, validate=validate)
     if not isinstance(retrieved, Retrieved):
-        raise ValueError(f"Invalid type of retrieved: expected treeops.Retrieved, got "
-                         f"{type(retrieved).__name__}")
+        raise ValueError(
+            f"Invalid type of retrieved: expected treeops.Retrieved, got {type(retrieved).__name__}"
+        )
     retrieved.check_fields()
     B, N = tree.batch_size, tree.capacity
     if retrieved.tokens.shape[0] != B:
-        raise ValueError(f"Invalid shape of retrieved.tokens: expected [{B}, T], got "
-                         f"{list(retrieved.tokens.shape)}")
+        raise ValueError(
+            f"Invalid shape of retrieved.tokens: expected [{B}, T], got "
+            f"{list(retrieved.tokens.shape)}"
+        )
     check_same_device(tree=tree.parents, retrieved=retrieved.tokens)
     _check_budget(budget, B, tree.device, N)
     if validate:
@@ -511,10 +571,18 @@ def graft_merge(
     if tree.parents.is_cuda:
         from .kernels import graft as _k
 
-        return Tree(*_k.graft_fused(
-            tree, budget, r_tokens=retrieved.tokens, r_parents=retrieved.parents,
-            r_depth=retrieved.depth, r_num=retrieved.num_nodes, max_depth=retrieved.max_depth,
-            out=_fields(out)))
+        return Tree(
+            *_k.graft_fused(
+                tree,
+                budget,
+                r_tokens=retrieved.tokens,
+                r_parents=retrieved.parents,
+                r_depth=retrieved.depth,
+                r_num=retrieved.num_nodes,
+                max_depth=retrieved.max_depth,
+                out=_fields(out),
+            )
+        )
     return _copy_out(_ref.graft_merge(tree, retrieved, budget), out)
 
 
@@ -535,8 +603,9 @@ def graft(
     """
     check_tree(tree, validate=validate)
     if not isinstance(table, AdjacencyTable):
-        raise ValueError(f"Invalid type of table: expected treeops.AdjacencyTable, got "
-                         f"{type(table).__name__}")
+        raise ValueError(
+            f"Invalid type of table: expected treeops.AdjacencyTable, got {type(table).__name__}"
+        )
     table._check_template(template)
     B, N = tree.batch_size, tree.capacity
     check_same_device(tree=tree.parents, table=table.table)
@@ -549,15 +618,33 @@ def graft(
         from .kernels import graft as _k
 
         par, rank, dep = template.tensors(tree.device)
-        return Tree(*_k.graft_fused(tree, budget, table=table.table, t_parents=par,
-                                    t_ranks=rank, t_depth=dep, max_depth=template.max_depth,
-                                    level_width=template.max_width, count=count,
-                                    out=_fields(out)))
+        return Tree(
+            *_k.graft_fused(
+                tree,
+                budget,
+                table=table.table,
+                t_parents=par,
+                t_ranks=rank,
+                t_depth=dep,
+                max_depth=template.max_depth,
+                level_width=template.max_width,
+                count=count,
+                out=_fields(out),
+            )
+        )
     return _copy_out(_ref.graft(tree, table.table, template, budget, count), out)
 
 
-_FIELDS = ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling",
-           "scores")
+_FIELDS = (
+    "tokens",
+    "parents",
+    "num_nodes",
+    "depth",
+    "anc",
+    "first_child",
+    "next_sibling",
+    "scores",
+)
 
 
 def _check_out(out: Tree | None, tree: Tree) -> None:
@@ -565,9 +652,11 @@ def _check_out(out: Tree | None, tree: Tree) -> None:
         return
     out = check_tree(out, name="out")
     if out.parents.shape != tree.parents.shape or out.device != tree.device:
-        raise ValueError(f"Invalid shape of out: expected a tree of shape "
-                         f"{list(tree.parents.shape)} on {tree.device}, got "
-                         f"{list(out.parents.shape)} on {out.device}")
+        raise ValueError(
+            f"Invalid shape of out: expected a tree of shape "
+            f"{list(tree.parents.shape)} on {tree.device}, got "
+            f"{list(out.parents.shape)} on {out.device}"
+        )
     if any(getattr(out, f).data_ptr() == getattr(tree, f).data_ptr() for f in _FIELDS):
         raise ValueError("Invalid out: it shares memory with tree (the merge is not in place)")
 
@@ -600,8 +689,9 @@ def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tr
         if validate:
             check_range("keep", keep, 0)
     elif not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
-        raise ValueError(f"Invalid value of keep: expected an int >= 0 or a [B] int32 tensor, "
-                         f"got {keep!r}")
+        raise ValueError(
+            f"Invalid value of keep: expected an int >= 0 or a [B] int32 tensor, got {keep!r}"
+        )
     if not tree.parents.is_cuda:
         return _ref.prune(tree, keep)
     return _prune_torch(tree, keep)
@@ -659,8 +749,10 @@ class PruneCheckpoints:
 
     def __post_init__(self) -> None:
         if not len(self.steps) == len(self.keeps) == len(self.thresholds):
-            raise ValueError(f"Invalid checkpoints: {len(self.steps)} steps, {len(self.keeps)} "
-                             f"keeps and {len(self.thresholds)} thresholds, expected equal counts")
+            raise ValueError(
+                f"Invalid checkpoints: {len(self.steps)} steps, {len(self.keeps)} "
+                f"keeps and {len(self.thresholds)} thresholds, expected equal counts"
+            )
         if list(self.steps) != sorted(set(self.steps)) or any(s < 0 for s in self.steps):
             raise ValueError(f"Invalid checkpoints: steps {self.steps} must be increasing and >= 0")
         if any(k < 0 for k in self.keeps):
@@ -708,11 +800,13 @@ def calibrate_thresholds(
     s = torch.as_tensor(best_scores, dtype=torch.float64).cpu()
     a = torch.as_tensor(accepted_index).cpu().long()
     if s.dim() != 2 or s.shape[1] != len(keeps):
-        raise ValueError(f"Invalid shape of best_scores: expected [S, {len(keeps)}], got "
-                         f"{list(s.shape)}")
+        raise ValueError(
+            f"Invalid shape of best_scores: expected [S, {len(keeps)}], got {list(s.shape)}"
+        )
     if a.shape != (s.shape[0],):
-        raise ValueError(f"Invalid shape of accepted_index: expected [{s.shape[0]}], got "
-                         f"{list(a.shape)}")
+        raise ValueError(
+            f"Invalid shape of accepted_index: expected [{s.shape[0]}], got {list(a.shape)}"
+        )
     if not 0.0 <= max_loss <= 1.0:
         raise ValueError(f"Invalid value of max_loss: expected a number in [0, 1], got {max_loss}")
     out = []
