@@ -15,10 +15,22 @@ into a bf16 cache after c tokens, attention of the n queries over the c + n keys
 flash backend, GQA; the tree mask only touches the last n keys, so an unmasked pass is the same
 work; RoPE is left out, its cost is negligible), O projection, RMSNorm, SwiGLU MLP.
 Grid: B in {1, 2, 4, 8, 16, 32, 64}, c = L, 2L, ..., ML (L = 4096, M = 8: up to 32K), n
-measured at ``NS`` up to 128 and interpolated; CUDA events,
-warm-up, median (``treeops.CostTable.calibrate``'s protocol). Writes ``DIR/cost_table_h200.json``
-(a ``treeops.CostTable``), ``DIR/cost_table_h200.svg`` (S_T and S_D against n, per batch size, at
-one context), and prints a summary table last.
+measured at ``NS`` up to 128 and interpolated.
+
+Timing (``treeops.CostTable.measure``'s graph path, the default on CUDA): each (B, c, n) forward
+is captured once into a CUDA graph and its replays are timed with CUDA events (warm-up replays,
+median), which is what a decoder running CUDA graphs pays; timing eager calls instead measured
+the Python launch overhead (about 7x the real cost of a layer at B = 1 on the H200). The
+forwards are capturable: weights, KV caches and inputs are allocated before capture (inputs once
+per batch size for every n), the new K/V are written in place, SDPA runs the flash backend, and
+nothing syncs with the host. A point whose capture fails is timed eagerly and listed in
+``meta["graph_fallbacks"]``. ``--timing eager`` restores eager timing. The GPU runs ~200 ms of
+matmuls before each batch size so that its clocks are up. At the end a sanity check compares the
+per-layer target time at B = 1, n = 1 with ../shared/BENCH.md's 129 µs for the linear layers of a
+Llama-3-8B layer on the H200 (``meta["sanity"]``; above 2x is flagged as suspicious).
+
+Writes ``DIR/cost_table_h200.json`` (a ``treeops.CostTable``), ``DIR/cost_table_h200.svg`` (S_T
+and S_D against n, per batch size, at one context), and prints a summary table last.
 """
 
 from __future__ import annotations
@@ -35,6 +47,9 @@ import torch.nn.functional as F
 
 NS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128]
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
+# ../shared/BENCH.md: the linear layers of one Llama-3-8B decoder layer, 1 token, bf16, H200
+BENCH_LINEARS_1TOK_US = 129.0
+SUSPICIOUS_RATIO = 2.0
 
 
 class Dims:
@@ -118,13 +133,24 @@ class Models:
         self.norm = torch.ones(d.hidden, device=dev, dtype=dtype)
         self.head = (torch.randn(d.vocab, d.hidden, device=dev, generator=g) * 0.02).to(dtype)
         self.dhead = self.head[: d.draft_vocab]
+        self.B = B
         self.x = {}
 
+    def prepare(self, ns):
+        """Allocate the static inputs of every n before any capture: a forward inside a CUDA
+        graph must read buffers that exist outside it."""
+        g = torch.Generator(device=self.dev).manual_seed(1000 + self.B)
+        for n in ns:
+            for width in (1, 2):
+                if (n, width) not in self.x:
+                    shape = (self.B, n, width * self.d.hidden)
+                    x = torch.randn(*shape, device=self.dev, generator=g).to(self.dtype)
+                    self.x[(n, width)] = x
+
     def inp(self, B, n, width=1):
-        key = (n, width)
-        if key not in self.x:
-            self.x[key] = torch.randn(B, n, width * self.d.hidden, device=self.dev).to(self.dtype)
-        return self.x[key]
+        if (n, width) not in self.x:  # eager use without prepare(); never reached in a capture
+            self.prepare([n])
+        return self.x[(n, width)]
 
     @torch.inference_mode()
     def target_layers(self, B, c, n):
@@ -234,11 +260,21 @@ def main(argv=None):
         default=None,
         help="draft LM head size (default: the target's 128256)",
     )
+    ap.add_argument(
+        "--timing",
+        choices=("graph", "eager"),
+        default=None,
+        help="graph: time CUDA-graph replays (default on CUDA); eager: time eager calls "
+        "(default on the CPU; graph there only exercises the eager fallback)",
+    )
+    ap.add_argument(
+        "--gpu-warmup-ms", type=float, default=200.0, help="matmuls before each batch size"
+    )
     ap.add_argument("--quick", action="store_true", help="fewer points: M = 4, 7 n values")
     ap.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU")
     args = ap.parse_args(argv)
     import treeops
-    from treeops.reference.cast import default_meta
+    from treeops.reference.cast import default_meta, timing_meta
 
     batches = [int(b) for b in args.batches.split(",")]
     ns = [int(n) for n in args.ns.split(",")]
@@ -257,11 +293,17 @@ def main(argv=None):
         iters, warmup = args.iters, args.warmup
     n_max = ns[-1]
     cap = L * M + n_max
-    kw = dict(ns=ns, warmup=warmup, iters=iters, device=dev)
+    graph = (args.timing or ("graph" if dev.type == "cuda" else "eager")) == "graph"
+    fallbacks = []
+    kw = dict(ns=ns, warmup=warmup, iters=iters, device=dev, graph=graph, fallbacks=fallbacks)
     t0 = time.time()
     parts = {"layers": [], "head": [], "draft": []}
+    warmed = []
+    eager_b1 = None
     for B in batches:
         models = Models(d, B, cap, args.layers, dev, dtype)
+        models.prepare(ns)
+        warmed.append(treeops.CostTable.warm_up_gpu(dev, args.gpu_warmup_ms))
         for name, fn in (
             ("layers", models.target_layers),
             ("head", models.target_head),
@@ -271,6 +313,11 @@ def main(argv=None):
                 fn, [B], L, M, n_max, name=name, progress=lambda s: print(s, flush=True), **kw
             )
             parts[name].append(g)
+        if B == 1 and graph:
+            # the same point timed eagerly, for the record: the launch overhead graphs remove
+            eager_b1 = treeops.CostTable.measure(
+                models.target_layers, 1, L, 1, warmup=warmup, iters=iters, device=dev, graph=False
+            )
         del models
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -298,11 +345,16 @@ def main(argv=None):
                 "length) over a bf16 cache of c + n tokens, unmasked"
             ),
             "measured_ns": ns,
-            "warmup": warmup,
-            "iters": iters,
             "calibration_seconds": round(time.time() - t0, 1),
         }
     )
+    meta.update(timing_meta(dev, graph, warmup, iters, warmed[0] if warmed else 0.0, fallbacks))
+    meta["gpu_warmup"] = (
+        f"{args.gpu_warmup_ms:g} ms of bf16 matmuls before each batch size"
+        if any(w > 0 for w in warmed)
+        else "none"
+    )
+    meta["sanity"] = sanity_check(layers, batches, args.layers, L, meta["gpu"], d, eager_b1)
     table = treeops.CostTable(batches, L, target, draft, meta)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(
@@ -330,7 +382,59 @@ def main(argv=None):
             }
         )
     )
+    print(f"timing: {meta['method']} ({meta['timing']})")
+    if fallbacks:
+        names = sorted({f["name"] for f in fallbacks})
+        print(
+            f"WARNING: {len(fallbacks)} points fell back to eager timing ({', '.join(names)}); "
+            f"first error: {fallbacks[0]['error']}"
+        )
+    print("sanity: " + meta["sanity"]["verdict"])
     return table
+
+
+def sanity_check(layers, batches, n_layers, L, gpu, d, eager_us=None):
+    """Per-layer target time at B = 1, n = 1, context L against BENCH.md's 129 µs for the linear
+    layers alone (attention over the context adds a little): a ratio above 2 means the timing
+    still measures something else (launch overhead, idle clocks)."""
+    out = {
+        "reference_us": BENCH_LINEARS_1TOK_US,
+        "reference": (
+            "../shared/BENCH.md: the linear layers of one Llama-3-8B decoder layer, 1 token, "
+            "bf16, H200 (attention over the context adds a little)"
+        ),
+        "suspicious_above_ratio": SUSPICIOUS_RATIO,
+    }
+    if 1 not in batches:
+        out.update(per_layer_us=None, ratio=None, suspicious=None, verdict="no B = 1 measured")
+        return out
+    per_layer = float(layers[batches.index(1), 0, 0]) / n_layers
+    ratio = per_layer / BENCH_LINEARS_1TOK_US
+    applies = "H200" in str(gpu) and d.hidden == 4096 and d.mlp == 14336
+    suspicious = bool(applies and ratio > SUSPICIOUS_RATIO)
+    out.update(
+        point={"B": 1, "c": L, "n": 1},
+        per_layer_us=round(per_layer, 1),
+        ratio=round(ratio, 2),
+        applies=applies,
+        suspicious=suspicious,
+    )
+    if eager_us is not None:
+        out["eager_per_layer_us"] = round(eager_us / n_layers, 1)
+    verdict = (
+        f"per-layer target time at B=1, n=1, c={L}: {per_layer:.1f} us = {ratio:.2f}x "
+        f"BENCH.md's {BENCH_LINEARS_1TOK_US:g} us (linears only)"
+    )
+    if eager_us is not None:
+        verdict += f"; timed eagerly: {eager_us / n_layers:.1f} us"
+    if not applies:
+        verdict += " -- reference not applicable (not an H200 or not the 8B-class shapes)"
+    elif suspicious:
+        verdict += f" -- SUSPICIOUS: above {SUSPICIOUS_RATIO:g}x, the timing is not the GPU's"
+    else:
+        verdict += " -- OK"
+    out["verdict"] = verdict
+    return out
 
 
 if __name__ == "__main__":

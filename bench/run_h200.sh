@@ -2,7 +2,7 @@
 # Everything that belongs to one H200 device call: GPU tests, compute-sanitizer, benchmarks.
 # Usage (on the GPU machine, in the repo root): OUT=dir bash bench/run_h200.sh STAGE...
 # Stages: tests:<names>  memcheck:<names>  calibrate  bench_build  bench_accept  bench_graft
-#         bench_attention   (<names>: comma list of attention,build,accept,graft).
+#         bench_attention   (<names>: comma list of attention,build,accept,graft,cast).
 # Each stage runs under its own time limit (STAGE_LIMIT, seconds) so that one slow stage cannot
 # take the others' results with it; a log per call and the JSON files land in $OUT.
 set -u
@@ -17,7 +17,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || echo "install failed" | tee -a "$LOG"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee -a "$LOG"
-files() { local f=""; for n in ${1//,/ }; do f="$f tests/test_${n}_gpu.py"; done; echo $f; }
+# tests:<names> runs tests/test_<name>_gpu.py, or the gpu-marked tests of tests/test_<name>.py
+files() { local f=""; for n in ${1//,/ }; do
+  if [ -f "tests/test_${n}_gpu.py" ]; then f="$f tests/test_${n}_gpu.py"; else f="$f tests/test_${n}.py"; fi
+done; echo $f; }
 summary=""
 for stage in "$@"; do
   t0=$(date +%s)

@@ -200,14 +200,36 @@ class CostTable:
         warmup: int = 3,
         iters: int = 10,
         device: torch.device | str | None = None,
+        graph: bool | None = None,
+        fallbacks: list[dict[str, Any]] | None = None,
     ) -> float:
-        """Median time in µs of ``fn(B, c, n)`` after ``warmup`` calls: CUDA events on a CUDA
-        device, ``time.perf_counter`` otherwise."""
-        dev = (
-            torch.device(device)
-            if device is not None
-            else (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-        )
+        """Median time in µs of one ``fn(B, c, n)``.
+
+        With ``graph`` (default: on a CUDA device), the call is captured once into a CUDA graph
+        (after ``warmup`` eager calls on a side stream, as ``torch.cuda.graph`` requires) and
+        the replays are timed with CUDA events (``warmup`` untimed replays first; each timed
+        replay queued behind an untimed one so that its CPU launch is not in the time): what a
+        decoder running CUDA graphs pays, without eager launch overhead. ``fn`` must then be
+        capturable: static inputs, no host syncs, no host -> device copies. If the capture
+        fails, the point is timed eagerly instead and a record ``{"B", "c", "n", "error"}`` is
+        appended to ``fallbacks`` (when given). Without ``graph``: ``warmup`` calls, then
+        ``iters`` eager calls timed by CUDA events on a CUDA device, ``time.perf_counter``
+        otherwise.
+        """
+        dev = _device(device)
+        use_graph = dev.type == "cuda" if graph is None else bool(graph)
+        if use_graph:
+            try:
+                return _time_graph_replay(fn, B, c, n, warmup=warmup, iters=iters, device=dev)
+            except Exception as e:  # capture unsupported by fn: time this point eagerly
+                if fallbacks is not None:
+                    err = f"{type(e).__name__}: {e}"
+                    if e.__context__ is not None:  # capture_end's error hides the first one
+                        cause = e.__context__
+                        err += f" (after {type(cause).__name__}: {cause})"
+                    fallbacks.append({"B": B, "c": c, "n": n, "error": err[:500]})
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
         for _ in range(warmup):
             fn(B, c, n)
         times = []
@@ -228,6 +250,24 @@ class CostTable:
                 times.append((time.perf_counter() - t0) * 1e6)
         return float(statistics.median(times))
 
+    @staticmethod
+    def warm_up_gpu(device: torch.device | str | None = None, ms: float = 200.0) -> float:
+        """Keep the GPU busy with bf16 matmuls for about ``ms`` milliseconds so that its clocks
+        leave idle before the first measurement (an idle H200 sat at 345 MHz). Returns the
+        milliseconds spent; a no-op returning 0.0 off CUDA."""
+        dev = _device(device)
+        if dev.type != "cuda" or ms <= 0:
+            return 0.0
+        a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        while (time.perf_counter() - t0) * 1e3 < ms:
+            for _ in range(20):  # about 20 x 0.15 ms of work per host check
+                torch.mm(a, b)
+            torch.cuda.synchronize(dev)
+        return (time.perf_counter() - t0) * 1e3
+
     @classmethod
     def measure_grid(
         cls,
@@ -243,11 +283,14 @@ class CostTable:
         device: torch.device | str | None = None,
         progress: Callable[[str], None] | None = None,
         name: str = "",
+        graph: bool | None = None,
+        fallbacks: list[dict[str, Any]] | None = None,
     ) -> torch.Tensor:
         """Times of ``fn(B, c, n)`` on the grid: [len(batch_sizes), M, n_max] float64 µs, measured
         at contexts ``c = L, 2L, ..., ML`` and token counts ``ns`` (default every n in 1..n_max;
         must start at 1 and end at n_max), linearly interpolated between measured n (not yet
-        made non-decreasing: the constructor does that)."""
+        made non-decreasing: the constructor does that). ``graph`` and ``fallbacks`` as in
+        ``measure`` (each fallback record also gets ``"name": name``)."""
         ns = sorted(set(ns)) if ns is not None else list(range(1, n_max + 1))
         if ns[0] != 1 or ns[-1] != n_max:
             raise ValueError(
@@ -258,11 +301,28 @@ class CostTable:
         for i, B in enumerate(batch_sizes):
             for k in range(M):
                 c = (k + 1) * L
+                fell: list[dict[str, Any]] = []
                 pts = [
-                    cls.measure(fn, B, c, n, warmup=warmup, iters=iters, device=device) for n in ns
+                    cls.measure(
+                        fn,
+                        B,
+                        c,
+                        n,
+                        warmup=warmup,
+                        iters=iters,
+                        device=device,
+                        graph=graph,
+                        fallbacks=fell,
+                    )
+                    for n in ns
                 ]
+                for rec in fell:
+                    rec["name"] = name
+                if fallbacks is not None:
+                    fallbacks.extend(fell)
                 if progress is not None:
-                    progress(f"{name} B={B} c={c}: " + " ".join(f"{v:.1f}" for v in pts))
+                    note = f" ({len(fell)} points timed eagerly: capture failed)" if fell else ""
+                    progress(f"{name} B={B} c={c}: " + " ".join(f"{v:.1f}" for v in pts) + note)
                 for n in range(1, n_max + 1):
                     j = max(idx for idx, m in enumerate(ns) if m <= n)
                     if ns[j] == n:
@@ -288,20 +348,40 @@ class CostTable:
         device: torch.device | str | None = None,
         meta: dict[str, Any] | None = None,
         progress: Callable[[str], None] | None = None,
+        graph: bool | None = None,
+        gpu_warmup_ms: float = 200.0,
     ) -> CostTable:
         """Measure ``f(B, c, n)`` of ``target_fn`` and ``draft_fn`` (each runs one forward of ``n``
         new tokens per request at batch ``B`` and context ``c``; the draft's includes its LM head)
-        on the grid of ``measure_grid`` (CUDA events on a GPU, warm-up, median), and build the
-        table (non-decreasing in n). ``meta`` is stored with the GPU name and versions added.
+        on the grid of ``measure_grid`` and build the table (non-decreasing in n).
+
+        On a CUDA device (``graph`` defaults to True there) every point is captured once into a
+        CUDA graph and its replays are timed (``measure``), after ``gpu_warmup_ms`` of matmuls
+        to raise the clocks; the callables must then be capturable (static inputs, no host
+        syncs), points whose capture fails are timed eagerly and listed in
+        ``meta["graph_fallbacks"]``. ``graph=False`` times eager calls (CUDA events on a GPU,
+        ``perf_counter`` on the CPU). ``meta`` is stored with the GPU name, versions and the
+        timing protocol (``timing_method``, ``warmup``, ``iters``, ``gpu_warmup_ms``) added.
         """
-        kw = dict(ns=ns, warmup=warmup, iters=iters, device=device, progress=progress)
+        dev = _device(device)
+        use_graph = dev.type == "cuda" if graph is None else bool(graph)
+        warmed = cls.warm_up_gpu(dev, gpu_warmup_ms)
+        fallbacks: list[dict[str, Any]] = []
+        kw = dict(
+            ns=ns,
+            warmup=warmup,
+            iters=iters,
+            device=dev,
+            progress=progress,
+            graph=use_graph,
+            fallbacks=fallbacks,
+        )
         tt = cls.measure_grid(target_fn, batch_sizes, L, M, n_max, name="target", **kw)
         dd = cls.measure_grid(draft_fn, batch_sizes, L, M, n_max, name="draft", **kw)
-        info = default_meta(device)
+        info = default_meta(dev)
         info.update(meta or {})
         info.setdefault("measured_ns", sorted(set(ns)) if ns is not None else "all")
-        info.setdefault("warmup", warmup)
-        info.setdefault("iters", iters)
+        info.update(timing_meta(dev, use_graph, warmup, iters, warmed, fallbacks))
         return cls(list(batch_sizes), L, tt, dd, info)
 
     # ---------------------------------------------------------------- save/load
@@ -345,11 +425,7 @@ def default_meta(device: torch.device | str | None = None) -> dict[str, Any]:
 
     import triton
 
-    dev = (
-        torch.device(device)
-        if device is not None
-        else (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    )
+    dev = _device(device)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor()})"
     try:
         from treeops import __version__ as tv
@@ -364,6 +440,103 @@ def default_meta(device: torch.device | str | None = None) -> dict[str, Any]:
             "cuda": torch.version.cuda,
         },
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _time_graph_replay(
+    fn: Callable[[int, int, int], object],
+    B: int,
+    c: int,
+    n: int,
+    *,
+    warmup: int,
+    iters: int,
+    device: torch.device,
+) -> float:
+    """Median µs of a CUDA-graph replay of ``fn(B, c, n)`` (``CostTable.measure``'s graph path).
+
+    ``warmup`` (at least 1) eager calls on a side stream, capture on that stream, ``warmup``
+    untimed replays, then ``iters`` samples: an untimed replay (so the GPU is busy while the
+    timed one is queued: its CPU launch latency stays out of the time) followed by the timed
+    replay between two CUDA events. Raises whatever the capture raises."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise RuntimeError(f"CUDA graph capture needs a CUDA device, got {dev}")
+    with torch.cuda.device(dev):
+        cur = torch.cuda.current_stream(dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for _ in range(max(warmup, 1)):
+                fn(B, c, n)
+        cur.wait_stream(side)
+        torch.cuda.synchronize(dev)
+        g = torch.cuda.CUDAGraph()
+        out = None
+        try:
+            with torch.cuda.graph(g, stream=side):
+                out = fn(B, c, n)  # kept alive until the replays are done
+            for _ in range(max(warmup, 1)):
+                g.replay()
+            torch.cuda.synchronize(dev)
+            times = []
+            for _ in range(iters):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                g.replay()
+                start.record(cur)
+                g.replay()
+                end.record(cur)
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+        finally:
+            del out
+            del g
+    return float(statistics.median(times))
+
+
+def timing_meta(
+    device: torch.device | str | None,
+    graph: bool,
+    warmup: int,
+    iters: int,
+    gpu_warmup_ms: float,
+    fallbacks: Sequence[dict[str, Any]],
+) -> dict[str, Any]:
+    """The timing protocol of a calibration, for a table's ``meta``: ``method``
+    (``"cuda_graph_replay"``, ``"cuda_events_eager"`` or ``"perf_counter_eager"``), a sentence
+    saying what it means, ``warmup``, ``iters``, ``gpu_warmup_ms`` (clock warm-up done before
+    the first point) and ``graph_fallbacks`` (the points whose capture failed and that were timed
+    eagerly, with the error)."""
+    dev = _device(device)
+    if graph and dev.type == "cuda":
+        method = "cuda_graph_replay"
+        how = (
+            f"each (B, c, n) point captured once into a CUDA graph after {max(warmup, 1)} eager "
+            f"calls on a side stream; {max(warmup, 1)} untimed replays, then the median of "
+            f"{iters} replays timed by CUDA events (each queued behind an untimed replay)"
+        )
+    elif dev.type == "cuda":
+        method = "cuda_events_eager"
+        how = f"{warmup} eager warm-up calls, then the median of {iters} eager calls (CUDA events)"
+    else:
+        method = "perf_counter_eager"
+        how = f"{warmup} warm-up calls, then the median of {iters} calls (time.perf_counter)"
+    if fallbacks:
+        how += f"; {len(fallbacks)} points fell back to eager timing (graph_fallbacks)"
+    return {
+        "method": method,
+        "timing": how,
+        "warmup": warmup,
+        "iters": iters,
+        "gpu_warmup_ms": round(float(gpu_warmup_ms), 1),
+        "graph_fallbacks": [dict(f) for f in fallbacks],
     }
 
 

@@ -375,6 +375,291 @@ def test_measure_runs_the_callable_on_cpu():
     assert len(hits) == 7 and hits[0] == (2, 64, 3) and us >= 0
 
 
+# ---------------------------------------------------- calibration timing: CUDA-graph replay path
+class _FakeCuda:
+    """Stand-ins for the torch.cuda calls of ``CostTable.measure``'s graph path, so that its
+    control flow runs on the CPU: a fake clock advances 1000 µs per eager ``fn`` call and 200 µs
+    per graph replay; ``fail`` makes the capture raise (as a host sync inside capture does)."""
+
+    EAGER_MS, REPLAY_MS = 1.0, 0.2
+
+    def __init__(self, monkeypatch, fail=lambda B, c, n: False):
+        self.clock, self.log, self.capturing, self.fail = 0.0, [], False, fail
+        fake = self
+
+        class Stream:
+            def __init__(self, name="side"):
+                self.name = name
+
+            def wait_stream(self, other):
+                fake.log.append(("wait", self.name, other.name))
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.t = None
+
+            def record(self, stream=None):
+                self.t = fake.clock
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                return end.t - self.t
+
+        class CUDAGraph:
+            def replay(self):
+                fake.log.append(("replay",))
+                fake.clock += fake.REPLAY_MS
+
+        class graph:
+            def __init__(self, g, stream=None):
+                assert isinstance(g, CUDAGraph) and stream is not None
+                self.stream = stream
+
+            def __enter__(self):
+                fake.capturing = True
+                fake.log.append(("capture_begin", self.stream.name))
+
+            def __exit__(self, *exc):
+                fake.capturing = False
+                fake.log.append(("capture_end",))
+
+        class stream_ctx:
+            def __init__(self, s):
+                self.s = s
+
+            def __enter__(self):
+                fake.log.append(("enter", self.s.name))
+
+            def __exit__(self, *exc):
+                fake.log.append(("exit", self.s.name))
+
+        class device_ctx:
+            def __init__(self, d):
+                pass
+
+            def __enter__(self):
+                pass
+
+            def __exit__(self, *exc):
+                pass
+
+        for name, val in {
+            "Stream": lambda dev=None: Stream(),
+            "current_stream": lambda dev=None: Stream("cur"),
+            "stream": stream_ctx,
+            "device": device_ctx,
+            "synchronize": lambda dev=None: fake.log.append(("sync",)),
+            "Event": Event,
+            "CUDAGraph": CUDAGraph,
+            "graph": graph,
+            "get_device_name": lambda dev=None: "Fake H200",
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, val)
+
+    def fn(self, B, c, n):
+        if self.capturing:
+            self.log.append(("captured_call", B, c, n))
+            if self.fail(B, c, n):
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return torch.zeros(1)
+        self.log.append(("eager_call", B, c, n))
+        self.clock += self.EAGER_MS
+        return torch.zeros(1)
+
+
+def test_measure_graph_path_captures_once_and_times_replays(monkeypatch):
+    fake = _FakeCuda(monkeypatch)
+    fell = []
+    us = treeops.CostTable.measure(
+        fake.fn, 4, 128, 8, warmup=3, iters=5, device="cuda", fallbacks=fell
+    )
+    assert us == pytest.approx(fake.REPLAY_MS * 1e3) and fell == []  # graph is the CUDA default
+    kinds = [e[0] for e in fake.log]
+    assert kinds.count("captured_call") == 1 and kinds.count("eager_call") == 3
+    # warm-up on the side stream, then capture on that same stream, then replays
+    assert fake.log[:2] == [("wait", "side", "cur"), ("enter", "side")]
+    first_capture = kinds.index("capture_begin")
+    assert fake.log[first_capture] == ("capture_begin", "side")
+    assert max(i for i, k in enumerate(kinds) if k == "eager_call") < first_capture
+    assert kinds.count("replay") == 3 + 2 * 5  # warm-up replays, then (untimed, timed) pairs
+
+
+def test_measure_falls_back_to_eager_when_capture_fails(monkeypatch):
+    fake = _FakeCuda(monkeypatch, fail=lambda B, c, n: True)
+    fell = []
+    us = treeops.CostTable.measure(
+        fake.fn, 2, 64, 3, warmup=2, iters=4, device="cuda", fallbacks=fell
+    )
+    assert us == pytest.approx(fake.EAGER_MS * 1e3)  # CUDA events around eager calls
+    assert fell == [
+        {
+            "B": 2,
+            "c": 64,
+            "n": 3,
+            "error": "RuntimeError: operation not permitted when stream is capturing",
+        }
+    ]
+    assert [e[0] for e in fake.log].count("replay") == 0
+    # graph=False never captures
+    fake.log.clear()
+    treeops.CostTable.measure(fake.fn, 2, 64, 3, warmup=1, iters=2, device="cuda", graph=False)
+    assert [e[0] for e in fake.log].count("capture_begin") == 0
+
+
+def test_measure_graph_on_cpu_falls_back_with_a_note():
+    hits, fell = [], []
+    us = treeops.CostTable.measure(
+        lambda B, c, n: hits.append(n),
+        1,
+        8,
+        2,
+        warmup=1,
+        iters=3,
+        device="cpu",
+        graph=True,
+        fallbacks=fell,
+    )
+    assert us >= 0 and len(hits) == 1 + 3  # refused before any call, then timed eagerly
+    assert len(fell) == 1 and "needs a CUDA device" in fell[0]["error"]
+
+
+def test_calibrate_records_graph_method_and_fallbacks(monkeypatch):
+    fake = _FakeCuda(monkeypatch, fail=lambda B, c, n: fake_draft[0] and n == 4)
+    fake_draft = [False]
+    warmups = []
+    monkeypatch.setattr(
+        treeops.CostTable,
+        "warm_up_gpu",
+        staticmethod(lambda dev, ms: warmups.append((str(dev), ms)) or ms),
+    )
+
+    def target(B, c, n):
+        fake_draft[0] = False
+        return fake.fn(B, c, n)
+
+    def draft(B, c, n):
+        fake_draft[0] = True
+        return fake.fn(B, c, n)
+
+    t = treeops.CostTable.calibrate(
+        target, draft, [1, 2], L=64, M=2, n_max=8, ns=[1, 4, 8], warmup=2, iters=3, device="cuda"
+    )
+    assert warmups == [("cuda", 200.0)]
+    m = t.meta
+    assert m["method"] == "cuda_graph_replay" and m["iters"] == 3 and m["warmup"] == 2
+    assert m["gpu_warmup_ms"] == 200.0 and m["gpu"] == "Fake H200"
+    fb = m["graph_fallbacks"]
+    assert sorted((f["name"], f["B"], f["c"]) for f in fb) == [
+        ("draft", B, c) for B in (1, 2) for c in (64, 128)
+    ]
+    assert all(f["n"] == 4 and "capturing" in f["error"] for f in fb)
+    assert "4 points fell back" in m["timing"]
+    # replayed points cost 200 µs, fallen-back ones 1000 µs (then the running max in n)
+    assert t.target[0, 0].tolist() == pytest.approx([200.0] * 8)
+    assert float(t.draft[0, 0, 0]) == pytest.approx(200.0)
+    assert float(t.draft[0, 0, 3]) == pytest.approx(1000.0)
+    json.dumps(t.to_dict())  # the meta stays serialisable
+
+
+def test_calibrate_on_cpu_is_eager_and_says_so():
+    t = treeops.CostTable.calibrate(
+        lambda B, c, n: None,
+        lambda B, c, n: None,
+        [1],
+        L=8,
+        M=1,
+        n_max=2,
+        warmup=1,
+        iters=2,
+        device="cpu",
+    )
+    m = t.meta
+    assert m["method"] == "perf_counter_eager" and m["graph_fallbacks"] == []
+    assert m["gpu_warmup_ms"] == 0.0 and treeops.CostTable.warm_up_gpu("cpu") == 0.0
+
+
+@pytest.mark.gpu
+def test_graph_timing_on_the_gpu_and_fallback_after_a_failed_capture():
+    dev = torch.device("cuda")
+    a = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16) * 0.01
+    x0 = torch.zeros(1, device=dev)
+
+    def matmuls(B, c, n):
+        return [torch.mm(a, a) for _ in range(4)]
+
+    def tiny(B, c, n):  # 300 tiny kernels: eager timing is launch overhead
+        x = x0
+        for _ in range(300):
+            x = x + 1
+        return x
+
+    def host_sync(B, c, n):
+        return float(torch.mm(a, a).sum())  # .item() inside a capture: not capturable
+
+    fell = []
+    g_us = treeops.CostTable.measure(matmuls, 1, 1, 1, device=dev, fallbacks=fell)
+    assert fell == [] and g_us > 0
+    assert treeops.CostTable.measure(host_sync, 2, 3, 4, device=dev, fallbacks=fell) > 0
+    assert len(fell) == 1 and (fell[0]["B"], fell[0]["c"], fell[0]["n"]) == (2, 3, 4)
+    # the device is usable after the failed capture: graphs and eager work both still run
+    fell2 = []
+    assert treeops.CostTable.measure(matmuls, 1, 1, 1, device=dev, fallbacks=fell2) > 0
+    assert fell2 == []
+    eager = treeops.CostTable.measure(tiny, 1, 1, 1, device=dev, graph=False)
+    graph = treeops.CostTable.measure(tiny, 1, 1, 1, device=dev, fallbacks=fell2)
+    assert fell2 == [] and graph < eager, (graph, eager)
+    assert treeops.CostTable.warm_up_gpu(dev, 20.0) >= 20.0
+
+
+def _calibration_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "calibrate_cost_table.py"
+    spec = importlib.util.spec_from_file_location("calibrate_cost_table", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("timing", [None, "graph"])
+def test_calibration_script_dry_run(tmp_path, capsys, timing):
+    mod = _calibration_script()
+    argv = ["--dry-run", "--out", str(tmp_path)] + (["--timing", timing] if timing else [])
+    table = mod.main(argv)
+    u = treeops.CostTable.load(tmp_path / "cost_table_dry_run.json")
+    assert u.batch_sizes == table.batch_sizes and torch.equal(u.target, table.target)
+    m = u.meta
+    assert m["method"] == "perf_counter_eager" and m["iters"] == 2 and m["warmup"] == 1
+    s = m["sanity"]
+    assert s["reference_us"] == 129.0 and s["applies"] is False and s["suspicious"] is False
+    assert s["point"] == {"B": 1, "c": 64, "n": 1}
+    assert s["per_layer_us"] == pytest.approx(m["target_per_layer_us"][0][0][0], abs=0.06)
+    out = capsys.readouterr().out
+    assert "sanity: per-layer target time at B=1, n=1" in out
+    if timing == "graph":  # no CUDA here: every point falls back, and the script says so
+        assert len(m["graph_fallbacks"]) == 2 * 2 * 3 * 3 and "eager_per_layer_us" in s
+        assert "WARNING: 36 points fell back to eager timing" in out
+    else:
+        assert m["graph_fallbacks"] == []
+
+
+def test_calibration_sanity_check_flags_eager_overhead():
+    mod = _calibration_script()
+    d = mod.Dims()
+    layers = torch.full((1, 1, 4), 2 * 950.0)  # 2 layers, B=1: call 3's eager figure
+    s = mod.sanity_check(layers, [1], 2, 8192, "NVIDIA H200", d, eager_us=1900.0)
+    assert s["per_layer_us"] == 950.0 and s["ratio"] == pytest.approx(950 / 129, abs=0.01)
+    assert s["suspicious"] is True and "SUSPICIOUS" in s["verdict"]
+    s = mod.sanity_check(torch.full((1, 1, 4), 2 * 140.0), [1], 2, 8192, "NVIDIA H200", d)
+    assert s["suspicious"] is False and s["verdict"].endswith("-- OK")
+    s = mod.sanity_check(layers, [2, 4], 2, 8192, "NVIDIA H200", d)
+    assert s["per_layer_us"] is None and s["verdict"] == "no B = 1 measured"
+
+
 def test_table_rejects_bad_input():
     with pytest.raises(ValueError, match=r"Invalid value of batch_sizes: expected increasing"):
         treeops.CostTable([4, 2], 8, torch.ones(2, 1, 1), torch.ones(2, 1, 1))
