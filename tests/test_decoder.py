@@ -1,0 +1,252 @@
+"""The example decoder (treeops.decoder) on tiny random models, CPU, float32.
+
+Greedy: every policy's output equals plain autoregressive greedy decoding token for token, the
+baseline being ``reference_forward`` (a full recompute with a causal mask and its own RoPE, no
+cache, no treeops). Sampling: the first two emitted tokens' joint distribution equals the
+target's, checked per cell against the exact distribution.
+
+The target's layers are scaled down (``_friendly_target``) and the draft is the target's bigram
+approximation (``Draft.bigram_init``), so drafts are often but not always right: acceptance walks
+several levels deep, is cut, and compaction moves K/V, as with a trained pair.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeops import CostTable, PruneCheckpoints
+from treeops.decoder import POLICIES, Decoder, Draft, ModelConfig, SamplingParams, Target
+from treeops.decoder.model import reference_forward
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls: one intra-op thread. With two OpenMP threads on a 2-core runner whose other
+    core is busy (another job), each tiny linear spin-waits for milliseconds (measured: ~600x
+    slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+PROMPTS = [[5, 17, 3, 99, 42, 7, 8], [11, 64], [23, 1, 2, 3]]
+NEW = 10
+
+
+def _friendly_target(cfg: ModelConfig, scale: float, seed: int = 0) -> Target:
+    t = Target(cfg, seed=seed)
+    with torch.no_grad():
+        for layer in t.model.layers:
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
+    return t
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+    )
+    target = _friendly_target(cfg, 0.1)
+    return target, Draft(cfg, seed=1).bigram_init(target)
+
+
+@torch.no_grad()
+def _greedy_baseline(target: Target, prompt: list[int], n: int, stop=()) -> list[int]:
+    toks = list(prompt)
+    for _ in range(n):
+        nxt = int(reference_forward(target, torch.tensor(toks))[-1].argmax())
+        toks.append(nxt)
+        if nxt in stop:
+            break
+    return toks[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def baseline(pair):
+    target, _ = pair
+    return [_greedy_baseline(target, p, NEW) for p in PROMPTS]
+
+
+def _steep_costs() -> CostTable:
+    """Target cost linear in tokens from the first one (no flat weight-bound region), so CAST's
+    rules actually cut: narrower frontiers and fewer verified nodes than the EAGLE budget."""
+
+    def target(B: int, c: int, n: int) -> float:
+        return 100.0 + 5.0 * B * n
+
+    return CostTable.from_functions(
+        target, lambda B, c, n: target(B, c, n) / 4, [1, 2, 4, 8], L=64, M=2, n_max=64
+    )
+
+
+def _decoder(pair, policy: str) -> Decoder:
+    target, draft = pair
+    return Decoder(
+        target,
+        draft,
+        policy,
+        depth=3,
+        topk=3,
+        budget=12,
+        cost_table=_steep_costs(),
+        C1=0.1,
+        C2=0.05,
+        C3=0.05,
+        # prune early and hard so that Graft fills slots every step
+        checkpoints=PruneCheckpoints(steps=(0, 1), keeps=(2, 4), thresholds=(0.99, 0.99)),
+        page_size=16,
+    )
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_equals_autoregressive(pair, baseline, policy, batch):
+    res = _decoder(pair, policy).generate(PROMPTS[:batch], NEW)
+    assert res.tokens == baseline[:batch]
+    assert res.steps == len(res.emitted) == len(res.accepted_per_step)
+    assert sum(map(sum, res.emitted)) == batch * NEW
+    if policy == "autoregressive":
+        assert res.mean_accepted == 1.0
+    else:
+        # the bigram draft is right often enough for multi-token steps
+        assert res.mean_accepted > 1.0, res.emitted
+    assert res.time_verify > 0 and res.time_tree > 0
+    sizes = [n for row in res.verified for n in row]
+    if policy in ("Cast", "CastGraft"):
+        assert min(sizes) < 12  # CAST cut the tree below the capacity at least once
+    if policy == "CastGraft" and batch > 1:
+        # (one request stops drafting at the first checkpoint; its retrieved successors then
+        # tend to coincide with the draft's depth-1 nodes and merge into them)
+        assert sum(res.grafted) > 0
+
+
+def test_pure_bigram_target_accepts_full_chains():
+    """Target = its bigram part exactly (layers add 0): the chain draft is always right, so
+    every step emits depth + 1 tokens (deep acceptance and compaction every step)."""
+    cfg = ModelConfig(vocab_size=64, tie_word_embeddings=False)
+    target = _friendly_target(cfg, 0.0, seed=3)
+    draft = Draft(cfg).bigram_init(target)
+    prompts = [[1, 2, 3], [4]]
+    base = [_greedy_baseline(target, p, 12) for p in prompts]
+    res = Decoder(target, draft, "chain", depth=3).generate(prompts, 12)
+    assert res.tokens == base
+    assert res.emitted == [[4, 4]] * 3
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_stop_ids_and_budgets(pair, baseline, policy):
+    budgets = [3, 8, 1]
+    # a stop id that request 1 emits at its 4th token: output ends right after it
+    stop = baseline[1][3]
+    res = _decoder(pair, policy).generate(PROMPTS, budgets, stop_ids=[stop])
+    target, _ = pair
+    want = [_greedy_baseline(target, p, m, stop=(stop,)) for p, m in zip(PROMPTS, budgets)]
+    assert res.tokens == want
+    assert len(res.tokens[1]) <= 4 and res.tokens[1][-1] == stop
+    assert all(len(t) <= m for t, m in zip(res.tokens, budgets))
+
+
+def test_zero_budget_and_one_token_prompt(pair):
+    target, _ = pair
+    res = _decoder(pair, "CastGraft").generate([[9], [1, 2]], [4, 0])
+    assert res.tokens == [_greedy_baseline(target, [9], 4), []]
+
+
+def _filtered(logits: torch.Tensor, T: float, top_k: int, top_p: float) -> torch.Tensor:
+    """DESIGN.md op 7's target distribution, written out (float64)."""
+    p = torch.softmax(logits.double() / T, -1)
+    V = p.shape[0]
+    order = sorted(range(V), key=lambda i: (-float(p[i]), i))
+    keep = order[:top_k] if 0 < top_k < V else order
+    q = torch.zeros_like(p)
+    q[keep] = p[keep]
+    q = q / q.sum()
+    if top_p < 1:
+        mass, kept = 0.0, []
+        for i in sorted(keep, key=lambda i: (-float(q[i]), i)):
+            kept.append(i)
+            mass += float(q[i])
+            if mass >= top_p:
+                break
+        r = torch.zeros_like(q)
+        r[kept] = q[kept]
+        q = r / r.sum()
+    return q
+
+
+@pytest.mark.parametrize(
+    "policy, T, top_k, top_p",
+    [("EagleStatic", 1.0, 0, 1.0), ("CastGraft", 0.7, 6, 0.9), ("chain", 0.7, 0, 1.0)],
+)
+def test_sampling_matches_target_distribution(policy, T, top_k, top_p):
+    """The joint law of the first two emitted tokens over V = 8 (64 cells), 3000 requests with
+    one prompt, against the exact p(x1) p(x2 | x1) of the baseline forward. Tolerance per cell:
+    4.5 binomial standard deviations + 1/n (a false alarm per cell has probability ~7e-6, so
+    ~5e-4 over the 64 cells of a test; the seed is fixed, so the test is deterministic anyway),
+    while a decoder that skipped temperature/top-k/top-p fails it (the last assertion checks
+    that the tolerance tells them apart)."""
+    V = 8
+    cfg = ModelConfig(vocab_size=V, tie_word_embeddings=False)
+    target = _friendly_target(cfg, 0.3, seed=5)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)  # sharper laws, so T / top-k / top-p matter
+    draft = Draft(cfg).bigram_init(target)
+    prompt = [1, 2, 3, 4]
+    n = 3000
+    dec = Decoder(target, draft, policy, depth=2, topk=2, budget=4)
+    g = torch.Generator().manual_seed(1234)
+    res = dec.generate([prompt] * n, 2, sampling=SamplingParams(T, top_k, top_p), generator=g)
+    assert all(len(t) == 2 for t in res.tokens)
+    # many requests accepted a draft node and emitted both tokens in their first step
+    assert sum(e == 2 for e in res.emitted[0]) > n // 100
+    emp = torch.zeros(V, V, dtype=torch.float64)
+    for a, b in res.tokens:
+        emp[a, b] += 1
+    emp /= n
+    exact = _joint(target, prompt, T, top_k, top_p)
+    assert abs(float(exact.sum()) - 1) < 1e-9
+    tol = 4.5 * torch.sqrt(exact * (1 - exact) / n) + 1.0 / n
+    assert bool(((emp - exact).abs() <= tol).all()), (emp - exact).abs().max()
+    if (T, top_k, top_p) != (1.0, 0, 1.0):
+        # the tolerance is tight enough to reject a decoder that ignored the parameters
+        plain = _joint(target, prompt, 1.0, 0, 1.0)
+        assert bool(((plain - exact).abs() > tol).any())
+
+
+@torch.no_grad()
+def _joint(target, prompt, T, top_k, top_p) -> torch.Tensor:
+    """Exact p(x1, x2) = p(x1) p(x2 | x1) [V, V] from the baseline forward."""
+    V = target.cfg.vocab_size
+    p1 = _filtered(reference_forward(target, torch.tensor(prompt))[-1], T, top_k, top_p)
+    rows = [
+        _filtered(reference_forward(target, torch.tensor(prompt + [a]))[-1], T, top_k, top_p)
+        for a in range(V)
+    ]
+    return p1[:, None] * torch.stack(rows)
+
+
+def test_bad_policy(pair):
+    with pytest.raises(ValueError, match="policy"):
+        Decoder(pair[0], pair[1], "medusa")
+    with pytest.raises(ValueError, match="draft"):
+        Decoder(pair[0], None, "chain")
+
+
+def test_save_load_roundtrip(tmp_path, pair):
+    pytest.importorskip("safetensors")
+    target, _ = pair
+    target.save_pretrained(tmp_path)
+    loaded = Target.from_pretrained(tmp_path)
+    x = torch.tensor([3, 1, 4, 1, 5])
+    with torch.no_grad():
+        assert torch.equal(reference_forward(loaded, x), reference_forward(target, x))

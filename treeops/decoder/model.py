@@ -1,0 +1,360 @@
+"""A Llama-style target and an EAGLE-style draft whose attention runs on treeops.
+
+Both models keep a paged KV cache (``PagedKV``: stacked ``[L, num_pages, page_size, H_kv, D]``
+K and V, one block table ``[B, max_pages]`` int32) and run every forward as a *tree* forward:
+the inputs are the nodes of a ``treeops.Tree`` (a verification tree, a draft frontier, or a
+chain for prefill), their K/V go into slots ``seq_lens[b] + i`` through ``treeops.kv_append``
+(K rotated at ``seq_lens[b] + depth[i]``), the queries are rotated with ``treeops.rope`` at
+``tree.positions(seq_lens)``, and attention is ``treeops.tree_attention`` (prefix + ancestors).
+
+Weights use Hugging Face Llama names (``model.layers.{i}.self_attn.q_proj.weight`` ...), so a
+local directory with ``config.json`` + ``*.safetensors`` loads with ``Target.from_pretrained``
+when the optional ``safetensors`` package is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..attention import kv_append, rope, tree_attention
+from ..tree import Tree
+
+__all__ = ["ModelConfig", "PagedKV", "Target", "Draft", "chain_tree", "reference_forward"]
+
+
+@dataclass
+class ModelConfig:
+    """Llama hyper-parameters (HF ``config.json`` names). ``head_dim`` must be 64, 128 or 256
+    (treeops' attention kernels)."""
+
+    vocab_size: int = 128
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    eos_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        if "head_dim" not in d and "hidden_size" in d and "num_attention_heads" in d:
+            kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        if isinstance(kw.get("eos_token_id"), list):
+            kw["eos_token_id"] = kw["eos_token_id"][0]
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class PagedKV:
+    """One model's paged KV cache: ``k``, ``v`` [L, num_pages, page_size, H_kv, D] and a block
+    table [B, max_pages] int32 giving each request ``max_pages`` pages (shuffled, to exercise
+    the indirection)."""
+
+    def __init__(
+        self,
+        layers: int,
+        batch: int,
+        max_len: int,
+        h_kv: int,
+        d: int,
+        *,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ):
+        pages = -(-max_len // page_size)
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(batch * pages, generator=g).to(torch.int32)
+        self.block_table = perm.view(batch, pages).to(device)
+        shape = (layers, batch * pages, page_size, h_kv, d)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = pages * page_size
+
+
+def chain_tree(tokens: torch.Tensor, lengths: torch.Tensor) -> Tree:
+    """A chain (prompt-as-tree): node i's parent is i-1; ``lengths[b]`` valid nodes."""
+    B, N = tokens.shape
+    parents = (torch.arange(N, dtype=torch.int32, device=tokens.device) - 1).expand(B, N)
+    return Tree.from_parents(parents.contiguous(), lengths.to(torch.int32), tokens)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, Hq, Hkv, D = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.cfg = cfg
+        self.q_proj = nn.Linear(H, Hq * D, bias=False)
+        self.k_proj = nn.Linear(H, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(H, Hkv * D, bias=False)
+        self.o_proj = nn.Linear(Hq * D, H, bias=False)
+
+    def forward(self, x, kv: PagedKV, layer: int, seq_lens, tree: Tree, q_start=None, q_len=None):
+        """x [B, R, H]: every node of ``tree`` (R = N), or with ``q_start``/``q_len`` the R rows
+        of nodes ``q_start[b] + j`` (a draft frontier; rows j >= q_len[b] are ignored)."""
+        cfg = self.cfg
+        B, R, _ = x.shape
+        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q = self.q_proj(x).view(B, R, Hq, D)
+        k = self.k_proj(x).view(B, R, Hkv, D)
+        v = self.v_proj(x).view(B, R, Hkv, D)
+        kc, vc, bt = kv.k[layer], kv.v[layer], kv.block_table
+        theta = cfg.rope_theta
+        if q_start is None:
+            kv_append(k, v, kc, vc, bt, seq_lens, tree.num_nodes, tree.depth, rope_theta=theta)
+            q = rope(q, tree.positions(seq_lens), theta)
+            o = tree_attention(q, kc, vc, bt, seq_lens, tree)
+            return self.o_proj(o.reshape(B, R, -1))
+        # Frontier rows only. kv_append has no row offset, so shift its base instead: row j lands
+        # in slot (seq_lens + q_start) + j and K is rotated at (seq_lens + q_start) +
+        # (depth - q_start) = seq_lens + depth; the relative depth may be negative, which the
+        # op's arithmetic allows (a workaround, see the package docstring).
+        N = tree.capacity
+        q_start = q_start.to(torch.int32)
+        q_len = q_len.to(torch.int32)
+        idx = q_start.long()[:, None] + torch.arange(R, device=x.device)[None, :]  # [B, R]
+        idx = idx.clamp(max=N - 1)
+        dep = tree.depth.gather(1, idx)
+        base = seq_lens.to(torch.int32) + q_start
+        rel = (dep - q_start[:, None]).to(torch.int32)
+        kv_append(k, v, kc, vc, bt, base, q_len, rel, rope_theta=theta)
+        q = rope(q, seq_lens.long()[:, None] + dep.long(), theta)
+        qf = torch.zeros(B, N, Hq, D, dtype=q.dtype, device=q.device)
+        qf.scatter_(1, idx[:, :, None, None].expand(B, R, Hq, D), q)
+        o = tree_attention(qf, kc, vc, bt, seq_lens, tree, q_start, q_len)
+        o = o.gather(1, idx[:, :, None, None].expand(B, R, Hq, D))
+        return self.o_proj(o.reshape(B, R, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, kv, layer, seq_lens, tree, q_start=None, q_len=None):
+        x = x + self.self_attn(self.input_layernorm(x), kv, layer, seq_lens, tree, q_start, q_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Inner(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def _init(module: nn.Module, seed: int, std: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            continue
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+class Target(nn.Module):
+    """Llama: embed -> L x (RMSNorm, GQA attention with RoPE, RMSNorm, SwiGLU) -> RMSNorm -> head.
+
+    ``forward(tokens, kv, seq_lens, tree)`` runs the tree's nodes ([B, N] tokens) against the
+    cache and returns ``(logits [B, N, V] float32, hidden [B, N, H])``; ``hidden`` is the final
+    normed state (the LM head's input), the feature the draft consumes."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0, std: float = 0.08):
+        super().__init__()
+        self.cfg = cfg
+        self.model = _Inner(cfg)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        _init(self, seed, std)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (h @ w.t()).float()
+
+    def forward(self, tokens, kv: PagedKV, seq_lens, tree: Tree):
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, kv, i, seq_lens, tree)
+        h = self.model.norm(x)
+        return self.head(h), h
+
+    def make_cache(self, batch, max_len, **kw) -> PagedKV:
+        c = self.cfg
+        return PagedKV(
+            c.num_hidden_layers,
+            batch,
+            max_len,
+            c.num_key_value_heads,
+            c.head_dim,
+            dtype=self.model.embed_tokens.weight.dtype,
+            device=self.model.embed_tokens.weight.device,
+            **kw,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> Target:
+        """Load ``config.json`` + ``*.safetensors`` (HF Llama names); needs ``safetensors``."""
+        try:
+            from safetensors.torch import load_file
+        except ImportError as e:  # optional dependency
+            raise ImportError("loading weights needs the 'safetensors' package") from e
+        path = Path(path)
+        cfg = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+        model = cls(cfg)
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(path.glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        model.load_state_dict(state, strict=True)
+        return model.to(dtype)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write ``config.json`` + ``model.safetensors`` (needs ``safetensors``)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+        save_file(
+            {k: v.contiguous() for k, v in self.state_dict().items()},
+            str(path / "model.safetensors"),
+        )
+
+
+class Draft(nn.Module):
+    """EAGLE-2 draft: one Llama decoder layer over ``fc(concat(embed(token), feature))``, sharing
+    the target's embedding and LM head (not owned: passed at call time). Its own RMSNorm sits
+    before the shared head; its output hidden is the feature of its children."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 1, std: float = 0.08):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layer = Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        _init(self, seed, std)
+
+    def forward(
+        self, target: Target, tokens, feats, kv: PagedKV, seq_lens, tree, q_start=None, q_len=None
+    ):
+        """tokens [B, N], feats [B, N, H] (the parent position's feature of each node) ->
+        (logits [B, N, V] float32, hidden [B, N, H]). With ``q_start``/``q_len`` only those
+        rows are new (written to the cache and attended); the others are ignored."""
+        x = self.fc(
+            torch.cat([target.model.embed_tokens(tokens), feats.to(self.fc.weight.dtype)], -1)
+        )
+        h = self.layer(x, kv, 0, seq_lens, tree, q_start, q_len)
+        return target.head(self.norm(h)), h
+
+    @torch.no_grad()
+    def bigram_init(self, target: Target) -> Draft:
+        """Make this draft the target's bigram approximation without training: ``fc`` passes the
+        token embedding through, the decoder layer adds nothing (o_proj, down_proj = 0) and the
+        norm is the target's final norm, so the draft proposes ``head(norm(embed(token)))``. With a
+        target whose layers perturb the residual stream only a little this accepts well; tests
+        use it to exercise deep acceptance and compaction without a trained pair."""
+        H = self.cfg.hidden_size
+        self.fc.weight.zero_()
+        self.fc.weight[:, :H] = torch.eye(H, dtype=self.fc.weight.dtype)
+        self.layer.self_attn.o_proj.weight.zero_()
+        self.layer.mlp.down_proj.weight.zero_()
+        self.norm.weight.copy_(target.model.norm.weight)
+        return self
+
+    def make_cache(self, batch, max_len, **kw) -> PagedKV:
+        c = self.cfg
+        return PagedKV(
+            1,
+            batch,
+            max_len,
+            c.num_key_value_heads,
+            c.head_dim,
+            dtype=self.fc.weight.dtype,
+            device=self.fc.weight.device,
+            **kw,
+        )
+
+
+def reference_forward(target: Target, tokens: torch.Tensor) -> torch.Tensor:
+    """Plain full-recompute forward of one sequence ([T] tokens) with a causal mask and RoPE
+    written out here (no cache, no treeops): logits [T, V]. The baseline tests compare with."""
+    cfg = target.cfg
+    T = tokens.shape[0]
+    D = cfg.head_dim
+    pos = torch.arange(T, dtype=torch.float64)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    ang = pos[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
+
+    def rot(x):
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+        xd = x.double()
+        return (xd * cos + torch.cat([-x2, x1], -1).double() * sin).to(x.dtype)
+
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    x = target.model.embed_tokens(tokens)
+    G = cfg.num_attention_heads // cfg.num_key_value_heads
+    for layer in target.model.layers:
+        a = layer.self_attn
+        y = layer.input_layernorm(x)
+        q = rot(a.q_proj(y).view(T, cfg.num_attention_heads, D))
+        k = rot(a.k_proj(y).view(T, cfg.num_key_value_heads, D)).repeat_interleave(G, 1)
+        v = a.v_proj(y).view(T, cfg.num_key_value_heads, D).repeat_interleave(G, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)
+        s = s.masked_fill(~mask, float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(T, -1)
+        x = x + a.o_proj(o)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return target.head(target.model.norm(x))
