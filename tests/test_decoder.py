@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treeops import CostTable, PruneCheckpoints
+from treeops import CostTable, PruneCheckpoints, Tree
 from treeops.decoder import POLICIES, Decoder, Draft, ModelConfig, SamplingParams, Target
-from treeops.decoder.model import reference_forward
+from treeops.decoder.model import chain_tree, reference_forward
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -250,3 +250,78 @@ def test_save_load_roundtrip(tmp_path, pair):
     x = torch.tensor([3, 1, 4, 1, 5])
     with torch.no_grad():
         assert torch.equal(reference_forward(loaded, x), reference_forward(target, x))
+
+
+def test_target_tree_forward_equals_reference(pair):
+    """Verification forward over a tree on a paged cache after a ragged prefill: node i's logits
+    equal the full recompute of (prompt, path to i), for every node of a branching tree."""
+    target, _ = pair
+    prompts = [[5, 17, 3, 99, 42], [11, 64, 2]]
+    B = len(prompts)
+    kv = target.make_cache(B, 64, page_size=4, seed=7)
+    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+    ptok = torch.zeros(B, 5, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        ptok[b, : len(p)] = torch.tensor(p)
+    with torch.no_grad():
+        target(ptok, kv, torch.zeros(B, dtype=torch.int32), chain_tree(ptok, lens))
+        parents = torch.tensor([[-1, 0, 0, 1, 3, 2], [-1, 0, 1, 0, 0, 0]], dtype=torch.int32)
+        tokens = torch.tensor([[7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 5, 6]])
+        tree = Tree.from_parents(parents, torch.tensor([6, 4], dtype=torch.int32), tokens)
+        logits, _ = target(tree.tokens, kv, lens, tree)
+        for b in range(B):
+            for i in range(int(tree.num_nodes[b])):
+                path, j = [], i
+                while j >= 0:
+                    path.append(int(tokens[b, j]))
+                    j = int(parents[b, j])
+                ref = reference_forward(target, torch.tensor(prompts[b] + path[::-1]))[-1]
+                torch.testing.assert_close(logits[b, i], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_draft_frontier_rows_equal_full_forward():
+    """The draft's frontier-only forward (rows q_start.., kv_append with a shifted base and
+    relative depths) gives the same outputs as a forward of every node of the working tree."""
+    cfg = ModelConfig(vocab_size=32)
+    target = Target(cfg, seed=2)
+    draft = Draft(cfg, seed=3)
+    B, N, W = 2, 7, 3
+    parents = torch.tensor([[-1, 0, 0, 0, 1, 1, 2], [-1, 0, 0, 0, 3, 3, 0]], dtype=torch.int32)
+    tokens = torch.randint(0, 32, (B, N))
+    feats = torch.randn(B, N, cfg.hidden_size)
+    seq = torch.tensor([5, 9], dtype=torch.int32)
+    tree = Tree.from_parents(parents, torch.tensor([N, N], dtype=torch.int32), tokens)
+    with torch.no_grad():
+        kv_full = draft.make_cache(B, 32, page_size=4, seed=1)
+        kv_rows = draft.make_cache(B, 32, page_size=4, seed=1)
+        for kv in (kv_full, kv_rows):  # the same random prefix in both
+            g = torch.Generator().manual_seed(0)
+            kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+            kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+        full, h_full = draft(target, tokens, feats, kv_full, seq, tree)
+        for start, rows in ((0, 1), (1, W), (1 + W, W)):
+            sub = Tree.from_parents(
+                parents, torch.full((B,), start + rows, dtype=torch.int32), tokens
+            )
+            qs = torch.full((B,), start, dtype=torch.int32)
+            ql = torch.full((B,), rows, dtype=torch.int32)
+            sl = slice(start, start + rows)
+            out, h = draft(target, tokens[:, sl], feats[:, sl], kv_rows, seq, sub, qs, ql)
+            torch.testing.assert_close(out, full[:, sl], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(h, h_full[:, sl], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kv_rows.k, kv_full.k)
+
+
+def test_autoregressive_without_draft(pair, baseline):
+    target, _ = pair
+    res = Decoder(target, None, "autoregressive").generate(PROMPTS, NEW)
+    assert res.tokens == baseline
+
+
+def test_cli_decode(capsys):
+    from treeops.cli import main
+
+    assert main(["decode", "--batch", "2", "--new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "False" not in out and out.count("True") == len(POLICIES)
+    assert main(["decode", "--batch", "1", "--new-tokens", "3", "--temperature", "0.8"]) == 0

@@ -148,7 +148,8 @@ class Decoder:
             raise ValueError(f"Invalid policy: expected one of {POLICIES}, got {policy!r}")
         if policy != "autoregressive" and draft is None:
             raise ValueError(f"policy {policy!r} needs a draft model")
-        self.target, self.draft, self.name = target, draft, policy
+        self.target, self.name = target, policy
+        self.draft = None if policy == "autoregressive" else draft  # AR needs no draft pass
         self.page_size = page_size
         self.policy: EagleStatic | Cast | None
         if policy == "autoregressive":
