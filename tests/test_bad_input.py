@@ -164,7 +164,19 @@ OPS = [
     Op("accept_greedy", treeops.accept_greedy, _accept_args, TREE_CASES),
     Op("accept_sample", treeops.accept_sample, _sample_args, TREE_CASES),
     Op("compact_kv", treeops.compact_kv, _compact_args, TREE_CASES),
-    Op("graft", treeops.graft, _graft_args, TREE_CASES),
+    Op(
+        "graft",
+        treeops.graft,
+        _graft_args,
+        TREE_CASES
+        + [
+            (
+                "zero budget for an active request",
+                _set("budget", lambda a: torch.tensor([0, 5], dtype=torch.int32)),
+                r"Invalid value in budget: expected >= 1 for an active request",
+            )
+        ],
+    ),
     Op("graft_merge", treeops.graft_merge, _graft_merge_args, TREE_CASES),
     Op("prune", treeops.prune, lambda: dict(tree=_tree(), keep=3), TREE_CASES),
     Op(

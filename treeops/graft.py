@@ -318,6 +318,19 @@ def _check_budget(budget: torch.Tensor | int, B: int, dev: torch.device, N: int)
         )
 
 
+def _check_budget_values(budget: torch.Tensor, tree: Tree) -> None:
+    """Host-side (``validate=True``): the budget counts the root, so an active request needs
+    at least 1 (a budget of 0 would silently turn it into an inactive row)."""
+    check_range("budget", budget, 0)
+    bad = (budget < 1) & (tree.num_nodes > 0)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"Invalid value in budget: expected >= 1 for an active request (the root counts), "
+            f"got {int(budget[b])} at request {b}"
+        )
+
+
 def _check_count(count: torch.Tensor | int | None, B: int, dev: torch.device) -> None:
     if count is None:
         return
@@ -566,7 +579,7 @@ def graft_merge(
     if validate:
         retrieved.validate()
         if isinstance(budget, torch.Tensor):
-            check_range("budget", budget, 0)
+            _check_budget_values(budget, tree)
     _check_out(out, tree)
     if tree.parents.is_cuda:
         from .kernels import graft as _k
@@ -612,7 +625,7 @@ def graft(
     _check_budget(budget, B, tree.device, N)
     _check_count(count, B, tree.device)
     if validate and isinstance(budget, torch.Tensor):
-        check_range("budget", budget, 0)
+        _check_budget_values(budget, tree)
     _check_out(out, tree)
     if tree.parents.is_cuda:
         from .kernels import graft as _k

@@ -199,8 +199,9 @@ class Tree:
 
         Checks field shapes/dtypes/devices, ``0 <= num_nodes <= N``, the root, ``parents[i] < i``,
         ``depth``, ``anc`` (exact ancestor closure), the sibling links, distinct sibling tokens,
-        scores finite, in [0, 1], root = 1 for a draft root and never increasing from parent to
-        child, and the padding values.
+        scores finite, in [0, 1], root = 1, non-increasing with index (rank order; grafted nodes
+        score 0 after the draft nodes) and so never increasing from parent to child, and the
+        padding values.
         """
         self.check_fields()
         t = self.to("cpu")
@@ -232,10 +233,15 @@ class Tree:
                     raise ValueError(
                         f"Invalid tree: request {b}: scores[{i}] = {s}, expected a number in [0, 1]"
                     )
-                if i > 0 and s > sc[par[i]]:
+            if n >= 1 and sc[0] != 1.0:
+                raise ValueError(
+                    f"Invalid tree: request {b}: scores[0] = {sc[0]}, expected 1 (the root)"
+                )
+            for i in range(1, n):
+                if sc[i] > sc[i - 1]:
                     raise ValueError(
-                        f"Invalid tree: request {b}: scores[{i}] = {s} exceeds its parent's "
-                        f"score {sc[par[i]]}"
+                        f"Invalid tree: request {b}: scores[{i}] = {sc[i]} exceeds scores[{i - 1}] "
+                        f"= {sc[i - 1]}: nodes must be in rank order (score descending)"
                     )
             # anc: exact ancestor closure
             for i in range(n):
