@@ -445,13 +445,15 @@ def _finish_row(
                     other=0.0,
                     cache_modifier=".cg",
                 )  # [BP, WP]
-                n_act = tl.maximum(tl.sum(b_a.to(tl.int32)), 1)
-                b_u = tl.sum(b_cum, axis=0) / n_act.to(tl.float32)  # [WP]
+                # Algorithm 1 on the sums U_k with threshold C1 * n_act: the batch mean's
+                # maximisers without its rounding (U / 3 breaks dyadic ties; the reference agrees)
+                n_act = tl.maximum(tl.sum(b_a.to(tl.int32)), 1).to(tl.float32)
+                b_U = tl.sum(b_cum, axis=0)  # [WP]
                 t1 = tl.load(TAB_T + bucket * NMAX)
                 b_c = tl.load(TAB_D + bucket * NMAX + o_w, mask=m_w, other=0.0) / t1
-                b_obj = tl.where(m_w, b_u - C1 * b_c, -float("inf"))
+                b_obj = tl.where(m_w, b_U - (C1 * n_act) * b_c, -float("inf"))
                 n = tl.max(tl.where(b_obj == tl.max(b_obj), o_w + 1, 0))
-                u_n = tl.sum(tl.where(o_w + 1 == n, b_u, 0.0))
+                u_n = tl.sum(tl.where(o_w + 1 == n, b_U, 0.0)) / n_act
                 c_n = tl.sum(tl.where(o_w + 1 == n, b_c, 0.0))
                 tl.store(UH + layer, u_n)
                 # FIFO [1, phi_0, .., phi_{i-1}], phi_j = u_{j+1} / u_j; its last R entries
@@ -564,11 +566,11 @@ def _emit_kernel(
             mask=(m_b & b_a)[:, None] & m_n[None, :],
             other=0.0,
         )  # [BP, NP]
-        n_act = tl.maximum(tl.sum(b_a.to(tl.int32)), 1)
-        b_u = tl.sum(b_cum, axis=0) / n_act.to(tl.float32)
+        n_act = tl.maximum(tl.sum(b_a.to(tl.int32)), 1).to(tl.float32)
+        b_U = tl.sum(b_cum, axis=0)  # Algorithm 1 on the sums, threshold C3 * n_act
         t1 = tl.load(TAB_T + bucket * NMAX)
         b_c = tl.load(TAB_T + bucket * NMAX + o_n, mask=m_n, other=0.0) / t1
-        b_obj = tl.where(m_n, b_u - C3 * b_c, -float("inf"))
+        b_obj = tl.where(m_n, b_U - (C3 * n_act) * b_c, -float("inf"))
         n = tl.max(tl.where(b_obj == tl.max(b_obj), o_n + 1, 0))
     else:
         n = N

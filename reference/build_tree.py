@@ -33,7 +33,7 @@ import torch
 
 from treeops.tree import Tree
 
-from .cast import cast_depth, cast_select, cast_utilities
+from .cast import cast_depth, cast_select, cast_utility_sums
 
 __all__ = ["build_tree_expand", "build_tree_emit", "build_tree"]
 
@@ -71,9 +71,9 @@ def build_tree_expand(logits: torch.Tensor, state: Any, policy: Any) -> None:
         ctx = _max_ctx(state) + int(state.widths[:i].sum())
         k = policy.cost_table.bucket(ctx)
         costs = table_d[k, :W] / table_t[k, 0]
-        u = cast_utilities(sc, W, state.active)
-        n = int(cast_select(u, costs, policy.C1))
-        state.u_hist[i] = u[n - 1]
+        total, n_act = cast_utility_sums(sc, W, state.active)
+        n = int(cast_select(total, costs, policy.C1 * n_act))
+        state.u_hist[i] = total[n - 1] / n_act
         deeper = bool(cast_depth(state.u_hist[: i + 1], costs[n - 1], policy.C2, policy.R))
         flag = deeper and i + 1 < policy.max_depth
     else:
@@ -100,7 +100,8 @@ def build_tree_emit(state: Any, policy: Any, *, out: Tree | None = None) -> Tree
         table_t, _ = _rows(policy, B)
         k = policy.cost_table.bucket(_max_ctx(state))
         costs = table_t[k, :N] / table_t[k, 0]
-        n = int(cast_select(cast_utilities(scores, N, state.active, root=True), costs, policy.C3))
+        total, n_act = cast_utility_sums(scores, N, state.active, root=True)
+        n = int(cast_select(total, costs, policy.C3 * n_act))
     else:
         n = N
     state.verify[0] = n

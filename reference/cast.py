@@ -13,8 +13,10 @@ Algorithm 1 (this project's robust form): given utilities ``u_1..u_K`` (non-decr
   whole step; ``c_k = S_T(B)[select(ctx)][k] / S_T(B)[select(ctx)][1]``; threshold ``C3``.
 
 Everything here computes in float64 on the host's view of the tensors; the Triton kernels compute
-in float32 and agree exactly whenever the inputs are dyadic (the tests' choice) and up to rounding
-at exact near-ties otherwise.
+in float32. Algorithm 1 runs on the utility *sums* with the threshold scaled by the number of
+active requests (``cast_utility_sums``), so that no division rounds before the comparison: both
+agree exactly when the scores, costs and scaled thresholds are dyadic with few bits (the tests'
+choice) and can differ only at near-ties otherwise.
 """
 
 from __future__ import annotations
@@ -29,7 +31,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["CostTable", "cast_select", "cast_utilities", "cast_width", "cast_depth", "cast_rerank"]
+__all__ = [
+    "CostTable",
+    "cast_select",
+    "cast_utilities",
+    "cast_utility_sums",
+    "cast_width",
+    "cast_depth",
+    "cast_rerank",
+]
 
 
 # --------------------------------------------------------------------------------------- table
@@ -557,11 +567,16 @@ def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
     return torch.where(obj == best, ks, 0).max().to(torch.int32)
 
 
-def cast_utilities(
+def cast_utility_sums(
     scores: torch.Tensor, K: int, active: torch.Tensor | None = None, root: bool = False
-) -> torch.Tensor:
-    """``u_k``, k = 1..K: the mean over active requests of the sum of their ``k`` best scores
-    (with ``root``, the root's score 1 counts as the first). [K] float64.
+) -> tuple[torch.Tensor, int]:
+    """``(U, n_act)``: ``U[k - 1]`` = the sum over active requests of their ``k`` best scores
+    (with ``root``, the root's score 1 counts as the first), [K] float64, and the number of
+    active requests (at least 1). The batch mean is ``u_k = U_k / n_act``.
+
+    Algorithm 1 is run on ``U`` with threshold ``C * n_act``: the same maximisers as ``u - C c``
+    in exact arithmetic, and with dyadic inputs exact in floating point for any ``n_act``
+    (dividing by 3 first would round and can break a tie, e.g. Theorem 4.1 with B = 3).
 
     ``scores`` is [B, M], negative entries mean "no candidate" (counted as 0).
     """
@@ -576,7 +591,16 @@ def cast_utilities(
     cum = torch.cumsum(best, dim=1)  # [B, K]
     act = torch.ones(B, dtype=torch.bool, device=s.device) if active is None else active.bool()
     total = torch.where(act[:, None], cum, 0.0).sum(dim=0)
-    return total / act.sum().clamp(min=1)  # no active request: all utilities 0
+    return total, max(int(act.sum()), 1)  # no active request: all utilities 0
+
+
+def cast_utilities(
+    scores: torch.Tensor, K: int, active: torch.Tensor | None = None, root: bool = False
+) -> torch.Tensor:
+    """``u_k``, k = 1..K: the mean over active requests of the sum of their ``k`` best scores
+    (``cast_utility_sums`` divided by the active count). [K] float64."""
+    total, n_act = cast_utility_sums(scores, K, active, root)
+    return total / n_act
 
 
 def cast_width(
@@ -586,7 +610,8 @@ def cast_width(
     k best candidate scores of this layer (``scores`` [B, M], < 0 = none), ``c_k = costs[k - 1]``
     (K = len(costs)) and threshold ``C1``. Returns a 0-d int32 tensor in [1, K]."""
     K = costs.numel()
-    return cast_select(cast_utilities(scores, K, active), costs, C1)
+    total, n_act = cast_utility_sums(scores, K, active)
+    return cast_select(total, costs, float(C1) * n_act)
 
 
 def cast_depth(u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int) -> torch.Tensor:
@@ -619,4 +644,5 @@ def cast_rerank(
     mean of the root's score 1 plus the ``k - 1`` best candidate scores of the step (``scores``
     [B, M], < 0 = none), ``c_k = costs[k - 1]`` (K = len(costs)), threshold ``C3``. 0-d int32."""
     K = costs.numel()
-    return cast_select(cast_utilities(scores, K, active, root=True), costs, C3)
+    total, n_act = cast_utility_sums(scores, K, active, root=True)
+    return cast_select(total, costs, float(C3) * n_act)

@@ -144,6 +144,22 @@ def test_theorem_4_1(batch, data):
         assert got > K
 
 
+def test_theorem_4_1_three_requests_exact_tie():
+    """B = 3 (not a power of two): the batch mean of dyadic sums is not dyadic, so Algorithm 1 must
+    compare the sums with C1 * n_act, not the rounded means. Here u_1 - C1 c_1 = u_2 - C1 c_2 =
+    1/48 exactly and the (K+1)-th mean score is below the K-th, so width = K = 2."""
+    scores = torch.tensor([[0.75, 0.75, 0.3125], [0.0, 0.75, 0.6875], [0.4375, 0.4375, 0.125]])
+    costs = torch.tensor([1.0, 2.0, 3.0])  # lam = 1, delta = 0
+    srt = torch.sort(scores, dim=1, descending=True).values
+    C1 = float(srt[:, 1].sum()) / 3  # 1.875 / 3 = 0.625, exact
+    assert C1 == 0.625
+    assert int(treeops.cast_width(scores, costs, C1)) == 2
+    # the same batch with a fourth, inactive request
+    s4 = torch.cat([scores, torch.rand(1, 3)])
+    active = torch.tensor([True, True, True, False])
+    assert int(treeops.cast_width(s4, costs, C1, active=active)) == 2
+
+
 @given(dyadic_batches(), st.data())
 def test_raising_C1_or_draft_costs_never_widens(batch, data):
     scores, active = batch
