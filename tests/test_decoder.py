@@ -156,6 +156,14 @@ def test_stop_ids_and_budgets(pair, baseline, policy):
     assert all(len(t) <= m for t, m in zip(res.tokens, budgets))
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_small_pages(pair, baseline, page_size):
+    """Pages of 1 and 4 slots: trees, compaction and the draft's scratch cross page borders."""
+    target, draft = pair
+    dec = Decoder(target, draft, "EagleStatic", depth=3, topk=3, budget=8, page_size=page_size)
+    assert dec.generate(PROMPTS, NEW).tokens == baseline
+
+
 def test_zero_budget_and_one_token_prompt(pair):
     target, _ = pair
     res = _decoder(pair, "CastGraft").generate([[9], [1, 2]], [4, 0])
@@ -242,14 +250,39 @@ def test_bad_policy(pair):
         Decoder(pair[0], None, "chain")
 
 
-def test_save_load_roundtrip(tmp_path, pair):
-    pytest.importorskip("safetensors")
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_save_load_roundtrip(tmp_path, pair, fmt):
+    if fmt == "safetensors":
+        pytest.importorskip("safetensors")
     target, _ = pair
-    target.save_pretrained(tmp_path)
+    target.save_pretrained(tmp_path, safetensors=fmt == "safetensors")
     loaded = Target.from_pretrained(tmp_path)
+    assert loaded.cfg == target.cfg
     x = torch.tensor([3, 1, 4, 1, 5])
     with torch.no_grad():
         assert torch.equal(reference_forward(loaded, x), reference_forward(target, x))
+
+
+def test_hf_config_names():
+    """An HF Llama config.json (no head_dim, eos list, extra keys) maps onto ModelConfig."""
+    cfg = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "intermediate_size": 512,
+            "num_hidden_layers": 3,
+            "vocab_size": 1000,
+            "rope_theta": 500000.0,
+            "eos_token_id": [7, 8],
+            "tie_word_embeddings": False,
+        }
+    )
+    assert (cfg.head_dim, cfg.eos_token_id, cfg.rope_theta) == (64, 7, 500000.0)
+    names = set(Target(cfg).state_dict())
+    assert "model.layers.2.self_attn.k_proj.weight" in names and "lm_head.weight" in names
+    assert "model.layers.0.post_attention_layernorm.weight" in names
 
 
 def test_target_tree_forward_equals_reference(pair):
@@ -325,3 +358,13 @@ def test_cli_decode(capsys):
     out = capsys.readouterr().out
     assert "False" not in out and out.count("True") == len(POLICIES)
     assert main(["decode", "--batch", "1", "--new-tokens", "3", "--temperature", "0.8"]) == 0
+
+
+def test_mixed_sampling_params(pair, baseline):
+    """Per-request sampling parameters: the greedy rows still equal greedy decoding."""
+    sp = [SamplingParams(), SamplingParams(1.0, 5, 0.9), SamplingParams()]
+    res = _decoder(pair, "CastGraft").generate(
+        PROMPTS, NEW, sampling=sp, generator=torch.Generator().manual_seed(3)
+    )
+    assert res.tokens[0] == baseline[0] and res.tokens[2] == baseline[2]
+    assert len(res.tokens[1]) == NEW

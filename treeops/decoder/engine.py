@@ -194,11 +194,13 @@ class Decoder:
         max_new_tokens: int | list[int] = 32,
         *,
         stop_ids: list[int] | None = None,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | list[SamplingParams] | None = None,
         generator: torch.Generator | None = None,
     ) -> DecodeResult:
-        """Decode every prompt (a list of token ids, length >= 1) until ``max_new_tokens`` or a
-        stop id (kept in the output). Sampling draws its uniforms from ``generator``."""
+        """Decode every prompt (a list of token ids, length >= 1) until ``max_new_tokens`` (an
+        int or one per request) or a stop id (kept in the output). ``sampling``: one
+        ``SamplingParams`` for the batch or one per request (temperature 0 rows are greedy);
+        uniforms come from ``generator`` (CPU), one per tree node per step."""
         tgt, dft = self.target, self.draft
         dev = tgt.model.embed_tokens.weight.device
         B = len(prompts)
@@ -206,7 +208,10 @@ class Decoder:
             raise ValueError("expected at least one prompt, each of at least one token")
         budget = [max_new_tokens] * B if isinstance(max_new_tokens, int) else list(max_new_tokens)
         samp = sampling or SamplingParams()
-        greedy = samp.temperature <= 0
+        per_req = samp if isinstance(samp, list) else [samp] * B
+        if len(per_req) != B:
+            raise ValueError(f"expected {B} SamplingParams, got {len(per_req)}")
+        greedy = all(sp.temperature <= 0 for sp in per_req)
         g = generator or torch.Generator().manual_seed(0)
         N, Nd = self.capacity, self.draft_capacity
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
@@ -248,9 +253,11 @@ class Decoder:
 
         remaining = torch.tensor(budget, dtype=torch.int64, device=dev)
         active = remaining > 0
-        temperature = torch.full((B,), samp.temperature, dtype=torch.float32, device=dev)
-        top_k = torch.full((B,), samp.top_k, dtype=torch.int32, device=dev)
-        top_p = torch.full((B,), samp.top_p, dtype=torch.float32, device=dev)
+        temperature = torch.tensor(
+            [max(0.0, sp.temperature) for sp in per_req], dtype=torch.float32, device=dev
+        )
+        top_k = torch.tensor([sp.top_k for sp in per_req], dtype=torch.int32, device=dev)
+        top_p = torch.tensor([sp.top_p for sp in per_req], dtype=torch.float32, device=dev)
         state: DraftState | None = None
         rows = torch.arange(B, device=dev)
         while bool(active.any()):

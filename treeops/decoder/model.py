@@ -242,34 +242,54 @@ class Target(nn.Module):
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> Target:
-        """Load ``config.json`` + ``*.safetensors`` (HF Llama names); needs ``safetensors``."""
-        try:
-            from safetensors.torch import load_file
-        except ImportError as e:  # optional dependency
-            raise ImportError("loading weights needs the 'safetensors' package") from e
-        path = Path(path)
-        cfg = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+    def from_state_dict(
+        cls, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    ) -> Target:
+        """A target from HF Llama-named tensors (``model.embed_tokens.weight``,
+        ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``...mlp.{gate,up,down}_proj``,
+        ``...input_layernorm``/``post_attention_layernorm``, ``model.norm``, ``lm_head``)."""
         model = cls(cfg)
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(path.glob("*.safetensors")):
-            state.update(load_file(str(f)))
+        state = {k: v for k, v in state.items() if "rotary_emb" not in k}
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         model.load_state_dict(state, strict=True)
         return model.to(dtype)
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write ``config.json`` + ``model.safetensors`` (needs ``safetensors``)."""
-        from safetensors.torch import save_file
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> Target:
+        """Load a local HF Llama directory: ``config.json`` and ``*.safetensors`` (needs the
+        optional ``safetensors`` package) or, failing those, ``*.bin`` (``torch.load``)."""
+        path = Path(path)
+        cfg = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+        state: dict[str, torch.Tensor] = {}
+        files = sorted(path.glob("*.safetensors"))
+        if files:
+            try:
+                from safetensors.torch import load_file
+            except ImportError as e:  # optional dependency
+                raise ImportError(f"{path} holds safetensors: install 'safetensors'") from e
+            for f in files:
+                state.update(load_file(str(f)))
+        else:
+            for f in sorted(path.glob("*.bin")):
+                state.update(torch.load(f, map_location="cpu", weights_only=True))
+        if not state:
+            raise FileNotFoundError(f"no *.safetensors or *.bin weights in {path}")
+        return cls.from_state_dict(cfg, state, dtype)
 
+    def save_pretrained(self, path: str | Path, safetensors: bool = True) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (needs the ``safetensors`` package)
+        or, with ``safetensors=False``, ``pytorch_model.bin``."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
-        save_file(
-            {k: v.contiguous() for k, v in self.state_dict().items()},
-            str(path / "model.safetensors"),
-        )
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        if safetensors:
+            from safetensors.torch import save_file
+
+            save_file(state, str(path / "model.safetensors"))
+        else:
+            torch.save(state, path / "pytorch_model.bin")
 
 
 class Draft(nn.Module):
