@@ -368,3 +368,26 @@ def test_mixed_sampling_params(pair, baseline):
     )
     assert res.tokens[0] == baseline[0] and res.tokens[2] == baseline[2]
     assert len(res.tokens[1]) == NEW
+
+
+def test_kv_append_kernel_accepts_negative_relative_depth():
+    """The draft's frontier write passes depths relative to a shifted base (negative ones
+    included); the Triton kernel (interpreted here) must rotate exactly as the reference."""
+    from treeops.kernels import kv_append as KA
+    from treeops.reference import kv_append as RK
+
+    g = torch.Generator().manual_seed(0)
+    B, R, H, D, page = 2, 3, 2, 64, 4
+    k = torch.randn(B, R, H, D, generator=g)
+    v = torch.randn(B, R, H, D, generator=g)
+    bt = torch.tensor([[3, 1, 0, 2, 7, 5], [4, 6, 8, 9, 10, 11]], dtype=torch.int32)
+    base = torch.tensor([9, 4], dtype=torch.int32)
+    n = torch.tensor([3, 2], dtype=torch.int32)
+    rel = torch.tensor([[-2, -3, -4], [-1, 0, -1]], dtype=torch.int32)
+    kc = torch.zeros(12, page, H, D)
+    vc = torch.zeros(12, page, H, D)
+    kc2, vc2 = kc.clone(), vc.clone()
+    RK.kv_append(k, v, kc, vc, bt, base, n, rel, rope_theta=10000.0)
+    KA.kv_append_fwd(k, v, kc2, vc2, bt, base, n, rel, 10000.0)
+    torch.testing.assert_close(kc2, kc, rtol=1e-5, atol=1e-5)
+    assert torch.equal(vc2, vc)
