@@ -391,3 +391,17 @@ def test_kv_append_kernel_accepts_negative_relative_depth():
     KA.kv_append_fwd(k, v, kc2, vc2, bt, base, n, rel, 10000.0)
     torch.testing.assert_close(kc2, kc, rtol=1e-5, atol=1e-5)
     assert torch.equal(vc2, vc)
+
+
+@pytest.mark.parametrize("policy", ["EagleStatic", "CastGraft"])
+def test_greedy_batch_of_eight(pair, baseline, policy):
+    """B = 8, ragged prompts (1 to 9 tokens) and ragged budgets."""
+    target, _ = pair
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 128, (1 + b,), generator=g).tolist() for b in range(8)]
+    prompts[3] = PROMPTS[0]
+    budgets = [6, 2, 9, NEW, 1, 5, 7, 3]
+    want = [_greedy_baseline(target, p, m) for p, m in zip(prompts, budgets)]
+    assert want[3] == baseline[0]
+    res = _decoder(pair, policy).generate(prompts, budgets)
+    assert res.tokens == want
