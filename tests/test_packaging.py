@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 PROBE = r"""
 import importlib.util, sys, pathlib
-import treeops, treeops.kernels, treeops.reference
+import treeops, treeops.kernels, treeops.reference, treeops.decoder
 for top in ("kernels", "reference"):
     assert importlib.util.find_spec(top) is None, f"{top} is importable as a top-level package"
 print(pathlib.Path(treeops.__file__).resolve())
