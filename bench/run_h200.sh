@@ -2,7 +2,10 @@
 # Everything that belongs to one H200 device call: GPU tests, compute-sanitizer, benchmarks.
 # Usage (on the GPU machine, in the repo root): OUT=dir bash bench/run_h200.sh STAGE...
 # Stages: tests:<names>  memcheck:<names>  calibrate  bench_build  bench_accept  bench_graft
-#         bench_attention   (<names>: comma list of attention,build,accept,graft,cast).
+#         bench_attention  bench_e2e  (<names>: comma list of attention,build,accept,graft,cast,
+#         decoder). A stage may carry its own time limit: calibrate@240.
+# Tests run on XDIST workers (default 8) when pytest-xdist is importable (carry its wheel in
+# .whl/): the first use of every kernel configuration compiles, and compiling is CPU-bound.
 # Each stage runs under its own time limit (STAGE_LIMIT, seconds) so that one slow stage cannot
 # take the others' results with it; a log per call and the JSON files land in $OUT.
 set -u
@@ -22,23 +25,29 @@ files() { local f=""; for n in ${1//,/ }; do
   if [ -f "tests/test_${n}_gpu.py" ]; then f="$f tests/test_${n}_gpu.py"; else f="$f tests/test_${n}.py"; fi
 done; echo $f; }
 summary=""
-for stage in "$@"; do
+XD=""
+python3 -c "import xdist" 2>/dev/null && XD="-n ${XDIST:-8}"
+for spec in "$@"; do
   t0=$(date +%s)
+  stage=${spec%@*}
+  limit=$LIMIT
+  [ "$spec" != "$stage" ] && limit=${spec##*@}
   case $stage in
-    tests:*) cmd="python3 -m pytest -q -m gpu -p no:cacheprovider $(files ${stage#tests:})";;
-    memcheck:*) cmd="compute-sanitizer --tool memcheck --error-exitcode 17 python3 -m pytest -q -m gpu -k 'memcheck or accept_gpu or graft_gpu' -p no:cacheprovider $(files ${stage#memcheck:})";;
+    tests:*) cmd="python3 -m pytest -q -m gpu -p no:cacheprovider $XD --durations=8 $(files ${stage#tests:})";;
+    memcheck:*) cmd="compute-sanitizer --tool memcheck --target-processes all --error-exitcode 17 python3 -m pytest -q -m gpu -k '${MEMCHECK_K:-memcheck or accept_gpu or graft_gpu}' -p no:cacheprovider $XD $(files ${stage#memcheck:})";;
     calibrate) cmd="python3 bench/calibrate_cost_table.py --out $OUT ${CAL_ARGS:-}";;
-    bench_build) cmd="python3 bench/bench_tree_build_cast.py --out $OUT --table $OUT/cost_table_h200.json --ops ${BUILD_OPS:-layer,rerank_build,step} ${BUILD_ARGS:-}";;
+    bench_build) cmd="python3 bench/bench_tree_build_cast.py --out $OUT --table ${TABLE:-$OUT/cost_table_h200.json} --ops ${BUILD_OPS:-layer,rerank_build,step} ${BUILD_ARGS:-}";;
     bench_accept) cmd="python3 bench/bench_accept.py --out $OUT ${ACCEPT_ARGS:-}";;
     bench_graft) cmd="python3 bench/bench_graft.py --out $OUT";;
     bench_attention) cmd="python3 bench/bench_tree_attention.py --out $OUT ${ATT_ARGS:-}";;
+    bench_e2e) cmd="python3 bench/bench_e2e.py --out $OUT ${E2E_ARGS:-}";;
     *) echo "unknown stage $stage"; continue;;
   esac
   echo "=== $stage: $cmd" | tee -a "$LOG"
-  TREEOPS_GPU_TESTS=1 timeout "$LIMIT" bash -c "$cmd" >>"$LOG" 2>&1
+  TREEOPS_GPU_TESTS=1 timeout "$limit" bash -c "$cmd" >>"$LOG" 2>&1
   rc=$?
   dt=$(( $(date +%s) - t0 ))
   tail -n 25 "$LOG" | grep -E "passed|failed|error|ERROR SUMMARY|Traceback|Error" | tail -n 4
-  summary="$summary\n$(printf '%-28s rc=%-4s %4ss' "$stage" "$rc" "$dt")"
+  summary="$summary\n$(printf '%-34s rc=%-4s %4ss' "$stage" "$rc" "$dt")"
 done
 echo -e "\n=== summary$summary" | tee -a "$LOG"
