@@ -25,7 +25,15 @@ from torch import nn
 from ..attention import kv_append, rope, tree_attention
 from ..tree import Tree
 
-__all__ = ["ModelConfig", "PagedKV", "Target", "Draft", "chain_tree", "reference_forward"]
+__all__ = [
+    "ModelConfig",
+    "PagedKV",
+    "Target",
+    "Draft",
+    "chain_tree",
+    "reference_forward",
+    "rope_tables",
+]
 
 
 @dataclass
@@ -157,6 +165,39 @@ class Attention(nn.Module):
         o = o.gather(1, idx[:, :, None, None].expand(B, R, Hq, D))
         return self.o_proj(o.reshape(B, R, -1))
 
+    def forward_causal(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training path: x [B, T, H] is a whole sequence at positions 0..T-1, causal SDPA, no
+        cache. ``cos``/``sin`` [T, D] from ``rope_tables``."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q = _rotate(self.q_proj(x).view(B, T, Hq, D), cos, sin).transpose(1, 2)
+        k = _rotate(self.k_proj(x).view(B, T, Hkv, D), cos, sin).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
+        if Hq != Hkv:
+            k = k.repeat_interleave(Hq // Hkv, dim=1)
+            v = v.repeat_interleave(Hq // Hkv, dim=1)
+        o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, Hq * D))
+
+
+def rope_tables(
+    T: int, d: int, theta: float, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] fp32 for positions 0..T-1, the angles ``treeops.rope`` uses (HF Llama's
+    ``inv_freq``, rotate-half layout)."""
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    ang = torch.arange(T, device=device).float()[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [B, T, H, D] with cos/sin [T, D]: fp32 math, x's dtype (as ``treeops.rope``)."""
+    d = x.shape[-1]
+    xf = x.float()
+    rot = torch.cat([-xf[..., d // 2 :], xf[..., : d // 2]], -1)
+    return (xf * cos[:, None, :] + rot * sin[:, None, :]).to(x.dtype)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -179,6 +220,10 @@ class Layer(nn.Module):
 
     def forward(self, x, kv, layer, seq_lens, tree, q_start=None, q_len=None):
         x = x + self.self_attn(self.input_layernorm(x), kv, layer, seq_lens, tree, q_start, q_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_causal(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.forward_causal(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -227,6 +272,25 @@ class Target(nn.Module):
             x = layer(x, kv, i, seq_lens, tree)
         h = self.model.norm(x)
         return self.head(h), h
+
+    def forward_train(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training forward: whole sequences ``tokens`` [B, T] at positions 0..T-1 with a causal
+        mask (PyTorch SDPA, no cache, no treeops), the same weights as ``forward``. Returns
+        ``(logits [B, T, V] float32, hidden [B, T, H])``, ``hidden`` being the feature the draft
+        consumes (as in ``forward``)."""
+        h = self.features_train(tokens)
+        return self.head(h), h
+
+    def features_train(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``forward_train``'s hidden [B, T, H] only (the training loss applies the head itself,
+        in the autocast dtype)."""
+        cos, sin = rope_tables(
+            tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, tokens.device
+        )
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer.forward_causal(x, cos, sin)
+        return self.model.norm(x)
 
     def make_cache(self, batch, max_len, **kw) -> PagedKV:
         c = self.cfg
@@ -315,6 +379,22 @@ class Draft(nn.Module):
             torch.cat([target.model.embed_tokens(tokens), feats.to(self.fc.weight.dtype)], -1)
         )
         h = self.layer(x, kv, 0, seq_lens, tree, q_start, q_len)
+        return target.head(self.norm(h)), h
+
+    def forward_train(
+        self, target: Target, tokens: torch.Tensor, feats: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training forward over whole sequences: ``tokens`` [B, T], ``feats`` [B, T, H] (the
+        parent position's feature of each token, zeros at position 0, as the decoder's
+        prefill feeds it) -> ``(logits [B, T, V] float32, hidden [B, T, H])``; causal SDPA at
+        positions 0..T-1, no cache, the same weights as ``forward``."""
+        cos, sin = rope_tables(
+            tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, tokens.device
+        )
+        x = self.fc(
+            torch.cat([target.model.embed_tokens(tokens), feats.to(self.fc.weight.dtype)], -1)
+        )
+        h = self.layer.forward_causal(x, cos, sin)
         return target.head(self.norm(h)), h
 
     @torch.no_grad()
