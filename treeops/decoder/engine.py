@@ -30,6 +30,19 @@ Choices:
   0 and are ignored). Each draft forward computes only the frontier rows (``q_start/q_len``).
 * Finished requests stay in the batch as inactive rows (``num_nodes = 0``).
 
+CUDA graphs (``cuda_graphs=True``, DESIGN.md "Dynamic trees and CUDA graphs"): the target's
+verification forward, the draft's frontier forwards and the draft catch-up run as CUDA graphs, one
+per (kind, batch size, token bucket), captured lazily on first use. The token count of each forward
+is padded up to a bucket (``token_buckets``) chosen on the host from the decisions treeops wrote to
+pinned memory, read after one event wait per decision point: after each CAST draft layer (width of
+the next frontier and whether to go on), after the rerank (verification count) and after
+acceptance (accepted lengths, bonus tokens, which requests are done: the catch-up bucket and the
+loop's end). EAGLE/chain trees have static sizes and wait only after acceptance. Everything a
+graph reads lives in static buffers of ``_StaticBatch`` (paged caches and block tables, seq_lens,
+the verification tree, the draft's working tree, frontier inputs); padding nodes beyond
+``num_nodes`` are masked out by every op. ``static_shapes=True`` without ``cuda_graphs`` runs the
+same bucketed code path eagerly (how the CPU tests check it).
+
 Workarounds of op gaps (see the final report / README): ``kv_append`` has no row offset, so the
 draft's frontier-only write shifts its ``seq_lens`` base by ``q_start`` and passes depths relative
 to it (possibly negative).
@@ -39,6 +52,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,10 +61,18 @@ from ..build import Cast, DraftState, EagleStatic, build_tree_emit, build_tree_e
 from ..compact import compact_kv
 from ..graft import AdjacencyTable, PruneCheckpoints, RankTemplate, graft, prune
 from ..reference.cast import CostTable
-from ..tree import Tree
-from .model import Draft, Target, chain_tree
+from ..tree import Tree, anc_words, bit_value
+from .model import Draft, PagedKV, Target, chain_tree
 
-__all__ = ["POLICIES", "SamplingParams", "DecodeResult", "Decoder", "synthetic_cost_table"]
+__all__ = [
+    "POLICIES",
+    "SamplingParams",
+    "DecodeResult",
+    "Decoder",
+    "synthetic_cost_table",
+    "token_buckets",
+    "bucket_for",
+]
 
 POLICIES = ("autoregressive", "chain", "EagleStatic", "Cast", "CastGraft")
 
@@ -75,6 +97,18 @@ class DecodeResult:
     time_tree: float = 0.0  # s: treeops tree build / prune / graft / accept / compact / table
     time_verify: float = 0.0  # s: target forwards
     time_prefill: float = 0.0
+    # The times above are host (perf_counter) times: on a GPU they measure enqueueing, not the
+    # work, unless the decoder runs with ``profile=True`` (a device sync at every boundary).
+    time_host_wait: float = 0.0  # s: blocked on decision events (static/graph path only)
+    host_waits: int = 0  # event waits (decision points) taken
+    time_decode: float = 0.0  # s: wall time of the decoding loop (prefill excluded)
+    time_capture: float = 0.0  # s: CUDA-graph warm-up + capture (included in time_decode)
+    graphs_captured: int = 0
+    verify_buckets: list[int] = field(default_factory=list)  # per step (static path)
+    draft_buckets: list[list[int]] = field(default_factory=list)  # per step, per draft forward
+    catchup_buckets: list[int] = field(default_factory=list)  # per step (0: skipped)
+    undersized: int = 0  # steps whose tree exceeded its verify bucket (clamped; must stay 0)
+    profiled: bool = False
 
     @property
     def accepted_per_step(self) -> list[float]:
@@ -91,6 +125,48 @@ class DecodeResult:
         tot = sum(sum(r) for r in self.emitted)
         n = sum(sum(1 for e in r if e > 0) for r in self.emitted)
         return tot / max(1, n)
+
+    def stats(self) -> dict[str, Any]:
+        """Scalars for a report: tokens, steps, acceptance, the time split and the host waits."""
+        ntok = sum(len(t) for t in self.tokens)
+        return {
+            "tokens": ntok,
+            "steps": self.steps,
+            "mean_accepted": self.mean_accepted,
+            "time_decode_s": self.time_decode,
+            "time_prefill_s": self.time_prefill,
+            "time_draft_s": self.time_draft,
+            "time_tree_s": self.time_tree,
+            "time_verify_s": self.time_verify,
+            "time_host_wait_s": self.time_host_wait,
+            "host_waits": self.host_waits,
+            "host_wait_us_per_wait": 1e6 * self.time_host_wait / max(1, self.host_waits),
+            "time_capture_s": self.time_capture,
+            "graphs_captured": self.graphs_captured,
+            "undersized": self.undersized,
+            "profiled": self.profiled,
+        }
+
+
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def token_buckets(capacity: int) -> list[int]:
+    """Token counts a forward of at most ``capacity`` tokens per request is padded up to: the
+    members of ``TOKEN_BUCKETS`` below ``capacity``, then ``capacity`` itself."""
+    if capacity < 1:
+        raise ValueError(f"Invalid value of capacity: expected >= 1, got {capacity}")
+    return [b for b in TOKEN_BUCKETS if b < capacity] + [capacity]
+
+
+def bucket_for(n: int, capacity: int) -> int:
+    """The smallest bucket of ``token_buckets(capacity)`` holding ``n`` tokens (``n`` is clamped
+    to ``[1, capacity]``): never smaller than ``n`` while ``n <= capacity``."""
+    n = min(max(int(n), 1), capacity)
+    for b in token_buckets(capacity):
+        if b >= n:
+            return b
+    return capacity  # unreachable: capacity is the last bucket
 
 
 def synthetic_cost_table(n_max: int = 64) -> CostTable:
@@ -122,6 +198,17 @@ class Decoder:
         checkpoints, template, adjacency_k: Graft's pruning checkpoints, rank template and
             successor-table width (``CastGraft``).
         page_size: KV cache page size.
+        cuda_graphs: run the target's verification and the draft's forwards as CUDA graphs, one
+            per (batch size, token bucket), captured on first use (CUDA models only; a
+            ``ValueError`` otherwise). Prefill stays eager.
+        static_shapes: the graph path's code (static buffers, token buckets, decisions read
+            from pinned memory) without capturing; default ``cuda_graphs``. On the CPU it is how
+            the tests check that path.
+        profile: synchronise the device at every timing boundary so that ``time_draft``,
+            ``time_tree``, ``time_verify`` and ``time_host_wait`` split the GPU time (slower;
+            off, the host waits are measured and the rest is enqueue time).
+        check_buckets: check on the host that no forward's bucket is smaller than its tokens
+            (syncs; a ``RuntimeError`` if one is). Tests use it.
     """
 
     def __init__(
@@ -143,6 +230,10 @@ class Decoder:
         template: RankTemplate | None = None,
         adjacency_k: int = 8,
         page_size: int = 16,
+        cuda_graphs: bool = False,
+        static_shapes: bool | None = None,
+        profile: bool = False,
+        check_buckets: bool = False,
     ):
         if policy not in POLICIES:
             raise ValueError(f"Invalid policy: expected one of {POLICIES}, got {policy!r}")
@@ -171,6 +262,30 @@ class Decoder:
         self.template = template or RankTemplate.default()
         self.adjacency_k = adjacency_k
         self.table: AdjacencyTable | None = None
+        self.cuda_graphs = bool(cuda_graphs)
+        dev = target.model.embed_tokens.weight.device
+        if self.cuda_graphs:
+            bad = [
+                f"{name} on {m_dev}"
+                for name, m_dev in (
+                    ("target", dev),
+                    ("draft", None if self.draft is None else next(self.draft.parameters()).device),
+                )
+                if m_dev is not None and m_dev.type != "cuda"
+            ]
+            if bad or not torch.cuda.is_available():
+                raise ValueError(
+                    "Invalid value of cuda_graphs: True needs the target and draft on a CUDA "
+                    f"device, got {', '.join(bad) or 'no CUDA available'}; use cuda_graphs=False "
+                    "(the default) on the CPU"
+                )
+        self.static = self.cuda_graphs if static_shapes is None else bool(static_shapes)
+        if self.cuda_graphs and not self.static:
+            raise ValueError("Invalid value of static_shapes: cuda_graphs=True needs it True")
+        self.profile = bool(profile)
+        self.check_buckets = bool(check_buckets)
+        self._batches: dict[int, _StaticBatch] = {}
+        self._pool: Any = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -201,6 +316,8 @@ class Decoder:
         int or one per request) or a stop id (kept in the output). ``sampling``: one
         ``SamplingParams`` for the batch or one per request (temperature 0 rows are greedy);
         uniforms come from ``generator`` (CPU), one per tree node per step."""
+        if self.static:
+            return self._generate_static(prompts, max_new_tokens, stop_ids, sampling, generator)
         tgt, dft = self.target, self.draft
         dev = tgt.model.embed_tokens.weight.device
         B = len(prompts)
@@ -260,6 +377,7 @@ class Decoder:
         top_p = torch.tensor([sp.top_p for sp in per_req], dtype=torch.float32, device=dev)
         state: DraftState | None = None
         rows = torch.arange(B, device=dev)
+        t_loop = time.perf_counter()
         while bool(active.any()):
             root = torch.where(active, root, 0)
             # ---- draft
@@ -324,6 +442,7 @@ class Decoder:
             if stops is not None:
                 done |= (acc.bonus[:, None] == stops[None, :]).any(1)
             active = active & ~done
+        res.time_decode = time.perf_counter() - t_loop
         return res
 
     # ------------------------------------------------------------------ draft
@@ -399,3 +518,464 @@ class Decoder:
             res.grafted.append(int((tree.num_nodes - pruned.num_nodes).sum()))
         res.time_tree += time.perf_counter() - t0
         return tree, state
+
+    # ============================================================ static / CUDA-graph path
+    def _clock(self) -> float:
+        """A timing boundary: ``perf_counter``, after a device sync under ``profile``."""
+        if self.profile and self._dev.type == "cuda":
+            torch.cuda.synchronize(self._dev)
+        return time.perf_counter()
+
+    def _wait(self, res: DecodeResult, fn):
+        """One decision point: ``fn()`` waits on one event and reads the pinned buffer."""
+        t0 = self._clock()
+        out = fn()
+        res.time_host_wait += time.perf_counter() - t0
+        res.host_waits += 1
+        return out
+
+    def _batch(self, B: int, max_len: int) -> _StaticBatch:
+        sb = self._batches.get(B)
+        if sb is None or sb.max_len < max_len:
+            cap = 256
+            while cap < max_len:
+                cap *= 2
+            self._batches.pop(B, None)  # its graphs read the old caches: drop them
+            sb = _StaticBatch(self, B, cap)
+            self._batches[B] = sb
+        return sb
+
+    def _replay(self, sb: _StaticBatch, key: tuple, body, res: DecodeResult):
+        """Run ``body`` (a forward over static buffers) as the CUDA graph of ``key``, capturing it
+        on first use (two eager warm-up calls on a side stream first: Triton compiles there);
+        eagerly without ``cuda_graphs``. Returns the body's outputs (static while the graph
+        lives; consume them before the next replay of any graph: the pool is shared)."""
+        if not self.cuda_graphs:
+            return body()
+        ent = sb.graphs.get(key)
+        if ent is None:
+            t0 = time.perf_counter()
+            try:
+                s = torch.cuda.Stream(self._dev)
+                s.wait_stream(torch.cuda.current_stream(self._dev))
+                with torch.cuda.stream(s):
+                    for _ in range(2):
+                        body()
+                torch.cuda.current_stream(self._dev).wait_stream(s)
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool):
+                    out = body()
+            except Exception as e:
+                raise RuntimeError(
+                    f"treeops decoder: CUDA-graph capture of the {key[0]} forward failed "
+                    f"(policy {self.name}, B={sb.B}, {key[1]} tokens per request): "
+                    f"{type(e).__name__}: {e}. Something in that forward syncs with the host or "
+                    "allocates outside the graph; cuda_graphs=False runs it eagerly."
+                ) from e
+            ent = sb.graphs[key] = (g, out)
+            res.time_capture += time.perf_counter() - t0
+            res.graphs_captured += 1
+        g, out = ent
+        g.replay()
+        return out
+
+    @torch.no_grad()
+    def _generate_static(self, prompts, max_new_tokens, stop_ids, sampling, generator):
+        tgt, dft = self.target, self.draft
+        dev = self._dev
+        B = len(prompts)
+        if B == 0 or any(len(p) < 1 for p in prompts):
+            raise ValueError("expected at least one prompt, each of at least one token")
+        budget = [max_new_tokens] * B if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(budget) != B:
+            raise ValueError(f"expected {B} budgets, got {len(budget)}")
+        samp = sampling or SamplingParams()
+        per_req = samp if isinstance(samp, list) else [samp] * B
+        if len(per_req) != B:
+            raise ValueError(f"expected {B} SamplingParams, got {len(per_req)}")
+        greedy = all(sp.temperature <= 0 for sp in per_req)
+        g = generator or torch.Generator().manual_seed(0)
+        N, Nd = self.capacity, self.draft_capacity
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
+        max_len = max(len(p) for p in prompts) + max(budget) + N + Nd + 1
+        sb = self._batch(B, max_len)
+        tkv, dkv = sb.tkv, sb.dkv
+        stops = None
+        if stop_ids:
+            stops = torch.tensor(stop_ids, dtype=torch.int64, device=dev)
+            stop_set = set(int(x) for x in stop_ids)
+        res = DecodeResult(tokens=[[] for _ in range(B)], profiled=self.profile)
+        H = tgt.cfg.hidden_size
+        wdtype = tgt.model.embed_tokens.weight.dtype
+
+        # ---- prefill (eager), as in generate
+        t0 = self._clock()
+        seq_lens = sb.seq_lens
+        seq_lens.copy_(lens - 1)
+        P = max(len(p) for p in prompts) - 1
+        root = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=dev)
+        root_feat = torch.zeros(B, H, dtype=wdtype, device=dev)
+        if self.graft:
+            self.table = AdjacencyTable(tgt.cfg.vocab_size, k=self.adjacency_k, device=dev)
+        if P > 0:
+            ptok = torch.zeros(B, P, dtype=torch.int64, device=dev)
+            for b, p in enumerate(prompts):
+                ptok[b, : len(p) - 1] = torch.tensor(p[:-1], dtype=torch.int64)
+            plen = seq_lens.clone()
+            chain = chain_tree(ptok, plen)
+            zero = torch.zeros(B, dtype=torch.int32, device=dev)
+            logits, h = tgt(ptok, tkv, zero, chain)
+            if dft is not None:
+                feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
+                dft(tgt, ptok, feats, dkv, zero, chain)
+            last = (plen.long() - 1).clamp(min=0)
+            root_feat = torch.where(
+                (plen > 0)[:, None], h[torch.arange(B, device=dev), last], root_feat
+            )
+            if self.table is not None:
+                self.table.warm_start(ptok, logits.contiguous(), plen)
+            del logits, h
+        res.time_prefill = self._clock() - t0
+
+        t_loop = time.perf_counter()
+        remaining = torch.tensor(budget, dtype=torch.int64, device=dev)
+        active = remaining > 0
+        host_active = [m > 0 for m in budget]
+        host_remaining = list(budget)
+        temperature = torch.tensor(
+            [max(0.0, sp.temperature) for sp in per_req], dtype=torch.float32, device=dev
+        )
+        top_k = torch.tensor([sp.top_k for sp in per_req], dtype=torch.int32, device=dev)
+        top_p = torch.tensor([sp.top_p for sp in per_req], dtype=torch.float32, device=dev)
+        rows = torch.arange(B, device=dev)
+        vin = sb.vin
+        while any(host_active):
+            root = torch.where(active, root, 0)
+            # ---- draft into sb.vin (its size on the host: n = the verify bucket)
+            if self.policy is None:
+                t0 = self._clock()
+                vin.tokens[:, 0] = root
+                vin.num_nodes.copy_(active.to(torch.int32))
+                n = 1
+                res.time_tree += self._clock() - t0
+            else:
+                n = self._draft_static(sb, root, root_feat, active, res)
+            res.verify_buckets.append(n)
+            if self.check_buckets and int(vin.num_nodes.max()) > n:
+                raise RuntimeError(
+                    f"verify bucket {n} < num_nodes {vin.num_nodes.tolist()} (policy {self.name})"
+                )
+            # ---- verify: the graph of bucket n
+            t0 = self._clock()
+            tree, logits, h = self._replay(sb, ("verify", n), sb.verify_body(n), res)
+            t1 = self._clock()
+            res.time_verify += t1 - t0
+            # ---- accept, learn successors, compact (eager treeops ops: no host sync)
+            kk = self.adjacency_k if self.table is not None else 0
+            mnt = remaining.clamp(min=1)
+            if greedy:
+                acc = accept_greedy(tree, logits, stop_ids=stops, max_new_tokens=mnt, topk_ids=kk)
+            else:
+                u = torch.rand(B, N, generator=g)[:, :n].contiguous().to(dev)
+                acc = accept_sample(
+                    tree, logits, temperature, top_k, top_p, u,
+                    stop_ids=stops, max_new_tokens=mnt, topk_ids=kk,
+                )  # fmt: skip
+            if self.table is not None:
+                self.table.update(tree, topk_ids=acc.topk)
+            new_lens = compact_kv(
+                tkv.k, tkv.v, tkv.block_table, seq_lens, tree, acc.accepted, acc.accept_len
+            )
+            alen = acc.accept_len.long()
+            path = acc.accepted.long().clamp(min=0)  # [B, n]
+            path_tok = tree.tokens.gather(1, path)
+            path_h = h[rows[:, None], path]  # [B, n, H]
+            remaining = remaining - alen
+            done = remaining <= 0
+            if stops is not None:
+                done |= (acc.bonus[:, None] == stops[None, :]).any(1)
+            new_active = active & ~done
+            # one pinned copy of what the host needs: accepted lengths, bonus, verified sizes,
+            # grafted counts, the emitted path tokens
+            pack = sb.pack[:, : 4 + n]
+            pack[:, 0] = alen
+            pack[:, 1] = acc.bonus
+            pack[:, 2] = vin.num_nodes
+            pack[:, 3] = sb.grafted
+            pack[:, 4:] = path_tok
+            sb.host_pack[:, : 4 + n].copy_(pack, non_blocking=True)
+            if dev.type == "cuda":
+                sb.pack_event.record()
+            res.time_tree += self._clock() - t1
+
+            def read_pack(sb=sb, n=n):
+                if dev.type == "cuda":
+                    sb.pack_event.synchronize()
+                return sb.host_pack[:, : 4 + n].tolist()
+
+            host = self._wait(res, read_pack)
+            t0 = self._clock()
+            emitted_row, verified_row, grafted = [], [], 0
+            for b in range(B):
+                a, bonus, nv, gr = host[b][:4]
+                emitted_row.append(a)
+                verified_row.append(nv)
+                grafted += gr
+                if nv > n:
+                    res.undersized += 1
+                if a == 0:
+                    continue
+                res.tokens[b].extend(host[b][5 : 4 + a] + [bonus])  # path minus the root
+                host_remaining[b] -= a
+                if host_remaining[b] <= 0 or (stops is not None and bonus in stop_set):
+                    host_active[b] = False
+            res.emitted.append(emitted_row)
+            res.verified.append(verified_row)
+            if self.graft:
+                res.grafted.append(grafted)
+            res.steps += 1
+            res.time_tree += self._clock() - t0
+            # ---- draft catch-up over the accepted path: the graph of bucket max(accept_len)
+            amax = max(emitted_row)
+            if dft is not None and amax > 0:
+                t0 = self._clock()
+                rc = bucket_for(amax, N)
+                j = torch.arange(n, device=dev)[None, :]
+                sb.c_tok[:, :n] = torch.where(j < alen[:, None], path_tok, 0)
+                sb.c_feat[:, 0] = root_feat
+                sb.c_feat[:, 1:n] = path_h[:, : n - 1]
+                sb.c_len.copy_(acc.accept_len)
+                self._replay(sb, ("catchup", rc), sb.catchup_body(rc), res)
+                res.catchup_buckets.append(rc)
+                res.time_draft += self._clock() - t0
+            else:
+                res.catchup_buckets.append(0)
+            t0 = self._clock()
+            last = (alen - 1).clamp(min=0)
+            root_feat = torch.where(active[:, None], path_h[rows, last], root_feat)
+            seq_lens.copy_(torch.where(active, new_lens, seq_lens))
+            root = torch.where(active, acc.bonus, root)
+            active = new_active
+            res.time_tree += self._clock() - t0
+        if self.profile and dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        res.time_decode = time.perf_counter() - t_loop
+        return res
+
+    def _draft_static(self, sb: _StaticBatch, root, root_feat, active, res: DecodeResult) -> int:
+        """Draft one step's tree into ``sb.vin``; returns the verify bucket. The draft's working
+        tree ``sb.dtree`` is updated in place layer by layer (parents, tokens, depth, anc,
+        num_nodes: what the forwards read; its sibling links are not kept)."""
+        pol, dft = self.policy, self.draft
+        assert pol is not None and dft is not None
+        B = root.shape[0]
+        W, K = pol.max_width, pol.topk
+        C = W * K
+        N = self.capacity
+        dt = sb.dtree
+        t0 = self._clock()
+        if sb.state is None:
+            sb.state = DraftState.new(pol, root, sb.seq_lens, active)
+        else:
+            sb.state.reset(root, sb.seq_lens, active)
+        st = sb.state
+        act = active.to(torch.int32)
+        dt.tokens[:, 0] = root
+        dt.num_nodes.copy_(act)
+        sb.d_tok[:, 0] = root
+        sb.d_feat[:, 0] = root_feat
+        sb.d_qs.zero_()
+        sb.d_qlen.copy_(act)
+        keep = self.checkpoints.start(B, self._dev) if self.graft else None
+        if self.graft:
+            sb.grafted.zero_()
+        R = 1
+        res.time_tree += self._clock() - t0
+        buckets = []
+        while True:
+            i = st.layer
+            t0 = self._clock()
+            if i > 0:  # the frontier of layer i: nodes q_start .. q_start + W - 1
+                qs = 1 + (i - 1) * W
+                c = st.frontier.long()  # [B, W] candidate index in layer i-1, -1 = unused
+                rp = ((c - (i - 1) * C) // K).clamp(min=0)
+                pnode = torch.zeros_like(rp) if i == 1 else 1 + (i - 2) * W + rp
+                pnode = torch.where(c >= 0, pnode, 0)
+                Wd = dt.anc.shape[2]
+                dt.parents[:, qs : qs + W] = pnode.to(torch.int32)
+                dt.tokens[:, qs : qs + W] = st.frontier_tokens
+                dt.depth[:, qs : qs + W] = dt.depth.gather(1, pnode) + 1
+                pa = dt.anc.gather(1, pnode[:, :, None].expand(B, W, Wd))
+                dt.anc[:, qs : qs + W] = pa | sb.self_bits[qs : qs + W]
+                dt.num_nodes.copy_(act * (1 + i * W))
+                sb.d_tok.copy_(st.frontier_tokens)
+                sb.d_feat.copy_(sb.hid.gather(1, pnode[:, :, None].expand(B, W, sb.hid.shape[2])))
+                sb.d_qs.fill_(qs)
+                sb.d_qlen.copy_(act * R)
+            else:
+                qs = 0
+            t1 = self._clock()
+            buckets.append(R)
+            self._replay(sb, ("draft", R), sb.draft_body(R), res)
+            sb.hid[:, qs : qs + R] = sb.d_h[:, :R]
+            t2 = self._clock()
+            build_tree_expand(sb.d_logits, st, pol)
+            stop_now = False
+            if keep is not None:
+                best = st.frontier_scores.max(1).values.float().contiguous()
+                stop = self.checkpoints.check(st.layer - 1, best, keep)
+                if B == 1:  # one request: stop drafting once pruned (a host read)
+                    stop_now = bool(self._wait(res, lambda stop=stop: bool(stop[0])))
+            t3 = self._clock()
+            res.time_draft += t2 - t1
+            res.time_tree += (t1 - t0) + (t3 - t2)
+            if stop_now:
+                break
+            if pol.is_cast:
+                # one event wait: the depth flag and the next frontier's width
+                more, width = self._wait(
+                    res, lambda: (st.wants_next_layer(), st.width(st.layer - 1))
+                )
+                R = bucket_for(width, W)
+            else:
+                more, R = st.layer < pol.depth, W
+            if not more or st.layer >= pol.max_depth:
+                break
+            if self.check_buckets and int(st.frontier_valid.sum(1).max()) > R:
+                raise RuntimeError(
+                    f"draft bucket {R} < valid frontier rows {st.frontier_valid.sum(1).tolist()}"
+                )
+        res.draft_buckets.append(buckets)
+        t0 = self._clock()
+        if keep is not None:
+            tree = build_tree_emit(st, pol, out=sb.emit_buf)
+            verify = tree.num_nodes.clone()
+            pruned = prune(tree, keep)
+            graft(pruned, self.table, self.template, budget=verify, out=sb.vin)
+            sb.grafted.copy_(sb.vin.num_nodes - pruned.num_nodes)
+        else:
+            build_tree_emit(st, pol, out=sb.vin)
+        res.time_tree += self._clock() - t0
+        if not pol.is_cast:
+            return N
+        return bucket_for(self._wait(res, st.verify_count), N)
+
+    @property
+    def _dev(self) -> torch.device:
+        return self.target.model.embed_tokens.weight.device
+
+
+class _StaticBatch:
+    """Static buffers of one batch size for the graph path: caches, seq_lens, the verification
+    tree (``vin``, capacity N; ``build_tree_emit``/``graft`` write into it), the draft's working
+    tree and frontier inputs/outputs, the catch-up inputs, a pinned copy-back buffer, and the
+    captured graphs keyed by (kind, token bucket)."""
+
+    def __init__(self, dec: Decoder, B: int, max_len: int):
+        tgt, dft = dec.target, dec.draft
+        dev = dec._dev
+        wdtype = tgt.model.embed_tokens.weight.dtype
+        H, V = tgt.cfg.hidden_size, tgt.cfg.vocab_size
+        N, Nd = dec.capacity, dec.draft_capacity
+        self.dec, self.B, self.max_len = dec, B, max_len
+        self.graphs: dict[tuple, tuple[Any, Any]] = {}
+        self.tkv: PagedKV = tgt.make_cache(B, max_len, page_size=dec.page_size, seed=1)
+        self.dkv: PagedKV | None = None
+        self.seq_lens = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.vin = Tree.empty(B, N, dev)
+        self.vin.anc[:, 0, 0] = 1  # (autoregressive: the one-node tree; others overwrite it)
+        self.grafted = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.pack = torch.zeros(B, 4 + N, dtype=torch.int64, device=dev)
+        pin = dev.type == "cuda"
+        self.host_pack = torch.zeros(B, 4 + N, dtype=torch.int64, pin_memory=pin)
+        self.pack_event = torch.cuda.Event() if pin else None
+        self.state: DraftState | None = None
+        if dft is None:
+            return
+        pol = dec.policy
+        assert pol is not None
+        W = pol.max_width
+        self.dkv = dft.make_cache(B, max_len, page_size=dec.page_size, seed=2)
+        self.dtree = Tree.empty(B, Nd, dev)
+        self.dtree.anc[:, 0, 0] = 1
+        self.self_bits = torch.zeros(Nd, anc_words(Nd), dtype=torch.int32, device=dev)
+        for k in range(Nd):
+            self.self_bits[k, k // 32] = bit_value(k)
+        self.hid = torch.zeros(B, Nd, H, dtype=wdtype, device=dev)
+        self.d_tok = torch.zeros(B, W, dtype=torch.int64, device=dev)
+        self.d_feat = torch.zeros(B, W, H, dtype=wdtype, device=dev)
+        self.d_qs = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.d_qlen = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.d_logits = torch.zeros(B, W, V, dtype=torch.float32, device=dev)
+        self.d_h = torch.zeros(B, W, H, dtype=wdtype, device=dev)
+        self.c_tok = torch.zeros(B, N, dtype=torch.int64, device=dev)
+        self.c_feat = torch.zeros(B, N, H, dtype=wdtype, device=dev)
+        self.c_len = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.chains: dict[int, Tree] = {}
+        self.emit_buf = Tree.empty(B, N, dev)
+
+    def verify_body(self, n: int):
+        """Target forward of the first ``n`` nodes of ``vin`` (num_nodes clamped to n, links past
+        it cut: a prefix of a rank-ordered tree is a tree). Returns (tree, logits, hidden)."""
+        vin, tgt, tkv, seq_lens = self.vin, self.dec.target, self.tkv, self.seq_lens
+
+        def body():
+            num = torch.clamp(vin.num_nodes, max=n)
+
+            def link(x):
+                x = x[:, :n]
+                return torch.where(x < num[:, None], x, -1).contiguous()
+
+            t = Tree(
+                tokens=vin.tokens[:, :n].contiguous(),
+                parents=vin.parents[:, :n].contiguous(),
+                num_nodes=num,
+                depth=vin.depth[:, :n].contiguous(),
+                anc=vin.anc[:, :n, : anc_words(n)].contiguous(),
+                first_child=link(vin.first_child),
+                next_sibling=link(vin.next_sibling),
+                scores=vin.scores[:, :n].contiguous(),
+            )
+            logits, h = tgt(t.tokens, tkv, seq_lens, t)
+            return t, logits, h
+
+        return body
+
+    def draft_body(self, R: int):
+        """Draft forward of frontier rows ``d_qs .. d_qs + R - 1`` of ``dtree``: logits and
+        hidden into rows ``:R`` of ``d_logits``/``d_h`` (rows past R are stale: invalid frontier
+        rows, ignored by ``build_tree_expand``)."""
+        dec = self.dec
+        dft = dec.draft
+        assert dft is not None
+
+        def body():
+            logits, h = dft(
+                dec.target, self.d_tok[:, :R], self.d_feat[:, :R], self.dkv, self.seq_lens,
+                self.dtree, self.d_qs, self.d_qlen,
+            )  # fmt: skip
+            self.d_logits[:, :R].copy_(logits)
+            self.d_h[:, :R].copy_(h)
+
+        return body
+
+    def catchup_body(self, R: int):
+        """Draft forward over the accepted path (a chain of ``c_len`` nodes, capacity R)."""
+        dec = self.dec
+        dft = dec.draft
+        assert dft is not None
+        if R not in self.chains:
+            dev = self.c_tok.device
+            full = torch.full((self.B,), R, dtype=torch.int32, device=dev)
+            ch = chain_tree(torch.zeros(self.B, R, dtype=torch.int64, device=dev), full)
+            ch.num_nodes = self.c_len  # the static lengths: nodes past them are masked out
+            self.chains[R] = ch
+        ch = self.chains[R]
+
+        def body():
+            tok = self.c_tok[:, :R].contiguous()
+            dft(dec.target, tok, self.c_feat[:, :R], self.dkv, self.seq_lens, ch)
+
+        return body
