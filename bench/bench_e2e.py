@@ -1,0 +1,564 @@
+"""End-to-end speed of the example decoder (issue 7): tokens/s per policy and batch size against
+plain autoregressive decoding of the same target, with the same paged cache and CUDA graphs.
+
+    python bench/bench_e2e.py --out DIR [--quick] [--budget-s S]       # H200: trains the pair
+    python bench/bench_e2e.py --out DIR --random-model --quick --no-graphs   # CPU smoke test
+
+Steps (each logged; ``DIR/e2e.json`` is rewritten after every row, so a run cut short keeps
+what it measured):
+
+1. Preflight (CUDA, graphs on): a tiny random fp32 pair decodes with every policy at B = 2 with
+   and without CUDA graphs; any difference or capture error turns graphs off for the run (the
+   JSON says why) instead of losing it.
+2. The pair: ``treeops.decoder.train.train_pair(PairConfig.h200(), "cuda", cache_dir)`` (or a
+   tiny random pair with ``--random-model``); decoding runs in bf16 on CUDA (fp32 on the CPU),
+   the fp32 target is kept as the reference for divergences.
+3. A small CAST cost table for this model (``treeops.CostTable.measure_grid`` over the
+   decoder's own target forward of n tree nodes and draft forward of n frontier rows, CUDA-graph
+   replays, few points), saved as ``DIR/e2e_cost_table.json``.
+4. For each B (priority order 1, 64, 8, 4, 16, 32; ``--quick``: 1, 64, 8) the held-out prompts
+   (cycled to B, the last ``--prompt-len`` tokens), greedy, ``--new-tokens`` each:
+   autoregressive first, then chain / EagleStatic / Cast / CastGraft. Each decoder runs once to
+   capture its graphs (warm-up), once timed (tokens/s = generated tokens / decode-loop wall
+   time, prefill and captures excluded; host waits measured), and once with ``profile=True``
+   (a device sync at every boundary) for the time split draft / tree ops / verify / host waits.
+5. Greedy correctness in bf16: each policy's output against the autoregressive output; at the
+   first divergence of a request (after it the contexts differ), the fp32 target's logits at
+   that position decide: a *near-tie* if ``|l[a] - l[p]| < 0.05 * scale`` (a = the
+   autoregressive token, p = the policy's, scale = the standard deviation of that logits row:
+   bf16 rounds a logit of size |l| by up to 2^-9 |l| and the tree forward sums in another order),
+   otherwise a *mismatch* (a bug). Top-2 gaps are recorded too.
+
+Writes ``DIR/e2e.json`` (``gpu``, ``versions``, ``commit``, ``model``, ``cost_table``, ``rows``)
+and ``DIR/e2e.png`` (speedup over autoregressive against B, per policy; needs matplotlib), and
+prints a table last. ``--budget-s`` (wall clock from the start, training included) stops adding
+rows once the next one would not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from treeops import CostTable  # noqa: E402
+from treeops.decoder import Decoder, Draft, ModelConfig, Target  # noqa: E402
+from treeops.decoder.engine import synthetic_cost_table  # noqa: E402
+from treeops.decoder.model import chain_tree, reference_forward  # noqa: E402
+from treeops.tree import Tree  # noqa: E402
+
+SPEC_POLICIES = ("chain", "EagleStatic", "Cast", "CastGraft")
+BATCHES = (1, 64, 8, 4, 16, 32)  # priority order: the claims are about B = 1 and the largest
+QUICK_BATCHES = (1, 64, 8)
+NEAR_TIE_REL = 0.05  # near-tie: |l[a] - l[p]| < NEAR_TIE_REL * std(logits row)
+MAX_DIVERGENCES_CHECKED = 48  # per row: fp32 reference forwards are cheap but not free
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------ models
+def random_pair(device: torch.device, small: bool) -> tuple[Target, Draft, dict]:
+    """A target close to its bigram part (layers scaled by 0.1) and its bigram draft: drafts are
+    often right, as with a trained pair (the tests' construction)."""
+    if small:
+        cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=64, tie_word_embeddings=False)  # fmt: skip
+    else:
+        cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=64, tie_word_embeddings=False)  # fmt: skip
+    target = Target(cfg, seed=0)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+    draft = Draft(cfg, seed=1).bigram_init(target)
+    report = {"name": "random", "config": cfg.to_dict(), "note": "untrained: bigram draft"}
+    return target.to(device), draft.to(device), report
+
+
+def random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def trained_pair(device: torch.device, cache_dir: str):
+    from treeops.decoder.train import PairConfig, train_pair
+
+    pair = train_pair(PairConfig.h200(), device=str(device), cache_dir=cache_dir)
+    prompts = getattr(pair, "heldout_prompts", None) or pair.prompts
+    report = dict(pair.report)
+    return pair.target, pair.draft, prompts, report
+
+
+# ---------------------------------------------------------------------------- cost table
+def calibrate(target: Target, draft: Draft, batches, n_max: int, L: int, device, quick: bool):
+    """CAST's cost table over the decoder's own forwards: ``S_T(B, c, n)`` = the target's tree
+    forward of n nodes (a chain) after c cached tokens; ``S_D(B, c, n)`` = the draft's forward of
+    n frontier rows (root + n children, rows 1..n) with its LM head. CUDA-graph replays on CUDA
+    (eager perf_counter on the CPU), one context bucket (c = L), a few n."""
+    dev = torch.device(device)
+    ns = sorted({1, 8, 32, n_max} if quick else {1, 4, 8, 16, 32, 48, n_max})
+    ns = [n for n in ns if n <= n_max]
+    H = target.cfg.hidden_size
+    wdtype = target.model.embed_tokens.weight.dtype
+    inputs: dict = {}
+
+    def prep(B, c, n):
+        key = (B, c, n)
+        if key not in inputs:
+            g = torch.Generator().manual_seed(n)
+            V = target.cfg.vocab_size
+            tok = torch.randint(0, V, (B, n + 1), generator=g).to(dev)
+            tkv = target.make_cache(B, c + n + 1, page_size=16)
+            dkv = draft.make_cache(B, c + n + 1, page_size=16)
+            for kv in (tkv, dkv):
+                kv.k.normal_()
+                kv.v.normal_()
+            seq = torch.full((B,), c, dtype=torch.int32, device=dev)
+            full = torch.full((B,), n, dtype=torch.int32, device=dev)
+            chain = chain_tree(tok[:, :n].contiguous(), full)
+            par = torch.zeros(B, n + 1, dtype=torch.int32, device=dev)
+            star = Tree.from_parents(par, full + 1, tok)
+            feats = torch.randn(B, n, H, generator=g).to(dev, wdtype)
+            qs = torch.ones(B, dtype=torch.int32, device=dev)
+            inputs[key] = (tok, tkv, dkv, seq, chain, star, feats, qs, full)
+        return inputs[key]
+
+    def t_fn(B, c, n):
+        tok, tkv, _, seq, chain, *_ = inputs[(B, c, n)]
+        return target(tok[:, :n], tkv, seq, chain)
+
+    def d_fn(B, c, n):
+        tok, _, dkv, seq, _, star, feats, qs, full = inputs[(B, c, n)]
+        return draft(target, tok[:, 1:], feats, dkv, seq, star, qs, full)
+
+    fallbacks: list = []
+    tt = torch.zeros(len(batches), 1, n_max, dtype=torch.float64)
+    dd = torch.zeros_like(tt)
+    t0 = time.time()
+    for i, B in enumerate(batches):
+        for n in ns:
+            prep(B, L, n)
+        iters = 5 if quick or dev.type != "cuda" else 10
+        kw = dict(ns=ns, warmup=2 if dev.type == "cuda" else 1, iters=iters, device=dev,
+                  fallbacks=fallbacks)  # fmt: skip
+        tt[i] = CostTable.measure_grid(t_fn, [B], L, 1, n_max, name="target", **kw)[0]
+        dd[i] = CostTable.measure_grid(d_fn, [B], L, 1, n_max, name="draft", **kw)[0]
+        log(f"  cost table B={B}: S_T(n=1)={tt[i, 0, 0]:.1f} us S_T(n={n_max})="
+            f"{tt[i, 0, -1]:.1f} us S_D(n=1)={dd[i, 0, 0]:.1f} us")  # fmt: skip
+        inputs.clear()
+    meta = {
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "model": "bench_e2e decoder pair",
+        "measured_ns": ns,
+        "contexts": [L],
+        "timing": "CUDA-graph replays, median" if dev.type == "cuda" else "eager, perf_counter",
+        "graph_fallbacks": fallbacks[:5],
+        "seconds": round(time.time() - t0, 1),
+    }
+    return CostTable(list(batches), L, tt, dd, meta)
+
+
+# ------------------------------------------------------------------------------ divergences
+@torch.no_grad()
+def divergences(ref32: Target, prompts, ar_tokens, pol_tokens, limit: int) -> dict:
+    """First divergence of each request from the autoregressive output, classified with the
+    fp32 target's logits at that position (module docstring)."""
+    near, mismatch, unchecked, details = 0, 0, 0, []
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for b, (a, p) in enumerate(zip(ar_tokens, pol_tokens)):
+            k = next((i for i, (x, y) in enumerate(zip(a, p)) if x != y), None)
+            if k is None:
+                if len(a) != len(p):
+                    mismatch += 1  # one stopped early: not a tie question
+                    details.append({"request": b, "kind": "length", "ar": len(a), "pol": len(p)})
+                continue
+            if near + mismatch >= limit:
+                unchecked += 1
+                continue
+            dev = ref32.model.embed_tokens.weight.device
+            ctx = torch.tensor(list(prompts[b]) + list(a[:k]), device=dev)
+            row = reference_forward(ref32, ctx)[-1].float()
+            top2 = torch.topk(row, 2).values
+            gap = abs(float(row[a[k]] - row[p[k]]))
+            scale = float(row.std())
+            tie = gap < NEAR_TIE_REL * scale
+            near += int(tie)
+            mismatch += int(not tie)
+            details.append({
+                "request": b, "position": k, "ar_token": a[k], "policy_token": p[k],
+                "gap": round(gap, 5), "top2_gap": round(float(top2[0] - top2[1]), 5),
+                "scale": round(scale, 4), "near_tie": bool(tie),
+            })  # fmt: skip
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    return {
+        "requests": len(ar_tokens),
+        "diverged": near + mismatch + unchecked,
+        "near_tie": near,
+        "mismatch": mismatch,
+        "unchecked": unchecked,
+        "details": details[:8],
+    }
+
+
+# ----------------------------------------------------------------------------------- rows
+def make_decoder(policy, target, draft, args, table, graphs, profile=False):
+    kw = dict(depth=args.depth, topk=args.topk, budget=args.budget, page_size=16)
+    if policy in ("Cast", "CastGraft"):
+        kw.update(cost_table=table, C1=args.C1, C2=args.C2, C3=args.C3)
+    return Decoder(target, draft if policy != "autoregressive" else None, policy,
+                   cuda_graphs=graphs, profile=profile, **kw)  # fmt: skip
+
+
+def run_policy(policy, target, draft, prompts, args, table, graphs):
+    """Warm-up (captures), timed and profiled runs of one decoder. Returns (timed, profiled)."""
+    dec = make_decoder(policy, target, draft, args, table, graphs)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        dec.generate(prompts, args.new_tokens)  # warm-up: graphs captured, Triton compiled
+        sync()
+    timed = dec.generate(prompts, args.new_tokens)
+    sync()
+    prof = None if cuda else timed  # on the CPU host times are the split already
+    if cuda and not args.no_profile:
+        dec.profile = True
+        prof = dec.generate(prompts, args.new_tokens)
+        dec.profile = False
+    del dec
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return timed, prof
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def tokens_per_s(res) -> float:
+    ntok = sum(len(t) for t in res.tokens)
+    t = max(res.time_decode - res.time_capture, 1e-9)
+    return ntok / t
+
+
+def row_of(policy, B, res, prof, ar_tps, div) -> dict:
+    tps = tokens_per_s(res)
+    st = res.stats()
+    row = {
+        "policy": policy,
+        "B": B,
+        "tokens_per_s": round(tps, 1),
+        "ar_tokens_per_s": round(ar_tps, 1),
+        "speedup": round(tps / ar_tps, 3) if ar_tps else None,
+        "mean_accepted": round(res.mean_accepted, 3),
+        "steps": res.steps,
+        "tokens": st["tokens"],
+        "decode_s": round(res.time_decode, 4),
+        "host_wait_s": round(res.time_host_wait, 4),
+        "host_waits": res.host_waits,
+        "host_wait_us_per_wait": round(st["host_wait_us_per_wait"], 1),
+        "captures_in_timed_run": res.graphs_captured,
+        "undersized": res.undersized,
+        "mean_verify_bucket": round(sum(res.verify_buckets) / max(1, len(res.verify_buckets)), 2),
+        "mean_verified_nodes": round(
+            sum(sum(r) for r in res.verified)
+            / max(1, sum(sum(1 for x in r if x) for r in res.verified)),
+            2,
+        ),
+        "draft_forwards_per_step": round(
+            sum(len(x) for x in res.draft_buckets) / max(1, res.steps), 2
+        ),
+    }
+    if prof is not None:
+        tot = prof.time_decode
+        row["split"] = {
+            "profiled_decode_s": round(tot, 4),
+            "draft_s": round(prof.time_draft, 4),
+            "tree_ops_s": round(prof.time_tree, 4),
+            "verify_s": round(prof.time_verify, 4),
+            "host_wait_s": round(prof.time_host_wait, 4),
+            "other_s": round(
+                tot - prof.time_draft - prof.time_tree - prof.time_verify - prof.time_host_wait, 4
+            ),
+        }
+    if div is not None:
+        row["divergence"] = div
+    return row
+
+
+# ------------------------------------------------------------------------------- preflight
+def preflight(device) -> dict:
+    """Graphs on vs off on a tiny random fp32 pair, every policy, B = 2: equal outputs."""
+    t0 = time.time()
+    target, draft, _ = random_pair(device, small=False)
+    prompts = random_prompts(target.cfg.vocab_size, 2, 24, seed=5)
+    out = {"ok": True, "policies": {}}
+    table = synthetic_cost_table(64)
+    for pol in ("autoregressive",) + SPEC_POLICIES:
+        kw = dict(depth=4, topk=4, budget=16, cost_table=table) if pol != "autoregressive" else {}
+        try:
+            eager = Decoder(target, draft if kw else None, pol, **kw).generate(prompts, 16)
+            dec = Decoder(target, draft if kw else None, pol, cuda_graphs=True, **kw)
+            g1 = dec.generate(prompts, 16)
+            g2 = dec.generate(prompts, 16)  # replays only
+            same = eager.tokens == g1.tokens == g2.tokens
+            out["policies"][pol] = {"same": same, "graphs": g1.graphs_captured,
+                                    "undersized": g1.undersized}  # fmt: skip
+            if not same or g1.undersized:
+                out["ok"] = False
+        except Exception as e:
+            out["ok"] = False
+            out["policies"][pol] = {"error": f"{type(e).__name__}: {e}"[:600]}
+            traceback.print_exc()
+    out["seconds"] = round(time.time() - t0, 1)
+    return out
+
+
+# ------------------------------------------------------------------------------------- io
+def env_info(device) -> dict:
+    import triton
+
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*a):
+        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=here).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except OSError:
+        commit, dirty = "unknown", ""
+    return {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "cuda": torch.version.cuda,
+        },  # fmt: skip
+        "commit": (commit or "unknown") + (" (dirty)" if dirty else ""),
+    }
+
+
+def write(out_dir, doc):
+    path = os.path.join(out_dir, "e2e.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
+def plot(out_dir, rows) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for pol in SPEC_POLICIES:
+        pts = sorted(
+            (r["B"], r["speedup"]) for r in rows if r["policy"] == pol and r.get("speedup")
+        )
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=pol)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size B")
+    ax.set_ylabel("speedup over autoregressive (tokens/s)")
+    ax.set_title("treeops example decoder, greedy")
+    ax.legend()
+    path = os.path.join(out_dir, "e2e.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def table_text(rows) -> str:
+    lines = [f"{'policy':<15}{'B':>4}{'tok/s':>10}{'AR tok/s':>10}{'speedup':>9}{'acc/step':>9}"
+             f"{'wait us':>9}{'diverged':>9}{'mismatch':>9}"]  # fmt: skip
+    for r in sorted(rows, key=lambda r: (r["B"], r["policy"])):
+        d = r.get("divergence") or {}
+        if "error" in r:
+            lines.append(f"{r['policy']:<15}{r['B']:>4}  ERROR {r['error'][:80]}")
+            continue
+        lines.append(
+            f"{r['policy']:<15}{r['B']:>4}{r['tokens_per_s']:>10.1f}{r['ar_tokens_per_s']:>10.1f}"
+            f"{r['speedup'] or 0:>9.2f}{r['mean_accepted']:>9.2f}"
+            f"{r['host_wait_us_per_wait']:>9.1f}{d.get('diverged', 0):>9}{d.get('mismatch', 0):>9}"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="B in {1, 64, 8}, fewer cost points")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget (s)")
+    ap.add_argument("--random-model", action="store_true", help="tiny random pair, no training")
+    ap.add_argument("--no-graphs", action="store_true", help="eager forwards (no CUDA graphs)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled (split) runs")
+    ap.add_argument("--no-preflight", action="store_true")
+    ap.add_argument("--batches", default=None, help="comma list (default: by --quick)")
+    ap.add_argument("--policies", default=",".join(SPEC_POLICIES))
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (CPU: 16)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 96 (CPU: 8)")
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--topk", type=int, default=10)
+    ap.add_argument("--budget", type=int, default=60, help="tree capacity (EAGLE-2: 60)")
+    ap.add_argument("--C1", type=float, default=0.3)
+    ap.add_argument("--C2", type=float, default=0.2)
+    ap.add_argument("--C3", type=float, default=0.1)
+    ap.add_argument("--cache-dir", default=None, help="train_pair cache (default DIR/pair)")
+    args = ap.parse_args(argv)
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda and not args.random_model:
+        ap.error("without CUDA only --random-model runs (the trained pair is the H200's)")
+    graphs = cuda and not args.no_graphs
+    if not cuda:
+        torch.set_num_threads(1)  # tiny matmuls: one thread (see tests/test_decoder.py)
+    args.prompt_len = args.prompt_len or (128 if cuda else 16)
+    args.new_tokens = args.new_tokens or (96 if cuda else 8)
+    if not cuda and args.budget == 60:  # the CPU references are slow: a smaller tree
+        args.depth, args.topk, args.budget = 3, 3, 12
+    batches = (
+        [int(b) for b in args.batches.split(",")]
+        if args.batches
+        else list(QUICK_BATCHES if args.quick else BATCHES)
+    )
+    policies = [p for p in args.policies.split(",") if p]
+    doc = env_info(device)
+    doc.update({"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": [],
+                "settings": {k: v for k, v in vars(args).items() if k != "out"},
+                "graphs": graphs, "near_tie_rule": f"|l[a] - l[p]| < {NEAR_TIE_REL} * std(fp32 "
+                "logits row) at a request's first divergence (a: AR token, p: policy token)",
+                "tokens_per_s_rule": "generated tokens / decode-loop wall time (prefill and "
+                "graph captures excluded), second run of a warmed-up decoder"})  # fmt: skip
+
+    # 1. preflight
+    if graphs and not args.no_preflight:
+        log("preflight: CUDA graphs vs eager on a tiny random pair")
+        pf = preflight(device)
+        doc["preflight"] = pf
+        log(json.dumps(pf))
+        if not pf["ok"]:
+            graphs = False
+            doc["graphs"] = False
+            log("PREFLIGHT FAILED: CUDA graphs turned OFF for this run (see e2e.json preflight)")
+        write(args.out, doc)
+
+    # 2. the pair
+    t0 = time.time()
+    if args.random_model:
+        target, draft, report = random_pair(device, small=not cuda)
+        prompts = random_prompts(target.cfg.vocab_size, 16, args.prompt_len + 4)
+    else:
+        cache = args.cache_dir or os.path.join(args.out, "pair")
+        log(f"training / loading the pair (cache {cache})")
+        target, draft, prompts, report = trained_pair(device, cache)
+    report = dict(report)
+    report["seconds_to_get"] = round(time.time() - t0, 1)
+    ref32 = copy.deepcopy(target).float().eval()
+    if cuda:
+        target = target.to(torch.bfloat16).eval()
+        draft = draft.to(torch.bfloat16).eval()
+    report["decode_dtype"] = str(target.model.embed_tokens.weight.dtype)
+    doc["model"] = report
+    prompts = [p[-args.prompt_len :] for p in prompts if len(p) >= 2]
+    if not prompts:
+        raise SystemExit("no held-out prompts")
+    log(f"pair ready in {report['seconds_to_get']} s; {len(prompts)} prompts")
+    write(args.out, doc)
+
+    # 3. cost table
+    n_max = max(args.budget, args.topk)  # CAST needs n_max >= capacity and max width
+    try:
+        table = calibrate(target, draft, sorted(batches), n_max, 256, device, args.quick)
+        table.save(os.path.join(args.out, "e2e_cost_table.json"))
+        doc["cost_table"] = {"file": "e2e_cost_table.json", **table.meta}
+    except Exception as e:
+        traceback.print_exc()
+        table = synthetic_cost_table(n_max)
+        doc["cost_table"] = {"error": f"{type(e).__name__}: {e}"[:500], "used": "synthetic"}
+        log("COST TABLE CALIBRATION FAILED: the synthetic table is used")
+    write(args.out, doc)
+
+    # 4. rows
+    row_times: list[float] = []
+    stopped = None
+    for B in batches:
+        bprompts = [prompts[i % len(prompts)] for i in range(B)]
+        est = (max(row_times) if row_times else 0.0) * (1 + len(policies))
+        if row_times and time.time() - t_start + est > args.budget_s:
+            stopped = f"budget: B={B} and later not run ({time.time() - t_start:.0f} s used)"
+            log(stopped)
+            break
+        t_b = time.time()
+        try:
+            ar, _ = run_policy("autoregressive", target, draft, bprompts, args, table, graphs)
+        except Exception as e:
+            traceback.print_exc()
+            doc["rows"].append(
+                {"policy": "autoregressive", "B": B, "error": f"{type(e).__name__}: {e}"[:500]}
+            )
+            write(args.out, doc)
+            continue
+        ar_tps = tokens_per_s(ar)
+        doc["rows"].append(row_of("autoregressive", B, ar, None, ar_tps, None))
+        log(f"B={B} autoregressive: {ar_tps:.1f} tok/s")
+        for pol in policies:
+            if time.time() - t_start > args.budget_s:
+                stopped = f"budget: stopped at B={B} before {pol}"
+                break
+            t_r = time.time()
+            try:
+                res, prof = run_policy(pol, target, draft, bprompts, args, table, graphs)
+                div = divergences(ref32, bprompts, ar.tokens, res.tokens, MAX_DIVERGENCES_CHECKED)
+                row = row_of(pol, B, res, prof, ar_tps, div)
+            except Exception as e:
+                traceback.print_exc()
+                row = {"policy": pol, "B": B, "error": f"{type(e).__name__}: {e}"[:500]}
+            row["row_seconds"] = round(time.time() - t_r, 1)
+            doc["rows"].append(row)
+            write(args.out, doc)
+            keys = ("tokens_per_s", "speedup", "mean_accepted", "host_wait_us_per_wait", "error")
+            log(f"B={B} {pol}: " + json.dumps({k: row.get(k) for k in keys}))
+        row_times.append((time.time() - t_b) / (1 + len(policies)))
+        if stopped:
+            break
+    doc["stopped"] = stopped
+    doc["seconds"] = round(time.time() - t_start, 1)
+    png = plot(args.out, [r for r in doc["rows"] if "error" not in r])
+    doc["plot"] = os.path.basename(png) if png else "matplotlib not available"
+    write(args.out, doc)
+    log(f"\nwrote {os.path.join(args.out, 'e2e.json')}" + (f" and {png}" if png else ""))
+    log(f"gpu {doc['gpu']}, graphs {doc['graphs']}, {doc['seconds']} s")
+    log(table_text(doc["rows"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
