@@ -385,7 +385,8 @@ def plot(out_dir, rows) -> str | None:
     ax.set_xlabel("batch size B")
     ax.set_ylabel("speedup over autoregressive (tokens/s)")
     ax.set_title("treeops example decoder, greedy")
-    ax.legend()
+    if ax.get_lines()[1:]:
+        ax.legend()
     path = os.path.join(out_dir, "e2e.png")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

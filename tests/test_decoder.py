@@ -405,3 +405,59 @@ def test_greedy_batch_of_eight(pair, baseline, policy):
     assert want[3] == baseline[0]
     res = _decoder(pair, policy).generate(prompts, budgets)
     assert res.tokens == want
+
+
+# ------------------------------------------------------------------ CUDA graphs (GPU only)
+@pytest.fixture(scope="module")
+def gpu_pair(pair):
+    import copy
+
+    target, draft = pair
+    return copy.deepcopy(target).cuda(), copy.deepcopy(draft).cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cuda_graphs_equal_eager(gpu_pair, baseline, policy, batch):
+    """cuda_graphs=True gives token for token the eager decoder's greedy output (tiny fp32
+    model), every verify bucket holds its tree (checked on the host each step), and a second
+    call only replays."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = (PROMPTS * 2)[:batch]
+    eager = _decoder(gpu_pair, policy).generate(prompts, NEW)
+    dec = _decoder(gpu_pair, policy)
+    dec.cuda_graphs = dec.static = dec.check_buckets = True
+    res = dec.generate(prompts, NEW)
+    assert res.tokens == eager.tokens
+    assert res.tokens[: min(batch, 3)] == baseline[: min(batch, 3)]
+    assert res.graphs_captured > 0 and res.undersized == 0
+    for b, row in zip(res.verify_buckets, res.verified):
+        assert max(row) <= b
+    again = dec.generate(prompts, NEW)
+    assert again.tokens == res.tokens and again.graphs_captured == 0
+    dec.profile = True
+    prof = dec.generate(prompts, NEW)
+    assert prof.tokens == res.tokens and prof.time_verify > 0 and prof.profiled
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_flag_on_gpu_and_bucket_never_undersizes(gpu_pair):
+    """The public flag on CUDA; CAST buckets follow the pinned decisions and never under-size
+    over ragged prompts and budgets at B = 8."""
+    target, draft = gpu_pair
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 128, (1 + 2 * b,), generator=g).tolist() for b in range(8)]
+    budgets = [6, 2, 9, NEW, 1, 5, 7, 3]
+    for policy in ("Cast", "CastGraft"):
+        eager = _decoder(gpu_pair, policy).generate(prompts, budgets)
+        dec = Decoder(
+            target, draft, policy, depth=3, topk=3, budget=12, cost_table=_steep_costs(),
+            C1=0.1, C2=0.05, C3=0.05, cuda_graphs=True, check_buckets=True,
+            checkpoints=PruneCheckpoints(steps=(0, 1), keeps=(2, 4), thresholds=(0.99, 0.99)),
+        )  # fmt: skip
+        res = dec.generate(prompts, budgets)
+        assert res.tokens == eager.tokens
+        assert res.undersized == 0 and res.host_waits > res.steps
+        for b, row in zip(res.verify_buckets, res.verified):
+            assert max(row) <= b <= 12

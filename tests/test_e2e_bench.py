@@ -1,0 +1,152 @@
+"""The graph path of the example decoder and bench/bench_e2e.py, on the CPU.
+
+``static_shapes=True`` runs the code that ``cuda_graphs=True`` captures (static buffers, token
+buckets, the draft's in-place working tree, decisions read back from the host buffer, the packed
+copy-back after acceptance) eagerly, so its logic is checked here against the eager decoder; the
+captures themselves are checked on the GPU (``tests/test_decoder.py``, ``gpu`` marker).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from test_decoder import PROMPTS, _decoder, _greedy_baseline, pair  # noqa: F401
+
+from treeops.decoder import POLICIES, Decoder
+from treeops.decoder.engine import TOKEN_BUCKETS, bucket_for, token_buckets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_token_buckets_never_undersize():
+    for cap in (1, 2, 3, 7, 12, 16, 33, 60, 64, 100):
+        bs = token_buckets(cap)
+        assert bs == sorted(set(bs)) and bs[-1] == cap and all(b <= cap for b in bs)
+        assert set(bs[:-1]) <= set(TOKEN_BUCKETS)
+        for n in range(1, cap + 1):
+            b = bucket_for(n, cap)
+            assert n <= b <= cap and b in bs
+            assert b == min(x for x in bs if x >= n)
+    assert bucket_for(0, 8) == 1 and bucket_for(99, 8) == 8
+
+
+def test_cuda_graphs_on_cpu_is_a_clear_error(pair):  # noqa: F811
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    target, draft = pair
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        Decoder(target, draft, "Cast", cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        Decoder(target, None, "autoregressive", cuda_graphs=True)
+
+
+def _static(pair, policy):  # noqa: F811
+    dec = _decoder(pair, policy)
+    dec.static = True
+    dec.check_buckets = True
+    return dec
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_static_path_equals_eager(pair, policy, batch):  # noqa: F811
+    """Same tokens, same accepted lengths, same verified tree sizes and grafted counts as the
+    eager decoder; every forward's bucket holds its tokens; a second call reuses the buffers."""
+    eager = _decoder(pair, policy).generate(PROMPTS[:batch], 10)
+    dec = _static(pair, policy)
+    res = dec.generate(PROMPTS[:batch], 10)
+    assert res.tokens == eager.tokens
+    assert res.emitted == eager.emitted and res.verified == eager.verified
+    assert res.grafted == eager.grafted
+    assert res.undersized == 0
+    assert len(res.verify_buckets) == res.steps == len(res.catchup_buckets)
+    for b, row in zip(res.verify_buckets, res.verified):
+        assert max(row) <= b <= dec.capacity
+    for rc, em in zip(res.catchup_buckets, res.emitted):
+        assert rc == (0 if policy == "autoregressive" else bucket_for(max(em), dec.capacity))
+    if policy in ("Cast", "CastGraft"):
+        assert res.host_waits >= 2 * res.steps  # rerank + acceptance, plus one per layer
+        assert min(res.verify_buckets) < dec.capacity
+    elif policy != "autoregressive":
+        assert res.host_waits == res.steps  # static trees: the acceptance read only
+        assert set(res.verify_buckets) == {dec.capacity}
+    again = dec.generate(PROMPTS[:batch], 10)
+    assert again.tokens == res.tokens and len(dec._batches) == 1
+
+
+def test_static_path_stop_ids_budgets_sampling(pair):  # noqa: F811
+    """Ragged budgets, a stop id and per-request sampling through the static path."""
+    from treeops.decoder import SamplingParams
+
+    target, _ = pair
+    budgets = [7, 1, 4]
+    want = [_greedy_baseline(target, p, m) for p, m in zip(PROMPTS, budgets)]
+    stop = want[0][2]
+    res = _static(pair, "CastGraft").generate(PROMPTS, budgets, stop_ids=[stop])
+    for got, w in zip(res.tokens, want):
+        cut = w[: w.index(stop) + 1] if stop in w else w
+        assert got == cut
+    sp = [SamplingParams(), SamplingParams(1.0, 5, 0.9), SamplingParams()]
+    g1 = torch.Generator().manual_seed(3)
+    g2 = torch.Generator().manual_seed(3)
+    a = _decoder(pair, "Cast").generate(PROMPTS, 10, sampling=sp, generator=g1)
+    b = _static(pair, "Cast").generate(PROMPTS, 10, sampling=sp, generator=g2)
+    assert a.tokens == b.tokens
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_e2e", os.path.join(ROOT, "bench", "bench_e2e.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_e2e_random_model_writes_rows(tmp_path, capsys):
+    bench = _load_bench()
+    argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs",
+            "--batches", "1,2", "--new-tokens", "4", "--prompt-len", "8"]  # fmt: skip
+    assert bench.main(argv) == 0
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    for key in ("gpu", "versions", "commit", "model", "rows", "cost_table", "settings"):
+        assert key in doc, key
+    assert "error" not in doc["cost_table"]
+    assert (tmp_path / "e2e_cost_table.json").exists()
+    rows = doc["rows"]
+    want = {(p, B) for B in (1, 2) for p in ("autoregressive",) + bench.SPEC_POLICIES}
+    assert {(r["policy"], r["B"]) for r in rows} == want
+    for r in rows:
+        assert "error" not in r, r
+        for key in ("policy", "B", "tokens_per_s", "ar_tokens_per_s", "mean_accepted"):
+            assert key in r
+        assert r["tokens_per_s"] > 0 and r["mean_accepted"] >= 1.0
+        assert r["undersized"] == 0
+        if r["policy"] != "autoregressive":
+            assert set(r["split"]) >= {"draft_s", "tree_ops_s", "verify_s", "host_wait_s"}
+            d = r["divergence"]
+            assert d["mismatch"] == 0 and d["requests"] == r["B"]  # fp32 CPU: exact
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].split()[0] in ("chain", "autoregressive", "EagleStatic", "Cast", "CastGraft")
+
+
+def test_bench_e2e_budget_stops_adding_rows(tmp_path):
+    bench = _load_bench()
+    argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs",
+            "--batches", "1,2,4", "--new-tokens", "3", "--prompt-len", "6", "--budget-s", "0",
+            "--policies", "chain"]  # fmt: skip
+    assert bench.main(argv) == 0
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    assert doc["stopped"] and {r["B"] for r in doc["rows"]} == {1}
