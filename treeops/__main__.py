@@ -1,0 +1,7 @@
+"""``python -m treeops``: the ``treeops`` console command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
