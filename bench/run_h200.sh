@@ -44,7 +44,9 @@ for spec in "$@"; do
     *) echo "unknown stage $stage"; continue;;
   esac
   echo "=== $stage: $cmd" | tee -a "$LOG"
-  TREEOPS_GPU_TESTS=1 timeout "$limit" bash -c "$cmd" >>"$LOG" 2>&1
+  # test workers: few CPU threads each (the CPU references), one timing log per stage
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TREEOPS_TEST_TIMES="$OUT/times_${stage//[:,]/_}.txt" \
+    TREEOPS_GPU_TESTS=1 timeout "$limit" bash -c "$cmd" >>"$LOG" 2>&1
   rc=$?
   dt=$(( $(date +%s) - t0 ))
   tail -n 25 "$LOG" | grep -E "passed|failed|error|ERROR SUMMARY|Traceback|Error" | tail -n 4

@@ -47,12 +47,14 @@ def target_probs(
         return p
     m = x.max()
     w = torch.exp((x - m) / float(temperature))
-    # rank order: value descending, id ascending (stable sort of -x keeps ids ascending on ties)
-    order = torch.sort(-x, stable=True).indices
-    ws = w[order]
     keep = V
     if 0 < top_k < V:
         keep = top_k
+    elif top_p >= 1.0:
+        return w / w.sum()
+    # rank order: value descending, id ascending; only the first ``keep`` ranks are needed
+    order = rank_order(x, keep)
+    ws = w[order]
     if top_p < 1.0:
         cum = torch.cumsum(ws[:keep], 0)
         target = float(top_p) * float(cum[-1])
@@ -61,6 +63,22 @@ def target_probs(
     p = torch.zeros(V, dtype=torch.float64)
     p[order[:keep]] = ws[:keep]
     return p / p.sum()
+
+
+def rank_order(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of the ``k`` largest entries along the last dim of ``x`` (``[V]`` or ``[n, V]``),
+    by value descending and id ascending on ties; ``[k]`` or ``[n, k]`` int64 (``k`` capped at
+    ``V``). The same as ``torch.sort(-x, stable=True).indices[..., :k]``, but sorts only the
+    entries ``>= the k-th largest value`` (every one of the k is among them) instead of all V."""
+    V = x.shape[-1]
+    if k >= V:
+        return torch.sort(-x, dim=-1, stable=True).indices
+    thr = torch.topk(x, k, dim=-1).values[..., -1:]
+    c = int((x >= thr).sum(-1).max())  # candidates of the row with the most ties at thr
+    vals, ids = torch.topk(x, c, dim=-1)  # holds every candidate, in no tie order
+    ids, perm = torch.sort(ids, dim=-1)  # ids ascending ...
+    vals = vals.gather(-1, perm)
+    return ids.gather(-1, torch.sort(-vals, dim=-1, stable=True).indices[..., :k])  # ... kept
 
 
 def _children(parents: list[int], n: int, node: int) -> list[int]:
@@ -107,9 +125,10 @@ def _emit(tree, logits, results, return_logprobs: bool, topk_ids: int) -> Accept
     if topk_ids:
         topk = torch.full((B, N, topk_ids), -1, dtype=torch.int32)
         for b in range(B):
-            for i in range(int(tree.num_nodes[b])):
-                x = logits[b, i].to(torch.float64)
-                topk[b, i] = torch.sort(-x, stable=True).indices[:topk_ids].to(torch.int32)
+            n = int(tree.num_nodes[b])
+            if n:
+                ids = rank_order(logits[b, :n].to(torch.float64), topk_ids)
+                topk[b, :n, : ids.shape[1]] = ids.to(torch.int32)
     dev = tree.device
     return Acceptance(
         accepted.to(dev),

@@ -81,3 +81,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """With ``TREEOPS_TEST_TIMES=path``, append each test's outcome and duration as it ends, so a
+    GPU run cut short by its time limit still says which tests took the time."""
+    path = os.environ.get("TREEOPS_TEST_TIMES")
+    if path and (report.when == "call" or report.outcome != "passed"):
+        with open(path, "a") as f:
+            r = report
+            f.write(f"{r.duration:8.1f}s {r.when:5s} {r.outcome:7s} {r.nodeid}\n")

@@ -731,3 +731,20 @@ def test_docstring_examples():
     import treeops.accept as mod
 
     assert doctest.testmod(mod).failed == 0
+
+
+@given(
+    V=st.integers(1, 300),
+    n=st.integers(1, 4),
+    spread=st.integers(1, 20),
+    k=st.integers(1, 310),
+    seed=st.integers(0, 2**20),
+)
+def test_reference_rank_order_is_the_stable_sort(V, n, spread, k, seed):
+    """The reference's top-k helper (candidates above the k-th value, then a stable sort) equals
+    a stable sort of the whole row, ties included, for rows and single vectors."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, spread, (n, V), generator=g).double()  # few distinct values: ties
+    want = torch.sort(-x, dim=-1, stable=True).indices[:, :k]
+    assert torch.equal(ref.rank_order(x, k), want)
+    assert torch.equal(ref.rank_order(x[0], k), want[0])
