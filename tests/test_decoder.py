@@ -419,7 +419,7 @@ def gpu_pair(pair):
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_cuda_graphs_equal_eager(gpu_pair, baseline, policy, batch):
+def test_cuda_graphs_equal_eager(gpu_pair, policy, batch):
     """cuda_graphs=True gives token for token the eager decoder's greedy output (tiny fp32
     model), every verify bucket holds its tree (checked on the host each step), and a second
     call only replays."""
@@ -430,7 +430,6 @@ def test_cuda_graphs_equal_eager(gpu_pair, baseline, policy, batch):
     dec.cuda_graphs = dec.static = dec.check_buckets = True
     res = dec.generate(prompts, NEW)
     assert res.tokens == eager.tokens
-    assert res.tokens[: min(batch, 3)] == baseline[: min(batch, 3)]
     assert res.graphs_captured > 0 and res.undersized == 0
     for b, row in zip(res.verify_buckets, res.verified):
         assert max(row) <= b
