@@ -527,6 +527,59 @@ def bench_compact_row(B: int, empty_us: float) -> dict:
     return row
 
 
+def sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
+    """Greedy (and temperature-only sampling) over launch configurations: vocabulary splits per
+    node and block sizes; each configuration's outputs must equal the default launch's."""
+    rows = []
+    N = 64
+    for V in Vs:
+        for B in Bs:
+            tree = bench_tree(B, N, V, B * 131 + V)
+            nbytes = B * N * V * 2
+            copies, reps = rotation(nbytes)
+            lgs = [bench_logits(tree, V, B * 131 + V + c, 4.0) for c in range(copies)]
+            base = treeops.accept_greedy(tree, lgs[0])
+            floor = max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us)
+            for bv in (1024, 2048, 4096, 8192):
+                for S in (1, 2, 4, 8, 16, 32):
+                    if S * bv > V:
+                        continue
+                    r = accept_launch(tree, lgs[0], num_splits=S, block_v=bv)
+                    same = torch.equal(r.accepted, base.accepted) and torch.equal(
+                        r.bonus, base.bonus
+                    )
+
+                    def run(x, t=tree, S=S, bv=bv):
+                        return accept_launch(t, x, num_splits=S, block_v=bv)
+
+                    t = graph_time_us([lambda x=x: run(x) for x in lgs], reps)
+                    rows.append(
+                        dict(op="greedy_sweep", B=B, N=N, V=V, block_v=bv, splits=S,
+                             treeops_us=t, floor_us=floor, same_as_default=same)
+                    )  # fmt: skip
+            T = torch.full((B,), 0.8, device=DEV)
+            k = torch.zeros(B, dtype=torch.int32, device=DEV)
+            p = torch.ones(B, device=DEV)
+            u = torch.rand(B, N, device=DEV)
+            sb = treeops.accept_sample(tree, lgs[0], T, k, p, u)
+            for bv in (512, 1024, 2048, 4096):
+                r = accept_launch(tree, lgs[0], temperature=T, top_k=k, top_p=p, uniforms=u,
+                                  block_v=bv)  # fmt: skip
+                same = torch.equal(r.accepted, sb.accepted) and torch.equal(r.bonus, sb.bonus)
+                t = graph_time_us(
+                    [lambda x=x, t=tree, T=T, k=k, p=p, u=u, bv=bv: accept_launch(
+                        t, x, temperature=T, top_k=k, top_p=p, uniforms=u, block_v=bv)
+                     for x in lgs],
+                    reps,
+                )  # fmt: skip
+                rows.append(
+                    dict(op="sampling_sweep", B=B, N=N, V=V, block_v=bv, splits=1,
+                         treeops_us=t, floor_us=floor, same_as_default=same)
+                )  # fmt: skip
+            print(f"  sweep B={B} V={V} done", flush=True)
+    return rows
+
+
 FI_REASON = ""
 
 
@@ -536,6 +589,11 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="directory for accept.json")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--quick", action="store_true", help="V = 32000 and B = 8 only")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="only time launch configurations (block size, splits): accept_sweep.json",
+    )
     ap.add_argument(
         "--budget-s",
         type=float,
@@ -596,6 +654,25 @@ def main() -> None:
     Vs = [32000] if args.quick else [32000, 128256]
     if args.cpu_dry_run:
         Bs, Vs = [1, 2], [300]
+    if args.sweep:
+        rows = sweep_rows(empty_us, Bs, Vs)
+        with open(os.path.join(args.out, "accept_sweep.json"), "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name() if DEV != "cpu" else "cpu", versions=versions, commit=commit,
+                           empty_kernel_graph_us=empty_us, rows=rows), f, indent=1)  # fmt: skip
+        for op in ("greedy_sweep", "sampling_sweep"):
+            for V in Vs:
+                for B in Bs:
+                    rs = [r for r in rows if r["op"] == op and r["B"] == B and r["V"] == V]
+                    if not rs:
+                        continue
+                    b = min(rs, key=lambda r: r["treeops_us"])
+                    d = [r for r in rs if r["block_v"] == (4096 if op[0] == "g" else 2048)]
+                    print(f"{op} B={B} V={V}: best {b['treeops_us']:.1f} us (block {b['block_v']},"
+                          f" splits {b['splits']}, same={b['same_as_default']}); floor "
+                          f"{b['floor_us']:.1f}; block-default rows "
+                          + ", ".join(f"S{r['splits']}:{r['treeops_us']:.1f}"
+                                      for r in d))  # fmt: skip
+        return
     rows = []
 
     def add(r):
