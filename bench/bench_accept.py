@@ -657,7 +657,8 @@ def main() -> None:
     if args.sweep:
         rows = sweep_rows(empty_us, Bs, Vs)
         with open(os.path.join(args.out, "accept_sweep.json"), "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name() if DEV != "cpu" else "cpu", versions=versions, commit=commit,
+            gpu = torch.cuda.get_device_name() if DEV != "cpu" else "cpu"
+            json.dump(dict(gpu=gpu, versions=versions, commit=commit,
                            empty_kernel_graph_us=empty_us, rows=rows), f, indent=1)  # fmt: skip
         for op in ("greedy_sweep", "sampling_sweep"):
             for V in Vs:
