@@ -68,6 +68,66 @@ def _cmp_key(m_un, b_pk, b_t32):
     return tl.where(m_un, (b_pk.to(tl.int64) << 32) | (b_t32.to(tl.int64) & 0xFFFFFFFF), -1)
 
 
+@triton.jit
+def _retrieve_match(
+    o_l,
+    m_l,
+    i_b,
+    n_draft,
+    active,
+    n_got,
+    limit,
+    tok_ptr,
+    par_ptr,
+    table_ptr,
+    t_par_ptr,
+    t_rank_ptr,
+    r_tok_ptr,
+    r_par_ptr,
+    p_key,
+    p_tok,
+    N,
+    T,
+    V,
+    K: tl.constexpr,
+    TB: tl.constexpr,
+    LB: tl.constexpr,
+    NB: tl.constexpr,
+    CN: tl.constexpr,
+    FROM_TABLE: tl.constexpr,
+):
+    """Pass 1 for retrieved nodes ``o_l`` [LB]: the parent (clamped), its merged node, the token
+    (template: ``table[parent token, rank]`` while under ``limit``, stored to the scratch), and
+    the draft child to reuse. Returns (parent, merged parent, live, draft match, unmatched,
+    compare key, n_got)."""
+    if FROM_TABLE:
+        b_par = tl.load(t_par_ptr + o_l, mask=m_l, other=0)
+    else:
+        b_par = tl.load(r_par_ptr + i_b * T + o_l, mask=m_l, other=0)
+    b_pp = tl.minimum(tl.maximum(b_par, 0), TB - 1)
+    b_pk = tl.load(p_key + b_pp, mask=m_l, other=-1)
+    if FROM_TABLE:
+        b_rank = tl.load(t_rank_ptr + o_l, mask=m_l, other=0)
+        b_ptok = tl.load(p_tok + b_pp, mask=m_l, other=-1)
+        m_look = m_l & (b_ptok >= 0) & (b_ptok < V)
+        b_nt = tl.load(table_ptr + b_ptok * K + b_rank, mask=m_look, other=-1)
+        m_got = m_look & (b_nt >= 0) & (b_nt < V)
+        m_got = m_got & (n_got + tl.cumsum(m_got.to(tl.int32), 0) <= limit)
+        n_got += tl.sum(m_got.to(tl.int32), 0)
+        b_tok = tl.where(m_got, b_nt, -1).to(tl.int64)
+        tl.store(p_tok + o_l, b_tok, mask=m_l)
+    else:
+        b_tok = tl.load(r_tok_ptr + i_b * T + o_l, mask=m_l, other=-1)
+        m_got = m_l
+    m_live = m_got & (b_pk >= 0) & active
+    # tokens compared as int32: vocabularies are < 2**31
+    b_t32 = b_tok.to(tl.int32)
+    b_dm = _draft_match(par_ptr, tok_ptr, i_b * N, n_draft, b_pk, b_t32, LB, NB, CN)
+    m_un = m_live & (b_dm == _BIG)
+    b_cmp = _cmp_key(m_un, b_pk, b_t32)
+    return b_pp, b_pk, m_live, b_dm, m_un, b_cmp, n_got
+
+
 @triton.jit(do_not_specialize=["N", "T", "V", "max_depth", "budget_val", "count_val"])
 def _graft_kernel(
     # input tree, contiguous [B, N] / [B, N, W]
@@ -154,6 +214,7 @@ def _graft_kernel(
         m_t = o_j < tl.load(r_num_ptr + i_b)
         b_rdep = tl.load(r_dep_ptr + i_b * T + o_j, mask=m_t, other=0)
         root_tok = tl.load(r_tok_ptr + i_b * T)
+        limit = tl.zeros([], tl.int32)  # no count in loaded mode: unused
 
     # every retrieved node starts unmapped (-1); the root maps to merged node 0, anc bit 0
     tl.store(p_key + o_j, tl.where(o_j == 0, 0, -1))
@@ -175,33 +236,36 @@ def _graft_kernel(
             # the whole depth in one tile (always, in template mode): one pass in registers
             o_l = lo + tl.arange(0, LB)  # [LB]
             m_l = o_l < hi
-            if FROM_TABLE:
-                b_par = tl.load(t_par_ptr + o_l, mask=m_l, other=0)
-            else:
-                b_par = tl.load(r_par_ptr + i_b * T + o_l, mask=m_l, other=0)
-            b_pp = tl.minimum(tl.maximum(b_par, 0), TB - 1)
-            b_pk = tl.load(p_key + b_pp, mask=m_l, other=-1)
+            b_pp, b_pk, m_live, b_dm, m_un, b_cmp, n_got = _retrieve_match(
+                o_l,
+                m_l,
+                i_b,
+                n_draft,
+                active,
+                n_got,
+                limit,
+                tok_ptr,
+                par_ptr,
+                table_ptr,
+                t_par_ptr,
+                t_rank_ptr,
+                r_tok_ptr,
+                r_par_ptr,
+                p_key,
+                p_tok,
+                N,
+                T,
+                V,
+                K,
+                TB,
+                LB,
+                NB,
+                CN,
+                FROM_TABLE,
+            )
             b_prow = tl.load(
                 p_anc + b_pp[:, None] * WB + o_w[None, :], mask=m_l[:, None], other=0
             )  # [LB, WB] parents' anc rows
-            if FROM_TABLE:
-                b_rank = tl.load(t_rank_ptr + o_l, mask=m_l, other=0)
-                b_ptok = tl.load(p_tok + b_pp, mask=m_l, other=-1)
-                m_look = m_l & (b_ptok >= 0) & (b_ptok < V)
-                b_nt = tl.load(table_ptr + b_ptok * K + b_rank, mask=m_look, other=-1)
-                m_got = m_look & (b_nt >= 0) & (b_nt < V)
-                m_got = m_got & (n_got + tl.cumsum(m_got.to(tl.int32), 0) <= limit)
-                n_got += tl.sum(m_got.to(tl.int32), 0)
-                b_tok = tl.where(m_got, b_nt, -1).to(tl.int64)
-                tl.store(p_tok + o_l, b_tok, mask=m_l)
-            else:
-                b_tok = tl.load(r_tok_ptr + i_b * T + o_l, mask=m_l, other=-1)
-                m_got = m_l
-            m_live = m_got & (b_pk >= 0) & active
-            b_t32 = b_tok.to(tl.int32)
-            b_dm = _draft_match(par_ptr, tok_ptr, i_b * N, n_draft, b_pk, b_t32, LB, NB, CN)
-            m_un = m_live & (b_dm == _BIG)
-            b_cmp = _cmp_key(m_un, b_pk, b_t32)
             m_same = (b_cmp[:, None] == b_cmp[None, :]) & (b_cmp[None, :] >= 0)  # [LB, LB]
             b_canon = tl.min(tl.where(m_same, o_l[None, :], _BIG), axis=1)
             m_first = (b_cmp >= 0) & (b_canon == o_l)
@@ -225,31 +289,33 @@ def _graft_kernel(
             for c0 in range(lo, hi, LB):
                 o_l = c0 + tl.arange(0, LB)  # [LB]
                 m_l = o_l < hi
-                if FROM_TABLE:
-                    b_par = tl.load(t_par_ptr + o_l, mask=m_l, other=0)
-                else:
-                    b_par = tl.load(r_par_ptr + i_b * T + o_l, mask=m_l, other=0)
-                b_pp = tl.minimum(tl.maximum(b_par, 0), TB - 1)
-                b_pk = tl.load(p_key + b_pp, mask=m_l, other=-1)
-                if FROM_TABLE:
-                    b_rank = tl.load(t_rank_ptr + o_l, mask=m_l, other=0)
-                    b_ptok = tl.load(p_tok + b_pp, mask=m_l, other=-1)
-                    m_look = m_l & (b_ptok >= 0) & (b_ptok < V)
-                    b_nt = tl.load(table_ptr + b_ptok * K + b_rank, mask=m_look, other=-1)
-                    m_got = m_look & (b_nt >= 0) & (b_nt < V)
-                    m_got = m_got & (n_got + tl.cumsum(m_got.to(tl.int32), 0) <= limit)
-                    n_got += tl.sum(m_got.to(tl.int32), 0)
-                    b_tok = tl.where(m_got, b_nt, -1).to(tl.int64)
-                    tl.store(p_tok + o_l, b_tok, mask=m_l)
-                else:
-                    b_tok = tl.load(r_tok_ptr + i_b * T + o_l, mask=m_l, other=-1)
-                    m_got = m_l
-                m_live = m_got & (b_pk >= 0) & active
-                # tokens compared as int32: vocabularies are < 2**31
-                b_t32 = b_tok.to(tl.int32)
-                b_dm = _draft_match(par_ptr, tok_ptr, i_b * N, n_draft, b_pk, b_t32, LB, NB, CN)
-                m_un = m_live & (b_dm == _BIG)
-                b_cmp = _cmp_key(m_un, b_pk, b_t32)
+                b_pp, b_pk, m_live, b_dm, m_un, b_cmp, n_got = _retrieve_match(
+                    o_l,
+                    m_l,
+                    i_b,
+                    n_draft,
+                    active,
+                    n_got,
+                    limit,
+                    tok_ptr,
+                    par_ptr,
+                    table_ptr,
+                    t_par_ptr,
+                    t_rank_ptr,
+                    r_tok_ptr,
+                    r_par_ptr,
+                    p_key,
+                    p_tok,
+                    N,
+                    T,
+                    V,
+                    K,
+                    TB,
+                    LB,
+                    NB,
+                    CN,
+                    FROM_TABLE,
+                )
                 tl.store(p_cmp + o_l, b_cmp, mask=m_l)
                 tl.store(p_key + o_l, tl.where(m_live & ~m_un, b_dm, -1), mask=m_l)
                 tl.store(p_pkey + o_l, b_pk, mask=m_l)

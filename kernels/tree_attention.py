@@ -61,6 +61,56 @@ def _attend(q, k, v, acc, m_i, l_i, qk_scale, vis, MASKED: tl.constexpr, UPCAST:
     return acc, m_new, l_i
 
 
+@triton.jit
+def _kv_page(p_bt, pos, m_k, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """int64 page id of each logical slot ``pos`` [BLOCK_N] from the request's block-table row
+    (masked-off slots read page 0)."""
+    if MASKED:
+        page = tl.load(p_bt + pos // PAGE_SIZE, mask=m_k, other=0)
+    else:
+        page = tl.load(p_bt + pos // PAGE_SIZE)
+    return page.to(tl.int64)
+
+
+@triton.jit
+def _load_paged(X, page, slot, m_k, off_h, o_d, s_p, s_s, s_d, MASKED: tl.constexpr):
+    """One [BLOCK_N, D] tile of the paged cache ``X`` at (page, slot) rows of head offset
+    ``off_h``."""
+    p_x = X + (page * s_p + slot * s_s + off_h)[:, None] + o_d[None, :] * s_d
+    if MASKED:
+        b_x = tl.load(p_x, mask=m_k[:, None], other=0.0)
+    else:
+        b_x = tl.load(p_x)
+    return b_x
+
+
+@triton.jit
+def _load_kv(
+    K,
+    V,
+    page,
+    pos,
+    m_k,
+    off_kh,
+    off_vh,
+    o_d,
+    s_kp,
+    s_ks,
+    s_kd,
+    s_vp,
+    s_vs,
+    s_vd,
+    PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The [BLOCK_N, D] K and V tiles of logical slots ``pos`` on pages ``page`` (int64, so that
+    pages past 2**31 bytes address right); masked-off rows read 0."""
+    slot = pos % PAGE_SIZE
+    b_k = _load_paged(K, page, slot, m_k, off_kh, o_d, s_kp, s_ks, s_kd, MASKED)
+    b_v = _load_paged(V, page, slot, m_k, off_vh, o_d, s_vp, s_vs, s_vd, MASKED)
+    return b_k, b_v
+
+
 @triton.jit(do_not_specialize=["N", "H_KV", "qk_scale"])
 def _tree_attn_fwd(
     Q,
@@ -183,54 +233,75 @@ def _tree_attn_fwd(
             full_end = start + n_full * BLOCK_N
             pos = start + o_n
             m_k = pos < full_end
-            page = tl.load(p_bt + pos // PAGE_SIZE, mask=m_k, other=0).to(tl.int64)
-            slot = pos % PAGE_SIZE
-            k_nxt = tl.load(
-                K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
-                mask=m_k[:, None],
-                other=0.0,
-            )
-            v_nxt = tl.load(
-                V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
-                mask=m_k[:, None],
-                other=0.0,
+            page = _kv_page(p_bt, pos, m_k, PAGE_SIZE, True)
+            k_nxt, v_nxt = _load_kv(
+                K,
+                V,
+                page,
+                pos,
+                m_k,
+                off_kh,
+                off_vh,
+                o_d,
+                s_kp,
+                s_ks,
+                s_kd,
+                s_vp,
+                s_vs,
+                s_vd,
+                PAGE_SIZE,
+                True,
             )
             pos_nxt = pos + BLOCK_N
-            page_nxt = tl.load(p_bt + pos_nxt // PAGE_SIZE, mask=pos_nxt < full_end, other=0).to(
-                tl.int64
-            )
+            page_nxt = _kv_page(p_bt, pos_nxt, pos_nxt < full_end, PAGE_SIZE, True)
             for _ in range(n_full):
                 b_k = k_nxt
                 b_v = v_nxt
                 m_k = pos_nxt < full_end
-                slot = pos_nxt % PAGE_SIZE
-                k_nxt = tl.load(
-                    K + (page_nxt * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
-                    mask=m_k[:, None],
-                    other=0.0,
-                )
-                v_nxt = tl.load(
-                    V + (page_nxt * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
-                    mask=m_k[:, None],
-                    other=0.0,
+                k_nxt, v_nxt = _load_kv(
+                    K,
+                    V,
+                    page_nxt,
+                    pos_nxt,
+                    m_k,
+                    off_kh,
+                    off_vh,
+                    o_d,
+                    s_kp,
+                    s_ks,
+                    s_kd,
+                    s_vp,
+                    s_vs,
+                    s_vd,
+                    PAGE_SIZE,
+                    True,
                 )
                 pos_nxt = pos_nxt + BLOCK_N
-                page_nxt = tl.load(
-                    p_bt + pos_nxt // PAGE_SIZE, mask=pos_nxt < full_end, other=0
-                ).to(tl.int64)
+                page_nxt = _kv_page(p_bt, pos_nxt, pos_nxt < full_end, PAGE_SIZE, True)
                 b_acc, b_m, b_l = _attend(
                     b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, None, False, UPCAST
                 )
         else:
             for it in range(n_full):
                 pos = start + it * BLOCK_N + o_n  # [BLOCK_N] logical slot
-                page = tl.load(p_bt + pos // PAGE_SIZE).to(tl.int64)
-                slot = pos % PAGE_SIZE
-                b_k = tl.load(
-                    K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd
-                )
-                b_v = tl.load(
-                    V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd
+                page = _kv_page(p_bt, pos, None, PAGE_SIZE, False)
+                b_k, b_v = _load_kv(
+                    K,
+                    V,
+                    page,
+                    pos,
+                    None,
+                    off_kh,
+                    off_vh,
+                    o_d,
+                    s_kp,
+                    s_ks,
+                    s_kd,
+                    s_vp,
+                    s_vs,
+                    s_vd,
+                    PAGE_SIZE,
+                    False,
                 )
                 b_acc, b_m, b_l = _attend(
                     b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, None, False, UPCAST
@@ -239,17 +310,24 @@ def _tree_attn_fwd(
         if tail < p_end:
             pos = tail + o_n
             m_k = pos < p_end
-            page = tl.load(p_bt + pos // PAGE_SIZE, mask=m_k, other=0).to(tl.int64)
-            slot = pos % PAGE_SIZE
-            b_k = tl.load(
-                K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
-                mask=m_k[:, None],
-                other=0.0,
-            )
-            b_v = tl.load(
-                V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
-                mask=m_k[:, None],
-                other=0.0,
+            page = _kv_page(p_bt, pos, m_k, PAGE_SIZE, True)
+            b_k, b_v = _load_kv(
+                K,
+                V,
+                page,
+                pos,
+                m_k,
+                off_kh,
+                off_vh,
+                o_d,
+                s_kp,
+                s_ks,
+                s_kd,
+                s_vp,
+                s_vs,
+                s_vd,
+                PAGE_SIZE,
+                True,
             )
             b_acc, b_m, b_l = _attend(
                 b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, m_k[None, :], True, UPCAST
@@ -260,17 +338,24 @@ def _tree_attn_fwd(
             pos = t0 + o_n
             m_k = pos < end
             j = pos - seq  # [BLOCK_N] tree node of the key
-            page = tl.load(p_bt + pos // PAGE_SIZE, mask=m_k, other=0).to(tl.int64)
-            slot = pos % PAGE_SIZE
-            b_k = tl.load(
-                K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :] * s_kd,
-                mask=m_k[:, None],
-                other=0.0,
-            )
-            b_v = tl.load(
-                V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :] * s_vd,
-                mask=m_k[:, None],
-                other=0.0,
+            page = _kv_page(p_bt, pos, m_k, PAGE_SIZE, True)
+            b_k, b_v = _load_kv(
+                K,
+                V,
+                page,
+                pos,
+                m_k,
+                off_kh,
+                off_vh,
+                o_d,
+                s_kp,
+                s_ks,
+                s_kd,
+                s_vp,
+                s_vs,
+                s_vd,
+                PAGE_SIZE,
+                True,
             )
             word = tl.load(
                 p_anc + (j // 32)[None, :], mask=m_row[:, None] & m_k[None, :], other=0
