@@ -10,8 +10,9 @@
   3. the last row of a request to finish (an arrival counter) ranks the request's W*K
      candidates and writes the next frontier and the prefix sums of its best scores;
   4. the last request to finish computes the batch-level decision — EAGLE's fixed width, or
-     CAST's width (Algorithm 1 with C1 on the device view of the cost table) and depth flag —
-     and trims every request's frontier to that width.
+     CAST's width (Algorithm 1 with C1 on the device view of the cost table, k capped at the
+     most valid next-frontier rows of an active request, at least 1) and depth flag — and trims
+     every request's frontier to that width.
   The vocabulary size and the logits' strides are specialised (a model's vocabulary is fixed),
   so that the masked row loads vectorise. Counters are returned to 0 by the program that
   consumed them, so the launch can be replayed
@@ -23,7 +24,8 @@
      a bitonic ``tl.topk``; writes the selection, each selected candidate's node position, and
      the prefix sums CAST's rerank needs;
   2. every program recomputes the batch-level verify count (Algorithm 1 with C3 over the
-     [B, N] prefix sums — a few KB, cheaper than a third launch), then emits its request's tree:
+     [B, N] prefix sums — a few KB, cheaper than a third launch — k capped at 1 + the most
+     selected candidates of an active request), then emits its request's tree:
      tokens, parents, depth, ``anc`` (walking candidate parents, at most D steps), links.
 """
 
@@ -451,7 +453,17 @@ def _finish_row(
                 b_U = tl.sum(b_cum, axis=0)  # [WP]
                 t1 = tl.load(TAB_T + bucket * NMAX)
                 b_c = tl.load(TAB_D + bucket * NMAX + o_w, mask=m_w, other=0.0) / t1
-                b_obj = tl.where(m_w, b_U - (C1 * n_act) * b_c, -float("inf"))
+                # k capped at the most valid next-frontier rows of an active request (written
+                # above by each request's last program, before its arrival): past it U is flat,
+                # and on a plateau of costs the largest k would name rows no request has
+                b_fv = tl.load(
+                    FS + o_b.to(tl.int64)[:, None] * W + o_w[None, :],
+                    mask=(m_b & b_a)[:, None] & m_w[None, :],
+                    other=-1.0,
+                    cache_modifier=".cg",
+                )  # [BP, WP]
+                cap = tl.maximum(tl.max(tl.sum((b_fv >= 0).to(tl.int32), axis=1)), 1)
+                b_obj = tl.where(m_w & (o_w < cap), b_U - (C1 * n_act) * b_c, -float("inf"))
                 n = tl.max(tl.where(b_obj == tl.max(b_obj), o_w + 1, 0))
                 u_n = tl.sum(tl.where(o_w + 1 == n, b_U, 0.0)) / n_act
                 c_n = tl.sum(tl.where(o_w + 1 == n, b_c, 0.0))
@@ -570,7 +582,15 @@ def _emit_kernel(
         b_U = tl.sum(b_cum, axis=0)  # Algorithm 1 on the sums, threshold C3 * n_act
         t1 = tl.load(TAB_T + bucket * NMAX)
         b_c = tl.load(TAB_T + bucket * NMAX + o_n, mask=m_n, other=0.0) / t1
-        b_obj = tl.where(m_n, b_U - (C3 * n_act) * b_c, -float("inf"))
+        # k capped at 1 + the most selected candidates of an active request (SEL, written by
+        # the select launch): the count never exceeds max_b num_nodes[b]
+        b_sa = tl.load(
+            SEL + o_b.to(tl.int64)[:, None] * N + o_n[None, :],
+            mask=(m_b & b_a)[:, None] & (o_n < N - 1)[None, :],
+            other=-1,
+        )  # [BP, NP]
+        cap = 1 + tl.max(tl.sum((b_sa >= 0).to(tl.int32), axis=1))
+        b_obj = tl.where(m_n & (o_n < cap), b_U - (C3 * n_act) * b_c, -float("inf"))
         n = tl.max(tl.where(b_obj == tl.max(b_obj), o_n + 1, 0))
     else:
         n = N

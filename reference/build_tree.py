@@ -12,14 +12,18 @@ or the root at layer 0) and:
    token, and parent ``frontier[b, r]`` (the parent's global index, -1 for the root);
 4. the next frontier: each request's ``W`` best candidates of the layer in rank order (score
    descending, ties to the lower candidate index); only the first ``n_i`` rows stay valid, where
-   ``n_i = W`` for EAGLE and Algorithm 1 with ``C1`` for CAST;
+   ``n_i = W`` for EAGLE and Algorithm 1 with ``C1`` for CAST, its ``k`` capped at the most
+   valid candidates of any active request (so ``n_i`` = the most valid frontier rows of any
+   active request whenever Algorithm 1 would go past them; 1 with none active);
 5. the decisions: ``widths[i] = n_i``, ``flags[i]`` = draft layer i+1 (EAGLE: ``i + 1 < depth``;
    CAST: the depth rule with ``C2``, and ``i + 1 < max_depth``).
 
 After the last layer, rerank and emit: every candidate of the step sorted by (score descending,
 candidate index ascending) — which is topological, since a child's score never exceeds its
 parent's and its index is larger — the first ``n - 1`` behind the root become the tree, ``n`` being
-the EAGLE budget or Algorithm 1 with ``C3`` (capped by what each request has).
+the EAGLE budget or Algorithm 1 with ``C3``, its ``k`` capped at 1 + the most candidates of any
+active request (so ``n <= max_b num_nodes[b]``, or 1 with none active); each request's tree then
+holds ``min(n, 1 + its candidates)`` nodes.
 
 The state (``treeops.DraftState``) and the policies (``treeops.EagleStatic``, ``treeops.Cast``)
 live in ``treeops.build``; these functions read and write the state's tensors in place.
@@ -33,7 +37,7 @@ import torch
 
 from treeops.tree import Tree
 
-from .cast import cast_depth, cast_select, cast_utility_sums
+from .cast import cast_available, cast_depth, cast_select, cast_utility_sums
 
 __all__ = ["build_tree_expand", "build_tree_emit", "build_tree"]
 
@@ -72,7 +76,10 @@ def build_tree_expand(logits: torch.Tensor, state: Any, policy: Any) -> None:
         k = policy.cost_table.bucket(ctx)
         costs = table_d[k, :W] / table_t[k, 0]
         total, n_act = cast_utility_sums(sc, W, state.active)
-        n = int(cast_select(total, costs, policy.C1 * n_act))
+        # k capped at the most valid candidates of an active request (= its valid next-frontier
+        # rows, as k <= W): the width never exceeds the rows the next draft forward can have
+        cap = cast_available(sc, state.active)
+        n = int(cast_select(total, costs, policy.C1 * n_act, cap))
         state.u_hist[i] = total[n - 1] / n_act
         deeper = bool(cast_depth(state.u_hist[: i + 1], costs[n - 1], policy.C2, policy.R))
         flag = deeper and i + 1 < policy.max_depth
@@ -101,7 +108,10 @@ def build_tree_emit(state: Any, policy: Any, *, out: Tree | None = None) -> Tree
         k = policy.cost_table.bucket(_max_ctx(state))
         costs = table_t[k, :N] / table_t[k, 0]
         total, n_act = cast_utility_sums(scores, N, state.active, root=True)
-        n = int(cast_select(total, costs, policy.C3 * n_act))
+        # k capped at 1 + the most candidates of an active request: the verify count is at most
+        # max_b num_nodes[b] (each request's tree holds min(n, 1 + its candidates) nodes)
+        cap = cast_available(scores, state.active, root=True)
+        n = int(cast_select(total, costs, policy.C3 * n_act, cap))
     else:
         n = N
     state.verify[0] = n

@@ -12,6 +12,16 @@ Algorithm 1 (this project's robust form): given utilities ``u_1..u_K`` (non-decr
 * rerank: ``u_k`` = batch mean of the root (score 1) plus the ``k - 1`` best candidates of the
   whole step; ``c_k = S_T(B)[select(ctx)][k] / S_T(B)[select(ctx)][1]``; threshold ``C3``.
 
+Width and rerank cap ``k`` at the candidates that exist (``cast_available``): the largest ``k``
+searched is the most candidates (score >= 0) of any *active* request (+1 for the root in the
+rerank; at least 1). Past that count every utility is flat, so on a plateau of costs the
+"largest k" would otherwise name a width or a verify count no request can fill. The max over
+active requests (not the min) because both decisions are batch-wide: each request uses
+``min(n, what it has)``, so with non-decreasing costs (a ``CostTable``'s) and ``C >= 0`` the cap
+is ``min(n, cap)`` and leaves every request's frontier and tree as they were; it only stops
+over-sizing the batch. (The depth rule then prices the capped width: ``c^(i)_{n_i}`` of the
+width actually drafted.)
+
 Everything here computes in float64 on the host's view of the tensors; the Triton kernels compute
 in float32. Algorithm 1 runs on the utility *sums* with the threshold scaled by the number of
 active requests (``cast_utility_sums``), so that no division rounds before the comparison: both
@@ -34,6 +44,7 @@ import torch
 __all__ = [
     "CostTable",
     "cast_select",
+    "cast_available",
     "cast_utilities",
     "cast_utility_sums",
     "cast_width",
@@ -551,20 +562,49 @@ def timing_meta(
 
 
 # --------------------------------------------------------------------------------- Algorithm 1
-def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
+def cast_select(
+    u: torch.Tensor, c: torch.Tensor, C: float, limit: int | torch.Tensor | None = None
+) -> torch.Tensor:
     """Algorithm 1: the largest ``k`` in ``[1, K]`` maximising ``u_k - C * c_k``.
 
     Args:
         u: [K] utilities (float), ``u[k - 1] = u_k``.
         c: [K] costs, ``c[k - 1] = c_k``.
         C: the threshold.
+        limit: optional cap (int or 0-d integer tensor, no host sync): only ``k <= limit`` are
+            candidates, i.e. the search runs over ``[1, min(K, max(limit, 1))]``. The CAST rules
+            pass the number of candidates that exist (``cast_available``).
 
     Returns a 0-d int32 tensor on ``u``'s device.
     """
     obj = u.double() - float(C) * c.double()
-    best = obj.max()
     ks = torch.arange(1, obj.numel() + 1, device=u.device)
+    if limit is not None:
+        obj = torch.where(
+            ks <= torch.as_tensor(limit, device=u.device).clamp(min=1), obj, -torch.inf
+        )
+    best = obj.max()
     return torch.where(obj == best, ks, 0).max().to(torch.int32)
+
+
+def cast_available(
+    scores: torch.Tensor, active: torch.Tensor | None = None, root: bool = False
+) -> torch.Tensor:
+    """The cap of Algorithm 1's ``k`` in the CAST rules: the most candidates that any active
+    request has (entries of ``scores`` [B, M] that are >= 0; a negative entry is "no candidate"),
+    plus 1 with ``root`` (the root is always a node), and at least 1 (Algorithm 1 returns
+    ``k >= 1``; with no active request the cap is 1). 0-d int64 tensor, no host sync.
+
+    Why the max over active requests: the width and the verify count are *batch* decisions (one
+    frontier width, one verification bucket for the whole batch) and request ``b`` uses
+    ``min(n, its own count)`` of them, so any ``n`` above the largest count only pads the batch:
+    with this cap, ``width = max_b`` (valid frontier rows of b) whenever Algorithm 1 would go
+    beyond it, and the verify count is at most ``max_b num_nodes[b]``."""
+    ok = scores >= 0
+    if active is not None:
+        ok = ok & active.bool()[:, None]
+    have = ok.sum(dim=1).max() if ok.shape[0] else ok.new_zeros((), dtype=torch.int64)
+    return (have + int(root)).clamp(min=1)
 
 
 def cast_utility_sums(
@@ -608,10 +648,15 @@ def cast_width(
 ) -> torch.Tensor:
     """Width of the next frontier (DESIGN.md op 5): Algorithm 1 with ``u_k`` = batch mean of the
     k best candidate scores of this layer (``scores`` [B, M], < 0 = none), ``c_k = costs[k - 1]``
-    (K = len(costs)) and threshold ``C1``. Returns a 0-d int32 tensor in [1, K]."""
+    (K = len(costs)) and threshold ``C1``. Returns a 0-d int32 tensor in [1, K].
+
+    ``k`` only ranges over widths that can be filled: ``k <= cast_available(scores, active)``, the
+    most candidates (score >= 0) of any active request (1 if none is active). Beyond that count
+    the utility is flat, so on a plateau of costs Algorithm 1 alone would pick a width larger
+    than any frontier the layer can have."""
     K = costs.numel()
     total, n_act = cast_utility_sums(scores, K, active)
-    return cast_select(total, costs, float(C1) * n_act)
+    return cast_select(total, costs, float(C1) * n_act, cast_available(scores, active))
 
 
 def cast_depth(u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int) -> torch.Tensor:
@@ -642,7 +687,11 @@ def cast_rerank(
 ) -> torch.Tensor:
     """Number of nodes sent to verification (root included): Algorithm 1 with ``u_k`` = batch
     mean of the root's score 1 plus the ``k - 1`` best candidate scores of the step (``scores``
-    [B, M], < 0 = none), ``c_k = costs[k - 1]`` (K = len(costs)), threshold ``C3``. 0-d int32."""
+    [B, M], < 0 = none), ``c_k = costs[k - 1]`` (K = len(costs)), threshold ``C3``. 0-d int32.
+
+    ``k`` only ranges up to ``cast_available(scores, active, root=True)``: 1 + the most
+    candidates (score >= 0) of any active request (1 if none is active), so the count never
+    exceeds the largest tree the candidates can make (``max_b num_nodes[b]``)."""
     K = costs.numel()
     total, n_act = cast_utility_sums(scores, K, active, root=True)
-    return cast_select(total, costs, float(C3) * n_act)
+    return cast_select(total, costs, float(C3) * n_act, cast_available(scores, active, root=True))

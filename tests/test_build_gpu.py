@@ -160,6 +160,38 @@ def test_inactive_rows_and_small_widths():
     assert tree.num_nodes.cpu().tolist()[1] == 0 and tree.num_nodes.cpu().tolist()[4] == 0
 
 
+def test_issue_4_caps_reach_the_pinned_decisions():
+    """Flat cost tables (issue #4): CAST's width and verify count are capped at what exists, on
+    the device and in the pinned host copy that ``width``/``verify_count`` read. B = 1, W = 4,
+    K = 2: layer 0 has 2 candidates (width 2, not 4); 6 candidates make a 7-node tree (verify 7,
+    not 16). Then a ragged batch on flat tables through ``_run`` (kernel == reference)."""
+    flat = treeops.CostTable.from_functions(
+        lambda b, c, n: 64.0, lambda b, c, n: 8.0, [1, 8], 1024, 1, 16
+    )
+    pol = treeops.Cast(
+        C1=1.0, C2=0.0, C3=0.5, R=2, cost_table=flat, topk=2, max_width=4, max_depth=2, capacity=16
+    )
+    g = torch.Generator(device=DEV).manual_seed(4)
+    st = treeops.DraftState.new(pol, torch.tensor([3], device=DEV), torch.tensor([100], device=DEV))
+    for i in range(2):
+        treeops.build_tree_expand(torch.randn(1, 4, 1000, device=DEV, generator=g), st, pol)
+        assert st.width(i) == [2, 4][i]
+    tree = treeops.build_tree_emit(st, pol)
+    assert st.verify_count() == 7 == int(tree.num_nodes[0])
+    assert st.host_decisions.tolist() == st.decisions.cpu().tolist()
+    B = 6
+    active = torch.tensor([True, False, True, True, False, True], device=DEV)
+    flat8 = treeops.CostTable.from_functions(
+        lambda b, c, n: 100.0, lambda b, c, n: 10.0, [8], 1024, 2, 64
+    )
+    pol = treeops.Cast(
+        C1=0.0, C2=0.0, C3=0.0, R=2, cost_table=flat8, topk=3, max_width=8, max_depth=3, capacity=64
+    )
+    st, tree = _run(pol, B, 4096, torch.bfloat16, seed=5, active=active)
+    assert st.verify_count() == int(tree.num_nodes.max()) < 64
+    assert st.width(0) == 3  # the root's top-3: the only candidates of layer 0
+
+
 @pytest.mark.parametrize("B", [64, 2])  # 2: several programs per row (split V)
 def test_cuda_graph_replay_matches_eager(B):
     """Capture one expand (and the emit) in CUDA graphs; replay many times with new logits: the

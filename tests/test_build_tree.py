@@ -26,9 +26,10 @@ def f32(x: float) -> float:
     return float(np.float32(x))
 
 
-def brute_select(u, c, C) -> int:
+def brute_select(u, c, C, cap=None) -> int:
+    """Largest k in [1, min(K, cap)] maximising u_k - C c_k."""
     best, arg = None, 0
-    for k in range(1, len(u) + 1):
+    for k in range(1, (len(u) if cap is None else min(len(u), max(cap, 1))) + 1):
         v = u[k - 1] - C * c[k - 1]
         if best is None or v >= best:
             best, arg = v, k
@@ -105,7 +106,9 @@ class Brute:
                 W,
                 root=False,
             )
-            n = brute_select(u, c, Fraction(self.p.C1))
+            # k capped at the most candidates of an active request (issue #4)
+            cap = max([len(layer[b]) for b in range(self.B) if self.active[b]] + [1])
+            n = brute_select(u, c, Fraction(self.p.C1), cap)
             self.u_hist.append(u[n - 1])
             fifo = [Fraction(1)] + [
                 (self.u_hist[j + 1] / self.u_hist[j] if self.u_hist[j] > 0 else Fraction(0))
@@ -132,7 +135,9 @@ class Brute:
                 N,
                 root=True,
             )
-            n = brute_select(u, c, Fraction(self.p.C3))
+            # k capped at 1 + the most candidates of an active request (issue #4)
+            cap = 1 + max([len(self.cands[b]) for b in range(self.B) if self.active[b]] + [0])
+            n = brute_select(u, c, Fraction(self.p.C3), cap)
         else:
             n = N
         trees = []
@@ -167,6 +172,23 @@ def cost_table(seed: int, n_max: int) -> treeops.CostTable:
     return treeops.CostTable([4, 64], 16, t, d, {"gpu": "test"})
 
 
+def flat_cost_table(seed: int, n_max: int) -> treeops.CostTable:
+    """Plateau costs (issue #4): every row flat in n, or flat with one or two steps; dyadic."""
+    r = random.Random(seed)
+    t = torch.empty(2, 3, n_max, dtype=torch.float64)
+    d = torch.empty(2, 3, n_max, dtype=torch.float64)
+    for i in range(2):
+        for k in range(3):
+            steps_t = {r.randrange(1, n_max + 1) for _ in range(r.randrange(0, 3))}
+            steps_d = {r.randrange(1, n_max + 1) for _ in range(r.randrange(0, 3))}
+            v, w = 64.0 * (k + 1), 4.0 + r.randrange(8)
+            for n in range(n_max):
+                v += 16.0 * (n in steps_t)
+                w += 2.0 * (n in steps_d)
+                t[i, k, n], d[i, k, n] = v, w
+    return treeops.CostTable([4, 64], 16, t, d, {"gpu": "test"})
+
+
 @st.composite
 def steps(
     draw,
@@ -177,15 +199,17 @@ def steps(
     max_depth=4,
     max_n=32,
     dtypes=(torch.float32, torch.bfloat16),
+    flat=False,
 ):
-    """A policy, a batch (ragged activity), and the draft logits of every layer."""
+    """A policy, a batch (ragged activity), and the draft logits of every layer. ``flat``: CAST
+    only, with plateau cost tables (``flat_cost_table``)."""
     B = draw(st.integers(1, max_batch))
     K = draw(st.integers(1, max_k))
     W = draw(st.integers(1, max_w))
     D = draw(st.integers(1, max_depth))
     V = draw(st.integers(max(K, 2), max_vocab))
     N = draw(st.integers(max(W, 1), max_n))
-    kind = draw(st.sampled_from(["eagle", "cast"]))
+    kind = "cast" if flat else draw(st.sampled_from(["eagle", "cast"]))
     seed = draw(st.integers(0, 2**31 - 1))
     rng = random.Random(seed)
     if kind == "eagle":
@@ -200,7 +224,7 @@ def steps(
             C2=draw(st.sampled_from([0.0, 0.0625, 0.25, 1.0, 64.0])),
             C3=draw(st.sampled_from([0.0, 0.001, 0.01, 0.05, 1.0])),
             R=draw(st.integers(1, 4)),
-            cost_table=cost_table(seed, max(N, W)),
+            cost_table=(flat_cost_table if flat else cost_table)(seed, max(N, W)),
             topk=K,
             max_width=W,
             max_depth=D,
@@ -501,9 +525,11 @@ def compare_states(a, b, i, what=""):
     assert torch.equal(a.decisions, b.decisions), f"{what} decisions"
 
 
-def run_both(policy, logits, roots, seq, active, block_v=None, split=1):
+def run_both(policy, logits, roots, seq, active, block_v=None, split=1, states=None):
     kb = _kb()
     sk = start(policy, roots, seq, active)
+    if states is not None:  # the caller inspects the kernel's state too
+        states.append(sk)
     sr = start(policy, roots, seq, active)
     i = 0
     while sr.wants_next_layer():
@@ -657,3 +683,93 @@ def test_kernels_issue_extremes():
     )
     logits = torch.where(torch.rand(10, 2, 10, 40, generator=g) < 0.06, 0.0, -1000.0)
     run_both(cast, logits, [5, 6], [17, 40], [True, True], block_v=32)
+
+
+# ------------------------------------------------ issue #4: CAST's k capped at what exists
+def _flat_cast(W, K, D, N, C1=1.0, C2=0.0, C3=0.5):
+    table = treeops.CostTable.from_functions(
+        lambda B, c, n: 64.0, lambda B, c, n: 8.0, [1, 8], 1024, 1, max(W, N)
+    )
+    return treeops.Cast(
+        C1=C1, C2=C2, C3=C3, R=2, cost_table=table, topk=K, max_width=W, max_depth=D, capacity=N
+    )
+
+
+def _check_caps(state, tree):
+    """CAST (issue #4): every width = the most valid frontier rows of an active request after
+    that layer (at least 1), and the verify count = max(num_nodes) (1 with none active)."""
+    act = state.active.cpu()
+    W, K = state.frontier.shape[1], state.cand_scores.shape[2] // state.frontier.shape[1]
+    for i in range(state.layer):
+        sc = state.cand_scores[:, i].cpu()
+        rows = torch.sort(sc, dim=1, descending=True).values[:, :W] >= 0  # [B, W] fillable
+        have = int((rows & act[:, None]).sum(1).max()) if bool(act.any()) else 0
+        assert 1 <= int(state.widths[i]) <= max(have, 1), (i, state.widths.tolist(), have)
+        if have and i + 1 < state.layer:
+            # the frontier the next layer expanded had exactly width(i) rows in its widest request
+            nxt = state.cand_scores[:, i + 1].cpu().view(-1, W, K)[..., 0] >= 0
+            assert int((nxt & act[:, None]).sum(1).max()) == int(state.widths[i])
+    nodes = tree.num_nodes.cpu()
+    assert int(state.verify[0]) == (int(nodes.max()) if bool(act.any()) else 1)
+
+
+def test_issue_4_reviewer_examples():
+    """Flat costs, B = 1, W = 4, K = 2, N = 16: layer 0 has 2 candidates (the root's top-2), so
+    the width is 2 (was 4); layer 1 has 4; the tree has 7 nodes, so the verify count is 7 (was
+    16). Reference and kernel (interpreter) both."""
+    pol = _flat_cast(W=4, K=2, D=2, N=16)
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 1, 4, 20, generator=g)
+    for impl in ("reference", "kernel"):
+        st_ = start(pol, [3], [100], [True])
+        for i in range(2):
+            if impl == "kernel":
+                _kb().expand(logits[i], st_, pol, block_v=8)
+                st_.layer += 1
+            else:
+                ref.build_tree_expand(logits[i], st_, pol)
+        tree = _kb().emit(st_, pol) if impl == "kernel" else ref.build_tree_emit(st_, pol)
+        assert st_.widths.tolist() == [2, 4], impl
+        assert int(tree.num_nodes[0]) == 7, impl
+        assert int(st_.verify[0]) == 7 and st_.verify_count() == 7, impl
+        assert st_.width(0) == 2, impl  # the host view of the decisions carries the cap
+        _check_caps(st_, tree)
+
+
+def test_issue_4_public_loop_and_inactive():
+    """The public loop on CPU, a ragged batch and an all-inactive batch (width 1, verify 1)."""
+    pol = _flat_cast(W=4, K=3, D=3, N=16, C1=0.0, C3=0.0)
+    g = torch.Generator().manual_seed(8)
+    logits = torch.where(torch.rand(3, 3, 4, 12, generator=g) < 0.15, 0.0, -1000.0)
+    for active in ([True, False, True], [False, False, False]):
+        st_ = start(pol, [1, 2, 3], [5, 6, 7], active)
+        tree = treeops.build_tree(
+            pol, lambda s: logits[s.layer], st_.root_tokens, st_.seq_lens, st_.active, state=st_
+        )
+        _check_caps(st_, tree)
+        if not any(active):
+            assert st_.widths[: st_.layer].tolist() == [1] * st_.layer
+            assert st_.verify_count() == 1
+
+
+@given(steps(max_batch=6, max_vocab=24, max_w=4, max_k=4, max_depth=3, max_n=16, flat=True))
+def test_cast_caps_on_plateau_costs_kernel_and_reference(case):
+    """Property (issue #4) on plateau cost tables: width <= the candidates that exist and verify
+    count <= the nodes that exist, for the kernels (interpreter) and the reference, which agree
+    exactly (``run_both``); the reference also matches the capped brute force."""
+    policy, logits, roots, seq, active = case
+    sks: list = []
+    split = 1 + logits.shape[-1] % 3
+    tk = run_both(policy, logits, roots, seq, active, block_v=8, split=split, states=sks)
+    _check_caps(sks[0], tk)
+    sr = start(policy, roots, seq, active)
+    brute = Brute(policy, roots, seq, active)
+    i = 0
+    while sr.wants_next_layer():
+        ref.build_tree_expand(logits[i], sr, policy)
+        brute.expand(logits[i])
+        check_layer(sr, brute, i)
+        i += 1
+    tr = ref.build_tree_emit(sr, policy)
+    assert int(sr.verify[0]) == check_tree(tr, brute)
+    _check_caps(sr, tr)

@@ -17,10 +17,10 @@ from treeops.reference import cast as ref
 
 
 # ------------------------------------------------------------------------------ brute force
-def brute_select(u: list[Fraction], c: list[Fraction], C: Fraction) -> int:
-    """Largest k in [1, K] maximising u_k - C c_k, in exact rational arithmetic."""
+def brute_select(u: list[Fraction], c: list[Fraction], C: Fraction, cap: int | None = None) -> int:
+    """Largest k in [1, min(K, cap)] maximising u_k - C c_k, in exact rational arithmetic."""
     best, arg = None, 0
-    for k in range(1, len(u) + 1):
+    for k in range(1, min(len(u), len(u) if cap is None else max(cap, 1)) + 1):
         v = u[k - 1] - C * c[k - 1]
         if best is None or v >= best:
             best, arg = v, k
@@ -29,6 +29,13 @@ def brute_select(u: list[Fraction], c: list[Fraction], C: Fraction) -> int:
 
 def fr(x: float) -> Fraction:
     return Fraction(float(x))
+
+
+def brute_available(scores: list[list[float]], active: list[bool], root: bool = False) -> int:
+    """The cap of CAST's k: the most candidates (score >= 0) of an active request, + 1 with the
+    root, at least 1."""
+    have = [sum(v >= 0 for v in row) for row, a in zip(scores, active, strict=True) if a]
+    return max(max(have, default=0) + int(root), 1)
 
 
 def brute_utilities(scores: list[list[float]], K: int, active: list[bool], root: bool = False):
@@ -102,8 +109,10 @@ def test_width_matches_brute_force(batch, data):
     got = int(
         treeops.cast_width(torch.tensor(scores), torch.tensor(c), C1, active=torch.tensor(active))
     )
-    want = brute_select(brute_utilities(scores, K, active), [fr(x) for x in c], fr(C1))
+    cap = brute_available(scores, active)
+    want = brute_select(brute_utilities(scores, K, active), [fr(x) for x in c], fr(C1), cap)
     assert got == want
+    assert 1 <= got <= min(K, cap)
 
 
 @given(dyadic_batches(), st.data())
@@ -115,9 +124,11 @@ def test_rerank_matches_brute_force(batch, data):
     got = int(
         treeops.cast_rerank(torch.tensor(scores), torch.tensor(c), C3, active=torch.tensor(active))
     )
-    want = brute_select(brute_utilities(scores, K, active, root=True), [fr(x) for x in c], fr(C3))
+    cap = brute_available(scores, active, root=True)
+    u = brute_utilities(scores, K, active, root=True)
+    want = brute_select(u, [fr(x) for x in c], fr(C3), cap)
     assert got == want
-    assert 1 <= got <= K
+    assert 1 <= got <= min(K, cap)
 
 
 @given(dyadic_batches(max_m=14), st.data())
@@ -177,13 +188,15 @@ def test_raising_C1_or_draft_costs_never_widens(batch, data):
 
 @given(dyadic_batches(), st.integers(1, 12), st.integers(0, 64))
 def test_equal_costs_take_all_K(batch, K, C1):
+    """Equal costs: every candidate that exists is worth taking, so the width is K, or the most
+    candidates of an active request when fewer exist (every score here is >= 0: M of them)."""
     scores, active = batch
     got = int(
         treeops.cast_width(
             torch.tensor(scores), torch.full((K,), 0.75), C1 / 8, active=torch.tensor(active)
         )
     )
-    assert got == K
+    assert got == min(K, len(scores[0]))
 
 
 def test_plateau_in_costs_ends_at_the_plateau_end():
@@ -200,15 +213,79 @@ def test_inactive_rows_do_not_count():
     c = torch.tensor([1.0, 2.0, 3.0])
     only0 = int(treeops.cast_width(s[:1], c, 0.4))
     assert int(treeops.cast_width(s, c, 0.4, active=torch.tensor([True, False]))) == only0
-    # no active request at all: every utility is 0; the cheapest-plateau end wins
-    assert (
-        int(
-            treeops.cast_width(
-                s, torch.tensor([1.0, 1.0, 2.0]), 1.0, active=torch.tensor([False, False])
-            )
-        )
-        == 2
-    )
+    # no active request at all: no candidate exists for the batch, so the width is 1 (the
+    # cheapest plateau ends at 2, but a plateau past the candidates is not taken)
+    none = torch.tensor([False, False])
+    assert int(treeops.cast_width(s, torch.tensor([1.0, 1.0, 2.0]), 1.0, active=none)) == 1
+    assert int(treeops.cast_rerank(s, torch.tensor([1.0, 1.0, 2.0]), 1.0, active=none)) == 1
+
+
+# ------------------------------------------------------- the cap: candidates that exist (#4)
+def test_issue_4_width_capped_at_the_candidates():
+    """Reviewer's example: flat draft costs, K = 4, but only 2 candidates exist (the rest are
+    "none", < 0). Algorithm 1 alone takes the plateau's end (4); the width is 2."""
+    s = torch.tensor([[0.5, 0.25, -1.0, -1.0]])
+    flat = torch.full((4,), 0.5)
+    U, n_act = ref.cast_utility_sums(s, 4)
+    assert int(ref.cast_select(U, flat, 1.0 * n_act)) == 4  # the bug, uncapped
+    assert int(treeops.cast_width(s, flat, 1.0)) == 2
+    assert int(ref.cast_width(s, flat, 1.0)) == 2
+    # the cap is the max over *active* requests: a second request with 3 candidates raises it
+    s2 = torch.tensor([[0.5, 0.25, -1.0, -1.0], [0.5, 0.25, 0.125, -1.0]])
+    assert int(treeops.cast_width(s2, flat, 0.0)) == 3
+    assert int(treeops.cast_width(s2, flat, 0.0, active=torch.tensor([True, False]))) == 2
+
+
+def test_issue_4_verify_count_capped_at_the_nodes():
+    """Reviewer's example: flat target costs over N = 16, but only 6 candidates exist (a tree
+    of 7 nodes); the verify count is 7, not 16."""
+    s = torch.tensor([[0.5, 0.25, 0.25, 0.125, 0.0625, 0.0] + [-1.0] * 10])
+    flat = torch.ones(16)
+    U, n_act = ref.cast_utility_sums(s, 16, root=True)
+    assert int(ref.cast_select(U, flat, 0.5 * n_act)) == 16  # the bug, uncapped
+    assert int(treeops.cast_rerank(s, flat, 0.5)) == 7  # the zero score is a candidate too
+    assert int(ref.cast_rerank(s, flat, 0.5)) == 7
+
+
+@st.composite
+def sparse_batches(draw, max_b=8, max_m=12):
+    """Dyadic scores with "no candidate" entries (-1): ragged candidate counts per request."""
+    scores, active = draw(dyadic_batches(max_b=max_b, max_m=max_m))
+    holes = st.booleans() if draw(st.booleans()) else st.just(False)
+    scores = [[-1.0 if draw(holes) else v for v in row] for row in scores]
+    return scores, active
+
+
+def flat_costs(draw, K):
+    """Plateau costs: one value, or a few long plateaus (multiples of 1/16)."""
+    if draw(st.booleans()):
+        return [draw(st.integers(1, 32)) / 16] * K
+    c, v = [], draw(st.integers(1, 16))
+    for _ in range(K):
+        if draw(st.integers(0, 5)) == 0:
+            v += draw(st.integers(1, 8))
+        c.append(v / 16)
+    return c
+
+
+@given(sparse_batches(), st.data())
+def test_width_and_verify_count_never_exceed_the_candidates(batch, data):
+    """With plateau costs (where the uncapped rule runs past the candidates), width <= the most
+    candidates of an active request and verify count <= 1 + that; both equal min(uncapped, cap)
+    (non-decreasing costs, C >= 0) and the capped brute force."""
+    scores, active = batch
+    s, a = torch.tensor(scores), torch.tensor(active)
+    have = max(sum(v >= 0 for v in r) for r, x in zip(scores, active, strict=True) if x)
+    K = data.draw(st.integers(1, 16))
+    c = flat_costs(data.draw, K)
+    C = data.draw(st.integers(0, 64)) / 16
+    for root, fn in ((False, treeops.cast_width), (True, treeops.cast_rerank)):
+        got = int(fn(s, torch.tensor(c), C, active=a))
+        cap = max(have + int(root), 1)
+        assert 1 <= got <= min(K, cap)
+        u = brute_utilities(scores, K, active, root=root)
+        uncapped = brute_select(u, [fr(x) for x in c], fr(C))
+        assert got == min(uncapped, cap) == brute_select(u, [fr(x) for x in c], fr(C), cap)
 
 
 # ----------------------------------------------------------------------------------- depth

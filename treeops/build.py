@@ -286,7 +286,8 @@ class DraftState:
         return self.host_decisions
 
     def width(self, i: int) -> int:
-        """Width chosen at draft layer ``i`` (rows of the next draft forward); one event wait."""
+        """Width chosen at draft layer ``i`` (rows of the next draft forward); one event wait.
+        Under CAST at most the most valid frontier rows of any active request (at least 1)."""
         return int(self._host(i)[i])
 
     def wants_next_layer(self) -> bool:
@@ -297,7 +298,9 @@ class DraftState:
         return bool(self._host(i)[self.max_depth + i]) and self.layer < self.max_depth
 
     def verify_count(self) -> int:
-        """Nodes per request sent to verification (root included), after ``build_tree_emit``."""
+        """Nodes per request sent to verification (root included), after ``build_tree_emit``.
+        Under CAST ``max(num_nodes)`` of the emitted tree (1 if no request is active); EAGLE: its
+        budget."""
         return int(self._host(self.max_depth)[2 * self.max_depth])
 
 
@@ -338,7 +341,10 @@ def build_tree_expand(
         validate: also reject NaN logits (a host sync).
 
     Writes candidates of layer ``state.layer``, the next frontier (``frontier``,
-    ``frontier_tokens``, ``frontier_scores``) and ``widths[i]``, ``flags[i]``; on CUDA one Triton
+    ``frontier_tokens``, ``frontier_scores``) and ``widths[i]``, ``flags[i]``. CAST's width is at
+    most the most valid next-frontier rows of any active request (at least 1), even on a plateau
+    of draft costs: with a request active, ``width(i)`` = the most valid rows of the next frontier
+    (``frontier_valid``), the exact size of the next draft forward. On CUDA one Triton
     launch (online softmax and top-k over V in one pass, then the batch-level width), no host sync.
 
     Example:
@@ -392,7 +398,10 @@ def build_tree_emit(
 
     The tree holds the root and the ``n - 1`` best candidates in rank order (score descending,
     ties to the lower candidate index), where ``n`` is ``EagleStatic.budget`` or CAST's
-    Algorithm 1 with ``C3`` (``state.verify``), capped per request by its candidates.
+    Algorithm 1 with ``C3`` (``state.verify``), capped per request by its candidates. Under CAST
+    ``n`` itself is at most 1 + the most candidates of any active request (1 if none is
+    active), so ``verify_count() == max(num_nodes)`` when a request is active, even on a
+    plateau of target costs.
     Ancestor-closed by construction. Capacity ``N = policy.capacity``.
 
     Args:

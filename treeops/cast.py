@@ -96,13 +96,21 @@ def cast_width(
 
     Returns:
         0-d int32 tensor, the width ``n`` in ``[1, K]``: the largest k maximising
-        ``u_k - C1 * c_k`` with ``u_k`` = mean over active requests of their k best scores.
+        ``u_k - C1 * c_k`` with ``u_k`` = mean over active requests of their k best scores,
+        among ``k <= A``, ``A`` = the most candidates (entries >= 0) of any active request
+        (at least 1; 1 if none is active). The width never exceeds the candidates that exist:
+        past ``A`` the utility is flat, and on a plateau of costs the uncapped rule would pick
+        the plateau's end (a frontier no request can fill). The cap is the max over active
+        requests because the width is one decision for the batch; each request fills
+        ``min(n, its candidates)`` rows.
 
     Example:
         >>> import torch, treeops
         >>> s = torch.tensor([[0.5, 0.25, 0.125, 0.0625]])
         >>> int(treeops.cast_width(s, torch.tensor([1., 1., 1., 1.]), C1=1.0))  # equal costs: all
         4
+        >>> int(treeops.cast_width(s[:, :2], torch.tensor([1., 1., 1., 1.]), C1=1.0))  # 2 exist
+        2
     """
     _check_scores_costs(scores, costs, active, C1, "C1", validate)
     return _ref.cast_width(scores, costs, C1, active)
@@ -163,13 +171,18 @@ def cast_rerank(
 
     Returns:
         0-d int32 tensor ``n`` in ``[1, K]``; ``u_k`` = mean over active requests of
-        ``1 + (sum of their k - 1 best scores)``.
+        ``1 + (sum of their k - 1 best scores)``; the largest maximiser of ``u_k - C3 * c_k``
+        among ``k <= 1 + A``, ``A`` = the most candidates (entries >= 0) of any active request
+        (1 if none is active): the count never exceeds the largest tree the candidates can make
+        (a tree holds ``min(n, 1 + its candidates)`` nodes), even on a plateau of costs.
 
     Example:
         >>> import torch, treeops
         >>> s = torch.tensor([[0.5, 0.25, 0.125]])
         >>> int(treeops.cast_rerank(s, torch.tensor([1., 1.25, 1.5, 1.75]), C3=1.0))
         3
+        >>> int(treeops.cast_rerank(s, torch.ones(8), C3=1.0))  # flat costs: root + 3 exist
+        4
     """
     _check_scores_costs(scores, costs, active, C3, "C3", validate)
     return _ref.cast_rerank(scores, costs, C3, active)
