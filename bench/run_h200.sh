@@ -14,11 +14,12 @@ mkdir -p "$OUT"
 LOG=$OUT/log.txt
 LIMIT=${STAGE_LIMIT:-300}
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -n "${SKIP_INSTALL:-}" ]; then :  # a caller already installed (two GPUs, two runs at once)
+elif ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || echo "install failed" | tee -a "$LOG"
+[ -z "${SKIP_INSTALL:-}" ] && { python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || echo "install failed" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee -a "$LOG"
 # tests:<names> runs tests/test_<name>_gpu.py, or the gpu-marked tests of tests/test_<name>.py
 files() { local f=""; for n in ${1//,/ }; do
