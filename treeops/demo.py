@@ -274,7 +274,8 @@ def run_demo(
     print(
         f"\ndecoding {len(prompts)} held-out prompts of {len(prompts[0])} tokens, "
         f"{new_tokens} new tokens each, greedy, batch {len(prompts)}; trees: depth {depth}, "
-        f"top-k {topk}, {budget} nodes (CPU: treeops runs its PyTorch references)\n"
+        f"top-k {topk}, {budget} nodes\n(on a CPU treeops runs its PyTorch references: tokens/s "
+        f"here show their overheads, not a GPU's speed-ups)\n"
     )
     header = (
         f"{'policy':<15}{'steps':>6}{'accepted/step':>15}{'tokens/s':>10}{'speedup':>9}"
