@@ -101,10 +101,16 @@ def random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[
     return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def trained_pair(device: torch.device, cache_dir: str):
+def trained_pair(device: torch.device, cache_dir: str, train_seconds: str | None = None):
+    import dataclasses
+
     from treeops.decoder.train import PairConfig, train_pair
 
-    pair = train_pair(PairConfig.h200(), device=str(device), cache_dir=cache_dir)
+    cfg = PairConfig.h200()
+    if train_seconds:  # "T,D": the target's and the draft's wall-clock training budgets
+        t, d = (float(x) for x in train_seconds.split(","))
+        cfg = dataclasses.replace(cfg, target_seconds=t, draft_seconds=d)
+    pair = train_pair(cfg, device=str(device), cache_dir=cache_dir)
     prompts = getattr(pair, "heldout_prompts", None) or pair.prompts
     report = dict(pair.report)
     return pair.target, pair.draft, prompts, report
@@ -455,6 +461,9 @@ def main(argv=None) -> int:
     ap.add_argument("--C2", type=float, default=0.2)
     ap.add_argument("--C3", type=float, default=0.1)
     ap.add_argument("--cache-dir", default=None, help="train_pair cache (/tmp/treeops-e2e-pair)")
+    ap.add_argument(
+        "--train-seconds", default=None, help="T,D: training budgets (default: PairConfig.h200)"
+    )
     args = ap.parse_args(argv)
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
@@ -504,7 +513,7 @@ def main(argv=None) -> int:
         # not under DIR: hundreds of MB of fp32 weights must not travel back with the results
         cache = args.cache_dir or os.environ.get("TREEOPS_PAIR_CACHE", "/tmp/treeops-e2e-pair")
         log(f"training / loading the pair (cache {cache})")
-        target, draft, prompts, report = trained_pair(device, cache)
+        target, draft, prompts, report = trained_pair(device, cache, args.train_seconds)
     report = dict(report)
     report["seconds_to_get"] = round(time.time() - t0, 1)
     ref32 = copy.deepcopy(target).float().eval()
