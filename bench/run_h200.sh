@@ -35,7 +35,7 @@ for spec in "$@"; do
   [ "$spec" != "$stage" ] && limit=${spec##*@}
   case $stage in
     tests:*) cmd="python3 -m pytest -q -m gpu -p no:cacheprovider $XD --durations=8 $(files ${stage#tests:})";;
-    memcheck:*) cmd="compute-sanitizer --tool memcheck --target-processes all --error-exitcode 17 python3 -m pytest -q -m gpu -k '${MEMCHECK_K:-memcheck or accept_gpu or graft_gpu}' -p no:cacheprovider $XD $(files ${stage#memcheck:})";;
+    memcheck:*) cmd="compute-sanitizer --tool memcheck --target-processes all --error-exitcode 17 python3 -m pytest -q -m gpu -k '${MEMCHECK_K:-memcheck or accept_gpu or graft_gpu}' -p no:cacheprovider $(files ${stage#memcheck:})";;
     calibrate) cmd="python3 bench/calibrate_cost_table.py --out $OUT ${CAL_ARGS:-}";;
     bench_build) cmd="python3 bench/bench_tree_build_cast.py --out $OUT --table ${TABLE:-$OUT/cost_table_h200.json} --ops ${BUILD_OPS:-layer,rerank_build,step} ${BUILD_ARGS:-}";;
     bench_accept) cmd="python3 bench/bench_accept.py --out $OUT ${ACCEPT_ARGS:-}";;

@@ -10,7 +10,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.txt" 2>&1 || echo "install failed"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/treeops-install.txt 2>&1 || echo "install failed"
 export SKIP_INSTALL=1 XDIST=${XDIST:-12}
 i=0
 for stages in "${GPU0:-}" "${GPU1:-}"; do
