@@ -179,7 +179,10 @@ class TorchBuild:
         if self.p.is_cast:
             ctx = self.seq.max() + self.widths[:i].sum()
             k = torch.clamp(ctx // self.p.cost_table.L, max=self.p.cost_table.M - 1)
-            c = self.tab_d[k, :W] / self.tab_t[k, 0]
+            # index_select, not [k]: a 0-d device tensor as an index reads it on the host,
+            # which a CUDA-graph capture refuses
+            k1 = k.view(1)
+            c = self.tab_d.index_select(0, k1)[0, :W] / self.tab_t.index_select(0, k1)[0, 0]
             u = torch.cumsum(ns.clamp(min=0), dim=1).mean(dim=0)
             obj = u - self.p.C1 * c
             n = W - torch.argmax(torch.flip(obj, (0,)))  # the largest argmax
