@@ -373,6 +373,8 @@ def env_info(device) -> dict:
         dirty = git("status", "--porcelain", "--untracked-files=no")
     except OSError:
         commit, dirty = "unknown", ""
+    if os.environ.get("TREEOPS_COMMIT"):  # the device's copy of .git can lag the working tree
+        commit, dirty = os.environ["TREEOPS_COMMIT"], ""
     return {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "versions": {

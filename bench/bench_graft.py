@@ -513,6 +513,7 @@ def main() -> None:
         ).stdout.strip()
     except OSError:
         commit = ""
+    commit = os.environ.get("TREEOPS_COMMIT") or commit  # the device's .git can lag the tree
     out = dict(
         gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
         date=time.strftime("%Y-%m-%d"),

@@ -436,7 +436,7 @@ def main(argv=None):
     ap.add_argument("--commit", default=None)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    commit = args.commit
+    commit = args.commit or os.environ.get("TREEOPS_COMMIT")
     if commit is None:
         try:
             commit = subprocess.check_output(

@@ -619,7 +619,7 @@ def main(argv=None):
         if args.quick:
             Bs, Vs, Ns = (1, 64), (32000,), (64,)
     table = treeops.CostTable.load(args.table) if args.table else synthetic_table()
-    commit = args.commit
+    commit = args.commit or os.environ.get("TREEOPS_COMMIT")
     if commit is None:
         try:
             commit = subprocess.check_output(

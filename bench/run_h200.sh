@@ -14,6 +14,9 @@ mkdir -p "$OUT"
 LOG=$OUT/log.txt
 LIMIT=${STAGE_LIMIT:-300}
 export PYTHONUNBUFFERED=1
+# the commit the JSON files name: the device's copy of .git can lag the working tree, so write it
+# here before a call (git rev-parse HEAD > .treeops_commit; git-ignored) and it travels with it
+[ -f .treeops_commit ] && export TREEOPS_COMMIT=${TREEOPS_COMMIT:-$(cat .treeops_commit)}
 if [ -n "${SKIP_INSTALL:-}" ]; then :  # a caller already installed (two GPUs, two runs at once)
 elif ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
