@@ -1,0 +1,75 @@
+"""bench/template_acceptance.py's core on the CPU in seconds: the decoder runs on the tiny random
+pair of ``test_decoder`` (no training), the token-level coverage on a stream whose answers are
+known."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_decoder import pair  # noqa: F401
+
+from treeops import RankTemplate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location(
+        "template_acceptance", os.path.join(ROOT, "bench", "template_acceptance.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_acceptance_rows_are_greedy_and_account_grafts(bench, pair):  # noqa: F811
+    target, draft = pair
+    p = SimpleNamespace(target=target, draft=draft)
+    prompts = [[5, 17, 3, 99, 42, 7, 8], [11, 64, 9], [23, 1, 2, 3], [40, 41]]
+    tpls = {"default": RankTemplate.default(), "chain 9": RankTemplate.chain(9)}
+    setting = {"small": dict(depth=4, topk=4, budget=24)}
+    res = bench.measure_acceptance(p, prompts, tpls, setting, batch=2, new_tokens=10)
+    rows = res["settings"]["small"]["rows"]
+    assert list(rows) == ["Cast (no graft)", "default", "chain 9"]
+    for name, r in rows.items():
+        assert r["same_as_greedy"], (name, r["differs_from_greedy"])
+        assert len(r["per_prompt_accepted_per_step"]) == len(prompts)
+        assert 1.0 <= r["accepted_per_step"] <= 5.0
+        assert 0 <= r["grafted_accepted_per_step"] <= r["grafted_per_step"]
+    cast = rows["Cast (no graft)"]
+    assert cast["grafted_per_step"] == 0 and cast["pruned_fraction"] == 0
+    assert rows["default"]["vs_default"]["mean_diff"] == 0
+    assert rows["default"]["pruned_fraction"] > 0
+
+
+def test_token_coverage_on_a_cycle(bench):
+    # every token has one successor: a template's rank-0 chain is accepted to its full depth
+    stream = torch.arange(10).repeat(50)
+    tpls = {
+        "default": RankTemplate.default(),
+        "chain 9": RankTemplate.chain(9),
+        "balanced 8x2": RankTemplate.balanced(8, 2),
+    }
+    lens = bench.token_coverage(stream, stream, 10, tpls, positions=50)
+    assert set(lens["default"]) == {9} and set(lens["chain 9"]) == {9}
+    assert set(lens["balanced 8x2"]) == {2}
+    s = bench.summarise_coverage(lens)
+    assert s["balanced 8x2"]["diff_vs_default"] == -7 and s["balanced 8x2"]["diff_se"] == 0
+    # at most 3 retrieved nodes: empty ranks (1..7 here) are skipped with their subtrees, so the
+    # default's first three nodes left are its rank-0 chain
+    short = bench.token_coverage(stream, stream, 10, tpls, positions=50, count=3)
+    assert set(short["default"]) == {3} and set(short["chain 9"]) == {3}
+    assert set(short["balanced 8x2"]) == {2}
