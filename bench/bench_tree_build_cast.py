@@ -603,6 +603,9 @@ def main(argv=None):
         help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script)",
     )
     ap.add_argument("--commit", default=None)
+    ap.add_argument(
+        "--budget-s", type=float, default=0.0, help="start no row after this many seconds (0: none)"
+    )
     args = ap.parse_args(argv)
     global W, TOPK, DEPTH, ROTATE_BYTES
     import treeops
@@ -640,7 +643,14 @@ def main(argv=None):
         date=time.strftime("%Y-%m-%d", time.gmtime()),
     )
 
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "tree_build_cast.json")
+
     def run(fn, *a):
+        if args.budget_s and time.time() - t_start > args.budget_s:
+            result["skipped_rows"] = result.get("skipped_rows", 0) + 1
+            return
         try:
             r = fn(*a)
         except Exception as e:  # noqa: BLE001
@@ -652,6 +662,8 @@ def main(argv=None):
             )
         rows.append(r)
         print(json.dumps(r), flush=True)
+        with open(path, "w") as f:  # after every row: a stage time limit keeps what was measured
+            json.dump(result, f, indent=1)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -671,8 +683,7 @@ def main(argv=None):
             for V in Vs:
                 for N in Ns:
                     run(row_step, B, N, V, table, dev, empty_us, args.quick, N == Ns[0])
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tree_build_cast.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print_table(rows, empty_us)
     return result
