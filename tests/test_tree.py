@@ -157,3 +157,55 @@ def test_named_shapes_validate(kind, n, seed):
         assert t.depth[0, :n].tolist() == list(range(n))
     if kind == "star":
         assert t.depth[0, 1:n].eq(1).all()
+
+
+def _from_parents_loop(parents: torch.Tensor, num_nodes: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The former ``Tree.from_parents`` algorithm (one round of small tensor ops per node, in
+    index order): parents, depth and anc, the fields pointer doubling now computes."""
+    B, N = parents.shape
+    W = (N + 31) // 32
+    idx = torch.arange(N, dtype=torch.int32)
+    valid = idx[None, :] < num_nodes[:, None]
+    par = torch.where(valid, parents, torch.full_like(parents, -1))
+    par[:, 0] = -1
+    depth = torch.zeros(B, N, dtype=torch.int32)
+    anc = torch.zeros(B, N, W, dtype=torch.int32)
+    rows = torch.arange(B)
+    for i in range(N):
+        p = par[:, i].clamp(min=0).long()
+        has_parent = valid[:, i] & (par[:, i] >= 0)
+        depth[:, i] = torch.where(has_parent, depth[rows, p] + 1, 0)
+        row = torch.where(has_parent[:, None], anc[rows, p], 0)
+        row[:, i // 32] |= treeops.tree.bit_value(i)
+        anc[:, i] = torch.where(valid[:, i, None], row, 0)
+    return par, depth, anc
+
+
+@given(
+    st.integers(1, 128),
+    st.lists(st.tuples(st.sampled_from(["random", "chain", "star", "binary"]), st.floats(0, 1)),
+             min_size=1, max_size=4),
+    st.integers(0, 2**31 - 1),
+)  # fmt: skip
+def test_from_parents_equals_loop_algorithm(N, rows, seed):
+    """Pointer doubling gives exactly the former per-node loop's fields, incl. inactive rows,
+    num_nodes < N, N not a multiple of 32 and garbage parents in the padding."""
+    rng = random.Random(seed)
+    B = len(rows)
+    par = torch.tensor([[rng.randrange(-3, 2 * N) for _ in range(N)] for _ in range(B)])
+    par = par.to(torch.int32)
+    sizes = []
+    for b, (kind, frac) in enumerate(rows):
+        n = round(frac * N)
+        p = parents_of(kind, n, rng)
+        par[b, :n] = torch.tensor(p, dtype=torch.int32)
+        sizes.append(n)
+    num = torch.tensor(sizes, dtype=torch.int32)
+    t = treeops.Tree.from_parents(par, num)
+    want_par, want_depth, want_anc = _from_parents_loop(par, num)
+    for name, got, want in [
+        ("parents", t.parents, want_par), ("depth", t.depth, want_depth), ("anc", t.anc, want_anc)
+    ]:  # fmt: skip
+        assert got.dtype == want.dtype == torch.int32, name
+        assert torch.equal(got, want), name
+    assert int(t.depth.max()) <= N - 1  # (chains of N nodes need every round)

@@ -83,8 +83,11 @@ class Tree:
             tokens: [B, N] int64 (default zeros).
             scores: [B, N] float32 (default 1 for every valid node).
 
-        Runs on the tensors' device without a host sync (O(N) small tensor ops); padding slots
-        are set to the padding values. Call ``validate()`` to check the input was well formed.
+        Runs on the tensors' device without a host sync, in O(log N) rounds of batched gathers
+        (pointer doubling: after round k every node has merged the ancestor bits and the depth
+        of its 2**k nearest ancestors), a fixed number of device ops whatever the tree; padding
+        slots are set to the padding values. Call ``validate()`` to check the input was well
+        formed (``depth``/``anc`` of a malformed one are unspecified).
 
         Example:
             >>> import torch, treeops
@@ -105,18 +108,17 @@ class Tree:
         W = anc_words(N)
         idx = torch.arange(N, device=dev, dtype=torch.int32)
         valid = idx[None, :] < num_nodes[:, None]  # [B, N]
-        par = torch.where(valid, parents, torch.full_like(parents, -1))
-        par[:, 0] = -1
-        depth = torch.zeros(B, N, dtype=torch.int32, device=dev)
-        anc = torch.zeros(B, N, W, dtype=torch.int32, device=dev)
-        rows = torch.arange(B, device=dev)
-        for i in range(N):
-            p = par[:, i].clamp(min=0).long()
-            has_parent = valid[:, i] & (par[:, i] >= 0)
-            depth[:, i] = torch.where(has_parent, depth[rows, p] + 1, 0)
-            row = torch.where(has_parent[:, None], anc[rows, p], 0)
-            row[:, i // 32] |= bit_value(i)
-            anc[:, i] = torch.where(valid[:, i, None], row, 0)
+        par = torch.where(valid & (idx[None, :] > 0), parents, -1)
+        # jump[b, i]: the farthest ancestor merged so far; a node without a parent (the root, a
+        # padding slot) points at itself, so merging it again changes nothing
+        has_parent = (par >= 0) & (par < N)
+        jump = torch.where(has_parent, par, idx[None, :]).long()
+        depth = has_parent.to(torch.int32)
+        anc = torch.where(valid[:, :, None], _self_bits(N, dev)[None], 0)  # [B, N, W]
+        for _ in range(max(N - 1, 0).bit_length()):  # 2**rounds >= N > any depth
+            anc = anc | anc.gather(1, jump[:, :, None].expand(B, N, W))
+            depth = depth + depth.gather(1, jump)
+            jump = jump.gather(1, jump)
         first_child, next_sibling = _links(par, valid)
         tok = torch.zeros(B, N, dtype=torch.int64, device=dev) if tokens is None else tokens
         sc = torch.ones(B, N, dtype=torch.float32, device=dev) if scores is None else scores
@@ -339,6 +341,15 @@ class Tree:
 
         walk(0, "", True, True)
         return "\n".join(lines)
+
+
+def _self_bits(n: int, device: torch.device) -> torch.Tensor:
+    """[n, anc_words(n)] int32: row i holds node i's own bit (``bit_value(i)`` in word i // 32)."""
+    idx = torch.arange(n, device=device)
+    word = torch.arange(anc_words(n), device=device)
+    bit = torch.ones((), dtype=torch.int64, device=device) << (idx % 32)
+    bit = torch.where(bit >= 1 << 31, bit - (1 << 32), bit).to(torch.int32)  # bit 31 = -2**31
+    return torch.where((idx // 32)[:, None] == word[None, :], bit[:, None], 0)
 
 
 def _links(par: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

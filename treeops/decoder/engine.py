@@ -377,8 +377,11 @@ class Decoder:
         top_p = torch.tensor([sp.top_p for sp in per_req], dtype=torch.float32, device=dev)
         state: DraftState | None = None
         rows = torch.arange(B, device=dev)
+        host_remaining = list(budget)
+        host_active = [m > 0 for m in budget]
+        stop_set = set(int(x) for x in stop_ids or ())
         t_loop = time.perf_counter()
-        while bool(active.any()):
+        while any(host_active):
             root = torch.where(active, root, 0)
             # ---- draft
             if self.policy is None:
@@ -408,20 +411,24 @@ class Decoder:
                 tkv.k, tkv.v, tkv.block_table, seq_lens, tree, acc.accepted, acc.accept_len
             )
             res.time_tree += time.perf_counter() - t0
-            # ---- emitted tokens (host bookkeeping)
+            # ---- emitted tokens (host bookkeeping): one read of the batch's lengths, bonus
+            # tokens, tree sizes and accepted paths
             alen = acc.accept_len.long()
             path = acc.accepted.long().clamp(min=0)
             path_tok = tree.tokens.gather(1, path)  # [B, N]
+            heads = (alen, acc.bonus, tree.num_nodes)
+            host = torch.cat([x[:, None] for x in heads] + [path_tok], 1).tolist()
             emitted_row = []
-            for b in range(B):
-                n = int(alen[b])
+            for b, (n, bonus, _, *path_b) in enumerate(host):
                 emitted_row.append(n)
                 if n == 0:
                     continue
-                out = path_tok[b, 1:n].tolist() + [int(acc.bonus[b])]
-                res.tokens[b].extend(out)
+                res.tokens[b].extend(path_b[1:n] + [bonus])  # path minus the root
+                host_remaining[b] -= n
+                if host_remaining[b] <= 0 or bonus in stop_set:
+                    host_active[b] = False
             res.emitted.append(emitted_row)
-            res.verified.append(tree.num_nodes.tolist())
+            res.verified.append([row[2] for row in host])
             res.steps += 1
             # ---- draft catch-up over the accepted path, with the target's features
             j = torch.arange(N, device=dev)[None, :]
@@ -700,11 +707,8 @@ class Decoder:
             # one pinned copy of what the host needs: accepted lengths, bonus, verified sizes,
             # grafted counts, the emitted path tokens
             pack = sb.pack[:, : 4 + n]
-            pack[:, 0] = alen
-            pack[:, 1] = acc.bonus
-            pack[:, 2] = vin.num_nodes
-            pack[:, 3] = sb.grafted
-            pack[:, 4:] = path_tok
+            heads = (alen, acc.bonus, vin.num_nodes, sb.grafted)
+            torch.cat([x[:, None] for x in heads] + [path_tok], 1, out=pack)
             sb.host_pack[:, : 4 + n].copy_(pack, non_blocking=True)
             if dev.type == "cuda":
                 sb.pack_event.record()
@@ -742,8 +746,8 @@ class Decoder:
             if dft is not None and amax > 0:
                 t0 = self._clock()
                 rc = bucket_for(amax, N)
-                j = torch.arange(n, device=dev)[None, :]
-                sb.c_tok[:, :n] = torch.where(j < alen[:, None], path_tok, 0)
+                on_path = sb.node_idx[None, :n] < alen[:, None]
+                torch.mul(path_tok, on_path, out=sb.c_tok[:, :n])  # 0 past the path
                 sb.c_feat[:, 0] = root_feat
                 sb.c_feat[:, 1:n] = path_h[:, : n - 1]
                 sb.c_len.copy_(acc.accept_len)
@@ -755,7 +759,7 @@ class Decoder:
             t0 = self._clock()
             last = (alen - 1).clamp(min=0)
             root_feat = torch.where(active[:, None], path_h[rows, last], root_feat)
-            seq_lens.copy_(torch.where(active, new_lens, seq_lens))
+            torch.where(active, new_lens, seq_lens, out=seq_lens)
             root = torch.where(active, acc.bonus, root)
             active = new_active
             res.time_tree += self._clock() - t0
@@ -771,8 +775,7 @@ class Decoder:
         pol, dft = self.policy, self.draft
         assert pol is not None and dft is not None
         B = root.shape[0]
-        W, K = pol.max_width, pol.topk
-        C = W * K
+        W = pol.max_width
         N = self.capacity
         dt = sb.dtree
         t0 = self._clock()
@@ -784,7 +787,6 @@ class Decoder:
         act = active.to(torch.int32)
         dt.tokens[:, 0] = root
         dt.num_nodes.copy_(act)
-        sb.d_tok[:, 0] = root
         sb.d_feat[:, 0] = root_feat
         sb.d_qs.zero_()
         sb.d_qlen.copy_(act)
@@ -799,21 +801,20 @@ class Decoder:
             t0 = self._clock()
             if i > 0:  # the frontier of layer i: nodes q_start .. q_start + W - 1
                 qs = 1 + (i - 1) * W
-                c = st.frontier.long()  # [B, W] candidate index in layer i-1, -1 = unused
-                rp = ((c - (i - 1) * C) // K).clamp(min=0)
-                pnode = torch.zeros_like(rp) if i == 1 else 1 + (i - 2) * W + rp
-                pnode = torch.where(c >= 0, pnode, 0)
-                Wd = dt.anc.shape[2]
-                dt.parents[:, qs : qs + W] = pnode.to(torch.int32)
-                dt.tokens[:, qs : qs + W] = st.frontier_tokens
-                dt.depth[:, qs : qs + W] = dt.depth.gather(1, pnode) + 1
+                # [B, W] int64: each frontier row's parent node, looked up by its candidate
+                # index (-1, an unused row, reads the table's last entry: the root)
+                pnode = sb.cand_node[st.frontier]
+                Wd, H = dt.anc.shape[2], sb.hid.shape[2]
+                new = slice(qs, qs + W)
+                dt.parents[:, new] = pnode
+                dt.tokens[:, new] = st.frontier_tokens
+                torch.add(dt.depth.gather(1, pnode), 1, out=dt.depth[:, new])
                 pa = dt.anc.gather(1, pnode[:, :, None].expand(B, W, Wd))
-                dt.anc[:, qs : qs + W] = pa | sb.self_bits[qs : qs + W]
-                dt.num_nodes.copy_(act * (1 + i * W))
-                sb.d_tok.copy_(st.frontier_tokens)
-                sb.d_feat.copy_(sb.hid.gather(1, pnode[:, :, None].expand(B, W, sb.hid.shape[2])))
+                torch.bitwise_or(pa, sb.self_bits[new], out=dt.anc[:, new])
+                torch.mul(act, 1 + i * W, out=dt.num_nodes)
+                torch.gather(sb.hid, 1, pnode[:, :, None].expand(B, W, H), out=sb.d_feat)
                 sb.d_qs.fill_(qs)
-                sb.d_qlen.copy_(act * R)
+                torch.mul(act, R, out=sb.d_qlen)
             else:
                 qs = 0
             t1 = self._clock()
@@ -888,6 +889,7 @@ class _StaticBatch:
         self.vin.anc[:, 0, 0] = 1  # (autoregressive: the one-node tree; others overwrite it)
         self.grafted = torch.zeros(B, dtype=torch.int32, device=dev)
         self.pack = torch.zeros(B, 4 + N, dtype=torch.int64, device=dev)
+        self.node_idx = torch.arange(N, device=dev)
         pin = dev.type == "cuda"
         self.host_pack = torch.zeros(B, 4 + N, dtype=torch.int64, pin_memory=pin)
         self.pack_event = torch.cuda.Event() if pin else None
@@ -903,8 +905,16 @@ class _StaticBatch:
         self.self_bits = torch.zeros(Nd, anc_words(Nd), dtype=torch.int32, device=dev)
         for k in range(Nd):
             self.self_bits[k, k // 32] = bit_value(k)
+        # cand_node[c]: the working-tree node of candidate c's frontier row (candidate c of
+        # layer l >= 1 is a child of frontier row (c - l C) // K of layer l, node 1 + (l-1) W +
+        # that row; layer 0's candidates are the root's children); the last entry, which a
+        # frontier index of -1 reads, is the root
+        K, C = pol.topk, pol.max_width * pol.topk
+        c = torch.arange(pol.max_depth * C, device=dev)
+        lay = c // C
+        row = torch.where(lay > 0, 1 + (lay - 1) * W + (c - lay * C) // K, 0)
+        self.cand_node = torch.cat([row, row.new_zeros(1)])
         self.hid = torch.zeros(B, Nd, H, dtype=wdtype, device=dev)
-        self.d_tok = torch.zeros(B, W, dtype=torch.int64, device=dev)
         self.d_feat = torch.zeros(B, W, H, dtype=wdtype, device=dev)
         self.d_qs = torch.zeros(B, dtype=torch.int32, device=dev)
         self.d_qlen = torch.zeros(B, dtype=torch.int32, device=dev)
@@ -949,11 +959,13 @@ class _StaticBatch:
         rows, ignored by ``build_tree_expand``)."""
         dec = self.dec
         dft = dec.draft
-        assert dft is not None
+        assert dft is not None and self.state is not None
+        tok = self.state.frontier_tokens
 
         def body():
+            # the frontier's tokens are the draft state's own buffer (the root at layer 0)
             logits, h = dft(
-                dec.target, self.d_tok[:, :R], self.d_feat[:, :R], self.dkv, self.seq_lens,
+                dec.target, tok[:, :R], self.d_feat[:, :R], self.dkv, self.seq_lens,
                 self.dtree, self.d_qs, self.d_qlen,
             )  # fmt: skip
             self.d_logits[:, :R].copy_(logits)
