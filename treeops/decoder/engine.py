@@ -770,8 +770,8 @@ class Decoder:
 
     def _draft_static(self, sb: _StaticBatch, root, root_feat, active, res: DecodeResult) -> int:
         """Draft one step's tree into ``sb.vin``; returns the verify bucket. The draft's working
-        tree ``sb.dtree`` is updated in place layer by layer (parents, tokens, depth, anc,
-        num_nodes: what the forwards read; its sibling links are not kept)."""
+        tree ``sb.dtree`` is updated in place layer by layer (depth, anc, num_nodes: what the
+        forwards read; its parents, tokens and sibling links are not kept)."""
         pol, dft = self.policy, self.draft
         assert pol is not None and dft is not None
         B = root.shape[0]
@@ -785,11 +785,9 @@ class Decoder:
             sb.state.reset(root, sb.seq_lens, active)
         st = sb.state
         act = active.to(torch.int32)
-        dt.tokens[:, 0] = root
-        dt.num_nodes.copy_(act)
+        torch.addcmul(sb.meta_base, sb.meta_coef, act, out=sb.layer_meta)
+        sb.d_meta.copy_(sb.layer_meta[0])
         sb.d_feat[:, 0] = root_feat
-        sb.d_qs.zero_()
-        sb.d_qlen.copy_(act)
         keep = self.checkpoints.start(B, self._dev) if self.graft else None
         if self.graft:
             sb.grafted.zero_()
@@ -806,15 +804,13 @@ class Decoder:
                 pnode = sb.cand_node[st.frontier]
                 Wd, H = dt.anc.shape[2], sb.hid.shape[2]
                 new = slice(qs, qs + W)
-                dt.parents[:, new] = pnode
-                dt.tokens[:, new] = st.frontier_tokens
                 torch.add(dt.depth.gather(1, pnode), 1, out=dt.depth[:, new])
                 pa = dt.anc.gather(1, pnode[:, :, None].expand(B, W, Wd))
                 torch.bitwise_or(pa, sb.self_bits[new], out=dt.anc[:, new])
-                torch.mul(act, 1 + i * W, out=dt.num_nodes)
                 torch.gather(sb.hid, 1, pnode[:, :, None].expand(B, W, H), out=sb.d_feat)
-                sb.d_qs.fill_(qs)
-                torch.mul(act, R, out=sb.d_qlen)
+                sb.d_meta.copy_(sb.layer_meta[i])  # num_nodes, q_start, q_len (EAGLE: W rows)
+                if pol.is_cast:
+                    torch.mul(act, R, out=sb.d_qlen)
             else:
                 qs = 0
             t1 = self._clock()
@@ -916,8 +912,20 @@ class _StaticBatch:
         self.cand_node = torch.cat([row, row.new_zeros(1)])
         self.hid = torch.zeros(B, Nd, H, dtype=wdtype, device=dev)
         self.d_feat = torch.zeros(B, W, H, dtype=wdtype, device=dev)
-        self.d_qs = torch.zeros(B, dtype=torch.int32, device=dev)
-        self.d_qlen = torch.zeros(B, dtype=torch.int32, device=dev)
+        # The draft forward's per-layer [B] inputs share one buffer (one copy per layer): the
+        # working tree's num_nodes, q_start and q_len. Layer i's values are meta_base[i] +
+        # meta_coef[i] * active: num_nodes 1 + i W, q_start 1 + (i-1) W (0 at layer 0), q_len W
+        # rows (1 at layer 0; CAST sets its bucket instead)
+        self.d_meta = torch.zeros(3, B, dtype=torch.int32, device=dev)
+        self.dtree.num_nodes = self.d_meta[0]
+        self.d_qs, self.d_qlen = self.d_meta[1], self.d_meta[2]
+        lay = torch.arange(pol.max_depth, dtype=torch.int32, device=dev)
+        zero, first = torch.zeros_like(lay), lay == 0
+        q_start = torch.where(first, 0, 1 + (lay - 1) * W)
+        q_len = torch.where(first, 1, W).to(torch.int32)
+        self.meta_coef = torch.stack([1 + lay * W, zero, q_len], 1)[:, :, None]
+        self.meta_base = torch.stack([zero, q_start, zero], 1)[:, :, None]
+        self.layer_meta = torch.zeros(pol.max_depth, 3, B, dtype=torch.int32, device=dev)
         self.d_logits = torch.zeros(B, W, V, dtype=torch.float32, device=dev)
         self.d_h = torch.zeros(B, W, H, dtype=wdtype, device=dev)
         self.c_tok = torch.zeros(B, N, dtype=torch.int64, device=dev)
