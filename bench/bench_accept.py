@@ -538,16 +538,20 @@ def sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
             nbytes = B * N * V * 2
             copies, reps = rotation(nbytes)
             lgs = [bench_logits(tree, V, B * 131 + V + c, 4.0) for c in range(copies)]
-            base = treeops.accept_greedy(tree, lgs[0])
+            # the default launch on every copy, itself checked against the reference on the first
+            bases = [treeops.accept_greedy(tree, x) for x in lgs]
+            ok, why = check_against_reference(tree, lgs[0], bases[0])
+            assert ok, f"default greedy launch differs from the reference: {why}"
             floor = max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us)
             for bv in (1024, 2048, 4096, 8192):
                 for S in (1, 2, 4, 8, 16, 32):
                     if S * bv > V:
                         continue
-                    r = accept_launch(tree, lgs[0], num_splits=S, block_v=bv)
-                    same = torch.equal(r.accepted, base.accepted) and torch.equal(
-                        r.bonus, base.bonus
-                    )
+                    same = True
+                    for x, want in zip(lgs, bases):
+                        r = accept_launch(tree, x, num_splits=S, block_v=bv)
+                        same &= torch.equal(r.accepted, want.accepted)
+                        same &= torch.equal(r.bonus, want.bonus)
 
                     def run(x, t=tree, S=S, bv=bv):
                         return accept_launch(t, x, num_splits=S, block_v=bv)
@@ -561,11 +565,16 @@ def sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
             k = torch.zeros(B, dtype=torch.int32, device=DEV)
             p = torch.ones(B, device=DEV)
             u = torch.rand(B, N, device=DEV)
-            sb = treeops.accept_sample(tree, lgs[0], T, k, p, u)
+            sbs = [treeops.accept_sample(tree, x, T, k, p, u) for x in lgs]
+            ok, why = check_against_reference(tree, lgs[0], sbs[0], (T, k, p, u))
+            assert ok, f"default sampling launch differs from the reference: {why}"
             for bv in (512, 1024, 2048, 4096):
-                r = accept_launch(tree, lgs[0], temperature=T, top_k=k, top_p=p, uniforms=u,
-                                  block_v=bv)  # fmt: skip
-                same = torch.equal(r.accepted, sb.accepted) and torch.equal(r.bonus, sb.bonus)
+                same = True
+                for x, want in zip(lgs, sbs):
+                    r = accept_launch(tree, x, temperature=T, top_k=k, top_p=p, uniforms=u,
+                                      block_v=bv)  # fmt: skip
+                    same &= torch.equal(r.accepted, want.accepted)
+                    same &= torch.equal(r.bonus, want.bonus)
                 t = graph_time_us(
                     [lambda x=x, t=tree, T=T, k=k, p=p, u=u, bv=bv: accept_launch(
                         t, x, temperature=T, top_k=k, top_p=p, uniforms=u, block_v=bv)
@@ -664,6 +673,7 @@ def main() -> None:
             for V in Vs:
                 for B in Bs:
                     rs = [r for r in rows if r["op"] == op and r["B"] == B and r["V"] == V]
+                    rs = [r for r in rs if r["same_as_default"]]  # a wrong answer is not fast
                     if not rs:
                         continue
                     b = min(rs, key=lambda r: r["treeops_us"])
