@@ -242,7 +242,7 @@ class DraftState:
         self.frontier_tokens.zero_()
         self.frontier_tokens[:, 0] = self.root_tokens
         self.frontier_scores.fill_(-1.0)
-        self.frontier_scores[:, 0] = torch.where(self.active, 1.0, -1.0)
+        self.frontier_scores[:, 0].masked_fill_(self.active, 1.0)
         self.decisions.zero_()
         self.u_hist.zero_()
         self.layer = 0
