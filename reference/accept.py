@@ -26,7 +26,7 @@ import torch
 
 from treeops.accept import Acceptance, _check_accept_inputs
 
-__all__ = ["accept_greedy", "accept_sample", "target_probs"]
+__all__ = ["accept_greedy", "accept_sample", "rank_order", "target_probs"]
 
 
 def target_probs(
@@ -71,8 +71,10 @@ def rank_order(x: torch.Tensor, k: int) -> torch.Tensor:
     ``V``). The same as ``torch.sort(-x, stable=True).indices[..., :k]``, but sorts only the
     entries ``>= the k-th largest value`` (every one of the k is among them) instead of all V."""
     V = x.shape[-1]
-    if k >= V:
-        return torch.sort(-x, dim=-1, stable=True).indices
+    if k <= 0:
+        return torch.zeros((*x.shape[:-1], 0), dtype=torch.long)
+    if k >= V or bool(torch.isnan(x).any()):  # NaN: the threshold test below would drop rows
+        return torch.sort(-x, dim=-1, stable=True).indices[..., :k]
     thr = torch.topk(x, k, dim=-1).values[..., -1:]
     c = int((x >= thr).sum(-1).max())  # candidates of the row with the most ties at thr
     vals, ids = torch.topk(x, c, dim=-1)  # holds every candidate, in no tie order

@@ -737,14 +737,18 @@ def test_docstring_examples():
     V=st.integers(1, 300),
     n=st.integers(1, 4),
     spread=st.integers(1, 20),
-    k=st.integers(1, 310),
+    k=st.integers(0, 310),
     seed=st.integers(0, 2**20),
+    special=st.sampled_from([None, float("-inf"), float("inf"), float("nan")]),
 )
-def test_reference_rank_order_is_the_stable_sort(V, n, spread, k, seed):
+def test_reference_rank_order_is_the_stable_sort(V, n, spread, k, seed, special):
     """The reference's top-k helper (candidates above the k-th value, then a stable sort) equals
-    a stable sort of the whole row, ties included, for rows and single vectors."""
+    a stable sort of the whole row, ties included, for rows and single vectors, also with k = 0
+    and with infinities or NaN in the row."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, spread, (n, V), generator=g).double()  # few distinct values: ties
+    if special is not None:
+        x.view(-1)[torch.randint(0, n * V, (max(1, V // 4),), generator=g)] = special
     want = torch.sort(-x, dim=-1, stable=True).indices[:, :k]
     assert torch.equal(ref.rank_order(x, k), want)
     assert torch.equal(ref.rank_order(x[0], k), want[0])
