@@ -706,18 +706,22 @@ class Decoder:
             new_active = active & ~done
             # one pinned copy of what the host needs: accepted lengths, bonus, verified sizes,
             # grafted counts, the emitted path tokens
-            pack = sb.pack[:, : 4 + n]
+            # (contiguous [B, 4 + n] views of flat buffers: with a bucket n < N, column slices
+            # of [B, 4 + N] buffers made copy_ go through temporaries, an extra device copy and
+            # a host staging buffer that is not pinned, which can block the host)
+            pack = sb.pack[: B * (4 + n)].view(B, 4 + n)
+            host_pack = sb.host_pack[: B * (4 + n)].view(B, 4 + n)
             heads = (alen, acc.bonus, vin.num_nodes, sb.grafted)
             torch.cat([x[:, None] for x in heads] + [path_tok], 1, out=pack)
-            sb.host_pack[:, : 4 + n].copy_(pack, non_blocking=True)
+            host_pack.copy_(pack, non_blocking=True)
             if dev.type == "cuda":
                 sb.pack_event.record()
             res.time_tree += self._clock() - t1
 
-            def read_pack(sb=sb, n=n):
+            def read_pack(sb=sb, host_pack=host_pack):
                 if dev.type == "cuda":
                     sb.pack_event.synchronize()
-                return sb.host_pack[:, : 4 + n].tolist()
+                return host_pack.tolist()
 
             host = self._wait(res, read_pack)
             t0 = self._clock()
@@ -884,10 +888,10 @@ class _StaticBatch:
         self.vin = Tree.empty(B, N, dev)
         self.vin.anc[:, 0, 0] = 1  # (autoregressive: the one-node tree; others overwrite it)
         self.grafted = torch.zeros(B, dtype=torch.int32, device=dev)
-        self.pack = torch.zeros(B, 4 + N, dtype=torch.int64, device=dev)
+        self.pack = torch.zeros(B * (4 + N), dtype=torch.int64, device=dev)
         self.node_idx = torch.arange(N, device=dev)
         pin = dev.type == "cuda"
-        self.host_pack = torch.zeros(B, 4 + N, dtype=torch.int64, pin_memory=pin)
+        self.host_pack = torch.zeros(B * (4 + N), dtype=torch.int64, pin_memory=pin)
         self.pack_event = torch.cuda.Event() if pin else None
         self.state: DraftState | None = None
         if dft is None:
