@@ -76,7 +76,7 @@ __all__ = [
 ]
 
 EOS = "<|endoftext|>"
-_FORMAT = 1  # bump when the cached files' meaning changes
+_FORMAT = 2  # bump when the cached files' meaning changes (2: the split groups module copies)
 
 Progress = Callable[[str, float, str], None]
 """``progress(phase, fraction_done, info)``: called often during training (phase ``"target"`` or
@@ -110,6 +110,24 @@ def _python_files() -> tuple[Path, ...]:
     return tuple(sorted(seen))
 
 
+_VENDOR_DIRS = frozenset({"_vendor", "_vendored", "vendor", "extern", "_extern"})
+
+
+def _module_key(path: Path) -> str:
+    """The file's module path with vendoring removed (``pip/_vendor/rich/text.py`` and
+    ``rich/text.py`` share ``rich/text.py``; ``setuptools/_distutils/core.py`` is
+    ``distutils/core.py``): copies of one module share a key, so the split keeps them together."""
+    parts = list(path.parts)
+    roots = [r for r in _source_roots() if path.is_relative_to(r)]
+    if roots:  # the deepest root: site-packages sits inside the (plat)stdlib root of a venv
+        parts = list(path.relative_to(max(roots, key=lambda r: len(r.parts))).parts)
+    cut = max((i for i, p in enumerate(parts) if p in _VENDOR_DIRS), default=-1)
+    parts = parts[cut + 1 :]
+    if "_distutils" in parts:
+        parts = ["distutils", *parts[parts.index("_distutils") + 1 :]]
+    return "/".join(parts)
+
+
 def python_sources(
     max_bytes: int,
     heldout_fraction: float = 0.05,
@@ -123,14 +141,17 @@ def python_sources(
     site-packages), sorted by path and shuffled by ``seed``, are read in that order (skipping
     files that are not UTF-8, are empty, are larger than ``max_file_bytes`` or repeat an earlier
     file's content, as vendored copies do) until ``max_bytes`` of text. The first
-    ``heldout_fraction`` of the files read (at least one) are held out: the split is by file, so no
-    held-out file is seen in training. The same seed on the same installation gives the same
+    ``heldout_fraction`` of the files read (at least one) are held out, together with every other
+    copy of their modules (vendored copies differ in a few import lines, so the content check
+    misses them; ``_module_key`` groups them): the split is by module, so no held-out file or near
+    copy of it is seen in training. The same seed on the same installation gives the same
     lists."""
     if not 0 <= heldout_fraction < 1:
         raise ValueError(f"Invalid heldout_fraction: expected [0, 1), got {heldout_fraction}")
     files = list(_python_files())
     random.Random(seed).shuffle(files)
     texts: list[str] = []
+    keys: list[str] = []
     hashes: set[bytes] = set()
     total = 0
     for path in files:
@@ -151,11 +172,17 @@ def python_sources(
             continue
         hashes.add(digest)
         texts.append(text)
+        keys.append(_module_key(path))
         total += len(raw)
     if len(texts) < 2:
         raise RuntimeError(f"found {len(texts)} Python files under {_source_roots()}: need 2+")
     n_held = min(len(texts) - 1, max(1, round(heldout_fraction * len(texts))))
-    return texts[n_held:], texts[:n_held]
+    held_keys = set(keys[:n_held])
+    held = [t for t, k in zip(texts, keys) if k in held_keys]
+    train = [t for t, k in zip(texts, keys) if k not in held_keys]
+    if not train:  # every file one module: keep the first n_held files only
+        return texts[n_held:], texts[:n_held]
+    return train, held
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
