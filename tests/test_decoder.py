@@ -250,6 +250,25 @@ def test_bad_policy(pair):
         Decoder(pair[0], None, "chain")
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_bad_requests_name_the_argument(pair, static):
+    dec = Decoder(pair[0], pair[1], "chain", static_shapes=static)
+    with pytest.raises(ValueError, match="prompts"):
+        dec.generate([[1, 2], []], 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.generate([[1, 2], [3]], [4])
+    with pytest.raises(ValueError, match="sampling"):
+        dec.generate([[1, 2], [3]], 4, sampling=[SamplingParams()])
+    for kw, name in (
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(temperature=float("nan")), "temperature"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kw)  # fmt: skip
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_save_load_roundtrip(tmp_path, pair, fmt):
     if fmt == "safetensors":

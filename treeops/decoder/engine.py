@@ -50,6 +50,7 @@ to it (possibly negative).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,29 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"Invalid temperature: expected finite >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int):
+            raise ValueError(f"Invalid top_k: expected an int, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"Invalid top_p: expected 0 < top_p <= 1, got {self.top_p}")
+
+
+def _requests(prompts, max_new_tokens, sampling) -> tuple[int, list[int], list, bool]:
+    """Checked per-request inputs of ``generate``: (B, budgets, SamplingParams each, all greedy)."""
+    B = len(prompts)
+    if B == 0 or any(len(p) < 1 for p in prompts):
+        raise ValueError("Invalid prompts: expected at least one prompt, each of 1+ tokens")
+    budget = [max_new_tokens] * B if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(budget) != B:
+        raise ValueError(f"Invalid max_new_tokens: expected {B} budgets, got {len(budget)}")
+    samp = sampling or SamplingParams()
+    per_req = samp if isinstance(samp, list) else [samp] * B
+    if len(per_req) != B:
+        raise ValueError(f"Invalid sampling: expected {B} SamplingParams, got {len(per_req)}")
+    return B, budget, per_req, all(sp.temperature <= 0 for sp in per_req)
 
 
 @dataclass
@@ -320,15 +344,7 @@ class Decoder:
             return self._generate_static(prompts, max_new_tokens, stop_ids, sampling, generator)
         tgt, dft = self.target, self.draft
         dev = tgt.model.embed_tokens.weight.device
-        B = len(prompts)
-        if B == 0 or any(len(p) < 1 for p in prompts):
-            raise ValueError("expected at least one prompt, each of at least one token")
-        budget = [max_new_tokens] * B if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        samp = sampling or SamplingParams()
-        per_req = samp if isinstance(samp, list) else [samp] * B
-        if len(per_req) != B:
-            raise ValueError(f"expected {B} SamplingParams, got {len(per_req)}")
-        greedy = all(sp.temperature <= 0 for sp in per_req)
+        B, budget, per_req, greedy = _requests(prompts, max_new_tokens, sampling)
         g = generator or torch.Generator().manual_seed(0)
         N, Nd = self.capacity, self.draft_capacity
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
@@ -592,17 +608,7 @@ class Decoder:
     def _generate_static(self, prompts, max_new_tokens, stop_ids, sampling, generator):
         tgt, dft = self.target, self.draft
         dev = self._dev
-        B = len(prompts)
-        if B == 0 or any(len(p) < 1 for p in prompts):
-            raise ValueError("expected at least one prompt, each of at least one token")
-        budget = [max_new_tokens] * B if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(budget) != B:
-            raise ValueError(f"expected {B} budgets, got {len(budget)}")
-        samp = sampling or SamplingParams()
-        per_req = samp if isinstance(samp, list) else [samp] * B
-        if len(per_req) != B:
-            raise ValueError(f"expected {B} SamplingParams, got {len(per_req)}")
-        greedy = all(sp.temperature <= 0 for sp in per_req)
+        B, budget, per_req, greedy = _requests(prompts, max_new_tokens, sampling)
         g = generator or torch.Generator().manual_seed(0)
         N, Nd = self.capacity, self.draft_capacity
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
@@ -644,6 +650,8 @@ class Decoder:
             if self.table is not None:
                 self.table.warm_start(ptok, logits.contiguous(), plen)
             del logits, h
+        if dev.type == "cuda":  # the loop's clock must not start with prefill still queued
+            torch.cuda.synchronize(dev)
         res.time_prefill = self._clock() - t0
 
         t_loop = time.perf_counter()
@@ -767,7 +775,7 @@ class Decoder:
             root = torch.where(active, acc.bonus, root)
             active = new_active
             res.time_tree += self._clock() - t0
-        if self.profile and dev.type == "cuda":
+        if dev.type == "cuda":  # ... nor end with the last step's work still queued
             torch.cuda.synchronize(dev)
         res.time_decode = time.perf_counter() - t_loop
         return res
@@ -822,6 +830,7 @@ class Decoder:
             self._replay(sb, ("draft", R), sb.draft_body(R), res)
             sb.hid[:, qs : qs + R] = sb.d_h[:, :R]
             t2 = self._clock()
+            waited = res.time_host_wait
             build_tree_expand(sb.d_logits, st, pol)
             stop_now = False
             if keep is not None:
@@ -831,7 +840,8 @@ class Decoder:
                     stop_now = bool(self._wait(res, lambda stop=stop: bool(stop[0])))
             t3 = self._clock()
             res.time_draft += t2 - t1
-            res.time_tree += (t1 - t0) + (t3 - t2)
+            # the prune-flag wait inside t2..t3 is host-wait time, not tree time
+            res.time_tree += (t1 - t0) + (t3 - t2) - (res.time_host_wait - waited)
             if stop_now:
                 break
             if pol.is_cast:
