@@ -291,6 +291,27 @@ def stable_topk_table(tokens, num_nodes, logits, k, V, base):
 # ----------------------------------------------------------------------------- templates
 
 
+def walk_lengths(r, stream: torch.Tensor, pos: torch.Tensor) -> list[int]:
+    """Per request b of a ``Retrieved`` ``r`` rooted at ``stream[pos[b]]``: how many of the
+    following tokens of ``stream`` its tree holds as one root path (the accepted length of
+    retrieval alone)."""
+    lens = []
+    for b in range(len(pos)):
+        n = int(r.num_nodes[b])
+        toks, par = r.tokens[b, :n].tolist(), r.parents[b, :n].tolist()
+        kids: dict[int, dict[int, int]] = {}
+        for j in range(1, n):
+            kids.setdefault(par[j], {}).setdefault(toks[j], j)
+        node, depth = 0, 0
+        while True:
+            nxt = kids.get(node, {}).get(int(stream[int(pos[b]) + depth + 1]))
+            if nxt is None:
+                break
+            node, depth = nxt, depth + 1
+        lens.append(depth)
+    return lens
+
+
 def template_coverage(
     text_bytes: bytes,
     templates: dict[str, RankTemplate],
@@ -316,22 +337,7 @@ def template_coverage(
     pos = torch.randint(0, len(test) - 16, (positions,), generator=g)
     out = {}
     for name, tpl in templates.items():
-        r = table.retrieve(test[pos], tpl)
-        total = 0
-        for b in range(positions):
-            n = int(r.num_nodes[b])
-            toks, par = r.tokens[b, :n].tolist(), r.parents[b, :n].tolist()
-            kids: dict[int, dict[int, int]] = {}
-            for j in range(1, n):
-                kids.setdefault(par[j], {}).setdefault(toks[j], j)
-            node, depth = 0, 0
-            while True:
-                nxt = kids.get(node, {}).get(int(test[int(pos[b]) + depth + 1]))
-                if nxt is None:
-                    break
-                node, depth = nxt, depth + 1
-            total += depth
-        out[name] = total / positions
+        out[name] = sum(walk_lengths(table.retrieve(test[pos], tpl), test, pos)) / positions
     return out
 
 

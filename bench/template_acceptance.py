@@ -48,6 +48,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_graft import walk_lengths  # noqa: E402  (the same walk as the byte-level coverage)
+
 from treeops import AdjacencyTable, RankTemplate
 from treeops.decoder import Decoder
 from treeops.decoder import engine as _engine
@@ -288,22 +291,7 @@ def token_coverage(
     pos = torch.randint(0, len(held) - depth - 1, (positions,), generator=g)
     out = {}
     for name, tpl in tpls.items():
-        r = table.retrieve(held[pos], tpl, count)
-        lens = []
-        for b in range(positions):
-            n = int(r.num_nodes[b])
-            toks, par = r.tokens[b, :n].tolist(), r.parents[b, :n].tolist()
-            kids: dict[int, dict[int, int]] = {}
-            for j in range(1, n):
-                kids.setdefault(par[j], {}).setdefault(toks[j], j)
-            node, d = 0, 0
-            while True:
-                nxt = kids.get(node, {}).get(int(held[int(pos[b]) + d + 1]))
-                if nxt is None:
-                    break
-                node, d = nxt, d + 1
-            lens.append(d)
-        out[name] = lens
+        out[name] = walk_lengths(table.retrieve(held[pos], tpl, count), held, pos)
     return out
 
 
