@@ -21,29 +21,37 @@ what it measured):
 3. A small CAST cost table for this model (``treeops.CostTable.measure_grid`` over the
    decoder's own target forward of n tree nodes and draft forward of n frontier rows, CUDA-graph
    replays, few points), saved as ``DIR/e2e_cost_table.json``.
-4. For each B (priority order 1, 64, 8, 4, 16, 32; ``--quick``: 1, 64, 8) the held-out prompts
-   (cycled to B, the last ``--prompt-len`` tokens), greedy, ``--new-tokens`` each:
-   autoregressive first, then chain / EagleStatic / Cast / CastGraft. Each decoder runs once to
-   capture its graphs (warm-up), once timed (tokens/s = generated tokens / decode-loop wall
-   time, prefill and captures excluded; host waits measured), and once with ``profile=True``
-   (a device sync at every boundary) for the time split draft / tree ops / verify / host waits.
-5. Greedy correctness in bf16: each policy's output against the autoregressive output; at the
-   first divergence of a request (after it the contexts differ), the fp32 target's logits at
-   that position decide: a *near-tie* if ``|l[a] - l[p]| < 0.05 * scale`` (a = the
-   autoregressive token, p = the policy's, scale = the standard deviation of that logits row:
-   bf16 rounds a logit of size |l| by up to 2^-9 |l| and the tree forward sums in another order),
-   otherwise a *mismatch* (a bug). Top-2 gaps are recorded too.
+4. For each B (priority order 1, 64, 8, 4, 16, 32; ``--quick``: 1, 64, 8), ``ceil(R / B)``
+   groups of B held-out prompts (R = ``--min-requests``, default 8; group g holds prompts
+   ``(g * B + i) % len(prompts)``, the last ``--prompt-len`` tokens of each), greedy,
+   ``--new-tokens`` each, decoded group after group: autoregressive first, then chain /
+   EagleStatic / Cast / CastGraft, all on the same groups. Each decoder is built once per
+   (policy, B) and runs the first group once to capture its graphs (warm-up), then every group
+   timed (host waits measured), then every group with ``profile=True`` (a device sync at every
+   boundary) for the time split draft / tree ops / verify / host waits. A row aggregates its
+   groups: tokens/s = all generated tokens / the summed decode-loop wall times (prefill and
+   captures excluded), accepted tokens per step over every request-step of every group, times,
+   host waits, ``undersized`` and divergences summed, ``valid`` only if every group is;
+   ``groups`` and ``requests`` (= groups * B) say how many were decoded.
+5. Greedy correctness in bf16: each request's output against the autoregressive output of the
+   same request (same group); at its first divergence (after it the contexts differ), the fp32
+   target's logits at that position decide: a *near-tie* if ``|l[a] - l[p]| < 0.05 * scale``
+   (a = the autoregressive token, p = the policy's, scale = the standard deviation of that
+   logits row: bf16 rounds a logit of size |l| by up to 2^-9 |l| and the tree forward sums in
+   another order), otherwise a *mismatch* (a bug). Top-2 gaps are recorded too.
 
 Writes ``DIR/e2e.json`` (``gpu``, ``versions``, ``commit``, ``model``, ``cost_table``, ``rows``)
 and ``DIR/e2e.png`` (speedup over autoregressive against B, per policy; needs matplotlib), and
 prints a table last. ``--budget-s`` (wall clock from the start, training included) stops adding
-rows once the next one would not fit.
+rows once the next B would not fit (estimated from the rows so far: the largest warm-up plus
+its number of groups times a measured per-group time, ``row_estimate``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -59,7 +67,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from treeops import CostTable  # noqa: E402
 from treeops.decoder import Decoder, Draft, ModelConfig, Target  # noqa: E402
-from treeops.decoder.engine import synthetic_cost_table  # noqa: E402
+from treeops.decoder.engine import DecodeResult, synthetic_cost_table  # noqa: E402
 from treeops.decoder.model import chain_tree, reference_forward  # noqa: E402
 from treeops.tree import Tree  # noqa: E402
 
@@ -102,8 +110,6 @@ def random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[
 
 
 def trained_pair(device: torch.device, cache_dir: str, train_seconds: str | None = None):
-    import dataclasses
-
     from treeops.decoder.train import PairConfig, train_pair
 
     cfg = PairConfig.h200()
@@ -248,25 +254,71 @@ def make_decoder(policy, target, draft, args, table, graphs, profile=False):
                    cuda_graphs=graphs, profile=profile, **kw)  # fmt: skip
 
 
-def run_policy(policy, target, draft, prompts, args, table, graphs):
-    """Warm-up (captures), timed and profiled runs of one decoder. Returns (timed, profiled)."""
+def groups_of(prompts, B: int, min_requests: int) -> list[list]:
+    """``ceil(min_requests / B)`` groups of B held-out prompts, decoded one after another: group
+    g holds ``prompts[(g * B + i) % len(prompts)]`` (distinct while the prompts last)."""
+    n = max(1, -(-max(1, min_requests) // B))
+    return [[prompts[(g * B + i) % len(prompts)] for i in range(B)] for g in range(n)]
+
+
+def merge_results(results: list[DecodeResult]) -> DecodeResult:
+    """One result for groups decoded one after another: requests (tokens) and steps concatenated,
+    times and counts summed, so ``tokens_per_s`` is total tokens / total decode time and
+    ``mean_accepted`` is over every request-step of every group."""
+    if len(results) == 1:
+        return results[0]
+    out = DecodeResult(tokens=[])
+    for f in dataclasses.fields(DecodeResult):
+        vals = [getattr(r, f.name) for r in results]
+        if isinstance(vals[0], list):
+            merged = [x for v in vals for x in v]
+        elif isinstance(vals[0], bool):
+            merged = all(vals)
+        else:
+            merged = sum(vals)
+        setattr(out, f.name, merged)
+    return out
+
+
+def run_policy(policy, target, draft, groups, args, table, graphs):
+    """One decoder for all groups of a row: a warm-up on the first group (captures; CUDA only),
+    then every group timed, then every group profiled. Returns (timed, profiled, warm-up s),
+    the results merged over the groups (``merge_results``)."""
+    t0 = time.time()
     dec = make_decoder(policy, target, draft, args, table, graphs)
     cuda = torch.cuda.is_available()
     if cuda:
-        dec.generate(prompts, args.new_tokens)  # warm-up: graphs captured, Triton compiled
+        dec.generate(groups[0], args.new_tokens)  # warm-up: graphs captured, Triton compiled
         sync()
-    timed = dec.generate(prompts, args.new_tokens)
-    sync()
-    prof = None if cuda else timed  # on the CPU host times are the split already
+    warm_s = time.time() - t0
+    timed = []
+    for g in groups:
+        timed.append(dec.generate(g, args.new_tokens))
+        sync()
+    prof = None
     if cuda and not args.no_profile:
         dec.profile = True
-        prof = dec.generate(prompts, args.new_tokens)
+        prof = merge_results([dec.generate(g, args.new_tokens) for g in groups])
         dec.profile = False
+    timed = merge_results(timed)
+    if not cuda:
+        prof = timed  # on the CPU host times are the split already
     del dec
     gc.collect()  # the decoder and its static batches reference each other
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return timed, prof
+    return timed, prof, warm_s
+
+
+def row_estimate(B: int, n_groups: int, warm_times, group_times: dict) -> float:
+    """Seconds for one row of ``n_groups`` groups of B: the largest warm-up seen, plus per group
+    the smallest per-group time among the measured batch sizes >= B (a group of B costs no
+    more), or the largest per-group time seen when every measured batch size is smaller."""
+    if not group_times:
+        return 0.0
+    larger = [t for b, t in group_times.items() if b >= B]
+    per_group = min(larger) if larger else max(group_times.values())
+    return max(warm_times, default=0.0) + n_groups * per_group
 
 
 def sync():
@@ -280,12 +332,15 @@ def tokens_per_s(res) -> float:
     return ntok / t
 
 
-def row_of(policy, B, res, prof, ar_tps, div, graphs=None) -> dict:
+def row_of(policy, B, res, prof, ar_tps, div, graphs=None, groups=1) -> dict:
+    """One row from the results merged over its ``groups`` groups of B requests."""
     tps = tokens_per_s(res)
     st = res.stats()
     row = {
         "policy": policy,
         "B": B,
+        "groups": groups,
+        "requests": len(res.tokens),
         "graphs": graphs,
         "tokens_per_s": round(tps, 1),
         "ar_tokens_per_s": round(ar_tps, 1),
@@ -437,15 +492,16 @@ def plot(out_dir, rows) -> str | None:
 
 
 def table_text(rows) -> str:
-    lines = [f"{'policy':<15}{'B':>4}{'tok/s':>10}{'AR tok/s':>10}{'speedup':>9}{'acc/step':>9}"
-             f"{'blk us':>9}{'diverged':>9}{'mismatch':>9}"]  # fmt: skip
+    lines = [f"{'policy':<15}{'B':>4}{'req':>5}{'tok/s':>10}{'AR tok/s':>10}{'speedup':>9}"
+             f"{'acc/step':>9}{'blk us':>9}{'diverged':>9}{'mismatch':>9}"]  # fmt: skip
     for r in sorted(rows, key=lambda r: (r["B"], r["policy"])):
         d = r.get("divergence") or {}
         if "error" in r:
             lines.append(f"{r['policy']:<15}{r['B']:>4}  ERROR {r['error'][:80]}")
             continue
         lines.append(
-            f"{r['policy']:<15}{r['B']:>4}{r['tokens_per_s']:>10.1f}{r['ar_tokens_per_s']:>10.1f}"
+            f"{r['policy']:<15}{r['B']:>4}{r.get('requests', r['B']):>5}"
+            f"{r['tokens_per_s']:>10.1f}{r['ar_tokens_per_s']:>10.1f}"
             f"{r['speedup'] or 0:>9.2f}{r['mean_accepted']:>9.2f}"
             f"{r['host_blocked_us_per_wait']:>9.1f}{d.get('diverged', 0):>9}"
             f"{d.get('mismatch', 0):>9}"
@@ -469,6 +525,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default=",".join(SPEC_POLICIES))
     ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (CPU: 16)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 96 (CPU: 8)")
+    ap.add_argument("--min-requests", type=int, default=8,
+                    help="per B, ceil(R / B) groups of B distinct prompts, decoded one after "
+                    "another and aggregated (default 8)")  # fmt: skip
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--topk", type=int, default=10)
     ap.add_argument("--budget", type=int, default=60, help="tree capacity (EAGLE-2: 60)")
@@ -505,7 +564,8 @@ def main(argv=None) -> int:
                 "graphs": graphs, "near_tie_rule": f"|l[a] - l[p]| < {NEAR_TIE_REL} * std(fp32 "
                 "logits row) at a request's first divergence (a: AR token, p: policy token)",
                 "tokens_per_s_rule": "generated tokens / decode-loop wall time (prefill and "
-                "graph captures excluded), second run of a warmed-up decoder"})  # fmt: skip
+                "graph captures excluded), summed over the row's groups of B requests, run "
+                "one after another by one decoder warmed up on the first group"})  # fmt: skip
 
     # 1. preflight
     if graphs and args.preflight:
@@ -557,21 +617,24 @@ def main(argv=None) -> int:
     write(args.out, doc)
 
     # 4. rows
-    row_times: list[float] = []
+    # per (policy, B) row: warm-up once, then the groups; the budget check estimates a row as
+    # the largest warm-up seen plus its groups times a per-group time seen (row_estimate)
+    warm_times: list[float] = []
+    group_times: dict[int, float] = {}  # B -> the largest per-group time of its rows
     stopped = None
     for B in batches:
-        bprompts = [prompts[i % len(prompts)] for i in range(B)]
-        est = (max(row_times) if row_times else 0.0) * (1 + len(policies))
-        if row_times and time.time() - t_start + est > args.budget_s:
+        groups = groups_of(prompts, B, args.min_requests)
+        bprompts = [p for g in groups for p in g]  # every request of the row, group by group
+        est = row_estimate(B, len(groups), warm_times, group_times) * (1 + len(policies))
+        if group_times and time.time() - t_start + est > args.budget_s:
             stopped = f"budget: B={B} and later not run ({time.time() - t_start:.0f} s used)"
             log(stopped)
             break
-        t_b = time.time()
 
-        def run(pol, B=B, bprompts=bprompts):
+        def run(pol, B=B, groups=groups):
             nonlocal graphs
             try:
-                return run_policy(pol, target, draft, bprompts, args, table, graphs)
+                return run_policy(pol, target, draft, groups, args, table, graphs)
             except RuntimeError as e:
                 if not graphs or "CUDA-graph capture" not in str(e):
                     raise
@@ -582,10 +645,17 @@ def main(argv=None) -> int:
                 log("CUDA-GRAPH CAPTURE FAILED: the rest of the run is eager (see e2e.json)")
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
-                return run_policy(pol, target, draft, bprompts, args, table, graphs)
+                return run_policy(pol, target, draft, groups, args, table, graphs)
 
+        def note(t_r, warm_s, B=B, groups=groups):  # a row's time: warm-up and its groups
+            warm_times.append(warm_s)
+            per_group = max(0.0, time.time() - t_r - warm_s) / len(groups)
+            group_times[B] = max(group_times.get(B, 0.0), per_group)
+
+        t_r = time.time()
         try:
-            ar, _ = run("autoregressive")
+            ar, _, warm_s = run("autoregressive")
+            note(t_r, warm_s)
         except Exception as e:
             traceback.print_exc()
             doc["rows"].append(
@@ -594,17 +664,19 @@ def main(argv=None) -> int:
             write(args.out, doc)
             continue
         ar_tps = tokens_per_s(ar)
-        doc["rows"].append(row_of("autoregressive", B, ar, None, ar_tps, None, graphs))
-        log(f"B={B} autoregressive: {ar_tps:.1f} tok/s")
+        doc["rows"].append(row_of("autoregressive", B, ar, None, ar_tps, None, graphs, len(groups)))
+        log(f"B={B} autoregressive: {ar_tps:.1f} tok/s ({len(groups)} groups of {B})")
         for pol in policies:
             if time.time() - t_start > args.budget_s:
                 stopped = f"budget: stopped at B={B} before {pol}"
                 break
             t_r = time.time()
             try:
-                res, prof = run(pol)
+                res, prof, warm_s = run(pol)
+                # request by request against the autoregressive tokens of the same group
                 div = divergences(ref32, bprompts, ar.tokens, res.tokens, MAX_DIVERGENCES_CHECKED)
-                row = row_of(pol, B, res, prof, ar_tps, div, graphs)
+                note(t_r, warm_s)
+                row = row_of(pol, B, res, prof, ar_tps, div, graphs, len(groups))
             except Exception as e:
                 traceback.print_exc()
                 row = {"policy": pol, "B": B, "error": f"{type(e).__name__}: {e}"[:500]}
@@ -613,7 +685,6 @@ def main(argv=None) -> int:
             write(args.out, doc)
             keys = ("tokens_per_s", "speedup", "mean_accepted", "host_wait_cost_us", "error")
             log(f"B={B} {pol}: " + json.dumps({k: row.get(k) for k in keys}))
-        row_times.append((time.time() - t_b) / (1 + len(policies)))
         if stopped:
             break
     doc["stopped"] = stopped
