@@ -355,33 +355,11 @@ class Decoder:
         if stop_ids:
             stops = torch.tensor(stop_ids, dtype=torch.int64, device=dev)
         res = DecodeResult(tokens=[[] for _ in range(B)])
-        H = tgt.cfg.hidden_size
-        wdtype = tgt.model.embed_tokens.weight.dtype
 
         # ---- prefill prompt[:-1] as a chain; the last prompt token is the first root
         t0 = time.perf_counter()
         seq_lens = lens - 1
-        P = int(seq_lens.max())
-        root = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=dev)
-        root_feat = torch.zeros(B, H, dtype=wdtype, device=dev)
-        if self.graft:
-            self.table = AdjacencyTable(tgt.cfg.vocab_size, k=self.adjacency_k, device=dev)
-        if P > 0:
-            ptok = torch.zeros(B, P, dtype=torch.int64, device=dev)
-            for b, p in enumerate(prompts):
-                ptok[b, : len(p) - 1] = torch.tensor(p[:-1], dtype=torch.int64)
-            chain = chain_tree(ptok, seq_lens)
-            zero = torch.zeros(B, dtype=torch.int32, device=dev)
-            logits, h = tgt(ptok, tkv, zero, chain)
-            if dft is not None:
-                feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
-                dft(tgt, ptok, feats, dkv, zero, chain)
-            last = (seq_lens.long() - 1).clamp(min=0)
-            root_feat = torch.where(
-                (seq_lens > 0)[:, None], h[torch.arange(B), last], torch.zeros_like(root_feat)
-            )
-            if self.table is not None:
-                self.table.warm_start(ptok, logits.contiguous(), seq_lens)
+        root, root_feat = self._prefill(prompts, seq_lens, tkv, dkv)
         res.time_prefill = time.perf_counter() - t0
 
         remaining = torch.tensor(budget, dtype=torch.int64, device=dev)
@@ -542,6 +520,39 @@ class Decoder:
         res.time_tree += time.perf_counter() - t0
         return tree, state
 
+    def _prefill(self, prompts, seq_lens, tkv, dkv) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every request's ``prompt[:-1]`` through the target (and the draft) as a chain at
+        ``seq_lens`` [B] (= prompt lengths - 1); warms Graft's table. Returns the first roots
+        (the last prompt tokens) [B] int64 and their features [B, H] (the target's hidden state
+        at the token before; 0 for a one-token prompt)."""
+        tgt, dft = self.target, self.draft
+        dev, B = seq_lens.device, len(prompts)
+        root = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=dev)
+        root_feat = torch.zeros(
+            B, tgt.cfg.hidden_size, dtype=tgt.model.embed_tokens.weight.dtype, device=dev
+        )
+        if self.graft:
+            self.table = AdjacencyTable(tgt.cfg.vocab_size, k=self.adjacency_k, device=dev)
+        P = max(len(p) for p in prompts) - 1
+        if P > 0:
+            ptok = torch.zeros(B, P, dtype=torch.int64, device=dev)
+            for b, p in enumerate(prompts):
+                ptok[b, : len(p) - 1] = torch.tensor(p[:-1], dtype=torch.int64)
+            plen = seq_lens.clone()
+            chain = chain_tree(ptok, plen)
+            zero = torch.zeros(B, dtype=torch.int32, device=dev)
+            logits, h = tgt(ptok, tkv, zero, chain)
+            if dft is not None:
+                feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
+                dft(tgt, ptok, feats, dkv, zero, chain)
+            last = (plen.long() - 1).clamp(min=0)
+            root_feat = torch.where(
+                (plen > 0)[:, None], h[torch.arange(B, device=dev), last], root_feat
+            )
+            if self.table is not None:
+                self.table.warm_start(ptok, logits.contiguous(), plen)
+        return root, root_feat
+
     # ============================================================ static / CUDA-graph path
     def _clock(self) -> float:
         """A timing boundary: ``perf_counter``, after a device sync under ``profile``."""
@@ -606,7 +617,7 @@ class Decoder:
 
     @torch.no_grad()
     def _generate_static(self, prompts, max_new_tokens, stop_ids, sampling, generator):
-        tgt, dft = self.target, self.draft
+        dft = self.draft
         dev = self._dev
         B, budget, per_req, greedy = _requests(prompts, max_new_tokens, sampling)
         g = generator or torch.Generator().manual_seed(0)
@@ -620,36 +631,12 @@ class Decoder:
             stops = torch.tensor(stop_ids, dtype=torch.int64, device=dev)
             stop_set = set(int(x) for x in stop_ids)
         res = DecodeResult(tokens=[[] for _ in range(B)], profiled=self.profile)
-        H = tgt.cfg.hidden_size
-        wdtype = tgt.model.embed_tokens.weight.dtype
 
         # ---- prefill (eager), as in generate
         t0 = self._clock()
         seq_lens = sb.seq_lens
         seq_lens.copy_(lens - 1)
-        P = max(len(p) for p in prompts) - 1
-        root = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=dev)
-        root_feat = torch.zeros(B, H, dtype=wdtype, device=dev)
-        if self.graft:
-            self.table = AdjacencyTable(tgt.cfg.vocab_size, k=self.adjacency_k, device=dev)
-        if P > 0:
-            ptok = torch.zeros(B, P, dtype=torch.int64, device=dev)
-            for b, p in enumerate(prompts):
-                ptok[b, : len(p) - 1] = torch.tensor(p[:-1], dtype=torch.int64)
-            plen = seq_lens.clone()
-            chain = chain_tree(ptok, plen)
-            zero = torch.zeros(B, dtype=torch.int32, device=dev)
-            logits, h = tgt(ptok, tkv, zero, chain)
-            if dft is not None:
-                feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
-                dft(tgt, ptok, feats, dkv, zero, chain)
-            last = (plen.long() - 1).clamp(min=0)
-            root_feat = torch.where(
-                (plen > 0)[:, None], h[torch.arange(B, device=dev), last], root_feat
-            )
-            if self.table is not None:
-                self.table.warm_start(ptok, logits.contiguous(), plen)
-            del logits, h
+        root, root_feat = self._prefill(prompts, seq_lens, tkv, dkv)
         if dev.type == "cuda":  # the loop's clock must not start with prefill still queued
             torch.cuda.synchronize(dev)
         res.time_prefill = self._clock() - t0
