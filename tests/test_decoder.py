@@ -479,3 +479,90 @@ def test_cuda_graphs_flag_on_gpu_and_bucket_never_undersizes(gpu_pair):
         assert res.undersized == 0 and res.host_waits > res.steps
         for b, row in zip(res.verify_buckets, res.verified):
             assert max(row) <= b <= 12
+
+
+# ------------------------------------------------------------ whole-step graphs (step_graphs)
+def _step_decoder(pair, policy: str, **kw) -> Decoder:
+    target, draft = pair
+    return Decoder(target, draft, policy, depth=3, topk=3, budget=12, page_size=16, **kw)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("policy", ["chain", "EagleStatic"])
+def test_step_body_equals_eager_greedy(pair, baseline, policy, batch):
+    """The whole-step body (static_shapes=True, step_graphs=True: the graph's code, eager) gives
+    token for token the eager decoder's greedy output, with stop ids and ragged budgets; one
+    host wait per step."""
+    target, _ = pair
+    stop = baseline[1][3]
+    budgets = [3, 8, 1][:batch] if batch > 1 else [7]
+    eager = _step_decoder(pair, policy).generate(PROMPTS[:batch], budgets, stop_ids=[stop])
+    dec = _step_decoder(pair, policy, static_shapes=True, step_graphs=True)
+    res = dec.generate(PROMPTS[:batch], budgets, stop_ids=[stop])
+    assert res.tokens == eager.tokens
+    want = [_greedy_baseline(target, p, m, stop=(stop,)) for p, m in zip(PROMPTS, budgets)]
+    assert res.tokens == want
+    assert res.emitted == eager.emitted and res.host_waits == res.steps
+    assert res.step_graphs and res.stats()["step_graphs"]
+    assert all(b == dec.capacity for b in res.verify_buckets)
+    # the decoder is reused (static buffers kept): no stop ids, other budgets
+    again = dec.generate(PROMPTS[:batch], NEW)
+    assert again.tokens == baseline[:batch]
+
+
+@pytest.mark.parametrize("policy", ["chain", "EagleStatic", "autoregressive"])
+def test_step_body_equals_eager_sampling(pair, policy):
+    """Sampling: the uniforms drawn on the host from the same generator, copied into the step's
+    static buffer, give the eager decoder's tokens."""
+    sp = [SamplingParams(temperature=1.0, top_k=20), SamplingParams(0.7, top_p=0.9),
+          SamplingParams()]  # fmt: skip
+    out = []
+    for step in (False, True):
+        dec = _step_decoder(pair, policy, static_shapes=step, step_graphs=step)
+        g = torch.Generator().manual_seed(5)
+        out.append(dec.generate(PROMPTS, [6, 9, 4], sampling=sp, generator=g).tokens)
+    assert out[0] == out[1]
+
+
+def test_step_graphs_flag_checks(pair):
+    with pytest.raises(ValueError, match="step_graphs"):
+        _step_decoder(pair, "Cast", static_shapes=True, step_graphs=True)
+    with pytest.raises(ValueError, match="step_graphs"):
+        _step_decoder(pair, "CastGraft", static_shapes=True, step_graphs=True)
+    with pytest.raises(ValueError, match="step_graphs"):
+        _step_decoder(pair, "chain", step_graphs=True)  # neither cuda_graphs nor static_shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("policy", ["chain", "EagleStatic", "autoregressive"])
+def test_step_graphs_equal_per_forward_graphs(gpu_pair, policy, batch):
+    """On CUDA (tiny fp32 pair) step_graphs=True gives token for token the per-forward graphs'
+    output, greedy with a stop id and ragged budgets, and sampled; one graph per key, replayed
+    by a second call; one host wait per step."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    target, draft = gpu_pair
+    prompts = (PROMPTS * 2)[:batch]
+    budgets = [7, 3, 10, 1][:batch]
+    stop = [42]
+
+    def dec(step):
+        d = None if policy == "autoregressive" else draft
+        return Decoder(target, d, policy, depth=3, topk=3, budget=12, cuda_graphs=True,
+                       step_graphs=step)  # fmt: skip
+
+    per_fwd, whole = dec(False), dec(True)
+    ref = per_fwd.generate(prompts, budgets, stop_ids=stop)
+    res = whole.generate(prompts, budgets, stop_ids=stop)
+    assert res.tokens == ref.tokens
+    assert res.graphs_captured == 1 and res.undersized == 0
+    assert res.host_waits == res.steps and res.step_graphs
+    again = whole.generate(prompts, budgets, stop_ids=stop)
+    assert again.tokens == res.tokens and again.graphs_captured == 0
+    sp = SamplingParams(temperature=1.0, top_k=20)
+    s_ref = per_fwd.generate(prompts, NEW, sampling=sp, generator=torch.Generator().manual_seed(3))
+    s_res = whole.generate(prompts, NEW, sampling=sp, generator=torch.Generator().manual_seed(3))
+    assert s_res.tokens == s_ref.tokens and s_res.graphs_captured == 1  # the sampling graph
+    whole.profile = True
+    prof = whole.generate(prompts, budgets, stop_ids=stop)
+    assert prof.tokens == res.tokens and prof.time_step > 0 and prof.graphs_captured == 0

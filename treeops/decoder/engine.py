@@ -43,6 +43,19 @@ the verification tree, the draft's working tree, frontier inputs); padding nodes
 ``num_nodes`` are masked out by every op. ``static_shapes=True`` without ``cuda_graphs`` runs the
 same bucketed code path eagerly (how the CPU tests check it).
 
+Whole-step graphs (``step_graphs=True``, fixed-shape policies only: autoregressive, chain,
+EagleStatic): nothing in such a step depends on the host (frontier width W, depth, verify count N
+and the catch-up size N are fixed by the policy), so one CUDA graph per (batch size, greedy or
+sampling, number of stop ids) holds the whole step: every draft layer (forward +
+``build_tree_expand``), ``build_tree_emit``, the target's verification, acceptance,
+``compact_kv``, the catch-up forward (bucket N: padding beyond ``accept_len`` is masked), the state
+updates for the next step (root, root feature, seq_lens, remaining budgets, active mask, all
+static buffers of ``_StaticBatch`` updated in place) and the non-blocking copy of the step's
+results into the pinned host buffer. The host fills the sampling uniforms (drawn from the CPU
+generator as on the eager path) into a static buffer before each replay, replays, and waits on
+one event. ``_step_body`` is that step as a Python function over static buffers; with
+``static_shapes=True`` and no ``cuda_graphs`` it runs eagerly (the CPU tests).
+
 Workarounds of op gaps (see the final report / README): ``kv_append`` has no row offset, so the
 draft's frontier-only write shifts its ``seq_lens`` base by ``q_start`` and passes depths relative
 to it (possibly negative).
@@ -133,6 +146,11 @@ class DecodeResult:
     catchup_buckets: list[int] = field(default_factory=list)  # per step (0: skipped)
     undersized: int = 0  # steps whose tree exceeded its verify bucket (clamped; must stay 0)
     profiled: bool = False
+    # step_graphs: the whole step (draft, tree ops, verify, accept, compact, catch-up) runs as
+    # one graph; its time (enqueue; the device time under ``profile``) is counted here, not in
+    # time_draft / time_tree / time_verify (those then hold only the host's bookkeeping)
+    time_step: float = 0.0
+    step_graphs: bool = False
 
     @property
     def accepted_per_step(self) -> list[float]:
@@ -166,6 +184,8 @@ class DecodeResult:
             "host_waits": self.host_waits,
             "host_wait_us_per_wait": 1e6 * self.time_host_wait / max(1, self.host_waits),
             "time_capture_s": self.time_capture,
+            "time_step_s": self.time_step,
+            "step_graphs": self.step_graphs,
             "graphs_captured": self.graphs_captured,
             "undersized": self.undersized,
             "profiled": self.profiled,
@@ -233,6 +253,17 @@ class Decoder:
             off, the host waits are measured and the rest is enqueue time).
         check_buckets: check on the host that no forward's bucket is smaller than its tokens
             (syncs; a ``RuntimeError`` if one is). Tests use it.
+        step_graphs: capture ONE CUDA graph per (batch size, greedy/sampling, number of stop
+            ids) for a whole decoding step (all draft layers and tree builds, verification,
+            acceptance, compaction, catch-up, the next step's state and the copy of the results
+            to pinned memory; see the module docstring), instead of one graph per forward with
+            the tree ops eager between them. Opt-in (default False: the per-forward path is
+            unchanged). Needs ``cuda_graphs=True`` (or ``static_shapes=True``, which runs the
+            same step body eagerly: how the CPU tests check it) and a fixed-shape policy
+            (``autoregressive``, ``chain``, ``EagleStatic``): ``Cast``/``CastGraft`` decide
+            sizes on the host during the step and raise a ``ValueError`` naming
+            ``step_graphs`` (no silent fallback). The catch-up runs at the full tree capacity N
+            instead of the bucket of the longest accepted path. Host waits: one per step.
     """
 
     def __init__(
@@ -258,6 +289,7 @@ class Decoder:
         static_shapes: bool | None = None,
         profile: bool = False,
         check_buckets: bool = False,
+        step_graphs: bool = False,
     ):
         if policy not in POLICIES:
             raise ValueError(f"Invalid policy: expected one of {POLICIES}, got {policy!r}")
@@ -306,6 +338,18 @@ class Decoder:
         self.static = self.cuda_graphs if static_shapes is None else bool(static_shapes)
         if self.cuda_graphs and not self.static:
             raise ValueError("Invalid value of static_shapes: cuda_graphs=True needs it True")
+        self.step_graphs = bool(step_graphs)
+        if self.step_graphs and policy in ("Cast", "CastGraft"):
+            raise ValueError(
+                f"Invalid value of step_graphs: True needs a fixed-shape policy (autoregressive, "
+                f"chain, EagleStatic), got policy {policy!r}, whose sizes are decided on the host "
+                "during a step; use step_graphs=False (per-forward graphs)"
+            )
+        if self.step_graphs and not self.static:
+            raise ValueError(
+                "Invalid value of step_graphs: True needs cuda_graphs=True (or static_shapes=True "
+                "to run the whole-step body eagerly)"
+            )
         self.profile = bool(profile)
         self.check_buckets = bool(check_buckets)
         self._batches: dict[int, _StaticBatch] = {}
@@ -340,6 +384,8 @@ class Decoder:
         int or one per request) or a stop id (kept in the output). ``sampling``: one
         ``SamplingParams`` for the batch or one per request (temperature 0 rows are greedy);
         uniforms come from ``generator`` (CPU), one per tree node per step."""
+        if self.step_graphs:
+            return self._generate_step(prompts, max_new_tokens, stop_ids, sampling, generator)
         if self.static:
             return self._generate_static(prompts, max_new_tokens, stop_ids, sampling, generator)
         tgt, dft = self.target, self.draft
@@ -860,6 +906,254 @@ class Decoder:
             return N
         return bucket_for(self._wait(res, st.verify_count), N)
 
+    # ============================================================ whole-step graphs
+    @torch.no_grad()
+    def _generate_step(self, prompts, max_new_tokens, stop_ids, sampling, generator):
+        """``generate`` with ``step_graphs``: one replay (or, without ``cuda_graphs``, one eager
+        call of ``_step_body``) and one event wait per step."""
+        dev = self._dev
+        B, budget, per_req, greedy = _requests(prompts, max_new_tokens, sampling)
+        g = generator or torch.Generator().manual_seed(0)
+        N, Nd = self.capacity, self.draft_capacity
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
+        max_len = max(len(p) for p in prompts) + max(budget) + N + Nd + 1
+        sb = self._batch(B, max_len)
+        sb.step_buffers()
+        stops = None
+        stop_set: set[int] = set()
+        if stop_ids:
+            stops = sb.stop_buf(len(stop_ids))
+            stops.copy_(torch.tensor(stop_ids, dtype=torch.int64))
+            stop_set = set(int(x) for x in stop_ids)
+        res = DecodeResult(tokens=[[] for _ in range(B)], profiled=self.profile, step_graphs=True)
+
+        # ---- prefill (eager), as in generate; its outputs go into the step's static buffers
+        t0 = self._clock()
+        sb.seq_lens.copy_(lens - 1)
+        root, root_feat = self._prefill(prompts, sb.seq_lens, sb.tkv, sb.dkv)
+        sb.root.copy_(root)
+        sb.root_feat.copy_(root_feat)
+        sb.remaining.copy_(torch.tensor(budget, dtype=torch.int64))
+        torch.gt(sb.remaining, 0, out=sb.active)
+        sb.temperature.copy_(torch.tensor([max(0.0, sp.temperature) for sp in per_req]))
+        sb.top_k.copy_(torch.tensor([sp.top_k for sp in per_req], dtype=torch.int32))
+        sb.top_p.copy_(torch.tensor([sp.top_p for sp in per_req], dtype=torch.float32))
+        if self.policy is not None and sb.state is None:  # allocated outside any capture
+            sb.state = DraftState.new(self.policy, sb.root, sb.seq_lens, sb.active)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        res.time_prefill = self._clock() - t0
+
+        t_loop = time.perf_counter()
+        host_active = [m > 0 for m in budget]
+        host_remaining = list(budget)
+        key = ("step", greedy, 0 if stops is None else stops.numel())
+        W = 0 if self.policy is None else self.policy.max_width
+        layers = [] if self.policy is None else [1] + [W] * (self.policy.depth - 1)
+        while any(host_active):
+            t0 = self._clock()
+            if not greedy:  # the eager path's draw, copied into the static buffer
+                sb.u_host.copy_(torch.rand(B, N, generator=g))
+                sb.u.copy_(sb.u_host, non_blocking=True)
+            copied = self._replay_step(sb, key, greedy, stops, res)
+            host_pack = sb.host_pack.view(B, 4 + N)
+            if not copied:  # (capture fallback: the results' copy after the replay)
+                host_pack.copy_(sb.pack.view(B, 4 + N), non_blocking=True)
+            if dev.type == "cuda":
+                sb.pack_event.record()
+            res.time_step += self._clock() - t0
+
+            def read_pack(sb=sb, host_pack=host_pack):
+                if dev.type == "cuda":
+                    sb.pack_event.synchronize()
+                return host_pack.tolist()
+
+            host = self._wait(res, read_pack)
+            t0 = self._clock()
+            emitted_row, verified_row = [], []
+            for b in range(B):
+                a, bonus, nv, _ = host[b][:4]
+                emitted_row.append(a)
+                verified_row.append(nv)
+                if nv > N:
+                    res.undersized += 1
+                if a == 0:
+                    continue
+                res.tokens[b].extend(host[b][5 : 4 + a] + [bonus])  # path minus the root
+                host_remaining[b] -= a
+                if host_remaining[b] <= 0 or bonus in stop_set:
+                    host_active[b] = False
+            res.emitted.append(emitted_row)
+            res.verified.append(verified_row)
+            res.verify_buckets.append(N)
+            if self.policy is not None:
+                res.draft_buckets.append(list(layers))
+            res.catchup_buckets.append(N if self.draft is not None else 0)
+            res.steps += 1
+            res.time_tree += self._clock() - t0
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        res.time_decode = time.perf_counter() - t_loop
+        return res
+
+    def _replay_step(self, sb: _StaticBatch, key: tuple, greedy: bool, stops, res) -> bool:
+        """One decoding step: the graph of ``key`` (captured on first use) or, without
+        ``cuda_graphs``, ``_step_body`` eagerly. Returns whether the step itself copied its
+        results to the pinned buffer (False only after the capture fallback below)."""
+        if not self.cuda_graphs:
+            self._step_body(sb, greedy, stops, copy_out=True)()
+            return True
+        ent = sb.graphs.get(key)
+        if ent is None:
+            t0 = time.perf_counter()
+            # The step updates its own inputs (seq_lens, root, ...): the warm-up runs start from
+            # a snapshot, restored after each; what they write beyond seq_lens (verify K/V,
+            # compaction, catch-up, drafting scratch) is rewritten identically by the replay.
+            state = sb.step_state()
+            saved = [t.clone() for t in state]
+            cur = torch.cuda.current_stream(self._dev)
+            err = None
+            for copy_out in (True, False):
+                body = self._step_body(sb, greedy, stops, copy_out=copy_out)
+                try:
+                    s = torch.cuda.Stream(self._dev)
+                    s.wait_stream(cur)
+                    with torch.cuda.stream(s):
+                        for _ in range(2):
+                            body()
+                            for t, v in zip(state, saved):
+                                t.copy_(v)
+                    cur.wait_stream(s)
+                    if self._pool is None:
+                        self._pool = torch.cuda.graph_pool_handle()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        body()
+                    ent = sb.graphs[key] = (graph, copy_out)
+                    break
+                except Exception as e:  # noqa: PERF203
+                    err = err or e
+                    torch.cuda.synchronize(self._dev)
+                    for t, v in zip(state, saved):
+                        t.copy_(v)
+            if ent is None:
+                assert err is not None
+                raise RuntimeError(
+                    f"treeops decoder: CUDA-graph capture of the whole step failed (policy "
+                    f"{self.name}, B={sb.B}): {type(err).__name__}: {err}. Something in the step "
+                    "syncs with the host or allocates outside the graph; step_graphs=False "
+                    "(per-forward graphs) or cuda_graphs=False runs it otherwise."
+                ) from err
+            res.time_capture += time.perf_counter() - t0
+            res.graphs_captured += 1
+        graph, copy_out = ent
+        graph.replay()
+        return copy_out
+
+    def _step_body(self, sb: _StaticBatch, greedy: bool, stops, copy_out: bool = True):
+        """One whole decoding step over ``sb``'s static buffers, sync-free (no host reads, no
+        data-dependent shapes): capturable as one CUDA graph. Reads root, root_feat, seq_lens,
+        remaining, active (and u, temperature, top_k, top_p, ``stops``); writes the step's
+        results into ``sb.pack`` (and the pinned ``sb.host_pack`` with ``copy_out``) and the
+        next step's inputs in place."""
+        pol, dft = self.policy, self.draft
+        B, N = sb.B, self.capacity
+        verify = sb.verify_body(N)
+        catchup = None if dft is None else sb.catchup_body(N)
+        drafts = {} if pol is None else {R: sb.draft_body(R) for R in (1, pol.max_width)}
+        pack = sb.pack.view(B, 4 + N)
+        host_pack = sb.host_pack.view(B, 4 + N)
+        rows = sb.rows
+
+        def body():
+            active = sb.active
+            root = torch.where(active, sb.root, 0)
+            vin = sb.vin
+            if pol is None:
+                vin.tokens[:, 0] = root
+                vin.num_nodes.copy_(active.to(torch.int32))
+            else:
+                self._draft_fixed(sb, root, active, drafts)
+            tree, logits, h = verify()
+            mnt = sb.remaining.clamp(min=1)
+            if greedy:
+                acc = accept_greedy(tree, logits, stop_ids=stops, max_new_tokens=mnt)
+            else:
+                acc = accept_sample(
+                    tree, logits, sb.temperature, sb.top_k, sb.top_p, sb.u,
+                    stop_ids=stops, max_new_tokens=mnt,
+                )  # fmt: skip
+            tkv = sb.tkv
+            new_lens = compact_kv(
+                tkv.k, tkv.v, tkv.block_table, sb.seq_lens, tree, acc.accepted, acc.accept_len
+            )
+            alen = acc.accept_len.long()
+            path = acc.accepted.long().clamp(min=0)  # [B, N]
+            path_tok = tree.tokens.gather(1, path)
+            path_h = h[rows[:, None], path]  # [B, N, H]
+            remaining = sb.remaining - alen
+            done = remaining <= 0
+            if stops is not None:
+                done |= (acc.bonus[:, None] == stops[None, :]).any(1)
+            heads = (alen, acc.bonus, vin.num_nodes, sb.grafted)
+            torch.cat([x[:, None] for x in heads] + [path_tok], 1, out=pack)
+            if copy_out:
+                host_pack.copy_(pack, non_blocking=True)
+            if catchup is not None:  # over the accepted path, at the old seq_lens
+                on_path = sb.node_idx[None, :] < alen[:, None]
+                torch.mul(path_tok, on_path, out=sb.c_tok)  # 0 past the path
+                sb.c_feat[:, 0] = sb.root_feat
+                sb.c_feat[:, 1:] = path_h[:, : N - 1]
+                sb.c_len.copy_(acc.accept_len)
+                catchup()
+            last = (alen - 1).clamp(min=0)
+            new_feat = torch.where(active[:, None], path_h[rows, last], sb.root_feat)
+            new_seq = torch.where(active, new_lens, sb.seq_lens)
+            new_root = torch.where(active, acc.bonus, root)
+            new_active = active & ~done
+            sb.root_feat.copy_(new_feat)
+            sb.seq_lens.copy_(new_seq)
+            sb.root.copy_(new_root)
+            sb.remaining.copy_(remaining)
+            sb.active.copy_(new_active)
+
+        return body
+
+    def _draft_fixed(self, sb: _StaticBatch, root, active, drafts) -> None:
+        """``_draft_static`` for a fixed-shape policy (EagleStatic, chain), sync-free: layer 0
+        drafts the root (1 row), layers 1 .. depth-1 their W-row frontiers; the tree into
+        ``sb.vin``."""
+        pol = self.policy
+        assert pol is not None and sb.state is not None and not pol.is_cast
+        B, W = sb.B, pol.max_width
+        dt, st = sb.dtree, sb.state
+        st.reset(root, sb.seq_lens, active)
+        act = active.to(torch.int32)
+        torch.addcmul(sb.meta_base, sb.meta_coef, act, out=sb.layer_meta)
+        sb.d_meta.copy_(sb.layer_meta[0])
+        sb.d_feat[:, 0] = sb.root_feat
+        R = 1
+        while True:
+            i = st.layer
+            qs = 0
+            if i > 0:
+                qs = 1 + (i - 1) * W
+                pnode = sb.cand_node[st.frontier]
+                Wd, H = dt.anc.shape[2], sb.hid.shape[2]
+                new = slice(qs, qs + W)
+                torch.add(dt.depth.gather(1, pnode), 1, out=dt.depth[:, new])
+                pa = dt.anc.gather(1, pnode[:, :, None].expand(B, W, Wd))
+                torch.bitwise_or(pa, sb.self_bits[new], out=dt.anc[:, new])
+                torch.gather(sb.hid, 1, pnode[:, :, None].expand(B, W, H), out=sb.d_feat)
+                sb.d_meta.copy_(sb.layer_meta[i])
+            drafts[R]()
+            sb.hid[:, qs : qs + R] = sb.d_h[:, :R]
+            build_tree_expand(sb.d_logits, st, pol)
+            if st.layer >= pol.depth or st.layer >= pol.max_depth:
+                break
+            R = W
+        build_tree_emit(st, pol, out=sb.vin)
+
     @property
     def _dev(self) -> torch.device:
         return self.target.model.embed_tokens.weight.device
@@ -891,6 +1185,7 @@ class _StaticBatch:
         self.host_pack = torch.zeros(B * (4 + N), dtype=torch.int64, pin_memory=pin)
         self.pack_event = torch.cuda.Event() if pin else None
         self.state: DraftState | None = None
+        self.step_ready = False
         if dft is None:
             return
         pol = dec.policy
@@ -1000,3 +1295,38 @@ class _StaticBatch:
             dft(dec.target, tok, self.c_feat[:, :R], self.dkv, self.seq_lens, ch)
 
         return body
+
+    # ------------------------------------------------------------ whole-step graphs
+    def step_buffers(self) -> None:
+        """The static inputs of ``Decoder._step_body`` (allocated once, outside any capture):
+        the step's state (root, root feature, remaining budgets, active mask; seq_lens is
+        ``self.seq_lens``), the per-request sampling parameters and the uniforms (a pinned host
+        staging copy on CUDA)."""
+        if self.step_ready:
+            return
+        dec, B, N = self.dec, self.B, self.dec.capacity
+        dev = self.seq_lens.device
+        tgt = dec.target
+        wdtype = tgt.model.embed_tokens.weight.dtype
+        self.root = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.root_feat = torch.zeros(B, tgt.cfg.hidden_size, dtype=wdtype, device=dev)
+        self.remaining = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.active = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.temperature = torch.zeros(B, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.top_p = torch.ones(B, dtype=torch.float32, device=dev)
+        self.u = torch.zeros(B, N, dtype=torch.float32, device=dev)
+        self.u_host = torch.zeros(B, N, dtype=torch.float32, pin_memory=dev.type == "cuda")
+        self.rows = torch.arange(B, device=dev)
+        self.stops: dict[int, torch.Tensor] = {}
+        self.step_ready = True
+
+    def stop_buf(self, n: int) -> torch.Tensor:
+        """The static stop-id buffer of ``n`` ids (the step graphs are keyed by n)."""
+        if n not in self.stops:
+            self.stops[n] = torch.zeros(n, dtype=torch.int64, device=self.seq_lens.device)
+        return self.stops[n]
+
+    def step_state(self) -> list[torch.Tensor]:
+        """What a step updates for the next one (restored after each capture warm-up run)."""
+        return [self.seq_lens, self.root, self.root_feat, self.remaining, self.active]
