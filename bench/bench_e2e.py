@@ -15,6 +15,10 @@ what it measured):
    ``--preflight`` also checks graphs against eager decoding on a tiny random fp32 pair (every
    policy, B = 2) before training: a capture error, a replay that changes the output or an
    under-sized bucket turns graphs off; token differences are recorded as warnings.
+   ``--step-graphs``: autoregressive, chain and EagleStatic run with ``Decoder(step_graphs=True)``
+   (one CUDA graph per whole decoding step; each row says ``step_graphs``; their profiled split
+   puts the step's time in ``step_s``); Cast/CastGraft rows are unchanged. A whole-step capture
+   error turns all graphs off like any other capture error.
 2. The pair: ``treeops.decoder.train.train_pair(PairConfig.h200(), "cuda", cache_dir)`` (or a
    tiny random pair with ``--random-model``); decoding runs in bf16 on CUDA (fp32 on the CPU),
    the fp32 target is kept as the reference for divergences.
@@ -246,10 +250,17 @@ def divergences(ref32: Target, prompts, ar_tokens, pol_tokens, limit: int) -> di
 
 
 # ----------------------------------------------------------------------------------- rows
+# the fixed-shape policies ``--step-graphs`` runs with Decoder(step_graphs=True)
+STEP_GRAPH_POLICIES = ("autoregressive", "chain", "EagleStatic")
+
+
 def make_decoder(policy, target, draft, args, table, graphs, profile=False):
     kw = dict(depth=args.depth, topk=args.topk, budget=args.budget, page_size=16)
     if policy in ("Cast", "CastGraft"):
         kw.update(cost_table=table, C1=args.C1, C2=args.C2, C3=args.C3)
+    if getattr(args, "step_graphs", False) and policy in STEP_GRAPH_POLICIES:
+        # one graph per whole step (eager step body, static shapes, without graphs)
+        kw.update(step_graphs=True, static_shapes=True)
     return Decoder(target, draft if policy != "autoregressive" else None, policy,
                    cuda_graphs=graphs, profile=profile, **kw)  # fmt: skip
 
@@ -342,6 +353,7 @@ def row_of(policy, B, res, prof, ar_tps, div, graphs=None, groups=1) -> dict:
         "groups": groups,
         "requests": len(res.tokens),
         "graphs": graphs,
+        "step_graphs": res.step_graphs,
         "tokens_per_s": round(tps, 1),
         "ar_tokens_per_s": round(ar_tps, 1),
         "speedup": round(tps / ar_tps, 3) if ar_tps else None,
@@ -376,8 +388,16 @@ def row_of(policy, B, res, prof, ar_tps, div, graphs=None, groups=1) -> dict:
             "tree_ops_s": round(prof.time_tree, 4),
             "verify_s": round(prof.time_verify, 4),
             "host_wait_s": round(prof.time_host_wait, 4),
+            # --step-graphs: the whole step's graph (draft + tree ops + verify), not split
+            "step_s": round(prof.time_step, 4),
             "other_s": round(
-                tot - prof.time_draft - prof.time_tree - prof.time_verify - prof.time_host_wait, 4
+                tot
+                - prof.time_draft
+                - prof.time_tree
+                - prof.time_verify
+                - prof.time_host_wait
+                - prof.time_step,
+                4,
             ),
         }
     if div is not None:
@@ -517,6 +537,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget (s)")
     ap.add_argument("--random-model", action="store_true", help="tiny random pair, no training")
     ap.add_argument("--no-graphs", action="store_true", help="eager forwards (no CUDA graphs)")
+    ap.add_argument("--step-graphs", action="store_true",
+                    help="autoregressive, chain and EagleStatic with Decoder(step_graphs=True): "
+                    "one CUDA graph per whole decoding step (rows say step_graphs: true; the "
+                    "autoregressive baseline of speedup too)")  # fmt: skip
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled (split) runs")
     ap.add_argument("--preflight", action="store_true",
                     help="graphs vs eager on a random pair before training (a capture error "
@@ -561,7 +585,8 @@ def main(argv=None) -> int:
     doc = env_info(device)
     doc.update({"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": [],
                 "settings": {k: v for k, v in vars(args).items() if k != "out"},
-                "graphs": graphs, "near_tie_rule": f"|l[a] - l[p]| < {NEAR_TIE_REL} * std(fp32 "
+                "graphs": graphs, "step_graphs": args.step_graphs,
+                "near_tie_rule": f"|l[a] - l[p]| < {NEAR_TIE_REL} * std(fp32 "
                 "logits row) at a request's first divergence (a: AR token, p: policy token)",
                 "tokens_per_s_rule": "generated tokens / decode-loop wall time (prefill and "
                 "graph captures excluded), summed over the row's groups of B requests, run "

@@ -203,3 +203,23 @@ def test_bench_e2e_budget_stops_adding_rows(tmp_path):
     assert bench.main(argv) == 0
     doc = json.loads((tmp_path / "e2e.json").read_text())
     assert doc["stopped"] and {r["B"] for r in doc["rows"]} == {1}
+
+
+def test_bench_e2e_step_graphs_rows(tmp_path):
+    """``--step-graphs`` (on the CPU: the whole-step body eagerly) marks the fixed-shape rows
+    ``step_graphs: true`` and leaves Cast's row as it was; tokens stay exact (fp32)."""
+    bench = _load_bench()
+    argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs", "--batches", "2",
+            "--new-tokens", "4", "--prompt-len", "8", "--min-requests", "2", "--step-graphs",
+            "--policies", "chain,EagleStatic,Cast"]  # fmt: skip
+    assert bench.main(argv) == 0
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    assert doc["step_graphs"] is True
+    rows = {r["policy"]: r for r in doc["rows"]}
+    assert set(rows) == {"autoregressive", "chain", "EagleStatic", "Cast"}
+    for pol, r in rows.items():
+        assert "error" not in r, r
+        assert r["step_graphs"] is (pol != "Cast")
+        if pol != "autoregressive":
+            assert r["divergence"]["mismatch"] == 0
+            assert "step_s" in r["split"]
