@@ -993,6 +993,9 @@ def _pow2(x: int) -> int:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+# every counter buffer ever handed out stays alive: a CUDA graph captured with an older, smaller
+# one keeps replaying atomics into it after a larger batch made a new one
+_RETIRED: list[torch.Tensor] = []
 
 
 def _counters(device: torch.device, B: int) -> torch.Tensor:
@@ -1001,6 +1004,8 @@ def _counters(device: torch.device, B: int) -> torch.Tensor:
     run concurrently on different streams must not share them (pass ``workspace``)."""
     c = _COUNTERS.get(device)
     if c is None or c.numel() < B:
+        if c is not None:
+            _RETIRED.append(c)
         c = torch.zeros(max(B, 64), dtype=torch.int32, device=device)
         _COUNTERS[device] = c
     return c

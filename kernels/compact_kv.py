@@ -103,8 +103,7 @@ def _pointer_table(layers) -> torch.Tensor:
     key = (layers[0].device, tuple(t.data_ptr() for t in layers))
     tab = _TABLES.get(key)
     if tab is None:
-        if len(_TABLES) > 64:
-            _TABLES.clear()
+        # never evicted: a CUDA graph captured with a table keeps reading it (a few bytes each)
         tab = torch.tensor(key[1], dtype=torch.int64).to(layers[0].device)
         _TABLES[key] = tab
     return tab

@@ -883,6 +883,9 @@ def adjacency_update(
         ids, s_ib, s_in, k_ids = ws_id, 0, 0, 0
     else:
         assert topk_ids is not None
+        # before any launch: a claim left behind by a failed call would block later updates
+        if topk_ids.stride(2) != 1:
+            raise ValueError("Invalid stride of topk_ids: expected the last dimension contiguous")
         _claim_kernel[(triton.cdiv(n_flat, 256),)](
             tokens,
             num_nodes,
@@ -896,8 +899,6 @@ def adjacency_update(
         ws_val, ws_id = table, table  # unused
         n_cand = KB
         ids, s_ib, s_in, k_ids = topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.shape[2]
-        if topk_ids.stride(2) != 1:
-            raise ValueError("Invalid stride of topk_ids: expected the last dimension contiguous")
     C = triton.next_power_of_2(n_cand)
     block_m = max(1, min(64, 2048 // C))
     _update_write_kernel[(triton.cdiv(n_flat, block_m),)](

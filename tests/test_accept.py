@@ -752,3 +752,17 @@ def test_reference_rank_order_is_the_stable_sort(V, n, spread, k, seed, special)
     want = torch.sort(-x, dim=-1, stable=True).indices[:, :k]
     assert torch.equal(ref.rank_order(x, k), want)
     assert torch.equal(ref.rank_order(x[0], k), want[0])
+
+
+def test_accept_counters_outlive_a_larger_batch():
+    """The arrival counters a captured graph holds stay allocated after a larger batch makes new
+    ones (a freed buffer would take the graph's atomics)."""
+    from treeops.kernels import accept as kacc
+
+    dev = torch.device("cpu")
+    kacc._COUNTERS.pop(dev, None)
+    small = kacc._counters(dev, 8)
+    big = kacc._counters(dev, 1000)
+    assert big.numel() >= 1000 and big is not small
+    assert any(t is small for t in kacc._RETIRED)
+    assert kacc._counters(dev, 8) is big  # the larger buffer serves smaller batches

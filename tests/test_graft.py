@@ -803,3 +803,20 @@ def test_out_buffers():
         graft(tree, table, RankTemplate.balanced(2, 1), 8, out=tree)
     with pytest.raises(ValueError, match=r"Invalid shape of out: expected a tree of shape \[1, 8"):
         graft(tree, table, RankTemplate.balanced(2, 1), 8, out=treeops.Tree.empty(1, 4))
+
+
+def test_update_kernel_rejects_strided_ids_before_claiming():
+    """A topk_ids whose last dim is strided is refused before the claim launch, so the owner
+    buffer stays all INT32_MAX and a later update is not blocked by a stale claim."""
+    from treeops.kernels.graft import adjacency_update
+
+    V, k = 50, 4
+    table = torch.full((V, k), -1, dtype=torch.int32)
+    owner = torch.full((V,), 2**31 - 1, dtype=torch.int32)
+    tokens = torch.tensor([[3, 7, 3]])
+    num_nodes = torch.tensor([3], dtype=torch.int32)
+    ids = torch.arange(3 * 2 * k, dtype=torch.int32).view(1, 3, 2 * k)[..., ::2]  # stride 2
+    with pytest.raises(ValueError, match="topk_ids"):
+        adjacency_update(table, owner, {}, tokens, num_nodes, None, ids, False)
+    assert torch.equal(owner, torch.full((V,), 2**31 - 1, dtype=torch.int32))
+    assert torch.equal(table, torch.full((V, k), -1, dtype=torch.int32))
