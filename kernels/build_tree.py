@@ -439,7 +439,7 @@ def _finish_row(
                 b_seq = tl.load(SEQ + o_b, mask=m_b & b_a, other=0)
                 o_d = tl.arange(0, DP)
                 b_wid = tl.load(DEC + o_d, mask=o_d < layer, other=0)
-                ctx = tl.max(b_seq) + tl.sum(b_wid).to(tl.int64)
+                ctx = tl.maximum(tl.max(b_seq) + tl.sum(b_wid).to(tl.int64), 0)  # bucket >= 0
                 bucket = tl.minimum(ctx // L, M - 1)
                 b_cum = tl.load(
                     CUM + o_b[:, None] * CUMW + o_w[None, :],
@@ -571,7 +571,7 @@ def _emit_kernel(
         o_b = tl.arange(0, BP)
         m_b = o_b < B
         b_a = tl.load(ACT + o_b, mask=m_b, other=0) != 0
-        ctx = tl.max(tl.load(SEQ + o_b, mask=m_b & b_a, other=0))
+        ctx = tl.maximum(tl.max(tl.load(SEQ + o_b, mask=m_b & b_a, other=0)), 0)  # bucket >= 0
         bucket = tl.minimum(ctx // L, M - 1)
         b_cum = tl.load(
             CUM + o_b[:, None] * CUMW + o_n[None, :],

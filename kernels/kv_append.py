@@ -65,7 +65,8 @@ def _kv_append(
     seq = tl.load(SEQ + i_b)
     nt = tl.minimum(tl.load(NT + i_b), N)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] token
-    o_c = tl.arange(0, HALF)
+    o_c = tl.arange(0, HALF).to(tl.int64)  # int64: o_c * stride must not wrap
+    half = tl.full([], HALF, tl.int64)  # the second half's offset, HALF * stride, in int64
     m_t = o_t < nt
     if HAS_DEPTH:
         dep = tl.load(DEP + i_b * s_db + o_t * s_dn, mask=m_t, other=0)
@@ -76,10 +77,10 @@ def _kv_append(
     sin = tl.sin(ang)
     p_k = K + i_b * s_kb + o_t[:, None] * s_kn + i_h * s_kh + o_c[None, :] * s_kd
     b_k1 = tl.load(p_k, mask=m_t[:, None], other=0.0).to(tl.float32)
-    b_k2 = tl.load(p_k + HALF * s_kd, mask=m_t[:, None], other=0.0).to(tl.float32)
+    b_k2 = tl.load(p_k + half * s_kd, mask=m_t[:, None], other=0.0).to(tl.float32)
     p_v = V + i_b * s_vb + o_t[:, None] * s_vn + i_h * s_vh + o_c[None, :] * s_vd
     b_v1 = tl.load(p_v, mask=m_t[:, None], other=0.0)
-    b_v2 = tl.load(p_v + HALF * s_vd, mask=m_t[:, None], other=0.0)
+    b_v2 = tl.load(p_v + half * s_vd, mask=m_t[:, None], other=0.0)
 
     slot = seq + o_t  # [BLOCK_T] logical slot
     page = tl.load(BT + i_b * s_btb + slot // PAGE_SIZE, mask=m_t, other=0).to(tl.int64)
@@ -88,9 +89,9 @@ def _kv_append(
     p_vc = VC + (page * s_vcp + row * s_vcs + i_h * s_vch)[:, None] + o_c[None, :] * s_vcd
     dt = KC.dtype.element_ty
     tl.store(p_kc, (b_k1 * cos - b_k2 * sin).to(dt), mask=m_t[:, None])
-    tl.store(p_kc + HALF * s_kcd, (b_k2 * cos + b_k1 * sin).to(dt), mask=m_t[:, None])
+    tl.store(p_kc + half * s_kcd, (b_k2 * cos + b_k1 * sin).to(dt), mask=m_t[:, None])
     tl.store(p_vc, b_v1.to(VC.dtype.element_ty), mask=m_t[:, None])
-    tl.store(p_vc + HALF * s_vcd, b_v2.to(VC.dtype.element_ty), mask=m_t[:, None])
+    tl.store(p_vc + half * s_vcd, b_v2.to(VC.dtype.element_ty), mask=m_t[:, None])
 
 
 _INV_FREQ: dict[tuple[int, float, torch.device], torch.Tensor] = {}

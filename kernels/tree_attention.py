@@ -76,7 +76,11 @@ def _kv_page(p_bt, pos, m_k, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
 def _load_paged(X, page, slot, m_k, off_h, o_d, s_p, s_s, s_d, MASKED: tl.constexpr):
     """One [BLOCK_N, D] tile of the paged cache ``X`` at (page, slot) rows of head offset
     ``off_h``."""
-    p_x = X + (page * s_p + slot * s_s + off_h)[:, None] + o_d[None, :] * s_d
+    p_x = (
+        X
+        + (page * s_p + slot.to(tl.int64) * s_s + off_h)[:, None]
+        + o_d.to(tl.int64)[None, :] * s_d
+    )
     if MASKED:
         b_x = tl.load(p_x, mask=m_k[:, None], other=0.0)
     else:
@@ -173,7 +177,7 @@ def _tree_attn_fwd(
     H_Q = H_KV * G
 
     seq = tl.load(SEQ + i_b)
-    nn = tl.load(NN + i_b)
+    nn = tl.minimum(tl.load(NN + i_b), N)
     if HAS_QS:
         qs = tl.load(QS + i_b)
     else:
@@ -183,11 +187,12 @@ def _tree_attn_fwd(
     else:
         ql = N
     q_end = tl.minimum(tl.minimum(qs + ql, nn), N)  # query nodes are [qs, q_end)
+    qs = tl.maximum(qs, 0)  # rows [max(qs, 0), q_end) as the reference; relative rows stay < N
 
     o_m = tl.arange(0, BLOCK_M)
     o_g = o_m % G_PAD  # query head within the group
     o_r = o_m // G_PAD  # query node within the tile
-    o_d = tl.arange(0, D)
+    o_d = tl.arange(0, D).to(tl.int64)
     o_n = tl.arange(0, BLOCK_N)
     o_h = (i_kvh * G + o_g).to(tl.int64)  # [BLOCK_M] query head
     m_g = o_g < G
@@ -412,8 +417,8 @@ def _merge_splits(
     row = i_bn % N
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H).to(tl.int64)  # [BLOCK_H]
     o_s = tl.arange(0, S_PAD)
-    o_d = tl.arange(0, D)
-    nn = tl.load(NN + i_b)
+    o_d = tl.arange(0, D).to(tl.int64)
+    nn = tl.minimum(tl.load(NN + i_b), N)
     if HAS_QS:
         qs = tl.load(QS + i_b)
     else:
@@ -423,6 +428,7 @@ def _merge_splits(
     else:
         ql = N
     active = (row >= qs) & (row < qs + ql) & (row < nn)
+    qs = tl.maximum(qs, 0)  # relative row = row - max(qs, 0), as the forward kernel writes it
     m_h = o_h < H_Q
     m_hs = (m_h[:, None] & (o_s[None, :] < NUM_SPLITS)) & active  # [BLOCK_H, S_PAD]
     w_row = ((i_b * N + (row - qs)) * H_Q + o_h[:, None]) * NUM_SPLITS + o_s[None, :]

@@ -577,6 +577,27 @@ def test_kernels_named_large_case():
     run_both(cast, logits, [1, 2, 3], [10, 40, 5], [True, False, True], block_v=128)
 
 
+def test_kernels_negative_seq_lens_price_bucket_0():
+    """seq_lens < 0 (not checked by the public API): the CAST kernels clamp the context at 0
+    before bucketing, as CostTable.bucket does, instead of indexing before TAB_T / TAB_D."""
+    g = torch.Generator().manual_seed(13)
+    cast = treeops.Cast(
+        C1=0.125,
+        C2=0.0625,
+        C3=0.01,
+        R=2,
+        cost_table=cost_table(7, 40),
+        topk=3,
+        max_width=5,
+        max_depth=4,
+        capacity=40,
+    )
+    logits = torch.randn(4, 4, 5, 300, generator=g) * 3
+    # B = 4 (no padding lanes), all active: the batch context is the max, -3, then -3 + widths
+    run_both(cast, logits, [1, 2, 3, 4], [-50, -7, -1000, -3], [True] * 4, block_v=128)
+    run_both(cast, logits, [1, 2, 3, 4], [-(2**30)] * 4, [True] * 4, block_v=128)
+
+
 def linear_cast(W, K, lam, delta, C1, B):
     """A CAST policy whose width costs are exactly c_k = lam * k + delta (S_T[1] = 64)."""
     n_max = 16

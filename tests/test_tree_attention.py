@@ -3,6 +3,7 @@ kernel (under the interpreter) against the reference, and the public op's input 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -224,6 +225,77 @@ def test_rows_that_see_nothing_are_exact_zero(splits):
     assert bool((out[~live] == 0).all())
     assert bool(torch.isneginf(lse[~live]).all())
     assert bool(torch.isfinite(lse[live]).all())
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_negative_q_start_queries_from_node_0(splits):
+    """q_start < 0 (accepted with validate=False): rows [0, min(q_start + q_len, num_nodes, N)),
+    as the reference. The kernel clamps q_start at 0: tiles used to start at q_start, leaving the
+    last rows unwritten, and the split-KV relative row could reach N (the next request's
+    partials)."""
+    rng = random.Random(11)
+    N = 16
+    tree = make_tree(
+        [parents_of("random", 16, rng), parents_of("chain", 9, rng), parents_of("binary", 16, rng)],
+        N,
+        64,
+        rng,
+    )
+    seq = [37, 0, 70]
+    kv = paged_kv([s + N for s in seq], 16, 1, 64, torch.float32, rng)
+    q = torch.randn(3, N, 2, 64)
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    qs = torch.tensor([-5, -3, -40], dtype=torch.int32)
+    ql = torch.tensor([N + 10, 6, 50], dtype=torch.int32)
+    out, lse = check_kernel(q, kv, seq_lens, tree, qs, ql, num_splits=splits)
+    live = torch.zeros(3, N, dtype=torch.bool)
+    live[0, :] = True  # [0, min(5 + 16, 16, 16))
+    live[1, :3] = True  # [0, -3 + 6)
+    live[2, :10] = True  # [0, -40 + 50)
+    assert bool(torch.isfinite(lse[live]).all())
+    assert bool(torch.isneginf(lse[~live]).all()) and bool((out[~live] == 0).all())
+    ref, ref_lse = brute_force(
+        q, kv, seq_lens, [[int(p) for p in r] for r in _parents(tree)], qs, ql
+    )
+    assert_close(out, ref.float(), torch.float32, "out vs brute force")
+    _lse_close(lse, ref_lse.float(), "lse vs brute force")
+
+
+def _parents(tree):
+    return [tree.parents[b, : int(tree.num_nodes[b])].tolist() for b in range(tree.batch_size)]
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_num_nodes_past_capacity_is_clamped(splits):
+    """num_nodes > N (accepted with validate=False): the kernel attends to the N tree nodes only,
+    as the reference with num_nodes clamped to N. Block-table entries past the seq + N covered
+    slots point at a NaN page and anc has one word per row (N = 32), so a read past the covered
+    pages or past an anc row would show up as NaN / wrong visibility."""
+    rng = random.Random(12)
+    N = 32
+    tree = make_tree([parents_of("random", 32, rng), parents_of("binary", 20, rng)], N, 64, rng)
+    seq = [16, 48]
+    kv = paged_kv([s + N for s in seq], 16, 1, 64, torch.float32, rng)
+    pages = [(s + N) // 16 for s in seq]
+    owned = {int(kv.block_table[b, p]) for b in range(2) for p in range(pages[b])}
+    spare = next(p for p in range(kv.k_cache.shape[0]) if p not in owned)
+    kv.k_cache[spare] = float("nan")
+    kv.v_cache[spare] = float("nan")
+    bt = torch.full((2, max(pages) + 4), spare, dtype=torch.int32)
+    for b in range(2):
+        bt[b, : pages[b]] = kv.block_table[b, : pages[b]]
+    kv = dataclasses.replace(kv, block_table=bt)
+    q = torch.randn(2, N, 4, 64)
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    big = dataclasses.replace(tree, num_nodes=torch.tensor([N + 8, N + 100], dtype=torch.int32))
+    clamped = dataclasses.replace(tree, num_nodes=torch.tensor([N, N], dtype=torch.int32))
+    out, lse = run_kernel(q, kv, seq_lens, big, num_splits=splits)
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
+    ref, ref_lse = R.tree_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, clamped, return_lse=True
+    )
+    assert_close(out, ref, torch.float32, "out")
+    _lse_close(lse, ref_lse, "lse")
 
 
 def test_empty_prefix_root_sees_itself():
