@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treeops
-from helpers import assert_close, tree_from_lists
+from helpers import TOLERANCES, assert_close, tree_from_lists
 from strategies import make_tree, paged_kv, parents_of, trees
 from treeops.kernels import tree_attention as K
 from treeops.reference import tree_attention as R
@@ -58,7 +58,17 @@ def _lse_close(actual, expected, what):
     inf = torch.isinf(expected)
     assert bool(torch.isinf(actual[inf]).all() and (actual[inf] < 0).all()), f"{what}: -inf rows"
     assert bool(torch.isfinite(actual[~inf]).all()), f"{what}: inf where finite expected"
-    assert_close(actual[~inf], expected[~inf], torch.float32, what)
+    # an lse's error is absolute (d log s = ds / s: the sum's relative error), so the tolerance
+    # scale is at least 1; scaled by |lse| alone, an lse near 0 (one key, logit ~ 0) turned fp32
+    # rounding of 6e-8 into a "relative" 3e-6 (found by the thorough hypothesis profile)
+    a, e = actual[~inf].double().cpu(), expected[~inf].double().cpu()
+    if e.numel():
+        err = (a - e).abs() / max(float(e.abs().max()), 1.0)
+        tmax, trms = TOLERANCES[torch.float32]
+        max_err, rms_err = float(err.max()), float(err.pow(2).mean().sqrt())
+        assert max_err <= tmax and rms_err <= trms, (
+            f"{what}: lse max err {max_err:.3e} (tol {tmax:.0e}), rms {rms_err:.3e} ({trms:.0e})"
+        )
 
 
 @given(tc=trees(max_batch=3, capacities=(1, 4, 8, 16)), data=st.data())
