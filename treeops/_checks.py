@@ -3,6 +3,18 @@
 Each check raises ``ValueError`` naming the argument, what was expected and what came, e.g.
 ``Invalid dtype of parents: expected torch.int32, got torch.int64``. Nothing here syncs with the
 device unless a caller asks for ``validate=True`` checks (tree well-formedness, index ranges).
+
+Strides are checked always (``check_stride``, O(1) metadata, no host sync), because a kernel that
+indexes a tensor as if it were dense reads the wrong elements of a strided view, or past the
+allocation (a stride-0 ``expand``), or writes there. The rule, per argument:
+
+* ``unit_last``: the last dimension has unit stride (or size <= 1), e.g. ``block_table``,
+  ``accepted``, ``topk_ids``, and every 1-D per-request vector (``seq_lens``, ``num_tokens``,
+  ``q_start``, ``accept_len``, ``temperature``, ...), which kernels read as ``ptr + b``;
+  the other dimensions' strides are passed to the kernel.
+* ``contiguous``: dense row-major (``is_contiguous()`` with a unit last stride), for what a
+  kernel reads with a flat index: the ``Tree``/``Retrieved``/``DraftState`` fields, workspaces.
+* neither: the kernel receives every stride (q, K/V caches, logits' batch/node dims, ...).
 """
 
 from __future__ import annotations
@@ -26,11 +38,14 @@ def check_tensor(
     dtype: torch.dtype | Sequence[torch.dtype] | None = None,
     device: torch.device | None = None,
     sizes: dict[str, int] | None = None,
+    unit_last: bool = False,
+    contiguous: bool = False,
 ) -> torch.Tensor:
-    """Check that ``t`` is a tensor of the given shape, dtype and device; return it.
+    """Check that ``t`` is a tensor of the given shape, dtype, strides and device; return it.
 
     ``shape`` entries are ints (exact), ``None`` (any) or names such as ``"B"``: a name seen for
     the first time binds its size in ``sizes`` (a dict shared across calls), later uses must agree.
+    ``unit_last`` / ``contiguous``: see ``check_stride``.
     """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"Invalid type of {name}: expected torch.Tensor, got {type(t).__name__}")
@@ -60,8 +75,37 @@ def check_tensor(
             raise ValueError(
                 f"Invalid shape of {name}: expected {_fmt_shape(expected)}, got {list(t.shape)}"
             )
+    if unit_last or contiguous:
+        check_stride(name, t, contiguous=contiguous)
     if device is not None and t.device != device:
         raise ValueError(f"Invalid device of {name}: expected {device}, got {t.device}")
+    return t
+
+
+def check_stride(name: str, t: torch.Tensor, *, contiguous: bool = False) -> torch.Tensor:
+    """The layout a kernel can index (O(1), no host sync; always checked, not only under
+    ``validate=True``: a wrong stride is a memory-safety issue).
+
+    Default: the last dimension has unit stride, or size <= 1 (a 1-D vector: unit stride, or at
+    most one element; a stride-0 ``expand`` of several elements is rejected). ``contiguous``:
+    ``t.is_contiguous()`` and a unit last stride, even where the last size is <= 1 (so that
+    ``stride(-1) == 1`` holds for every field a kernel indexes densely).
+    """
+    if t.dim() == 0:
+        return t
+    if contiguous:
+        if not (t.is_contiguous() and t.stride(-1) == 1):
+            raise ValueError(
+                f"Invalid stride of {name}: expected a contiguous tensor, got strides "
+                f"{tuple(t.stride())} for shape {list(t.shape)}"
+            )
+        return t
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        what = "a contiguous tensor" if t.dim() == 1 else "the last dimension contiguous"
+        raise ValueError(
+            f"Invalid stride of {name}: expected unit stride along dim {t.dim() - 1} ({what}), "
+            f"got strides {tuple(t.stride())}"
+        )
     return t
 
 

@@ -99,7 +99,14 @@ def _check_accept_inputs(
                 f"strides {stop_ids.stride()}"
             )
     if max_new_tokens is not None:
-        check_tensor("max_new_tokens", max_new_tokens, shape=("B",), dtype=_INT_DTYPES, sizes=sizes)
+        check_tensor(
+            "max_new_tokens",
+            max_new_tokens,
+            shape=("B",),
+            dtype=_INT_DTYPES,
+            sizes=sizes,
+            unit_last=True,
+        )
     if not isinstance(topk_ids, int) or isinstance(topk_ids, bool) or not 0 <= topk_ids <= V:
         raise ValueError(
             f"Invalid value of topk_ids: expected an int in [0, V={V}], got {topk_ids!r}"
@@ -110,9 +117,13 @@ def _check_accept_inputs(
         )
     sampling = uniforms is not None or temperature is not None
     if sampling:
-        check_tensor("temperature", temperature, shape=("B",), dtype=torch.float32, sizes=sizes)
-        check_tensor("top_k", top_k, shape=("B",), dtype=_INT_DTYPES, sizes=sizes)
-        check_tensor("top_p", top_p, shape=("B",), dtype=torch.float32, sizes=sizes)
+        # [B] vectors are read as ptr + b: unit stride (no stride-0 expand)
+        f32 = torch.float32
+        check_tensor(
+            "temperature", temperature, shape=("B",), dtype=f32, sizes=sizes, unit_last=True
+        )
+        check_tensor("top_k", top_k, shape=("B",), dtype=_INT_DTYPES, sizes=sizes, unit_last=True)
+        check_tensor("top_p", top_p, shape=("B",), dtype=f32, sizes=sizes, unit_last=True)
         check_tensor("uniforms", uniforms, shape=("B", "N"), dtype=torch.float32, sizes=sizes)
         if uniforms.stride(1) != 1 and uniforms.shape[1] > 1:
             raise ValueError(
@@ -189,12 +200,18 @@ def accept_greedy(
         target_logits: [B, N, V] bfloat16/float16/float32, the target's logits at every node
             (any strides; V up to 256K).
         stop_ids: [S] or [B, S] int32/int64 stop (EOS) ids, -1 entries ignored.
-        max_new_tokens: [B] int32/int64, per-request token budget for this step (>= 1).
+        max_new_tokens: [B] int32/int64, per-request token budget for this step (>= 1); unit
+            stride, as every [B] input (the tree's fields must be contiguous).
         return_logprobs: also return ``log_softmax(logits)`` of the emitted tokens.
         topk_ids: k > 0 also returns ``topk`` [B, N, k]: each verified node's k largest logits'
             ids (for ``AdjacencyTable.update``), from the same pass over the logits.
         out: an ``Acceptance`` of preallocated tensors to write into.
         validate: check the tree and the value ranges (host syncs).
+
+    Shapes, dtypes, devices and strides are always checked; values are the caller's
+    responsibility when ``validate=False``: a malformed tree (``num_nodes > N``, parents or
+    sibling links out of range) is undefined behaviour; ``validate=True`` checks it and the
+    other values (with a host sync).
 
     Returns:
         ``Acceptance(accepted [B, N] int32, accept_len [B] int32, bonus [B] int64, logprobs
@@ -277,9 +294,13 @@ def accept_sample(
         temperature: [B] float32, >= 0 (0 = greedy).
         top_k: [B] int32/int64; <= 0 or >= V disables top-k.
         top_p: [B] float32 in (0, 1]; 1 disables top-p.
-        uniforms: [B, N] float32 in [0, 1), one per node (reproducible, graph safe).
+        uniforms: [B, N] float32 in [0, 1), one per node (reproducible, graph safe; unit stride
+            along N). The [B] inputs need unit stride.
         return_logprobs: also return ``log p_i`` of the emitted tokens (``T = 0`` rows:
             ``log_softmax(logits)``).
+
+    Values are unchecked when ``validate=False``, as in ``accept_greedy`` (a malformed tree is
+    undefined behaviour); ``validate=True`` checks them (with a host sync).
 
     Returns:
         an ``Acceptance``, as in ``accept_greedy``.

@@ -63,18 +63,27 @@ def _check_attention(
             f"Invalid shape of k_cache: H_q = {sizes['H_q']} must be a multiple of "
             f"H_kv = {sizes['H_kv']}"
         )
-    check_tensor("block_table", block_table, shape=("B", None), dtype=torch.int32, sizes=sizes)
-    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=torch.int32, sizes=sizes)
+    check_tensor(
+        "block_table",
+        block_table,
+        shape=("B", None),
+        dtype=torch.int32,
+        sizes=sizes,
+        unit_last=True,
+    )
+    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True)
     if q_start is not None:
-        check_tensor("q_start", q_start, shape=("B",), dtype=torch.int32, sizes=sizes)
+        check_tensor(
+            "q_start", q_start, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True
+        )
     if q_len is not None:
-        check_tensor("q_len", q_len, shape=("B",), dtype=torch.int32, sizes=sizes)
+        check_tensor("q_len", q_len, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True)
     if out is not None:
         check_tensor("out", out, shape=("B", "N", "H_q", "D"), dtype=q.dtype, sizes=sizes)
     if lse is not None:
         check_tensor("lse", lse, shape=("B", "N", "H_q"), dtype=torch.float32, sizes=sizes)
     if workspace is not None:
-        check_tensor("workspace", workspace, shape=(None,), dtype=torch.float32)
+        check_tensor("workspace", workspace, shape=(None,), dtype=torch.float32, contiguous=True)
     if sm_scale is not None and not (
         isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0
     ):
@@ -151,9 +160,9 @@ def tree_attention(
         k_cache, v_cache: [num_pages, page_size, H_kv, D], q's dtype, any strides; any page size
             (a contiguous cache is one page per request). Slots ``0 .. seq_lens[b]-1`` of request
             b hold its prefix, slot ``seq_lens[b] + j`` tree node j (``kv_append`` puts it there).
-        block_table: [B, max_pages] int32, page ids of each request's logical pages; it must cover
-            ``seq_lens[b] + num_nodes[b]`` slots.
-        seq_lens: [B] int32, prefix length of each request.
+        block_table: [B, max_pages] int32 (unit stride along max_pages), page ids of each
+            request's logical pages; it must cover ``seq_lens[b] + num_nodes[b]`` slots.
+        seq_lens: [B] int32, prefix length of each request (unit stride, as every [B] input).
         tree: the ``Tree`` (``num_nodes`` and ``anc`` are read). H_q must be a multiple of H_kv;
             query head h reads KV head ``h // (H_q // H_kv)``.
         q_start, q_len: [B] int32 (default 0 and N): the query nodes of request b are
@@ -161,8 +170,13 @@ def tree_attention(
         sm_scale: softmax scale, default ``1 / sqrt(D)``.
         return_lse: also return the LSE, [B, N, H_q] fp32, natural log.
         out, lse: optional output buffers of those shapes ([B, N, H_q, D] q's dtype, any strides).
-        workspace: optional fp32 split-KV scratch from ``tree_attention_workspace``.
+        workspace: optional fp32 split-KV scratch from ``tree_attention_workspace`` (contiguous).
         validate: also check value ranges and the tree's invariants (syncs with the host).
+
+    Shapes, dtypes, devices and strides are always checked; values are the caller's
+    responsibility when ``validate=False``: out-of-range indices (``block_table`` entries outside
+    the cache, ``seq_lens + num_nodes`` beyond the block table, ``num_nodes > N``, ``q_start`` /
+    ``q_len`` beyond N) are undefined behaviour; ``validate=True`` checks them (with a host sync).
 
     Query node i sees every prefix key and tree key j iff ``j < num_nodes[b]`` and bit j of
     ``tree.anc[b, i]`` (ancestor-or-self). Rows outside the query range, padding nodes and rows
@@ -266,8 +280,9 @@ def kv_append(
         k, v: [B, N, H_kv, D] (the forward's K/V projections of the tree nodes, or of a prefill
             chunk), fp16/bf16/fp32, any strides; D in {64, 128, 256}.
         k_cache, v_cache: [num_pages, page_size, H_kv, D], k's dtype, any strides.
-        block_table: [B, max_pages] int32; seq_lens: [B] int32.
+        block_table: [B, max_pages] int32 (unit stride along max_pages); seq_lens: [B] int32.
         num_tokens: [B] int32, tokens of request b to write (``tree.num_nodes`` when verifying).
+            The [B] inputs need unit stride (no stride-0 ``expand``).
         depth: [B, N] int32 (``tree.depth``), or None for consecutive positions (prefill).
         rope_theta: RoPE base (Llama's ``rope_theta``); layout is Llama's ``rotate_half``.
         validate: also check value ranges (syncs with the host).
@@ -275,6 +290,12 @@ def kv_append(
     Token i < ``num_tokens[b]`` lands in slot ``seq_lens[b] + i``; K is rotated at position
     ``seq_lens[b] + depth[b, i]`` (``seq_lens[b] + i`` without ``depth``). One launch for the
     batch on CUDA; no host sync.
+
+    Shapes, dtypes, devices and strides are always checked; values are the caller's
+    responsibility when ``validate=False``: out-of-range indices (``block_table`` entries outside
+    the cache, ``seq_lens + num_tokens`` beyond the block table, ``num_tokens > N``, negative
+    ``seq_lens``) are undefined behaviour (a write outside the cache); ``validate=True`` checks
+    them (with a host sync).
 
     Example:
         >>> import torch, treeops
@@ -296,9 +317,18 @@ def kv_append(
     check_tensor(
         "v_cache", v_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype, sizes=sizes
     )
-    check_tensor("block_table", block_table, shape=("B", None), dtype=torch.int32, sizes=sizes)
-    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=torch.int32, sizes=sizes)
-    check_tensor("num_tokens", num_tokens, shape=("B",), dtype=torch.int32, sizes=sizes)
+    check_tensor(
+        "block_table",
+        block_table,
+        shape=("B", None),
+        dtype=torch.int32,
+        sizes=sizes,
+        unit_last=True,
+    )
+    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True)
+    check_tensor(
+        "num_tokens", num_tokens, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True
+    )
     if depth is not None:
         check_tensor("depth", depth, shape=("B", "N"), dtype=torch.int32, sizes=sizes)
     if not (isinstance(rope_theta, (int, float)) and rope_theta > 0):

@@ -323,7 +323,28 @@ def _check_state(state: object, policy: Policy) -> DraftState:
     check_tensor("state.frontier", state.frontier, shape=(B, W), dtype=torch.int32)
     check_tensor("state.workspace['pos']", state.workspace["pos"], shape=(B, D * W * K))
     check_tensor("state.workspace['sel']", state.workspace["sel"], shape=(B, policy.capacity))
+    # the kernels index every buffer densely: a strided view (a user-built state) would be read
+    # and written wrongly
+    for f in _STATE_TENSORS:
+        check_tensor(f"state.{f}", getattr(state, f), contiguous=True)
+    for key, t in state.workspace.items():
+        check_tensor(f"state.workspace[{key!r}]", t, contiguous=True)
     return state
+
+
+_STATE_TENSORS = (
+    "root_tokens",
+    "seq_lens",
+    "active",
+    "cand_tokens",
+    "cand_scores",
+    "cand_parents",
+    "frontier",
+    "frontier_tokens",
+    "frontier_scores",
+    "decisions",
+    "u_hist",
+)
 
 
 def build_tree_expand(
@@ -339,6 +360,10 @@ def build_tree_expand(
         state: the step's ``DraftState`` (made by ``DraftState.new`` for this ``policy``).
         policy: ``EagleStatic`` or ``Cast``.
         validate: also reject NaN logits (a host sync).
+
+    Shapes, dtypes, devices and strides are always checked (the state's buffers contiguous);
+    values are the caller's responsibility when ``validate=False``: NaN logits are undefined
+    behaviour; ``validate=True`` checks them (with a host sync).
 
     Writes candidates of layer ``state.layer``, the next frontier (``frontier``,
     ``frontier_tokens``, ``frontier_scores``) and ``widths[i]``, ``flags[i]``. CAST's width is at
@@ -409,6 +434,9 @@ def build_tree_emit(
         policy: the policy the state was drafted with.
         out: optional ``Tree`` of capacity N and batch B to write into (no allocation).
         validate: also check the emitted tree's invariants (a host sync).
+
+    Shapes, dtypes, devices and strides are always checked (``out``'s fields and the state's
+    buffers contiguous); ``validate=True`` also checks the emitted tree's values (a host sync).
 
     On CUDA two Triton launches (select, then count + emit), no host sync.
     """

@@ -92,7 +92,9 @@ def cast_width(
             (``CostTable.width_costs``); K is the largest width allowed.
         C1: threshold.
         active: [B] bool, requests that count in the batch mean (default all).
-        validate: also reject NaN/inf/negative scores and costs (a host sync).
+        validate: also reject NaN/inf/negative scores and costs (a host sync). Without it
+            such values are the caller's responsibility: the result is unspecified (no
+            memory access depends on them: these ops run PyTorch code, any strides).
 
     Returns:
         0-d int32 tensor, the width ``n`` in ``[1, K]``: the largest k maximising
@@ -127,7 +129,8 @@ def cast_depth(
         c: 0-d float, ``c^(i)_{n_i}``, the normalised draft cost of the current width.
         C2: threshold.
         R: FIFO length (>= 1).
-        validate: also reject NaN/inf/negative utilities and costs (a host sync).
+        validate: also reject NaN/inf/negative utilities and costs (a host sync). Without it
+            such values are the caller's responsibility: the result is unspecified.
 
     ``alpha`` is the mean of the last ``R`` entries of ``[1, phi_0, .., phi_{i-1}]`` with
     ``phi_j = u^(j+1) / u^(j)`` (0 where ``u^(j) = 0``). Returns a 0-d bool tensor.
@@ -167,7 +170,9 @@ def cast_rerank(
             (``CostTable.rerank_costs``); K is the tree capacity.
         C3: threshold.
         active: [B] bool (default all).
-        validate: also reject NaN/inf/negative scores and costs (a host sync).
+        validate: also reject NaN/inf/negative scores and costs (a host sync). Without it
+            such values are the caller's responsibility: the result is unspecified (no
+            memory access depends on them: these ops run PyTorch code, any strides).
 
     Returns:
         0-d int32 tensor ``n`` in ``[1, K]``; ``u_k`` = mean over active requests of

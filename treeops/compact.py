@@ -79,12 +79,16 @@ def _check_compact_inputs(
     if nk != nv:
         raise ValueError(f"Invalid number of layers in v_caches: expected {nk}, got {nv}")
     sizes = {"B": tree.batch_size, "N": tree.capacity}
-    check_tensor("block_table", block_table, shape=("B", None), dtype=torch.int32, sizes=sizes)
-    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=(torch.int32, torch.int64), sizes=sizes)
-    check_tensor("accepted", accepted, shape=("B", "N"), dtype=torch.int32, sizes=sizes)
-    check_tensor("accept_len", accept_len, shape=("B",), dtype=torch.int32, sizes=sizes)
+    # the kernel gets block_table's and accepted's row strides; the rest is read unit-stride
+    i32, ints = torch.int32, (torch.int32, torch.int64)
+    check_tensor(
+        "block_table", block_table, shape=("B", None), dtype=i32, sizes=sizes, unit_last=True
+    )
+    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=ints, sizes=sizes, unit_last=True)
+    check_tensor("accepted", accepted, shape=("B", "N"), dtype=i32, sizes=sizes, unit_last=True)
+    check_tensor("accept_len", accept_len, shape=("B",), dtype=i32, sizes=sizes, unit_last=True)
     if out is not None:
-        check_tensor("out", out, shape=("B",), dtype=torch.int32, sizes=sizes)
+        check_tensor("out", out, shape=("B",), dtype=i32, sizes=sizes, unit_last=True)
     first_k = k_caches if isinstance(k_caches, torch.Tensor) else k_caches[0]
     first_v = v_caches if isinstance(v_caches, torch.Tensor) else v_caches[0]
     check_same_device(
@@ -147,12 +151,19 @@ def compact_kv(
         k_caches, v_caches: [L, num_pages, page_size, H_kv, D] (stacked layers) or a list/tuple of
             L tensors [num_pages, page_size, H_kv, D] of one shape, dtype and strides (any
             floating dtype, any strides). A contiguous cache is one page per request.
-        block_table: [B, max_pages] int32, logical page -> physical page.
+        block_table: [B, max_pages] int32, logical page -> physical page (unit stride along
+            max_pages; the [B] inputs and ``accepted``'s last dimension need unit stride too).
         seq_lens: [B] int32/int64, tokens in the cache before this step (the tree root's slot).
         tree: the verified ``Tree`` (capacity N).
         accepted, accept_len: from ``accept_greedy`` / ``accept_sample`` ([B, N] int32, [B] int32).
         out: optional [B] int32 for the new lengths.
         validate: check index ranges, page coverage and depths (host syncs).
+
+    Shapes, dtypes, devices and strides are always checked; values are the caller's
+    responsibility when ``validate=False``: out-of-range indices (``block_table`` entries outside
+    the cache, ``seq_lens + N`` beyond the block table, ``accept_len > N``, ``accepted`` entries
+    outside ``[0, N)``) are undefined behaviour (copies outside the cache); ``validate=True``
+    checks them (with a host sync).
 
     Returns:
         ``seq_lens + accept_len`` as [B] int32.

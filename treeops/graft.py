@@ -247,18 +247,39 @@ class Retrieved:
         )
 
     def check_fields(self) -> None:
+        """Shapes, dtypes, strides (contiguous: the kernel indexes them densely) and devices."""
         sizes: dict[str, int] = {}
         check_tensor(
-            "retrieved.tokens", self.tokens, shape=("B", "T"), dtype=torch.int64, sizes=sizes
+            "retrieved.tokens",
+            self.tokens,
+            shape=("B", "T"),
+            dtype=torch.int64,
+            sizes=sizes,
+            contiguous=True,
         )
         check_tensor(
-            "retrieved.parents", self.parents, shape=("B", "T"), dtype=torch.int32, sizes=sizes
+            "retrieved.parents",
+            self.parents,
+            shape=("B", "T"),
+            dtype=torch.int32,
+            sizes=sizes,
+            contiguous=True,
         )
         check_tensor(
-            "retrieved.depth", self.depth, shape=("B", "T"), dtype=torch.int32, sizes=sizes
+            "retrieved.depth",
+            self.depth,
+            shape=("B", "T"),
+            dtype=torch.int32,
+            sizes=sizes,
+            contiguous=True,
         )
         check_tensor(
-            "retrieved.num_nodes", self.num_nodes, shape=("B",), dtype=torch.int32, sizes=sizes
+            "retrieved.num_nodes",
+            self.num_nodes,
+            shape=("B",),
+            dtype=torch.int32,
+            sizes=sizes,
+            contiguous=True,
         )
         if sizes["T"] > MAX_TEMPLATE:
             raise ValueError(
@@ -312,7 +333,7 @@ class Retrieved:
 
 def _check_budget(budget: torch.Tensor | int, B: int, dev: torch.device, N: int) -> None:
     if isinstance(budget, torch.Tensor):
-        check_tensor("budget", budget, shape=(B,), dtype=torch.int32)
+        check_tensor("budget", budget, shape=(B,), dtype=torch.int32, unit_last=True)
         if budget.device != dev:
             raise ValueError(f"Invalid device of budget: expected {dev}, got {budget.device}")
     elif not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
@@ -338,7 +359,7 @@ def _check_count(count: torch.Tensor | int | None, B: int, dev: torch.device) ->
     if count is None:
         return
     if isinstance(count, torch.Tensor):
-        check_tensor("count", count, shape=(B,), dtype=torch.int32)
+        check_tensor("count", count, shape=(B,), dtype=torch.int32, unit_last=True)
         if count.device != dev:
             raise ValueError(f"Invalid device of count: expected {dev}, got {count.device}")
     elif not isinstance(count, int) or isinstance(count, bool) or count < 0:
@@ -406,7 +427,9 @@ class AdjacencyTable:
                     f"contiguous (stride 1), got strides {tuple(logits.stride())}"
                 )
         if ids is not None:
-            check_tensor("topk_ids", ids, shape=(B, N, None), dtype=torch.int32)
+            # the kernel gets topk_ids' strides of B and N; the last dim must be unit-stride
+            # (checked here, before any launch: a failed update must not leave claims behind)
+            check_tensor("topk_ids", ids, shape=(B, N, None), dtype=torch.int32, unit_last=True)
             if ids.shape[2] < 1:
                 raise ValueError("Invalid shape of topk_ids: expected at least one id per node")
         check_same_device(table=self.table, tokens=rows, logits=logits, topk_ids=ids)
@@ -434,6 +457,11 @@ class AdjacencyTable:
                 single pass over the logits (-1 padded); the first k are used, -1 pads to k.
         When one token sits at several nodes, the node of lowest flattened index ``b*N + i``
         wins. Nodes whose token is outside ``[0, V)`` are skipped. No host sync.
+
+        Shapes, dtypes, devices and strides are always checked (``topk_ids``' last dimension
+        unit-stride, before any launch); values are the caller's responsibility when
+        ``validate=False``: ``num_nodes > N`` or ``topk_ids`` entries outside ``[-1, V)`` are
+        undefined behaviour; ``validate=True`` checks them (with a host sync).
         """
         check_tree(tree, validate=validate)
         self._check_rows(
@@ -473,12 +501,17 @@ class AdjacencyTable:
             topk_ids: [B, L, k'] int32.
             lengths: [B] int32 prompt lengths (default L for every request).
         The last occurrence of a token (highest ``b*L + t``) wins: the most recent context.
+        ``prompt_tokens`` must be contiguous, ``lengths`` unit-stride. Values are the caller's
+        responsibility when ``validate=False``: ``lengths > L`` or ``topk_ids`` entries outside
+        ``[-1, V)`` are undefined behaviour; ``validate=True`` checks them (with a host sync).
         """
-        check_tensor("prompt_tokens", prompt_tokens, shape=("B", "L"), dtype=torch.int64)
+        check_tensor(
+            "prompt_tokens", prompt_tokens, shape=("B", "L"), dtype=torch.int64, contiguous=True
+        )
         B, L = prompt_tokens.shape
         if lengths is None:
             lengths = torch.full((B,), L, dtype=torch.int32, device=prompt_tokens.device)
-        check_tensor("lengths", lengths, shape=(B,), dtype=torch.int32)
+        check_tensor("lengths", lengths, shape=(B,), dtype=torch.int32, unit_last=True)
         check_same_device(prompt_tokens=prompt_tokens, lengths=lengths)
         self._check_rows("warm_start", prompt_tokens, B, L, prefill_logits, topk_ids, validate)
         if validate:
@@ -564,6 +597,11 @@ def graft_merge(
     0 while fewer than ``budget`` nodes are used (else it is dropped with its subtree). Depth,
     ``anc`` and the links are rebuilt; the result passes ``Tree.validate()``. ``out``: a
     ``Tree`` of the same shape (not ``tree`` itself) to write into instead of allocating.
+
+    Shapes, dtypes, devices and strides are always checked (tree and retrieved fields contiguous,
+    a [B] ``budget`` unit-stride); values are the caller's responsibility when
+    ``validate=False``: a malformed tree or ``retrieved`` (``num_nodes > N`` or ``> T``, parents
+    out of range) is undefined behaviour; ``validate=True`` checks them (with a host sync).
     """
     check_tree(tree, validate=validate)
     if not isinstance(retrieved, Retrieved):
@@ -616,6 +654,8 @@ def graft(
     ``graft_merge(tree, table.retrieve(tree.tokens[:, 0], template, count), budget)``.
 
     Shapes and ``out`` as in ``graft_merge``; the template has at most 256 nodes. No host sync.
+    Values are unchecked when ``validate=False`` (a malformed tree, e.g. ``num_nodes > N``, is
+    undefined behaviour); ``validate=True`` checks them (with a host sync).
     """
     check_tree(tree, validate=validate)
     if not isinstance(table, AdjacencyTable):
@@ -696,6 +736,8 @@ def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tr
     top ``keep`` by score are the first ``keep`` after the root, and they are ancestor-closed.
     ``keep`` is an int or a [B] int32 tensor; ``NO_PRUNE`` (and anything >= N) keeps all.
     Returns a new ``Tree`` (padding and links past the new ``num_nodes`` cleared). No host sync.
+    Values are unchecked when ``validate=False`` (a malformed tree is undefined behaviour);
+    ``validate=True`` checks the tree and ``keep`` (with a host sync).
     """
     check_tree(tree, validate=validate)
     B = tree.batch_size

@@ -176,25 +176,79 @@ class Tree:
         words = self.anc[:, :, j // 32].to(torch.int64) & 0xFFFFFFFF  # [B, N, N]
         return ((words >> (j % 32)) & 1).bool()
 
-    def check_fields(self) -> None:
-        """Shapes, dtypes and devices of the fields (no host sync)."""
+    def check_fields(self, name: str = "tree") -> None:
+        """Shapes, dtypes, strides and devices of the fields (no host sync).
+
+        Every field must be contiguous (``treeops._checks.check_stride``): the kernels index
+        them densely (``b * N + i``), so a strided view would be read (or written) wrongly.
+        ``name``: the argument named in errors (``tree.tokens``, ``out.tokens``, ...)."""
         sizes: dict[str, int] = {}
-        check_tensor("tree.parents", self.parents, shape=("B", "N"), dtype=torch.int32, sizes=sizes)
+        check_tensor(
+            f"{name}.parents",
+            self.parents,
+            shape=("B", "N"),
+            dtype=torch.int32,
+            sizes=sizes,
+            contiguous=True,
+        )
         N = sizes["N"]
-        check_tensor("tree.tokens", self.tokens, shape=("B", "N"), dtype=torch.int64, sizes=sizes)
-        check_tensor("tree.num_nodes", self.num_nodes, shape=("B",), dtype=torch.int32, sizes=sizes)
-        check_tensor("tree.depth", self.depth, shape=("B", "N"), dtype=torch.int32, sizes=sizes)
         check_tensor(
-            "tree.anc", self.anc, shape=("B", "N", anc_words(N)), dtype=torch.int32, sizes=sizes
+            f"{name}.tokens",
+            self.tokens,
+            shape=("B", "N"),
+            dtype=torch.int64,
+            sizes=sizes,
+            contiguous=True,
         )
         check_tensor(
-            "tree.first_child", self.first_child, shape=("B", "N"), dtype=torch.int32, sizes=sizes
+            f"{name}.num_nodes",
+            self.num_nodes,
+            shape=("B",),
+            dtype=torch.int32,
+            sizes=sizes,
+            contiguous=True,
         )
         check_tensor(
-            "tree.next_sibling", self.next_sibling, shape=("B", "N"), dtype=torch.int32, sizes=sizes
+            f"{name}.depth",
+            self.depth,
+            shape=("B", "N"),
+            dtype=torch.int32,
+            sizes=sizes,
+            contiguous=True,
         )
-        check_tensor("tree.scores", self.scores, shape=("B", "N"), dtype=torch.float32, sizes=sizes)
-        check_same_device(**{f"tree.{f.name}": getattr(self, f.name) for f in fields(self)})
+        check_tensor(
+            f"{name}.anc",
+            self.anc,
+            shape=("B", "N", anc_words(N)),
+            dtype=torch.int32,
+            sizes=sizes,
+            contiguous=True,
+        )
+        check_tensor(
+            f"{name}.first_child",
+            self.first_child,
+            shape=("B", "N"),
+            dtype=torch.int32,
+            sizes=sizes,
+            contiguous=True,
+        )
+        check_tensor(
+            f"{name}.next_sibling",
+            self.next_sibling,
+            shape=("B", "N"),
+            dtype=torch.int32,
+            sizes=sizes,
+            contiguous=True,
+        )
+        check_tensor(
+            f"{name}.scores",
+            self.scores,
+            shape=("B", "N"),
+            dtype=torch.float32,
+            sizes=sizes,
+            contiguous=True,
+        )
+        check_same_device(**{f"{name}.{f.name}": getattr(self, f.name) for f in fields(self)})
 
     def validate(self) -> None:
         """Check every invariant on the host; raise ``ValueError`` naming the first one violated.
@@ -382,7 +436,7 @@ def check_tree(tree: object, *, validate: bool = False, name: str = "tree") -> T
         raise ValueError(
             f"Invalid type of {name}: expected treeops.Tree, got {type(tree).__name__}"
         )
-    tree.check_fields()
+    tree.check_fields(name)
     if validate:
         tree.validate()
     return tree
