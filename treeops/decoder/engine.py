@@ -108,6 +108,30 @@ class SamplingParams:
             raise ValueError(f"Invalid top_p: expected 0 < top_p <= 1, got {self.top_p}")
 
 
+def _absorb(res, rows, head, cap, stop_set, remaining, active) -> int:
+    """One step's results from the host copy into ``res``: each row is ``[accept_len, bonus,
+    verified nodes, (grafted,)] + accepted path tokens`` (``head`` leading fields). Appends the
+    emitted tokens (the path minus its root, then the bonus), updates the per-request budgets
+    and active flags, counts trees larger than ``cap`` as undersized; returns the grafted sum."""
+    emitted, verified, grafted = [], [], 0
+    for b, row in enumerate(rows):
+        a, bonus, nv = row[0], row[1], row[2]
+        emitted.append(a)
+        verified.append(nv)
+        grafted += row[3] if head > 3 else 0
+        if nv > cap:
+            res.undersized += 1
+        if a == 0:
+            continue
+        res.tokens[b].extend(row[head + 1 : head + a] + [bonus])
+        remaining[b] -= a
+        if remaining[b] <= 0 or bonus in stop_set:
+            active[b] = False
+    res.emitted.append(emitted)
+    res.verified.append(verified)
+    return grafted
+
+
 def _requests(prompts, max_new_tokens, sampling) -> tuple[int, list[int], list, bool]:
     """Checked per-request inputs of ``generate``: (B, budgets, SamplingParams each, all greedy)."""
     B = len(prompts)
@@ -458,17 +482,7 @@ class Decoder:
             path_tok = tree.tokens.gather(1, path)  # [B, N]
             heads = (alen, acc.bonus, tree.num_nodes)
             host = torch.cat([x[:, None] for x in heads] + [path_tok], 1).tolist()
-            emitted_row = []
-            for b, (n, bonus, _, *path_b) in enumerate(host):
-                emitted_row.append(n)
-                if n == 0:
-                    continue
-                res.tokens[b].extend(path_b[1:n] + [bonus])  # path minus the root
-                host_remaining[b] -= n
-                if host_remaining[b] <= 0 or bonus in stop_set:
-                    host_active[b] = False
-            res.emitted.append(emitted_row)
-            res.verified.append([row[2] for row in host])
+            _absorb(res, host, 3, N, stop_set, host_remaining, host_active)
             res.steps += 1
             # ---- draft catch-up over the accepted path, with the target's features
             j = torch.arange(N, device=dev)[None, :]
@@ -673,9 +687,9 @@ class Decoder:
         sb = self._batch(B, max_len)
         tkv, dkv = sb.tkv, sb.dkv
         stops = None
+        stop_set = set(int(x) for x in stop_ids or ())
         if stop_ids:
             stops = torch.tensor(stop_ids, dtype=torch.int64, device=dev)
-            stop_set = set(int(x) for x in stop_ids)
         res = DecodeResult(tokens=[[] for _ in range(B)], profiled=self.profile)
 
         # ---- prefill (eager), as in generate
@@ -766,22 +780,8 @@ class Decoder:
 
             host = self._wait(res, read_pack)
             t0 = self._clock()
-            emitted_row, verified_row, grafted = [], [], 0
-            for b in range(B):
-                a, bonus, nv, gr = host[b][:4]
-                emitted_row.append(a)
-                verified_row.append(nv)
-                grafted += gr
-                if nv > n:
-                    res.undersized += 1
-                if a == 0:
-                    continue
-                res.tokens[b].extend(host[b][5 : 4 + a] + [bonus])  # path minus the root
-                host_remaining[b] -= a
-                if host_remaining[b] <= 0 or (stops is not None and bonus in stop_set):
-                    host_active[b] = False
-            res.emitted.append(emitted_row)
-            res.verified.append(verified_row)
+            grafted = _absorb(res, host, 4, n, stop_set, host_remaining, host_active)
+            emitted_row = res.emitted[-1]
             if self.graft:
                 res.grafted.append(grafted)
             res.steps += 1
@@ -970,21 +970,7 @@ class Decoder:
 
             host = self._wait(res, read_pack)
             t0 = self._clock()
-            emitted_row, verified_row = [], []
-            for b in range(B):
-                a, bonus, nv, _ = host[b][:4]
-                emitted_row.append(a)
-                verified_row.append(nv)
-                if nv > N:
-                    res.undersized += 1
-                if a == 0:
-                    continue
-                res.tokens[b].extend(host[b][5 : 4 + a] + [bonus])  # path minus the root
-                host_remaining[b] -= a
-                if host_remaining[b] <= 0 or bonus in stop_set:
-                    host_active[b] = False
-            res.emitted.append(emitted_row)
-            res.verified.append(verified_row)
+            _absorb(res, host, 4, N, stop_set, host_remaining, host_active)
             res.verify_buckets.append(N)
             if self.policy is not None:
                 res.draft_buckets.append(list(layers))
