@@ -183,71 +183,20 @@ class Tree:
         them densely (``b * N + i``), so a strided view would be read (or written) wrongly.
         ``name``: the argument named in errors (``tree.tokens``, ``out.tokens``, ...)."""
         sizes: dict[str, int] = {}
-        check_tensor(
-            f"{name}.parents",
-            self.parents,
-            shape=("B", "N"),
-            dtype=torch.int32,
-            sizes=sizes,
-            contiguous=True,
+        check_tensor(f"{name}.parents", self.parents, shape=("B", "N"), dtype=torch.int32,
+                     sizes=sizes, contiguous=True)  # fmt: skip
+        layout = (
+            ("tokens", ("B", "N"), torch.int64),
+            ("num_nodes", ("B",), torch.int32),
+            ("depth", ("B", "N"), torch.int32),
+            ("anc", ("B", "N", anc_words(sizes["N"])), torch.int32),
+            ("first_child", ("B", "N"), torch.int32),
+            ("next_sibling", ("B", "N"), torch.int32),
+            ("scores", ("B", "N"), torch.float32),
         )
-        N = sizes["N"]
-        check_tensor(
-            f"{name}.tokens",
-            self.tokens,
-            shape=("B", "N"),
-            dtype=torch.int64,
-            sizes=sizes,
-            contiguous=True,
-        )
-        check_tensor(
-            f"{name}.num_nodes",
-            self.num_nodes,
-            shape=("B",),
-            dtype=torch.int32,
-            sizes=sizes,
-            contiguous=True,
-        )
-        check_tensor(
-            f"{name}.depth",
-            self.depth,
-            shape=("B", "N"),
-            dtype=torch.int32,
-            sizes=sizes,
-            contiguous=True,
-        )
-        check_tensor(
-            f"{name}.anc",
-            self.anc,
-            shape=("B", "N", anc_words(N)),
-            dtype=torch.int32,
-            sizes=sizes,
-            contiguous=True,
-        )
-        check_tensor(
-            f"{name}.first_child",
-            self.first_child,
-            shape=("B", "N"),
-            dtype=torch.int32,
-            sizes=sizes,
-            contiguous=True,
-        )
-        check_tensor(
-            f"{name}.next_sibling",
-            self.next_sibling,
-            shape=("B", "N"),
-            dtype=torch.int32,
-            sizes=sizes,
-            contiguous=True,
-        )
-        check_tensor(
-            f"{name}.scores",
-            self.scores,
-            shape=("B", "N"),
-            dtype=torch.float32,
-            sizes=sizes,
-            contiguous=True,
-        )
+        for field_name, shape, dtype in layout:
+            check_tensor(f"{name}.{field_name}", getattr(self, field_name), shape=shape,
+                         dtype=dtype, sizes=sizes, contiguous=True)  # fmt: skip
         check_same_device(**{f"{name}.{f.name}": getattr(self, f.name) for f in fields(self)})
 
     def validate(self) -> None:
