@@ -289,26 +289,7 @@ def fresh_state(policy, B, V, dev):
 
 def cpu_copy(st):
     """A CPU copy of a DraftState (for the reference)."""
-    import copy
-
-    c = copy.copy(st)
-    for f in (
-        "root_tokens",
-        "seq_lens",
-        "active",
-        "cand_tokens",
-        "cand_scores",
-        "cand_parents",
-        "frontier",
-        "frontier_tokens",
-        "frontier_scores",
-        "decisions",
-        "u_hist",
-    ):
-        setattr(c, f, getattr(st, f).cpu().clone())
-    c.workspace = {k: v.cpu().clone() for k, v in st.workspace.items()}
-    c.host_decisions, c.events = None, []
-    return c
+    return st.to("cpu")
 
 
 def check_layer(before, st, logits, pol, i):

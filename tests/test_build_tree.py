@@ -794,3 +794,18 @@ def test_cast_caps_on_plateau_costs_kernel_and_reference(case):
     tr = ref.build_tree_emit(sr, policy)
     assert int(sr.verify[0]) == check_tree(tr, brute)
     _check_caps(sr, tr)
+
+
+def test_draft_state_to_is_an_independent_copy():
+    """``DraftState.to`` clones every tensor (workspace included) and drops the pinned decision
+    buffer: expanding the copy leaves the original untouched, and both expand alike."""
+    pol = treeops.EagleStatic(depth=3, topk=2, budget=6)
+    st = start(pol, [3, 5], [4, 0], [True, True])
+    logits = torch.randn(2, pol.max_width, 11)
+    c = st.to("cpu")
+    before = st.cand_scores.clone()
+    treeops.build_tree_expand(logits, c, pol)
+    assert torch.equal(st.cand_scores, before) and c.host_decisions is None and not c.events
+    treeops.build_tree_expand(logits, st, pol)
+    for f in ("cand_scores", "cand_tokens", "cand_parents", "frontier", "decisions"):
+        assert torch.equal(getattr(st, f), getattr(c, f)), f

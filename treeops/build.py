@@ -23,6 +23,7 @@ the tie-break of rank order. ``W`` is the frontier capacity (``EagleStatic.topk`
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -249,6 +250,17 @@ class DraftState:
         return self
 
     # -------------------------------------------------------------- decisions
+    def to(self, device: torch.device | str) -> DraftState:
+        """A copy with every tensor (workspace included) cloned onto ``device``, e.g. a CPU
+        snapshot for the reference; the copy has no pinned decision buffer (its ``width()`` etc.
+        read ``decisions`` directly)."""
+        c = copy.copy(self)
+        for f in _STATE_TENSORS:
+            setattr(c, f, getattr(self, f).to(device, copy=True))
+        c.workspace = {k: v.to(device, copy=True) for k, v in self.workspace.items()}
+        c.host_decisions, c.events = None, []
+        return c
+
     @property
     def max_depth(self) -> int:
         return int(self.u_hist.shape[0])
