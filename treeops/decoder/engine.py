@@ -773,12 +773,7 @@ class Decoder:
                 sb.pack_event.record()
             res.time_tree += self._clock() - t1
 
-            def read_pack(sb=sb, host_pack=host_pack):
-                if dev.type == "cuda":
-                    sb.pack_event.synchronize()
-                return host_pack.tolist()
-
-            host = self._wait(res, read_pack)
+            host = self._wait(res, lambda hp=host_pack: sb.read_pack(hp))
             t0 = self._clock()
             grafted = _absorb(res, host, 4, n, stop_set, host_remaining, host_active)
             emitted_row = res.emitted[-1]
@@ -963,12 +958,7 @@ class Decoder:
                 sb.pack_event.record()
             res.time_step += self._clock() - t0
 
-            def read_pack(sb=sb, host_pack=host_pack):
-                if dev.type == "cuda":
-                    sb.pack_event.synchronize()
-                return host_pack.tolist()
-
-            host = self._wait(res, read_pack)
+            host = self._wait(res, lambda hp=host_pack: sb.read_pack(hp))
             t0 = self._clock()
             _absorb(res, host, 4, N, stop_set, host_remaining, host_active)
             res.verify_buckets.append(N)
@@ -1215,6 +1205,12 @@ class _StaticBatch:
         self.c_len = torch.zeros(B, dtype=torch.int32, device=dev)
         self.chains: dict[int, Tree] = {}
         self.emit_buf = Tree.empty(B, N, dev)
+
+    def read_pack(self, host_pack: torch.Tensor) -> list:
+        """The step's results from the pinned copy, after the one event wait (CUDA)."""
+        if self.pack_event is not None:
+            self.pack_event.synchronize()
+        return host_pack.tolist()
 
     def verify_body(self, n: int):
         """Target forward of the first ``n`` nodes of ``vin`` (num_nodes clamped to n, links past
