@@ -1,0 +1,447 @@
+"""Compile every Triton kernel of treeops for the H200 (sm_90) on a machine without a GPU.
+
+The launchers run on CPU tensors of realistic shapes with the GPU's tile choices (the
+interpreter's small tiles off), against a stand-in Triton driver that names an sm_90 target and
+reports 132 SMs. Each launch compiles (Triton -> PTX -> ptxas cubin, with the ptxas that ships in
+the Triton wheel) and runs nothing. For every distinct compiled kernel the script reads the
+cubin's resources with ``cuobjdump -res-usage`` and checks the sm_90 limits:
+
+* registers x threads <= 65536 (one block must fit an SM's register file);
+* shared memory (Triton's dynamic + the cubin's static) <= 227 KiB (232448 bytes per block);
+* local memory (register spills, stack): reported; not a failure (a speed matter).
+
+What it proves: the kernels compile for the GPU as launched there, with their real tile sizes and
+specialisations, and fit the SM. What it cannot prove: that they compute the right thing there or
+how fast (the GPU tests, compute-sanitizer and the benchmarks do that on the H200).
+
+    python bench/compile_sm90.py [--quick] [--out bench/results/sm90_compile.json]
+
+``--quick`` compiles one case per kernel family (the CPU test suite runs it). Exit status 1 if
+any launch failed to compile or a kernel breaks a limit. Must run without ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from types import SimpleNamespace
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("compile_sm90.py compiles for the GPU: run it without TRITON_INTERPRET=1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+H200_SMS = 132
+MAX_REGS_PER_SM = 65536
+MAX_SHARED_PER_BLOCK = 232448  # 227 KiB, sm_90's opt-in maximum per block
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+class _Sm90Driver:
+    """The parts of Triton's driver that compiling (not launching) asks for."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return TARGET
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+_COMPILED: list = []  # (kernel name, CompiledKernel) per launch, in order
+
+
+def _install() -> None:
+    """Point Triton at sm_90, make every launch compile-only and pretend to be an H200 to the
+    launchers' SM-count queries."""
+    driver.set_active(_Sm90Driver())
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        _COMPILED.append((self.fn.__name__, kernel))
+        return kernel
+
+    JITFunction.run = compile_only
+    props = SimpleNamespace(multi_processor_count=H200_SMS, name="NVIDIA H200 (sm_90 target)")
+    torch.cuda.get_device_properties = lambda *a, **k: props
+    from treeops.kernels import tree_attention
+
+    tree_attention.sm_count = lambda device: H200_SMS  # the launchers' SM count for CPU tensors
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def resources(kernel) -> dict:
+    """Registers, spills and shared memory of a compiled kernel (cuobjdump on its cubin)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
+    if m is None:
+        raise RuntimeError(f"no resource line in cuobjdump output:\n{text}")
+    reg, stack, static_shared, local = map(int, m.groups())
+    md = kernel.metadata
+    threads = md.num_warps * 32
+    row = {
+        "num_warps": md.num_warps,
+        "num_stages": md.num_stages,
+        "regs": reg,
+        "threads": threads,
+        "local_bytes": local,
+        "stack_bytes": stack,
+        "shared_bytes": md.shared + static_shared,
+    }
+    row["problems"] = [
+        p
+        for p, bad in (
+            (
+                f"{reg} regs x {threads} threads > {MAX_REGS_PER_SM}",
+                reg * threads > MAX_REGS_PER_SM,
+            ),
+            (
+                f"{row['shared_bytes']} B shared > {MAX_SHARED_PER_BLOCK}",
+                row["shared_bytes"] > MAX_SHARED_PER_BLOCK,
+            ),
+        )
+        if bad
+    ]
+    return row
+
+
+# ---------------------------------------------------------------------------------------- cases
+# Each case builds CPU inputs and calls a launcher the way the public op does on the GPU.
+G = torch.Generator().manual_seed(0)
+
+
+def _tree(B: int, N: int, n: int, V: int):
+    import treeops
+
+    par = torch.full((B, N), -1, dtype=torch.int32)
+    for i in range(1, n):
+        par[:, i] = torch.randint(0, i, (B,), generator=G, dtype=torch.int32)
+    tok = torch.randint(0, V, (B, N), generator=G)
+    scores = torch.sort(torch.rand(B, N, generator=G), dim=1, descending=True).values
+    return treeops.Tree.from_parents(par, torch.full((B,), n, dtype=torch.int32), tok, scores)
+
+
+def attention(B, N, hq, hkv, d, ctx, page, dtype=torch.bfloat16, lse=True, qrange=False):
+    def case():
+        from treeops.kernels import tree_attention as ta
+
+        pages = -(-(ctx + N) // page)
+        q = torch.randn(B, N, hq, d, dtype=dtype, generator=G)
+        kc = torch.zeros(B * pages, page, hkv, d, dtype=dtype)
+        bt = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
+        seq = torch.full((B,), ctx, dtype=torch.int32)
+        tree = _tree(B, N, N, 1000)
+        qs = torch.zeros(B, dtype=torch.int32) if qrange else None
+        ql = torch.full((B,), N, dtype=torch.int32) if qrange else None
+        out = torch.empty_like(q)
+        lse_t = torch.empty(B, N, hq) if lse else None
+        # the public op's CUDA branch (on CPU tensors it would run the reference)
+        ta.tree_attention_fwd(
+            q, kc, kc.clone(), bt, seq, tree.num_nodes, tree.anc, qs, ql, d**-0.5, out, lse_t
+        )
+
+    return f"tree_attention B={B} N={N} {hq}/{hkv} D={d} ctx={ctx} page={page} {dtype} " + (
+        f"lse={lse} qrange={qrange}"
+    ), case
+
+
+def kv_append(B, N, hkv, d, page, depth=True, dtype=torch.bfloat16):
+    def case():
+        from treeops.kernels.kv_append import kv_append_fwd
+
+        pages = -(-(4096 + N) // page)
+        k = torch.randn(B, N, hkv, d, dtype=dtype, generator=G)
+        kc = torch.zeros(B * pages, page, hkv, d, dtype=dtype)
+        bt = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
+        seq = torch.full((B,), 4096, dtype=torch.int32)
+        nt = torch.full((B,), N, dtype=torch.int32)
+        dep = torch.zeros(B, N, dtype=torch.int32) if depth else None
+        kv_append_fwd(k, k.clone(), kc, kc.clone(), bt, seq, nt, dep, 10000.0)
+
+    return f"kv_append B={B} N={N} hkv={hkv} D={d} page={page} depth={depth} {dtype}", case
+
+
+def build(kind, B, V, N, dtype=torch.bfloat16):
+    def case():
+        import treeops
+        from treeops.kernels import build_tree as kb
+
+        sys.path.insert(0, os.path.dirname(__file__))
+        import bench_tree_build_cast as btc
+
+        table = btc.synthetic_table()
+        pol = btc.make_policy(kind, N, table)
+        st = treeops.DraftState.new(
+            pol, torch.randint(0, V, (B,), generator=G), torch.full((B,), 4000)
+        )
+        W = 1
+        for i in range(btc.DEPTH):
+            st.layer = i
+            kb.expand(torch.randn(B, W, V, generator=G).to(dtype), st, pol)
+            W = btc.W
+        st.layer = btc.DEPTH
+        kb.emit(st, pol)
+
+    return f"build {kind} B={B} V={V} N={N} {dtype}", case
+
+
+def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0):
+    def case():
+        from treeops.kernels.accept import accept_launch
+
+        tree = _tree(B, N, N, V)
+        lg = torch.randn(B, N, V, generator=G).to(torch.bfloat16)
+        kw: dict = {}
+        if op == "sample":
+            kw = dict(
+                temperature=torch.full((B,), 0.8),
+                top_k=torch.full((B,), k, dtype=torch.int32),
+                top_p=torch.full((B,), p),
+                uniforms=torch.rand(B, N, generator=G),
+            )
+        accept_launch(
+            tree,
+            lg,
+            stop_ids=torch.tensor([0], dtype=torch.int64),
+            max_new_tokens=torch.full((B,), 100, dtype=torch.int32),
+            return_logprobs=logprobs,
+            topk_ids=topk_ids,
+            phase=phase,
+            **kw,
+        )
+
+    return (
+        f"accept {op} B={B} V={V} N={N} top_k={k} top_p={p} logprobs={logprobs} "
+        f"topk_ids={topk_ids} phase={phase}"
+    ), case
+
+
+def compact(B, layers, hkv, d, page, stacked=True):
+    def case():
+        from treeops.kernels.compact_kv import compact_kv_launch
+
+        pages = -(-(4096 + 64) // page)
+        shape = (B * pages, page, hkv, d)
+        if stacked:
+            kc = torch.zeros(layers, *shape, dtype=torch.bfloat16)
+            vc = kc.clone()
+        else:
+            kc = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layers)]
+            vc = [x.clone() for x in kc]
+        bt = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
+        acc = torch.tensor([0, 2, 5, 9, 14], dtype=torch.int32).repeat(B, 1)
+        compact_kv_launch(
+            kc,
+            vc,
+            bt,
+            torch.full((B,), 4096, dtype=torch.int32),
+            acc,
+            torch.full((B,), 5, dtype=torch.int32),
+        )
+
+    return f"compact_kv B={B} L={layers} hkv={hkv} D={d} page={page} stacked={stacked}", case
+
+
+def graft(op, B, V, N=60, k=8):
+    def case():
+        import treeops
+        from treeops.kernels import graft as kg
+
+        table = torch.randint(-1, V, (V, k), generator=G, dtype=torch.int32)
+        tpl = treeops.RankTemplate.default()
+        par, rank, dep = tpl.tensors(torch.device("cpu"))
+        if op == "retrieve_merge":
+            tree = _tree(B, N, 24, V)
+            kg.graft_fused(
+                tree,
+                N,
+                table=table,
+                t_parents=par,
+                t_ranks=rank,
+                t_depth=dep,
+                max_depth=tpl.max_depth,
+                level_width=tpl.max_width,
+            )
+        elif op == "retrieve":
+            roots = torch.randint(0, V, (B,), generator=G)
+            kg.retrieve(table, roots, par, rank, dep, tpl.max_depth, None)
+        else:  # update from logits, and from acceptance's top-k ids
+            owner = torch.full((V,), kg.INT32_MAX, dtype=torch.int32)
+            tree = _tree(B, N, N, V)
+            lg = torch.randn(B, N, V, generator=G).to(torch.bfloat16)
+            kg.adjacency_update(table, owner, {}, tree.tokens, tree.num_nodes, lg, None, False)
+            ids = torch.randint(0, V, (B, N, k), generator=G, dtype=torch.int32)
+            kg.adjacency_update(table, owner, {}, tree.tokens, tree.num_nodes, None, ids, True)
+
+    return f"graft {op} B={B} V={V} budget={N}", case
+
+
+def cases(quick: bool) -> list[tuple[str, Callable[[], None]]]:
+    bf, fp = torch.bfloat16, torch.float16
+    if quick:
+        return [
+            attention(4, 64, 32, 8, 128, 4096, 16),
+            attention(1, 64, 32, 8, 128, 32768, 16),  # split-KV + merge
+            kv_append(4, 64, 8, 128, 16),
+            build("cast", 8, 32000, 64),
+            accept("greedy", 8, 32000),
+            accept("sample", 8, 32000, k=50, p=0.9),
+            compact(8, 4, 8, 128, 16),
+            graft("retrieve_merge", 8, 32000),
+            graft("retrieve", 8, 32000),
+            graft("update", 8, 32000),
+        ]
+    out = []
+    # tree attention: BENCH.md's shapes and the issue's grid corners, every head dim, GQA ratio,
+    # dtype, page size (one page per request too), LSE and query-range variant; split-KV on
+    for B, ctx, n in [
+        (1, 512, 16),
+        (4, 4096, 64),
+        (16, 4096, 128),
+        (64, 32768, 64),
+        (1, 131072, 64),
+        (1, 32768, 128),
+    ]:
+        out.append(attention(B, n, 32, 8, 128, ctx, 16))
+    for d in (64, 128, 256):
+        for hq, hkv in ((8, 8), (32, 8), (64, 8)):
+            out.append(attention(2, 64, hq, hkv, d, 2048, 16))
+    for page in (1, 64, 4096 + 64):
+        out.append(attention(2, 64, 32, 8, 128, 4096, page))
+    out += [
+        attention(2, 64, 32, 8, 128, 4096, 16, dtype=fp),
+        attention(2, 64, 32, 8, 128, 4096, 16, lse=False),
+        attention(2, 10, 32, 8, 128, 4096, 16, qrange=True),
+        attention(1, 10, 32, 8, 256, 65536, 16, dtype=fp, qrange=True),
+    ]
+    for d in (64, 128, 256):
+        for dt in (bf, fp):
+            out.append(kv_append(4, 64, 8, d, 16, dtype=dt))
+    out += [kv_append(4, 10, 8, 128, 16, depth=False), kv_append(1, 1, 8, 128, 1)]
+    # tree build: both policies, both vocabularies, small and large batches (tile sizes change
+    # with B x W), budgets on both sides of the rerank's 64-node tile switch, fp32 logits
+    for kind in ("eagle", "cast"):
+        for B, V in ((1, 32000), (64, 128256)):
+            out.append(build(kind, B, V, 64))
+        out.append(build(kind, 8, 32000, 128))
+        out.append(build(kind, 8, 32000, 32, dtype=torch.float32))
+    # acceptance: greedy and sampling over both vocabularies, the top-k/top-p, logprob and
+    # top-k-id variants, and the two-launch fallback
+    for V in (32000, 128256):
+        for B in (1, 64):
+            out.append(accept("greedy", B, V))
+            out.append(accept("sample", B, V))
+    out += [
+        accept("sample", 8, 32000, k=50, p=0.9),
+        accept("sample", 8, 32000, k=0, p=0.9, logprobs=True),
+        accept("greedy", 8, 32000, logprobs=True, topk_ids=8),
+        accept("sample", 8, 128256, topk_ids=8),
+        accept("greedy", 8, 32000, phase=1),
+        accept("sample", 8, 32000, k=50, phase=1),
+    ]
+    for d in (64, 128, 256):
+        out.append(compact(8, 32, 8, d, 16))
+    out += [compact(8, 32, 8, 128, 16, stacked=False), compact(1, 4, 8, 128, 1)]
+    for B, V in ((1, 32000), (64, 128256)):
+        for op in ("retrieve_merge", "retrieve", "update"):
+            out.append(graft(op, B, V))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one case per kernel family")
+    ap.add_argument("--only", help="only the cases whose name contains this text")
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    _install()
+    rows, failures = [], []
+    seen: dict[str, dict] = {}
+    for name, case in cases(args.quick):
+        if args.only and args.only not in name:
+            continue
+        start, t0 = len(_COMPILED), time.perf_counter()
+        try:
+            case()
+        except Exception as e:  # a compile error: record it, go on
+            failures.append({"case": name, "error": f"{type(e).__name__}: {e}"})
+            traceback.print_exc()
+            continue
+        for kname, kernel in _COMPILED[start:]:
+            key = kernel.hash
+            if key in seen:
+                continue
+            row = {"case": name, "kernel": kname, **resources(kernel)}
+            seen[key] = row
+            rows.append(row)
+        print(f"{time.perf_counter() - t0:6.1f} s  {name}", flush=True)
+    bad = [r for r in rows if r["problems"]]
+    print(f"\n{'kernel':<22} {'warps':>5} {'stg':>3} {'regs':>4} {'local':>5} {'shared':>7}  case")
+    for r in rows:
+        print(
+            f"{r['kernel']:<22} {r['num_warps']:>5} {r['num_stages']:>3} {r['regs']:>4} "
+            f"{r['local_bytes']:>5} {r['shared_bytes']:>7}  {r['case']}"
+            + (f"  PROBLEM: {'; '.join(r['problems'])}" if r["problems"] else "")
+        )
+    spills = sum(r["local_bytes"] > 0 for r in rows)
+    print(
+        f"\n{len(rows)} distinct kernels compiled for sm_90; {len(failures)} launches failed to "
+        f"compile; {len(bad)} over a limit; {spills} with local memory (spills)"
+    )
+    for f in failures:
+        print(f"FAILED: {f['case']}: {f['error'][:500]}")
+    if args.out:
+        doc = {
+            "target": "sm_90 (H200), compiled on a CPU-only machine",
+            "versions": {"triton": triton.__version__, "torch": torch.__version__},
+            "commit": _commit(),
+            "quick": args.quick,
+            "rows": rows,
+            "failures": failures,
+        }
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 1 if failures or bad else 0
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
