@@ -11,7 +11,8 @@ merged parent and token becomes a new node, numbered in order by a cumsum and ke
 the budget; (3) repeats take that node's index, and the anc row is the parent's row | own bit.
 Because nodes go in breadth-first order this equals the reference's serial loop. Then draft nodes,
 new nodes (scattered to their index) and padding are written, and the links are computed from the
-written parents in [NB, 32] tiles. Registers stay under 64 per thread on sm_90 (no spills).
+written parents in [NB, 32] tiles. 64 registers per thread on sm_90 at the default template's
+width, no spills (``bench/compile_sm90.py``).
 
 ``adjacency_update``: stage 1, grid (nodes, splits): each program streams its slice of V and keeps
 a running top-k (value desc, id asc); a block enters the running list only if its best element
