@@ -10,6 +10,11 @@ cubin's resources with ``cuobjdump -res-usage`` and checks the sm_90 limits:
 * shared memory (Triton's dynamic + the cubin's static) <= 227 KiB (232448 bytes per block);
 * local memory (register spills, stack): reported; not a failure (a speed matter).
 
+Each case then launches again under ``treeops.testing.NoHostSync``, as a CUDA graph captures
+after a warm-up call: the launchers' host code, as it runs on the GPU, must not read a device
+value, make a data-dependent shape or copy host data in (the first call may: compact_kv's layer
+pointer table for a list of caches is built then, once, as documented).
+
 What it proves: the kernels compile for the GPU as launched there, with their real tile sizes and
 specialisations, and fit the SM. What it cannot prove: that they compute the right thing there or
 how fast (the GPU tests, compute-sanitizer and the benchmarks do that on the H200).
@@ -42,6 +47,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+
+from treeops.testing import NoHostSync  # noqa: E402
 
 H200_SMS = 132
 MAX_REGS_PER_SM = 65536
@@ -161,9 +168,10 @@ def attention(B, N, hq, hkv, d, ctx, page, dtype=torch.bfloat16, lse=True, qrang
         ql = torch.full((B,), N, dtype=torch.int32) if qrange else None
         out = torch.empty_like(q)
         lse_t = torch.empty(B, N, hq) if lse else None
+        vc = kc.clone()
         # the public op's CUDA branch (on CPU tensors it would run the reference)
-        ta.tree_attention_fwd(
-            q, kc, kc.clone(), bt, seq, tree.num_nodes, tree.anc, qs, ql, d**-0.5, out, lse_t
+        return lambda: ta.tree_attention_fwd(
+            q, kc, vc, bt, seq, tree.num_nodes, tree.anc, qs, ql, d**-0.5, out, lse_t
         )
 
     return f"tree_attention B={B} N={N} {hq}/{hkv} D={d} ctx={ctx} page={page} {dtype} " + (
@@ -182,7 +190,8 @@ def kv_append(B, N, hkv, d, page, depth=True, dtype=torch.bfloat16):
         seq = torch.full((B,), 4096, dtype=torch.int32)
         nt = torch.full((B,), N, dtype=torch.int32)
         dep = torch.zeros(B, N, dtype=torch.int32) if depth else None
-        kv_append_fwd(k, k.clone(), kc, kc.clone(), bt, seq, nt, dep, 10000.0)
+        v, vc = k.clone(), kc.clone()
+        return lambda: kv_append_fwd(k, v, kc, vc, bt, seq, nt, dep, 10000.0)
 
     return f"kv_append B={B} N={N} hkv={hkv} D={d} page={page} depth={depth} {dtype}", case
 
@@ -200,13 +209,17 @@ def build(kind, B, V, N, dtype=torch.bfloat16):
         st = treeops.DraftState.new(
             pol, torch.randint(0, V, (B,), generator=G), torch.full((B,), 4000)
         )
-        W = 1
-        for i in range(btc.DEPTH):
-            st.layer = i
-            kb.expand(torch.randn(B, W, V, generator=G).to(dtype), st, pol)
-            W = btc.W
-        st.layer = btc.DEPTH
-        kb.emit(st, pol)
+        logits = [torch.randn(B, 1 if i == 0 else btc.W, V, generator=G).to(dtype) for i in
+                  range(btc.DEPTH)]  # fmt: skip
+
+        def launch():
+            for i in range(btc.DEPTH):
+                st.layer = i
+                kb.expand(logits[i], st, pol)
+            st.layer = btc.DEPTH
+            kb.emit(st, pol)
+
+        return launch
 
     return f"build {kind} B={B} V={V} N={N} {dtype}", case
 
@@ -225,11 +238,13 @@ def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0):
                 top_p=torch.full((B,), p),
                 uniforms=torch.rand(B, N, generator=G),
             )
-        accept_launch(
+        stops = torch.tensor([0], dtype=torch.int64)
+        budget = torch.full((B,), 100, dtype=torch.int32)
+        return lambda: accept_launch(
             tree,
             lg,
-            stop_ids=torch.tensor([0], dtype=torch.int64),
-            max_new_tokens=torch.full((B,), 100, dtype=torch.int32),
+            stop_ids=stops,
+            max_new_tokens=budget,
             return_logprobs=logprobs,
             topk_ids=topk_ids,
             phase=phase,
@@ -256,14 +271,9 @@ def compact(B, layers, hkv, d, page, stacked=True):
             vc = [x.clone() for x in kc]
         bt = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
         acc = torch.tensor([0, 2, 5, 9, 14], dtype=torch.int32).repeat(B, 1)
-        compact_kv_launch(
-            kc,
-            vc,
-            bt,
-            torch.full((B,), 4096, dtype=torch.int32),
-            acc,
-            torch.full((B,), 5, dtype=torch.int32),
-        )
+        seq = torch.full((B,), 4096, dtype=torch.int32)
+        alen = torch.full((B,), 5, dtype=torch.int32)
+        return lambda: compact_kv_launch(kc, vc, bt, seq, acc, alen)
 
     return f"compact_kv B={B} L={layers} hkv={hkv} D={d} page={page} stacked={stacked}", case
 
@@ -278,7 +288,7 @@ def graft(op, B, V, N=60, k=8):
         par, rank, dep = tpl.tensors(torch.device("cpu"))
         if op == "retrieve_merge":
             tree = _tree(B, N, 24, V)
-            kg.graft_fused(
+            return lambda: kg.graft_fused(
                 tree,
                 N,
                 table=table,
@@ -290,19 +300,24 @@ def graft(op, B, V, N=60, k=8):
             )
         elif op == "retrieve":
             roots = torch.randint(0, V, (B,), generator=G)
-            kg.retrieve(table, roots, par, rank, dep, tpl.max_depth, None)
-        else:  # update from logits, and from acceptance's top-k ids
-            owner = torch.full((V,), kg.INT32_MAX, dtype=torch.int32)
-            tree = _tree(B, N, N, V)
-            lg = torch.randn(B, N, V, generator=G).to(torch.bfloat16)
-            kg.adjacency_update(table, owner, {}, tree.tokens, tree.num_nodes, lg, None, False)
-            ids = torch.randint(0, V, (B, N, k), generator=G, dtype=torch.int32)
-            kg.adjacency_update(table, owner, {}, tree.tokens, tree.num_nodes, None, ids, True)
+            return lambda: kg.retrieve(table, roots, par, rank, dep, tpl.max_depth, None)
+        # update from logits, and from acceptance's top-k ids
+        owner = torch.full((V,), kg.INT32_MAX, dtype=torch.int32)
+        tree = _tree(B, N, N, V)
+        lg = torch.randn(B, N, V, generator=G).to(torch.bfloat16)
+        ids = torch.randint(0, V, (B, N, k), generator=G, dtype=torch.int32)
+        ws: dict = {}
+
+        def launch():
+            kg.adjacency_update(table, owner, ws, tree.tokens, tree.num_nodes, lg, None, False)
+            kg.adjacency_update(table, owner, ws, tree.tokens, tree.num_nodes, None, ids, True)
+
+        return launch
 
     return f"graft {op} B={B} V={V} budget={N}", case
 
 
-def cases(quick: bool) -> list[tuple[str, Callable[[], None]]]:
+def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     bf, fp = torch.bfloat16, torch.float16
     if quick:
         return [
@@ -382,14 +397,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _install()
     rows, failures = [], []
+    host_ops = 0  # torch ops the launchers ran on the host, each checked for a sync
     seen: dict[str, dict] = {}
     for name, case in cases(args.quick):
         if args.only and args.only not in name:
             continue
         start, t0 = len(_COMPILED), time.perf_counter()
         try:
-            case()
-        except Exception as e:  # a compile error: record it, go on
+            launch = case()  # inputs, unchecked
+            launch()  # the warm-up call before a capture (may build cached tables)
+            with NoHostSync() as check:  # the call a graph would capture: no host sync
+                launch()
+        except Exception as e:  # a compile error or a host sync: record it, go on
             failures.append({"case": name, "error": f"{type(e).__name__}: {e}"})
             traceback.print_exc()
             continue
@@ -400,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"case": name, "kernel": kname, **resources(kernel)}
             seen[key] = row
             rows.append(row)
+        host_ops += check.ops_checked
         print(f"{time.perf_counter() - t0:6.1f} s  {name}", flush=True)
     bad = [r for r in rows if r["problems"]]
     print(f"\n{'kernel':<22} {'warps':>5} {'stg':>3} {'regs':>4} {'local':>5} {'shared':>7}  case")
@@ -411,8 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     spills = sum(r["local_bytes"] > 0 for r in rows)
     print(
-        f"\n{len(rows)} distinct kernels compiled for sm_90; {len(failures)} launches failed to "
-        f"compile; {len(bad)} over a limit; {spills} with local memory (spills)"
+        f"\n{len(rows)} distinct kernels compiled for sm_90; {len(failures)} cases failed "
+        f"(compile error or host sync); {len(bad)} over a limit; {spills} with local memory "
+        f"(spills); {host_ops} host-side torch ops of the launchers checked for syncs"
     )
     for f in failures:
         print(f"FAILED: {f['case']}: {f['error'][:500]}")
@@ -422,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             "versions": {"triton": triton.__version__, "torch": torch.__version__},
             "commit": _commit(),
             "quick": args.quick,
+            "host_ops_checked": host_ops,
             "rows": rows,
             "failures": failures,
         }

@@ -1,6 +1,7 @@
 """Every kernel family compiles for the H200 (sm_90) as the GPU launchers launch it, within the
-SM's register and shared-memory limits: ``bench/compile_sm90.py --quick`` in a fresh process
-without the interpreter (ptxas ships in the Triton wheel; no GPU is needed)."""
+SM's register and shared-memory limits, and every launcher's host code runs without a host sync
+(``treeops.testing.NoHostSync``): ``bench/compile_sm90.py --quick`` in a fresh process without
+the interpreter (ptxas ships in the Triton wheel; no GPU is needed)."""
 
 import json
 import os
@@ -25,6 +26,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert doc["failures"] == []
+    assert doc["host_ops_checked"] > 0
     kernels = {r["kernel"] for r in doc["rows"]}
     # every kernel family of the library was compiled, not just some
     assert {

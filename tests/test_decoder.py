@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from treeops import CostTable, PruneCheckpoints, Tree
 from treeops.decoder import POLICIES, Decoder, Draft, ModelConfig, SamplingParams, Target
 from treeops.decoder.model import chain_tree, reference_forward
+from treeops.testing import NoHostSync
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -570,72 +570,6 @@ def test_step_graphs_equal_per_forward_graphs(gpu_pair, policy, batch):
 
 
 # ------------------------------------------------------------------------ capture safety, on CPU
-class _NoHostSync(TorchDispatchMode):
-    """Raises on every op that, on a CUDA tensor, reads device memory on the host or has a
-    data-dependent output shape (a sync: a CUDA-graph capture fails on it), and on host data
-    copied in (``torch.tensor(list)``: a pageable host-to-device copy). The treeops ops the
-    decoder calls run their CPU references here, not their GPU launchers (whose capture the GPU
-    tests prove), so ``opaque`` suspends the check inside them."""
-
-    SYNC = {
-        torch.ops.aten._local_scalar_dense,  # .item(), int(t), bool(t), float(t)
-        torch.ops.aten.nonzero,
-        torch.ops.aten.masked_select,
-        torch.ops.aten._unique2,
-        torch.ops.aten.unique_consecutive,
-        torch.ops.aten.unique_dim,
-        torch.ops.aten.bincount,
-        torch.ops.aten.equal,
-        torch.ops.aten.is_nonzero,
-    }
-
-    def __init__(self):
-        super().__init__()
-        self.depth = 0  # > 0 inside an opaque call
-        self.active = False
-        self.checked = 0  # ops seen while checking
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.active and self.depth == 0:
-            self.checked += 1
-            packet = func.overloadpacket
-            bad = packet in self.SYNC
-            if packet in (
-                torch.ops.aten.index,
-                torch.ops.aten.index_put_,
-                torch.ops.aten.index_put,
-            ):
-                bad = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
-            if packet is torch.ops.aten.repeat_interleave:
-                bad = kwargs.get("output_size") is None
-            if packet is torch.ops.aten.lift_fresh:
-                bad = args[0].dim() > 0
-            if bad:
-                raise AssertionError(f"host sync or host data in a captured body: {func}")
-        return func(*args, **kwargs)
-
-    def opaque(self, fn):
-        def call(*a, **k):
-            self.depth += 1
-            try:
-                return fn(*a, **k)
-            finally:
-                self.depth -= 1
-
-        return call
-
-    def checked_body(self, body):
-        def run():
-            self.active = True
-            try:
-                return body()
-            finally:
-                self.active = False
-
-        return run
-
-
 @pytest.mark.parametrize(
     ("policy", "step_graphs"),
     [(p, False) for p in POLICIES]
@@ -643,39 +577,30 @@ class _NoHostSync(TorchDispatchMode):
 )
 def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graphs):
     """What the GPU path captures in CUDA graphs (the per-forward bodies, or the whole step)
-    runs here eagerly (``static_shapes=True``) under a dispatch mode that fails on any host
-    sync or host data; greedy with stop ids and ragged budgets, then sampling, B = 3."""
+    runs here eagerly (``static_shapes=True``) under ``treeops.testing.NoHostSync``, which fails
+    on any host sync, data-dependent shape or host data copied in; greedy with stop ids and
+    ragged budgets, then sampling, B = 3. The treeops ops run their CPU references here, not the
+    GPU launchers (``bench/compile_sm90.py`` checks those the same way), so they are opaque."""
     import treeops.decoder.engine as E
     import treeops.decoder.model as M
 
-    mode = _NoHostSync()
+    check = NoHostSync(only_regions=True)
     for mod, names in (
         (E, ["accept_greedy", "accept_sample", "build_tree_emit", "build_tree_expand",
              "compact_kv", "graft", "prune"]),
         (M, ["kv_append", "tree_attention"]),
     ):  # fmt: skip
         for name in names:
-            monkeypatch.setattr(mod, name, mode.opaque(getattr(mod, name)))
+            monkeypatch.setattr(mod, name, check.opaque(getattr(mod, name)))
     for meth in ("update", "retrieve", "warm_start"):
-        monkeypatch.setattr(E.AdjacencyTable, meth, mode.opaque(getattr(E.AdjacencyTable, meth)))
+        monkeypatch.setattr(E.AdjacencyTable, meth, check.opaque(getattr(E.AdjacencyTable, meth)))
     replay, step_body = E.Decoder._replay, E.Decoder._step_body
     monkeypatch.setattr(
         E.Decoder,
         "_replay",
-        lambda self, sb, key, body, res: replay(self, sb, key, mode.checked_body(body), res),
+        lambda self, sb, key, body, res: replay(self, sb, key, check.region(body), res),
     )
-    monkeypatch.setattr(
-        E.Decoder, "_step_body", lambda *a, **k: mode.checked_body(step_body(*a, **k))
-    )
-    for name in ("tolist", "numpy"):  # host reads that dispatch no op
-        orig = getattr(torch.Tensor, name)
-
-        def guard(self, *a, _orig=orig, _name=name, **k):
-            if mode.active and mode.depth == 0:
-                raise AssertionError(f"host read in a captured body: Tensor.{_name}")
-            return _orig(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, guard)
+    monkeypatch.setattr(E.Decoder, "_step_body", lambda *a, **k: check.region(step_body(*a, **k)))
 
     dec = Decoder(
         *pair, policy, depth=3, topk=3, budget=12, page_size=16, static_shapes=True,
@@ -683,13 +608,13 @@ def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graph
         checkpoints=PruneCheckpoints(steps=(0, 1), keeps=(2, 4), thresholds=(0.99, 0.99)),
     )  # fmt: skip
     stop = baseline[1][3]
-    with mode:
+    with check:
         res = dec.generate(PROMPTS, [3, 8, 10], stop_ids=[stop])
         g = torch.Generator().manual_seed(3)
         sp = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(1.0, top_p=0.9),
               SamplingParams()]  # fmt: skip
         dec.generate(PROMPTS, 6, sampling=sp, generator=g)
-    assert mode.checked > 100  # the bodies ran under the check
+    assert check.ops_checked > 100  # the bodies ran under the check
     target, _ = pair
     want = [_greedy_baseline(target, p, m, stop=(stop,)) for p, m in zip(PROMPTS, [3, 8, 10])]
     assert res.tokens == want
