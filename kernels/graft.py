@@ -12,7 +12,7 @@ the budget; (3) repeats take that node's index, and the anc row is the parent's 
 Because nodes go in breadth-first order this equals the reference's serial loop. Then draft nodes,
 new nodes (scattered to their index) and padding are written, and the links are computed from the
 written parents in [NB, 32] tiles. 64 registers per thread on sm_90 at the default template's
-width, no spills (``bench/compile_sm90.py``).
+width, no spills (``bench/compile_check.py``).
 
 ``adjacency_update``: stage 1, grid (nodes, splits): each program streams its slice of V and keeps
 a running top-k (value desc, id asc); a block enters the running list only if its best element

@@ -580,7 +580,7 @@ def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graph
     runs here eagerly (``static_shapes=True``) under ``treeops.testing.NoHostSync``, which fails
     on any host sync, data-dependent shape or host data copied in; greedy with stop ids and
     ragged budgets, then sampling, B = 3. The treeops ops run their CPU references here, not the
-    GPU launchers (``bench/compile_sm90.py`` checks those the same way), so they are opaque."""
+    GPU launchers (``bench/compile_check.py`` checks those the same way), so they are opaque."""
     import treeops.decoder.engine as E
     import treeops.decoder.model as M
 

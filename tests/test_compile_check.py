@@ -1,7 +1,8 @@
-"""Every kernel family compiles for the H200 (sm_90) as the GPU launchers launch it, within the
-SM's register and shared-memory limits, and every launcher's host code runs without a host sync
-(``treeops.testing.NoHostSync``): ``bench/compile_sm90.py --quick`` in a fresh process without
-the interpreter (ptxas ships in the Triton wheel; no GPU is needed)."""
+"""Every kernel family compiles as the GPU launchers launch it, for the H200 (sm_90) and for the
+smaller shared memory of sm_89 (L40S), within the SM's register and shared-memory limits, and
+every launcher's host code runs without a host sync (``treeops.testing.NoHostSync``):
+``bench/compile_check.py --quick`` in a fresh process without the interpreter (ptxas ships in the
+Triton wheel; no GPU is needed)."""
 
 import json
 import os
@@ -9,14 +10,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_kernels_compile_for_sm90(tmp_path):
+@pytest.mark.parametrize("arch", [90, 89])
+def test_kernels_compile_for_gpu(tmp_path, arch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "sm90.json"
+    out = tmp_path / f"sm{arch}.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "compile_sm90.py"), "--quick", "--out", str(out)],
+        [
+            sys.executable,
+            str(ROOT / "bench" / "compile_check.py"),
+            "--quick",
+            "--arch",
+            str(arch),
+            "--out",
+            str(out),
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         env=env,
@@ -25,6 +37,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
+    assert doc["arch"] == arch
     assert doc["failures"] == []
     assert doc["host_ops_checked"] > 0
     kernels = {r["kernel"] for r in doc["rows"]}
@@ -46,4 +59,5 @@ def test_kernels_compile_for_sm90(tmp_path):
     } <= kernels, kernels
     for r in doc["rows"]:
         assert r["problems"] == [], r
-        assert r["regs"] * r["threads"] <= 65536 and r["shared_bytes"] <= 232448, r
+        shared_max = {90: 232448, 89: 101376}[arch]
+        assert r["regs"] * r["threads"] <= 65536 and r["shared_bytes"] <= shared_max, r

@@ -1,14 +1,17 @@
-"""Compile every Triton kernel of treeops for the H200 (sm_90) on a machine without a GPU.
+"""Compile every Triton kernel of treeops for NVIDIA GPUs on a machine without a GPU.
 
 The launchers run on CPU tensors of realistic shapes with the GPU's tile choices (the
-interpreter's small tiles off), against a stand-in Triton driver that names an sm_90 target and
-reports 132 SMs. Each launch compiles (Triton -> PTX -> ptxas cubin, with the ptxas that ships in
-the Triton wheel) and runs nothing. For every distinct compiled kernel the script reads the
-cubin's resources with ``cuobjdump -res-usage`` and checks the sm_90 limits:
+interpreter's small tiles off), against a stand-in Triton driver that names the target
+architecture (``--arch``, default 90: the H200) and reports that GPU's SM count. Each launch
+compiles (Triton -> PTX -> ptxas cubin, with the ptxas that ships in the Triton wheel) and runs
+nothing. For every distinct compiled kernel the script reads the cubin's resources with
+``cuobjdump -res-usage`` and checks the architecture's limits:
 
 * registers x threads <= 65536 (one block must fit an SM's register file);
-* shared memory (Triton's dynamic + the cubin's static) <= 227 KiB (232448 bytes per block);
-* local memory (register spills, stack): reported; not a failure (a speed matter).
+* shared memory (Triton's dynamic + the cubin's static) <= the opt-in maximum per block
+  (sm_80: 163 KiB; sm_86, sm_89, sm_120: 99 KiB; sm_90, sm_100: 227 KiB);
+* register spills (``ptxas -v``: spill stores and loads, stack frame, bytes per thread):
+  reported; not a failure (a speed matter).
 
 Each case then launches again under ``treeops.testing.NoHostSync``, as a CUDA graph captures
 after a warm-up call: the launchers' host code, as it runs on the GPU, must not read a device
@@ -19,15 +22,19 @@ What it proves: the kernels compile for the GPU as launched there, with their re
 specialisations, and fit the SM. What it cannot prove: that they compute the right thing there or
 how fast (the GPU tests, compute-sanitizer and the benchmarks do that on the H200).
 
-    python bench/compile_sm90.py [--quick] [--out bench/results/sm90_compile.json]
+    python bench/compile_check.py [--arch 90] [--quick] [--out bench/results/compile_sm90.json]
 
-``--quick`` compiles one case per kernel family (the CPU test suite runs it). Exit status 1 if
-any launch failed to compile or a kernel breaks a limit. Must run without ``TRITON_INTERPRET``.
+``--quick`` compiles one case per kernel family (the CPU test suite runs it).
+``--attention-configs 64,128,256`` compiles every tree-attention tile configuration instead
+(registers, spills and shared memory of each: the candidates for a GPU sweep). Exit status 1 if
+any launch failed to compile or synced, or a kernel breaks a limit. Must run without
+``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -40,7 +47,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    sys.exit("compile_sm90.py compiles for the GPU: run it without TRITON_INTERPRET=1")
+    sys.exit("compile_check.py compiles for the GPU: run it without TRITON_INTERPRET=1")
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -50,13 +57,20 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from treeops.testing import NoHostSync  # noqa: E402
 
-H200_SMS = 132
 MAX_REGS_PER_SM = 65536
-MAX_SHARED_PER_BLOCK = 232448  # 227 KiB, sm_90's opt-in maximum per block
-TARGET = GPUTarget("cuda", 90, 32)
+# arch: (a GPU of it, its SM count, opt-in shared memory per block in bytes; CUDA's tables)
+ARCHS = {
+    80: ("A100", 108, 166912),
+    86: ("A10", 72, 101376),
+    89: ("L40S", 142, 101376),
+    90: ("H200", 132, 232448),
+    100: ("B200", 148, 232448),
+    120: ("RTX 5090", 170, 101376),
+}
+ARCH = 90  # set by main
 
 
-class _Sm90Driver:
+class _Driver:
     """The parts of Triton's driver that compiling (not launching) asks for."""
 
     def get_current_device(self) -> int:
@@ -66,7 +80,7 @@ class _Sm90Driver:
         return 0
 
     def get_current_target(self) -> GPUTarget:
-        return TARGET
+        return GPUTarget("cuda", ARCH, 32)
 
     def get_active_torch_device(self) -> torch.device:
         return torch.device("cpu")
@@ -76,9 +90,10 @@ _COMPILED: list = []  # (kernel name, CompiledKernel) per launch, in order
 
 
 def _install() -> None:
-    """Point Triton at sm_90, make every launch compile-only and pretend to be an H200 to the
-    launchers' SM-count queries."""
-    driver.set_active(_Sm90Driver())
+    """Point Triton at ``ARCH``, make every launch compile-only and give the launchers' SM-count
+    queries that GPU's count."""
+    name, sms, _ = ARCHS[ARCH]
+    driver.set_active(_Driver())
     run = JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
@@ -87,29 +102,43 @@ def _install() -> None:
         return kernel
 
     JITFunction.run = compile_only
-    props = SimpleNamespace(multi_processor_count=H200_SMS, name="NVIDIA H200 (sm_90 target)")
+    props = SimpleNamespace(multi_processor_count=sms, name=f"NVIDIA {name} (sm_{ARCH} target)")
     torch.cuda.get_device_properties = lambda *a, **k: props
     from treeops.kernels import tree_attention
 
-    tree_attention.sm_count = lambda device: H200_SMS  # the launchers' SM count for CPU tensors
+    tree_attention.sm_count = lambda device: sms  # the launchers' SM count for CPU tensors
 
 
 def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def resources(kernel) -> dict:
-    """Registers, spills and shared memory of a compiled kernel (cuobjdump on its cubin)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
+def _run(args: list[str], data: bytes | str, suffix: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=suffix, mode="wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
         f.flush()
-        text = subprocess.run(
-            [_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
+        p = subprocess.run([*args, f.name], capture_output=True, text=True, check=True)
+    return p.stdout + p.stderr
+
+
+def resources(kernel) -> dict:
+    """Registers, stack frame, spills and shared memory of a compiled kernel: ``cuobjdump
+    -res-usage`` on its cubin (registers, static shared memory), ``ptxas -v`` on its PTX for the
+    same architecture (stack frame, spill stores and loads, bytes per thread)."""
+    text = _run([_tool("cuobjdump"), "-res-usage"], kernel.asm["cubin"], ".cubin")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
     if m is None:
         raise RuntimeError(f"no resource line in cuobjdump output:\n{text}")
-    reg, stack, static_shared, local = map(int, m.groups())
+    reg, _, static_shared, _ = map(int, m.groups())
+    ptxas = _tool("ptxas-blackwell" if ARCH >= 100 else "ptxas")
+    gpu = f"sm_{ARCH}" + ("a" if ARCH >= 90 else "")  # as Triton names it
+    text = _run([ptxas, "-v", "--gpu-name", gpu, "-o", os.devnull], kernel.asm["ptx"], ".ptx")
+    m = re.search(
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text
+    )
+    if m is None:
+        raise RuntimeError(f"no stack/spill line in ptxas -v output:\n{text}")
+    stack, spill_st, spill_ld = map(int, m.groups())
     md = kernel.metadata
     threads = md.num_warps * 32
     row = {
@@ -117,8 +146,9 @@ def resources(kernel) -> dict:
         "num_stages": md.num_stages,
         "regs": reg,
         "threads": threads,
-        "local_bytes": local,
         "stack_bytes": stack,
+        "spill_store_bytes": spill_st,
+        "spill_load_bytes": spill_ld,
         "shared_bytes": md.shared + static_shared,
     }
     row["problems"] = [
@@ -129,8 +159,8 @@ def resources(kernel) -> dict:
                 reg * threads > MAX_REGS_PER_SM,
             ),
             (
-                f"{row['shared_bytes']} B shared > {MAX_SHARED_PER_BLOCK}",
-                row["shared_bytes"] > MAX_SHARED_PER_BLOCK,
+                f"{row['shared_bytes']} B shared > {ARCHS[ARCH][2]}",
+                row["shared_bytes"] > ARCHS[ARCH][2],
             ),
         )
         if bad
@@ -389,13 +419,70 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     return out
 
 
+def attention_configs(head_dims: list[int]) -> list[dict]:
+    """Every tree-attention tile configuration (block_m, block_n, warps, stages, prefetch) at
+    B = 2, N = 64, 32/8 heads, ctx 2048, bf16, compiled for ``ARCH``: registers, spills and
+    shared memory per configuration (what a GPU sweep would then time)."""
+    from treeops.kernels import tree_attention as ta
+
+    rows = []
+    for d in head_dims:
+        B, N, hq, hkv, ctx, page = 2, 64, 32, 8, 2048, 16
+        pages = -(-(ctx + N) // page)
+        q = torch.randn(B, N, hq, d, dtype=torch.bfloat16, generator=G)
+        kc = torch.zeros(B * pages, page, hkv, d, dtype=torch.bfloat16)
+        vc = kc.clone()
+        bt = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
+        seq = torch.full((B,), ctx, dtype=torch.int32)
+        tree = _tree(B, N, N, 1000)
+        out, lse = torch.empty_like(q), torch.empty(B, N, hq)
+        default = ta.config_for(q, kc, bt)
+        for bm, bn, w, st, pf in itertools.product(
+            (64, 128), (32, 64), (4, 8), (1, 2, 3), (True, False)
+        ):
+            cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st, prefetch=pf)
+            start = len(_COMPILED)
+            ta.tree_attention_fwd(
+                q, kc, vc, bt, seq, tree.num_nodes, tree.anc, None, None, d**-0.5, out, lse,
+                override=cfg,
+            )  # fmt: skip
+            kernel = next(k for n, k in _COMPILED[start:] if n == "_tree_attn_fwd")
+            is_default = (bm, bn, w, st, pf) == (
+                default.block_m, default.block_n, default.num_warps, default.num_stages,
+                default.prefetch,
+            )  # fmt: skip
+            rows.append({"D": d, **cfg, "default": is_default, **resources(kernel)})
+            r = rows[-1]
+            print(
+                f"D={d:<3} {bm:>3}x{bn:<2} {w} warps {st} stages prefetch={pf!s:<5} "
+                f"regs {r['regs']:>3} spill {r['spill_store_bytes']:>4}/{r['spill_load_bytes']:<4} "
+                f"shared {r['shared_bytes']:>6}" + ("  (default)" if is_default else ""),
+                flush=True,
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one case per kernel family")
+    ap.add_argument("--arch", type=int, default=90, choices=sorted(ARCHS), help="sm_XX target")
     ap.add_argument("--only", help="only the cases whose name contains this text")
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument(
+        "--attention-configs",
+        metavar="D,D",
+        help="instead: compile every tree-attention tile configuration at these head dims",
+    )
     args = ap.parse_args(argv)
+    global ARCH
+    ARCH = args.arch
     _install()
+    if args.attention_configs:
+        rows = attention_configs([int(d) for d in args.attention_configs.split(",")])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"arch": ARCH, "commit": _commit(), "rows": rows}, f, indent=1)
+        return 0
     rows, failures = [], []
     host_ops = 0  # torch ops the launchers ran on the host, each checked for a sync
     seen: dict[str, dict] = {}
@@ -422,24 +509,30 @@ def main(argv: list[str] | None = None) -> int:
         host_ops += check.ops_checked
         print(f"{time.perf_counter() - t0:6.1f} s  {name}", flush=True)
     bad = [r for r in rows if r["problems"]]
-    print(f"\n{'kernel':<22} {'warps':>5} {'stg':>3} {'regs':>4} {'local':>5} {'shared':>7}  case")
+    print(
+        f"\n{'kernel':<22} {'warps':>5} {'stg':>3} {'regs':>4} {'stack':>5} {'spill st/ld':>11} "
+        f"{'shared':>7}  case"
+    )
     for r in rows:
         print(
             f"{r['kernel']:<22} {r['num_warps']:>5} {r['num_stages']:>3} {r['regs']:>4} "
-            f"{r['local_bytes']:>5} {r['shared_bytes']:>7}  {r['case']}"
+            f"{r['stack_bytes']:>5} {r['spill_store_bytes']:>5}/{r['spill_load_bytes']:<5} "
+            f"{r['shared_bytes']:>7}  {r['case']}"
             + (f"  PROBLEM: {'; '.join(r['problems'])}" if r["problems"] else "")
         )
-    spills = sum(r["local_bytes"] > 0 for r in rows)
+    spills = sum(r["spill_store_bytes"] > 0 for r in rows)
     print(
-        f"\n{len(rows)} distinct kernels compiled for sm_90; {len(failures)} cases failed "
-        f"(compile error or host sync); {len(bad)} over a limit; {spills} with local memory "
-        f"(spills); {host_ops} host-side torch ops of the launchers checked for syncs"
+        f"\n{len(rows)} distinct kernels compiled for sm_{ARCH}; {len(failures)} cases failed "
+        f"(compile error or host sync); {len(bad)} over a limit; {spills} spill registers; "
+        f"{host_ops} host-side torch ops of the launchers checked for syncs"
     )
     for f in failures:
         print(f"FAILED: {f['case']}: {f['error'][:500]}")
     if args.out:
         doc = {
-            "target": "sm_90 (H200), compiled on a CPU-only machine",
+            "target": f"sm_{ARCH} ({ARCHS[ARCH][0]}: {ARCHS[ARCH][1]} SMs, "
+            f"{ARCHS[ARCH][2]} B shared per block), compiled on a CPU-only machine",
+            "arch": ARCH,
             "versions": {"triton": triton.__version__, "torch": torch.__version__},
             "commit": _commit(),
             "quick": args.quick,
