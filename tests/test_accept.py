@@ -725,14 +725,6 @@ def test_bad_tree_when_validating():
         treeops.accept_greedy(bad, lg, validate=True)
 
 
-def test_docstring_examples():
-    import doctest
-
-    import treeops.accept as mod
-
-    assert doctest.testmod(mod).failed == 0
-
-
 @given(
     V=st.integers(1, 300),
     n=st.integers(1, 4),

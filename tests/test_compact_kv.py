@@ -330,11 +330,3 @@ def test_bad_input(change, msg):
     with pytest.raises(ValueError) as e:
         treeops.compact_kv(**args)
     assert msg in str(e.value)
-
-
-def test_docstring_example():
-    import doctest
-
-    import treeops.compact as mod
-
-    assert doctest.testmod(mod).failed == 0

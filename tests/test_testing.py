@@ -1,11 +1,8 @@
 """treeops.testing.NoHostSync: what it refuses, what it lets through, its regions."""
 
-import doctest
-
 import pytest
 import torch
 
-import treeops.testing
 from treeops.testing import NoHostSync
 
 x = torch.arange(8)
@@ -64,7 +61,3 @@ def test_regions_and_opaque():
         # opaque inside a region: not checked
         assert check.region(check.opaque(lambda: x.tolist()))() == list(range(8))
     assert x.tolist() == list(range(8))  # Tensor.tolist restored on exit
-
-
-def test_docstring_examples():
-    assert doctest.testmod(treeops.testing).failed == 0
