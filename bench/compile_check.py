@@ -104,9 +104,19 @@ def _install() -> None:
     JITFunction.run = compile_only
     props = SimpleNamespace(multi_processor_count=sms, name=f"NVIDIA {name} (sm_{ARCH} target)")
     torch.cuda.get_device_properties = lambda *a, **k: props
-    from treeops.kernels import tree_attention
+    from treeops.kernels import accept, build_tree, graft, tree_attention
 
-    tree_attention.sm_count = lambda device: sms  # the launchers' SM count for CPU tensors
+    # the launchers' SM count and GPU-only choices (vocabulary splits) for CPU tensors
+    tree_attention.sm_count = lambda device: sms
+    build_tree._sm_count = lambda device: sms
+    gpu = torch.device("cuda", 0)
+    for mod, fn, at in (
+        (accept, "default_splits", 3),  # (B, N, V, device, block_v)
+        (build_tree, "_default_split", 3),  # (rows, V, block_v, device)
+        (graft, "_splits", 3),  # (n_flat, V, block_v, device)
+    ):
+        orig = getattr(mod, fn)
+        setattr(mod, fn, lambda *a, _f=orig, _i=at: _f(*a[:_i], gpu, *a[_i + 1 :]))
 
 
 def _tool(name: str) -> str:

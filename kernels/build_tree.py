@@ -676,6 +676,14 @@ def _sm_count(dev: torch.device) -> int:
     return _SM_COUNT[i]
 
 
+def _default_split(rows: int, V: int, block_v: int, device: torch.device) -> int:
+    """Programs per frontier row: enough rows x chunks for two programs per SM, at most 32, from
+    the SM count and V only (fixed for a CUDA graph); 1 off the GPU."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(_cdiv(2 * _sm_count(device), rows), _cdiv(V, block_v), 32))
+
+
 def expand(
     logits: torch.Tensor,
     state,
@@ -699,9 +707,7 @@ def expand(
         # which other resident rows' streaming hides; few rows get wider tiles
         block_v = min(_pow2(V), 256 if _INTERPRET else (2048 if B * W >= 256 else 4096))
     if split is None:
-        split = 1
-        if logits.is_cuda:
-            split = max(1, min(_cdiv(2 * _sm_count(logits.device), B * W), _cdiv(V, block_v), 32))
+        split = _default_split(B * W, V, block_v, logits.device)
     chunk = _cdiv(_cdiv(V, split), block_v) * block_v  # ceil(V / split) in whole tiles
     split = _cdiv(V, chunk)
     ws = state.workspace
