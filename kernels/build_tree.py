@@ -811,7 +811,9 @@ def emit(state, policy, *, out: Tree | None = None) -> Tree:
     tab_t, _, L, M, nmax = _tables(state, policy)
     NP = max(_pow2(N), 32)  # >= 32: whole anc words, and tl.dot's minimum
     TP = max(_pow2(D * C), NP)
-    warps = 1 if _INTERPRET else (4 if NP <= 64 else 8)  # [NP, NP] tiles: 199 regs at 64 / 4 warps
+    # [NP, NP] tiles, on sm_90 (bench/compile_check.py): 198-216 registers at NP = 64 with 4 warps;
+    # at NP = 128 with 8 warps 255 registers and 208-468 B of spills per thread (not yet timed)
+    warps = 1 if _INTERPRET else (4 if NP <= 64 else 8)
     _select_kernel[(B,)](
         state.cand_scores,
         ws["sel"],
