@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -408,10 +409,16 @@ class Decoder:
         int or one per request) or a stop id (kept in the output). ``sampling``: one
         ``SamplingParams`` for the batch or one per request (temperature 0 rows are greedy);
         uniforms come from ``generator`` (CPU), one per tree node per step."""
-        if self.step_graphs:
-            return self._generate_step(prompts, max_new_tokens, stop_ids, sampling, generator)
-        if self.static:
-            return self._generate_static(prompts, max_new_tokens, stop_ids, sampling, generator)
+        # Triton launches, events and graph captures use the current device: make it the model's
+        with torch.cuda.device(self._dev) if self._dev.type == "cuda" else nullcontext():
+            if self.step_graphs:
+                return self._generate_step(prompts, max_new_tokens, stop_ids, sampling, generator)
+            if self.static:
+                return self._generate_static(prompts, max_new_tokens, stop_ids, sampling, generator)
+            return self._generate_eager(prompts, max_new_tokens, stop_ids, sampling, generator)
+
+    @torch.no_grad()
+    def _generate_eager(self, prompts, max_new_tokens, stop_ids, sampling, generator):
         tgt, dft = self.target, self.draft
         dev = tgt.model.embed_tokens.weight.device
         B, budget, per_req, greedy = _requests(prompts, max_new_tokens, sampling)
@@ -649,19 +656,22 @@ class Decoder:
         ent = sb.graphs.get(key)
         if ent is None:
             t0 = time.perf_counter()
+            cur = torch.cuda.current_stream(self._dev)
             try:
                 s = torch.cuda.Stream(self._dev)
-                s.wait_stream(torch.cuda.current_stream(self._dev))
+                s.wait_stream(cur)
                 with torch.cuda.stream(s):
                     for _ in range(2):
                         body()
-                torch.cuda.current_stream(self._dev).wait_stream(s)
+                cur.wait_stream(s)
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self._pool):
                     out = body()
             except Exception as e:
+                # a failed capture_end raises before torch.cuda.graph restores the stream
+                torch.cuda.set_stream(cur)
                 raise RuntimeError(
                     f"treeops decoder: CUDA-graph capture of the {key[0]} forward failed "
                     f"(policy {self.name}, B={sb.B}, {key[1]} tokens per request): "
@@ -1009,6 +1019,8 @@ class Decoder:
                     break
                 except Exception as e:  # noqa: PERF203
                     err = err or e
+                    # a failed capture_end raises before torch.cuda.graph restores the stream
+                    torch.cuda.set_stream(cur)
                     torch.cuda.synchronize(self._dev)
                     for t, v in zip(state, saved):
                         t.copy_(v)
