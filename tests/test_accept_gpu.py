@@ -252,3 +252,19 @@ def test_cuda_graph_capture_and_replay():
         assert torch.equal(got_k, kc) and torch.equal(got_v, vc)
         assert int(static[0].accept_len.float().mean()) >= 1
     assert all(int(c.abs().sum()) == 0 for c in kacc._COUNTERS.values())
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+def test_public_ops_launch_on_their_tensors_device():
+    """With cuda:0 current, accept_greedy on cuda:1 tensors launches on cuda:1 and matches the
+    reference (every public op switches the same way, through ``_checks.cuda_device``)."""
+    B, N, V = 3, 16, 32000
+    tree, rng = tree_batch(B, N, V, seed=7)
+    lg = biased_logits(tree, V, rng, ties=False, dtype=torch.bfloat16, boost=0.0)
+    want = ref.accept_greedy(tree, lg)
+    torch.cuda.set_device(0)
+    got = treeops.accept_greedy(tree.to("cuda:1"), lg.to("cuda:1"))
+    assert torch.cuda.current_device() == 0
+    assert_same(Acc_cpu(got), want)

@@ -20,6 +20,7 @@ allocation (a stride-0 ``expand``), or writes there. The rule, per argument:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -153,3 +154,12 @@ def check_positive_int(name: str, v: object) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"Invalid value of {name}: expected a positive int, got {v!r}")
     return v
+
+
+def cuda_device(t: torch.Tensor) -> AbstractContextManager:
+    """A context that makes ``t``'s CUDA device the current one for the kernel launches inside
+    it (Triton launches, events and stream queries use the current device); nothing to do for a
+    CPU tensor or one already on the current device."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return nullcontext()

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_finite, check_range, check_same_device, check_tensor
+from ._checks import check_finite, check_range, check_same_device, check_tensor, cuda_device
 from .tree import Tree, check_tree
 
 __all__ = ["Acceptance", "accept_greedy", "accept_sample"]
@@ -240,15 +240,16 @@ def accept_greedy(
     if target_logits.is_cuda:
         from .kernels.accept import accept_launch
 
-        return accept_launch(
-            tree,
-            target_logits,
-            stop_ids=stop_ids,
-            max_new_tokens=max_new_tokens,
-            return_logprobs=return_logprobs,
-            topk_ids=topk_ids,
-            out=out,
-        )
+        with cuda_device(target_logits):
+            return accept_launch(
+                tree,
+                target_logits,
+                stop_ids=stop_ids,
+                max_new_tokens=max_new_tokens,
+                return_logprobs=return_logprobs,
+                topk_ids=topk_ids,
+                out=out,
+            )
     from .reference.accept import accept_greedy as ref
 
     return ref(
@@ -332,19 +333,20 @@ def accept_sample(
     if target_logits.is_cuda:
         from .kernels.accept import accept_launch
 
-        return accept_launch(
-            tree,
-            target_logits,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            uniforms=uniforms,
-            stop_ids=stop_ids,
-            max_new_tokens=max_new_tokens,
-            return_logprobs=return_logprobs,
-            topk_ids=topk_ids,
-            out=out,
-        )
+        with cuda_device(target_logits):
+            return accept_launch(
+                tree,
+                target_logits,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                uniforms=uniforms,
+                stop_ids=stop_ids,
+                max_new_tokens=max_new_tokens,
+                return_logprobs=return_logprobs,
+                topk_ids=topk_ids,
+                out=out,
+            )
     from .reference.accept import accept_sample as ref
 
     return ref(

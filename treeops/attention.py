@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ._checks import check_range, check_same_device, check_tensor
+from ._checks import check_range, check_same_device, check_tensor, cuda_device
 from .reference import kv_append as _ref_kv
 from .reference import tree_attention as _ref_attn
 from .tree import Tree, check_tree
@@ -243,21 +243,22 @@ def tree_attention(
                 f"Invalid shape of workspace: expected at least [{need}] "
                 f"(tree_attention_workspace), got {list(workspace.shape)}"
             )
-    _k.tree_attention_fwd(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        tree.num_nodes,
-        tree.anc,
-        q_start,
-        q_len,
-        scale,
-        out,
-        lse,
-        workspace,
-    )
+    with cuda_device(q):
+        _k.tree_attention_fwd(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            tree.num_nodes,
+            tree.anc,
+            q_start,
+            q_len,
+            scale,
+            out,
+            lse,
+            workspace,
+        )
     return (out, lse) if return_lse else out
 
 
@@ -362,9 +363,10 @@ def kv_append(
         return
     from .kernels import kv_append as _k
 
-    _k.kv_append_fwd(
-        k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, float(rope_theta)
-    )
+    with cuda_device(k):
+        _k.kv_append_fwd(
+            k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, float(rope_theta)
+        )
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:

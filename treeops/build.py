@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_finite, check_positive_int, check_same_device, check_tensor
+from ._checks import check_finite, check_positive_int, check_same_device, check_tensor, cuda_device
 from .reference import build_tree as _ref
 from .reference.cast import CostTable
 from .tree import Tree, check_tree
@@ -418,14 +418,15 @@ def build_tree_expand(
         )
     if validate and bool(torch.isnan(logits).any()):
         raise ValueError("Invalid value in logits: expected numbers, got NaN")
-    if logits.is_cuda:
-        from .kernels.build_tree import expand as _expand
+    with cuda_device(logits):  # the launch and publish's event on the logits' device
+        if logits.is_cuda:
+            from .kernels.build_tree import expand as _expand
 
-        _expand(logits, state, policy)
-        state.layer += 1
-    else:
-        _ref.build_tree_expand(logits, state, policy)
-    state.publish(state.layer - 1)
+            _expand(logits, state, policy)
+            state.layer += 1
+        else:
+            _ref.build_tree_expand(logits, state, policy)
+        state.publish(state.layer - 1)
 
 
 def build_tree_emit(
@@ -465,13 +466,14 @@ def build_tree_emit(
                 f"{list(out.parents.shape)}"
             )
         check_same_device(out=out.parents, state=state.cand_scores)
-    if state.cand_scores.is_cuda:
-        from .kernels.build_tree import emit as _emit
+    with cuda_device(state.cand_scores):  # the launches and publish's event on its device
+        if state.cand_scores.is_cuda:
+            from .kernels.build_tree import emit as _emit
 
-        tree = _emit(state, policy, out=out)
-    else:
-        tree = _ref.build_tree_emit(state, policy, out=out)
-    state.publish(state.max_depth)
+            tree = _emit(state, policy, out=out)
+        else:
+            tree = _ref.build_tree_emit(state, policy, out=out)
+        state.publish(state.max_depth)
     if validate:
         tree.validate()
         check_finite("tree.scores", tree.scores, nonnegative=True)

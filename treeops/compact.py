@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import check_range, check_same_device, check_tensor
+from ._checks import check_range, check_same_device, check_tensor, cuda_device
 from .tree import Tree, check_tree
 
 __all__ = ["compact_kv"]
@@ -189,9 +189,10 @@ def compact_kv(
     if block_table.is_cuda:
         from .kernels.compact_kv import compact_kv_launch
 
-        return compact_kv_launch(
-            k_caches, v_caches, block_table, seq_lens, accepted, accept_len, out=out
-        )
+        with cuda_device(block_table):
+            return compact_kv_launch(
+                k_caches, v_caches, block_table, seq_lens, accepted, accept_len, out=out
+            )
     from .reference.compact_kv import compact_kv as ref
 
     return ref(k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out=out)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import check_positive_int, check_range, check_same_device, check_tensor
+from ._checks import check_positive_int, check_range, check_same_device, check_tensor, cuda_device
 from .tree import Tree, check_tree
 
 __all__ = [
@@ -470,16 +470,17 @@ class AdjacencyTable:
         if self.table.is_cuda:
             from .kernels import graft as _k
 
-            _k.adjacency_update(
-                self.table,
-                self._owner,
-                self._workspace,
-                tree.tokens,
-                tree.num_nodes,
-                target_logits,
-                topk_ids,
-                last_wins=False,
-            )
+            with cuda_device(self.table):
+                _k.adjacency_update(
+                    self.table,
+                    self._owner,
+                    self._workspace,
+                    tree.tokens,
+                    tree.num_nodes,
+                    target_logits,
+                    topk_ids,
+                    last_wins=False,
+                )
         else:
             _ref.adjacency_update(self.table, tree, target_logits, topk_ids)
 
@@ -519,16 +520,17 @@ class AdjacencyTable:
         if self.table.is_cuda:
             from .kernels import graft as _k
 
-            _k.adjacency_update(
-                self.table,
-                self._owner,
-                self._workspace,
-                prompt_tokens,
-                lengths,
-                prefill_logits,
-                topk_ids,
-                last_wins=True,
-            )
+            with cuda_device(self.table):
+                _k.adjacency_update(
+                    self.table,
+                    self._owner,
+                    self._workspace,
+                    prompt_tokens,
+                    lengths,
+                    prefill_logits,
+                    topk_ids,
+                    last_wins=True,
+                )
         else:
             _ref.adjacency_warm_start(self.table, prompt_tokens, prefill_logits, lengths, topk_ids)
 
@@ -557,9 +559,10 @@ class AdjacencyTable:
             from .kernels import graft as _k
 
             par, rank, dep = template.tensors(self.device)
-            tok, rpar, rdep, num = _k.retrieve(
-                self.table, root_tokens, par, rank, dep, template.max_depth, count
-            )
+            with cuda_device(self.table):
+                tok, rpar, rdep, num = _k.retrieve(
+                    self.table, root_tokens, par, rank, dep, template.max_depth, count
+                )
             return Retrieved(tok, rpar, rdep, num, template.max_depth)
         return _ref.adjacency_retrieve(self.table, root_tokens, template, count)
 
@@ -625,18 +628,19 @@ def graft_merge(
     if tree.parents.is_cuda:
         from .kernels import graft as _k
 
-        return Tree(
-            *_k.graft_fused(
-                tree,
-                budget,
-                r_tokens=retrieved.tokens,
-                r_parents=retrieved.parents,
-                r_depth=retrieved.depth,
-                r_num=retrieved.num_nodes,
-                max_depth=retrieved.max_depth,
-                out=_fields(out),
+        with cuda_device(tree.parents):
+            return Tree(
+                *_k.graft_fused(
+                    tree,
+                    budget,
+                    r_tokens=retrieved.tokens,
+                    r_parents=retrieved.parents,
+                    r_depth=retrieved.depth,
+                    r_num=retrieved.num_nodes,
+                    max_depth=retrieved.max_depth,
+                    out=_fields(out),
+                )
             )
-        )
     return _copy_out(_ref.graft_merge(tree, retrieved, budget), out)
 
 
@@ -674,20 +678,21 @@ def graft(
         from .kernels import graft as _k
 
         par, rank, dep = template.tensors(tree.device)
-        return Tree(
-            *_k.graft_fused(
-                tree,
-                budget,
-                table=table.table,
-                t_parents=par,
-                t_ranks=rank,
-                t_depth=dep,
-                max_depth=template.max_depth,
-                level_width=template.max_width,
-                count=count,
-                out=_fields(out),
+        with cuda_device(tree.parents):
+            return Tree(
+                *_k.graft_fused(
+                    tree,
+                    budget,
+                    table=table.table,
+                    t_parents=par,
+                    t_ranks=rank,
+                    t_depth=dep,
+                    max_depth=template.max_depth,
+                    level_width=template.max_width,
+                    count=count,
+                    out=_fields(out),
+                )
             )
-        )
     return _copy_out(_ref.graft(tree, table.table, template, budget, count), out)
 
 
