@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from treeops.accept import Acceptance
+from treeops.kernels import refuse_in_capture
 
 BIG = tl.constexpr(2147483647)
 INT32_MIN = tl.constexpr(-2147483648)
@@ -1000,10 +1001,13 @@ _RETIRED: list[torch.Tensor] = []
 
 def _counters(device: torch.device, B: int) -> torch.Tensor:
     """Per-request arrival counters, zero between launches (the last arriver resets its own).
-    Cached per device so that a launch allocates nothing and needs no memset; two launches that
-    run concurrently on different streams must not share them (pass ``workspace``)."""
+    Cached per device so that a launch allocates nothing and needs no memset. Built by an eager
+    call (a miss during CUDA-graph capture raises): a graph captured on another stream than its
+    warm-up's still finds them. Launches that run concurrently on different streams must not
+    share them: one stream per device, or ``workspace`` (kernel-level ``accept_launch``)."""
     c = _COUNTERS.get(device)
     if c is None or c.numel() < B:
+        refuse_in_capture("accept's arrival counters (per device, up to the largest batch)")
         if c is not None:
             _RETIRED.append(c)
         c = torch.zeros(max(B, 64), dtype=torch.int32, device=device)

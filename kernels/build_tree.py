@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from treeops.kernels import refuse_in_capture
 from treeops.tree import Tree, anc_words
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -676,6 +677,9 @@ def _sm_count(dev: torch.device) -> int:
     return _SM_COUNT[i]
 
 
+_RETIRED: list[torch.Tensor] = []  # split workspaces replaced by larger ones (see expand)
+
+
 def _default_split(rows: int, V: int, block_v: int, device: torch.device) -> int:
     """Programs per frontier row: enough rows x chunks for two programs per SM, at most 32, from
     the SM count and V only (fixed for a CUDA graph); 1 off the GPU."""
@@ -714,7 +718,17 @@ def expand(
     KP = _pow2(K)
     if split > 1:
         need = B * W * split
-        if "part_m" not in ws or ws["part_m"].numel() < need or ws["part_k"].shape[1] != KP:
+        if (
+            "part_m" not in ws
+            or ws["part_m"].numel() < need
+            or ws["part_k"].shape[1] != KP
+            or ws["row_counters"].numel() < B * W
+        ):
+            refuse_in_capture("build_tree_expand's split workspace (per draft state and V)")
+            # replaced buffers stay alive: a graph captured with them keeps replaying into them
+            _RETIRED.extend(
+                ws[k] for k in ("row_counters", "part_m", "part_s", "part_k") if k in ws
+            )
             dev = logits.device
             ws["row_counters"] = torch.zeros(B * W, dtype=torch.int32, device=dev)
             ws["part_m"] = torch.zeros(need, dtype=torch.float32, device=dev)

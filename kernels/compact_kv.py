@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from treeops.kernels import refuse_in_capture
+
 
 @triton.jit(do_not_specialize=["N", "L", "H"])
 def _compact_kernel(
@@ -103,6 +105,7 @@ def _pointer_table(layers) -> torch.Tensor:
     key = (layers[0].device, tuple(t.data_ptr() for t in layers))
     tab = _TABLES.get(key)
     if tab is None:
+        refuse_in_capture("compact_kv's table of layer addresses (per list of caches)")
         # never evicted: a CUDA graph captured with a table keeps reading it (a few bytes each)
         tab = torch.tensor(key[1], dtype=torch.int64).to(layers[0].device)
         _TABLES[key] = tab

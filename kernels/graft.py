@@ -902,26 +902,32 @@ def adjacency_update(
         ids, s_ib, s_in, k_ids = topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.shape[2]
     C = triton.next_power_of_2(n_cand)
     block_m = max(1, min(64, 2048 // C))
-    _update_write_kernel[(triton.cdiv(n_flat, block_m),)](
-        tokens,
-        num_nodes,
-        owner,
-        table,
-        ws_val,
-        ws_id,
-        ids,
-        N,
-        V,
-        n_flat,
-        k_ids,
-        s_ib,
-        s_in,
-        n_cand,
-        K=K,
-        KB=KB,
-        C=C,
-        BLOCK_M=block_m,
-        FROM_LOGITS=logits is not None,
-        LAST_WINS=last_wins,
-        num_warps=4,
-    )
+    try:
+        _update_write_kernel[(triton.cdiv(n_flat, block_m),)](
+            tokens,
+            num_nodes,
+            owner,
+            table,
+            ws_val,
+            ws_id,
+            ids,
+            N,
+            V,
+            n_flat,
+            k_ids,
+            s_ib,
+            s_in,
+            n_cand,
+            K=K,
+            KB=KB,
+            C=C,
+            BLOCK_M=block_m,
+            FROM_LOGITS=logits is not None,
+            LAST_WINS=last_wins,
+            num_warps=4,
+        )
+    except BaseException:
+        # the claims above are undone only by this launch's winners: never leave them behind
+        # (a stale claim would block its token's row from every later update)
+        owner.fill_(INT32_MAX)
+        raise

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from treeops.kernels import refuse_in_capture
 from treeops.reference.kv_append import rope_inv_freq
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -102,6 +103,7 @@ def inv_freq(d: int, theta: float, device: torch.device) -> torch.Tensor:
     key = (d, float(theta), device)
     t = _INV_FREQ.get(key)
     if t is None:
+        refuse_in_capture("kv_append's RoPE frequency table (per head dim, theta and device)")
         t = _INV_FREQ[key] = rope_inv_freq(d, theta, device)
     return t
 

@@ -58,6 +58,11 @@ def _check_attention(
     check_tensor(
         "v_cache", v_cache, shape=("P", "page_size", "H_kv", "D"), dtype=q.dtype, sizes=sizes
     )
+    if sizes["B"] * sizes["H_kv"] > 65535:  # the kernel's grid axis 1 (a CUDA limit)
+        raise ValueError(
+            f"Invalid shape of k_cache: batch x KV heads = {sizes['B']} x {sizes['H_kv']} "
+            "exceeds 65535; split the batch"
+        )
     if sizes["H_kv"] < 1 or sizes["H_q"] % sizes["H_kv"] != 0:
         raise ValueError(
             f"Invalid shape of k_cache: H_q = {sizes['H_q']} must be a multiple of "
