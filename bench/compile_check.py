@@ -466,7 +466,9 @@ def attention_configs(head_dims: list[int]) -> list[dict]:
             print(
                 f"D={d:<3} {bm:>3}x{bn:<2} {w} warps {st} stages prefetch={pf!s:<5} "
                 f"regs {r['regs']:>3} spill {r['spill_store_bytes']:>4}/{r['spill_load_bytes']:<4} "
-                f"shared {r['shared_bytes']:>6}" + ("  (default)" if is_default else ""),
+                f"shared {r['shared_bytes']:>6}"
+                + ("  (default)" if is_default else "")
+                + (f"  PROBLEM: {'; '.join(r['problems'])}" if r["problems"] else ""),
                 flush=True,
             )
     return rows
@@ -492,13 +494,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"arch": ARCH, "commit": _commit(), "rows": rows}, f, indent=1)
-        return 0
+        return 1 if any(r["problems"] for r in rows) else 0
     rows, failures = [], []
     host_ops = 0  # torch ops the launchers ran on the host, each checked for a sync
     seen: dict[str, dict] = {}
+    ran = 0
     for name, case in cases(args.quick):
         if args.only and args.only not in name:
             continue
+        ran += 1
         start, t0 = len(_COMPILED), time.perf_counter()
         try:
             launch = case()  # inputs, unchecked
@@ -518,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
         host_ops += check.ops_checked
         print(f"{time.perf_counter() - t0:6.1f} s  {name}", flush=True)
+    if ran == 0:
+        print("no case matched: nothing was compiled")
+        return 1
     bad = [r for r in rows if r["problems"]]
     print(
         f"\n{'kernel':<22} {'warps':>5} {'stg':>3} {'regs':>4} {'stack':>5} {'spill st/ld':>11} "

@@ -848,61 +848,66 @@ def adjacency_update(
     _contig("tokens", tokens)
     if n_flat == 0:
         return
-    if logits is not None:
-        block_v = 256 if _INTERPRET else 2048
-        S = _splits(n_flat, V, block_v, logits.device)
-        chunk = triton.cdiv(triton.cdiv(V, S), block_v) * block_v
-        S = triton.cdiv(V, chunk)
-        key = (n_flat, S, KB)
-        if key not in workspace:
-            workspace[key] = (
-                torch.empty(n_flat * S * KB, dtype=torch.float32, device=table.device),
-                torch.empty(n_flat * S * KB, dtype=torch.int32, device=table.device),
-            )
-        ws_val, ws_id = workspace[key]
-        _topk_partial_kernel[(n_flat, S)](
-            logits,
-            tokens,
-            num_nodes,
-            owner,
-            ws_val,
-            ws_id,
-            N,
-            V,
-            n_flat,
-            chunk,
-            logits.stride(0),
-            logits.stride(1),
-            K=K,
-            KB=KB,
-            S=S,
-            BLOCK_V=block_v,
-            LAST_WINS=last_wins,
-            num_warps=4,
-        )
-        n_cand = S * KB
-        ids, s_ib, s_in, k_ids = ws_id, 0, 0, 0
-    else:
-        assert topk_ids is not None
-        # before any launch: a claim left behind by a failed call would block later updates
-        if topk_ids.stride(2) != 1 and topk_ids.shape[2] > 1:  # the rule of treeops._checks
-            raise ValueError("Invalid stride of topk_ids: expected the last dimension contiguous")
-        _claim_kernel[(triton.cdiv(n_flat, 256),)](
-            tokens,
-            num_nodes,
-            owner,
-            N,
-            V,
-            n_flat,
-            BLOCK=256,
-            LAST_WINS=last_wins,
-        )
-        ws_val, ws_id = table, table  # unused
-        n_cand = KB
-        ids, s_ib, s_in, k_ids = topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_ids.shape[2]
-    C = triton.next_power_of_2(n_cand)
-    block_m = max(1, min(64, 2048 // C))
+    # from the first launch on, a failure undoes the claims: only the write launch's winners
+    # reset them, and a stale claim would block its token's row from every later update
     try:
+        if logits is not None:
+            block_v = 256 if _INTERPRET else 2048
+            S = _splits(n_flat, V, block_v, logits.device)
+            chunk = triton.cdiv(triton.cdiv(V, S), block_v) * block_v
+            S = triton.cdiv(V, chunk)
+            key = (n_flat, S, KB)
+            if key not in workspace:
+                workspace[key] = (
+                    torch.empty(n_flat * S * KB, dtype=torch.float32, device=table.device),
+                    torch.empty(n_flat * S * KB, dtype=torch.int32, device=table.device),
+                )
+            ws_val, ws_id = workspace[key]
+            _topk_partial_kernel[(n_flat, S)](
+                logits,
+                tokens,
+                num_nodes,
+                owner,
+                ws_val,
+                ws_id,
+                N,
+                V,
+                n_flat,
+                chunk,
+                logits.stride(0),
+                logits.stride(1),
+                K=K,
+                KB=KB,
+                S=S,
+                BLOCK_V=block_v,
+                LAST_WINS=last_wins,
+                num_warps=4,
+            )
+            n_cand = S * KB
+            ids, s_ib, s_in, k_ids = ws_id, 0, 0, 0
+        else:
+            assert topk_ids is not None
+            # before any launch: a claim left behind by a failed call would block later updates
+            if topk_ids.stride(2) != 1 and topk_ids.shape[2] > 1:  # the rule of treeops._checks
+                raise ValueError(
+                    "Invalid stride of topk_ids: expected the last dimension contiguous"
+                )
+            _claim_kernel[(triton.cdiv(n_flat, 256),)](
+                tokens,
+                num_nodes,
+                owner,
+                N,
+                V,
+                n_flat,
+                BLOCK=256,
+                LAST_WINS=last_wins,
+            )
+            ws_val, ws_id = table, table  # unused
+            n_cand = KB
+            ids, k_ids = topk_ids, topk_ids.shape[2]
+            s_ib, s_in = topk_ids.stride(0), topk_ids.stride(1)
+        C = triton.next_power_of_2(n_cand)
+        block_m = max(1, min(64, 2048 // C))
         _update_write_kernel[(triton.cdiv(n_flat, block_m),)](
             tokens,
             num_nodes,
@@ -927,7 +932,5 @@ def adjacency_update(
             num_warps=4,
         )
     except BaseException:
-        # the claims above are undone only by this launch's winners: never leave them behind
-        # (a stale claim would block its token's row from every later update)
         owner.fill_(INT32_MAX)
         raise

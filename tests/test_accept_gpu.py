@@ -265,6 +265,17 @@ def test_public_ops_launch_on_their_tensors_device():
     lg = biased_logits(tree, V, rng, ties=False, dtype=torch.bfloat16, boost=0.0)
     want = ref.accept_greedy(tree, lg)
     torch.cuda.set_device(0)
-    got = treeops.accept_greedy(tree.to("cuda:1"), lg.to("cuda:1"))
-    assert torch.cuda.current_device() == 0
+    launched_on = []
+    launch = kacc.accept_launch
+
+    def recording(*a, **k):
+        launched_on.append(torch.cuda.current_device())
+        return launch(*a, **k)
+
+    kacc.accept_launch = recording  # what treeops.accept imports at call time
+    try:
+        got = treeops.accept_greedy(tree.to("cuda:1"), lg.to("cuda:1"))
+    finally:
+        kacc.accept_launch = launch
+    assert launched_on == [1] and torch.cuda.current_device() == 0
     assert_same(Acc_cpu(got), want)

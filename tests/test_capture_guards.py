@@ -100,3 +100,16 @@ def test_attention_batch_beyond_the_grid_is_refused():
     seq = torch.zeros(B, dtype=torch.int32)
     with pytest.raises(ValueError, match="batch x KV heads = 8193 x 8 exceeds 65535"):
         treeops.tree_attention(q, cache, cache, bt, seq, tree)
+
+
+def test_expand_split_workspace_replaced_when_rows_grow():
+    """More frontier rows (layer 1: W = 2) with no more partials than before: the row counters
+    alone are too small, and the workspace is replaced."""
+    pol, st, logits = _state(V=4096)
+    kb.expand(logits, st, pol, split=8, block_v=256)  # 2 rows x 8 splits = 16 partials
+    counters = st.workspace["row_counters"]
+    st.layer = 1
+    kb.expand(torch.randn(2, 2, 1024), st, pol, split=2, block_v=256)  # 4 rows x 2 = 8 partials
+    assert st.workspace["row_counters"].numel() >= 4
+    assert st.workspace["row_counters"] is not counters
+    assert any(t is counters for t in kb._RETIRED)

@@ -169,7 +169,8 @@ def tree_attention(
             request's logical pages; it must cover ``seq_lens[b] + num_nodes[b]`` slots.
         seq_lens: [B] int32, prefix length of each request (unit stride, as every [B] input).
         tree: the ``Tree`` (``num_nodes`` and ``anc`` are read). H_q must be a multiple of H_kv;
-            query head h reads KV head ``h // (H_q // H_kv)``.
+            query head h reads KV head ``h // (H_q // H_kv)``. B x H_kv <= 65535 (a grid axis
+            of the GPU kernel; checked on every device, so that a CPU run fails as a GPU one would).
         q_start, q_len: [B] int32 (default 0 and N): the query nodes of request b are
             ``q_start[b] .. q_start[b] + q_len[b] - 1`` (and ``< num_nodes[b]``).
         sm_scale: softmax scale, default ``1 / sqrt(D)``.

@@ -6,7 +6,10 @@ the host (``.item()``, ``int(t)``, ``bool(t)``, ``.tolist()``, ``.numpy()``), an
 shape depends on values (``nonzero``, boolean-mask indexing, ``unique``, ``masked_select``,
 ``repeat_interleave`` without ``output_size``, ...) and host data copied in
 (``torch.tensor(list)``). It sees every aten op through a ``TorchDispatchMode``; it cannot see a
-``.cpu()`` of a tensor that is already on the CPU, nor device-side races.
+``.cpu()`` of a tensor that is already on the CPU, nor device-side races. A 0-dim host value
+(``x[i] = 5``, ``torch.tensor(3.0)``) passes: writing a Python scalar into a device tensor is a
+fill, but ``torch.tensor(3.0, device="cuda")`` would be a blocking copy that this check, run on
+CPU tensors, cannot tell apart.
 
 Example:
     >>> import torch
@@ -45,6 +48,7 @@ _SYNC = {
     _aten.unique_dim,
     _aten.bincount,
     _aten.equal,
+    _aten.allclose,
     _aten.is_nonzero,
 }
 _INDEX = {_aten.index, _aten.index_put_, _aten.index_put}
@@ -52,7 +56,8 @@ _INDEX = {_aten.index, _aten.index_put_, _aten.index_put}
 
 class NoHostSync(TorchDispatchMode):
     """A context manager: fails (``AssertionError``) on a host sync inside it, except inside
-    calls wrapped by ``opaque`` and outside regions wrapped by ``region`` once one is used.
+    calls wrapped by ``opaque`` (and, with ``only_regions=True``, outside calls wrapped by
+    ``region``).
 
     ``check = NoHostSync(only_regions=True)`` checks only inside ``check.region(fn)`` calls (the
     bodies an engine captures), so that the host code between them may read values.
