@@ -24,6 +24,7 @@ REFUSED = {
     "repeat_interleave": lambda: torch.repeat_interleave(x, x),
     "bincount": lambda: torch.bincount(x),
     "equal": lambda: torch.equal(x, x),
+    "allclose": lambda: torch.allclose(x.float(), x.float()),
     "host data": lambda: torch.tensor([1, 2, 3]),
 }
 
