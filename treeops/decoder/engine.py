@@ -827,7 +827,6 @@ class Decoder:
         B = root.shape[0]
         W = pol.max_width
         N = self.capacity
-        dt = sb.dtree
         t0 = self._clock()
         if sb.state is None:
             sb.state = DraftState.new(pol, root, sb.seq_lens, active)
@@ -848,17 +847,7 @@ class Decoder:
             i = st.layer
             t0 = self._clock()
             if i > 0:  # the frontier of layer i: nodes q_start .. q_start + W - 1
-                qs = 1 + (i - 1) * W
-                # [B, W] int64: each frontier row's parent node, looked up by its candidate
-                # index (-1, an unused row, reads the table's last entry: the root)
-                pnode = sb.cand_node[st.frontier]
-                Wd, H = dt.anc.shape[2], sb.hid.shape[2]
-                new = slice(qs, qs + W)
-                torch.add(dt.depth.gather(1, pnode), 1, out=dt.depth[:, new])
-                pa = dt.anc.gather(1, pnode[:, :, None].expand(B, W, Wd))
-                torch.bitwise_or(pa, sb.self_bits[new], out=dt.anc[:, new])
-                torch.gather(sb.hid, 1, pnode[:, :, None].expand(B, W, H), out=sb.d_feat)
-                sb.d_meta.copy_(sb.layer_meta[i])  # num_nodes, q_start, q_len (EAGLE: W rows)
+                qs = sb.frontier_inputs(st.frontier, i, W)
                 if pol.is_cast:
                     torch.mul(act, R, out=sb.d_qlen)
             else:
@@ -1113,8 +1102,7 @@ class Decoder:
         ``sb.vin``."""
         pol = self.policy
         assert pol is not None and sb.state is not None and not pol.is_cast
-        B, W = sb.B, pol.max_width
-        dt, st = sb.dtree, sb.state
+        W, st = pol.max_width, sb.state
         st.reset(root, sb.seq_lens, active)
         act = active.to(torch.int32)
         torch.addcmul(sb.meta_base, sb.meta_coef, act, out=sb.layer_meta)
@@ -1125,15 +1113,7 @@ class Decoder:
             i = st.layer
             qs = 0
             if i > 0:
-                qs = 1 + (i - 1) * W
-                pnode = sb.cand_node[st.frontier]
-                Wd, H = dt.anc.shape[2], sb.hid.shape[2]
-                new = slice(qs, qs + W)
-                torch.add(dt.depth.gather(1, pnode), 1, out=dt.depth[:, new])
-                pa = dt.anc.gather(1, pnode[:, :, None].expand(B, W, Wd))
-                torch.bitwise_or(pa, sb.self_bits[new], out=dt.anc[:, new])
-                torch.gather(sb.hid, 1, pnode[:, :, None].expand(B, W, H), out=sb.d_feat)
-                sb.d_meta.copy_(sb.layer_meta[i])
+                qs = sb.frontier_inputs(st.frontier, i, W)
             drafts[R]()
             sb.hid[:, qs : qs + R] = sb.d_h[:, :R]
             build_tree_expand(sb.d_logits, st, pol)
@@ -1250,6 +1230,24 @@ class _StaticBatch:
             return t, logits, h
 
         return body
+
+    def frontier_inputs(self, frontier: torch.Tensor, i: int, W: int) -> int:
+        """The draft forward's inputs for the frontier of layer ``i >= 1`` (rows ``q_start ..
+        q_start + W - 1`` of ``dtree``): depth and anc from each row's parent node, the parent's
+        target feature, and the layer's [B] metadata. Returns q_start."""
+        dt, B = self.dtree, self.B
+        qs = 1 + (i - 1) * W
+        # [B, W] int64: each frontier row's parent node, looked up by its candidate index (-1, an
+        # unused row, reads the table's last entry: the root)
+        pnode = self.cand_node[frontier]
+        Wd, H = dt.anc.shape[2], self.hid.shape[2]
+        new = slice(qs, qs + W)
+        torch.add(dt.depth.gather(1, pnode), 1, out=dt.depth[:, new])
+        pa = dt.anc.gather(1, pnode[:, :, None].expand(B, W, Wd))
+        torch.bitwise_or(pa, self.self_bits[new], out=dt.anc[:, new])
+        torch.gather(self.hid, 1, pnode[:, :, None].expand(B, W, H), out=self.d_feat)
+        self.d_meta.copy_(self.layer_meta[i])  # num_nodes, q_start, q_len (EAGLE: W rows)
+        return qs
 
     def draft_body(self, R: int):
         """Draft forward of frontier rows ``d_qs .. d_qs + R - 1`` of ``dtree``: logits and
