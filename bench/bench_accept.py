@@ -1,4 +1,4 @@
-"""Acceptance and KV-compaction benchmark on one GPU (DESIGN.md ops 7-8, BENCH.md protocol).
+"""Acceptance and KV-compaction benchmark on one GPU (docs/design.md ops 7-8, docs/benchmarks.md protocol).
 
     python bench/bench_accept.py --out DIR          # writes DIR/accept.json, prints a table
 
@@ -193,7 +193,7 @@ def torch_walk_greedy(am: torch.Tensor, tree: treeops.Tree, steps: int):
 
 
 def torch_walk_sample(probs: torch.Tensor, tree: treeops.Tree, u: torch.Tensor, steps: int):
-    """DESIGN.md op 7's interval rule on a materialised [B, N, V] probability tensor."""
+    """docs/design.md op 7's interval rule on a materialised [B, N, V] probability tensor."""
     B, N, V = probs.shape
     ar = torch.arange(B, device=DEV)
     idx = torch.arange(N, device=DEV)

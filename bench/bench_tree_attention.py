@@ -8,7 +8,7 @@ the same shape (the cost with no tree); SDPA with a boolean mask; FlexAttention 
 recorded). Each output is compared with an fp32 reference before it is timed; a mismatch is
 reported instead of a time. Times are medians of ``triton.testing.do_bench_cudagraph`` (falling
 back to ``do_bench`` where a peer cannot be captured; the method is recorded per peer). The floor
-is max(bytes / 4.3e12, flops / 790e12) as BENCH.md defines it. Writes ``DIR/tree_attention.json``
+is max(bytes / 4.3e12, flops / 790e12) as docs/benchmarks.md defines it. Writes ``DIR/tree_attention.json``
 (``gpu``, ``versions``, ``commit``, ``rows``) and prints a table last.
 """
 
@@ -518,7 +518,7 @@ def print_table(rows):
 @pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: f"B{s[0]}-ctx{s[1]}-n{s[2]}")
 def test_bench_tree_attention(benchmark, shape):
     """pytest-benchmark entry (``python -m pytest bench/bench_tree_attention.py
-    --benchmark-enable``): treeops alone on BENCH.md's shapes, checked before timed. Host
+    --benchmark-enable``): treeops alone on docs/benchmarks.md's shapes, checked before timed. Host
     launch overhead is included here (no CUDA graph); the script's table replays graphs."""
     c = Case(*shape)
     fn, cfg = treeops_fn(c)

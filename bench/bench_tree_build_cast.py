@@ -3,7 +3,7 @@
     python bench/bench_tree_build_cast.py --out DIR [--quick] [--table COST_TABLE.json]
     TRITON_INTERPRET=1 python bench/bench_tree_build_cast.py --dry-run   # CPU smoke test
 
-Rows (DESIGN.md op 3, issue 4), W = top-k = 10, depth 8, bf16 draft logits:
+Rows (docs/design.md op 3, issue 4), W = top-k = 10, depth 8, bf16 draft logits:
   ``layer``         one expand step (softmax + top-k over V + path scores + next frontier +
                     the policy's decision), policy ``eagle`` and ``cast``, B x V;
   ``rerank_build``  rerank the 8 layers' candidates and emit the Tree, B x N (x policy);
@@ -82,7 +82,7 @@ def empty_kernel_us(dev) -> float:
 
 # ---------------------------------------------------------------------------- policies/inputs
 def synthetic_table():
-    """BENCH.md's curve (flat to ~100 tokens per forward, then linear) for an 8B-class target and
+    """docs/benchmarks.md's curve (flat to ~100 tokens per forward, then linear) for an 8B-class target and
     a one-layer draft; used when no calibrated table is given."""
     import treeops
 
@@ -93,7 +93,7 @@ def synthetic_table():
         L=4096,
         M=8,
         n_max=128,
-        meta={"gpu": "synthetic (BENCH.md curve)"},
+        meta={"gpu": "synthetic (docs/benchmarks.md curve)"},
     )
 
 

@@ -7,7 +7,7 @@ Target: hidden 4096, 32 query / 8 KV heads of dim 128, MLP 14336, vocab 128256, 
 bf16. ``--layers`` decoder layers are timed (``f_layers(B, c, n)``) and scaled by 32 / layers; the
 final norm + LM head over the n new tokens is timed separately (``f_head``) and added:
 ``S_T = 32 / layers * f_layers + f_head``. The JSON's ``meta`` says so and keeps both parts.
-Draft (EAGLE-style, DESIGN.md: "the draft includes its LM head"): fc (2 x hidden -> hidden) +
+Draft (EAGLE-style, docs/design.md: "the draft includes its LM head"): fc (2 x hidden -> hidden) +
 one decoder layer + norm + LM head, timed whole.
 
 A forward of n new tokens per request at context c: RMSNorm, QKV projection, the new K/V written
@@ -26,7 +26,7 @@ per batch size for every n), the new K/V are written in place, SDPA runs the fla
 nothing syncs with the host. A point whose capture fails is timed eagerly and listed in
 ``meta["graph_fallbacks"]``. ``--timing eager`` restores eager timing. The GPU runs ~200 ms of
 matmuls before each batch size so that its clocks are up. At the end a sanity check compares the
-per-layer target time at B = 1, n = 1 with ../shared/BENCH.md's 129 µs for the linear layers of a
+per-layer target time at B = 1, n = 1 with ../shared/docs/benchmarks.md's 129 µs for the linear layers of a
 Llama-3-8B layer on the H200 (``meta["sanity"]``; above 2x is flagged as suspicious).
 
 Writes ``DIR/cost_table_h200.json`` (a ``treeops.CostTable``), ``DIR/cost_table_h200.svg`` (S_T
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 NS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128]
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
-# ../shared/BENCH.md: the linear layers of one Llama-3-8B decoder layer, 1 token, bf16, H200
+# ../shared/docs/benchmarks.md: the linear layers of one Llama-3-8B decoder layer, 1 token, bf16, H200
 BENCH_LINEARS_1TOK_US = 129.0
 SUSPICIOUS_RATIO = 2.0
 
@@ -274,7 +274,7 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU")
     args = ap.parse_args(argv)
     import treeops
-    from treeops.reference.cast import default_meta, timing_meta
+    from treeops.cost_table import default_meta, timing_meta
 
     batches = [int(b) for b in args.batches.split(",")]
     ns = [int(n) for n in args.ns.split(",")]
@@ -394,13 +394,13 @@ def main(argv=None):
 
 
 def sanity_check(layers, batches, n_layers, L, gpu, d, eager_us=None):
-    """Per-layer target time at B = 1, n = 1, context L against BENCH.md's 129 µs for the linear
+    """Per-layer target time at B = 1, n = 1, context L against docs/benchmarks.md's 129 µs for the linear
     layers alone (attention over the context adds a little): a ratio above 2 means the timing
     still measures something else (launch overhead, idle clocks)."""
     out = {
         "reference_us": BENCH_LINEARS_1TOK_US,
         "reference": (
-            "../shared/BENCH.md: the linear layers of one Llama-3-8B decoder layer, 1 token, "
+            "../shared/docs/benchmarks.md: the linear layers of one Llama-3-8B decoder layer, 1 token, "
             "bf16, H200 (attention over the context adds a little)"
         ),
         "suspicious_above_ratio": SUSPICIOUS_RATIO,
@@ -423,7 +423,7 @@ def sanity_check(layers, batches, n_layers, L, gpu, d, eager_us=None):
         out["eager_per_layer_us"] = round(eager_us / n_layers, 1)
     verdict = (
         f"per-layer target time at B=1, n=1, c={L}: {per_layer:.1f} us = {ratio:.2f}x "
-        f"BENCH.md's {BENCH_LINEARS_1TOK_US:g} us (linears only)"
+        f"docs/benchmarks.md's {BENCH_LINEARS_1TOK_US:g} us (linears only)"
     )
     if eager_us is not None:
         verdict += f"; timed eagerly: {eager_us / n_layers:.1f} us"

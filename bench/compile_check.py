@@ -373,7 +373,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             graft("update", 8, 32000),
         ]
     out = []
-    # tree attention: BENCH.md's shapes and the grid corners, every head dim, GQA ratio,
+    # tree attention: docs/benchmarks.md's shapes and the grid corners, every head dim, GQA ratio,
     # dtype, page size (one page per request too), LSE and query-range variant; split-KV on
     for B, ctx, n in [
         (1, 512, 16),

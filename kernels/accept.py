@@ -1,4 +1,4 @@
-"""Acceptance kernels (DESIGN.md op 7): greedy and lossless sampling in one launch.
+"""Acceptance kernels (docs/design.md op 7): greedy and lossless sampling in one launch.
 
 One program per (request b, node i, vocabulary split s) reads node i's logits once and writes
 partial statistics to a small workspace: running max and its lowest id (the argmax), the sum of
@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from treeops.accept import Acceptance
-from treeops.kernels import refuse_in_capture
+from treeops._accept_inputs import Acceptance
+from treeops._runtime import refuse_in_capture
 
 BIG = tl.constexpr(2147483647)
 INT32_MIN = tl.constexpr(-2147483648)
@@ -525,7 +525,7 @@ def _sample_walk(
     BLOCK_V: tl.constexpr,
     NCH_PAD: tl.constexpr,
 ):
-    """DESIGN.md op 7's interval rule, node by node, in unnormalised weights: u * Z is laid out
+    """docs/design.md op 7's interval rule, node by node, in unnormalised weights: u * Z is laid out
     as the kept children's weights in sibling (= index) order, then every other kept token's
     weight in id order."""
     o = tl.arange(0, N_PAD)

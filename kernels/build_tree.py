@@ -1,4 +1,4 @@
-"""Tree build (DESIGN.md op 3) and CAST selection (op 5): Triton kernels and their launchers.
+"""Tree build (docs/design.md op 3) and CAST selection (op 5): Triton kernels and their launchers.
 
 ``expand`` — one launch per draft layer, one program per (request, frontier row):
   1. stream the row's logits once (``BLOCK_V`` at a time): online max/sum for the softmax and a
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treeops.kernels import refuse_in_capture
+from treeops._runtime import refuse_in_capture
 from treeops.tree import Tree, anc_words
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,4 +1,4 @@
-"""KV compaction kernel (DESIGN.md op 8): one program per (request, layer, KV head).
+"""KV compaction kernel (docs/design.md op 8): one program per (request, layer, KV head).
 
 Each program walks the accepted path in increasing depth, DB nodes at a time, and copies the
 [D] row of slot ``s + accepted[d]`` to slot ``s + d`` in K and in V, in place. Within a chunk all
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treeops.kernels import refuse_in_capture
+from treeops._runtime import refuse_in_capture
 
 
 @triton.jit(do_not_specialize=["N", "L", "H"])
@@ -115,7 +115,7 @@ def _pointer_table(layers) -> torch.Tensor:
 def compact_kv_launch(
     k_caches, v_caches, block_table, seq_lens, accepted, accept_len, *, out=None, rows_per_step=8
 ) -> torch.Tensor:
-    """Launch the compaction (inputs validated by ``treeops.compact``); returns the new lengths.
+    """Launch the compaction (inputs validated by ``treeops.compact_kv``); returns the new lengths.
     ``rows_per_step``: path nodes copied per step (tests use small ones to exercise chunking)."""
     B, N = accepted.shape
     stacked = isinstance(k_caches, torch.Tensor)

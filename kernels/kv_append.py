@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treeops.kernels import refuse_in_capture
+from treeops._runtime import refuse_in_capture
 from treeops.reference.kv_append import rope_inv_freq
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,4 +1,4 @@
-"""Reference acceptance (DESIGN.md op 7): greedy and lossless sampling over a batch of draft trees.
+"""Reference acceptance (docs/design.md op 7): greedy and lossless sampling over a batch of draft trees.
 
 This is the specification the Triton kernels in ``treeops.kernels.accept`` are tested against:
 plain PyTorch, one request at a time, probabilities in float64.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from treeops.accept import Acceptance, _check_accept_inputs
+from treeops._accept_inputs import Acceptance, check_accept_inputs
 
 __all__ = ["accept_greedy", "accept_sample", "rank_order", "target_probs"]
 
@@ -32,7 +32,7 @@ __all__ = ["accept_greedy", "accept_sample", "rank_order", "target_probs"]
 def target_probs(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float
 ) -> torch.Tensor:
-    """DESIGN.md op 7's target distribution of one node, float64 ``[V]``.
+    """docs/design.md op 7's target distribution of one node, float64 ``[V]``.
 
     ``p = softmax(logits / T)``; top-k keeps the ``top_k`` largest (ties: lower id; ``top_k <= 0``
     or ``>= V`` keeps all); top-p keeps the smallest prefix, ordered by ``p`` descending then id
@@ -165,7 +165,7 @@ def accept_greedy(
     """Greedy acceptance: from the root follow the child whose token is the argmax of the
     target's logits at the current node (ties: lowest id); bonus = argmax at the last accepted
     node. ``logprobs`` are ``log_softmax(logits)`` (temperature 1) of the emitted tokens."""
-    _check_accept_inputs(
+    check_accept_inputs(
         tree,
         target_logits,
         stop_ids,
@@ -227,7 +227,7 @@ def accept_sample(
     out=None,
     validate=False,
 ) -> Acceptance:
-    """Lossless sampling acceptance, DESIGN.md op 7's interval rule.
+    """Lossless sampling acceptance, docs/design.md op 7's interval rule.
 
     At the current node ``i`` (target distribution ``p_i = target_probs(...)``) the interval
     [0, 1) is laid out as the children's probabilities in sibling order (a token repeated among
@@ -238,7 +238,7 @@ def accept_sample(
     ``temperature = 0`` are greedy. ``logprobs`` are ``log p_i`` of the emitted tokens (for
     ``T = 0`` rows, ``log_softmax(logits)``).
     """
-    _check_accept_inputs(
+    check_accept_inputs(
         tree,
         target_logits,
         stop_ids,

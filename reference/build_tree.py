@@ -1,4 +1,4 @@
-"""Tree build (DESIGN.md op 3) with EAGLE or CAST decisions, written the obvious way.
+"""Tree build (docs/design.md op 3) with EAGLE or CAST decisions, written the obvious way.
 
 One decoding step drafts layer after layer. Layer ``i`` (``state.layer``) reads the draft logits
 of the current frontier ``[B, W, V]`` (row ``r`` of request ``b`` is a node already in the tree,
@@ -26,7 +26,7 @@ active request (so ``n <= max_b num_nodes[b]``, or 1 with none active); each req
 holds ``min(n, 1 + its candidates)`` nodes.
 
 The state (``treeops.DraftState``) and the policies (``treeops.EagleStatic``, ``treeops.Cast``)
-live in ``treeops.build``; these functions read and write the state's tensors in place.
+live in ``treeops.build_tree``; these functions read and write the state's tensors in place.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from treeops._draft_state import DraftState
 from treeops.tree import Tree
 
 from .cast import cast_available, cast_depth, cast_select, cast_utility_sums
@@ -165,8 +166,6 @@ def build_tree(
 ) -> Tree:
     """One decoding step: ``draft_fn(state) -> logits [B, W, V]`` per draft layer while the policy
     drafts (``state.flags``, at most ``max_depth`` layers), then rerank and emit."""
-    from treeops.build import DraftState  # the state's home; imported late (import cycle)
-
     if state is None:
         state = DraftState.new(policy, root_tokens, seq_lens, active)
     else:

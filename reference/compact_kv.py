@@ -1,10 +1,10 @@
-"""Reference KV compaction (DESIGN.md op 8), written the obvious way: one slot copy at a time."""
+"""Reference KV compaction (docs/design.md op 8), written the obvious way: one slot copy at a time."""
 
 from __future__ import annotations
 
 import torch
 
-from treeops.compact import _check_compact_inputs, _layers
+from treeops._compact_inputs import check_compact_inputs, layers
 
 __all__ = ["compact_kv"]
 
@@ -24,16 +24,16 @@ def compact_kv(
     """Move the accepted path's K/V from slot ``s + accepted[b, d]`` to slot ``s + d`` (d = the
     node's depth) for every layer and KV head, in increasing depth, in place; return the new
     ``seq_lens = s + accept_len`` (int32). Slots outside ``[s, s + accept_len)`` are untouched."""
-    _check_compact_inputs(
+    check_compact_inputs(
         k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
     )
     B = block_table.shape[0]
-    ps = _layers(k_caches)[0].shape[1]
+    ps = layers(k_caches)[0].shape[1]
     bt = block_table.cpu()
     s_all = seq_lens.cpu().tolist()
     acc = accepted.cpu().tolist()
     lens = accept_len.cpu().tolist()
-    for caches in (_layers(k_caches), _layers(v_caches)):
+    for caches in (layers(k_caches), layers(v_caches)):
         for cache in caches:
             for b in range(B):
                 s = int(s_all[b])

@@ -1,4 +1,4 @@
-"""Graft (DESIGN.md op 6), written the obvious way: Python loops over requests and nodes.
+"""Graft (docs/design.md op 6), written the obvious way: Python loops over requests and nodes.
 
 This module is the specification the Triton kernels in ``treeops.kernels.graft`` are tested
 against. Every function has the signature of its public counterpart in ``treeops.graft`` (the
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from treeops.graft import NO_PRUNE, RankTemplate, Retrieved
+from treeops._graft_types import NO_PRUNE, RankTemplate, Retrieved
 from treeops.tree import Tree
 
 

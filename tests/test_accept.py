@@ -1,4 +1,4 @@
-"""Acceptance (DESIGN.md op 7): reference and Triton kernel (interpreted) against independent
+"""Acceptance (docs/design.md op 7): reference and Triton kernel (interpreted) against independent
 computations -- a brute-force longest matching path for greedy, exact losslessness by the
 interval-midpoint test for sampling, and kernel == reference on random uniforms."""
 
@@ -33,7 +33,7 @@ pytestmark = [
 
 # ----------------------------------------------------------------------------- independent models
 def probs_indep(x: list[float], T: float, k: int, p: float) -> list[float]:
-    """DESIGN.md op 7's target distribution, written independently of reference/accept.py."""
+    """docs/design.md op 7's target distribution, written independently of reference/accept.py."""
     V = len(x)
     if T == 0:
         best = min(range(V), key=lambda t: (-x[t], t))

@@ -134,7 +134,7 @@ def test_rerank_matches_brute_force(batch, data):
 @given(dyadic_batches(max_m=14), st.data())
 def test_theorem_4_1(batch, data):
     """c_k = lam*k + delta and C1 = sum_b v_b(K) / (B lam): width = K exactly when the batch-mean
-    (K+1)-th score is strictly below the K-th (DESIGN.md op 5, "Check")."""
+    (K+1)-th score is strictly below the K-th (docs/design.md op 5, "Check")."""
     scores, _ = batch
     B, M = len(scores), len(scores[0])
     if M < 2:
@@ -773,7 +773,7 @@ def test_device_tables_are_float32_rows():
 
 
 def test_reference_module_is_the_public_one():
-    assert treeops.CostTable is ref.CostTable
+    assert treeops.CostTable is treeops.cost_table.CostTable
     r = random.Random(0)
     s = torch.tensor([[r.randrange(64) / 64 for _ in range(5)] for _ in range(3)])
     c = torch.tensor([1.0, 1.0, 2.0, 2.0, 3.0])

@@ -1,4 +1,4 @@
-"""KV compaction (DESIGN.md op 8): reference and Triton kernel (interpreted) against an
+"""KV compaction (docs/design.md op 8): reference and Triton kernel (interpreted) against an
 independent expectation, with every slot outside [s, s + accept_len) poisoned and checked."""
 
 from __future__ import annotations

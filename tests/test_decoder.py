@@ -172,7 +172,7 @@ def test_zero_budget_and_one_token_prompt(pair):
 
 
 def _filtered(logits: torch.Tensor, T: float, top_k: int, top_p: float) -> torch.Tensor:
-    """DESIGN.md op 7's target distribution, written out (float64)."""
+    """docs/design.md op 7's target distribution, written out (float64)."""
     p = torch.softmax(logits.double() / T, -1)
     V = p.shape[0]
     order = sorted(range(V), key=lambda i: (-float(p[i]), i))

@@ -8,14 +8,15 @@ import pytest
 
 MODULES = [
     "treeops.accept",
-    "treeops.attention",
-    "treeops.build",
+    "treeops.build_tree",
     "treeops.cast",
-    "treeops.compact",
+    "treeops.compact_kv",
+    "treeops.cost_table",
     "treeops.graft",
+    "treeops.kv_append",
     "treeops.testing",
     "treeops.tree",
-    "treeops.reference.cast",
+    "treeops.tree_attention",
 ]
 
 

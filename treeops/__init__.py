@@ -1,28 +1,33 @@
 """treeops: Triton kernels for speculative decoding with draft trees.
 
-Ops (each a fused Triton kernel for CUDA tensors, a PyTorch reference for CPU tensors):
-tree-masked attention and KV append (``attention``), tree build and CAST selection (``build``,
-``cast``), Graft retrieval and merge (``graft``), lossless acceptance (``accept``) and KV
-compaction (``compact``). ``Tree`` is the batch of padded draft trees they share.
+Every op is a fused Triton kernel for CUDA tensors and a PyTorch reference for CPU tensors:
+``kv_append`` (KV append with RoPE), ``tree_attention`` (tree-masked paged attention),
+``build_tree`` (EAGLE and CAST tree build), ``cast_*`` (CAST's selection rules), ``graft`` /
+``prune`` / ``AdjacencyTable`` (Graft), ``accept_greedy`` / ``accept_sample`` (lossless
+acceptance) and ``compact_kv`` (KV compaction). ``Tree`` is the batch of padded draft trees they
+share. Each op's module is ``treeops.<op>`` (its function shadows the module as an attribute of
+``treeops``; import from the module path: ``from treeops.tree_attention import ...``).
 """
 
 from . import accept as _accept
-from . import attention as _attention
-from . import build as _build
+from . import build_tree as _build
 from . import cast as _cast
-from . import compact as _compact
+from . import compact_kv as _compact
 from . import graft as _graft
+from . import kv_append as _kv_append
+from . import tree_attention as _tree_attention
 from .accept import *  # noqa: F403
-from .attention import *  # noqa: F403
-from .build import *  # noqa: F403
+from .build_tree import *  # noqa: F403
 from .cast import *  # noqa: F403
-from .compact import *  # noqa: F403
+from .compact_kv import *  # noqa: F403
 from .graft import *  # noqa: F403
+from .kv_append import *  # noqa: F403
 from .tree import Tree, anc_words
+from .tree_attention import *  # noqa: F403
 
 __version__ = "0.1.0"
 
 __all__ = ["Tree", "anc_words", "__version__"]
-for _m in (_attention, _build, _cast, _graft, _accept, _compact):
+for _m in (_tree_attention, _kv_append, _build, _cast, _graft, _accept, _compact):
     __all__ += list(_m.__all__)
 del _m

@@ -163,3 +163,13 @@ def cuda_device(t: torch.Tensor) -> AbstractContextManager:
     if t.is_cuda and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return nullcontext()
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_DIMS = (64, 128, 256)
+
+
+def check_head_dim(name: str, d: int) -> None:
+    """The attention kernels' tiles exist for these head dims only."""
+    if d not in HEAD_DIMS:
+        raise ValueError(f"Invalid head dim of {name}: expected one of {HEAD_DIMS}, got {d}")

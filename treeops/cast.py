@@ -1,4 +1,4 @@
-"""CAST: the cost table and Algorithm 1 (DESIGN.md ops 4 and 5).
+"""CAST: the cost table and Algorithm 1 (docs/design.md ops 4 and 5).
 
 ``CostTable`` holds measured forward times ``f(B, c, n)`` of the target and the draft;
 ``cast_width``, ``cast_depth`` and ``cast_rerank`` are Algorithm 1 applied to draft width, draft
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_finite, check_same_device, check_tensor
+from .cost_table import CostTable
 from .reference import cast as _ref
-from .reference.cast import CostTable
 
 __all__ = ["CostTable", "cast_select", "cast_width", "cast_depth", "cast_rerank"]
 

@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 from .accept import accept_greedy
-from .attention import kv_append, rope, tree_attention
-from .build import Cast, DraftState, build_tree
-from .compact import compact_kv
+from .kv_append import kv_append, rope
+from .tree_attention import tree_attention
+from .build_tree import Cast, DraftState, build_tree
+from .compact_kv import compact_kv
+from .cost_table import CostTable
 from .graft import AdjacencyTable, PruneCheckpoints, RankTemplate, graft, prune
-from .reference.cast import CostTable
 
 V = 96  # vocabulary
 H_Q, H_KV, D = 4, 2, 64

@@ -72,10 +72,10 @@ from typing import Any
 import torch
 
 from ..accept import accept_greedy, accept_sample
-from ..build import Cast, DraftState, EagleStatic, build_tree_emit, build_tree_expand
-from ..compact import compact_kv
+from ..build_tree import Cast, DraftState, EagleStatic, build_tree_emit, build_tree_expand
+from ..compact_kv import compact_kv
 from ..graft import AdjacencyTable, PruneCheckpoints, RankTemplate, graft, prune
-from ..reference.cast import CostTable
+from ..cost_table import CostTable
 from ..tree import Tree, anc_words, bit_value
 from .model import Draft, PagedKV, Target, chain_tree
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..attention import kv_append, rope, tree_attention
+from ..kv_append import kv_append, rope
+from ..tree_attention import tree_attention
 from ..tree import Tree
 
 __all__ = [

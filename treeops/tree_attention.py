@@ -1,15 +1,16 @@
-"""Tree-masked paged attention and KV append with RoPE (DESIGN.md ops 1 and 2).
+"""Tree-masked paged attention (docs/design.md op 2).
 
 ``tree_attention`` verifies (all tree nodes as queries) or drafts (the newest frontier) against a
 paged KV cache whose first ``seq_lens[b]`` slots are the request's prefix and whose next
 ``num_nodes[b]`` slots hold the tree's own K/V, written by ``kv_append``. CUDA tensors run the
-Triton kernels; CPU tensors run the PyTorch references. Neither op syncs with the host or sizes a
-launch from tensor values, so both can be captured in a CUDA graph.
+Triton kernels (``treeops.kernels.tree_attention``); CPU tensors run the PyTorch reference
+(``treeops.reference.tree_attention``). It neither syncs with the host nor sizes a launch from
+tensor values, so it can be captured in a CUDA graph.
 
-RoPE: ``kv_append`` rotates K on the way into the cache. Rotating the queries is the caller's job
-(they never reach the cache): ``q = treeops.rope(q, tree.positions(seq_lens))`` before
-``tree_attention``.
+Queries are rotated by the caller (they never reach the cache):
+``q = treeops.rope(q, tree.positions(seq_lens))`` before ``tree_attention``.
 """
+
 
 from __future__ import annotations
 
@@ -17,21 +18,18 @@ import math
 
 import torch
 
-from ._checks import check_range, check_same_device, check_tensor, cuda_device
-from .reference import kv_append as _ref_kv
+from ._checks import (
+    FLOAT_DTYPES,
+    check_head_dim,
+    check_range,
+    check_same_device,
+    check_tensor,
+    cuda_device,
+)
 from .reference import tree_attention as _ref_attn
 from .tree import Tree, check_tree
 
-__all__ = ["tree_attention", "kv_append", "rope", "tree_attention_workspace"]
-
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-_HEAD_DIMS = (64, 128, 256)
-
-
-def _check_head_dim(name: str, d: int) -> None:
-    if d not in _HEAD_DIMS:
-        raise ValueError(f"Invalid head dim of {name}: expected one of {_HEAD_DIMS}, got {d}")
-
+__all__ = ["tree_attention", "tree_attention_workspace"]
 
 def _check_attention(
     q,
@@ -50,8 +48,8 @@ def _check_attention(
 ) -> dict[str, int]:
     tree = check_tree(tree, validate=validate)
     sizes: dict[str, int] = {"B": tree.batch_size, "N": tree.capacity}
-    check_tensor("q", q, shape=("B", "N", "H_q", "D"), dtype=_FLOATS, sizes=sizes)
-    _check_head_dim("q", sizes["D"])
+    check_tensor("q", q, shape=("B", "N", "H_q", "D"), dtype=FLOAT_DTYPES, sizes=sizes)
+    check_head_dim("q", sizes["D"])
     check_tensor(
         "k_cache", k_cache, shape=("P", "page_size", "H_kv", "D"), dtype=q.dtype, sizes=sizes
     )
@@ -266,131 +264,3 @@ def tree_attention(
             workspace,
         )
     return (out, lse) if return_lse else out
-
-
-def kv_append(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_tokens: torch.Tensor,
-    depth: torch.Tensor | None = None,
-    *,
-    rope_theta: float = 10000.0,
-    validate: bool = False,
-) -> None:
-    """Write new K/V into the paged caches, rotating K by RoPE on the way (in place).
-
-    Args:
-        k, v: [B, N, H_kv, D] (the forward's K/V projections of the tree nodes, or of a prefill
-            chunk), fp16/bf16/fp32, any strides; D in {64, 128, 256}.
-        k_cache, v_cache: [num_pages, page_size, H_kv, D], k's dtype, any strides.
-        block_table: [B, max_pages] int32 (unit stride along max_pages); seq_lens: [B] int32.
-        num_tokens: [B] int32, tokens of request b to write (``tree.num_nodes`` when verifying).
-            The [B] inputs need unit stride (no stride-0 ``expand``).
-        depth: [B, N] int32 (``tree.depth``), or None for consecutive positions (prefill).
-        rope_theta: RoPE base (Llama's ``rope_theta``); layout is Llama's ``rotate_half``.
-        validate: also check value ranges (syncs with the host).
-
-    Token i < ``num_tokens[b]`` lands in slot ``seq_lens[b] + i``; K is rotated at position
-    ``seq_lens[b] + depth[b, i]`` (``seq_lens[b] + i`` without ``depth``). One launch for the
-    batch on CUDA; no host sync.
-
-    Shapes, dtypes, devices and strides are always checked; values are the caller's
-    responsibility when ``validate=False``: out-of-range indices (``block_table`` entries outside
-    the cache, ``seq_lens + num_tokens`` beyond the block table, ``num_tokens > N``, negative
-    ``seq_lens``) are undefined behaviour (a write outside the cache); ``validate=True`` checks
-    them (with a host sync).
-
-    Example:
-        >>> import torch, treeops
-        >>> k_cache = torch.zeros(4, 16, 2, 64); v_cache = torch.zeros(4, 16, 2, 64)
-        >>> bt = torch.tensor([[2, 3]], dtype=torch.int32)
-        >>> k = torch.randn(1, 3, 2, 64); v = torch.randn(1, 3, 2, 64)
-        >>> treeops.kv_append(k, v, k_cache, v_cache, bt, torch.tensor([15], dtype=torch.int32),
-        ...                   torch.tensor([3], dtype=torch.int32))
-        >>> bool((v_cache[3, 0] == v[0, 1]).all())
-        True
-    """
-    sizes: dict[str, int] = {}
-    check_tensor("k", k, shape=("B", "N", "H_kv", "D"), dtype=_FLOATS, sizes=sizes)
-    _check_head_dim("k", sizes["D"])
-    check_tensor("v", v, shape=("B", "N", "H_kv", "D"), dtype=k.dtype, sizes=sizes)
-    check_tensor(
-        "k_cache", k_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype, sizes=sizes
-    )
-    check_tensor(
-        "v_cache", v_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype, sizes=sizes
-    )
-    check_tensor(
-        "block_table",
-        block_table,
-        shape=("B", None),
-        dtype=torch.int32,
-        sizes=sizes,
-        unit_last=True,
-    )
-    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True)
-    check_tensor(
-        "num_tokens", num_tokens, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True
-    )
-    if depth is not None:
-        check_tensor("depth", depth, shape=("B", "N"), dtype=torch.int32, sizes=sizes)
-    if not (isinstance(rope_theta, (int, float)) and rope_theta > 0):
-        raise ValueError(
-            f"Invalid value of rope_theta: expected a positive float, got {rope_theta!r}"
-        )
-    check_same_device(
-        k=k,
-        v=v,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        block_table=block_table,
-        seq_lens=seq_lens,
-        num_tokens=num_tokens,
-        depth=depth,
-    )
-    if validate:
-        capacity = block_table.shape[1] * sizes["page_size"]
-        check_range("seq_lens", seq_lens, 0, None)
-        check_range("num_tokens", num_tokens, 0, sizes["N"] + 1)
-        check_range("block_table", block_table, 0, sizes["P"])
-        if int((seq_lens.long() + num_tokens.long()).max()) > capacity:
-            raise ValueError(
-                f"Invalid value in seq_lens: seq_lens + num_tokens exceeds the "
-                f"block table's capacity of {capacity} slots"
-            )
-    if k.device.type != "cuda":
-        _ref_kv.kv_append(
-            k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta=rope_theta
-        )
-        return
-    from .kernels import kv_append as _k
-
-    with cuda_device(k):
-        _k.kv_append_fwd(
-            k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, float(rope_theta)
-        )
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotate ``x`` [..., H, D] by RoPE at integer ``positions`` [...] (Llama ``rotate_half``
-    layout, fp32 math, x's dtype out); e.g. ``rope(q, tree.positions(seq_lens))`` for queries.
-
-    Example:
-        >>> import torch, treeops
-        >>> x = torch.randn(2, 4, 8, 64)
-        >>> y = treeops.rope(x, torch.zeros(2, 4, dtype=torch.int64))
-        >>> bool(torch.allclose(x, y))
-        True
-    """
-    check_tensor("x", x, dtype=_FLOATS)
-    check_tensor(
-        "positions", positions, shape=tuple(x.shape[:-2]), dtype=(torch.int32, torch.int64)
-    )
-    if x.shape[-1] % 2:
-        raise ValueError(f"Invalid head dim of x: expected an even number, got {x.shape[-1]}")
-    check_same_device(x=x, positions=positions)
-    return _ref_kv.rope(x, positions, theta)

@@ -1,9 +1,5 @@
-"""KV-cache compaction after acceptance (DESIGN.md op 8).
-
-CUDA tensors run one Triton launch (``treeops.kernels.compact_kv``): one program per (request,
-layer, KV head) walks the accepted path in increasing depth and copies slot ``s + i`` to slot
-``s + depth(i)`` in place; CPU tensors run the reference (``treeops.reference.compact_kv``).
-"""
+"""What KV compaction's public op and its reference share: the cache argument's two forms and the
+input checks (the reference validates as the public op does, so both refuse the same inputs)."""
 
 from __future__ import annotations
 
@@ -11,15 +7,13 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import check_range, check_same_device, check_tensor, cuda_device
-from .tree import Tree, check_tree
-
-__all__ = ["compact_kv"]
+from ._checks import check_range, check_same_device, check_tensor
+from .tree import check_tree
 
 Caches = torch.Tensor | Sequence[torch.Tensor]
 
 
-def _layers(caches: Caches) -> list[torch.Tensor]:
+def layers(caches: Caches) -> list[torch.Tensor]:
     if isinstance(caches, torch.Tensor):
         return list(caches.unbind(0))
     return list(caches)
@@ -59,7 +53,7 @@ def _check_caches(name: str, caches: object) -> tuple[tuple[int, ...], torch.dty
     return tuple(first.shape), first.dtype
 
 
-def _check_compact_inputs(
+def check_compact_inputs(
     k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
 ) -> None:
     tree = check_tree(tree, validate=validate)
@@ -125,74 +119,3 @@ def _check_compact_inputs(
         idx = acc.clamp(0, N - 1)
         if bool((live & (tree.depth.gather(1, idx).to(torch.int64) != d[None, :])).any()):
             raise ValueError("Invalid value in accepted: accepted[b, d] must be a node at depth d")
-
-
-def compact_kv(
-    k_caches: Caches,
-    v_caches: Caches,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    tree: Tree,
-    accepted: torch.Tensor,
-    accept_len: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    validate: bool = False,
-) -> torch.Tensor:
-    """Compact the accepted path's K/V in place and return the new sequence lengths.
-
-    Node i's K/V was written to slot ``s + i`` (``s = seq_lens[b]``) before verification; the
-    node accepted at depth d (``accepted[b, d]``) moves to slot ``s + d`` for every layer and KV
-    head, walking the path in increasing depth (safe in place: ``d <= i``, and a later node's
-    source is beyond every earlier destination). Nodes already in place are skipped. Slots
-    outside ``[s, s + accept_len)`` are untouched.
-
-    Args:
-        k_caches, v_caches: [L, num_pages, page_size, H_kv, D] (stacked layers) or a list/tuple of
-            L tensors [num_pages, page_size, H_kv, D] of one shape, dtype and strides (any
-            floating dtype, any strides). A contiguous cache is one page per request.
-        block_table: [B, max_pages] int32, logical page -> physical page (unit stride along
-            max_pages; the [B] inputs and ``accepted``'s last dimension need unit stride too).
-        seq_lens: [B] int32/int64, tokens in the cache before this step (the tree root's slot).
-        tree: the verified ``Tree`` (capacity N).
-        accepted, accept_len: from ``accept_greedy`` / ``accept_sample`` ([B, N] int32, [B] int32).
-        out: optional [B] int32 for the new lengths.
-        validate: check index ranges, page coverage and depths (host syncs).
-
-    Shapes, dtypes, devices and strides are always checked; values are the caller's
-    responsibility when ``validate=False``: out-of-range indices (``block_table`` entries outside
-    the cache, ``seq_lens + N`` beyond the block table, ``accept_len > N``, ``accepted`` entries
-    outside ``[0, N)``) are undefined behaviour (copies outside the cache); ``validate=True``
-    checks them (with a host sync).
-
-    Returns:
-        ``seq_lens + accept_len`` as [B] int32.
-
-    With a list of layers the kernel reads a device table of layer pointers, built on the first
-    call for those tensors and cached (call once before capturing a CUDA graph).
-
-    Example:
-        >>> import torch, treeops
-        >>> t = treeops.Tree.from_parents(torch.tensor([[-1, 0, 0]], dtype=torch.int32),
-        ...                               torch.tensor([3], dtype=torch.int32))
-        >>> k = torch.arange(8.).reshape(1, 1, 8, 1, 1); v = -k
-        >>> bt = torch.zeros(1, 1, dtype=torch.int32)
-        >>> new = treeops.compact_kv(k, v, bt, torch.tensor([4], dtype=torch.int32), t,
-        ...                          torch.tensor([[0, 2, -1]], dtype=torch.int32),
-        ...                          torch.tensor([2], dtype=torch.int32))
-        >>> new.tolist(), k.flatten().tolist()
-        ([6], [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 6.0, 7.0])
-    """
-    _check_compact_inputs(
-        k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
-    )
-    if block_table.is_cuda:
-        from .kernels.compact_kv import compact_kv_launch
-
-        with cuda_device(block_table):
-            return compact_kv_launch(
-                k_caches, v_caches, block_table, seq_lens, accepted, accept_len, out=out
-            )
-    from .reference.compact_kv import compact_kv as ref
-
-    return ref(k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out=out)

@@ -1,8 +1,8 @@
 """GPU tests of the tree build and CAST kernels (compiled, realistic vocabularies).
 
-Run on the H200: ``TREEOPS_GPU_TESTS=1 python -m pytest tests/test_build_gpu.py``. The ``memcheck``
+Run on the H200: ``TREEOPS_GPU_TESTS=1 python -m pytest tests/test_build_tree_gpu.py``. The ``memcheck``
 cases use a fixed table of shapes so that ``compute-sanitizer --tool memcheck python -m pytest
-tests/test_build_gpu.py -k memcheck`` compiles each kernel once per shape.
+tests/test_build_tree_gpu.py -k memcheck`` compiles each kernel once per shape.
 
 GPU ``exp`` and division differ from the float64 reference by a few ulps, so candidate scores
 can order differently where two are within rounding of each other. The checks are therefore:
@@ -26,7 +26,7 @@ DEV = "cuda"
 
 
 def _table(B, n_max=128):
-    # BENCH.md's curve: flat to ~100 tokens, then linear; a one-layer draft much cheaper
+    # docs/benchmarks.md's curve: flat to ~100 tokens, then linear; a one-layer draft much cheaper
     return treeops.CostTable.from_functions(
         lambda b, c, n: 130.0 + c / 4096 + max(0, b * n - 96) * 0.6,
         lambda b, c, n: 20.0 + c / 16384 + max(0, b * n - 256) * 0.05,

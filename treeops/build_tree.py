@@ -1,4 +1,4 @@
-"""Tree build (DESIGN.md op 3) under an EAGLE or a CAST policy.
+"""Tree build (docs/design.md op 3) under an EAGLE or a CAST policy.
 
 A decoding step drafts layer by layer into a ``DraftState`` (fixed-capacity device buffers), then
 reranks the candidates into a ``Tree``::
@@ -23,16 +23,15 @@ the tie-break of rank order. ``W`` is the frontier capacity (``EagleStatic.topk`
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from ._checks import check_finite, check_positive_int, check_same_device, check_tensor, cuda_device
+from ._draft_state import STATE_TENSORS, DraftState
+from .cost_table import CostTable
 from .reference import build_tree as _ref
-from .reference.cast import CostTable
 from .tree import Tree, check_tree
 
 __all__ = [
@@ -77,7 +76,7 @@ class EagleStatic:
 
 @dataclass(frozen=True, eq=False)
 class Cast:
-    """CAST's cost-aware tree (DESIGN.md op 5).
+    """CAST's cost-aware tree (docs/design.md op 5).
 
     Args:
         C1: width threshold: a wider frontier must buy at least ``C1`` of utility (batch-mean path
@@ -130,192 +129,6 @@ class Cast:
 Policy = EagleStatic | Cast
 
 
-@dataclass
-class DraftState:
-    """The candidates of one decoding step and the decisions taken so far (device tensors).
-
-    Shapes (B requests, D = policy.max_depth, W = policy.max_width, K = policy.topk, C = W*K):
-
-    | field | shape, dtype | meaning |
-    | --- | --- | --- |
-    | ``root_tokens`` | [B] int64 | the root (last accepted token) of each request |
-    | ``seq_lens`` | [B] int64 | tokens in the cache (CAST prices the context from these) |
-    | ``active`` | [B] bool | inactive rows draft nothing and emit ``num_nodes = 0`` |
-    | ``cand_tokens`` | [B, D, C] int64 | candidate token (valid for layers < ``layer``) |
-    | ``cand_scores`` | [B, D, C] float32 | path score; -1 = no candidate |
-    | ``cand_parents`` | [B, D, C] int32 | parent's candidate index; -1 = the root |
-    | ``frontier`` | [B, W] int32 | candidate index of each frontier row (-1: root or unused) |
-    | ``frontier_tokens`` | [B, W] int64 | token of each frontier row (the next draft input) |
-    | ``frontier_scores`` | [B, W] float32 | path score; -1 = unused row |
-    | ``decisions`` | [2D + 1] int32 | ``widths`` [D], ``flags`` [D] (1 = draft layer i+1),
-      ``verify`` [1] (nodes sent to verification) |
-    | ``u_hist`` | [D] float32 | CAST: utility of the width chosen at each layer |
-
-    ``layer`` (a host int) counts the layers expanded this step. On CUDA the decisions are also
-    copied (non-blocking) to ``host_decisions``, a pinned buffer, after each expand/emit, with an
-    event per decision point; ``width(i)``, ``wants_next_layer()`` and ``verify_count()`` wait on
-    that event only (see ``publish`` for CUDA-graph replays).
-    """
-
-    root_tokens: torch.Tensor
-    seq_lens: torch.Tensor
-    active: torch.Tensor
-    cand_tokens: torch.Tensor
-    cand_scores: torch.Tensor
-    cand_parents: torch.Tensor
-    frontier: torch.Tensor
-    frontier_tokens: torch.Tensor
-    frontier_scores: torch.Tensor
-    decisions: torch.Tensor
-    u_hist: torch.Tensor
-    workspace: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    host_decisions: torch.Tensor | None = field(default=None, repr=False)
-    events: list[Any] = field(default_factory=list, repr=False)
-    layer: int = 0
-
-    @staticmethod
-    def new(
-        policy: Policy,
-        root_tokens: torch.Tensor,
-        seq_lens: torch.Tensor,
-        active: torch.Tensor | None = None,
-    ) -> DraftState:
-        """Allocate the buffers for ``policy`` and start a step (see ``reset``)."""
-        _check_policy(policy)
-        check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64)
-        B = root_tokens.shape[0]
-        dev = root_tokens.device
-        D, W, K = policy.max_depth, policy.max_width, policy.topk
-        C = W * K
-        N = policy.capacity
-        decisions = torch.zeros(2 * D + 1, dtype=torch.int32, device=dev)
-        st = DraftState(
-            root_tokens=torch.zeros(B, dtype=torch.int64, device=dev),
-            seq_lens=torch.zeros(B, dtype=torch.int64, device=dev),
-            active=torch.zeros(B, dtype=torch.bool, device=dev),
-            cand_tokens=torch.zeros(B, D, C, dtype=torch.int64, device=dev),
-            cand_scores=torch.full((B, D, C), -1.0, dtype=torch.float32, device=dev),
-            cand_parents=torch.full((B, D, C), -1, dtype=torch.int32, device=dev),
-            frontier=torch.full((B, W), -1, dtype=torch.int32, device=dev),
-            frontier_tokens=torch.zeros(B, W, dtype=torch.int64, device=dev),
-            frontier_scores=torch.full((B, W), -1.0, dtype=torch.float32, device=dev),
-            decisions=decisions,
-            u_hist=torch.zeros(D, dtype=torch.float32, device=dev),
-        )
-        # kernel workspace: arrival counters (zero between launches), per-request prefix sums,
-        # rerank selection
-        st.workspace = {
-            "counters": torch.zeros(B + 1, dtype=torch.int32, device=dev),
-            "cum": torch.zeros(B, max(W, N), dtype=torch.float32, device=dev),
-            "sel": torch.zeros(B, N, dtype=torch.int32, device=dev),
-            "pos": torch.zeros(B, D * C, dtype=torch.int32, device=dev),
-        }
-        if dev.type == "cuda":
-            st.host_decisions = torch.zeros(2 * D + 1, dtype=torch.int32, pin_memory=True)
-            st.events = [torch.cuda.Event() for _ in range(D + 1)]
-        if policy.is_cast:
-            # Copy the cost table to the device now, outside any CUDA-graph capture.
-            policy.cost_table.device_tables(B, dev)
-        st.reset(root_tokens, seq_lens, active)
-        return st
-
-    def reset(
-        self, root_tokens: torch.Tensor, seq_lens: torch.Tensor, active: torch.Tensor | None = None
-    ) -> DraftState:
-        """Start a decoding step in place (no allocation, no host sync); the frontier = the root."""
-        sizes = {"B": self.active.shape[0]}
-        check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64, sizes=sizes)
-        check_tensor(
-            "seq_lens", seq_lens, shape=("B",), dtype=(torch.int32, torch.int64), sizes=sizes
-        )
-        if active is not None:
-            check_tensor("active", active, shape=("B",), dtype=torch.bool, sizes=sizes)
-        check_same_device(
-            state=self.active, root_tokens=root_tokens, seq_lens=seq_lens, active=active
-        )
-        self.root_tokens.copy_(root_tokens)
-        self.seq_lens.copy_(seq_lens)
-        if active is None:
-            self.active.fill_(True)
-        else:
-            self.active.copy_(active)
-        self.frontier.fill_(-1)
-        self.frontier_tokens.zero_()
-        self.frontier_tokens[:, 0] = self.root_tokens
-        self.frontier_scores.fill_(-1.0)
-        self.frontier_scores[:, 0].masked_fill_(self.active, 1.0)
-        self.decisions.zero_()
-        self.u_hist.zero_()
-        self.layer = 0
-        return self
-
-    # -------------------------------------------------------------- decisions
-    def to(self, device: torch.device | str) -> DraftState:
-        """A copy with every tensor (workspace included) cloned onto ``device``, e.g. a CPU
-        snapshot for the reference; the copy has no pinned decision buffer (its ``width()`` etc.
-        read ``decisions`` directly)."""
-        c = copy.copy(self)
-        for f in _STATE_TENSORS:
-            setattr(c, f, getattr(self, f).to(device, copy=True))
-        c.workspace = {k: v.to(device, copy=True) for k, v in self.workspace.items()}
-        c.host_decisions, c.events = None, []
-        return c
-
-    @property
-    def max_depth(self) -> int:
-        return int(self.u_hist.shape[0])
-
-    @property
-    def widths(self) -> torch.Tensor:
-        return self.decisions[: self.max_depth]
-
-    @property
-    def flags(self) -> torch.Tensor:
-        return self.decisions[self.max_depth : 2 * self.max_depth]
-
-    @property
-    def verify(self) -> torch.Tensor:
-        return self.decisions[2 * self.max_depth :]
-
-    @property
-    def frontier_valid(self) -> torch.Tensor:
-        """[B, W] bool: frontier rows that hold a node (the others' logits are ignored)."""
-        return self.frontier_scores >= 0
-
-    def publish(self, point: int) -> None:
-        """Copy the decisions to the pinned host buffer (non-blocking) and record decision point
-        ``point``'s event (layer i: ``i``; the rerank: ``max_depth``). The public ops do this
-        after each launch, except while a CUDA graph is being captured: a decoder replaying
-        captured expand/emit launches calls ``publish`` itself after each replay."""
-        if self.host_decisions is not None and not torch.cuda.is_current_stream_capturing():
-            self.host_decisions.copy_(self.decisions, non_blocking=True)
-            self.events[point].record()
-
-    def _host(self, point: int) -> torch.Tensor:
-        if self.host_decisions is None:
-            return self.decisions.cpu()
-        self.events[point].synchronize()
-        return self.host_decisions
-
-    def width(self, i: int) -> int:
-        """Width chosen at draft layer ``i`` (rows of the next draft forward); one event wait.
-        Under CAST at most the most valid frontier rows of any active request (at least 1)."""
-        return int(self._host(i)[i])
-
-    def wants_next_layer(self) -> bool:
-        """Whether the policy drafts layer ``self.layer`` (False before any layer: never)."""
-        if self.layer == 0:
-            return True
-        i = self.layer - 1
-        return bool(self._host(i)[self.max_depth + i]) and self.layer < self.max_depth
-
-    def verify_count(self) -> int:
-        """Nodes per request sent to verification (root included), after ``build_tree_emit``.
-        Under CAST ``max(num_nodes)`` of the emitted tree (1 if no request is active); EAGLE: its
-        budget."""
-        return int(self._host(self.max_depth)[2 * self.max_depth])
-
-
 def _check_policy(policy: object) -> None:
     if not isinstance(policy, (EagleStatic, Cast)):
         raise ValueError(
@@ -337,33 +150,20 @@ def _check_state(state: object, policy: Policy) -> DraftState:
     check_tensor("state.workspace['sel']", state.workspace["sel"], shape=(B, policy.capacity))
     # the kernels index every buffer densely: a strided view (a user-built state) would be read
     # and written wrongly
-    for f in _STATE_TENSORS:
+    for f in STATE_TENSORS:
         check_tensor(f"state.{f}", getattr(state, f), contiguous=True)
     for key, t in state.workspace.items():
         check_tensor(f"state.workspace[{key!r}]", t, contiguous=True)
     return state
 
 
-_STATE_TENSORS = (
-    "root_tokens",
-    "seq_lens",
-    "active",
-    "cand_tokens",
-    "cand_scores",
-    "cand_parents",
-    "frontier",
-    "frontier_tokens",
-    "frontier_scores",
-    "decisions",
-    "u_hist",
-)
 
 
 def build_tree_expand(
     logits: torch.Tensor, state: DraftState, policy: Policy, *, validate: bool = False
 ) -> None:
     """Expand one draft layer: softmax + top-k of the frontier's logits, path scores, the next
-    frontier and the policy's decisions (DESIGN.md op 3); advances ``state.layer``.
+    frontier and the policy's decisions (docs/design.md op 3); advances ``state.layer``.
 
     Args:
         logits: [B, W, V] bfloat16/float16/float32, the draft model's logits at each frontier row
@@ -432,7 +232,7 @@ def build_tree_expand(
 def build_tree_emit(
     state: DraftState, policy: Policy, *, out: Tree | None = None, validate: bool = False
 ) -> Tree:
-    """Rerank every candidate of the step and emit the ``Tree`` (DESIGN.md op 3).
+    """Rerank every candidate of the step and emit the ``Tree`` (docs/design.md op 3).
 
     The tree holds the root and the ``n - 1`` best candidates in rank order (score descending,
     ties to the lower candidate index), where ``n`` is ``EagleStatic.budget`` or CAST's

@@ -1,8 +1,8 @@
 """GPU tests of tree attention and KV append (compiled kernels, bf16/fp16, realistic sizes).
 
-Run on the H200: ``TREEOPS_GPU_TESTS=1 python -m pytest tests/test_attention_gpu.py``; the
+Run on the H200: ``TREEOPS_GPU_TESTS=1 python -m pytest tests/test_tree_attention_gpu.py``; the
 ``memcheck`` table is fixed so that ``compute-sanitizer --tool memcheck python -m pytest
-tests/test_attention_gpu.py -k memcheck`` compiles each kernel once per shape.
+tests/test_tree_attention_gpu.py -k memcheck`` compiles each kernel once per shape.
 """
 
 from __future__ import annotations

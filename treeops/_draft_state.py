@@ -1,0 +1,227 @@
+"""``DraftState``: the fixed-capacity device buffers one decoding step drafts into.
+
+Shared by the tree-build op, its kernels' callers and its reference. It reads a policy only
+through its sizes (``max_depth``, ``max_width``, ``topk``, ``capacity``), ``is_cast`` and, for
+CAST, ``cost_table.device_tables``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._checks import check_same_device, check_tensor
+
+__all__ = ["DraftState", "STATE_TENSORS"]
+
+STATE_TENSORS = (
+    "root_tokens",
+    "seq_lens",
+    "active",
+    "cand_tokens",
+    "cand_scores",
+    "cand_parents",
+    "frontier",
+    "frontier_tokens",
+    "frontier_scores",
+    "decisions",
+    "u_hist",
+)
+
+
+def _check_policy_sizes(policy: object) -> None:
+    sizes = ("max_depth", "max_width", "topk", "capacity", "is_cast")
+    if not all(hasattr(policy, a) for a in sizes):
+        raise ValueError(
+            f"Invalid type of policy: expected treeops.EagleStatic or treeops.Cast, "
+            f"got {type(policy).__name__}"
+        )
+
+
+@dataclass
+class DraftState:
+    """The candidates of one decoding step and the decisions taken so far (device tensors).
+
+    Shapes (B requests, D = policy.max_depth, W = policy.max_width, K = policy.topk, C = W*K):
+
+    | field | shape, dtype | meaning |
+    | --- | --- | --- |
+    | ``root_tokens`` | [B] int64 | the root (last accepted token) of each request |
+    | ``seq_lens`` | [B] int64 | tokens in the cache (CAST prices the context from these) |
+    | ``active`` | [B] bool | inactive rows draft nothing and emit ``num_nodes = 0`` |
+    | ``cand_tokens`` | [B, D, C] int64 | candidate token (valid for layers < ``layer``) |
+    | ``cand_scores`` | [B, D, C] float32 | path score; -1 = no candidate |
+    | ``cand_parents`` | [B, D, C] int32 | parent's candidate index; -1 = the root |
+    | ``frontier`` | [B, W] int32 | candidate index of each frontier row (-1: root or unused) |
+    | ``frontier_tokens`` | [B, W] int64 | token of each frontier row (the next draft input) |
+    | ``frontier_scores`` | [B, W] float32 | path score; -1 = unused row |
+    | ``decisions`` | [2D + 1] int32 | ``widths`` [D], ``flags`` [D] (1 = draft layer i+1),
+      ``verify`` [1] (nodes sent to verification) |
+    | ``u_hist`` | [D] float32 | CAST: utility of the width chosen at each layer |
+
+    ``layer`` (a host int) counts the layers expanded this step. On CUDA the decisions are also
+    copied (non-blocking) to ``host_decisions``, a pinned buffer, after each expand/emit, with an
+    event per decision point; ``width(i)``, ``wants_next_layer()`` and ``verify_count()`` wait on
+    that event only (see ``publish`` for CUDA-graph replays).
+    """
+
+    root_tokens: torch.Tensor
+    seq_lens: torch.Tensor
+    active: torch.Tensor
+    cand_tokens: torch.Tensor
+    cand_scores: torch.Tensor
+    cand_parents: torch.Tensor
+    frontier: torch.Tensor
+    frontier_tokens: torch.Tensor
+    frontier_scores: torch.Tensor
+    decisions: torch.Tensor
+    u_hist: torch.Tensor
+    workspace: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    host_decisions: torch.Tensor | None = field(default=None, repr=False)
+    events: list[Any] = field(default_factory=list, repr=False)
+    layer: int = 0
+
+    @staticmethod
+    def new(
+        policy: Any,
+        root_tokens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        active: torch.Tensor | None = None,
+    ) -> DraftState:
+        """Allocate the buffers for ``policy`` and start a step (see ``reset``)."""
+        _check_policy_sizes(policy)
+        check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64)
+        B = root_tokens.shape[0]
+        dev = root_tokens.device
+        D, W, K = policy.max_depth, policy.max_width, policy.topk
+        C = W * K
+        N = policy.capacity
+        decisions = torch.zeros(2 * D + 1, dtype=torch.int32, device=dev)
+        st = DraftState(
+            root_tokens=torch.zeros(B, dtype=torch.int64, device=dev),
+            seq_lens=torch.zeros(B, dtype=torch.int64, device=dev),
+            active=torch.zeros(B, dtype=torch.bool, device=dev),
+            cand_tokens=torch.zeros(B, D, C, dtype=torch.int64, device=dev),
+            cand_scores=torch.full((B, D, C), -1.0, dtype=torch.float32, device=dev),
+            cand_parents=torch.full((B, D, C), -1, dtype=torch.int32, device=dev),
+            frontier=torch.full((B, W), -1, dtype=torch.int32, device=dev),
+            frontier_tokens=torch.zeros(B, W, dtype=torch.int64, device=dev),
+            frontier_scores=torch.full((B, W), -1.0, dtype=torch.float32, device=dev),
+            decisions=decisions,
+            u_hist=torch.zeros(D, dtype=torch.float32, device=dev),
+        )
+        # kernel workspace: arrival counters (zero between launches), per-request prefix sums,
+        # rerank selection
+        st.workspace = {
+            "counters": torch.zeros(B + 1, dtype=torch.int32, device=dev),
+            "cum": torch.zeros(B, max(W, N), dtype=torch.float32, device=dev),
+            "sel": torch.zeros(B, N, dtype=torch.int32, device=dev),
+            "pos": torch.zeros(B, D * C, dtype=torch.int32, device=dev),
+        }
+        if dev.type == "cuda":
+            st.host_decisions = torch.zeros(2 * D + 1, dtype=torch.int32, pin_memory=True)
+            st.events = [torch.cuda.Event() for _ in range(D + 1)]
+        if policy.is_cast:
+            # Copy the cost table to the device now, outside any CUDA-graph capture.
+            policy.cost_table.device_tables(B, dev)
+        st.reset(root_tokens, seq_lens, active)
+        return st
+
+    def reset(
+        self, root_tokens: torch.Tensor, seq_lens: torch.Tensor, active: torch.Tensor | None = None
+    ) -> DraftState:
+        """Start a decoding step in place (no allocation, no host sync); the frontier = the root."""
+        sizes = {"B": self.active.shape[0]}
+        check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64, sizes=sizes)
+        check_tensor(
+            "seq_lens", seq_lens, shape=("B",), dtype=(torch.int32, torch.int64), sizes=sizes
+        )
+        if active is not None:
+            check_tensor("active", active, shape=("B",), dtype=torch.bool, sizes=sizes)
+        check_same_device(
+            state=self.active, root_tokens=root_tokens, seq_lens=seq_lens, active=active
+        )
+        self.root_tokens.copy_(root_tokens)
+        self.seq_lens.copy_(seq_lens)
+        if active is None:
+            self.active.fill_(True)
+        else:
+            self.active.copy_(active)
+        self.frontier.fill_(-1)
+        self.frontier_tokens.zero_()
+        self.frontier_tokens[:, 0] = self.root_tokens
+        self.frontier_scores.fill_(-1.0)
+        self.frontier_scores[:, 0].masked_fill_(self.active, 1.0)
+        self.decisions.zero_()
+        self.u_hist.zero_()
+        self.layer = 0
+        return self
+
+    # -------------------------------------------------------------- decisions
+    def to(self, device: torch.device | str) -> DraftState:
+        """A copy with every tensor (workspace included) cloned onto ``device``, e.g. a CPU
+        snapshot for the reference; the copy has no pinned decision buffer (its ``width()`` etc.
+        read ``decisions`` directly)."""
+        c = copy.copy(self)
+        for f in STATE_TENSORS:
+            setattr(c, f, getattr(self, f).to(device, copy=True))
+        c.workspace = {k: v.to(device, copy=True) for k, v in self.workspace.items()}
+        c.host_decisions, c.events = None, []
+        return c
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.u_hist.shape[0])
+
+    @property
+    def widths(self) -> torch.Tensor:
+        return self.decisions[: self.max_depth]
+
+    @property
+    def flags(self) -> torch.Tensor:
+        return self.decisions[self.max_depth : 2 * self.max_depth]
+
+    @property
+    def verify(self) -> torch.Tensor:
+        return self.decisions[2 * self.max_depth :]
+
+    @property
+    def frontier_valid(self) -> torch.Tensor:
+        """[B, W] bool: frontier rows that hold a node (the others' logits are ignored)."""
+        return self.frontier_scores >= 0
+
+    def publish(self, point: int) -> None:
+        """Copy the decisions to the pinned host buffer (non-blocking) and record decision point
+        ``point``'s event (layer i: ``i``; the rerank: ``max_depth``). The public ops do this
+        after each launch, except while a CUDA graph is being captured: a decoder replaying
+        captured expand/emit launches calls ``publish`` itself after each replay."""
+        if self.host_decisions is not None and not torch.cuda.is_current_stream_capturing():
+            self.host_decisions.copy_(self.decisions, non_blocking=True)
+            self.events[point].record()
+
+    def _host(self, point: int) -> torch.Tensor:
+        if self.host_decisions is None:
+            return self.decisions.cpu()
+        self.events[point].synchronize()
+        return self.host_decisions
+
+    def width(self, i: int) -> int:
+        """Width chosen at draft layer ``i`` (rows of the next draft forward); one event wait.
+        Under CAST at most the most valid frontier rows of any active request (at least 1)."""
+        return int(self._host(i)[i])
+
+    def wants_next_layer(self) -> bool:
+        """Whether the policy drafts layer ``self.layer`` (False before any layer: never)."""
+        if self.layer == 0:
+            return True
+        i = self.layer - 1
+        return bool(self._host(i)[self.max_depth + i]) and self.layer < self.max_depth
+
+    def verify_count(self) -> int:
+        """Nodes per request sent to verification (root included), after ``build_tree_emit``.
+        Under CAST ``max(num_nodes)`` of the emitted tree (1 if no request is active); EAGLE: its
+        budget."""
+        return int(self._host(self.max_depth)[2 * self.max_depth])

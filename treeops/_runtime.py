@@ -1,0 +1,57 @@
+"""Runtime facts the kernels' launchers share: interpreter mode, SM count, capture state.
+
+Nothing here touches ``triton.runtime.driver.active`` or CUDA at import time: on a machine with no
+GPU both raise, and the interpreter tests import every launcher.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreted() -> bool:
+    """Whether Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Triton fixes this when a kernel is decorated, so it must be set before treeops is imported;
+    launchers read it to pick CPU-sized tiles and fp32 dot operands."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= max(n, 1)."""
+    n = max(int(n), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive b."""
+    return -(-a // b)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``, asked lazily and cached per GPU; a pretend 4 off the
+    GPU, so that interpreter tests exercise the multi-program (split) paths of the launchers."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_sm_count(index)
+    return 4
+
+
+def refuse_in_capture(what: str) -> None:
+    """Raise if a CUDA graph is being captured: ``what`` (a buffer a launcher caches for later
+    calls) must be built by an eager call first. Built during a capture, its initialisation would
+    only be recorded in that graph, and every other call (eager, or other graphs) would read it
+    uninitialised until the graph first replays."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"treeops: {what} is built on the first call and cached; make one call outside "
+            "CUDA-graph capture first (the warm-up call before capturing)"
+        )

@@ -1,0 +1,152 @@
+"""KV append with RoPE (docs/design.md op 1).
+
+``kv_append`` writes the tree's K/V into the paged cache at slots ``seq_lens[b] + i``, rotating K
+by RoPE at position ``seq_lens[b] + depth[b, i]`` on the way in. CUDA tensors run the Triton
+kernel (``treeops.kernels.kv_append``); CPU tensors run the PyTorch reference
+(``treeops.reference.kv_append``). No host sync, so it can be captured in a CUDA graph.
+``rope`` rotates queries the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import (
+    FLOAT_DTYPES,
+    check_head_dim,
+    check_range,
+    check_same_device,
+    check_tensor,
+    cuda_device,
+)
+from .reference import kv_append as _ref_kv
+
+__all__ = ["kv_append", "rope"]
+
+
+def kv_append(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_tokens: torch.Tensor,
+    depth: torch.Tensor | None = None,
+    *,
+    rope_theta: float = 10000.0,
+    validate: bool = False,
+) -> None:
+    """Write new K/V into the paged caches, rotating K by RoPE on the way (in place).
+
+    Args:
+        k, v: [B, N, H_kv, D] (the forward's K/V projections of the tree nodes, or of a prefill
+            chunk), fp16/bf16/fp32, any strides; D in {64, 128, 256}.
+        k_cache, v_cache: [num_pages, page_size, H_kv, D], k's dtype, any strides.
+        block_table: [B, max_pages] int32 (unit stride along max_pages); seq_lens: [B] int32.
+        num_tokens: [B] int32, tokens of request b to write (``tree.num_nodes`` when verifying).
+            The [B] inputs need unit stride (no stride-0 ``expand``).
+        depth: [B, N] int32 (``tree.depth``), or None for consecutive positions (prefill).
+        rope_theta: RoPE base (Llama's ``rope_theta``); layout is Llama's ``rotate_half``.
+        validate: also check value ranges (syncs with the host).
+
+    Token i < ``num_tokens[b]`` lands in slot ``seq_lens[b] + i``; K is rotated at position
+    ``seq_lens[b] + depth[b, i]`` (``seq_lens[b] + i`` without ``depth``). One launch for the
+    batch on CUDA; no host sync.
+
+    Shapes, dtypes, devices and strides are always checked; values are the caller's
+    responsibility when ``validate=False``: out-of-range indices (``block_table`` entries outside
+    the cache, ``seq_lens + num_tokens`` beyond the block table, ``num_tokens > N``, negative
+    ``seq_lens``) are undefined behaviour (a write outside the cache); ``validate=True`` checks
+    them (with a host sync).
+
+    Example:
+        >>> import torch, treeops
+        >>> k_cache = torch.zeros(4, 16, 2, 64); v_cache = torch.zeros(4, 16, 2, 64)
+        >>> bt = torch.tensor([[2, 3]], dtype=torch.int32)
+        >>> k = torch.randn(1, 3, 2, 64); v = torch.randn(1, 3, 2, 64)
+        >>> treeops.kv_append(k, v, k_cache, v_cache, bt, torch.tensor([15], dtype=torch.int32),
+        ...                   torch.tensor([3], dtype=torch.int32))
+        >>> bool((v_cache[3, 0] == v[0, 1]).all())
+        True
+    """
+    sizes: dict[str, int] = {}
+    check_tensor("k", k, shape=("B", "N", "H_kv", "D"), dtype=FLOAT_DTYPES, sizes=sizes)
+    check_head_dim("k", sizes["D"])
+    check_tensor("v", v, shape=("B", "N", "H_kv", "D"), dtype=k.dtype, sizes=sizes)
+    check_tensor(
+        "k_cache", k_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype, sizes=sizes
+    )
+    check_tensor(
+        "v_cache", v_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype, sizes=sizes
+    )
+    check_tensor(
+        "block_table",
+        block_table,
+        shape=("B", None),
+        dtype=torch.int32,
+        sizes=sizes,
+        unit_last=True,
+    )
+    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True)
+    check_tensor(
+        "num_tokens", num_tokens, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True
+    )
+    if depth is not None:
+        check_tensor("depth", depth, shape=("B", "N"), dtype=torch.int32, sizes=sizes)
+    if not (isinstance(rope_theta, (int, float)) and rope_theta > 0):
+        raise ValueError(
+            f"Invalid value of rope_theta: expected a positive float, got {rope_theta!r}"
+        )
+    check_same_device(
+        k=k,
+        v=v,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        num_tokens=num_tokens,
+        depth=depth,
+    )
+    if validate:
+        capacity = block_table.shape[1] * sizes["page_size"]
+        check_range("seq_lens", seq_lens, 0, None)
+        check_range("num_tokens", num_tokens, 0, sizes["N"] + 1)
+        check_range("block_table", block_table, 0, sizes["P"])
+        if int((seq_lens.long() + num_tokens.long()).max()) > capacity:
+            raise ValueError(
+                f"Invalid value in seq_lens: seq_lens + num_tokens exceeds the "
+                f"block table's capacity of {capacity} slots"
+            )
+    if k.device.type != "cuda":
+        _ref_kv.kv_append(
+            k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta=rope_theta
+        )
+        return
+    from .kernels import kv_append as _k
+
+    with cuda_device(k):
+        _k.kv_append_fwd(
+            k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, float(rope_theta)
+        )
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotate ``x`` [..., H, D] by RoPE at integer ``positions`` [...] (Llama ``rotate_half``
+    layout, fp32 math, x's dtype out); e.g. ``rope(q, tree.positions(seq_lens))`` for queries.
+
+    Example:
+        >>> import torch, treeops
+        >>> x = torch.randn(2, 4, 8, 64)
+        >>> y = treeops.rope(x, torch.zeros(2, 4, dtype=torch.int64))
+        >>> bool(torch.allclose(x, y))
+        True
+    """
+    check_tensor("x", x, dtype=FLOAT_DTYPES)
+    check_tensor(
+        "positions", positions, shape=tuple(x.shape[:-2]), dtype=(torch.int32, torch.int64)
+    )
+    if x.shape[-1] % 2:
+        raise ValueError(f"Invalid head dim of x: expected an even number, got {x.shape[-1]}")
+    check_same_device(x=x, positions=positions)
+    return _ref_kv.rope(x, positions, theta)
