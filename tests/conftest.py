@@ -74,6 +74,15 @@ def _seed_and_poison(monkeypatch):
     yield
 
 
+def pytest_configure(config):
+    # The Triton 3.6 interpreter indexes with 1-element arrays (interpreter.py, ``__index__``),
+    # which NumPy >= 1.25 deprecates: thousands of identical warnings about Triton, not treeops.
+    config.addinivalue_line(
+        "filterwarnings",
+        "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning:triton",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available() and os.environ.get("TREEOPS_GPU_TESTS") == "1":
         return

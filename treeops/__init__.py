@@ -16,6 +16,7 @@ from . import compact_kv as _compact
 from . import graft as _graft
 from . import kv_append as _kv_append
 from . import tree_attention as _tree_attention
+from ._version import __version__
 from .accept import *  # noqa: F403
 from .build_tree import *  # noqa: F403
 from .cast import *  # noqa: F403
@@ -24,8 +25,6 @@ from .graft import *  # noqa: F403
 from .kv_append import *  # noqa: F403
 from .tree import Tree, anc_words
 from .tree_attention import *  # noqa: F403
-
-__version__ = "0.1.0"
 
 __all__ = ["Tree", "anc_words", "__version__"]
 for _m in (_tree_attention, _kv_append, _build, _cast, _graft, _accept, _compact):

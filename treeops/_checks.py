@@ -166,6 +166,8 @@ def cuda_device(t: torch.Tensor) -> AbstractContextManager:
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SEQ_LEN_DTYPES = (torch.int32, torch.int64)
+"""Every op that takes ``seq_lens`` accepts both (the kernels load either and compute in int64)."""
 HEAD_DIMS = (64, 128, 256)
 
 

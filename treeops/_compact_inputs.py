@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import check_range, check_same_device, check_tensor
+from ._checks import SEQ_LEN_DTYPES, check_range, check_same_device, check_tensor
 from .tree import check_tree
 
 Caches = torch.Tensor | Sequence[torch.Tensor]
@@ -74,11 +74,13 @@ def check_compact_inputs(
         raise ValueError(f"Invalid number of layers in v_caches: expected {nk}, got {nv}")
     sizes = {"B": tree.batch_size, "N": tree.capacity}
     # the kernel gets block_table's and accepted's row strides; the rest is read unit-stride
-    i32, ints = torch.int32, (torch.int32, torch.int64)
+    i32 = torch.int32
     check_tensor(
         "block_table", block_table, shape=("B", None), dtype=i32, sizes=sizes, unit_last=True
     )
-    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=ints, sizes=sizes, unit_last=True)
+    check_tensor(
+        "seq_lens", seq_lens, shape=("B",), dtype=SEQ_LEN_DTYPES, sizes=sizes, unit_last=True
+    )
     check_tensor("accepted", accepted, shape=("B", "N"), dtype=i32, sizes=sizes, unit_last=True)
     check_tensor("accept_len", accept_len, shape=("B",), dtype=i32, sizes=sizes, unit_last=True)
     if out is not None:

@@ -86,7 +86,7 @@ def accept_greedy(
         ...     torch.tensor([4], dtype=torch.int32), torch.tensor([[7, 3, 5, 2]]))
         >>> logits = torch.zeros(1, 4, 8); logits[0, 0, 3] = 1; logits[0, 1, 2] = 1
         >>> logits[0, 3, 6] = 1
-        >>> r = treeops.accept_greedy(t, logits)
+        >>> r = treeops.accept_greedy(t, logits, validate=True)
         >>> r.accepted.tolist(), r.accept_len.tolist(), r.bonus.tolist()
         ([[0, 1, 3, -1]], [3], [6])
     """
@@ -175,7 +175,7 @@ def accept_sample(
         ...     torch.tensor([2], dtype=torch.int32), torch.tensor([[7, 3]]))
         >>> logits = torch.zeros(1, 2, 4)
         >>> r = treeops.accept_sample(t, logits, torch.ones(1), torch.zeros(1, dtype=torch.int32),
-        ...     torch.ones(1), torch.tensor([[0.1, 0.6]]))
+        ...     torch.ones(1), torch.tensor([[0.1, 0.6]]), validate=True)
         >>> r.accepted.tolist(), r.accept_len.tolist(), r.bonus.tolist()
         ([[0, 1]], [2], [2])
     """

@@ -188,7 +188,8 @@ def build_tree_expand(
         >>> import torch, treeops
         >>> pol = treeops.EagleStatic(depth=2, topk=2, budget=4)
         >>> st = treeops.DraftState.new(pol, torch.tensor([7]), torch.tensor([5]))
-        >>> treeops.build_tree_expand(torch.tensor([[[0., 2., 1.], [0., 0., 0.]]]), st, pol)
+        >>> treeops.build_tree_expand(torch.tensor([[[0., 2., 1.], [0., 0., 0.]]]), st, pol,
+        ...                           validate=True)
         >>> st.frontier_tokens.tolist(), st.layer
         ([[1, 2]], 1)
     """

@@ -63,12 +63,13 @@ def compact_kv(
     Example:
         >>> import torch, treeops
         >>> t = treeops.Tree.from_parents(torch.tensor([[-1, 0, 0]], dtype=torch.int32),
-        ...                               torch.tensor([3], dtype=torch.int32))
+        ...                               torch.tensor([3], dtype=torch.int32),
+        ...                               torch.tensor([[9, 4, 6]]))
         >>> k = torch.arange(8.).reshape(1, 1, 8, 1, 1); v = -k
         >>> bt = torch.zeros(1, 1, dtype=torch.int32)
         >>> new = treeops.compact_kv(k, v, bt, torch.tensor([4], dtype=torch.int32), t,
         ...                          torch.tensor([[0, 2, -1]], dtype=torch.int32),
-        ...                          torch.tensor([2], dtype=torch.int32))
+        ...                          torch.tensor([2], dtype=torch.int32), validate=True)
         >>> new.tolist(), k.flatten().tolist()
         ([6], [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 6.0, 7.0])
     """

@@ -9,6 +9,7 @@ JSON, and copied to the device once per batch size for the kernels (``device_tab
 from __future__ import annotations
 
 import json
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton
+
+from ._version import __version__
 
 __all__ = ["CostTable", "default_meta", "timing_meta"]
 
@@ -409,16 +413,9 @@ class CostTable:
 
 def default_meta(device: torch.device | str | None = None) -> dict[str, Any]:
     """GPU name and library versions, recorded with every calibrated table."""
-    import platform
-
-    import triton
-
     dev = _device(device)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor()})"
-    try:
-        from treeops import __version__ as tv
-    except ImportError:  # pragma: no cover
-        tv = "unknown"
+    tv = __version__
     return {
         "gpu": gpu,
         "versions": {

@@ -25,7 +25,7 @@ Example (CPU):
     >>> tree = treeops.Tree.from_parents(torch.full((1, 8), -1, dtype=torch.int32),  # N = 8
     ...                                  torch.tensor([1], dtype=torch.int32),    # root only
     ...                                  tokens=torch.tensor([[3, 0, 0, 0, 0, 0, 0, 0]]))
-    >>> hybrid = treeops.graft(tree, table, treeops.RankTemplate.chain(4), budget=8)
+    >>> hybrid = treeops.graft(tree, table, treeops.RankTemplate.chain(4), budget=8, validate=True)
     >>> hybrid.tokens[0, :hybrid.num_nodes[0]].tolist()
     [3, 5, 7, 9, 11]
 """

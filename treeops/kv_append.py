@@ -1,4 +1,4 @@
-"""KV append with RoPE (docs/design.md op 1).
+"""KV append with RoPE (docs/design.md op 2).
 
 ``kv_append`` writes the tree's K/V into the paged cache at slots ``seq_lens[b] + i``, rotating K
 by RoPE at position ``seq_lens[b] + depth[b, i]`` on the way in. CUDA tensors run the Triton
@@ -13,6 +13,7 @@ import torch
 
 from ._checks import (
     FLOAT_DTYPES,
+    SEQ_LEN_DTYPES,
     check_head_dim,
     check_range,
     check_same_device,
@@ -43,7 +44,8 @@ def kv_append(
         k, v: [B, N, H_kv, D] (the forward's K/V projections of the tree nodes, or of a prefill
             chunk), fp16/bf16/fp32, any strides; D in {64, 128, 256}.
         k_cache, v_cache: [num_pages, page_size, H_kv, D], k's dtype, any strides.
-        block_table: [B, max_pages] int32 (unit stride along max_pages); seq_lens: [B] int32.
+        block_table: [B, max_pages] int32 (unit stride along max_pages).
+        seq_lens: [B] int32 or int64.
         num_tokens: [B] int32, tokens of request b to write (``tree.num_nodes`` when verifying).
             The [B] inputs need unit stride (no stride-0 ``expand``).
         depth: [B, N] int32 (``tree.depth``), or None for consecutive positions (prefill).
@@ -66,7 +68,7 @@ def kv_append(
         >>> bt = torch.tensor([[2, 3]], dtype=torch.int32)
         >>> k = torch.randn(1, 3, 2, 64); v = torch.randn(1, 3, 2, 64)
         >>> treeops.kv_append(k, v, k_cache, v_cache, bt, torch.tensor([15], dtype=torch.int32),
-        ...                   torch.tensor([3], dtype=torch.int32))
+        ...                   torch.tensor([3], dtype=torch.int32), validate=True)
         >>> bool((v_cache[3, 0] == v[0, 1]).all())
         True
     """
@@ -88,7 +90,9 @@ def kv_append(
         sizes=sizes,
         unit_last=True,
     )
-    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True)
+    check_tensor(
+        "seq_lens", seq_lens, shape=("B",), dtype=SEQ_LEN_DTYPES, sizes=sizes, unit_last=True
+    )
     check_tensor(
         "num_tokens", num_tokens, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True
     )

@@ -1,4 +1,4 @@
-"""Tree-masked paged attention (docs/design.md op 2).
+"""Tree-masked paged attention (docs/design.md op 1).
 
 ``tree_attention`` verifies (all tree nodes as queries) or drafts (the newest frontier) against a
 paged KV cache whose first ``seq_lens[b]`` slots are the request's prefix and whose next
@@ -20,6 +20,7 @@ import torch
 
 from ._checks import (
     FLOAT_DTYPES,
+    SEQ_LEN_DTYPES,
     check_head_dim,
     check_range,
     check_same_device,
@@ -74,7 +75,9 @@ def _check_attention(
         sizes=sizes,
         unit_last=True,
     )
-    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True)
+    check_tensor(
+        "seq_lens", seq_lens, shape=("B",), dtype=SEQ_LEN_DTYPES, sizes=sizes, unit_last=True
+    )
     if q_start is not None:
         check_tensor(
             "q_start", q_start, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True
@@ -165,7 +168,8 @@ def tree_attention(
             b hold its prefix, slot ``seq_lens[b] + j`` tree node j (``kv_append`` puts it there).
         block_table: [B, max_pages] int32 (unit stride along max_pages), page ids of each
             request's logical pages; it must cover ``seq_lens[b] + num_nodes[b]`` slots.
-        seq_lens: [B] int32, prefix length of each request (unit stride, as every [B] input).
+        seq_lens: [B] int32 or int64, prefix length of each request (unit stride, as every
+            [B] input).
         tree: the ``Tree`` (``num_nodes`` and ``anc`` are read). H_q must be a multiple of H_kv;
             query head h reads KV head ``h // (H_q // H_kv)``. B x H_kv <= 65535 (a grid axis
             of the GPU kernel; checked on every device, so that a CPU run fails as a GPU one would).
@@ -192,13 +196,14 @@ def tree_attention(
     Example:
         >>> import torch, treeops
         >>> tree = treeops.Tree.from_parents(torch.tensor([[-1, 0, 0, 1]], dtype=torch.int32),
-        ...                                  torch.tensor([4], dtype=torch.int32))
+        ...                                  torch.tensor([4], dtype=torch.int32),
+        ...                                  torch.tensor([[7, 3, 5, 2]]))
         >>> k_cache = torch.randn(2, 16, 2, 64); v_cache = torch.randn(2, 16, 2, 64)
         >>> block_table = torch.tensor([[1, 0]], dtype=torch.int32)
         >>> seq_lens = torch.tensor([10], dtype=torch.int32)
         >>> q = torch.randn(1, 4, 8, 64)
         >>> out, lse = treeops.tree_attention(q, k_cache, v_cache, block_table, seq_lens, tree,
-        ...                                   return_lse=True)
+        ...                                   return_lse=True, validate=True)
         >>> out.shape, lse.shape
         (torch.Size([1, 4, 8, 64]), torch.Size([1, 4, 8]))
     """
