@@ -1,96 +1,46 @@
-"""Acceptance and KV-compaction benchmark on one GPU (docs/design.md ops 7-8, docs/benchmarks.md protocol).
+"""Acceptance on one GPU (docs/design.md op 7, docs/benchmarks.md protocol).
 
     python bench/bench_accept.py --out DIR          # writes DIR/accept.json, prints a table
+    python -m pytest bench/bench_accept.py --benchmark-only     # one row per op, pytest-benchmark
 
 Rows: greedy and sampling acceptance, B in {1, 8, 64}, N = 64, V in {32000, 128256}, bf16 logits,
 against the usual two-step pipeline -- torch argmax (or softmax / top-k / top-p over the whole
 logits) and then a per-request tree walk in torch, vectorised over the batch, on device --
 and, for sampling, FlashInfer's softmax / top-k / top-p renorm kernels as the first step where
-``flashinfer.sampling`` imports. compact_kv: 32 layers, 8 KV heads, D = 128, bf16, page size 16,
-B in {1, 8, 64}, every request's accepted path (0, 2, 5, 9, 14), against torch advanced-index
-gather/scatter. Every op is checked before it is timed (treeops against the CPU reference on a
-subset of requests; the torch pipeline's agreement with treeops is reported). Times are medians
-of CUDA-graph replays (each graph holds several calls on rotated inputs so the 60 MB L2 does not
-flatter small cases). Floor = max(bytes / 4.3 TB/s, an empty Triton kernel replayed in a CUDA
-graph, measured in this run); bytes = logits read once, or the moved K/V read and written once.
+``flashinfer.sampling`` imports. Every op is checked before it is timed (treeops against the CPU
+reference on a subset of requests; the torch pipeline's agreement with treeops is reported).
+Times are medians of CUDA-graph replays (``harness.graph_us``: each graph holds several calls on
+rotated inputs so the 60 MB L2 does not flatter small cases); ``treeops_eager_us`` is one eager
+call with the host included. Floor = max(bytes / 4.3 TB/s, an empty Triton kernel replayed in a
+CUDA graph, measured in this run); bytes = logits read once. KV compaction: bench_compact_kv.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import random
-import statistics
-import subprocess
-import sys
 import time
 
+import harness as H
+import pytest
 import torch
-import triton
 
 import treeops
 from treeops.kernels.accept import accept_launch
 from treeops.reference import accept as ref
 
-HBM_BYTES_PER_S = 4.3e12
 DEV = "cuda"
 
 
-@triton.jit
-def _empty_kernel(x_ptr):
-    pass
-
-
-# ------------------------------------------------------------------------------------ timing
-def graph_time_us(calls, reps: int, iters: int = 10) -> float:
-    """Median time per call of ``calls`` (a list of closures, e.g. one per rotated input set)
-    replayed ``reps`` times inside one CUDA graph."""
-    if DEV == "cpu":  # --cpu-dry-run: exercise the script's logic under the interpreter
-        t0 = time.perf_counter()
-        for f in calls:
-            f()
-        return (time.perf_counter() - t0) * 1e6 / len(calls)
-    for f in calls:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for f in calls:
-                f()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (reps * len(calls)))
-    del g
-    return statistics.median(times)
-
-
-def empty_kernel_us() -> float:
-    x = torch.zeros(1, device=DEV)
-    if DEV == "cpu":
-        return 0.0
-    return graph_time_us([lambda: _empty_kernel[(1,)](x)], reps=200)
+def graph_time_us(calls, reps: int) -> float:
+    """Median µs per call of ``calls`` replayed ``reps`` times in one CUDA graph (``--cpu-dry-run``:
+    wall-clock)."""
+    return H.graph_us(calls, reps, replays=20, device=DEV)
 
 
 def rotation(nbytes: int) -> tuple[int, int]:
-    """(copies, reps): enough input copies to exceed ~2x the L2, and about 24 calls a graph."""
-    copies = max(1, min(32, math.ceil(128e6 / max(nbytes, 1))))
-    if DEV == "cpu":
-        copies = 2
-    reps = max(1, min(12, 24 // copies))
-    if nbytes > 256e6:
-        reps = 1
-    return copies, reps
+    return (2, 1) if DEV == "cpu" else H.rotation(nbytes)
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -329,7 +279,12 @@ def agreement(a_path, a_len, a_bonus, res) -> float:
 
 
 # ------------------------------------------------------------------------------------ rows
-def bench_accept_row(op: str, B: int, V: int, empty_us: float, fi, params=None) -> dict:
+def bench_accept_row(
+    op: str, B: int, V: int, empty_us: float, fi, params=None, time_treeops=None
+) -> dict:
+    """One acceptance row: checked against the reference first (an incorrect row has no times).
+    ``time_treeops(calls, reps)`` times treeops' calls (default: ``graph_time_us``)."""
+    time_treeops = time_treeops or graph_time_us
     N = 64
     seed = B * 131 + V
     tree = bench_tree(B, N, V, seed)
@@ -339,11 +294,10 @@ def bench_accept_row(op: str, B: int, V: int, empty_us: float, fi, params=None) 
     boost = 16.0 if op == "sampling" else 4.0
     lgs = [bench_logits(tree, V, seed + c, boost) for c in range(copies)]
     row = dict(op=op, B=B, N=N, V=V, dtype="bfloat16", copies=copies, reps=reps)
-    floor_bytes_us = nbytes / HBM_BYTES_PER_S * 1e6
     row.update(
-        floor_bytes_us=floor_bytes_us,
+        floor_bytes_us=H.bytes_floor_us(nbytes),
         empty_kernel_us=empty_us,
-        floor_us=max(floor_bytes_us, empty_us),
+        floor_us=H.floor_us(nbytes, empty_us=empty_us),
     )
     if op == "greedy":
         res = treeops.accept_greedy(tree, lgs[0])
@@ -353,8 +307,11 @@ def bench_accept_row(op: str, B: int, V: int, empty_us: float, fi, params=None) 
             return row
         path, L, bonus = torch_walk_greedy(lgs[0].argmax(-1), tree, steps)
         row["torch_agrees"] = agreement(path, L, bonus, res)
-        row["treeops_us"] = graph_time_us(
+        row["treeops_us"] = time_treeops(
             [lambda x=x: treeops.accept_greedy(tree, x) for x in lgs], reps
+        )
+        row["treeops_eager_us"] = H.eager_us(
+            lambda x=lgs[0]: treeops.accept_greedy(tree, x), device=DEV
         )
         row["treeops_two_launch_us"] = graph_time_us(
             [lambda x=x: accept_launch(tree, x, phase=1) for x in lgs], reps
@@ -385,8 +342,11 @@ def bench_accept_row(op: str, B: int, V: int, empty_us: float, fi, params=None) 
         del probs
         row["torch_agrees"] = agreement(path, L, bonus, res)
         pairs = list(zip(lgs, us))
-        row["treeops_us"] = graph_time_us(
+        row["treeops_us"] = time_treeops(
             [lambda x=x, u=u: treeops.accept_sample(tree, x, T, k, p, u) for x, u in pairs], reps
+        )
+        row["treeops_eager_us"] = H.eager_us(
+            lambda x=lgs[0], u=us[0]: treeops.accept_sample(tree, x, T, k, p, u), device=DEV
         )
         row["treeops_two_launch_us"] = graph_time_us(
             [
@@ -441,92 +401,6 @@ def bench_accept_row(op: str, B: int, V: int, empty_us: float, fi, params=None) 
     return row
 
 
-def bench_compact_row(B: int, empty_us: float) -> dict:
-    Lyr, H, D, PS, N = (32, 8, 128, 16, 64) if DEV != "cpu" else (2, 2, 8, 16, 64)
-    path = [0, 2, 5, 9, 14]
-    seq0 = 1000 if DEV != "cpu" else 20
-    pages = -(-(seq0 + N) // PS)
-    P = B * pages + 1
-    perm = torch.randperm(P, generator=torch.Generator().manual_seed(B))[: B * pages]
-    bt = perm.view(B, pages).to(torch.int32).to(DEV)
-    kc = torch.empty(Lyr, P, PS, H, D, device=DEV, dtype=torch.bfloat16).normal_()
-    vc = torch.empty_like(kc).normal_()
-    seq = torch.full((B,), seq0, device=DEV, dtype=torch.int32)
-    rows_par = [[-1] + list(range(N - 1))] * B  # a chain: any depth exists
-    tree = treeops.Tree.from_parents(
-        torch.tensor(rows_par, dtype=torch.int32), torch.full((B,), N, dtype=torch.int32)
-    ).to(DEV)
-    # path (0, 2, 5, 9, 14) on a chain is not a root path, so the tree is only used for shapes;
-    # the kernel reads accepted / accept_len
-    acc = torch.full((B, N), -1, dtype=torch.int32, device=DEV)
-    acc[:, : len(path)] = torch.tensor(path, dtype=torch.int32, device=DEV)
-    alen = torch.full((B,), len(path), dtype=torch.int32, device=DEV)
-    moved = len(path) - 1
-    nbytes = B * Lyr * H * moved * D * 2 * 2 * 2  # K and V, read and written
-    floor_bytes_us = nbytes / HBM_BYTES_PER_S * 1e6
-    row = dict(
-        op="compact_kv",
-        B=B,
-        N=N,
-        V=None,
-        layers=Lyr,
-        kv_heads=H,
-        head_dim=D,
-        page_size=PS,
-        path=path,
-        floor_bytes_us=floor_bytes_us,
-        empty_kernel_us=empty_us,
-        floor_us=max(floor_bytes_us, empty_us),
-    )
-
-    # slots [s, s + N) of every request: before, and the expected after
-    slots = seq[:, None].long() + torch.arange(N, device=DEV)[None, :]
-    pg = bt.long().gather(1, slots // PS)
-    off = slots % PS
-    before_k, before_v = kc[:, pg, off].clone(), vc[:, pg, off].clone()  # [L, B, N, H, D]
-    want_k, want_v = before_k.clone(), before_v.clone()
-    src = torch.tensor(path, device=DEV)
-    want_k[:, :, : len(path)] = before_k[:, :, src]
-    want_v[:, :, : len(path)] = before_v[:, :, src]
-
-    def check(name):
-        ok = torch.equal(kc[:, pg, off], want_k) and torch.equal(vc[:, pg, off], want_v)
-        kc[:, pg, off] = before_k
-        vc[:, pg, off] = before_v
-        return ok
-
-    def run_treeops():
-        return treeops.compact_kv(kc, vc, bt, seq, tree, acc, alen)
-
-    d = torch.arange(1, len(path), device=DEV)
-
-    def run_torch():
-        # the usual recipe: physical indices from (seq_lens, accepted) on device, then one
-        # advanced-index gather (all sources first) and scatter per cache, every layer at once
-        s_src = seq[:, None].long() + acc[:, 1 : len(path)].long()
-        s_dst = seq[:, None].long() + d[None, :]
-        sp = bt.long().gather(1, s_src // PS).flatten()
-        so = (s_src % PS).flatten()
-        dp = bt.long().gather(1, s_dst // PS).flatten()
-        do = (s_dst % PS).flatten()
-        kc[:, dp, do] = kc[:, sp, so]
-        vc[:, dp, do] = vc[:, sp, so]
-        return seq + alen
-
-    new = run_treeops()
-    ok_t = check("treeops") and torch.equal(new, seq + alen)
-    run_torch()
-    ok_p = check("torch")
-    row.update(correct=ok_t, torch_correct=ok_p)
-    if not ok_t:
-        row["note"] = "treeops output does not match the expected cache"
-        return row
-    reps = 20 if B <= 8 else 5
-    row["treeops_us"] = graph_time_us([run_treeops], reps)
-    row["torch_us"] = graph_time_us([run_torch], reps)
-    return row
-
-
 def sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
     """Greedy (and temperature-only sampling) over launch configurations: vocabulary splits per
     node and block sizes; each configuration's outputs must equal the default launch's."""
@@ -542,7 +416,7 @@ def sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
             bases = [treeops.accept_greedy(tree, x) for x in lgs]
             ok, why = check_against_reference(tree, lgs[0], bases[0])
             assert ok, f"default greedy launch differs from the reference: {why}"
-            floor = max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us)
+            floor = H.floor_us(nbytes, empty_us=empty_us)
             for bv in (1024, 2048, 4096, 8192):
                 for S in (1, 2, 4, 8, 16, 32):
                     if S * bv > V:
@@ -631,44 +505,15 @@ def main() -> None:
             import flashinfer.sampling as fi  # noqa: F811
         except Exception as e:  # noqa: BLE001
             FI_REASON = f"flashinfer.sampling not importable: {type(e).__name__}: {e}"[:300]
-    versions = dict(
-        torch=torch.__version__,
-        triton=triton.__version__,
-        cuda=torch.version.cuda,
-        python=sys.version.split()[0],
-        treeops=treeops.__version__,
-    )
-    if fi is not None:
-        import flashinfer
-
-        versions["flashinfer"] = getattr(flashinfer, "__version__", "?")
-    commit = os.environ.get("TREEOPS_COMMIT")
-    if not commit:
-        try:
-            here = os.path.dirname(os.path.abspath(__file__))
-            commit = (
-                subprocess.run(
-                    ["git", "rev-parse", "HEAD"],
-                    cwd=here,
-                    capture_output=True,
-                    text=True,
-                    timeout=10,
-                ).stdout.strip()
-                or "unknown"
-            )
-        except Exception:  # noqa: BLE001
-            commit = "unknown"
-    empty_us = empty_kernel_us()
+    empty_us = H.empty_kernel_us(DEV)
     Bs = [8] if args.quick else [1, 8, 64]
     Vs = [32000] if args.quick else [32000, 128256]
     if args.cpu_dry_run:
         Bs, Vs = [1, 2], [300]
     if args.sweep:
         rows = sweep_rows(empty_us, Bs, Vs)
-        with open(os.path.join(args.out, "accept_sweep.json"), "w") as f:
-            gpu = torch.cuda.get_device_name() if DEV != "cpu" else "cpu"
-            json.dump(dict(gpu=gpu, versions=versions, commit=commit,
-                           empty_kernel_graph_us=empty_us, rows=rows), f, indent=1)  # fmt: skip
+        doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)
+        H.write_json(os.path.join(args.out, "accept_sweep.json"), doc)
         for op in ("greedy_sweep", "sampling_sweep"):
             for V in Vs:
                 for B in Bs:
@@ -701,28 +546,18 @@ def main() -> None:
 
     def save():
         # rewritten after every row, so a stage time limit still leaves the rows measured so far
-        for r in rows:
-            if r.get("treeops_us"):
-                r["treeops_over_floor"] = r["treeops_us"] / r["floor_us"]
-                if r.get("torch_us"):
-                    r["treeops_over_torch"] = r["treeops_us"] / r["torch_us"]
-                if r.get("flashinfer_us"):
-                    r["treeops_over_flashinfer"] = r["treeops_us"] / r["flashinfer_us"]
-        out = dict(
-            gpu=torch.cuda.get_device_name() if DEV != "cpu" else "cpu (dry run)",
-            versions=versions,
-            commit=commit,
-            date=time.strftime("%Y-%m-%d"),
-            hbm_bytes_per_s=HBM_BYTES_PER_S,
+        H.ratios(rows, ("torch", "flashinfer"))
+        out = H.result_doc(
+            DEV,
+            hbm_bytes_per_s=H.HBM_BYTES_PER_S,
             empty_kernel_graph_us=empty_us,
             wall_s=round(time.time() - t_start, 1),
             rows=rows,
         )
-        with open(path, "w") as f:
-            json.dump(out, f, indent=1)
+        H.write_json(path, out)
         return out
 
-    jobs = [lambda B=B: bench_compact_row(B, empty_us) for B in Bs]
+    jobs = []
     for op, params in (("greedy", None), ("sampling", (0.8, 0, 1.0)), ("sampling", (0.8, 50, 0.9))):
         for V in Vs:
             for B in Bs:
@@ -746,7 +581,7 @@ def main() -> None:
         return "-" if x is None else (f"{x:.1f}" if isinstance(x, float) else str(x))
 
     print(
-        f"\n{out['gpu']}  commit {commit[:10]}  empty-kernel graph replay {empty_us:.2f} us"
+        f"\n{out['gpu']}  commit {out['commit'][:10]}  empty-kernel graph replay {empty_us:.2f} us"
         f"  ({out['wall_s']} s) -> {path}"
     )
     hdr = (
@@ -783,6 +618,33 @@ def main() -> None:
             r.get("mean_accept_len"),
         )
         print(" | ".join(f"{fmt(c):>10}" for c in cells))
+
+
+# ------------------------------------------------------------------------------ pytest
+def _flashinfer_sampling():
+    global FI_REASON
+    try:
+        import flashinfer.sampling as fi
+    except Exception as e:  # noqa: BLE001
+        FI_REASON = f"flashinfer.sampling not importable: {type(e).__name__}: {e}"[:300]
+        return None
+    return fi
+
+
+@pytest.mark.parametrize(
+    "op,params", [("greedy", None), ("sampling", (0.8, 50, 0.9))], ids=["greedy", "sampling"]
+)
+def test_accept(benchmark, op, params):
+    """B = 8, N = 64, V = 128256 (Llama 3), bf16 logits; sampling with temperature 0.8, top-k
+    50, top-p 0.9. Peers: the torch pipeline, and FlashInfer's renorm kernels where importable."""
+    fi = _flashinfer_sampling() if op == "sampling" else None
+    row = bench_accept_row(
+        op, 8, 128256, H.empty_kernel_us(), fi, params,
+        time_treeops=lambda calls, reps: H.benchmark_graph(benchmark, calls, reps),
+    )  # fmt: skip
+    assert row["correct"], row["note"]
+    H.ratios([row], ("torch", "flashinfer"))
+    H.record(benchmark, row)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""End-to-end speed of the example decoder (issue 7): tokens/s per policy and batch size against
+"""End-to-end speed of the example decoder: tokens/s per policy and batch size against
 plain autoregressive decoding of the same target, with the same paged cache and CUDA graphs.
 
     python bench/bench_e2e.py --out DIR [--quick] [--budget-s S]       # H200: trains the pair
@@ -59,8 +59,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -69,8 +67,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import harness as H  # noqa: E402
+
 from treeops import CostTable  # noqa: E402
-from treeops.decoder import Decoder, Draft, ModelConfig, Target  # noqa: E402
+from treeops.decoder import Decoder, Draft, ModelConfig, Target, make_policy  # noqa: E402
 from treeops.decoder.engine import DecodeResult, synthetic_cost_table  # noqa: E402
 from treeops.decoder.model import chain_tree, reference_forward  # noqa: E402
 from treeops.tree import Tree  # noqa: E402
@@ -255,13 +255,13 @@ STEP_GRAPH_POLICIES = ("autoregressive", "chain", "EagleStatic")
 
 
 def make_decoder(policy, target, draft, args, table, graphs, profile=False):
-    kw = dict(depth=args.depth, topk=args.topk, budget=args.budget, page_size=16)
-    if policy in ("Cast", "CastGraft"):
-        kw.update(cost_table=table, C1=args.C1, C2=args.C2, C3=args.C3)
+    pol = make_policy(policy, depth=args.depth, topk=args.topk, budget=args.budget,
+                      cost_table=table, C1=args.C1, C2=args.C2, C3=args.C3)  # fmt: skip
+    kw = dict(page_size=16)
     if getattr(args, "step_graphs", False) and policy in STEP_GRAPH_POLICIES:
         # one graph per whole step (eager step body, static shapes, without graphs)
         kw.update(step_graphs=True, static_shapes=True)
-    return Decoder(target, draft if policy != "autoregressive" else None, policy,
+    return Decoder(target, draft if policy != "autoregressive" else None, pol,
                    cuda_graphs=graphs, profile=profile, **kw)  # fmt: skip
 
 
@@ -421,8 +421,9 @@ def preflight(device) -> dict:
     for pol in ("autoregressive",) + SPEC_POLICIES:
         kw = dict(depth=4, topk=4, budget=16, cost_table=table) if pol != "autoregressive" else {}
         try:
-            eager = Decoder(target, draft if kw else None, pol, **kw).generate(prompts, 16)
-            dec = Decoder(target, draft if kw else None, pol, cuda_graphs=True, **kw)
+            policy = make_policy(pol, **kw)
+            eager = Decoder(target, draft if kw else None, policy).generate(prompts, 16)
+            dec = Decoder(target, draft if kw else None, policy, cuda_graphs=True)
             g1 = dec.generate(prompts, 16)
             g2 = dec.generate(prompts, 16)  # replays only
             # fp32: the graphs' bucketed GEMMs may round differently from the eager ones, so a
@@ -446,38 +447,15 @@ def preflight(device) -> dict:
 
 # ------------------------------------------------------------------------------------- io
 def env_info(device) -> dict:
-    import triton
-
-    here = os.path.dirname(os.path.abspath(__file__))
-
-    def git(*a):
-        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=here).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-    except OSError:
-        commit, dirty = "unknown", ""
-    if os.environ.get("TREEOPS_COMMIT"):  # the device's copy of .git can lag the working tree
-        commit, dirty = os.environ["TREEOPS_COMMIT"], ""
     return {
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "versions": {
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "python": platform.python_version(),
-            "cuda": torch.version.cuda,
-        },  # fmt: skip
-        "commit": (commit or "unknown") + (" (dirty)" if dirty else ""),
+        "gpu": H.gpu_name(device) if device.type == "cuda" else "cpu",
+        "versions": H.versions(),
+        "commit": H.commit(mark_dirty=True),
     }
 
 
 def write(out_dir, doc):
-    path = os.path.join(out_dir, "e2e.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
+    H.write_json(os.path.join(out_dir, "e2e.json"), doc)
 
 
 def plot(out_dir, rows) -> str | None:

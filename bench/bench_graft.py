@@ -12,30 +12,29 @@ default 80-node template and k = 8:
   (fused top-8 over V + duplicate resolution), against ``torch.topk`` + ``scatter_reduce``;
 - ``update_ids``: the same from acceptance's ``topk_ids`` (no logits pass).
 
-Every timed call is captured in a CUDA graph (R calls on rotated inputs per graph, so the L2
-does not hold them) and replayed; the time per call is the median over replays. The floor is
-max(bytes that must move / 4.3 TB/s, an empty kernel replayed the same way in the same run).
-Each treeops output is checked against the reference first (exact equality); a mismatch is
-reported instead of a time. Writes DIR/graft.json and prints a short table last.
+Every timed call is captured in a CUDA graph (``harness.graph_us``: R calls on rotated inputs
+per graph, so the L2 does not hold them) and replayed; the time per call is the median over
+replays (``treeops_eager_us``: one eager call, host included). The floor is max(bytes that
+must move / 4.3 TB/s, an empty kernel replayed the same way in the same run). Each treeops output
+is checked against the reference first (exact equality); a mismatch is reported instead of a
+time. Writes DIR/graft.json and prints a short table last; ``python -m pytest
+bench/bench_graft.py --benchmark-only`` times one row per op (B = 8, V = 128256).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 
+import harness as H
+import pytest
 import torch
-import triton
 
-import treeops
 from treeops import AdjacencyTable, RankTemplate, Tree, graft, prune
 from treeops.reference import graft as ref
 
-HBM_BYTES_PER_S = 4.3e12
 INT32_MAX = 2**31 - 1
 
 
@@ -212,50 +211,6 @@ def random_table(V: int, k: int, gen: torch.Generator, device) -> AdjacencyTable
 # ----------------------------------------------------------------------------- timing
 
 
-@triton.jit
-def _empty_kernel(x_ptr):
-    pass
-
-
-def graph_us(calls, replays: int = 50) -> float:
-    """Capture ``calls`` (a list of thunks, run in order) in one CUDA graph; median time per
-    call over ``replays`` replays, in microseconds."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in calls:  # warm-up: compile, allocate workspaces
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / len(calls))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def wall_us(calls, replays: int = 1) -> float:
-    """CPU dry run: wall-clock time per call (no graphs)."""
-    t = time.perf_counter()
-    for _ in range(replays):
-        for f in calls:
-            f()
-    return (time.perf_counter() - t) * 1e6 / (replays * len(calls))
-
-
 def tree_equal(a: Tree, b: Tree) -> bool:
     return all(
         torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu())
@@ -371,7 +326,129 @@ def coverage_main(path: str) -> None:
 # ----------------------------------------------------------------------------- main
 
 
-def main() -> None:
+def setup(B: int, V: int, gen: torch.Generator, dev) -> dict:
+    """Inputs of one (B, V): draft trees of 60 nodes, the tree pruned to 25 nodes, a random
+    table [V, 8] some of whose entries coincide with the pruned tree's children."""
+    N, k, n_verify = 64, 8, 60
+    tree = random_tree(B, N, n_verify, V, gen, dev)
+    pruned = prune(tree, 24)
+    table = random_table(V, k, gen, dev)
+    # make some retrieved tokens coincide with draft children (the trie reuses them)
+    tab_cpu = table.table.cpu()
+    tk, pr = pruned.tokens.cpu(), pruned.parents.cpu()
+    for b in range(B):
+        for i in range(1, 25, 3):
+            tab_cpu[int(tk[b, int(pr[b, i])]), i % k] = int(tk[b, i])
+    table.table.copy_(tab_cpu.to(dev))
+    return dict(B=B, V=V, N=N, k=k, n_verify=n_verify, budget=60, tree=tree, pruned=pruned,
+                table=table, tab_cpu=tab_cpu, tpl=RankTemplate.default(), dev=dev)  # fmt: skip
+
+
+def _row(op: str, c: dict, **kw) -> dict:
+    return dict(op=op, B=c["B"], budget=c["budget"], V=c["V"], N=c["N"], **kw)
+
+
+def _timer(dev):
+    return lambda calls: H.graph_us(calls, device=dev)
+
+
+def row_retrieve_merge(c: dict, empty_us: float, time_treeops=None) -> dict:
+    """``graft`` against the reference (exact), then timed against ``torch_graft``."""
+    timer = _timer(c["dev"])
+    time_treeops = time_treeops or timer
+    pruned, table, tpl, budget = c["pruned"], c["table"], c["tpl"], c["budget"]
+    B, N = c["B"], c["N"]
+    want = ref.graft(pruned.to("cpu"), c["tab_cpu"], tpl, budget)
+    _levels(tpl, c["dev"])
+    ok = tree_equal(graft(pruned, table, tpl, budget), want)
+    ok_torch = tree_equal(torch_graft(pruned, table.table, tpl, budget), want)
+    W = c["tree"].anc.shape[2]
+    tree_bytes = B * N * (8 + 4 * 6 + 4 * W) + B * 4
+    nbytes = 2 * tree_bytes + B * tpl.size * 4
+    row = _row("retrieve_merge", c, floor_us=H.floor_us(nbytes, empty_us=empty_us),
+               bytes=nbytes, match=ok, torch_match=ok_torch)  # fmt: skip
+    row["treeops_us"] = (
+        time_treeops([lambda: graft(pruned, table, tpl, budget)] * 16) if ok else None
+    )
+    if ok:
+        row["treeops_eager_us"] = H.eager_us(
+            lambda: graft(pruned, table, tpl, budget), device=c["dev"]
+        )
+    row["torch_us"] = (
+        timer([lambda: torch_graft(pruned, table.table, tpl, budget)] * 4) if ok_torch else None
+    )
+    return row
+
+
+def row_update(c: dict, empty_us: float, time_treeops=None) -> dict:
+    """``AdjacencyTable.update`` from bf16 logits against its exact result, then timed against
+    ``TorchTable``; logits rotate through >= 256 MB."""
+    timer = _timer(c["dev"])
+    time_treeops = time_treeops or timer
+    B, N, V, k, dev = c["B"], c["N"], c["V"], c["k"], c["dev"]
+    tree, table, n_verify = c["tree"], c["table"], c["n_verify"]
+    size = B * N * V * 2
+    R = max(2, min(64, (256 << 20) // size + 1))
+    logits = [torch.randn(B, N, V, device=dev, dtype=torch.bfloat16) * 3 for _ in range(R)]
+    base = table.table.clone()
+    want_t = stable_topk_table(tree.tokens, tree.num_nodes, logits[0], k, V, base)
+    table.update(tree, logits[0])
+    ok = torch.equal(table.table, want_t)
+    again = AdjacencyTable(V, k, device=dev)
+    again.table.copy_(base)
+    again.update(tree, logits[0])
+    ok = ok and torch.equal(again.table, want_t)  # deterministic
+    ttab = TorchTable(V, k, dev)
+    nbytes = B * n_verify * V * 2 + B * n_verify * (k * 4 + 8)
+    row = _row("update", c, floor_us=H.floor_us(nbytes, empty_us=empty_us), bytes=nbytes, match=ok)
+    row["treeops_us"] = (
+        time_treeops([(lambda lg=lg: table.update(tree, lg)) for lg in logits]) if ok else None
+    )
+    if ok:
+        row["treeops_eager_us"] = H.eager_us(lambda: table.update(tree, logits[0]), device=dev)
+    row["torch_us"] = timer(
+        [(lambda lg=lg: ttab.update(tree.tokens, tree.num_nodes, lg)) for lg in logits]
+    )
+    table.table.copy_(base)
+    return row
+
+
+def row_update_ids(c: dict, empty_us: float, time_treeops=None) -> dict:
+    """``AdjacencyTable.update`` from ``topk_ids`` against its exact result, then timed."""
+    timer = _timer(c["dev"])
+    time_treeops = time_treeops or timer
+    B, N, V, k, dev = c["B"], c["N"], c["V"], c["k"], c["dev"]
+    tree, table, n_verify = c["tree"], c["table"], c["n_verify"]
+    base = table.table.clone()
+    ids = torch.randint(-1, V, (B, N, k), device=dev, dtype=torch.int32)
+    table.update(tree, topk_ids=ids)
+    want_i = base.clone()
+    flat = torch.arange(B * N, device=dev)
+    valid = (torch.arange(N, device=dev)[None] < tree.num_nodes[:, None]).flatten()
+    tok = torch.where(valid, tree.tokens.flatten(), V)
+    owner = torch.full((V + 1,), INT32_MAX, dtype=torch.int64, device=dev)
+    owner.scatter_reduce_(0, tok, flat, "amin")
+    win = (valid & (owner[tok] == flat)).nonzero().flatten()
+    want_i[tok[win]] = ids.view(B * N, k)[win]
+    ok = torch.equal(table.table, want_i)
+    ttab = TorchTable(V, k, dev)
+    nbytes = B * n_verify * (k * 4 * 2 + 8)
+    row = _row("update_ids", c, floor_us=H.floor_us(nbytes, empty_us=empty_us), bytes=nbytes,
+               match=ok)  # fmt: skip
+    row["treeops_us"] = (
+        time_treeops([lambda: table.update(tree, topk_ids=ids)] * 16) if ok else None
+    )
+    if ok:
+        row["treeops_eager_us"] = H.eager_us(lambda: table.update(tree, topk_ids=ids), device=dev)
+    row["torch_us"] = timer([lambda: ttab.update(tree.tokens, tree.num_nodes, topk_ids=ids)] * 4)
+    table.table.copy_(base)
+    return row
+
+
+ROWS = {"retrieve_merge": row_retrieve_merge, "update": row_update, "update_ids": row_update_ids}
+
+
+def main(argv=None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out")
     ap.add_argument(
@@ -386,158 +463,34 @@ def main() -> None:
         default="cuda",
         help="'cpu': a dry run of the script's logic (references, wall-clock times)",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.template_coverage:
         coverage_main("")
-        return
+        return None
     if not args.out:
         ap.error("--out is required")
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_graft needs a CUDA device")
-    os.makedirs(args.out, exist_ok=True)
-    timer = graph_us if dev.type == "cuda" else wall_us
     gen = torch.Generator().manual_seed(0)
-    N, budget, k, n_verify = 64, 60, 8, 60
-    tpl = RankTemplate.default()
-    x = torch.zeros(1, device=dev)
-    empty_us = graph_us([lambda: _empty_kernel[(1,)](x)] * 16) if dev.type == "cuda" else 0.0
-    rows = []
-    for V in [int(v) for v in args.vocabs.split(",")]:
-        for B in [int(b) for b in args.batches.split(",")]:
-            t0 = time.time()
-            # ---------------- retrieve + merge + rebuild
-            tree = random_tree(B, N, n_verify, V, gen, dev)
-            pruned = prune(tree, 24)
-            table = random_table(V, k, gen, dev)
-            # make some retrieved tokens coincide with draft children (the trie reuses them)
-            tab_cpu = table.table.cpu()
-            tk, pr = pruned.tokens.cpu(), pruned.parents.cpu()
-            for b in range(B):
-                for i in range(1, 25, 3):
-                    tab_cpu[int(tk[b, int(pr[b, i])]), i % k] = int(tk[b, i])
-            table.table.copy_(tab_cpu.to(dev))
-            want = ref.graft(pruned.to("cpu"), tab_cpu, tpl, budget)
-            _levels(tpl, dev)
-            got = graft(pruned, table, tpl, budget)
-            ok = tree_equal(got, want)
-            ok_torch = tree_equal(torch_graft(pruned, table.table, tpl, budget), want)
-            W = tree.anc.shape[2]
-            tree_bytes = B * N * (8 + 4 * 6 + 4 * W) + B * 4
-            nbytes = 2 * tree_bytes + B * tpl.size * 4
-            t_ops = timer([lambda: graft(pruned, table, tpl, budget)] * 16) if ok else None
-            t_torch = (
-                timer([lambda: torch_graft(pruned, table.table, tpl, budget)] * 4)
-                if ok_torch
-                else None
-            )
-            rows.append(
-                dict(
-                    op="retrieve_merge",
-                    B=B,
-                    budget=budget,
-                    V=V,
-                    N=N,
-                    treeops_us=t_ops,
-                    torch_us=t_torch,
-                    floor_us=max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us),
-                    bytes=nbytes,
-                    match=ok,
-                    torch_match=ok_torch,
-                )
-            )
-            # ---------------- update from logits
-            size = B * N * V * 2
-            R = max(2, min(64, (256 << 20) // size + 1))  # rotate through >= 256 MB
-            logits = [torch.randn(B, N, V, device=dev, dtype=torch.bfloat16) * 3 for _ in range(R)]
-            base = table.table.clone()
-            want_t = stable_topk_table(tree.tokens, tree.num_nodes, logits[0], k, V, base)
-            table.update(tree, logits[0])
-            ok = torch.equal(table.table, want_t)
-            again = AdjacencyTable(V, k, device=dev)
-            again.table.copy_(base)
-            again.update(tree, logits[0])
-            ok = ok and torch.equal(again.table, want_t)  # deterministic
-            ttab = TorchTable(V, k, dev)
-            nbytes = B * n_verify * V * 2 + B * n_verify * (k * 4 + 8)
-            t_ops = timer([(lambda lg=lg: table.update(tree, lg)) for lg in logits]) if ok else None
-            t_torch = timer(
-                [(lambda lg=lg: ttab.update(tree.tokens, tree.num_nodes, lg)) for lg in logits]
-            )
-            rows.append(
-                dict(
-                    op="update",
-                    B=B,
-                    budget=budget,
-                    V=V,
-                    N=N,
-                    treeops_us=t_ops,
-                    torch_us=t_torch,
-                    floor_us=max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us),
-                    bytes=nbytes,
-                    match=ok,
-                )
-            )
-            del logits
-            # ---------------- update from topk_ids
-            ids = torch.randint(-1, V, (B, N, k), device=dev, dtype=torch.int32)
-            table.table.copy_(base)
-            table.update(tree, topk_ids=ids)
-            want_i = base.clone()
-            flat = torch.arange(B * N, device=dev)
-            valid = (torch.arange(N, device=dev)[None] < tree.num_nodes[:, None]).flatten()
-            tok = torch.where(valid, tree.tokens.flatten(), V)
-            owner = torch.full((V + 1,), INT32_MAX, dtype=torch.int64, device=dev)
-            owner.scatter_reduce_(0, tok, flat, "amin")
-            win = (valid & (owner[tok] == flat)).nonzero().flatten()
-            want_i[tok[win]] = ids.view(B * N, k)[win]
-            ok = torch.equal(table.table, want_i)
-            nbytes = B * n_verify * (k * 4 * 2 + 8)
-            t_ops = timer([lambda: table.update(tree, topk_ids=ids)] * 16) if ok else None
-            t_torch = timer([lambda: ttab.update(tree.tokens, tree.num_nodes, topk_ids=ids)] * 4)
-            rows.append(
-                dict(
-                    op="update_ids",
-                    B=B,
-                    budget=budget,
-                    V=V,
-                    N=N,
-                    treeops_us=t_ops,
-                    torch_us=t_torch,
-                    floor_us=max(nbytes / HBM_BYTES_PER_S * 1e6, empty_us),
-                    bytes=nbytes,
-                    match=ok,
-                )
-            )
-            print(f"  V={V} B={B} done in {time.time() - t0:.1f} s", file=sys.stderr)
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    commit = os.environ.get("TREEOPS_COMMIT") or commit  # the device's .git can lag the tree
-    out = dict(
-        gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
-        date=time.strftime("%Y-%m-%d"),
-        versions=dict(
-            torch=torch.__version__,
-            triton=triton.__version__,
-            treeops=treeops.__version__,
-            cuda=torch.version.cuda,
-        ),
-        commit=commit or "unknown",
+    empty_us = H.empty_kernel_us(dev)
+    rows: list[dict] = []
+    out = H.result_doc(
+        dev,
         empty_kernel_graph_us=empty_us,
         notes="median per call over CUDA-graph replays; N=64, k=8, default 80-node template; "
         "retrieve_merge on trees pruned to 25 nodes; update from bf16 logits of 60 nodes",
         rows=rows,
     )
     path = os.path.join(args.out, "graft.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    for V in [int(v) for v in args.vocabs.split(",")]:
+        for B in [int(b) for b in args.batches.split(",")]:
+            t0 = time.time()
+            c = setup(B, V, gen, dev)
+            for fn in ROWS.values():
+                rows.append(fn(c, empty_us))
+            H.write_json(path, out)
+            print(f"  V={V} B={B} done in {time.time() - t0:.1f} s", file=sys.stderr)
 
     def fmt(v):
         return "mismatch" if v is None else f"{v:8.1f}"
@@ -554,6 +507,23 @@ def main() -> None:
         print(
             f"{r['op']:15s} {r['B']:3d} {r['V']:7d} {fmt(t):>9s} {fmt(p):>9s} {fl:8.1f} {xf} {xt}"
         )
+    return out
+
+
+# ------------------------------------------------------------------------------ pytest
+
+
+@pytest.mark.parametrize("op", list(ROWS))
+def test_graft(benchmark, op):
+    """B = 8, V = 128256, N = 64, budget 60, k = 8, the default 80-node template; retrieve_merge
+    on a tree pruned to 25 nodes, update from bf16 logits of 60 nodes. Peer: the torch
+    pipeline (``torch_graft``, ``TorchTable``)."""
+    dev = torch.device("cuda")
+    c = setup(8, 128256, torch.Generator().manual_seed(0), dev)
+    row = ROWS[op](c, H.empty_kernel_us(dev), lambda calls: H.benchmark_graph(benchmark, calls))
+    assert row["match"], f"{op}: treeops differs from the reference"
+    H.ratios([row])
+    H.record(benchmark, row)
 
 
 if __name__ == "__main__":

@@ -6,29 +6,32 @@ For every shape, on the same tensors in one process: treeops (Triton); FlashInfe
 prefill through its paged wrapper and through its ragged wrapper; FlashInfer's causal prefill on
 the same shape (the cost with no tree); SDPA with a boolean mask; FlexAttention (compiled; failures
 recorded). Each output is compared with an fp32 reference before it is timed; a mismatch is
-reported instead of a time. Times are medians of ``triton.testing.do_bench_cudagraph`` (falling
-back to ``do_bench`` where a peer cannot be captured; the method is recorded per peer). The floor
-is max(bytes / 4.3e12, flops / 790e12) as docs/benchmarks.md defines it. Writes ``DIR/tree_attention.json``
-(``gpu``, ``versions``, ``commit``, ``rows``) and prints a table last.
+reported instead of a time. Times are medians of CUDA-graph replays (``harness.graph_us``;
+CUDA events around eager calls where a peer cannot be captured: the method is recorded per
+peer); ``treeops_eager_us`` is one eager call with the host included. The inputs are not
+rotated (the smallest shapes' K/V fit in the L2, for every peer alike). The floor is
+max(bytes / 4.3 TB/s, flops / 790 TFLOP/s) as docs/benchmarks.md defines it. Writes
+``DIR/tree_attention.json`` (``gpu``, ``versions``, ``commit``, ``rows``) and prints a table
+last. ``python -m pytest bench/bench_tree_attention.py --benchmark-only`` times treeops on the
+docs/benchmarks.md shapes (FlashInfer's custom-mask prefill as the peer where it imports).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import random
-import subprocess
-import sys
 import time
 import traceback
 
+import harness as H
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+import treeops
 
 BENCH_SHAPES = [(1, 1024, 64), (1, 16384, 64), (8, 4096, 64), (32, 4096, 64), (64, 2048, 32)]
 GRID_SHAPES = [(b, c, n) for b in (1, 4, 16, 64) for c in (512, 4096, 32768) for n in (16, 64, 128)]
@@ -36,7 +39,6 @@ LONG_SHAPES = [(1, 131072, 64)]
 # FlexAttention compiles per shape (tens of seconds of device time each): one shape only
 FLEX_SHAPES = [(8, 4096, 64)]
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-BW, FLOPS = 4.3e12, 790e12
 TOL = 2e-2  # bf16 inputs and outputs, fp32 accumulation: max error / max |ref|
 
 
@@ -44,16 +46,25 @@ def floor_us(B, ctx, n):
     kv_bytes = 2 * B * (ctx + n) * HKV * D * 2
     qo_bytes = 2 * B * n * HQ * D * 2
     flops = 4 * HQ * D * B * n * (ctx + n)
-    return max((kv_bytes + qo_bytes) / BW, flops / FLOPS) * 1e6, kv_bytes + qo_bytes, flops
+    return H.floor_us(kv_bytes + qo_bytes, flops), kv_bytes + qo_bytes, flops
+
+
+def random_tree(B: int, n: int, rng: random.Random, dev) -> treeops.Tree:
+    """B full trees of n nodes: node i's parent is a random earlier node, half the time one of
+    the three before it (deep trees as well as bushy ones)."""
+    par = torch.full((B, n), -1, dtype=torch.int32)
+    for b in range(B):
+        for i in range(1, n):
+            par[b, i] = rng.randrange(i) if rng.random() < 0.5 else rng.randrange(max(0, i - 3), i)
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    tokens = torch.randint(0, 32000, (B, n), generator=g)
+    return treeops.Tree.from_parents(par, torch.full((B,), n, dtype=torch.int32), tokens).to(dev)
 
 
 class Case:
     """Random bf16 tensors of one shape: paged caches (pages shuffled), trees, queries."""
 
     def __init__(self, B, ctx, n, seed=0, dev="cuda"):
-        import treeops
-        from strategies import make_tree, parents_of
-
         rng = random.Random(seed)
         self.B, self.ctx, self.n = B, ctx, n
         L = ctx + n
@@ -66,11 +77,9 @@ class Case:
         self.v_cache = torch.randn(P, PAGE, HKV, D, device=dev, generator=g, dtype=torch.bfloat16)
         self.q = torch.randn(B, n, HQ, D, device=dev, generator=g, dtype=torch.bfloat16)
         self.seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-        rows = [parents_of("random", n, rng) for _ in range(B)]
-        self.tree = make_tree(rows, n, max(64, n), rng).to(dev)
+        self.tree = random_tree(B, n, rng, dev)
         self.tree_mask = self.tree.ancestor_mask()  # [B, n, n] bool
         self.scale = 1.0 / math.sqrt(D)
-        self.treeops = treeops
 
     def mask(self, b):
         """[n, ctx + n] bool: prefix visible, tree keys by ancestry."""
@@ -107,19 +116,29 @@ def rel_err(out, ref):
 
 
 def time_us(fn, graph=True):
-    import triton.testing as tt
-
+    """(µs, method): a CUDA-graph replay where ``fn`` can be captured (``graph``), else CUDA
+    events around eager calls."""
     if graph:
-        try:
-            fn()
-            torch.cuda.synchronize()
-            return float(tt.do_bench_cudagraph(fn, rep=50, return_mode="median")) * 1e3, "cudagraph"
-        except Exception:  # noqa: BLE001 - a peer that cannot be captured is timed plainly
-            torch.cuda.synchronize()
-    return float(tt.do_bench(fn, warmup=10, rep=50, return_mode="median")) * 1e3, "do_bench"
+        return H.time_any(fn)
+    return H.eager_us(fn, host=False), "events"
 
 
-def treeops_fn(c: Case, override=None, num_splits=None):
+def treeops_fn(c: Case):
+    """treeops' public op on the case's tensors, its output and workspace allocated once."""
+    out = torch.empty_like(c.q)
+    ws = treeops.tree_attention_workspace(c.q, c.k_cache, c.block_table)
+
+    def fn():
+        return treeops.tree_attention(
+            c.q, c.k_cache, c.v_cache, c.block_table, c.seq_lens, c.tree,
+            sm_scale=c.scale, out=out, workspace=ws,
+        )  # fmt: skip
+
+    return fn
+
+
+def kernel_fn(c: Case, override=None, num_splits=None):
+    """The kernel launcher with a tile override or split count (the sweep): (fn, config)."""
     from treeops.kernels import tree_attention as K
 
     out = torch.empty_like(c.q)
@@ -130,25 +149,23 @@ def treeops_fn(c: Case, override=None, num_splits=None):
 
     def fn():
         K.tree_attention_fwd(
-            c.q,
-            c.k_cache,
-            c.v_cache,
-            c.block_table,
-            c.seq_lens,
-            c.tree.num_nodes,
-            c.tree.anc,
-            None,
-            None,
-            c.scale,
-            out,
-            None,
-            ws,
-            num_splits,
-            override,
-        )
+            c.q, c.k_cache, c.v_cache, c.block_table, c.seq_lens, c.tree.num_nodes, c.tree.anc,
+            None, None, c.scale, out, None, ws, num_splits=num_splits, override=override,
+        )  # fmt: skip
         return out
 
     return fn, cfg
+
+
+def config_of(c: Case, override=None) -> dict:
+    """The kernel configuration the launch picks (tiles, splits, warps, stages)."""
+    try:
+        from treeops.kernels import tree_attention as K
+
+        cfg = K.config_for(c.q, c.k_cache, c.block_table, None, override)
+        return dict(dataclasses.asdict(cfg), block_m=cfg.block_m)
+    except Exception as e:  # noqa: BLE001 - a record, not a measurement
+        return {"unavailable": f"{type(e).__name__}: {e}"[:200]}
 
 
 def fi_indptrs(c: Case):
@@ -255,8 +272,9 @@ def flex_fn(c: Case, k, v):
     return lambda: flex(q, kt, vt, block_mask=bm, scale=c.scale, enable_gqa=True).transpose(1, 2)
 
 
-def measure(name, row, make, ref, graph=True):
-    """Build, check against ``ref``, time; record ``<name>_us`` (or null and the reason)."""
+def measure(name, row, make, ref, graph=True, timer=None):
+    """Build, check against ``ref``, time (``timer(fn)``, default ``time_us``); record
+    ``<name>_us`` (or null and the reason)."""
     try:
         fn = make()
         out = fn()
@@ -267,7 +285,7 @@ def measure(name, row, make, ref, graph=True):
             row[f"{name}_us"] = None
             row[f"{name}_note"] = f"mismatch: max rel err {err:.3e} > {TOL}"
             return
-        t, how = time_us(fn, graph)
+        t, how = timer(fn) if timer else time_us(fn, graph)
         row[f"{name}_us"] = round(t, 2)
         row[f"{name}_method"] = how
     except Exception as e:  # noqa: BLE001 - a failing peer is a result, not a crash
@@ -277,7 +295,10 @@ def measure(name, row, make, ref, graph=True):
         traceback.print_exc(limit=2)
 
 
-def run_shape(B, ctx, n, peers, flex, override=None):
+def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=True):
+    """One row: treeops (the public op, or the kernel with ``override``) and its peers, each
+    checked against the fp32 reference before it is timed. ``time_treeops(fn) -> (µs, method)``
+    times treeops (default ``time_us``)."""
     c = Case(B, ctx, n)
     fl, nbytes, flops = floor_us(B, ctx, n)
     row = dict(
@@ -294,19 +315,13 @@ def run_shape(B, ctx, n, peers, flex, override=None):
         flops=flops,
     )
     ref = c.reference()
-    fn, cfg = treeops_fn(c, override)
-    row["treeops_config"] = dict(
-        block_m=cfg.block_m,
-        block_n=cfg.block_n,
-        num_splits=cfg.num_splits,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        prefetch=cfg.prefetch,
-    )
-    measure("treeops", row, lambda: fn, ref)
+    fn = kernel_fn(c, override)[0] if override else treeops_fn(c)
+    row["treeops_config"] = config_of(c, override)
+    measure("treeops", row, lambda: fn, ref, timer=time_treeops)
     row["max_rel_err"] = row.get("treeops_err")
     if row.get("treeops_us") is not None:
         row["treeops_do_bench_us"] = round(time_us(fn, graph=False)[0], 2)
+        row["treeops_eager_us"] = round(H.eager_us(fn), 2)
     k, v = c.kv_contig()
     if peers:
         plan = {}
@@ -331,7 +346,8 @@ def run_shape(B, ctx, n, peers, flex, override=None):
             row["flashinfer_causal_us"] = None
             row["flashinfer_causal_note"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
         row["flashinfer_plan_us"] = {key: round(val, 1) for key, val in plan.items()}
-        measure("sdpa", row, lambda: sdpa_fn(c, k, v), ref)
+        if sdpa:
+            measure("sdpa", row, lambda: sdpa_fn(c, k, v), ref)
         if flex:
             measure("flex", row, lambda: flex_fn(c, k, v), ref, graph=False)
         else:
@@ -397,7 +413,7 @@ def sweep(shapes):
                     default_splits=ns is None,
                 )
                 try:
-                    fn, _ = treeops_fn(c, ov, splits)
+                    fn, _ = kernel_fn(c, ov, splits)
                     err = rel_err(fn(), ref)
                     r["err"] = err
                     r["us"] = round(time_us(fn)[0], 2) if err <= TOL else None
@@ -409,16 +425,6 @@ def sweep(shapes):
         del c
         torch.cuda.empty_cache()
     return rows
-
-
-def versions():
-    v = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    for mod in ("triton", "flashinfer"):
-        try:
-            v[mod] = __import__(mod).__version__
-        except Exception as e:  # noqa: BLE001
-            v[mod] = f"unavailable: {type(e).__name__}"
-    return v
 
 
 def main(argv=None):
@@ -435,22 +441,12 @@ def main(argv=None):
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    commit = args.commit or os.environ.get("TREEOPS_COMMIT")
-    if commit is None:
-        try:
-            commit = subprocess.check_output(
-                ["git", "rev-parse", "HEAD"], cwd=HERE, text=True
-            ).strip()
-        except Exception:  # noqa: BLE001
-            commit = "unknown"
-    result = dict(
-        gpu=torch.cuda.get_device_name(),
-        versions=versions(),
-        commit=commit,
-        date=time.strftime("%Y-%m-%d"),
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    result = H.result_doc(
+        commit_id=args.commit,
         layout=dict(hq=HQ, hkv=HKV, d=D, page=PAGE),
-        floor=dict(bandwidth=BW, flops=FLOPS),
+        floor=dict(bandwidth=H.HBM_BYTES_PER_S, flops=H.ATTENTION_FLOPS_PER_S),
         rows=[],
     )
     override = None
@@ -489,8 +485,7 @@ def main(argv=None):
             ),
             flush=True,
         )
-        with open(os.path.join(args.out, "tree_attention.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        H.write_json(os.path.join(args.out, "tree_attention.json"), result)
     print_table(result["rows"])
 
 
@@ -513,23 +508,26 @@ def print_table(rows):
         )
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: f"B{s[0]}-ctx{s[1]}-n{s[2]}")
-def test_bench_tree_attention(benchmark, shape):
-    """pytest-benchmark entry (``python -m pytest bench/bench_tree_attention.py
-    --benchmark-enable``): treeops alone on docs/benchmarks.md's shapes, checked before timed. Host
-    launch overhead is included here (no CUDA graph); the script's table replays graphs."""
-    c = Case(*shape)
-    fn, cfg = treeops_fn(c)
-    assert rel_err(fn(), c.reference()) <= TOL
-    benchmark.extra_info.update(
-        floor_us=floor_us(*shape)[0],
-        num_splits=cfg.num_splits,
-        block_m=cfg.block_m,
-        block_n=cfg.block_n,
-    )
-    benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=50, warmup_rounds=5)
+def test_tree_attention(benchmark, shape):
+    """docs/benchmarks.md's shapes (H_q/H_kv 32/8, D 128, bf16, page 16). Peers: FlashInfer's
+    custom-mask prefill (paged and ragged) and its causal prefill where it imports; SDPA and
+    FlexAttention are left to the script (minutes of compilation)."""
+
+    def timed(fn):
+        return H.benchmark_graph(benchmark, [fn]), "cudagraph"
+
+    try:
+        import flashinfer  # noqa: F401
+
+        peers = True
+    except Exception:  # noqa: BLE001
+        peers = False
+    row = run_shape(*shape, peers=peers, flex=False, time_treeops=timed, sdpa=False)
+    assert row.get("treeops_us") is not None, row.get("treeops_note")
+    if not peers:
+        row["flashinfer_custom_note"] = "flashinfer is not importable"
+    H.record(benchmark, row)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ per batch size for every n), the new K/V are written in place, SDPA runs the fla
 nothing syncs with the host. A point whose capture fails is timed eagerly and listed in
 ``meta["graph_fallbacks"]``. ``--timing eager`` restores eager timing. The GPU runs ~200 ms of
 matmuls before each batch size so that its clocks are up. At the end a sanity check compares the
-per-layer target time at B = 1, n = 1 with ../shared/docs/benchmarks.md's 129 µs for the linear layers of a
+per-layer target time at B = 1, n = 1 with docs/benchmarks.md's 129 µs for the linear layers of a
 Llama-3-8B layer on the H200 (``meta["sanity"]``; above 2x is flagged as suspicious).
 
 Writes ``DIR/cost_table_h200.json`` (a ``treeops.CostTable``), ``DIR/cost_table_h200.svg`` (S_T
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 NS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128]
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
-# ../shared/docs/benchmarks.md: the linear layers of one Llama-3-8B decoder layer, 1 token, bf16, H200
+# docs/benchmarks.md: the linear layers of one Llama-3-8B decoder layer, 1 token, bf16, H200
 BENCH_LINEARS_1TOK_US = 129.0
 SUSPICIOUS_RATIO = 2.0
 
@@ -394,13 +394,13 @@ def main(argv=None):
 
 
 def sanity_check(layers, batches, n_layers, L, gpu, d, eager_us=None):
-    """Per-layer target time at B = 1, n = 1, context L against docs/benchmarks.md's 129 µs for the linear
-    layers alone (attention over the context adds a little): a ratio above 2 means the timing
-    still measures something else (launch overhead, idle clocks)."""
+    """Per-layer target time at B = 1, n = 1, context L against docs/benchmarks.md's 129 µs for
+    the linear layers alone (attention over the context adds a little): a ratio above 2 means the
+    timing still measures something else (launch overhead, idle clocks)."""
     out = {
         "reference_us": BENCH_LINEARS_1TOK_US,
         "reference": (
-            "../shared/docs/benchmarks.md: the linear layers of one Llama-3-8B decoder layer, 1 token, "
+            "docs/benchmarks.md: the linear layers of one Llama-3-8B decoder layer, 1 token, "
             "bf16, H200 (attention over the context adds a little)"
         ),
         "suspicious_above_ratio": SUSPICIOUS_RATIO,

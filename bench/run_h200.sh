@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Everything that belongs to one H200 device call: GPU tests, compute-sanitizer, benchmarks.
 # Usage (on the GPU machine, in the repo root): OUT=dir bash bench/run_h200.sh STAGE...
-# Stages: tests:<names>  memcheck:<names>  calibrate  bench_build  bench_accept  bench_graft
-#         bench_attention  bench_e2e  (<names>: comma list of attention,build,accept,graft,cast,
-#         decoder). A stage may carry its own time limit: calibrate@240.
+# Stages: tests:<names>  memcheck:<names>  calibrate  bench_build  bench_cast  bench_accept
+#         bench_compact_kv  bench_kv_append  bench_graft  bench_attention  bench_e2e  pytest_bench
+#         (<names>: comma list of attention,build,accept,graft,cast,decoder). A stage may carry
+#         its own time limit: calibrate@240. pytest_bench: ``python -m pytest bench
+#         --benchmark-only`` (one benchmark per op at least; PYTEST_BENCH_K selects with -k), its
+#         results in $OUT/pytest_bench.json.
 # Tests run on XDIST workers (default 8) when pytest-xdist is importable (carry its wheel in
 # .whl/): the first use of every kernel configuration compiles, and compiling is CPU-bound.
 # Each stage runs under its own time limit (STAGE_LIMIT, seconds) so that one slow stage cannot
@@ -40,11 +43,15 @@ for spec in "$@"; do
     tests:*) cmd="python3 -m pytest -q -m gpu -p no:cacheprovider $XD --durations=8 $(files ${stage#tests:})";;
     memcheck:*) cmd="compute-sanitizer --tool memcheck --target-processes all --error-exitcode 17 python3 -m pytest -q -m gpu -k '${MEMCHECK_K:-memcheck or accept_gpu or graft_gpu}' -p no:cacheprovider $(files ${stage#memcheck:})";;
     calibrate) cmd="python3 bench/calibrate_cost_table.py --out $OUT ${CAL_ARGS:-}";;
-    bench_build) cmd="python3 bench/bench_tree_build_cast.py --out $OUT --table ${TABLE:-$OUT/cost_table_h200.json} --ops ${BUILD_OPS:-layer,rerank_build,step} ${BUILD_ARGS:-}";;
+    bench_build) cmd="python3 bench/bench_build_tree.py --out $OUT --table ${TABLE:-$OUT/cost_table_h200.json} --ops ${BUILD_OPS:-layer,rerank_build,step} ${BUILD_ARGS:-}";;
+    bench_cast) cmd="python3 bench/bench_cast.py --out $OUT";;
     bench_accept) cmd="python3 bench/bench_accept.py --out $OUT ${ACCEPT_ARGS:-}";;
+    bench_compact_kv) cmd="python3 bench/bench_compact_kv.py --out $OUT";;
+    bench_kv_append) cmd="python3 bench/bench_kv_append.py --out $OUT";;
     bench_graft) cmd="python3 bench/bench_graft.py --out $OUT";;
     bench_attention) cmd="python3 bench/bench_tree_attention.py --out $OUT ${ATT_ARGS:-}";;
     bench_e2e) cmd="python3 bench/bench_e2e.py --out $OUT ${E2E_ARGS:-}";;
+    pytest_bench) cmd="python3 -m pytest bench --benchmark-only -p no:cacheprovider -q --benchmark-json=$OUT/pytest_bench.json ${PYTEST_BENCH_K:+-k '$PYTEST_BENCH_K'}";;
     *) echo "unknown stage $stage"; continue;;
   esac
   echo "=== $stage: $cmd" | tee -a "$LOG"

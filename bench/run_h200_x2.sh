@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two lists of run_h200.sh stages at once on a two-GPU machine (nvidia-h200-x2): device time is
-# counted per machine held, so two GPUs halve the time of a session's GPU work.
+# counted per machine held, so two GPUs halve the time of the GPU work.
 # Usage: OUT=dir GPU0="tests:... memcheck:..." GPU1="bench_build bench_e2e@400" bash bench/run_h200_x2.sh
 # Installs once; each list runs under CUDA_VISIBLE_DEVICES=i with its log and JSON in $OUT/gpu<i>,
 # packed at the end into $OUT/results.tgz (tar xzf it; a call brings back about 8 files at most).

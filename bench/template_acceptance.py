@@ -51,9 +51,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_graft import walk_lengths  # noqa: E402  (the same walk as the byte-level coverage)
 
-from treeops import AdjacencyTable, RankTemplate
-from treeops.decoder import Decoder
-from treeops.decoder import engine as _engine
+from treeops import NO_PRUNE, AdjacencyTable, RankTemplate
+from treeops._graft_types import DEFAULT_RANK_PROBS  # the default template's probabilities
+from treeops.decoder import Decoder, make_policy
+from treeops.decoder import step as _engine  # the decoder calls prune, graft, accept_greedy here
 from treeops.decoder.train import (
     PairConfig,
     TrainedPair,
@@ -62,7 +63,6 @@ from treeops.decoder.train import (
     python_sources,
     train_pair,
 )
-from treeops.graft import DEFAULT_RANK_PROBS, NO_PRUNE
 
 FLAT_PROBS = (0.4, 0.2, 0.12, 0.08, 0.06, 0.05, 0.04, 0.03)
 
@@ -172,7 +172,7 @@ def decode(
         chunk = prompts[i : i + batch]
         B = len(chunk)
         kw = dict(setting) if policy != "autoregressive" else {}
-        dec = Decoder(pair.target, pair.draft, policy, template=template, **kw)
+        dec = Decoder(pair.target, pair.draft, make_policy(policy, template=template, **kw))
         log: list[dict[str, list[int]]] = []
         with _graft_log(log):
             res = dec.generate(chunk, new_tokens, stop_ids=stop)

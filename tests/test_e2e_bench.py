@@ -1,4 +1,5 @@
-"""The graph path of the example decoder and bench/bench_e2e.py, on the CPU.
+"""The graph path of the example decoder, on the CPU (bench/bench_e2e.py's own tests are in
+bench/test_bench_e2e.py).
 
 ``static_shapes=True`` runs the code that ``cuda_graphs=True`` captures (static buffers, token
 buckets, the draft's in-place working tree, decisions read back from the host buffer, the packed
@@ -8,18 +9,12 @@ captures themselves are checked on the GPU (``tests/test_decoder.py``, ``gpu`` m
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-
 import pytest
 import torch
 from test_decoder import PROMPTS, _decoder, _greedy_baseline, pair  # noqa: F401
 
 from treeops.decoder import POLICIES, Decoder
 from treeops.decoder.engine import TOKEN_BUCKETS, bucket_for, token_buckets
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -104,122 +99,3 @@ def test_static_path_stop_ids_budgets_sampling(pair):  # noqa: F811
     a = _decoder(pair, "Cast").generate(PROMPTS, 10, sampling=sp, generator=g1)
     b = _static(pair, "Cast").generate(PROMPTS, 10, sampling=sp, generator=g2)
     assert a.tokens == b.tokens
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_e2e", os.path.join(ROOT, "bench", "bench_e2e.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_bench_e2e_random_model_writes_rows(tmp_path, capsys):
-    bench = _load_bench()
-    argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs",
-            "--batches", "1,2", "--new-tokens", "4", "--prompt-len", "8"]  # fmt: skip
-    assert bench.main(argv) == 0
-    doc = json.loads((tmp_path / "e2e.json").read_text())
-    for key in ("gpu", "versions", "commit", "model", "rows", "cost_table", "settings"):
-        assert key in doc, key
-    assert "error" not in doc["cost_table"]
-    assert (tmp_path / "e2e_cost_table.json").exists()
-    rows = doc["rows"]
-    want = {(p, B) for B in (1, 2) for p in ("autoregressive",) + bench.SPEC_POLICIES}
-    assert {(r["policy"], r["B"]) for r in rows} == want
-    for r in rows:
-        assert "error" not in r, r
-        for key in ("policy", "B", "tokens_per_s", "ar_tokens_per_s", "mean_accepted"):
-            assert key in r
-        assert r["tokens_per_s"] > 0 and r["mean_accepted"] >= 1.0
-        assert r["undersized"] == 0
-        if r["policy"] != "autoregressive":
-            assert set(r["split"]) >= {"draft_s", "tree_ops_s", "verify_s", "host_wait_s"}
-            d = r["divergence"]
-            assert d["mismatch"] == 0 and d["requests"] == r["requests"]  # fp32 CPU: exact
-        assert r["groups"] == -(-8 // r["B"]) and r["requests"] == r["groups"] * r["B"]
-    out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1].split()[0] in ("chain", "autoregressive", "EagleStatic", "Cast", "CastGraft")
-
-
-def test_bench_e2e_min_requests_groups(tmp_path, pair):  # noqa: F811
-    """--min-requests 4 at B = 1: four groups of one distinct prompt each, one decoder per policy;
-    the row's tokens, steps and decode time are the sums over the groups, and each group's
-    tokens are those of a decoder run on that group alone."""
-    bench = _load_bench()
-    argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs", "--batches",
-            "1,4", "--new-tokens", "4", "--prompt-len", "8", "--min-requests", "4",
-            "--policies", "Cast"]  # fmt: skip
-    assert bench.main(argv) == 0
-    doc = json.loads((tmp_path / "e2e.json").read_text())
-    rows = {(r["policy"], r["B"]): r for r in doc["rows"]}
-    assert set(rows) == {(p, B) for p in ("autoregressive", "Cast") for B in (1, 4)}
-    for pol in ("autoregressive", "Cast"):
-        r1, r4 = rows[(pol, 1)], rows[(pol, 4)]
-        assert (r1["groups"], r1["requests"]) == (4, 4)
-        assert (r4["groups"], r4["requests"]) == (1, 4)
-        assert r1["tokens"] == 4 * 4 and r1["valid"] and r1["undersized"] == 0
-        # the same four prompts, one group of four or four groups of one: same tokens
-        assert r1["tokens"] == r4["tokens"]
-    assert rows[("Cast", 1)]["divergence"]["requests"] == 4
-
-    # the aggregation itself: four groups of one against their merged result
-    target, draft = pair
-    prompts = bench.random_prompts(target.cfg.vocab_size, 6, 8)
-    groups = bench.groups_of(prompts, 1, 4)
-    assert groups == [[p] for p in prompts[:4]]
-    assert bench.groups_of(prompts, 4, 8) == [prompts[:4], prompts[4:] + prompts[:2]]
-    dec = Decoder(target, draft, "Cast", depth=3, topk=3, budget=12)
-    per = [dec.generate(g, 5) for g in groups]
-    m = bench.merge_results(per)
-    assert m.tokens == [t for r in per for t in r.tokens]
-    assert sum(len(t) for t in m.tokens) == sum(r.stats()["tokens"] for r in per)
-    assert m.steps == sum(r.steps for r in per) and m.emitted == [e for r in per for e in r.emitted]
-    assert m.time_decode == pytest.approx(sum(r.time_decode for r in per))
-    acc = sum(sum(sum(e) for e in r.emitted) for r in per) / sum(
-        sum(1 for e in r.emitted for x in e if x > 0) for r in per
-    )
-    assert m.mean_accepted == pytest.approx(acc)
-    row = bench.row_of("Cast", 1, m, m, 1.0, None, groups=len(groups))
-    assert (row["groups"], row["requests"]) == (4, 4)
-    assert row["tokens"] == sum(sum(len(t) for t in r.tokens) for r in per)
-
-
-def test_bench_e2e_row_estimate():
-    est = _load_bench().row_estimate
-    assert est(1, 8, [], {}) == 0.0
-    # the largest warm-up, plus per group the smallest time among measured B' >= B, else the
-    # largest per-group time seen
-    assert est(4, 2, [1.0, 0.2], {1: 0.5, 8: 2.0, 64: 3.0}) == 1.0 + 2 * 2.0
-    assert est(128, 1, [1.0], {1: 0.5, 64: 3.0}) == 1.0 + 3.0
-
-
-def test_bench_e2e_budget_stops_adding_rows(tmp_path):
-    bench = _load_bench()
-    argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs",
-            "--batches", "1,2,4", "--new-tokens", "3", "--prompt-len", "6", "--budget-s", "0",
-            "--policies", "chain"]  # fmt: skip
-    assert bench.main(argv) == 0
-    doc = json.loads((tmp_path / "e2e.json").read_text())
-    assert doc["stopped"] and {r["B"] for r in doc["rows"]} == {1}
-
-
-def test_bench_e2e_step_graphs_rows(tmp_path):
-    """``--step-graphs`` (on the CPU: the whole-step body eagerly) marks the fixed-shape rows
-    ``step_graphs: true`` and leaves Cast's row as it was; tokens stay exact (fp32)."""
-    bench = _load_bench()
-    argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs", "--batches", "2",
-            "--new-tokens", "4", "--prompt-len", "8", "--min-requests", "2", "--step-graphs",
-            "--policies", "chain,EagleStatic,Cast"]  # fmt: skip
-    assert bench.main(argv) == 0
-    doc = json.loads((tmp_path / "e2e.json").read_text())
-    assert doc["step_graphs"] is True
-    rows = {r["policy"]: r for r in doc["rows"]}
-    assert set(rows) == {"autoregressive", "chain", "EagleStatic", "Cast"}
-    for pol, r in rows.items():
-        assert "error" not in r, r
-        assert r["step_graphs"] is (pol != "Cast")
-        if pol != "autoregressive":
-            assert r["divergence"]["mismatch"] == 0
-            assert "step_s" in r["split"]

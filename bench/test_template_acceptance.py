@@ -1,47 +1,23 @@
 """bench/template_acceptance.py's core on the CPU in seconds: the decoder runs on the tiny random
-pair of ``test_decoder`` (no training), the token-level coverage on a stream whose answers are
-known."""
+pair (no training), the token-level coverage on a stream whose answers are known."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from types import SimpleNamespace
 
-import pytest
+import template_acceptance as ta
 import torch
-from test_decoder import pair  # noqa: F401
 
 from treeops import RankTemplate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location(
-        "template_acceptance", os.path.join(ROOT, "bench", "template_acceptance.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def test_acceptance_rows_are_greedy_and_account_grafts(bench, pair):  # noqa: F811
+def test_acceptance_rows_are_greedy_and_account_grafts(pair):
     target, draft = pair
     p = SimpleNamespace(target=target, draft=draft)
     prompts = [[5, 17, 3, 99, 42, 7, 8], [11, 64, 9], [23, 1, 2, 3], [40, 41]]
     tpls = {"default": RankTemplate.default(), "chain 9": RankTemplate.chain(9)}
     setting = {"small": dict(depth=4, topk=4, budget=24)}
-    res = bench.measure_acceptance(p, prompts, tpls, setting, batch=2, new_tokens=10)
+    res = ta.measure_acceptance(p, prompts, tpls, setting, batch=2, new_tokens=10)
     rows = res["settings"]["small"]["rows"]
     assert list(rows) == ["Cast (no graft)", "default", "chain 9"]
     for name, r in rows.items():
@@ -55,7 +31,7 @@ def test_acceptance_rows_are_greedy_and_account_grafts(bench, pair):  # noqa: F8
     assert rows["default"]["pruned_fraction"] > 0
 
 
-def test_token_coverage_on_a_cycle(bench):
+def test_token_coverage_on_a_cycle():
     # every token has one successor: a template's rank-0 chain is accepted to its full depth
     stream = torch.arange(10).repeat(50)
     tpls = {
@@ -63,13 +39,13 @@ def test_token_coverage_on_a_cycle(bench):
         "chain 9": RankTemplate.chain(9),
         "balanced 8x2": RankTemplate.balanced(8, 2),
     }
-    lens = bench.token_coverage(stream, stream, 10, tpls, positions=50)
+    lens = ta.token_coverage(stream, stream, 10, tpls, positions=50)
     assert set(lens["default"]) == {9} and set(lens["chain 9"]) == {9}
     assert set(lens["balanced 8x2"]) == {2}
-    s = bench.summarise_coverage(lens)
+    s = ta.summarise_coverage(lens)
     assert s["balanced 8x2"]["diff_vs_default"] == -7 and s["balanced 8x2"]["diff_se"] == 0
     # at most 3 retrieved nodes: empty ranks (1..7 here) are skipped with their subtrees, so the
     # default's first three nodes left are its rank-0 chain
-    short = bench.token_coverage(stream, stream, 10, tpls, positions=50, count=3)
+    short = ta.token_coverage(stream, stream, 10, tpls, positions=50, count=3)
     assert set(short["default"]) == {3} and set(short["chain 9"]) == {3}
     assert set(short["balanced 8x2"]) == {2}

@@ -1,22 +1,25 @@
-"""Tree build and CAST on the GPU: treeops against plain PyTorch and the physical floor.
+"""Tree build (EAGLE and CAST policies) on the GPU: treeops against plain PyTorch and the floor.
 
-    python bench/bench_tree_build_cast.py --out DIR [--quick] [--table COST_TABLE.json]
-    TRITON_INTERPRET=1 python bench/bench_tree_build_cast.py --dry-run   # CPU smoke test
+    python bench/bench_build_tree.py --out DIR [--quick] [--table COST_TABLE.json]
+    TRITON_INTERPRET=1 python bench/bench_build_tree.py --out DIR --dry-run   # CPU smoke test
+    python -m pytest bench/bench_build_tree.py --benchmark-only
 
-Rows (docs/design.md op 3, issue 4), W = top-k = 10, depth 8, bf16 draft logits:
+Rows (docs/design.md op 3), W = top-k = 10, depth 8, bf16 draft logits:
   ``layer``         one expand step (softmax + top-k over V + path scores + next frontier +
                     the policy's decision), policy ``eagle`` and ``cast``, B x V;
   ``rerank_build``  rerank the 8 layers' candidates and emit the Tree, B x N (x policy);
   ``step``          a whole decoding step of bookkeeping: reset, 8 expand steps, rerank + emit
                     (EAGLE static depth), B x V x N.
-For each row, on the same inputs in one process: ``treeops_us`` (the Triton launches replayed in
-a CUDA graph), ``torch_us`` (the same step written in PyTorch without host syncs, replayed in a
+For each row, on the same inputs in one process: ``treeops_us`` (the public ops'
+launches replayed in a CUDA graph, ``harness.graph_us``), ``treeops_eager_us`` (one eager call,
+host included), ``torch_us`` (the same step written in PyTorch without host syncs, replayed in a
 CUDA graph: the strongest plain-PyTorch form), ``eager_us`` (the step as EAGLE's reference code
 writes it: one request at a time, eager, the tree mask built on the host), and ``floor_us`` =
 max(bytes that must move / 4.3 TB/s, an empty kernel replayed in a CUDA graph measured in this
 run). Logits rotate over buffers larger than the L2. Before timing, treeops' output is compared
-with the PyTorch version on the same inputs; a mismatch is recorded instead of a speed. Writes
+with the reference on the same inputs; a mismatch is recorded instead of a speed. Writes
 ``DIR/tree_build_cast.json`` (``gpu``, ``versions``, ``commit``, ``rows``) and prints a table.
+The standalone CAST rules (``treeops.cast_width`` ...): bench_cast.py.
 """
 
 from __future__ import annotations
@@ -25,67 +28,37 @@ import argparse
 import itertools
 import json
 import os
-import statistics
-import subprocess
-import sys
 import time
 import traceback
 
+import harness as H
+import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import treeops
+
 W = TOPK = 10
 DEPTH = 8
-BW = 4.3e12
 ROTATE_BYTES = 240 << 20  # > 2x the H200's 60 MB L2 (and then some): logits never sit in L2
 
 
 # ------------------------------------------------------------------------------------ timing
-def time_graph(fn, dev) -> float:
-    """Median µs of ``fn`` replayed in a CUDA graph (a CPU run times it eagerly)."""
-    if dev.type != "cuda":
-        return time_eager(fn, dev, iters=3)
-    import triton.testing as tt
-
-    return float(tt.do_bench_cudagraph(fn, rep=100, return_mode="median")) * 1e3
+def time_graph(calls, dev) -> float:
+    """Median µs per call of ``calls`` (one per rotated logits buffer) replayed in a CUDA graph,
+    about 24 calls a graph (a CPU run times one eager round)."""
+    calls = list(calls)
+    return H.graph_us(calls, reps=max(1, 24 // len(calls)), device=dev)
 
 
 def time_eager(fn, dev, iters=20, warmup=3) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(iters):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e6)
-    return float(statistics.median(ts))
-
-
-def empty_kernel_us(dev) -> float:
-    import triton
-
-    @triton.jit
-    def _empty(X):
-        pass
-
-    buf = torch.zeros(1, device=dev)
-    return time_graph(lambda: _empty[(1,)](buf), dev)
+    """Median µs of one eager call, host included."""
+    return H.eager_us(fn, iters=iters, warmup=warmup, device=dev)
 
 
 # ---------------------------------------------------------------------------- policies/inputs
 def synthetic_table():
-    """docs/benchmarks.md's curve (flat to ~100 tokens per forward, then linear) for an 8B-class target and
-    a one-layer draft; used when no calibrated table is given."""
-    import treeops
-
+    """docs/benchmarks.md's curve (flat to ~100 tokens per forward, then linear) for an 8B-class
+    target and a one-layer draft; used when no calibrated table is given."""
     return treeops.CostTable.from_functions(
         lambda B, c, n: 130.0 * 32 + c * B / 512 + max(0, B * n - 96) * 0.6 * 32,
         lambda B, c, n: 130.0 + 700 + c * B / 16384 + max(0, B * n - 96) * 0.6,
@@ -98,8 +71,6 @@ def synthetic_table():
 
 
 def make_policy(kind, N, table):
-    import treeops
-
     if kind == "eagle":
         return treeops.EagleStatic(depth=DEPTH, topk=TOPK, budget=N)
     # C1 = 0: Algorithm 1 runs in full but always keeps W rows, so every replay does equal work
@@ -279,8 +250,6 @@ def eagle_rerank_eager(all_scores, all_tokens, all_parents, N):
 
 # ------------------------------------------------------------------------------------ rows
 def fresh_state(policy, B, V, dev):
-    import treeops
-
     g = torch.Generator(device=dev).manual_seed(1)
     roots = torch.randint(0, V, (B,), device=dev, generator=g)
     seq = torch.randint(1000, 8000, (B,), device=dev, generator=g)
@@ -336,39 +305,46 @@ def check_torch(tb_scores, st_scores):
     return "ok" if torch.allclose(a, b, rtol=1e-3, atol=1e-6) else "scores differ"
 
 
-def row_layer(kind, B, V, table, dev, empty_us, quick):
-    from treeops.kernels import build_tree as KB
+def expand_at(x, st, pol, layer):
+    """``treeops.build_tree_expand`` of draft layer ``layer`` (the state's layer reset first, so
+    that every captured call expands the same layer)."""
+    st.layer = layer
+    treeops.build_tree_expand(x, st, pol)
 
+
+def row_layer(kind, B, V, table, dev, empty_us, quick, time_treeops=None):
+    """One expand step (layer 1: a full frontier of W rows), checked against the reference."""
+    time_treeops = time_treeops or time_graph
     pol = make_policy(kind, 64, table)
     bufs = logits_buffers(B, V, dev)
     st, roots, seq = fresh_state(pol, B, V, dev)
     tb = TorchBuild(pol, B, dev)
     tb.reset(roots, seq)
     # layer 0 from the root, then time layer 1 (a full frontier of W rows)
-    KB.expand(bufs[0], st, pol)
+    expand_at(bufs[0], st, pol, 0)
     tb.layer(0, bufs[0])
-    st.layer = 1
     row = dict(op="layer", policy=kind, B=B, N=None, V=V, W=W, topk=TOPK, dtype="bf16")
     nbytes = B * W * V * 2
     row["bytes"] = nbytes
-    row["floor_us"] = round(max(nbytes / BW * 1e6, empty_us), 2)
+    row["floor_us"] = round(H.floor_us(nbytes, empty_us=empty_us), 2)
     before = cpu_copy(st)
-    KB.expand(bufs[1], st, pol)
+    expand_at(bufs[1], st, pol, 1)
     tb.layer(1, bufs[1])
     err = check_layer(before, st, bufs[1], pol, 1)
     row["check"] = err or "ok"
     row["torch_check"] = check_torch(tb.cand_scores[:, 1], st.cand_scores[:, 1])
-    cyc = itertools.cycle(bufs)
-    cyc2 = itertools.cycle(bufs)
     if err is None:
-        row["treeops_us"] = round(time_graph(lambda: KB.expand(next(cyc), st, pol), dev), 2)
-    row["torch_us"] = round(time_graph(lambda: tb.layer(1, next(cyc2)), dev), 2)
+        row["treeops_us"] = round(
+            time_treeops([lambda x=x: expand_at(x, st, pol, 1) for x in bufs], dev), 2
+        )
+        row["treeops_eager_us"] = round(
+            time_eager(lambda: expand_at(bufs[0], st, pol, 1), dev, iters=5 if quick else 20), 2
+        )
+    row["torch_us"] = round(time_graph([lambda x=x: tb.layer(1, x) for x in bufs], dev), 2)
     if kind == "eagle":
         sc = torch.zeros(B, W, device=dev)
         row["eager_us"] = round(
-            time_eager(
-                lambda: eagle_layer_eager(next(cyc), sc, TOPK), dev, iters=3 if quick else 10
-            ),
+            time_eager(lambda: eagle_layer_eager(bufs[0], sc, TOPK), dev, iters=3 if quick else 10),
             2,
         )
     finish(row)
@@ -377,33 +353,28 @@ def row_layer(kind, B, V, table, dev, empty_us, quick):
 
 def row_sweep(B, V, table, dev, empty_us):
     """The expand kernel's tile and warp count on one shape (defaults are set from this)."""
-    from treeops.kernels import build_tree as KB
+    from treeops.build_tree import _launch_expand  # the CUDA branch with the launcher's tuning
 
     pol = make_policy("eagle", 64, table)
     bufs = logits_buffers(B, V, dev)
     st, _, _ = fresh_state(pol, B, V, dev)
-    KB.expand(bufs[0], st, pol)
+    expand_at(bufs[0], st, pol, 0)
     st.layer = 1
-    cyc = itertools.cycle(bufs)
     row = dict(
         op="layer_sweep",
         policy="eagle",
         B=B,
         N=None,
         V=V,
-        floor_us=round(max(B * W * V * 2 / BW * 1e6, empty_us), 2),
+        floor_us=round(H.floor_us(B * W * V * 2, empty_us=empty_us), 2),
         configs={},
     )
     for bv, nw, sp in itertools.product((1024, 2048, 4096, 8192), (4, 8, 16), (None, 1, 4)):
         name = f"block_v={bv},warps={nw},split={sp or 'auto'}"
+        tune = dict(block_v=bv, num_warps=nw, split=sp)
         try:
-            KB.expand(bufs[1], st, pol, block_v=bv, num_warps=nw, split=sp)
-            t = time_graph(
-                lambda bv=bv, nw=nw, sp=sp: KB.expand(
-                    next(cyc), st, pol, block_v=bv, num_warps=nw, split=sp
-                ),
-                dev,
-            )
+            _launch_expand(bufs[1], st, pol, **tune)
+            t = time_graph([lambda x=x, t=tune: _launch_expand(x, st, pol, **t) for x in bufs], dev)
             row["configs"][name] = round(t, 2)
         except Exception as e:  # noqa: BLE001
             row["configs"][name] = f"{type(e).__name__}: {e}"[:200]
@@ -416,25 +387,21 @@ def row_sweep(B, V, table, dev, empty_us):
 
 def prepared(kind, B, N, V, table, dev):
     """A state after DEPTH expand steps (treeops and PyTorch fed the same logits)."""
-    from treeops.kernels import build_tree as KB
-
     pol = make_policy(kind, N, table)
     bufs = logits_buffers(B, V, dev, count=DEPTH, seed=2)
     st, roots, seq = fresh_state(pol, B, V, dev)
     tb = TorchBuild(pol, B, dev)
     tb.reset(roots, seq)
     for i in range(DEPTH):
-        st.layer = i
-        KB.expand(bufs[i], st, pol)
+        expand_at(bufs[i], st, pol, i)
         tb.layer(i, bufs[i])
     st.layer = DEPTH
     return pol, bufs, st, tb, roots, seq
 
 
-def row_rerank(kind, B, N, table, dev, empty_us, quick, V=32000):
-    import treeops
-    from treeops.kernels import build_tree as KB
-
+def row_rerank(kind, B, N, table, dev, empty_us, quick, V=32000, time_treeops=None):
+    """Rerank + emit after DEPTH layers, checked against the reference (exact)."""
+    time_treeops = time_treeops or time_graph
     pol, bufs, st, tb, _, _ = prepared(kind, B, N, V, table, dev)
     del bufs
     tb.cand_scores.copy_(st.cand_scores)  # same candidates for both (no tie ambiguity)
@@ -453,18 +420,22 @@ def row_rerank(kind, B, N, table, dev, empty_us, quick, V=32000):
         W=W,
         topk=TOPK,
         bytes=nbytes,
-        floor_us=round(max(nbytes / BW * 1e6, empty_us), 2),
+        floor_us=round(H.floor_us(nbytes, empty_us=empty_us), 2),
     )
-    tree = KB.emit(st, pol, out=out)
-    err = check_tree(st, pol, tree)
+
+    def emit():
+        return treeops.build_tree_emit(st, pol, out=out)
+
+    err = check_tree(st, pol, emit())
     ok = err is None
     row["check"] = err or "ok"
     if kind == "cast":
         row["verify_count"] = int(st.decisions[-1])
     if ok:
-        row["treeops_us"] = round(time_graph(lambda: KB.emit(st, pol, out=out), dev), 2)
+        row["treeops_us"] = round(time_treeops([emit], dev), 2)
+        row["treeops_eager_us"] = round(time_eager(emit, dev, iters=5 if quick else 20), 2)
     if kind == "eagle":
-        row["torch_us"] = round(time_graph(tb.emit, dev), 2)
+        row["torch_us"] = round(time_graph([tb.emit], dev), 2)
         flat_s = st.cand_scores.view(B, -1)
         flat_t = st.cand_tokens.view(B, -1)
         flat_p = st.cand_parents.view(B, -1)
@@ -484,10 +455,9 @@ def row_rerank(kind, B, N, table, dev, empty_us, quick, V=32000):
     return row
 
 
-def row_step(B, N, V, table, dev, empty_us, quick, layer_checks=True):
-    import treeops
-    from treeops.kernels import build_tree as KB
-
+def row_step(B, N, V, table, dev, empty_us, quick, layer_checks=True, time_treeops=None):
+    """A whole step (reset, DEPTH expands, emit), every layer and the tree checked first."""
+    time_treeops = time_treeops or time_graph
     pol = make_policy("eagle", N, table)
     bufs = logits_buffers(B, V, dev, count=DEPTH, seed=3)
     st, roots, seq = fresh_state(pol, B, V, dev)
@@ -497,10 +467,8 @@ def row_step(B, N, V, table, dev, empty_us, quick, layer_checks=True):
     def step_treeops():
         st.reset(roots, seq)
         for i in range(DEPTH):
-            st.layer = i
-            KB.expand(bufs[i], st, pol)
-        st.layer = DEPTH
-        return KB.emit(st, pol, out=out)
+            expand_at(bufs[i], st, pol, i)
+        return treeops.build_tree_emit(st, pol, out=out)
 
     def step_torch():
         tb.reset(roots, seq)
@@ -514,12 +482,10 @@ def row_step(B, N, V, table, dev, empty_us, quick, layer_checks=True):
     err = None
     for i in range(DEPTH):
         before = cpu_copy(st) if layer_checks else None
-        st.layer = i
-        KB.expand(bufs[i], st, pol)
+        expand_at(bufs[i], st, pol, i)
         if layer_checks:
             err = err or check_layer(before, st, bufs[i], pol, i)
-    st.layer = DEPTH
-    err = err or check_tree(st, pol, KB.emit(st, pol, out=out))
+    err = err or check_tree(st, pol, treeops.build_tree_emit(st, pol, out=out))
     step_torch()
     ok = err is None
     nbytes = DEPTH * B * W * V * 2
@@ -533,13 +499,14 @@ def row_step(B, N, V, table, dev, empty_us, quick, layer_checks=True):
         topk=TOPK,
         depth=DEPTH,
         bytes=nbytes,
-        floor_us=round(max(nbytes / BW * 1e6, empty_us), 2),
+        floor_us=round(H.floor_us(nbytes, empty_us=empty_us), 2),
         check=err or "ok",
         torch_check=check_torch(tb.cand_scores, st.cand_scores),
     )
     if ok:
-        row["treeops_us"] = round(time_graph(step_treeops, dev), 2)
-    row["torch_us"] = round(time_graph(step_torch, dev), 2)
+        row["treeops_us"] = round(time_treeops([step_treeops], dev), 2)
+        row["treeops_eager_us"] = round(time_eager(step_treeops, dev, iters=5 if quick else 20), 2)
+    row["torch_us"] = round(time_graph([step_torch], dev), 2)
     finish(row)
     return row
 
@@ -555,19 +522,6 @@ def finish(row):
 
 
 # ------------------------------------------------------------------------------------ main
-def versions():
-    import triton
-
-    import treeops
-
-    return {
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "treeops": treeops.__version__,
-        "cuda": torch.version.cuda,
-    }
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
@@ -589,8 +543,6 @@ def main(argv=None):
     )
     args = ap.parse_args(argv)
     global W, TOPK, DEPTH, ROTATE_BYTES
-    import treeops
-
     if args.dry_run:
         dev = torch.device("cpu")
         W = TOPK = 3
@@ -603,25 +555,15 @@ def main(argv=None):
         if args.quick:
             Bs, Vs, Ns = (1, 64), (32000,), (64,)
     table = treeops.CostTable.load(args.table) if args.table else synthetic_table()
-    commit = args.commit or os.environ.get("TREEOPS_COMMIT")
-    if commit is None:
-        try:
-            commit = subprocess.check_output(
-                ["git", "rev-parse", "HEAD"], cwd=HERE, text=True
-            ).strip()
-        except Exception:  # noqa: BLE001
-            commit = "unknown"
     ops = set(args.ops.split(","))
-    empty_us = empty_kernel_us(dev)
+    empty_us = H.empty_kernel_us(dev)
     rows = []
-    result = dict(
-        gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
-        versions=versions(),
-        commit=commit,
+    result = H.result_doc(
+        dev,
+        commit_id=args.commit,
         empty_kernel_graph_us=round(empty_us, 2),
         cost_table=table.meta,
         rows=rows,
-        date=time.strftime("%Y-%m-%d", time.gmtime()),
     )
 
     t_start = time.time()
@@ -643,8 +585,7 @@ def main(argv=None):
             )
         rows.append(r)
         print(json.dumps(r), flush=True)
-        with open(path, "w") as f:  # after every row: a stage time limit keeps what was measured
-            json.dump(result, f, indent=1)
+        H.write_json(path, result)  # after every row: a stage time limit keeps what was measured
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -664,8 +605,7 @@ def main(argv=None):
             for V in Vs:
                 for N in Ns:
                     run(row_step, B, N, V, table, dev, empty_us, args.quick, N == Ns[0])
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    H.write_json(path, result)
     print_table(rows, empty_us)
     return result
 
@@ -703,6 +643,45 @@ def print_table(rows, empty_us):
         print(" | ".join(f(r.get(k)) for k in hdr))
 
 
+# ------------------------------------------------------------------------------ pytest
+B_TEST, V_TEST, N_TEST = 8, 128256, 64
+
+
+def _timed(benchmark):
+    return lambda calls, dev: H.benchmark_graph(benchmark, calls, reps=max(1, 24 // len(calls)))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "cast"])
+def test_build_tree_layer(benchmark, kind):
+    """One expand step: B = 8, W = top-k = 10, V = 128256, bf16 logits (rotated past the L2).
+    Peer: the same step in sync-free PyTorch, replayed in a graph."""
+    dev = torch.device("cuda")
+    row = row_layer(kind, B_TEST, V_TEST, synthetic_table(), dev, H.empty_kernel_us(dev), True,
+                    time_treeops=_timed(benchmark))  # fmt: skip
+    assert row["check"] == "ok", row["check"]
+    H.record(benchmark, row)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "cast"])
+def test_build_tree_emit(benchmark, kind):
+    """Rerank 8 layers' 100 candidates each and emit the tree: B = 8, N = 64. Peer (EAGLE):
+    the PyTorch rerank + emit, replayed in a graph."""
+    dev = torch.device("cuda")
+    row = row_rerank(kind, B_TEST, N_TEST, synthetic_table(), dev, H.empty_kernel_us(dev), True,
+                     time_treeops=_timed(benchmark))  # fmt: skip
+    assert row["check"] == "ok", row["check"]
+    H.record(benchmark, row)
+
+
+def test_build_tree_step(benchmark):
+    """A whole EAGLE step (reset, 8 expands, emit): B = 8, N = 64, V = 32000. Peer: the same
+    step in sync-free PyTorch, replayed in a graph."""
+    dev = torch.device("cuda")
+    row = row_step(B_TEST, N_TEST, 32000, synthetic_table(), dev, H.empty_kernel_us(dev), True,
+                   time_treeops=_timed(benchmark))  # fmt: skip
+    assert row["check"] == "ok", row["check"]
+    H.record(benchmark, row)
+
+
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(HERE, ".."))
     main()
