@@ -15,8 +15,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treeops import CostTable, PruneCheckpoints, Tree
-from treeops.decoder import POLICIES, Decoder, Draft, ModelConfig, SamplingParams, Target
+from treeops import Cast, CostTable, EagleStatic, PruneCheckpoints, RankTemplate, Tree
+from treeops.decoder import (
+    POLICIES,
+    Autoregressive,
+    CastGraft,
+    Chain,
+    Decoder,
+    Draft,
+    ModelConfig,
+    SamplingParams,
+    Target,
+    make_policy,
+)
 from treeops.decoder.model import chain_tree, reference_forward
 from treeops.testing import NoHostSync
 
@@ -90,11 +101,8 @@ def _steep_costs() -> CostTable:
     )
 
 
-def _decoder(pair, policy: str) -> Decoder:
-    target, draft = pair
-    return Decoder(
-        target,
-        draft,
+def _policy(policy: str):
+    return make_policy(
         policy,
         depth=3,
         topk=3,
@@ -105,8 +113,12 @@ def _decoder(pair, policy: str) -> Decoder:
         C3=0.05,
         # prune early and hard so that Graft fills slots every step
         checkpoints=PruneCheckpoints(steps=(0, 1), keeps=(2, 4), thresholds=(0.99, 0.99)),
-        page_size=16,
     )
+
+
+def _decoder(pair, policy: str, **kw) -> Decoder:
+    target, draft = pair
+    return Decoder(target, draft, _policy(policy), page_size=16, **kw)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -139,7 +151,7 @@ def test_pure_bigram_target_accepts_full_chains():
     draft = Draft(cfg).bigram_init(target)
     prompts = [[1, 2, 3], [4]]
     base = [_greedy_baseline(target, p, 12) for p in prompts]
-    res = Decoder(target, draft, "chain", depth=3).generate(prompts, 12)
+    res = Decoder(target, draft, Chain(3)).generate(prompts, 12)
     assert res.tokens == base
     assert res.emitted == [[4, 4]] * 3
 
@@ -161,7 +173,7 @@ def test_stop_ids_and_budgets(pair, baseline, policy):
 def test_small_pages(pair, baseline, page_size):
     """Pages of 1 and 4 slots: trees, compaction and the draft's scratch cross page borders."""
     target, draft = pair
-    dec = Decoder(target, draft, "EagleStatic", depth=3, topk=3, budget=8, page_size=page_size)
+    dec = Decoder(target, draft, EagleStatic(depth=3, topk=3, budget=8), page_size=page_size)
     assert dec.generate(PROMPTS, NEW).tokens == baseline
 
 
@@ -212,7 +224,7 @@ def test_sampling_matches_target_distribution(policy, T, top_k, top_p):
     draft = Draft(cfg).bigram_init(target)
     prompt = [1, 2, 3, 4]
     n = 3000
-    dec = Decoder(target, draft, policy, depth=2, topk=2, budget=4)
+    dec = Decoder(target, draft, make_policy(policy, depth=2, topk=2, budget=4))
     g = torch.Generator().manual_seed(1234)
     res = dec.generate([prompt] * n, 2, sampling=SamplingParams(T, top_k, top_p), generator=g)
     assert all(len(t) == 2 for t in res.tokens)
@@ -247,8 +259,58 @@ def _joint(target, prompt, T, top_k, top_p) -> torch.Tensor:
 def test_bad_policy(pair):
     with pytest.raises(ValueError, match="policy"):
         Decoder(pair[0], pair[1], "medusa")
+    with pytest.raises(ValueError, match="policy"):
+        Decoder(pair[0], pair[1], object())
+    with pytest.raises(ValueError, match="policy"):
+        make_policy("medusa")
     with pytest.raises(ValueError, match="draft"):
         Decoder(pair[0], None, "chain")
+    with pytest.raises(ValueError, match="draft"):
+        Decoder(pair[0], None, Chain(2))
+    # the policy's knobs live in the policy object, not in Decoder
+    with pytest.raises(TypeError, match="depth"):
+        Decoder(pair[0], pair[1], "chain", depth=3)
+    with pytest.raises(ValueError, match="depth"):
+        Chain(0)
+    with pytest.raises(ValueError, match="cast"):
+        CastGraft(EagleStatic(depth=2, topk=2, budget=4))
+    with pytest.raises(ValueError, match="adjacency_k"):
+        CastGraft(make_policy("Cast"), adjacency_k=0)
+
+
+def test_policy_objects():
+    """``make_policy`` maps each name onto its object and sizes; ``Decoder`` maps a name with the
+    defaults and exposes the tree policy it drafts with."""
+    table = _steep_costs()
+    ck = PruneCheckpoints(steps=(0,), keeps=(3,), thresholds=(0.5,))
+    tpl = RankTemplate.chain(4)
+    kw = dict(depth=3, topk=2, budget=9, cost_table=table, C1=0.4, checkpoints=ck, template=tpl,
+              adjacency_k=5)  # fmt: skip
+    pols = {name: make_policy(name, **kw) for name in POLICIES}
+    assert isinstance(pols["autoregressive"], Autoregressive)
+    assert pols["chain"] == Chain(3)
+    es = pols["EagleStatic"]
+    assert isinstance(es, EagleStatic) and (es.depth, es.topk, es.budget) == (3, 2, 9)
+    cast = pols["Cast"]
+    assert isinstance(cast, Cast) and cast.cost_table is table and cast.C1 == 0.4
+    assert (cast.max_depth, cast.topk, cast.max_width, cast.capacity) == (3, 2, 2, 9)
+    cg = pols["CastGraft"]
+    assert isinstance(cg, CastGraft) and isinstance(cg.cast, Cast) and cg.cast.capacity == 9
+    assert cg.checkpoints is ck and cg.template is tpl and cg.adjacency_k == 5
+    target = Target(ModelConfig(vocab_size=32))
+    draft = Draft(ModelConfig(vocab_size=32))
+    for name, pol in pols.items():
+        dec = Decoder(target, draft, pol)
+        assert dec.name == name and dec.policy is pol
+        assert (dec.tree_policy is None) == (name == "autoregressive")
+        assert (dec.graft is pol) == (name == "CastGraft")
+        assert (dec.draft is None) == (name == "autoregressive")
+    chain = Decoder(target, draft, Chain(3)).tree_policy
+    assert isinstance(chain, EagleStatic) and (chain.depth, chain.topk, chain.budget) == (3, 1, 4)
+    for name in POLICIES:  # a name: make_policy's defaults
+        dec = Decoder(target, draft, name)
+        assert dec.name == name and type(dec.policy) is type(make_policy(name))
+        assert dec.capacity == {"autoregressive": 1, "chain": 5}.get(name, 16)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
@@ -470,11 +532,7 @@ def test_cuda_graphs_flag_on_gpu_and_bucket_never_undersizes(gpu_pair):
     budgets = [6, 2, 9, NEW, 1, 5, 7, 3]
     for policy in ("Cast", "CastGraft"):
         eager = _decoder(gpu_pair, policy).generate(prompts, budgets)
-        dec = Decoder(
-            target, draft, policy, depth=3, topk=3, budget=12, cost_table=_steep_costs(),
-            C1=0.1, C2=0.05, C3=0.05, cuda_graphs=True, check_buckets=True,
-            checkpoints=PruneCheckpoints(steps=(0, 1), keeps=(2, 4), thresholds=(0.99, 0.99)),
-        )  # fmt: skip
+        dec = Decoder(target, draft, _policy(policy), cuda_graphs=True, check_buckets=True)
         res = dec.generate(prompts, budgets)
         assert res.tokens == eager.tokens
         assert res.undersized == 0 and res.host_waits > res.steps
@@ -485,7 +543,8 @@ def test_cuda_graphs_flag_on_gpu_and_bucket_never_undersizes(gpu_pair):
 # ------------------------------------------------------------ whole-step graphs (step_graphs)
 def _step_decoder(pair, policy: str, **kw) -> Decoder:
     target, draft = pair
-    return Decoder(target, draft, policy, depth=3, topk=3, budget=12, page_size=16, **kw)
+    pol = make_policy(policy, depth=3, topk=3, budget=12)
+    return Decoder(target, draft, pol, page_size=16, **kw)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -549,8 +608,8 @@ def test_step_graphs_equal_per_forward_graphs(gpu_pair, policy, batch):
 
     def dec(step):
         d = None if policy == "autoregressive" else draft
-        return Decoder(target, d, policy, depth=3, topk=3, budget=12, cuda_graphs=True,
-                       step_graphs=step)  # fmt: skip
+        pol = make_policy(policy, depth=3, topk=3, budget=12)
+        return Decoder(target, d, pol, cuda_graphs=True, step_graphs=step)
 
     per_fwd, whole = dec(False), dec(True)
     ref = per_fwd.generate(prompts, budgets, stop_ids=stop)
@@ -581,32 +640,36 @@ def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graph
     on any host sync, data-dependent shape or host data copied in; greedy with stop ids and
     ragged budgets, then sampling, B = 3. The treeops ops run their CPU references here, not the
     GPU launchers (``bench/compile_check.py`` checks those the same way), so they are opaque."""
-    import treeops.decoder.engine as E
+    import treeops.decoder.graphs as G
     import treeops.decoder.model as M
+    import treeops.decoder.step as S
+    from treeops.graft import AdjacencyTable
 
     check = NoHostSync(only_regions=True)
     for mod, names in (
-        (E, ["accept_greedy", "accept_sample", "build_tree_emit", "build_tree_expand",
+        (S, ["accept_greedy", "accept_sample", "build_tree_emit", "build_tree_expand",
              "compact_kv", "graft", "prune"]),
         (M, ["kv_append", "tree_attention"]),
     ):  # fmt: skip
         for name in names:
             monkeypatch.setattr(mod, name, check.opaque(getattr(mod, name)))
     for meth in ("update", "retrieve", "warm_start"):
-        monkeypatch.setattr(E.AdjacencyTable, meth, check.opaque(getattr(E.AdjacencyTable, meth)))
-    replay, step_body = E.Decoder._replay, E.Decoder._step_body
+        monkeypatch.setattr(AdjacencyTable, meth, check.opaque(getattr(AdjacencyTable, meth)))
+    replay, replay_step = G.GraphRunner.replay, G.GraphRunner.replay_step
     monkeypatch.setattr(
-        E.Decoder,
-        "_replay",
+        G.GraphRunner,
+        "replay",
         lambda self, sb, key, body, res: replay(self, sb, key, check.region(body), res),
     )
-    monkeypatch.setattr(E.Decoder, "_step_body", lambda *a, **k: check.region(step_body(*a, **k)))
+    monkeypatch.setattr(
+        G.GraphRunner,
+        "replay_step",
+        lambda self, sb, key, make_body, res: replay_step(
+            self, sb, key, lambda copy_out: check.region(make_body(copy_out)), res
+        ),
+    )
 
-    dec = Decoder(
-        *pair, policy, depth=3, topk=3, budget=12, page_size=16, static_shapes=True,
-        step_graphs=step_graphs, cost_table=_steep_costs(), C1=0.1, C2=0.05, C3=0.05,
-        checkpoints=PruneCheckpoints(steps=(0, 1), keeps=(2, 4), thresholds=(0.99, 0.99)),
-    )  # fmt: skip
+    dec = _decoder(pair, policy, static_shapes=True, step_graphs=step_graphs)
     stop = baseline[1][3]
     with check:
         res = dec.generate(PROMPTS, [3, 8, 10], stop_ids=[stop])

@@ -128,7 +128,7 @@ def test_train_pair_micro_caches_and_reloads(tmp_path):
 
 def test_module_key_groups_vendored_copies():
     """Vendored copies of a module share its key, so the held-out split keeps them together."""
-    from treeops.decoder.train import _module_key, _source_roots
+    from treeops.decoder.data import _module_key, _source_roots
 
     site = _source_roots()[-1]  # paths under a real root (the files need not exist)
     key = lambda p: _module_key(site / p)  # noqa: E731

@@ -7,8 +7,8 @@ two CPU cores, once), decodes held-out prompts greedily with each policy (``auto
 that every policy's output equals plain autoregressive greedy decoding token for token, and
 prints accepted tokens per step, tokens/s, one drawn verification tree and a decoded snippet.
 
-``run_synthetic_demo`` (``treeops demo --synthetic``) is the older, model-free walk through every
-op: a toy "language" stands in for the models (the true next token after ``t`` is ``nxt(t)``;
+``run_synthetic_demo`` (``treeops demo --synthetic``) is the model-free walk through every op: a
+toy "language" stands in for the models (the true next token after ``t`` is ``nxt(t)``;
 the target's logits favour it strongly but sometimes prefer another token, the draft's favour it
 less sharply, with noise), enough for trees, CAST's choices, Graft's retrieval and greedy
 acceptance to behave as they do with real models.
@@ -24,12 +24,14 @@ from pathlib import Path
 import torch
 
 from .accept import accept_greedy
-from .kv_append import kv_append, rope
-from .tree_attention import tree_attention
 from .build_tree import Cast, DraftState, build_tree
 from .compact_kv import compact_kv
 from .cost_table import CostTable
+from .decoder import POLICIES, Decoder, make_policy
+from .decoder.train import PairConfig, train_pair
 from .graft import AdjacencyTable, PruneCheckpoints, RankTemplate, graft, prune
+from .kv_append import kv_append, rope
+from .tree_attention import tree_attention
 
 V = 96  # vocabulary
 H_Q, H_KV, D = 4, 2, 64
@@ -62,8 +64,9 @@ def _draft_logits(tokens: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 
 def _cost_table() -> CostTable:
-    """A small synthetic cost table with the H200's shape (BENCH.md): flat while the forward is
-    weight-bound (here up to 32 tokens), then growing with tokens; the draft costs a quarter."""
+    """A small synthetic cost table shaped like a large GPU's (docs/benchmarks.md): flat while
+    the forward is weight-bound (here up to 32 tokens), then growing with tokens; the draft costs
+    a quarter."""
 
     def target(B: int, c: int, n: int) -> float:
         return 100.0 + 0.02 * B * c / 1024 + max(0, B * n - 32) * 1.0
@@ -82,11 +85,21 @@ def _cost_table() -> CostTable:
     )
 
 
+def _check_at_least_1(**args: int) -> None:
+    for name, v in args.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"Invalid {name}: expected an int >= 1, got {v!r}")
+
+
 def _short(xs: list[int], shown: int = 5) -> str:
     return str(xs) if len(xs) <= shown else str(xs[:shown])[:-1] + ", ...]"
 
 
 def run_synthetic_demo(batch: int = 4, steps: int = 4, seed: int = 0) -> int:
+    """Walk ``steps`` decoding steps of a ``batch`` of toy requests through every op (CAST tree,
+    Graft, tree attention, acceptance, compaction), printing a row per step and one drawn tree.
+    Returns 0; ``batch`` or ``steps`` below 1 is a ``ValueError``."""
+    _check_at_least_1(batch=batch, steps=steps)
     g = torch.Generator().manual_seed(seed)
     B = batch
     N = 32
@@ -241,11 +254,13 @@ def run_demo(
 ) -> int:
     """Train or load the ``preset`` pair (cached under ``cache_dir``, default
     ``~/.cache/treeops/<preset>-pair``), decode ``batch`` held-out prompts with every policy,
-    check greedy equality and print the table. Returns 0, or 1 if a policy's output differs."""
-    from .decoder import POLICIES, Decoder
-    from .decoder.train import PairConfig, train_pair
-
-    cfg = {"tiny": PairConfig.tiny, "micro": PairConfig.micro}[preset]()
+    check greedy equality and print the table. Returns 0, or 1 if a policy's output differs.
+    Arguments are checked (``ValueError``) before any training."""
+    _check_at_least_1(batch=batch, new_tokens=new_tokens, depth=depth, topk=topk, budget=budget)
+    presets = {"tiny": PairConfig.tiny, "micro": PairConfig.micro}
+    if preset not in presets:
+        raise ValueError(f"Invalid preset: expected one of {sorted(presets)}, got {preset!r}")
+    cfg = presets[preset]()
     cache = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE / f"{preset}-pair"
     if retrain:
         (cache / "pair_config.json").unlink(missing_ok=True)
@@ -292,7 +307,7 @@ def run_demo(
     ok = True
     try:
         for name in POLICIES:
-            dec = Decoder(target, draft, name, depth=depth, topk=topk, budget=budget)
+            dec = Decoder(target, draft, make_policy(name, depth=depth, topk=topk, budget=budget))
             trees: list[str] = []
 
             def record(module, args, trees=trees):

@@ -1,15 +1,30 @@
 """``treeops decode``: the example decoder on a tiny random pair (CPU), every policy, checked
 against plain greedy decoding. Weights from a local directory with ``--model`` (needs
-``safetensors``; the draft is then the target's bigram approximation, untrained)."""
+``safetensors`` for safetensors files; the draft is then the target's bigram approximation,
+untrained)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
 
-from .engine import POLICIES, Decoder, SamplingParams
+from .engine import Decoder
 from .model import Draft, ModelConfig, Target, reference_forward
+from .policies import POLICIES, make_policy
+from .results import SamplingParams
+
+__all__ = ["load_model", "run_decode"]
+
+
+def load_model(path: str) -> Target:
+    """``Target.from_pretrained(path)``; a ``ValueError`` (one line, the cause) if it fails."""
+    try:
+        return Target.from_pretrained(path)
+    except (OSError, ImportError, ValueError, KeyError, RuntimeError, json.JSONDecodeError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"cannot load a model from {path!r}: {msg}") from e
 
 
 def run_decode(
@@ -18,11 +33,24 @@ def run_decode(
     policies: list[str] | None = None,
     seed: int = 0,
     temperature: float = 0.0,
-    model: str | None = None,
+    model: str | Target | None = None,
 ) -> int:
+    """Decode ``batch`` random prompts with each of ``policies`` (default: every policy), print
+    a table and, at temperature 0, whether each output equals greedy decoding. ``model``: a
+    local directory or a loaded ``Target`` (default: a tiny random target). Returns 0, or 1 if
+    a policy's greedy output differs. Bad arguments raise ``ValueError`` before any work."""
+    if batch < 1:
+        raise ValueError(f"Invalid batch: expected >= 1, got {batch}")
+    if new_tokens < 1:
+        raise ValueError(f"Invalid new_tokens: expected >= 1, got {new_tokens}")
+    names = list(policies or POLICIES)
+    bad = [p for p in names if p not in POLICIES]
+    if bad:
+        raise ValueError(f"Invalid policy: expected one of {POLICIES}, got {bad[0]!r}")
+    samp = SamplingParams(temperature=temperature)
     torch.manual_seed(seed)
-    if model:
-        target = Target.from_pretrained(model)
+    if model is not None:
+        target = load_model(model) if isinstance(model, str) else model
         cfg = target.cfg
     else:
         cfg = ModelConfig(tie_word_embeddings=False)
@@ -36,7 +64,6 @@ def run_decode(
     prompts = [
         torch.randint(0, cfg.vocab_size, (4 + 3 * b,), generator=g).tolist() for b in range(batch)
     ]
-    samp = SamplingParams(temperature=temperature)
     print(
         f"treeops decode: B={batch}, {new_tokens} new tokens, vocab {cfg.vocab_size}, "
         f"{cfg.num_hidden_layers} layers, T={temperature}"
@@ -53,8 +80,9 @@ def run_decode(
                     toks.append(int(reference_forward(target, torch.tensor(toks))[-1].argmax()))
                 ref.append(toks[len(p) :])
     ok = True
-    for name in policies or list(POLICIES):
-        dec = Decoder(target, draft, name, depth=4, topk=4, budget=16)
+    last: list[list[int]] = []
+    for name in names:
+        dec = Decoder(target, draft, make_policy(name, depth=4, topk=4, budget=16))
         t0 = time.perf_counter()
         res = dec.generate(
             prompts, new_tokens, sampling=samp, generator=torch.Generator().manual_seed(seed)

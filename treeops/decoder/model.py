@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ..kv_append import kv_append, rope
-from ..tree_attention import tree_attention
 from ..tree import Tree
+from ..tree_attention import tree_attention
 
 __all__ = [
     "ModelConfig",

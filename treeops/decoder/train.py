@@ -3,12 +3,13 @@
 No pretrained weights can be fetched on the machines this project runs on, so the pair is trained
 here, on the machine it runs on, from the Python source it already holds:
 
-* ``python_sources``: the ``.py`` files of the interpreter's standard library and installed
-  packages (``sysconfig`` paths), deduplicated by content, shuffled by a seed and split **by
-  file** into training and held-out files.
-* ``train_tokenizer``: a byte-level BPE tokenizer (the ``tokenizers`` library, ``pip install
-  treeops[demo]``); ``encode_stream`` encodes with ``encode_batch`` (all cores) into one token
-  stream, files separated by ``<|endoftext|>`` (id 0, the model's ``eos_token_id``).
+* ``python_sources`` (``data.py``): the ``.py`` files of the interpreter's standard library and
+  installed packages (``sysconfig`` paths), deduplicated by content, shuffled by a seed and split
+  **by module** into training and held-out files.
+* ``train_tokenizer`` (``data.py``): a byte-level BPE tokenizer (the ``tokenizers`` library,
+  ``pip install treeops[demo]``); ``encode_stream`` encodes with ``encode_batch`` (all cores)
+  into one token stream, files separated by ``<|endoftext|>`` (id 0, the model's
+  ``eos_token_id``).
 * ``train_target``: the Llama-style ``Target`` trained by next-token cross-entropy on random
   windows of the stream, through its training forward (``Target.forward_train``: whole sequences,
   causal SDPA, no cache), for a wall-clock budget; bf16 autocast and ``torch.compile`` (with an
@@ -26,7 +27,8 @@ here, on the machine it runs on, from the Python source it already holds:
   agreement with the target) and a cache directory.
 
 Presets: ``PairConfig.tiny()`` trains in about a minute on two CPU cores (the ``treeops demo``
-pair); ``PairConfig.h200()`` is a 24-layer, ~110M-parameter target for the H200 benchmark.
+pair); ``PairConfig.h200()`` is a 24-layer, ~110M-parameter target for one large GPU (the
+end-to-end benchmark, ``bench/bench_e2e.py``).
 
 Example (CPU, a few seconds)::
 
@@ -37,16 +39,12 @@ Example (CPU, a few seconds)::
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import math
 import os
-import random
 import sys
-import sysconfig
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from .data import EOS, encode_stream, heldout_prompts, python_sources, train_tokenizer
 from .model import Draft, ModelConfig, Target
 
 if TYPE_CHECKING:  # optional dependency (the ``demo`` extra)
@@ -75,150 +74,11 @@ __all__ = [
     "load_pair",
 ]
 
-EOS = "<|endoftext|>"
 _FORMAT = 2  # bump when the cached files' meaning changes (2: the split groups module copies)
 
 Progress = Callable[[str, float, str], None]
 """``progress(phase, fraction_done, info)``: called often during training (phase ``"target"`` or
 ``"draft"``); the demo draws a progress bar with it."""
-
-
-# ---------------------------------------------------------------------------------------- data
-def _source_roots() -> list[Path]:
-    paths = sysconfig.get_paths()
-    roots: list[Path] = []
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        p = paths.get(key)
-        if p and Path(p).is_dir():
-            r = Path(p).resolve()
-            if r not in roots:
-                roots.append(r)
-    return roots
-
-
-@functools.lru_cache(maxsize=1)
-def _python_files() -> tuple[Path, ...]:
-    """Every ``.py`` file under the source roots, sorted (cached: walking site-packages takes
-    seconds)."""
-    seen: set[Path] = set()
-    for root in _source_roots():
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-            for f in filenames:
-                if f.endswith(".py"):
-                    seen.add(Path(dirpath, f).resolve())
-    return tuple(sorted(seen))
-
-
-_VENDOR_DIRS = frozenset({"_vendor", "_vendored", "vendor", "extern", "_extern"})
-
-
-def _module_key(path: Path) -> str:
-    """The file's module path with vendoring removed (``pip/_vendor/rich/text.py`` and
-    ``rich/text.py`` share ``rich/text.py``; ``setuptools/_distutils/core.py`` is
-    ``distutils/core.py``): copies of one module share a key, so the split keeps them together."""
-    parts = list(path.parts)
-    roots = [r for r in _source_roots() if path.is_relative_to(r)]
-    if roots:  # the deepest root: site-packages sits inside the (plat)stdlib root of a venv
-        parts = list(path.relative_to(max(roots, key=lambda r: len(r.parts))).parts)
-    cut = max((i for i, p in enumerate(parts) if p in _VENDOR_DIRS), default=-1)
-    parts = parts[cut + 1 :]
-    if "_distutils" in parts:
-        parts = ["distutils", *parts[parts.index("_distutils") + 1 :]]
-    return "/".join(parts)
-
-
-def python_sources(
-    max_bytes: int,
-    heldout_fraction: float = 0.05,
-    seed: int = 0,
-    *,
-    max_file_bytes: int = 1 << 18,
-) -> tuple[list[str], list[str]]:
-    """Real Python source: ``(train_texts, heldout_texts)``, one string per file.
-
-    The ``.py`` files under this interpreter's ``sysconfig`` paths (standard library and
-    site-packages), sorted by path and shuffled by ``seed``, are read in that order (skipping
-    files that are not UTF-8, are empty, are larger than ``max_file_bytes`` or repeat an earlier
-    file's content, as vendored copies do) until ``max_bytes`` of text. The first
-    ``heldout_fraction`` of the files read (at least one) are held out, together with every other
-    copy of their modules (vendored copies differ in a few import lines, so the content check
-    misses them; ``_module_key`` groups them): the split is by module, so no held-out file or near
-    copy of it is seen in training. The same seed on the same installation gives the same
-    lists."""
-    if not 0 <= heldout_fraction < 1:
-        raise ValueError(f"Invalid heldout_fraction: expected [0, 1), got {heldout_fraction}")
-    files = list(_python_files())
-    random.Random(seed).shuffle(files)
-    texts: list[str] = []
-    keys: list[str] = []
-    hashes: set[bytes] = set()
-    total = 0
-    for path in files:
-        if total >= max_bytes:
-            break
-        try:
-            raw = path.read_bytes()
-        except OSError:
-            continue
-        if not raw.strip() or len(raw) > max_file_bytes:
-            continue
-        digest = hashlib.blake2b(raw, digest_size=16).digest()
-        if digest in hashes:
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        hashes.add(digest)
-        texts.append(text)
-        keys.append(_module_key(path))
-        total += len(raw)
-    if len(texts) < 2:
-        raise RuntimeError(f"found {len(texts)} Python files under {_source_roots()}: need 2+")
-    n_held = min(len(texts) - 1, max(1, round(heldout_fraction * len(texts))))
-    held_keys = set(keys[:n_held])
-    held = [t for t, k in zip(texts, keys) if k in held_keys]
-    train = [t for t, k in zip(texts, keys) if k not in held_keys]
-    if not train:  # every file one module: keep the first n_held files only
-        return texts[n_held:], texts[:n_held]
-    return train, held
-
-
-def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer (GPT-2 style: every byte is a token, so any text round-trips)
-    with ``vocab_size`` entries at most, ``<|endoftext|>`` being id 0. Needs ``tokenizers``."""
-    try:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    except ImportError as e:  # optional dependency
-        raise ImportError(
-            "training a tokenizer needs 'tokenizers': pip install treeops[demo]"
-        ) from e
-    if vocab_size < 258:
-        raise ValueError(f"Invalid vocab_size: expected >= 258 (256 bytes + EOS), got {vocab_size}")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    return tok
-
-
-def encode_stream(tokenizer: Tokenizer, texts: Sequence[str], chunk: int = 512) -> torch.Tensor:
-    """Every text encoded (``encode_batch``, parallel over texts) into one int32 stream [T], each
-    text preceded by EOS (id 0)."""
-    eos = tokenizer.token_to_id(EOS)
-    enc = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets: faster
-    parts: list[torch.Tensor] = []
-    for i in range(0, len(texts), chunk):
-        for e in enc(list(texts[i : i + chunk]), add_special_tokens=False):
-            parts.append(torch.tensor([eos, *e.ids], dtype=torch.int32))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
 
 
 # -------------------------------------------------------------------------------------- config
@@ -268,8 +128,8 @@ class PairConfig:
     def tiny(cls) -> PairConfig:
         """CPU: a 4-layer, d = 64 target (~0.25M parameters, vocab 512) and its draft, trained
         fp32 for 45 s + 20 s (one draft pass: more steps); the ``treeops demo`` pair. Small
-        because a CPU core trains only ~10-30K tokens/s: at that budget a smaller model reaches a
-        lower loss (measured: d = 64 beat d = 128, vocab 512 beat 1024 and 2048 in top-1)."""
+        because a CPU trains few tokens in that budget, and on few tokens a smaller model (and
+        vocabulary) reaches a lower loss."""
         return cls()
 
     @classmethod
@@ -621,30 +481,6 @@ def evaluate_draft(
     return {"agreement": hits[0] / tot, "agreement_unrolled": hits[1] / tot}
 
 
-def heldout_prompts(
-    tokenizer: Tokenizer, heldout_texts: Sequence[str], cfg: PairConfig
-) -> list[list[int]]:
-    """Up to ``cfg.num_prompts`` prompts of ``cfg.prompt_len`` tokens, one per held-out file
-    (those long enough), each starting at a seeded random line start of its file."""
-    rng = random.Random(cfg.seed)
-    # byte-level BPE spells "\n" as "Ċ": the ids whose token ends a line
-    newline = {
-        i for i in range(tokenizer.get_vocab_size()) if "Ċ" in (tokenizer.id_to_token(i) or "")
-    }
-    out: list[list[int]] = []
-    for text in heldout_texts:
-        if len(out) >= cfg.num_prompts:
-            break
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
-        if len(ids) < 2 * cfg.prompt_len:
-            continue
-        # a line start in the first half of the file (the prompt and a continuation fit after it)
-        half = len(ids) - 2 * cfg.prompt_len
-        s = rng.choice([0] + [i + 1 for i in range(half) if ids[i] in newline])
-        out.append(ids[s : s + cfg.prompt_len])
-    return out
-
-
 # ------------------------------------------------------------------------------------ the pair
 def _params(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
@@ -679,7 +515,7 @@ def train_pair(
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     elif device.type == "cpu" and hasattr(os, "getloadavg") and os.getloadavg()[0] >= 0.5:
-        # Another job holds a core: a second OpenMP thread would spin-wait on it (measured 10-30x
+        # Another job holds a core: a second OpenMP thread would spin-wait on it (many times
         # slower on a loaded 2-core machine); one thread keeps the budget's tokens.
         torch.set_num_threads(1)
     try:

@@ -1,0 +1,417 @@
+"""The graph runner: static buffers, token buckets, CUDA-graph capture and replay.
+
+With ``static_shapes`` (and ``cuda_graphs``, which implies it) a decoder keeps one
+``_StaticBatch`` per batch size: every buffer a forward reads (paged caches and block tables,
+seq_lens, the verification tree, the draft's working tree, frontier and catch-up inputs, the
+decoding state between steps) lives there, at a fixed address, so a forward over them can be
+captured once and replayed every step. The token count of each forward is padded up to a bucket
+(``token_buckets``); padding nodes beyond ``num_nodes`` are masked out by every op.
+
+``GraphRunner.replay`` runs one forward (kind ``verify``, ``draft`` or ``catchup``, one graph per
+(kind, batch size, token bucket)); ``GraphRunner.replay_step`` runs a whole step (one graph per
+(batch size, greedy or sampling, number of stop ids)). Without ``cuda_graphs`` both run their
+bodies eagerly: the CPU tests check the graph path's logic that way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._draft_state import DraftState
+from ..tree import Tree, anc_words, bit_value
+from .model import PagedKV, chain_tree
+from .results import DecodeResult
+
+if TYPE_CHECKING:
+    from .engine import Decoder
+
+__all__ = ["TOKEN_BUCKETS", "token_buckets", "bucket_for", "GraphRunner", "WholeStep"]
+
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def token_buckets(capacity: int) -> list[int]:
+    """Token counts a forward of at most ``capacity`` tokens per request is padded up to: the
+    members of ``TOKEN_BUCKETS`` below ``capacity``, then ``capacity`` itself."""
+    if capacity < 1:
+        raise ValueError(f"Invalid value of capacity: expected >= 1, got {capacity}")
+    return [b for b in TOKEN_BUCKETS if b < capacity] + [capacity]
+
+
+def bucket_for(n: int, capacity: int) -> int:
+    """The smallest bucket of ``token_buckets(capacity)`` holding ``n`` tokens (``n`` is clamped
+    to ``[1, capacity]``): never smaller than ``n`` while ``n <= capacity``."""
+    n = min(max(int(n), 1), capacity)
+    for b in token_buckets(capacity):
+        if b >= n:
+            return b
+    return capacity  # unreachable: capacity is the last bucket
+
+
+class _StaticBatch:
+    """Static buffers of one batch size for the graph path: caches, seq_lens, the verification
+    tree (``vin``, capacity N; ``build_tree_emit``/``graft`` write into it), the draft's working
+    tree and frontier inputs/outputs, the catch-up inputs, a pinned copy-back buffer, and the
+    captured graphs keyed by (kind, token bucket)."""
+
+    def __init__(self, dec: Decoder, B: int, max_len: int):
+        tgt, dft = dec.target, dec.draft
+        dev = dec._dev
+        wdtype = tgt.model.embed_tokens.weight.dtype
+        H, V = tgt.cfg.hidden_size, tgt.cfg.vocab_size
+        N, Nd = dec.capacity, dec.draft_capacity
+        self.dec, self.B, self.max_len = dec, B, max_len
+        self.graphs: dict[tuple, tuple[Any, Any]] = {}
+        self.tkv: PagedKV = tgt.make_cache(B, max_len, page_size=dec.page_size, seed=1)
+        self.dkv: PagedKV | None = None
+        self.seq_lens = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.vin = Tree.empty(B, N, dev)
+        self.vin.anc[:, 0, 0] = 1  # (autoregressive: the one-node tree; others overwrite it)
+        self.grafted = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.pack = torch.zeros(B * (4 + N), dtype=torch.int64, device=dev)
+        self.node_idx = torch.arange(N, device=dev)
+        pin = dev.type == "cuda"
+        self.host_pack = torch.zeros(B * (4 + N), dtype=torch.int64, pin_memory=pin)
+        self.pack_event = torch.cuda.Event() if pin else None
+        self.state: DraftState | None = None
+        self.step_ready = False
+        if dft is None:
+            return
+        pol = dec.tree_policy
+        assert pol is not None
+        W = pol.max_width
+        self.dkv = dft.make_cache(B, max_len, page_size=dec.page_size, seed=2)
+        self.dtree = Tree.empty(B, Nd, dev)
+        self.dtree.anc[:, 0, 0] = 1
+        self.self_bits = torch.zeros(Nd, anc_words(Nd), dtype=torch.int32, device=dev)
+        for k in range(Nd):
+            self.self_bits[k, k // 32] = bit_value(k)
+        # cand_node[c]: the working-tree node of candidate c's frontier row (candidate c of
+        # layer l >= 1 is a child of frontier row (c - l C) // K of layer l, node 1 + (l-1) W +
+        # that row; layer 0's candidates are the root's children); the last entry, which a
+        # frontier index of -1 reads, is the root
+        K, C = pol.topk, pol.max_width * pol.topk
+        c = torch.arange(pol.max_depth * C, device=dev)
+        lay = c // C
+        row = torch.where(lay > 0, 1 + (lay - 1) * W + (c - lay * C) // K, 0)
+        self.cand_node = torch.cat([row, row.new_zeros(1)])
+        self.hid = torch.zeros(B, Nd, H, dtype=wdtype, device=dev)
+        self.d_feat = torch.zeros(B, W, H, dtype=wdtype, device=dev)
+        # The draft forward's per-layer [B] inputs share one buffer (one copy per layer): the
+        # working tree's num_nodes, q_start and q_len. Layer i's values are meta_base[i] +
+        # meta_coef[i] * active: num_nodes 1 + i W, q_start 1 + (i-1) W (0 at layer 0), q_len W
+        # rows (1 at layer 0; CAST sets its bucket instead)
+        self.d_meta = torch.zeros(3, B, dtype=torch.int32, device=dev)
+        self.dtree.num_nodes = self.d_meta[0]
+        self.d_qs, self.d_qlen = self.d_meta[1], self.d_meta[2]
+        lay = torch.arange(pol.max_depth, dtype=torch.int32, device=dev)
+        zero, first = torch.zeros_like(lay), lay == 0
+        q_start = torch.where(first, 0, 1 + (lay - 1) * W)
+        q_len = torch.where(first, 1, W).to(torch.int32)
+        self.meta_coef = torch.stack([1 + lay * W, zero, q_len], 1)[:, :, None]
+        self.meta_base = torch.stack([zero, q_start, zero], 1)[:, :, None]
+        self.layer_meta = torch.zeros(pol.max_depth, 3, B, dtype=torch.int32, device=dev)
+        self.d_logits = torch.zeros(B, W, V, dtype=torch.float32, device=dev)
+        self.d_h = torch.zeros(B, W, H, dtype=wdtype, device=dev)
+        self.c_tok = torch.zeros(B, N, dtype=torch.int64, device=dev)
+        self.c_feat = torch.zeros(B, N, H, dtype=wdtype, device=dev)
+        self.c_len = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.chains: dict[int, Tree] = {}
+        self.emit_buf = Tree.empty(B, N, dev)
+
+    def read_pack(self, host_pack: torch.Tensor) -> list:
+        """The step's results from the pinned copy, after the one event wait (CUDA)."""
+        if self.pack_event is not None:
+            self.pack_event.synchronize()
+        return host_pack.tolist()
+
+    def verify_body(self, n: int):
+        """Target forward of the first ``n`` nodes of ``vin`` (num_nodes clamped to n, links past
+        it cut: a prefix of a rank-ordered tree is a tree). Returns (tree, logits, hidden)."""
+        vin, tgt, tkv, seq_lens = self.vin, self.dec.target, self.tkv, self.seq_lens
+
+        def body():
+            num = torch.clamp(vin.num_nodes, max=n)
+
+            def link(x):
+                x = x[:, :n]
+                return torch.where(x < num[:, None], x, -1).contiguous()
+
+            t = Tree(
+                tokens=vin.tokens[:, :n].contiguous(),
+                parents=vin.parents[:, :n].contiguous(),
+                num_nodes=num,
+                depth=vin.depth[:, :n].contiguous(),
+                anc=vin.anc[:, :n, : anc_words(n)].contiguous(),
+                first_child=link(vin.first_child),
+                next_sibling=link(vin.next_sibling),
+                scores=vin.scores[:, :n].contiguous(),
+            )
+            logits, h = tgt(t.tokens, tkv, seq_lens, t)
+            return t, logits, h
+
+        return body
+
+    def frontier_inputs(self, frontier: torch.Tensor, i: int, W: int) -> int:
+        """The draft forward's inputs for the frontier of layer ``i >= 1`` (rows ``q_start ..
+        q_start + W - 1`` of ``dtree``): depth and anc from each row's parent node, the parent's
+        target feature, and the layer's [B] metadata. Returns q_start."""
+        dt, B = self.dtree, self.B
+        qs = 1 + (i - 1) * W
+        # [B, W] int64: each frontier row's parent node, looked up by its candidate index (-1, an
+        # unused row, reads the table's last entry: the root)
+        pnode = self.cand_node[frontier]
+        Wd, H = dt.anc.shape[2], self.hid.shape[2]
+        new = slice(qs, qs + W)
+        torch.add(dt.depth.gather(1, pnode), 1, out=dt.depth[:, new])
+        pa = dt.anc.gather(1, pnode[:, :, None].expand(B, W, Wd))
+        torch.bitwise_or(pa, self.self_bits[new], out=dt.anc[:, new])
+        torch.gather(self.hid, 1, pnode[:, :, None].expand(B, W, H), out=self.d_feat)
+        self.d_meta.copy_(self.layer_meta[i])  # num_nodes, q_start, q_len (EAGLE: W rows)
+        return qs
+
+    def draft_body(self, R: int):
+        """Draft forward of frontier rows ``d_qs .. d_qs + R - 1`` of ``dtree``: logits and
+        hidden into rows ``:R`` of ``d_logits``/``d_h`` (rows past R are stale: invalid frontier
+        rows, ignored by ``build_tree_expand``)."""
+        dec = self.dec
+        dft = dec.draft
+        assert dft is not None and self.state is not None
+        tok = self.state.frontier_tokens
+
+        def body():
+            # the frontier's tokens are the draft state's own buffer (the root at layer 0)
+            logits, h = dft(
+                dec.target, tok[:, :R], self.d_feat[:, :R], self.dkv, self.seq_lens,
+                self.dtree, self.d_qs, self.d_qlen,
+            )  # fmt: skip
+            self.d_logits[:, :R].copy_(logits)
+            self.d_h[:, :R].copy_(h)
+
+        return body
+
+    def catchup_body(self, R: int):
+        """Draft forward over the accepted path (a chain of ``c_len`` nodes, capacity R)."""
+        dec = self.dec
+        dft = dec.draft
+        assert dft is not None
+        if R not in self.chains:
+            dev = self.c_tok.device
+            full = torch.full((self.B,), R, dtype=torch.int32, device=dev)
+            ch = chain_tree(torch.zeros(self.B, R, dtype=torch.int64, device=dev), full)
+            ch.num_nodes = self.c_len  # the static lengths: nodes past them are masked out
+            self.chains[R] = ch
+        ch = self.chains[R]
+
+        def body():
+            tok = self.c_tok[:, :R].contiguous()
+            dft(dec.target, tok, self.c_feat[:, :R], self.dkv, self.seq_lens, ch)
+
+        return body
+
+    def body(self, kind: str, R: int):
+        """The forward of ``kind`` (``verify``, ``draft`` or ``catchup``) at token bucket ``R``."""
+        make = {"verify": self.verify_body, "draft": self.draft_body, "catchup": self.catchup_body}
+        return make[kind](R)
+
+    # ------------------------------------------------------------ the decoding state
+    def step_buffers(self) -> None:
+        """The static decoding state between steps (allocated once, outside any capture): root,
+        root feature, remaining budgets, active mask (seq_lens is ``self.seq_lens``), the
+        per-request sampling parameters and the uniforms (a pinned host staging copy on CUDA);
+        ``Carry.of(sb)`` hands them to the step."""
+        if self.step_ready:
+            return
+        dec, B, N = self.dec, self.B, self.dec.capacity
+        dev = self.seq_lens.device
+        tgt = dec.target
+        wdtype = tgt.model.embed_tokens.weight.dtype
+        self.root = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.root_feat = torch.zeros(B, tgt.cfg.hidden_size, dtype=wdtype, device=dev)
+        self.remaining = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.active = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.temperature = torch.zeros(B, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.top_p = torch.ones(B, dtype=torch.float32, device=dev)
+        self.u = torch.zeros(B, N, dtype=torch.float32, device=dev)
+        self.u_host = torch.zeros(B, N, dtype=torch.float32, pin_memory=dev.type == "cuda")
+        self.rows = torch.arange(B, device=dev)
+        self.stops: dict[int, torch.Tensor] = {}
+        self.step_ready = True
+
+    def stop_buf(self, n: int) -> torch.Tensor:
+        """The static stop-id buffer of ``n`` ids (the step graphs are keyed by n)."""
+        if n not in self.stops:
+            self.stops[n] = torch.zeros(n, dtype=torch.int64, device=self.seq_lens.device)
+        return self.stops[n]
+
+    def step_state(self) -> list[torch.Tensor]:
+        """What a step updates for the next one (restored after each capture warm-up run)."""
+        return [self.seq_lens, self.root, self.root_feat, self.remaining, self.active]
+
+
+class GraphRunner:
+    """A decoder's static batches (one ``_StaticBatch`` per batch size) and the CUDA graphs
+    captured over them: each captured on first use (two warm-up runs on a side stream, then the
+    capture into the decoder's one graph pool) and replayed after."""
+
+    def __init__(self, dec: Decoder):
+        self.dec = dec
+        self.batches: dict[int, _StaticBatch] = {}
+        self.pool: Any = None
+
+    def batch(self, B: int, max_len: int) -> _StaticBatch:
+        """The static batch of ``B`` requests, its caches holding ``max_len`` tokens per request
+        (rounded up to a power of two >= 256; a larger need replaces it and its graphs)."""
+        sb = self.batches.get(B)
+        if sb is None or sb.max_len < max_len:
+            cap = 256
+            while cap < max_len:
+                cap *= 2
+            self.batches.pop(B, None)  # its graphs read the old caches: drop them
+            sb = _StaticBatch(self.dec, B, cap)
+            self.batches[B] = sb
+        return sb
+
+    def replay(self, sb: _StaticBatch, key: tuple, body, res: DecodeResult):
+        """Run ``body`` (a forward over static buffers) as the CUDA graph of ``key``, capturing it
+        on first use (two eager warm-up calls on a side stream first: Triton compiles there);
+        eagerly without ``cuda_graphs``. Returns the body's outputs (static while the graph
+        lives; consume them before the next replay of any graph: the pool is shared)."""
+        if not self.dec.cuda_graphs:
+            return body()
+        ent = sb.graphs.get(key)
+        if ent is None:
+            t0 = time.perf_counter()
+            cur = torch.cuda.current_stream(self.dec._dev)
+            try:
+                s = torch.cuda.Stream(self.dec._dev)
+                s.wait_stream(cur)
+                with torch.cuda.stream(s):
+                    for _ in range(2):
+                        body()
+                cur.wait_stream(s)
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    out = body()
+            except Exception as e:
+                # a failed capture_end raises before torch.cuda.graph restores the stream
+                torch.cuda.set_stream(cur)
+                raise RuntimeError(
+                    f"treeops decoder: CUDA-graph capture of the {key[0]} forward failed "
+                    f"(policy {self.dec.name}, B={sb.B}, {key[1]} tokens per request): "
+                    f"{type(e).__name__}: {e}. Something in that forward syncs with the host or "
+                    "allocates outside the graph; cuda_graphs=False runs it eagerly."
+                ) from e
+            ent = sb.graphs[key] = (g, out)
+            res.time_capture += time.perf_counter() - t0
+            res.graphs_captured += 1
+        g, out = ent
+        g.replay()
+        return out
+
+    def replay_step(self, sb: _StaticBatch, key: tuple, make_body, res: DecodeResult) -> bool:
+        """One whole decoding step: the graph of ``key`` (captured on first use) or, without
+        ``cuda_graphs``, ``make_body(True)()`` eagerly. ``make_body(copy_out)`` builds the step
+        (copying its results to the pinned buffer itself with ``copy_out``). Returns whether
+        the step itself copied its results (False only after the capture fallback below)."""
+        if not self.dec.cuda_graphs:
+            make_body(True)()
+            return True
+        ent = sb.graphs.get(key)
+        if ent is None:
+            t0 = time.perf_counter()
+            # The step updates its own inputs (seq_lens, root, ...): the warm-up runs start from
+            # a snapshot, restored after each; what they write beyond seq_lens (verify K/V,
+            # compaction, catch-up, drafting scratch) is rewritten identically by the replay.
+            state = sb.step_state()
+            saved = [t.clone() for t in state]
+            cur = torch.cuda.current_stream(self.dec._dev)
+            err = None
+            for copy_out in (True, False):
+                body = make_body(copy_out)
+                try:
+                    s = torch.cuda.Stream(self.dec._dev)
+                    s.wait_stream(cur)
+                    with torch.cuda.stream(s):
+                        for _ in range(2):
+                            body()
+                            for t, v in zip(state, saved):
+                                t.copy_(v)
+                    cur.wait_stream(s)
+                    if self.pool is None:
+                        self.pool = torch.cuda.graph_pool_handle()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        body()
+                    ent = sb.graphs[key] = (graph, copy_out)
+                    break
+                except Exception as e:  # noqa: PERF203
+                    err = err or e
+                    # a failed capture_end raises before torch.cuda.graph restores the stream
+                    torch.cuda.set_stream(cur)
+                    torch.cuda.synchronize(self.dec._dev)
+                    for t, v in zip(state, saved):
+                        t.copy_(v)
+            if ent is None:
+                assert err is not None
+                raise RuntimeError(
+                    f"treeops decoder: CUDA-graph capture of the whole step failed (policy "
+                    f"{self.dec.name}, B={sb.B}): {type(err).__name__}: {err}. Something in the "
+                    "step syncs with the host or allocates outside the graph; step_graphs=False "
+                    "(per-forward graphs) or cuda_graphs=False runs it otherwise."
+                ) from err
+            res.time_capture += time.perf_counter() - t0
+            res.graphs_captured += 1
+        graph, copy_out = ent
+        graph.replay()
+        return copy_out
+
+
+class WholeStep:
+    """The whole-step path on the host: per step, the sampling uniforms (drawn from the CPU
+    generator as on the eager path) into the static buffer, one replay of the step's graph
+    (``GraphRunner.replay_step``; the body eagerly without ``cuda_graphs``), one event
+    wait for the results. ``make_body(copy_out)`` builds the step (``step.WholeStepBody``)."""
+
+    def __init__(self, dec: Decoder, sb: _StaticBatch, res: DecodeResult, greedy: bool, stops,
+                 generator: torch.Generator, make_body: Callable[[bool], Callable]):  # fmt: skip
+        self.dec, self.sb, self.res = dec, sb, res
+        self.greedy, self.stops, self.g = greedy, stops, generator
+        self.make_body = make_body
+        self.key = ("step", greedy, 0 if stops is None else stops.numel())
+        pol = dec.tree_policy
+        W = 0 if pol is None else pol.max_width
+        self.layers = [] if pol is None else [1] + [W] * (pol.depth - 1)
+
+    def clock(self) -> float:
+        return self.dec._clock()
+
+    def __call__(self) -> tuple[list, int]:
+        dec, sb, res = self.dec, self.sb, self.res
+        B, N = sb.B, dec.capacity
+        t0 = self.clock()
+        if not self.greedy:  # the eager path's draw, copied into the static buffer
+            sb.u_host.copy_(torch.rand(B, N, generator=self.g))
+            sb.u.copy_(sb.u_host, non_blocking=True)
+        copied = dec._graphs.replay_step(sb, self.key, self.make_body, res)
+        host_pack = sb.host_pack.view(B, 4 + N)
+        if not copied:  # (capture fallback: the results' copy after the replay)
+            host_pack.copy_(sb.pack.view(B, 4 + N), non_blocking=True)
+        if sb.pack_event is not None:
+            sb.pack_event.record()
+        res.time_step += self.clock() - t0
+        return dec._wait(res, lambda hp=host_pack: sb.read_pack(hp)), N
+
+    def record(self, res: DecodeResult) -> None:
+        N = self.dec.capacity
+        res.verify_buckets.append(N)
+        if self.dec.tree_policy is not None:
+            res.draft_buckets.append(list(self.layers))
+        res.catchup_buckets.append(N if self.dec.draft is not None else 0)

@@ -1,0 +1,196 @@
+"""The decoder's policies: which tree each step drafts and sends to verification.
+
+A policy is an object; ``POLICIES`` lists their names:
+
+* ``Autoregressive()`` (``"autoregressive"``): no draft model, one token per step.
+* ``Chain(depth)`` (``"chain"``): a chain of ``depth`` drafted tokens (EAGLE with top-1,
+  ``EagleStatic(depth, topk=1, budget=depth + 1)``).
+* ``treeops.EagleStatic(depth, topk, budget)`` (``"EagleStatic"``): EAGLE-2's dynamic tree with
+  static sizes.
+* ``treeops.Cast(...)`` (``"Cast"``): CAST's cost-aware tree, its widths, depth and verification
+  count decided on the device during the step.
+* ``CastGraft(cast, checkpoints, template, adjacency_k)`` (``"CastGraft"``): CAST's tree, pruned
+  at Graft's checkpoints and refilled from the successor table (docs/design.md op 6).
+
+``make_policy(name, depth=, topk=, budget=, ...)`` builds one from its name and sizes (the
+command line and the benchmarks); ``Decoder`` also accepts a name, mapped with the defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from .._checks import check_positive_int
+from ..build_tree import Cast, EagleStatic
+from ..cost_table import CostTable
+from ..graft import PruneCheckpoints, RankTemplate
+
+__all__ = [
+    "POLICIES",
+    "Autoregressive",
+    "Chain",
+    "CastGraft",
+    "Policy",
+    "make_policy",
+    "as_policy",
+    "policy_name",
+    "tree_policy",
+    "synthetic_cost_table",
+]
+
+POLICIES = ("autoregressive", "chain", "EagleStatic", "Cast", "CastGraft")
+
+
+@dataclass(frozen=True)
+class Autoregressive:
+    """No draft: each step verifies the root alone and emits one token (the baseline)."""
+
+    name: ClassVar[str] = "autoregressive"
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A chain of ``depth`` drafted tokens: ``EagleStatic(depth, topk=1, budget=depth + 1)``."""
+
+    depth: int = 4
+
+    name: ClassVar[str] = "chain"
+
+    def __post_init__(self) -> None:
+        check_positive_int("depth", self.depth)
+
+    @property
+    def tree(self) -> EagleStatic:
+        return EagleStatic(depth=self.depth, topk=1, budget=self.depth + 1)
+
+
+@dataclass(frozen=True, eq=False)
+class CastGraft:
+    """CAST's tree (``cast``), pruned at Graft's ``checkpoints`` (a request under a checkpoint's
+    threshold keeps only its best draft nodes; a lone request stops drafting) and refilled, up to
+    the emitted tree's size, with the successors that ``template`` (a ``RankTemplate``) walks in
+    an ``AdjacencyTable`` of ``adjacency_k`` successors per token, learnt from the prompts and
+    every verified tree."""
+
+    cast: Cast
+    checkpoints: PruneCheckpoints = field(default_factory=PruneCheckpoints)
+    template: RankTemplate = field(default_factory=RankTemplate.default)
+    adjacency_k: int = 8
+
+    name: ClassVar[str] = "CastGraft"
+
+    def __post_init__(self) -> None:
+        for arg, want in (
+            ("cast", Cast),
+            ("checkpoints", PruneCheckpoints),
+            ("template", RankTemplate),
+        ):
+            v = getattr(self, arg)
+            if not isinstance(v, want):
+                raise ValueError(
+                    f"Invalid type of {arg}: expected treeops.{want.__name__}, "
+                    f"got {type(v).__name__}"
+                )
+        check_positive_int("adjacency_k", self.adjacency_k)
+
+
+Policy = Autoregressive | Chain | EagleStatic | Cast | CastGraft
+
+
+def synthetic_cost_table(n_max: int = 64) -> CostTable:
+    """A synthetic cost table shaped like a large GPU's (flat while the forward is weight-bound,
+    then linear in tokens; the draft costs a quarter of the target), for CAST without a
+    calibration run."""
+
+    def target(B: int, c: int, n: int) -> float:
+        return 100.0 + 0.02 * B * c / 1024 + max(0, B * n - 32) * 1.0
+
+    def draft(B: int, c: int, n: int) -> float:
+        return target(B, c, n) / 4
+
+    return CostTable.from_functions(
+        target, draft, batch_sizes=[1, 2, 4, 8, 16, 32, 64], L=256, M=4, n_max=n_max,
+        meta={"gpu": "synthetic", "model": "decoder"},
+    )  # fmt: skip
+
+
+def make_policy(
+    name: str,
+    *,
+    depth: int = 4,
+    topk: int = 4,
+    budget: int = 16,
+    cost_table: CostTable | None = None,
+    C1: float = 0.3,
+    C2: float = 0.2,
+    C3: float = 0.1,
+    R: int = 4,
+    checkpoints: PruneCheckpoints | None = None,
+    template: RankTemplate | None = None,
+    adjacency_k: int = 8,
+) -> Policy:
+    """The policy ``name`` (one of ``POLICIES``) from EAGLE-style sizes; arguments that do not
+    apply to it are ignored.
+
+    ``chain`` uses ``depth``; ``EagleStatic`` ``depth``, ``topk``, ``budget``; ``Cast`` and
+    ``CastGraft`` use them as ``max_depth``, ``topk = max_width`` and ``capacity``, with the
+    thresholds ``C1``, ``C2``, ``C3``, the FIFO length ``R`` and ``cost_table`` (default
+    ``synthetic_cost_table(max(64, budget, topk))``); ``CastGraft`` adds ``checkpoints``
+    (default ``PruneCheckpoints()``), ``template`` (default ``RankTemplate.default()``) and
+    ``adjacency_k``. A name outside ``POLICIES`` is a ``ValueError``."""
+    if name not in POLICIES:
+        raise ValueError(f"Invalid policy: expected one of {POLICIES}, got {name!r}")
+    if name == "autoregressive":
+        return Autoregressive()
+    if name == "chain":
+        return Chain(depth)
+    if name == "EagleStatic":
+        return EagleStatic(depth=depth, topk=topk, budget=budget)
+    table = cost_table or synthetic_cost_table(max(64, budget, topk))
+    cast = Cast(
+        C1=C1, C2=C2, C3=C3, R=R, cost_table=table, topk=topk, max_width=topk,
+        max_depth=depth, capacity=budget,
+    )  # fmt: skip
+    if name == "Cast":
+        return cast
+    return CastGraft(
+        cast,
+        checkpoints=checkpoints or PruneCheckpoints(),
+        template=template or RankTemplate.default(),
+        adjacency_k=adjacency_k,
+    )
+
+
+_TYPES = (Autoregressive, Chain, EagleStatic, Cast, CastGraft)
+
+
+def as_policy(policy: Policy | str) -> Policy:
+    """``policy`` itself, or ``make_policy(policy)`` for a name; anything else is a
+    ``ValueError``."""
+    if isinstance(policy, str):
+        return make_policy(policy)
+    if not isinstance(policy, _TYPES):
+        raise ValueError(
+            f"Invalid policy: expected one of {POLICIES} or a policy object (Autoregressive, "
+            f"Chain, EagleStatic, Cast, CastGraft), got {type(policy).__name__}"
+        )
+    return policy
+
+
+def policy_name(policy: Policy) -> str:
+    """The name of ``policy`` in ``POLICIES``."""
+    if isinstance(policy, (EagleStatic, Cast)):
+        return type(policy).__name__
+    return policy.name
+
+
+def tree_policy(policy: Policy) -> EagleStatic | Cast | None:
+    """The ``build_tree`` policy that drafts ``policy``'s trees (None: no draft)."""
+    if isinstance(policy, Autoregressive):
+        return None
+    if isinstance(policy, Chain):
+        return policy.tree
+    if isinstance(policy, CastGraft):
+        return policy.cast
+    return policy

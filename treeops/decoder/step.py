@@ -1,0 +1,594 @@
+"""One decoding step: the body every path of ``Decoder.generate`` runs.
+
+A step over a batch of B requests (each with its own tree, length and stop condition)::
+
+    root      = the last emitted token (0 on finished rows)
+    tree      = draft(root)              # build_tree_expand per draft layer, build_tree_emit;
+                                         # CastGraft: prune at the checkpoints, graft
+    logits    = target(tree)             # verification
+    acc       = accept_greedy / accept_sample (stop ids, per-request budgets)
+    seq_lens' = compact_kv(target cache, accepted path)
+    results  -> host                     # accept lengths, bonus tokens, tree sizes, path tokens
+    draft catch-up over the accepted path
+    advance: root = bonus, root feature, seq_lens, budgets, active flags (``Carry``)
+
+``StepBody`` is that sequence, written once; its parts differ per path only in how they run:
+
+* ``EagerStep``: fresh tensors each step; the draft's working tree is rebuilt per draft layer
+  with ``Tree.from_parents``; the host reads the results with one ``tolist``.
+* ``StaticStep`` (``static_shapes``, ``cuda_graphs``): the static buffers of a ``_StaticBatch``;
+  each forward runs through ``GraphRunner.replay`` at a token bucket chosen on the host from the
+  decisions treeops wrote to pinned memory, read after one event wait per decision point: after
+  each CAST draft layer (width of the next frontier and whether to go on), after the rerank
+  (verification count) and after acceptance (accepted lengths, bonus tokens, which requests are
+  done: the catch-up bucket and the loop's end). EAGLE and chain trees have static sizes and wait
+  only after acceptance.
+* ``WholeStepBody`` (``step_graphs``, fixed-shape policies): the static path with nothing in the
+  step depending on the host (frontier width, depth, verification count and catch-up size fixed
+  by the policy; padding beyond ``accept_len`` masked), so the whole body, the non-blocking copy
+  of its results into pinned memory included, is one CUDA graph; ``graphs.WholeStep`` replays
+  it and waits on one event per step.
+
+The draft's working tree during a step: node 0 = root, the frontier of draft layer ``l >= 1`` at
+nodes ``1 + (l-1)W .. lW`` (W = frontier capacity; unused rows hang off the root with token 0 and
+are ignored). Each draft forward computes only the frontier rows (``q_start``/``q_len``). Draft
+input at a node = (embedding of its token, feature of its parent): the target's final hidden
+state at the last accepted position for the root, the draft's own output hidden for deeper
+nodes. The draft's KV cache is recomputed, not compacted: after each verification the draft runs
+once over the accepted path (root + accepted nodes) with the target's features, so its length
+always equals the target's ``seq_lens``; its drafting-time K/V beyond that is scratch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._draft_state import DraftState
+from ..accept import accept_greedy, accept_sample
+from ..build_tree import build_tree_emit, build_tree_expand
+from ..compact_kv import compact_kv
+from ..graft import graft, prune
+from ..tree import Tree
+from .graphs import _StaticBatch, bucket_for
+from .model import PagedKV, chain_tree
+from .results import DecodeResult
+
+if TYPE_CHECKING:
+    from .engine import Decoder
+
+__all__ = ["Carry", "StepBody", "EagerStep", "StaticStep", "WholeStepBody"]
+
+
+@dataclass
+class Carry:
+    """The decoding state between steps, per request: ``root`` [B] int64 (the next root token),
+    ``root_feat`` [B, H] (its draft feature: the target's hidden state at the token before),
+    ``seq_lens`` [B] int32 (cached tokens), ``remaining`` [B] int64 (token budgets), ``active``
+    [B] bool, the sampling parameters ``temperature`` [B] float32, ``top_k`` [B] int32, ``top_p``
+    [B] float32, and ``rows`` = arange(B). Each step updates the first five in place."""
+
+    root: torch.Tensor
+    root_feat: torch.Tensor
+    seq_lens: torch.Tensor
+    remaining: torch.Tensor
+    active: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    rows: torch.Tensor
+
+    @classmethod
+    def new(cls, B: int, H: int, dtype: torch.dtype, device: torch.device) -> Carry:
+        def z(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(
+            root=z(B, dtype=torch.int64), root_feat=z(B, H, dtype=dtype),
+            seq_lens=z(B, dtype=torch.int32), remaining=z(B, dtype=torch.int64),
+            active=z(B, dtype=torch.bool), temperature=z(B, dtype=torch.float32),
+            top_k=z(B, dtype=torch.int32), top_p=z(B, dtype=torch.float32),
+            rows=torch.arange(B, device=device),
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, sb: _StaticBatch) -> Carry:
+        """The static decoding state of ``sb`` (``sb.step_buffers()`` allocates it)."""
+        sb.step_buffers()
+        return cls(
+            root=sb.root, root_feat=sb.root_feat, seq_lens=sb.seq_lens, remaining=sb.remaining,
+            active=sb.active, temperature=sb.temperature, top_k=sb.top_k, top_p=sb.top_p,
+            rows=sb.rows,
+        )  # fmt: skip
+
+    def start(self, root, root_feat, budget: list[int], per_req: list) -> None:
+        """The first step's state: the prefill's roots and features, the budgets and sampling
+        parameters (host lists), every request with a positive budget active."""
+        self.root.copy_(root)
+        self.root_feat.copy_(root_feat)
+        self.remaining.copy_(torch.tensor(budget, dtype=torch.int64))
+        torch.gt(self.remaining, 0, out=self.active)
+        self.temperature.copy_(torch.tensor([max(0.0, sp.temperature) for sp in per_req]))
+        self.top_k.copy_(torch.tensor([sp.top_k for sp in per_req], dtype=torch.int32))
+        self.top_p.copy_(torch.tensor([sp.top_p for sp in per_req], dtype=torch.float32))
+
+
+@dataclass
+class Verified:
+    """A verified step: the acceptance, accepted lengths [B] int64, the accepted path's tokens
+    [B, n] and target features [B, n, H], and the target cache's lengths after compaction."""
+
+    acc: Any
+    alen: torch.Tensor
+    path_tok: torch.Tensor
+    path_h: torch.Tensor
+    new_lens: torch.Tensor
+
+
+class StepBody:
+    """One decoding step over ``carry`` (see the module docstring). Calling it runs the step and
+    returns (the host's copy of the step's results, one row per request: ``[accept_len, bonus,
+    verified nodes, grafted nodes] + accepted path tokens``, or None where the host reads them
+    after the step; the verification bucket n). Subclasses say how each part runs."""
+
+    grafted: torch.Tensor  # [B] int32: nodes Graft added this step per request
+
+    def __init__(self, dec: Decoder, carry: Carry, tkv: PagedKV, res: DecodeResult, greedy: bool,
+                 stops: torch.Tensor | None, generator: torch.Generator | None):  # fmt: skip
+        self.dec, self.carry, self.tkv, self.res = dec, carry, tkv, res
+        self.greedy, self.stops, self.g = greedy, stops, generator
+        self.B = carry.rows.shape[0]
+
+    def clock(self) -> float:
+        """A timing boundary."""
+        return time.perf_counter()
+
+    def __call__(self) -> tuple[list | None, int]:
+        c, res = self.carry, self.res
+        root = torch.where(c.active, c.root, 0)
+        n = self.draft(root)
+        t0 = self.clock()
+        tree, logits, h = self.verify(n)
+        t1 = self.clock()
+        res.time_verify += t1 - t0
+        v = self.accept(tree, logits, h, n)
+        pack = self.pack(v, tree, n)
+        self.send(pack)
+        res.time_tree += self.clock() - t1
+        rows = self.receive(pack)
+        self.catch_up(v, rows, n)
+        t0 = self.clock()
+        self.advance(v, root)
+        res.time_tree += self.clock() - t0
+        return rows, n
+
+    # ------------------------------------------------------------- the parts every path shares
+    def uniforms(self, n: int) -> torch.Tensor:
+        """[B, n] sampling uniforms: a [B, N] draw from the CPU generator, cut to the bucket."""
+        u = torch.rand(self.B, self.dec.capacity, generator=self.g)
+        return u[:, :n].contiguous().to(self.carry.rows.device)
+
+    def accept(self, tree: Tree, logits, h, n: int) -> Verified:
+        """Acceptance (greedy or sampled; the successor table learns the tree), compaction of the
+        target cache, and the accepted path."""
+        c, table = self.carry, self.dec.table
+        kk = self.dec.graft.adjacency_k if table is not None else 0
+        mnt = c.remaining.clamp(min=1)
+        if self.greedy:
+            acc = accept_greedy(tree, logits, stop_ids=self.stops, max_new_tokens=mnt, topk_ids=kk)
+        else:
+            acc = accept_sample(
+                tree, logits, c.temperature, c.top_k, c.top_p, self.uniforms(n),
+                stop_ids=self.stops, max_new_tokens=mnt, topk_ids=kk,
+            )  # fmt: skip
+        if table is not None:
+            table.update(tree, topk_ids=acc.topk)
+        tkv = self.tkv
+        new_lens = compact_kv(
+            tkv.k, tkv.v, tkv.block_table, c.seq_lens, tree, acc.accepted, acc.accept_len
+        )
+        alen = acc.accept_len.long()
+        path = acc.accepted.long().clamp(min=0)  # [B, n]
+        path_tok = tree.tokens.gather(1, path)
+        path_h = h[c.rows[:, None], path]  # [B, n, H]: the target's feature at each path node
+        return Verified(acc, alen, path_tok, path_h, new_lens)
+
+    def pack(self, v: Verified, tree: Tree, n: int) -> torch.Tensor:
+        """What the host needs, in one [B, 4 + n] int64 tensor: accepted lengths, bonus tokens,
+        verified sizes, grafted counts, the accepted path's tokens."""
+        heads = (v.alen, v.acc.bonus, self.num_nodes(tree), self.grafted)
+        cols = [x[:, None] for x in heads] + [v.path_tok]
+        out = self.pack_buffer(n)
+        return torch.cat(cols, 1) if out is None else torch.cat(cols, 1, out=out)
+
+    def advance(self, v: Verified, root: torch.Tensor) -> None:
+        """The next step's state, in place: on active rows the bonus token becomes the root, its
+        feature the target's at the last accepted node, seq_lens the compacted lengths; budgets
+        shrink by the accepted lengths; a spent budget or a stop id ends a request."""
+        c, acc = self.carry, v.acc
+        active = c.active
+        remaining = c.remaining - v.alen
+        done = remaining <= 0
+        if self.stops is not None:
+            done |= (acc.bonus[:, None] == self.stops[None, :]).any(1)
+        last = (v.alen - 1).clamp(min=0)
+        new_feat = torch.where(active[:, None], v.path_h[c.rows, last], c.root_feat)
+        new_seq = torch.where(active, v.new_lens, c.seq_lens)
+        new_root = torch.where(active, acc.bonus, root)
+        new_active = active & ~done
+        c.root_feat.copy_(new_feat)
+        c.seq_lens.copy_(new_seq)
+        c.root.copy_(new_root)
+        c.remaining.copy_(remaining)
+        c.active.copy_(new_active)
+
+    def record(self, res: DecodeResult) -> None:
+        """Per-step bookkeeping after the host took the results (buckets of a whole step)."""
+
+    # ----------------------------------------------------------- the parts each path runs its way
+    def draft(self, root: torch.Tensor) -> int:
+        """Draft the step's tree (kept for ``verify``); returns the verification bucket n."""
+        raise NotImplementedError
+
+    def verify(self, n: int) -> tuple[Tree, torch.Tensor, torch.Tensor]:
+        """The target's forward of the tree: (tree, logits, hidden)."""
+        raise NotImplementedError
+
+    def num_nodes(self, tree: Tree) -> torch.Tensor:
+        """Each request's drafted tree size (before any cut to the bucket)."""
+        return tree.num_nodes
+
+    def pack_buffer(self, n: int) -> torch.Tensor | None:
+        return None
+
+    def send(self, pack: torch.Tensor) -> None:
+        """Start the results' copy to the host (nothing to do on the eager path)."""
+
+    def receive(self, pack: torch.Tensor) -> list | None:
+        """The results on the host (after one wait), or None if read after the step."""
+        raise NotImplementedError
+
+    def catch_up(self, v: Verified, rows: list | None, n: int) -> None:
+        """The draft's forward over the accepted path, with the target's features."""
+        raise NotImplementedError
+
+
+class EagerStep(StepBody):
+    """The eager path: fresh tensors each step, no buckets, no waits counted."""
+
+    def __init__(self, dec, carry, tkv, dkv, res, greedy, stops, generator):
+        super().__init__(dec, carry, tkv, res, greedy, stops, generator)
+        self.dkv = dkv
+        self.state: DraftState | None = None
+        self.tree: Tree | None = None
+        self.grafted = torch.zeros(self.B, dtype=torch.int32, device=carry.rows.device)
+
+    def draft(self, root):
+        c = self.carry
+        if self.dec.tree_policy is None:
+            par = torch.full((self.B, 1), -1, dtype=torch.int32, device=root.device)
+            self.tree = Tree.from_parents(par, c.active.to(torch.int32), root[:, None].contiguous())
+        else:
+            self.tree = self._draft_tree(root)
+        return self.dec.capacity
+
+    def verify(self, n):
+        tree = self.tree
+        assert tree is not None
+        logits, h = self.dec.target(tree.tokens, self.tkv, self.carry.seq_lens, tree)
+        return tree, logits, h
+
+    def receive(self, pack):
+        return pack.tolist()
+
+    def catch_up(self, v, rows, n):
+        dec, c = self.dec, self.carry
+        dft = dec.draft
+        if dft is None:
+            return
+        t0 = time.perf_counter()
+        j = torch.arange(dec.capacity, device=c.rows.device)[None, :]
+        on_path = j < v.alen[:, None]
+        feats = torch.cat([c.root_feat[:, None], v.path_h[:, :-1]], 1)
+        ctok = torch.where(on_path, v.path_tok, 0)
+        chain = chain_tree(ctok, v.alen.to(torch.int32))
+        dft(dec.target, ctok, feats, self.dkv, c.seq_lens, chain)
+        self.res.time_draft += time.perf_counter() - t0
+
+    def _draft_tree(self, root: torch.Tensor) -> Tree:
+        """Draft layer by layer over a working tree rebuilt per layer, emit the tree (CastGraft:
+        prune and graft; ``self.grafted`` = the nodes added)."""
+        dec, c, res = self.dec, self.carry, self.res
+        pol, tgt, dft, gp = dec.tree_policy, dec.target, dec.draft, dec.graft
+        assert pol is not None and dft is not None
+        root_feat, seq_lens, active, dkv = c.root_feat, c.seq_lens, c.active, self.dkv
+        dev = root.device
+        B = root.shape[0]
+        W, K, Nd = pol.max_width, pol.topk, dec.draft_capacity
+        C = W * K
+        H = tgt.cfg.hidden_size
+        if self.state is None:
+            self.state = DraftState.new(pol, root, seq_lens, active)
+        else:
+            self.state.reset(root, seq_lens, active)
+        state = self.state
+        parents = torch.zeros(B, Nd, dtype=torch.int32, device=dev)
+        tokens = torch.zeros(B, Nd, dtype=torch.int64, device=dev)
+        tokens[:, 0] = root
+        hid = torch.zeros(B, Nd, H, dtype=root_feat.dtype, device=dev)
+        act = active.to(torch.int32)
+
+        def draft_fn(st: DraftState) -> torch.Tensor:
+            i = st.layer
+            if i == 0:
+                q_start = 0
+                num = act
+                feats = torch.zeros(B, W, H, dtype=hid.dtype, device=dev)
+                feats[:, 0] = root_feat
+                q_len = act
+            else:
+                q_start = 1 + (i - 1) * W
+                c = st.frontier.long()  # [B, W] candidate index in layer i-1, -1 = unused
+                rp = ((c - (i - 1) * C) // K).clamp(min=0)
+                pnode = torch.zeros_like(rp) if i == 1 else 1 + (i - 2) * W + rp
+                pnode = torch.where(c >= 0, pnode, 0)
+                parents[:, q_start : q_start + W] = pnode.to(torch.int32)
+                tokens[:, q_start : q_start + W] = st.frontier_tokens
+                feats = hid[torch.arange(B, device=dev)[:, None], pnode]
+                num = act * (1 + i * W)
+                q_len = act * W
+            tree = Tree.from_parents(parents, num.to(torch.int32), tokens)
+            qs = torch.full((B,), q_start, dtype=torch.int32, device=dev)
+            logits, h = dft(tgt, st.frontier_tokens, feats, dkv, seq_lens, tree, qs, q_len)
+            if i == 0:
+                hid[:, 0] = h[:, 0]
+            else:
+                hid[:, q_start : q_start + W] = h
+            return logits.contiguous()
+
+        keep = gp.checkpoints.start(B, dev) if gp is not None else None
+        while True:
+            t0 = time.perf_counter()
+            logits = draft_fn(state)
+            t1 = time.perf_counter()
+            build_tree_expand(logits, state, pol)
+            stop_now = False
+            if keep is not None:
+                best = state.frontier_scores.max(1).values.float().contiguous()
+                stop = gp.checkpoints.check(state.layer - 1, best, keep)
+                # one request: stop drafting once pruned; batched: draft on, prune per request
+                stop_now = B == 1 and bool(stop[0])
+            more = state.wants_next_layer() if pol.is_cast else state.layer < pol.depth
+            res.time_draft += t1 - t0
+            res.time_tree += time.perf_counter() - t1
+            if stop_now or not more or state.layer >= pol.max_depth:
+                break
+        t0 = time.perf_counter()
+        tree = build_tree_emit(state, pol)
+        if keep is not None:
+            verify = tree.num_nodes.clone()
+            pruned = prune(tree, keep)
+            tree = graft(pruned, dec.table, gp.template, budget=verify)
+            self.grafted = tree.num_nodes - pruned.num_nodes
+        res.time_tree += time.perf_counter() - t0
+        return tree
+
+
+class StaticStep(StepBody):
+    """The static path: every forward over the static buffers of ``sb``, at a token bucket,
+    through ``GraphRunner.replay`` (captured, or eager without ``cuda_graphs``); decisions read
+    from pinned memory after one event wait each (``Decoder._wait``)."""
+
+    def __init__(self, dec, sb: _StaticBatch, res, greedy, stops, generator):
+        super().__init__(dec, Carry.of(sb), sb.tkv, res, greedy, stops, generator)
+        self.sb = sb
+        self.grafted = sb.grafted
+        self.check_buckets = dec.check_buckets
+
+    def clock(self):
+        return self.dec._clock()
+
+    def wait(self, fn):
+        """One decision point: ``fn()`` waits on one event and reads the pinned buffer."""
+        return self.dec._wait(self.res, fn)
+
+    def run(self, kind: str, R: int):
+        """The forward of ``kind`` at bucket ``R``, as its CUDA graph."""
+        return self.dec._graphs.replay(self.sb, (kind, R), self.sb.body(kind, R), self.res)
+
+    def draft(self, root):
+        dec, sb, res = self.dec, self.sb, self.res
+        vin = sb.vin
+        if dec.tree_policy is None:
+            t0 = self.clock()
+            vin.tokens[:, 0] = root
+            vin.num_nodes.copy_(self.carry.active.to(torch.int32))
+            n = 1
+            res.time_tree += self.clock() - t0
+        else:
+            n = self._draft_tree(root)
+        res.verify_buckets.append(n)
+        if self.check_buckets and int(vin.num_nodes.max()) > n:
+            raise RuntimeError(
+                f"verify bucket {n} < num_nodes {vin.num_nodes.tolist()} (policy {dec.name})"
+            )
+        return n
+
+    def verify(self, n):
+        return self.run("verify", n)
+
+    def num_nodes(self, tree):
+        return self.sb.vin.num_nodes
+
+    def pack_buffer(self, n):
+        # contiguous [B, 4 + n] views of flat buffers: with a bucket n < N, column slices of
+        # [B, 4 + N] buffers made copy_ go through temporaries, an extra device copy and a host
+        # staging buffer that is not pinned, which can block the host
+        return self.sb.pack[: self.B * (4 + n)].view(self.B, 4 + n)
+
+    def _host_pack(self, pack):
+        return self.sb.host_pack[: pack.numel()].view(pack.shape)
+
+    def send(self, pack):
+        self._host_pack(pack).copy_(pack, non_blocking=True)
+        if self.sb.pack_event is not None:
+            self.sb.pack_event.record()
+
+    def receive(self, pack):
+        sb, host_pack = self.sb, self._host_pack(pack)
+        return self.wait(lambda: sb.read_pack(host_pack))
+
+    def catch_up(self, v, rows, n):
+        """At the bucket of the longest accepted path (skipped if no request accepted)."""
+        dec, res = self.dec, self.res
+        amax = max(row[0] for row in rows)
+        if dec.draft is not None and amax > 0:
+            t0 = self.clock()
+            rc = bucket_for(amax, dec.capacity)
+            self.catchup_inputs(v, n)
+            self.run("catchup", rc)
+            res.catchup_buckets.append(rc)
+            res.time_draft += self.clock() - t0
+        else:
+            res.catchup_buckets.append(0)
+
+    def catchup_inputs(self, v: Verified, n: int) -> None:
+        """The accepted path into the catch-up buffers, at the old seq_lens: its tokens (0 past
+        the path), the features (the root's, then the target's at each path node), lengths."""
+        sb = self.sb
+        on_path = sb.node_idx[None, :n] < v.alen[:, None]
+        torch.mul(v.path_tok, on_path, out=sb.c_tok[:, :n])  # 0 past the path
+        sb.c_feat[:, 0] = self.carry.root_feat
+        sb.c_feat[:, 1:n] = v.path_h[:, : n - 1]
+        sb.c_len.copy_(v.acc.accept_len)
+
+    def _draft_tree(self, root: torch.Tensor) -> int:
+        """Draft one step's tree into ``sb.vin``; returns the verify bucket. The draft's working
+        tree ``sb.dtree`` is updated in place layer by layer (depth, anc, num_nodes: what the
+        forwards read; its parents, tokens and sibling links are not kept)."""
+        dec, sb, res, clock = self.dec, self.sb, self.res, self.clock
+        pol, gp = dec.tree_policy, dec.graft
+        assert pol is not None and dec.draft is not None
+        active = self.carry.active
+        B = root.shape[0]
+        W = pol.max_width
+        N = dec.capacity
+        t0 = clock()
+        if sb.state is None:
+            sb.state = DraftState.new(pol, root, sb.seq_lens, active)
+        else:
+            sb.state.reset(root, sb.seq_lens, active)
+        st = sb.state
+        act = active.to(torch.int32)
+        torch.addcmul(sb.meta_base, sb.meta_coef, act, out=sb.layer_meta)
+        sb.d_meta.copy_(sb.layer_meta[0])
+        sb.d_feat[:, 0] = self.carry.root_feat
+        keep = gp.checkpoints.start(B, dec._dev) if gp is not None else None
+        if gp is not None:
+            sb.grafted.zero_()
+        R = 1
+        res.time_tree += clock() - t0
+        buckets = []
+        while True:
+            i = st.layer
+            t0 = clock()
+            if i > 0:  # the frontier of layer i: nodes q_start .. q_start + W - 1
+                qs = sb.frontier_inputs(st.frontier, i, W)
+                if pol.is_cast:
+                    torch.mul(act, R, out=sb.d_qlen)
+            else:
+                qs = 0
+            t1 = clock()
+            buckets.append(R)
+            self.run("draft", R)
+            sb.hid[:, qs : qs + R] = sb.d_h[:, :R]
+            t2 = clock()
+            waited = res.time_host_wait
+            build_tree_expand(sb.d_logits, st, pol)
+            stop_now = False
+            if keep is not None:
+                best = st.frontier_scores.max(1).values.float().contiguous()
+                stop = gp.checkpoints.check(st.layer - 1, best, keep)
+                if B == 1:  # one request: stop drafting once pruned (a host read)
+                    stop_now = bool(self.wait(lambda stop=stop: bool(stop[0])))
+            t3 = clock()
+            res.time_draft += t2 - t1
+            # the prune-flag wait inside t2..t3 is host-wait time, not tree time
+            res.time_tree += (t1 - t0) + (t3 - t2) - (res.time_host_wait - waited)
+            if stop_now:
+                break
+            if pol.is_cast:
+                # one event wait: the depth flag and the next frontier's width
+                more, width = self.wait(lambda: (st.wants_next_layer(), st.width(st.layer - 1)))
+                R = bucket_for(width, W)
+            else:
+                more, R = st.layer < pol.depth, W
+            if not more or st.layer >= pol.max_depth:
+                break
+            if self.check_buckets and int(st.frontier_valid.sum(1).max()) > R:
+                raise RuntimeError(
+                    f"draft bucket {R} < valid frontier rows {st.frontier_valid.sum(1).tolist()}"
+                )
+        res.draft_buckets.append(buckets)
+        t0 = clock()
+        if keep is not None:
+            tree = build_tree_emit(st, pol, out=sb.emit_buf)
+            verify = tree.num_nodes.clone()
+            pruned = prune(tree, keep)
+            graft(pruned, dec.table, gp.template, budget=verify, out=sb.vin)
+            sb.grafted.copy_(sb.vin.num_nodes - pruned.num_nodes)
+        else:
+            build_tree_emit(st, pol, out=sb.vin)
+        res.time_tree += clock() - t0
+        if not pol.is_cast:
+            return N
+        return bucket_for(self.wait(st.verify_count), N)
+
+
+class WholeStepBody(StaticStep):
+    """The static path's step with no host read inside (fixed-shape policies: verification and
+    catch-up at the capacity N, draft forwards of 1 then W rows), capturable as one CUDA graph.
+    It reads the ``Carry`` in ``sb`` (and the uniforms ``sb.u``, the stop ids ``stops``), writes
+    the results into ``sb.pack`` (and the pinned ``sb.host_pack`` with ``copy_out``) and the next
+    step's state in place. Its forwards are built once, outside any capture."""
+
+    def __init__(self, dec, sb: _StaticBatch, greedy: bool, stops, copy_out: bool):
+        # bookkeeping goes to a throwaway result: the host records the step after the replay
+        super().__init__(dec, sb, DecodeResult(tokens=[]), greedy, stops, None)
+        self.copy_out = copy_out
+        self.check_buckets = False
+        N, pol = dec.capacity, dec.tree_policy
+        self.bodies = {("verify", N): sb.verify_body(N)}
+        if dec.draft is not None:
+            self.bodies["catchup", N] = sb.catchup_body(N)
+        if pol is not None:
+            for R in (1, pol.max_width):
+                self.bodies["draft", R] = sb.draft_body(R)
+
+    def clock(self):
+        return 0.0
+
+    def wait(self, fn):
+        raise AssertionError("a whole-step body never waits on the host")
+
+    def run(self, kind, R):
+        return self.bodies[kind, R]()
+
+    def uniforms(self, n):
+        return self.sb.u
+
+    def send(self, pack):
+        if self.copy_out:
+            self._host_pack(pack).copy_(pack, non_blocking=True)
+
+    def receive(self, pack):
+        return None
+
+    def catch_up(self, v, rows, n):
+        """Over the accepted path at the capacity (padding beyond ``accept_len`` is masked)."""
+        if self.dec.draft is not None:
+            self.catchup_inputs(v, n)
+            self.run("catchup", n)
