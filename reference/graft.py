@@ -40,22 +40,9 @@ def adjacency_update(
     to k). Lowest flattened index ``b*N + i`` wins among nodes that carry the same token; nodes
     whose token is outside ``[0, V)`` are ignored.
     """
-    V, k = table.shape
-    B, N = tree.parents.shape
-    done: set[int] = set()
-    for b in range(B):
-        for i in range(int(tree.num_nodes[b])):
-            tok = int(tree.tokens[b, i])
-            if tok in done or not 0 <= tok < V:
-                continue
-            done.add(tok)
-            if target_logits is not None:
-                row = _topk_ids(target_logits[b, i], k)
-            else:
-                assert topk_ids is not None
-                row = topk_ids[b, i, :k].tolist()
-                row = row + [-1] * (k - len(row))
-            table[tok] = torch.tensor(row, dtype=torch.int32)
+    B = tree.parents.shape[0]
+    nodes = [(b, i) for b in range(B) for i in range(int(tree.num_nodes[b]))]
+    _write_rows(table, tree.tokens, nodes, target_logits, topk_ids)
 
 
 def adjacency_warm_start(
@@ -71,23 +58,29 @@ def adjacency_warm_start(
     ``prompt_tokens`` [B, L] int64, ``prefill_logits`` [B, L, V] or ``topk_ids`` [B, L, k'],
     ``lengths`` [B] int32 (default L). The last occurrence (highest ``b*L + t``) wins.
     """
-    V, k = table.shape
     B, L = prompt_tokens.shape
+    lens = [L if lengths is None else int(lengths[b]) for b in range(B)]
+    positions = [(b, t) for b in reversed(range(B)) for t in reversed(range(lens[b]))]
+    _write_rows(table, prompt_tokens, positions, prefill_logits, topk_ids)
+
+
+def _write_rows(table, tokens, positions, logits, topk_ids) -> None:
+    """Visit ``positions`` (b, i) in order; the first visit of each token id in ``[0, V)`` sets
+    its row to top-k(``logits[b, i]``), or to ``topk_ids[b, i, :k]`` padded with -1."""
+    V, k = table.shape
     done: set[int] = set()
-    for b in reversed(range(B)):
-        n = L if lengths is None else int(lengths[b])
-        for t in reversed(range(n)):
-            tok = int(prompt_tokens[b, t])
-            if tok in done or not 0 <= tok < V:
-                continue
-            done.add(tok)
-            if prefill_logits is not None:
-                row = _topk_ids(prefill_logits[b, t], k)
-            else:
-                assert topk_ids is not None
-                row = topk_ids[b, t, :k].tolist()
-                row = row + [-1] * (k - len(row))
-            table[tok] = torch.tensor(row, dtype=torch.int32)
+    for b, i in positions:
+        tok = int(tokens[b, i])
+        if tok in done or not 0 <= tok < V:
+            continue
+        done.add(tok)
+        if logits is not None:
+            row = _topk_ids(logits[b, i], k)
+        else:
+            assert topk_ids is not None
+            row = topk_ids[b, i, :k].tolist()
+            row = row + [-1] * (k - len(row))
+        table[tok] = torch.tensor(row, dtype=torch.int32)
 
 
 def adjacency_retrieve(
