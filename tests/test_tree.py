@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -209,3 +210,13 @@ def test_from_parents_equals_loop_algorithm(N, rows, seed):
         assert got.dtype == want.dtype == torch.int32, name
         assert torch.equal(got, want), name
     assert int(t.depth.max()) <= N - 1  # (chains of N nodes need every round)
+
+
+def test_fields_and_tensors_follow_the_declaration_order():
+    t = treeops.Tree.from_parents(torch.tensor([[-1, 0, 0]], dtype=torch.int32),
+                                  torch.tensor([3], dtype=torch.int32),
+                                  torch.tensor([[4, 5, 6]]))  # fmt: skip
+    assert treeops.Tree.FIELDS == tuple(f.name for f in dataclasses.fields(treeops.Tree))
+    assert all(a is getattr(t, f) for a, f in zip(t.tensors(), treeops.Tree.FIELDS, strict=True))
+    rebuilt = treeops.Tree(*t.tensors())
+    assert all(a is b for a, b in zip(rebuilt.tensors(), t.tensors(), strict=True))

@@ -22,6 +22,7 @@ K/V is not yet in the cache. Node i's K/V sits at cache slot ``seq_lens[b] + i``
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 
@@ -51,6 +52,32 @@ class Tree:
     first_child: torch.Tensor
     next_sibling: torch.Tensor
     scores: torch.Tensor
+
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "tokens",
+        "parents",
+        "num_nodes",
+        "depth",
+        "anc",
+        "first_child",
+        "next_sibling",
+        "scores",
+    )
+    """The field names in declaration order: the order of ``tensors()`` and of the custom ops'
+    tree arguments."""
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The fields as a tuple, in ``FIELDS`` order (``Tree(*tree.tensors())`` rebuilds it)."""
+        return (
+            self.tokens,
+            self.parents,
+            self.num_nodes,
+            self.depth,
+            self.anc,
+            self.first_child,
+            self.next_sibling,
+            self.scores,
+        )
 
     # ---------------------------------------------------------------- shape
     @property
