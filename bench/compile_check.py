@@ -104,11 +104,12 @@ def _install() -> None:
     JITFunction.run = compile_only
     props = SimpleNamespace(multi_processor_count=sms, name=f"NVIDIA {name} (sm_{ARCH} target)")
     torch.cuda.get_device_properties = lambda *a, **k: props
-    from treeops.kernels import accept, build_tree, graft, tree_attention
+    from treeops import _runtime
+    from treeops.kernels import accept, build_tree, graft
 
-    # the launchers' SM count and GPU-only choices (vocabulary splits) for CPU tensors
-    tree_attention.sm_count = lambda device: sms
-    build_tree._sm_count = lambda device: sms
+    # every launcher asks the SM count through treeops._runtime; the vocabulary-split choices
+    # also take the GPU-only branch, as the launchers would for CUDA tensors
+    _runtime.sm_count = lambda device: sms
     gpu = torch.device("cuda", 0)
     for mod, fn, at in (
         (accept, "default_splits", 3),  # (B, N, V, device, block_v)
@@ -239,10 +240,10 @@ def kv_append(B, N, hkv, d, page, depth=True, dtype=torch.bfloat16):
 def build(kind, B, V, N, dtype=torch.bfloat16):
     def case():
         import treeops
-        from treeops.kernels import build_tree as kb
+        from treeops.build_tree import _launch_emit, _launch_expand
 
         sys.path.insert(0, os.path.dirname(__file__))
-        import bench_tree_build_cast as btc
+        import bench_build_tree as btc
 
         table = btc.synthetic_table()
         pol = btc.make_policy(kind, N, table)
@@ -255,9 +256,9 @@ def build(kind, B, V, N, dtype=torch.bfloat16):
         def launch():
             for i in range(btc.DEPTH):
                 st.layer = i
-                kb.expand(logits[i], st, pol)
+                _launch_expand(logits[i], st, pol)  # the public op's CUDA branch
             st.layer = btc.DEPTH
-            kb.emit(st, pol)
+            _launch_emit(st, pol)
 
         return launch
 
@@ -373,8 +374,8 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             graft("update", 8, 32000),
         ]
     out = []
-    # tree attention: docs/benchmarks.md's shapes and the issue's grid corners, every head dim, GQA ratio,
-    # dtype, page size (one page per request too), LSE and query-range variant; split-KV on
+    # tree attention: docs/benchmarks.md's shapes and its grid's corners, every head dim, GQA
+    # ratio, dtype, page size (one page per request too), LSE and query-range variant; split-KV on
     for B, ctx, n in [
         (1, 512, 16),
         (4, 4096, 64),

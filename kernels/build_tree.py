@@ -31,16 +31,16 @@
 
 from __future__ import annotations
 
-import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from treeops._runtime import refuse_in_capture
+from treeops import _runtime
+from treeops._runtime import cdiv, interpreted, pow2, refuse_in_capture
 from treeops.tree import Tree, anc_words
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # below every key a real logit or score can produce (ordered(-inf) << 32 is about -2^63 + 2^55)
 _KEY_MIN = -9223372036854775807 - 1
 
@@ -71,7 +71,7 @@ def _cand_key(s, o, C: tl.constexpr, CPAD: tl.constexpr):
 
 
 @triton.jit
-def _release_then_arrive(P_CTR, LANES: tl.constexpr, FENCE: tl.constexpr):
+def _release_then_arrive(p_ctr, LANES: tl.constexpr, FENCE: tl.constexpr):
     """Every thread fences its writes at GPU scope (``LANES`` = threads per program: one fence
     each), the CTA meets, then one acq_rel atomic arrives (CUDA's threadfence-reduction pattern).
     Returns the counter's previous value. The interpreter runs programs one after another and
@@ -86,7 +86,7 @@ def _release_then_arrive(P_CTR, LANES: tl.constexpr, FENCE: tl.constexpr):
             pack=1,
         )
     tl.debug_barrier()
-    return tl.atomic_add(P_CTR, 1, sem="acq_rel")
+    return tl.atomic_add(p_ctr, 1, sem="acq_rel")
 
 
 @triton.jit
@@ -142,19 +142,28 @@ def _stream_row(
 
 @triton.jit
 def _combine_splits(
-    PM, PS, PK, o_row, SPLIT: tl.constexpr, SP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr
+    p_part_m,
+    p_part_s,
+    p_part_k,
+    o_row,
+    SPLIT: tl.constexpr,
+    SP: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
 ):
     """Merge the SPLIT partial (max, sum, top-K keys) of one row (written by other programs)."""
     o_s = tl.arange(0, SP)
     o_k = tl.arange(0, KP)
     m_s = o_s < SPLIT
-    b_pm = tl.load(PM + o_row * SPLIT + o_s, mask=m_s, other=-float("inf"), cache_modifier=".cg")
-    b_ps = tl.load(PS + o_row * SPLIT + o_s, mask=m_s, other=0.0, cache_modifier=".cg")
+    b_pm = tl.load(
+        p_part_m + o_row * SPLIT + o_s, mask=m_s, other=-float("inf"), cache_modifier=".cg"
+    )
+    b_ps = tl.load(p_part_s + o_row * SPLIT + o_s, mask=m_s, other=0.0, cache_modifier=".cg")
     m_run = tl.max(b_pm)
     m_use = tl.where(m_run == -float("inf"), 0.0, m_run)
     s_run = tl.sum(tl.where(m_s, b_ps * tl.exp(b_pm - m_use), 0.0))
     b_keys = tl.load(
-        PK + (o_row * SPLIT + o_s)[:, None] * KP + o_k[None, :],
+        p_part_k + (o_row * SPLIT + o_s)[:, None] * KP + o_k[None, :],
         mask=m_s[:, None] & (o_k < K)[None, :],
         other=-9223372036854775807 - 1,
         cache_modifier=".cg",
@@ -169,54 +178,55 @@ def _combine_splits(
 
 @triton.jit(do_not_specialize=["B", "layer", "C1", "C2", "L", "M"])
 def _expand_kernel(
-    LOGITS,
-    FS,
-    FR,
-    FT,
-    ACT,
-    SEQ,
-    CT,
-    CS,
-    CP,
-    DEC,
-    UH,
-    CTR,
-    CUM,
-    TAB_T,
-    TAB_D,
-    RCTR,
-    PM,
-    PS,
-    PK,
-    B,
-    V,
-    layer,
+    p_logits,  # [B, W, V] draft logits (strides s_lb, s_lw; the vocabulary contiguous)
+    p_fscore,  # [B, W] f32 frontier: path score (-1 = unused row); rewritten as the next frontier
+    p_fcand,  # [B, W] i32 frontier: candidate index (layer * C + slot), -1 = root or unused
+    p_ftok,  # [B, W] i64 frontier: token
+    p_active,  # [B] u8 active requests
+    p_seq,  # [B] i64 tokens in the cache (CAST prices the context)
+    p_ctok,  # [B, D, C] i64 candidates: token
+    p_cscore,  # [B, D, C] f32 candidates: path score, -1 = none
+    p_cpar,  # [B, D, C] i32 candidates: parent's candidate index, -1 = the root
+    p_dec,  # [2D + 1] i32 decisions: widths [D], depth flags [D], verify count
+    p_uhist,  # [D] f32 CAST: utility of the width chosen at each layer
+    p_ctr,  # [B + 1] i32 arrival counters: per request, then the batch (0 between launches)
+    p_cum,  # [B, CUMW] f32 per request: score sum of the candidates ranked at or above each
+    p_tab_t,  # [M, NMAX] f32 CAST: target times per context bucket and node count
+    p_tab_d,  # [M, NMAX] f32 CAST: draft times per context bucket and width
+    p_rctr,  # [B * W] i32 split > 1: per-row arrival counters
+    p_part_m,  # [B * W * SPLIT] f32 split > 1: each chunk's running max
+    p_part_s,  # [B * W * SPLIT] f32 split > 1: each chunk's sum of exp(x - max)
+    p_part_k,  # [B * W * SPLIT, KP] i64 split > 1: each chunk's top-K packed keys
+    B,  # requests
+    V,  # vocabulary
+    layer,  # the draft layer being expanded
     s_lb,
     s_lw,
-    C1,
-    C2,
-    L,
-    M,
-    W: tl.constexpr,
-    K: tl.constexpr,
-    D: tl.constexpr,
-    R: tl.constexpr,
-    NMAX: tl.constexpr,
-    CUMW: tl.constexpr,
-    KP: tl.constexpr,
+    C1,  # CAST width threshold
+    C2,  # CAST depth threshold
+    L,  # CAST: context tokens per cost-table bucket
+    M,  # CAST: cost-table buckets
+    W: tl.constexpr,  # frontier rows per request (the policy's max width)
+    K: tl.constexpr,  # children kept per row (top-K)
+    D: tl.constexpr,  # draft layers (max depth)
+    R: tl.constexpr,  # CAST: length of the FIFO of utility ratios
+    NMAX: tl.constexpr,  # cost-table columns
+    CUMW: tl.constexpr,  # columns of p_cum
+    KP: tl.constexpr,  # K, CPAD = W * K, WP = W, BP = B, DP = D: padded to powers of two
     CPAD: tl.constexpr,
     WP: tl.constexpr,
     BP: tl.constexpr,
     DP: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    SPLIT: tl.constexpr,
+    BLOCK_V: tl.constexpr,  # vocabulary tile
+    SPLIT: tl.constexpr,  # programs per row, each streaming CHUNK logits (SP: padded)
     SP: tl.constexpr,
     CHUNK: tl.constexpr,
-    JB: tl.constexpr,
-    LANES: tl.constexpr,
-    FENCE: tl.constexpr,
-    CAST: tl.constexpr,
+    JB: tl.constexpr,  # candidates compared per step of the rank
+    LANES: tl.constexpr,  # threads per program (one fence each)
+    FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
+    CAST: tl.constexpr,  # CAST's width/depth decision; else EAGLE's fixed width
 ):
+    C: tl.constexpr = W * K
     i_p = tl.program_id(0)
     i_row = i_p // SPLIT
     i_s = i_p % SPLIT
@@ -225,278 +235,154 @@ def _expand_kernel(
     i_b64 = i_b.to(tl.int64)
 
     # ---- 1. one pass over (a chunk of) the row: online softmax + running top-K of packed keys
-    b_fs = tl.load(FS + i_b64 * W + i_r)
-    b_act = tl.load(ACT + i_b64) != 0
+    b_fs = tl.load(p_fscore + i_b64 * W + i_r)
+    b_act = tl.load(p_active + i_b64) != 0
     row_ok = (b_fs >= 0) & b_act
-    p_row = LOGITS + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
+    p_row = p_logits + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
     v_lo = i_s * CHUNK
     m_run, s_run, b_top = _stream_row(
         p_row, v_lo, tl.minimum(v_lo + CHUNK, V), V, row_ok, K, KP, BLOCK_V
     )
+    finish = True
     if SPLIT > 1:
         # the row's last chunk to finish merges the partials and carries on
         o_part = i_row.to(tl.int64) * SPLIT + i_s
-        tl.store(PM + o_part, m_run)
-        tl.store(PS + o_part, s_run)
-        tl.store(PK + o_part * KP + tl.arange(0, KP), b_top)
-        if _release_then_arrive(RCTR + i_row, LANES, FENCE) == SPLIT - 1:
-            tl.store(RCTR + i_row, 0)
-            m_run, s_run, b_top = _combine_splits(PM, PS, PK, i_row.to(tl.int64), SPLIT, SP, K, KP)
-            _finish_row(
-                FS,
-                FR,
-                FT,
-                ACT,
-                SEQ,
-                CT,
-                CS,
-                CP,
-                DEC,
-                UH,
-                CTR,
-                CUM,
-                TAB_T,
-                TAB_D,
-                B,
-                layer,
-                C1,
-                C2,
-                L,
-                M,
-                i_b64,
-                i_r,
-                b_fs,
-                row_ok,
-                m_run,
-                s_run,
-                b_top,
-                W,
-                K,
-                D,
-                R,
-                NMAX,
-                CUMW,
-                KP,
-                CPAD,
-                WP,
-                BP,
-                DP,
-                JB,
-                LANES,
-                FENCE,
-                CAST,
+        tl.store(p_part_m + o_part, m_run)
+        tl.store(p_part_s + o_part, s_run)
+        tl.store(p_part_k + o_part * KP + tl.arange(0, KP), b_top)
+        finish = _release_then_arrive(p_rctr + i_row, LANES, FENCE) == SPLIT - 1
+    if finish:
+        if SPLIT > 1:
+            tl.store(p_rctr + i_row, 0)
+            m_run, s_run, b_top = _combine_splits(
+                p_part_m, p_part_s, p_part_k, i_row.to(tl.int64), SPLIT, SP, K, KP
             )
-    else:
-        _finish_row(
-            FS,
-            FR,
-            FT,
-            ACT,
-            SEQ,
-            CT,
-            CS,
-            CP,
-            DEC,
-            UH,
-            CTR,
-            CUM,
-            TAB_T,
-            TAB_D,
-            B,
-            layer,
-            C1,
-            C2,
-            L,
-            M,
-            i_b64,
-            i_r,
-            b_fs,
-            row_ok,
-            m_run,
-            s_run,
-            b_top,
-            W,
-            K,
-            D,
-            R,
-            NMAX,
-            CUMW,
-            KP,
-            CPAD,
-            WP,
-            BP,
-            DP,
-            JB,
-            LANES,
-            FENCE,
-            CAST,
-        )
+        o_k = tl.arange(0, KP)
+        key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
 
+        # ---- 2. the row's candidates in rank order (logit desc, id asc)
+        b_kv = tl.where(o_k < K, b_top, key_min)
+        b_rank = tl.sum((b_kv[None, :] > b_kv[:, None]).to(tl.int32), axis=1)  # [KP], keys distinct
+        b_tok = (0x7FFFFFFF - (b_kv & 0xFFFFFFFF)).to(tl.int64)
+        b_logit = _unordered((b_kv >> 32).to(tl.int32))
+        m_fin = tl.where(m_run == -float("inf"), 0.0, m_run)
+        b_p = tl.exp(b_logit - m_fin) / s_run
+        b_score = b_fs * b_p
+        b_par = tl.load(p_fcand + i_b64 * W + i_r)
+        o_slot = i_b64 * (D * C) + layer * C + i_r * K
+        m_k = o_k < K
+        o_dst = o_slot + tl.where(row_ok, b_rank, o_k)
+        tl.store(p_cscore + o_dst, tl.where(row_ok, b_score, -1.0), mask=m_k)
+        tl.store(p_ctok + o_dst, tl.where(row_ok, b_tok, 0), mask=m_k)
+        tl.store(p_cpar + o_dst, tl.where(row_ok, tl.zeros([KP], tl.int32) + b_par, -1), mask=m_k)
 
-@triton.jit
-def _finish_row(
-    FS,
-    FR,
-    FT,
-    ACT,
-    SEQ,
-    CT,
-    CS,
-    CP,
-    DEC,
-    UH,
-    CTR,
-    CUM,
-    TAB_T,
-    TAB_D,
-    B,
-    layer,
-    C1,
-    C2,
-    L,
-    M,
-    i_b64,
-    i_r,
-    b_fs,
-    row_ok,
-    m_run,
-    s_run,
-    b_top,
-    W: tl.constexpr,
-    K: tl.constexpr,
-    D: tl.constexpr,
-    R: tl.constexpr,
-    NMAX: tl.constexpr,
-    CUMW: tl.constexpr,
-    KP: tl.constexpr,
-    CPAD: tl.constexpr,
-    WP: tl.constexpr,
-    BP: tl.constexpr,
-    DP: tl.constexpr,
-    JB: tl.constexpr,
-    LANES: tl.constexpr,
-    FENCE: tl.constexpr,
-    CAST: tl.constexpr,
-):
-    C: tl.constexpr = W * K
-    o_k = tl.arange(0, KP)
-    key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+        # ---- 3. last row of the request: rank its W*K candidates, write the next frontier
+        if _release_then_arrive(p_ctr + i_b64, LANES, FENCE) == W - 1:
+            tl.store(p_ctr + i_b64, 0)
+            o_c = tl.arange(0, CPAD)
+            m_c = o_c < C
+            p_cs = p_cscore + i_b64 * (D * C) + layer * C
+            b_s = tl.load(p_cs + o_c, mask=m_c, other=-1.0, cache_modifier=".cg")
+            ok_c = b_s >= 0
+            c_key = _cand_key(b_s, o_c, C, CPAD)
+            # rank (how many outrank each) and the score sum of those at or above it, against
+            # chunks of JB candidates: a [CPAD, CPAD] compare at once would set the register
+            # budget of the whole kernel (and so its occupancy)
+            c_rank = tl.zeros([CPAD], tl.int32)
+            c_cum = tl.where(ok_c, b_s, 0.0)
+            for j0 in tl.static_range(0, CPAD, JB):
+                o_j = j0 + tl.arange(0, JB)
+                s_j = tl.load(p_cs + o_j, mask=o_j < C, other=-1.0, cache_modifier=".cg")
+                gt = _cand_key(s_j, o_j, C, CPAD)[None, :] > c_key[:, None]  # [CPAD, JB]
+                c_rank += tl.sum(gt.to(tl.int32), axis=1)
+                c_cum += tl.sum(tl.where(gt, tl.maximum(s_j, 0.0)[None, :], 0.0), axis=1)
+            sel = m_c & (c_rank < W)
+            c_tok = tl.load(
+                p_ctok + i_b64 * (D * C) + layer * C + o_c,
+                mask=sel & ok_c,
+                other=0,
+                cache_modifier=".cg",
+            )
+            o_f = i_b64 * W + c_rank
+            tl.store(p_fscore + o_f, tl.where(ok_c, b_s, -1.0), mask=sel)
+            tl.store(p_fcand + o_f, tl.where(ok_c, layer * C + o_c, -1), mask=sel)
+            tl.store(p_ftok + o_f, tl.where(ok_c, c_tok, 0), mask=sel)
+            tl.store(p_cum + i_b64 * CUMW + c_rank, c_cum, mask=sel)
 
-    # ---- 2. the row's candidates in rank order (logit desc, id asc)
-    b_kv = tl.where(o_k < K, b_top, key_min)
-    b_rank = tl.sum((b_kv[None, :] > b_kv[:, None]).to(tl.int32), axis=1)  # [KP], keys distinct
-    b_tok = (0x7FFFFFFF - (b_kv & 0xFFFFFFFF)).to(tl.int64)
-    b_logit = _unordered((b_kv >> 32).to(tl.int32))
-    m_fin = tl.where(m_run == -float("inf"), 0.0, m_run)
-    b_p = tl.exp(b_logit - m_fin) / s_run
-    b_score = b_fs * b_p
-    b_par = tl.load(FR + i_b64 * W + i_r)
-    o_slot = i_b64 * (D * C) + layer * C + i_r * K
-    m_k = o_k < K
-    o_dst = o_slot + tl.where(row_ok, b_rank, o_k)
-    tl.store(CS + o_dst, tl.where(row_ok, b_score, -1.0), mask=m_k)
-    tl.store(CT + o_dst, tl.where(row_ok, b_tok, 0), mask=m_k)
-    tl.store(CP + o_dst, tl.where(row_ok, tl.zeros([KP], tl.int32) + b_par, -1), mask=m_k)
-
-    # ---- 3. last row of the request: rank its W*K candidates, write the next frontier
-    if _release_then_arrive(CTR + i_b64, LANES, FENCE) == W - 1:
-        tl.store(CTR + i_b64, 0)
-        o_c = tl.arange(0, CPAD)
-        m_c = o_c < C
-        p_cs = CS + i_b64 * (D * C) + layer * C
-        b_s = tl.load(p_cs + o_c, mask=m_c, other=-1.0, cache_modifier=".cg")
-        ok_c = b_s >= 0
-        c_key = _cand_key(b_s, o_c, C, CPAD)
-        # rank (how many outrank each) and the score sum of those at or above it, against
-        # chunks of JB candidates: a [CPAD, CPAD] compare at once would set the register
-        # budget of the whole kernel (and so its occupancy)
-        c_rank = tl.zeros([CPAD], tl.int32)
-        c_cum = tl.where(ok_c, b_s, 0.0)
-        for j0 in tl.static_range(0, CPAD, JB):
-            o_j = j0 + tl.arange(0, JB)
-            s_j = tl.load(p_cs + o_j, mask=o_j < C, other=-1.0, cache_modifier=".cg")
-            gt = _cand_key(s_j, o_j, C, CPAD)[None, :] > c_key[:, None]  # [CPAD, JB]
-            c_rank += tl.sum(gt.to(tl.int32), axis=1)
-            c_cum += tl.sum(tl.where(gt, tl.maximum(s_j, 0.0)[None, :], 0.0), axis=1)
-        sel = m_c & (c_rank < W)
-        c_tok = tl.load(
-            CT + i_b64 * (D * C) + layer * C + o_c, mask=sel & ok_c, other=0, cache_modifier=".cg"
-        )
-        o_f = i_b64 * W + c_rank
-        tl.store(FS + o_f, tl.where(ok_c, b_s, -1.0), mask=sel)
-        tl.store(FR + o_f, tl.where(ok_c, layer * C + o_c, -1), mask=sel)
-        tl.store(FT + o_f, tl.where(ok_c, c_tok, 0), mask=sel)
-        tl.store(CUM + i_b64 * CUMW + c_rank, c_cum, mask=sel)
-
-        # ---- 4. last request: the batch-level decision
-        if _release_then_arrive(CTR + B, LANES, FENCE) == B - 1:
-            tl.store(CTR + B, 0)
-            o_w = tl.arange(0, WP)
-            m_w = o_w < W
-            if CAST:
-                o_b = tl.arange(0, BP)
-                m_b = o_b < B
-                b_a = tl.load(ACT + o_b, mask=m_b, other=0) != 0
-                b_seq = tl.load(SEQ + o_b, mask=m_b & b_a, other=0)
-                o_d = tl.arange(0, DP)
-                b_wid = tl.load(DEC + o_d, mask=o_d < layer, other=0)
-                ctx = tl.maximum(tl.max(b_seq) + tl.sum(b_wid).to(tl.int64), 0)  # bucket >= 0
-                bucket = tl.minimum(ctx // L, M - 1)
-                b_cum = tl.load(
-                    CUM + o_b[:, None] * CUMW + o_w[None, :],
-                    mask=(m_b & b_a)[:, None] & m_w[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )  # [BP, WP]
-                # Algorithm 1 on the sums U_k with threshold C1 * n_act: the batch mean's
-                # maximisers without its rounding (U / 3 breaks dyadic ties; the reference agrees)
-                n_act = tl.maximum(tl.sum(b_a.to(tl.int32)), 1).to(tl.float32)
-                b_U = tl.sum(b_cum, axis=0)  # [WP]
-                t1 = tl.load(TAB_T + bucket * NMAX)
-                b_c = tl.load(TAB_D + bucket * NMAX + o_w, mask=m_w, other=0.0) / t1
-                # k capped at the most valid next-frontier rows of an active request (written
-                # above by each request's last program, before its arrival): past it U is flat,
-                # and on a plateau of costs the largest k would name rows no request has
-                b_fv = tl.load(
-                    FS + o_b.to(tl.int64)[:, None] * W + o_w[None, :],
-                    mask=(m_b & b_a)[:, None] & m_w[None, :],
-                    other=-1.0,
-                    cache_modifier=".cg",
-                )  # [BP, WP]
-                cap = tl.maximum(tl.max(tl.sum((b_fv >= 0).to(tl.int32), axis=1)), 1)
-                b_obj = tl.where(m_w & (o_w < cap), b_U - (C1 * n_act) * b_c, -float("inf"))
-                n = tl.max(tl.where(b_obj == tl.max(b_obj), o_w + 1, 0))
-                u_n = tl.sum(tl.where(o_w + 1 == n, b_U, 0.0)) / n_act
-                c_n = tl.sum(tl.where(o_w + 1 == n, b_c, 0.0))
-                tl.store(UH + layer, u_n)
-                # FIFO [1, phi_0, .., phi_{i-1}], phi_j = u_{j+1} / u_j; its last R entries
-                u_j = tl.where(o_d == layer, u_n, tl.load(UH + o_d, mask=o_d < layer, other=0.0))
-                u_jm1 = tl.load(UH + o_d - 1, mask=(o_d >= 1) & (o_d <= layer), other=0.0)
-                phi = tl.where(u_jm1 > 0, u_j / tl.where(u_jm1 > 0, u_jm1, 1.0), 0.0)
-                e = tl.where(o_d == 0, 1.0, phi)
-                in_fifo = (o_d <= layer) & (o_d >= layer + 1 - R)
-                alpha = tl.sum(tl.where(in_fifo, e, 0.0)) / tl.minimum(layer + 1, R).to(tl.float32)
-                flag = (alpha * u_n / c_n >= C2) & (layer + 1 < D)
-                # trim every request's frontier to the batch width
-                o_b64 = o_b.to(tl.int64)
-                cut = m_b[:, None] & m_w[None, :] & (o_w[None, :] >= n)
-                o_fw = o_b64[:, None] * W + o_w[None, :]
-                tl.store(FS + o_fw, tl.full([BP, WP], -1.0, tl.float32), mask=cut)
-                tl.store(FR + o_fw, tl.full([BP, WP], -1, tl.int32), mask=cut)
-                tl.store(FT + o_fw, tl.zeros([BP, WP], tl.int64), mask=cut)
-            else:
-                n = W
-                flag = layer + 1 < D
-            tl.store(DEC + layer, n)
-            tl.store(DEC + D + layer, flag.to(tl.int32))
+            # ---- 4. last request: the batch-level decision
+            if _release_then_arrive(p_ctr + B, LANES, FENCE) == B - 1:
+                tl.store(p_ctr + B, 0)
+                o_w = tl.arange(0, WP)
+                m_w = o_w < W
+                if CAST:
+                    o_b = tl.arange(0, BP)
+                    m_b = o_b < B
+                    b_a = tl.load(p_active + o_b, mask=m_b, other=0) != 0
+                    b_seq = tl.load(p_seq + o_b, mask=m_b & b_a, other=0)
+                    o_d = tl.arange(0, DP)
+                    b_wid = tl.load(p_dec + o_d, mask=o_d < layer, other=0)
+                    ctx = tl.maximum(tl.max(b_seq) + tl.sum(b_wid).to(tl.int64), 0)  # bucket >= 0
+                    bucket = tl.minimum(ctx // L, M - 1)
+                    b_cum = tl.load(
+                        p_cum + o_b[:, None] * CUMW + o_w[None, :],
+                        mask=(m_b & b_a)[:, None] & m_w[None, :],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )  # [BP, WP]
+                    # Algorithm 1 on the sums U_k with threshold C1 * n_act: the batch mean's
+                    # maximisers without its rounding (U / 3 breaks dyadic ties; the reference
+                    # agrees)
+                    n_act = tl.maximum(tl.sum(b_a.to(tl.int32)), 1).to(tl.float32)
+                    b_U = tl.sum(b_cum, axis=0)  # [WP]
+                    t1 = tl.load(p_tab_t + bucket * NMAX)
+                    b_c = tl.load(p_tab_d + bucket * NMAX + o_w, mask=m_w, other=0.0) / t1
+                    # k capped at the most valid next-frontier rows of an active request (written
+                    # above by each request's last program, before its arrival): past it U is flat,
+                    # and on a plateau of costs the largest k would name rows no request has
+                    b_fv = tl.load(
+                        p_fscore + o_b.to(tl.int64)[:, None] * W + o_w[None, :],
+                        mask=(m_b & b_a)[:, None] & m_w[None, :],
+                        other=-1.0,
+                        cache_modifier=".cg",
+                    )  # [BP, WP]
+                    cap = tl.maximum(tl.max(tl.sum((b_fv >= 0).to(tl.int32), axis=1)), 1)
+                    b_obj = tl.where(m_w & (o_w < cap), b_U - (C1 * n_act) * b_c, -float("inf"))
+                    n = tl.max(tl.where(b_obj == tl.max(b_obj), o_w + 1, 0))
+                    u_n = tl.sum(tl.where(o_w + 1 == n, b_U, 0.0)) / n_act
+                    c_n = tl.sum(tl.where(o_w + 1 == n, b_c, 0.0))
+                    tl.store(p_uhist + layer, u_n)
+                    # FIFO [1, phi_0, .., phi_{i-1}], phi_j = u_{j+1} / u_j; its last R entries
+                    u_j = tl.where(
+                        o_d == layer, u_n, tl.load(p_uhist + o_d, mask=o_d < layer, other=0.0)
+                    )
+                    u_jm1 = tl.load(p_uhist + o_d - 1, mask=(o_d >= 1) & (o_d <= layer), other=0.0)
+                    phi = tl.where(u_jm1 > 0, u_j / tl.where(u_jm1 > 0, u_jm1, 1.0), 0.0)
+                    e = tl.where(o_d == 0, 1.0, phi)
+                    in_fifo = (o_d <= layer) & (o_d >= layer + 1 - R)
+                    alpha = tl.sum(tl.where(in_fifo, e, 0.0)) / tl.minimum(layer + 1, R).to(
+                        tl.float32
+                    )
+                    flag = (alpha * u_n / c_n >= C2) & (layer + 1 < D)
+                    # trim every request's frontier to the batch width
+                    o_b64 = o_b.to(tl.int64)
+                    cut = m_b[:, None] & m_w[None, :] & (o_w[None, :] >= n)
+                    o_fw = o_b64[:, None] * W + o_w[None, :]
+                    tl.store(p_fscore + o_fw, tl.full([BP, WP], -1.0, tl.float32), mask=cut)
+                    tl.store(p_fcand + o_fw, tl.full([BP, WP], -1, tl.int32), mask=cut)
+                    tl.store(p_ftok + o_fw, tl.zeros([BP, WP], tl.int64), mask=cut)
+                else:
+                    n = W
+                    flag = layer + 1 < D
+                tl.store(p_dec + layer, n)
+                tl.store(p_dec + D + layer, flag.to(tl.int32))
 
 
 @triton.jit(do_not_specialize=["n_layers"])
 def _select_kernel(
-    CS,
-    SEL,
-    POS,
-    CUM,
+    p_cscore,
+    p_sel,
+    p_pos,
+    p_cum,
     n_layers,
     D: tl.constexpr,
     C: tl.constexpr,
@@ -508,7 +394,7 @@ def _select_kernel(
     i_b = tl.program_id(0).to(tl.int64)
     o_t = tl.arange(0, TP)
     m_t = o_t < n_layers * C
-    b_s = tl.load(CS + i_b * (D * C) + o_t, mask=m_t, other=-1.0)
+    b_s = tl.load(p_cscore + i_b * (D * C) + o_t, mask=m_t, other=-1.0)
     ok = b_s >= 0
     b_key = tl.where(
         ok,
@@ -520,34 +406,34 @@ def _select_kernel(
     ok_j = (b_top >= 0) & (o_j < N - 1)
     c_idx = (0x7FFFFFFF - (b_top & 0xFFFFFFFF)).to(tl.int32)
     c_s = tl.where(ok_j, _unordered((b_top >> 32).to(tl.int32)), 0.0)
-    tl.store(SEL + i_b * N + o_j, tl.where(ok_j, c_idx, -1), mask=o_j < N - 1)
-    tl.store(POS + i_b * (D * C) + c_idx, o_j + 1, mask=ok_j)
+    tl.store(p_sel + i_b * N + o_j, tl.where(ok_j, c_idx, -1), mask=o_j < N - 1)
+    tl.store(p_pos + i_b * (D * C) + c_idx, o_j + 1, mask=ok_j)
     # utilities of the rerank: 1 (root) + the j best scores, at column j
-    tl.store(CUM + i_b * CUMW + o_j + 1, 1.0 + tl.cumsum(c_s, axis=0), mask=o_j + 1 < N)
-    tl.store(CUM + i_b * CUMW, 1.0)
+    tl.store(p_cum + i_b * CUMW + o_j + 1, 1.0 + tl.cumsum(c_s, axis=0), mask=o_j + 1 < N)
+    tl.store(p_cum + i_b * CUMW, 1.0)
 
 
 @triton.jit(do_not_specialize=["B", "n_layers", "C3", "L", "M"])
 def _emit_kernel(
-    CT,
-    CS,
-    CP,
-    SEL,
-    POS,
-    CUM,
-    ACT,
-    SEQ,
-    ROOT,
-    DEC,
-    TAB_T,
-    TOK,
-    PAR,
-    NUM,
-    DEP,
-    ANC,
-    FC,
-    NS,
-    SC,
+    p_ctok,
+    p_cscore,
+    p_cpar,
+    p_sel,
+    p_pos,
+    p_cum,
+    p_active,
+    p_seq,
+    p_root,
+    p_dec,
+    p_tab_t,
+    p_tok,
+    p_par,
+    p_num,
+    p_dep,
+    p_anc,
+    p_fc,
+    p_ns,
+    p_sc,
     B,
     n_layers,
     C3,
@@ -571,22 +457,22 @@ def _emit_kernel(
     if CAST:
         o_b = tl.arange(0, BP)
         m_b = o_b < B
-        b_a = tl.load(ACT + o_b, mask=m_b, other=0) != 0
-        ctx = tl.maximum(tl.max(tl.load(SEQ + o_b, mask=m_b & b_a, other=0)), 0)  # bucket >= 0
+        b_a = tl.load(p_active + o_b, mask=m_b, other=0) != 0
+        ctx = tl.maximum(tl.max(tl.load(p_seq + o_b, mask=m_b & b_a, other=0)), 0)  # bucket >= 0
         bucket = tl.minimum(ctx // L, M - 1)
         b_cum = tl.load(
-            CUM + o_b[:, None] * CUMW + o_n[None, :],
+            p_cum + o_b[:, None] * CUMW + o_n[None, :],
             mask=(m_b & b_a)[:, None] & m_n[None, :],
             other=0.0,
         )  # [BP, NP]
         n_act = tl.maximum(tl.sum(b_a.to(tl.int32)), 1).to(tl.float32)
         b_U = tl.sum(b_cum, axis=0)  # Algorithm 1 on the sums, threshold C3 * n_act
-        t1 = tl.load(TAB_T + bucket * NMAX)
-        b_c = tl.load(TAB_T + bucket * NMAX + o_n, mask=m_n, other=0.0) / t1
-        # k capped at 1 + the most selected candidates of an active request (SEL, written by
+        t1 = tl.load(p_tab_t + bucket * NMAX)
+        b_c = tl.load(p_tab_t + bucket * NMAX + o_n, mask=m_n, other=0.0) / t1
+        # k capped at 1 + the most selected candidates of an active request (p_sel, written by
         # the select launch): the count never exceeds max_b num_nodes[b]
         b_sa = tl.load(
-            SEL + o_b.to(tl.int64)[:, None] * N + o_n[None, :],
+            p_sel + o_b.to(tl.int64)[:, None] * N + o_n[None, :],
             mask=(m_b & b_a)[:, None] & (o_n < N - 1)[None, :],
             other=-1,
         )  # [BP, NP]
@@ -596,21 +482,23 @@ def _emit_kernel(
     else:
         n = N
     if i_b == 0:
-        tl.store(DEC + 2 * D, n)
+        tl.store(p_dec + 2 * D, n)
 
-    act = tl.load(ACT + i_b) != 0
-    b_sel = tl.load(SEL + i_b * N + o_n - 1, mask=(o_n >= 1) & m_n, other=-1)  # node j <- sel[j-1]
+    act = tl.load(p_active + i_b) != 0
+    b_sel = tl.load(
+        p_sel + i_b * N + o_n - 1, mask=(o_n >= 1) & m_n, other=-1
+    )  # node j <- sel[j-1]
     have = tl.sum(((b_sel >= 0) & (o_n >= 1) & m_n).to(tl.int32))
     m = tl.where(act, tl.minimum(n, 1 + have), 0)
     live = o_n < m
     cand = live & (o_n >= 1)
     base = i_b * (D * C)
-    b_tok = tl.load(CT + base + b_sel, mask=cand, other=0)
-    b_tok = tl.where(live & (o_n == 0), tl.load(ROOT + i_b), b_tok)
-    b_sc = tl.load(CS + base + b_sel, mask=cand, other=0.0)
+    b_tok = tl.load(p_ctok + base + b_sel, mask=cand, other=0)
+    b_tok = tl.where(live & (o_n == 0), tl.load(p_root + i_b), b_tok)
+    b_sc = tl.load(p_cscore + base + b_sel, mask=cand, other=0.0)
     b_sc = tl.where(live & (o_n == 0), 1.0, b_sc)
-    b_pc = tl.load(CP + base + b_sel, mask=cand, other=-1)
-    b_par = tl.where(b_pc >= 0, tl.load(POS + base + b_pc, mask=cand & (b_pc >= 0), other=0), 0)
+    b_pc = tl.load(p_cpar + base + b_sel, mask=cand, other=-1)
+    b_par = tl.where(b_pc >= 0, tl.load(p_pos + base + b_pc, mask=cand & (b_pc >= 0), other=0), 0)
     b_par = tl.where(cand, b_par, -1)  # [NP]
 
     # ancestor-or-self matrix by repeated squaring of (I + parent), 2^LOG_D >= D covers every
@@ -636,45 +524,39 @@ def _emit_kernel(
     b_ns = tl.min(tl.where(sib, o_n[None, :], big), axis=1)
 
     o_out = i_b * N + o_n
-    tl.store(TOK + o_out, b_tok, mask=m_n)
-    tl.store(PAR + o_out, b_par, mask=m_n)
-    tl.store(DEP + o_out, b_dep, mask=m_n)
-    tl.store(SC + o_out, tl.where(live, b_sc, 0.0), mask=m_n)
-    tl.store(FC + o_out, tl.where(b_fc < big, b_fc, -1), mask=m_n)
-    tl.store(NS + o_out, tl.where(b_ns < big, b_ns, -1), mask=m_n)
+    tl.store(p_tok + o_out, b_tok, mask=m_n)
+    tl.store(p_par + o_out, b_par, mask=m_n)
+    tl.store(p_dep + o_out, b_dep, mask=m_n)
+    tl.store(p_sc + o_out, tl.where(live, b_sc, 0.0), mask=m_n)
+    tl.store(p_fc + o_out, tl.where(b_fc < big, b_fc, -1), mask=m_n)
+    tl.store(p_ns + o_out, tl.where(b_ns < big, b_ns, -1), mask=m_n)
     tl.store(
-        ANC + o_out[:, None] * AW + o_w[None, :],
+        p_anc + o_out[:, None] * AW + o_w[None, :],
         b_anc.to(tl.int32),
         mask=m_n[:, None] & (o_w[None, :] < AW),
     )
-    tl.store(NUM + i_b, m)
+    tl.store(p_num + i_b, m)
 
 
 # --------------------------------------------------------------------------------- launchers
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class CastInputs(NamedTuple):
+    """What CAST's decisions read (the launchers take ``None`` for EAGLE's fixed width): the
+    policy's thresholds and FIFO length, and its cost table's device rows for the batch."""
+
+    c1: float  # width threshold
+    c2: float  # depth threshold
+    c3: float  # verification threshold of the rerank
+    fifo: int  # R, length of the FIFO of utility ratios
+    target_times: torch.Tensor  # [buckets, n_max] float32
+    draft_times: torch.Tensor  # [buckets, n_max] float32
+    bucket_len: int  # context tokens per bucket (L)
+    buckets: int  # M
+    n_max: int
 
 
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
-
-
-def _tables(state, policy):
-    if policy.is_cast:
-        t, d = policy.cost_table.device_tables(state.active.shape[0], state.cand_scores.device)
-        return t, d, policy.cost_table.L, policy.cost_table.M, policy.cost_table.n_max
-    dummy = state.u_hist  # never read (CAST=False)
-    return dummy, dummy, 1, 1, 1
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(dev: torch.device) -> int:
-    i = dev.index if dev.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNT:
-        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SM_COUNT[i]
+def _no_cast(dummy: torch.Tensor) -> CastInputs:
+    """EAGLE's stand-in: the CAST arguments are never read (CAST=False)."""
+    return CastInputs(0.0, 0.0, 0.0, 1, dummy, dummy, 1, 1, 1)
 
 
 _RETIRED: list[torch.Tensor] = []  # split workspaces replaced by larger ones (see expand)
@@ -685,37 +567,53 @@ def _default_split(rows: int, V: int, block_v: int, device: torch.device) -> int
     the SM count and V only (fixed for a CUDA graph); 1 off the GPU."""
     if device.type != "cuda":
         return 1
-    return max(1, min(_cdiv(2 * _sm_count(device), rows), _cdiv(V, block_v), 32))
+    return max(1, min(cdiv(2 * _runtime.sm_count(device), rows), cdiv(V, block_v), 32))
 
 
 def expand(
     logits: torch.Tensor,
-    state,
-    policy,
     *,
+    layer: int,
+    topk: int,
+    active: torch.Tensor,  # [B] bool
+    seq_lens: torch.Tensor,  # [B] int64
+    frontier: torch.Tensor,  # [B, W] int32 candidate index of each row, rewritten
+    frontier_tokens: torch.Tensor,  # [B, W] int64, rewritten
+    frontier_scores: torch.Tensor,  # [B, W] float32, rewritten
+    cand_tokens: torch.Tensor,  # [B, D, W * K] int64, layer ``layer`` written
+    cand_scores: torch.Tensor,  # [B, D, W * K] float32, likewise
+    cand_parents: torch.Tensor,  # [B, D, W * K] int32, likewise
+    decisions: torch.Tensor,  # [2D + 1] int32: width and depth flag of ``layer`` written
+    u_hist: torch.Tensor,  # [D] float32 (CAST)
+    workspace: dict[str, torch.Tensor],
+    cast: CastInputs | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
     split: int | None = None,
 ) -> None:
-    """Expand draft layer ``state.layer`` (does not advance it; the public op does).
+    """Expand draft layer ``layer``: one launch of ``_expand_kernel`` over ``logits`` [B, W, V].
+
+    The tensors are a ``DraftState``'s fields of the same names (shapes in its docstring; D is
+    ``cand_scores.shape[1]``), ``workspace`` its workspace dict (``counters``, ``cum``; a split > 1
+    adds its buffers there on the first call: make that call before capturing a CUDA graph).
+    ``topk`` is K, ``cast`` CAST's inputs or None for EAGLE's fixed width.
 
     ``block_v`` (vocabulary tile, a power of two), ``num_warps`` and ``split`` (programs per row,
     each streaming one chunk of V; default: enough rows x chunks for two programs per SM, from
-    the SM count and V only) override the defaults. A split > 1 allocates its small workspace on
-    the first call (do that call before capturing a CUDA graph)."""
+    the SM count and V only) override the defaults."""
     B, W, V = logits.shape
-    K, D = policy.topk, policy.max_depth
+    K, D = topk, cand_scores.shape[1]
     C = W * K
     if block_v is None:
         # small CTAs, many per SM: a row's top-K merges are chains of block reductions (latency),
         # which other resident rows' streaming hides; few rows get wider tiles
-        block_v = min(_pow2(V), 256 if _INTERPRET else (2048 if B * W >= 256 else 4096))
+        block_v = min(pow2(V), 256 if interpreted() else (2048 if B * W >= 256 else 4096))
     if split is None:
         split = _default_split(B * W, V, block_v, logits.device)
-    chunk = _cdiv(_cdiv(V, split), block_v) * block_v  # ceil(V / split) in whole tiles
-    split = _cdiv(V, chunk)
-    ws = state.workspace
-    KP = _pow2(K)
+    chunk = cdiv(cdiv(V, split), block_v) * block_v  # ceil(V / split) in whole tiles
+    split = cdiv(V, chunk)
+    ws = workspace
+    KP = pow2(K)
     if split > 1:
         need = B * W * split
         if (
@@ -737,67 +635,81 @@ def expand(
         rctr, pm, ps, pk = ws["row_counters"], ws["part_m"], ws["part_s"], ws["part_k"]
     else:
         rctr = pm = ps = pk = ws["counters"]  # never read (SPLIT = 1)
-    tab_t, tab_d, L, M, nmax = _tables(state, policy)
-    cast = policy.is_cast
-    warps = num_warps or (1 if _INTERPRET else (8 if block_v >= 4096 else 4))
+    costs = cast if cast is not None else _no_cast(u_hist)
+    warps = num_warps or (1 if interpreted() else (8 if block_v >= 4096 else 4))
     _expand_kernel[(B * W * split,)](
         logits,
-        state.frontier_scores,
-        state.frontier,
-        state.frontier_tokens,
-        state.active.view(torch.uint8),
-        state.seq_lens,
-        state.cand_tokens,
-        state.cand_scores,
-        state.cand_parents,
-        state.decisions,
-        state.u_hist,
+        frontier_scores,
+        frontier,
+        frontier_tokens,
+        active.view(torch.uint8),
+        seq_lens,
+        cand_tokens,
+        cand_scores,
+        cand_parents,
+        decisions,
+        u_hist,
         ws["counters"],
         ws["cum"],
-        tab_t,
-        tab_d,
+        costs.target_times,
+        costs.draft_times,
         rctr,
         pm,
         ps,
         pk,
         B,
         V,
-        state.layer,
+        layer,
         logits.stride(0),
         logits.stride(1),
-        float(policy.C1) if cast else 0.0,
-        float(policy.C2) if cast else 0.0,
-        L,
-        M,
+        float(costs.c1),
+        float(costs.c2),
+        costs.bucket_len,
+        costs.buckets,
         W=W,
         K=K,
         D=D,
-        R=policy.R if cast else 1,
-        NMAX=nmax,
+        R=costs.fifo,
+        NMAX=costs.n_max,
         CUMW=ws["cum"].shape[1],
         KP=KP,
-        CPAD=_pow2(C),
-        WP=_pow2(W),
-        BP=_pow2(B),
-        DP=_pow2(D),
+        CPAD=pow2(C),
+        WP=pow2(W),
+        BP=pow2(B),
+        DP=pow2(D),
         BLOCK_V=block_v,
         SPLIT=split,
-        SP=_pow2(split),
+        SP=pow2(split),
         CHUNK=chunk,
-        JB=min(16, _pow2(C)),
+        JB=min(16, pow2(C)),
         LANES=32 * warps,
-        FENCE=not _INTERPRET,
-        CAST=cast,
+        FENCE=not interpreted(),
+        CAST=cast is not None,
         num_warps=warps,
     )
 
 
-def emit(state, policy, *, out: Tree | None = None) -> Tree:
-    """Rerank and emit the tree (two launches); writes ``state.verify``."""
-    B = state.active.shape[0]
-    D, W, K, N = policy.max_depth, policy.max_width, policy.topk, policy.capacity
-    C = W * K
-    dev = state.cand_scores.device
+def emit(
+    *,
+    layer: int,
+    capacity: int,
+    active: torch.Tensor,
+    seq_lens: torch.Tensor,
+    root_tokens: torch.Tensor,
+    cand_tokens: torch.Tensor,
+    cand_scores: torch.Tensor,
+    cand_parents: torch.Tensor,
+    decisions: torch.Tensor,
+    workspace: dict[str, torch.Tensor],
+    cast: CastInputs | None = None,
+    out: Tree | None = None,
+) -> Tree:
+    """Rerank the candidates of ``layer`` expanded layers and emit the tree of ``capacity`` nodes
+    (two launches); writes the verify count into ``decisions``. Tensors and ``workspace`` as for
+    ``expand`` (``workspace`` also holds ``sel`` and ``pos``)."""
+    B = active.shape[0]
+    D, C, N = cand_scores.shape[1], cand_scores.shape[2], capacity
+    dev = cand_scores.device
     if out is None:
         out = Tree(
             tokens=torch.empty(B, N, dtype=torch.int64, device=dev),
@@ -821,19 +733,19 @@ def emit(state, policy, *, out: Tree | None = None) -> Tree:
     ):
         if not getattr(out, f).is_contiguous():
             raise ValueError(f"Invalid layout of out.{f}: expected a contiguous tensor")
-    ws = state.workspace
-    tab_t, _, L, M, nmax = _tables(state, policy)
-    NP = max(_pow2(N), 32)  # >= 32: whole anc words, and tl.dot's minimum
-    TP = max(_pow2(D * C), NP)
-    # [NP, NP] tiles, on sm_90 (bench/compile_check.py): 198-216 registers at NP = 64 with 4 warps;
-    # at NP = 128 with 8 warps 255 registers and 208-468 B of spills per thread (not yet timed)
-    warps = 1 if _INTERPRET else (4 if NP <= 64 else 8)
+    ws = workspace
+    costs = cast if cast is not None else _no_cast(decisions)
+    NP = max(pow2(N), 32)  # >= 32: whole anc words, and tl.dot's minimum
+    TP = max(pow2(D * C), NP)
+    # [NP, NP] tiles: past 64 nodes 8 warps keep the per-thread registers in bounds
+    # (bench/compile_check.py reports them)
+    warps = 1 if interpreted() else (4 if NP <= 64 else 8)
     _select_kernel[(B,)](
-        state.cand_scores,
+        cand_scores,
         ws["sel"],
         ws["pos"],
         ws["cum"],
-        state.layer,
+        layer,
         D=D,
         C=C,
         N=N,
@@ -843,17 +755,17 @@ def emit(state, policy, *, out: Tree | None = None) -> Tree:
         num_warps=warps,
     )
     _emit_kernel[(B,)](
-        state.cand_tokens,
-        state.cand_scores,
-        state.cand_parents,
+        cand_tokens,
+        cand_scores,
+        cand_parents,
         ws["sel"],
         ws["pos"],
         ws["cum"],
-        state.active.view(torch.uint8),
-        state.seq_lens,
-        state.root_tokens,
-        state.decisions,
-        tab_t,
+        active.view(torch.uint8),
+        seq_lens,
+        root_tokens,
+        decisions,
+        costs.target_times,
         out.tokens,
         out.parents,
         out.num_nodes,
@@ -863,21 +775,21 @@ def emit(state, policy, *, out: Tree | None = None) -> Tree:
         out.next_sibling,
         out.scores,
         B,
-        state.layer,
-        float(policy.C3) if policy.is_cast else 0.0,
-        L,
-        M,
+        layer,
+        float(costs.c3),
+        costs.bucket_len,
+        costs.buckets,
         D=D,
         C=C,
         N=N,
         AW=anc_words(N),
         CUMW=ws["cum"].shape[1],
-        NMAX=nmax,
+        NMAX=costs.n_max,
         NP=NP,
-        BP=_pow2(B),
+        BP=pow2(B),
         LOG_D=max(0, (D - 1).bit_length()),
-        DOT_T=tl.float32 if _INTERPRET else tl.float16,
-        CAST=policy.is_cast,
+        DOT_T=tl.float32 if interpreted() else tl.float16,
+        CAST=cast is not None,
         num_warps=warps,
     )
     return out

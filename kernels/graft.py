@@ -11,8 +11,7 @@ merged parent and token becomes a new node, numbered in order by a cumsum and ke
 the budget; (3) repeats take that node's index, and the anc row is the parent's row | own bit.
 Because nodes go in breadth-first order this equals the reference's serial loop. Then draft nodes,
 new nodes (scattered to their index) and padding are written, and the links are computed from the
-written parents in [NB, 32] tiles. 64 registers per thread on sm_90 at the default template's
-width, no spills (``bench/compile_check.py``).
+written parents in [NB, 32] tiles.
 
 ``adjacency_update``: stage 1, grid (nodes, splits): each program streams its slice of V and keeps
 a running top-k (value desc, id asc); a block enters the running list only if its best element
@@ -26,16 +25,18 @@ stage 1 only claims.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from treeops import _runtime
+from treeops._runtime import interpreted
+
+from .graft_update import _claim_kernel, _topk_partial_kernel, _update_write_kernel
+
 INT32_MAX = 2**31 - 1
 _BIG = tl.constexpr(1 << 30)
 _I32MAX = tl.constexpr(INT32_MAX)
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -73,23 +74,8 @@ def _cmp_key(m_un, b_pk, b_t32):
 def _retrieve_match(
     o_l,
     m_l,
-    i_b,
-    n_draft,
-    active,
     n_got,
-    limit,
-    tok_ptr,
-    par_ptr,
-    table_ptr,
-    t_par_ptr,
-    t_rank_ptr,
-    r_tok_ptr,
-    r_par_ptr,
-    p_key,
-    p_tok,
-    N,
-    T,
-    V,
+    req,
     K: tl.constexpr,
     TB: tl.constexpr,
     LB: tl.constexpr,
@@ -100,7 +86,9 @@ def _retrieve_match(
     """Pass 1 for retrieved nodes ``o_l`` [LB]: the parent (clamped), its merged node, the token
     (template: ``table[parent token, rank]`` while under ``limit``, stored to the scratch), and
     the draft child to reuse. Returns (parent, merged parent, live, draft match, unmatched,
-    compare key, n_got)."""
+    compare key, n_got). ``req``: the request's fixed inputs, as ``_graft_kernel`` packs them."""
+    i_b, n_draft, active, limit, tok_ptr, par_ptr, table_ptr, t_par_ptr, t_rank_ptr, r_tok_ptr, \
+        r_par_ptr, p_key, p_tok, N, T, V = req  # fmt: skip
     if FROM_TABLE:
         b_par = tl.load(t_par_ptr + o_l, mask=m_l, other=0)
     else:
@@ -229,6 +217,9 @@ def _graft_kernel(
     tl.debug_barrier()
     n_used = n_draft
     n_got = tl.zeros([], tl.int32)
+    # the fixed inputs of _retrieve_match, in its order
+    req = (i_b, n_draft, active, limit, tok_ptr, par_ptr, table_ptr, t_par_ptr, t_rank_ptr,
+           r_tok_ptr, r_par_ptr, p_key, p_tok, N, T, V)  # fmt: skip
     lo = tl.full([], 1, tl.int32)
     # breadth-first order: depth d occupies retrieved nodes [lo, hi)
     for d in range(1, max_depth + 1):
@@ -238,31 +229,7 @@ def _graft_kernel(
             o_l = lo + tl.arange(0, LB)  # [LB]
             m_l = o_l < hi
             b_pp, b_pk, m_live, b_dm, m_un, b_cmp, n_got = _retrieve_match(
-                o_l,
-                m_l,
-                i_b,
-                n_draft,
-                active,
-                n_got,
-                limit,
-                tok_ptr,
-                par_ptr,
-                table_ptr,
-                t_par_ptr,
-                t_rank_ptr,
-                r_tok_ptr,
-                r_par_ptr,
-                p_key,
-                p_tok,
-                N,
-                T,
-                V,
-                K,
-                TB,
-                LB,
-                NB,
-                CN,
-                FROM_TABLE,
+                o_l, m_l, n_got, req, K, TB, LB, NB, CN, FROM_TABLE
             )
             b_prow = tl.load(
                 p_anc + b_pp[:, None] * WB + o_w[None, :], mask=m_l[:, None], other=0
@@ -291,31 +258,7 @@ def _graft_kernel(
                 o_l = c0 + tl.arange(0, LB)  # [LB]
                 m_l = o_l < hi
                 b_pp, b_pk, m_live, b_dm, m_un, b_cmp, n_got = _retrieve_match(
-                    o_l,
-                    m_l,
-                    i_b,
-                    n_draft,
-                    active,
-                    n_got,
-                    limit,
-                    tok_ptr,
-                    par_ptr,
-                    table_ptr,
-                    t_par_ptr,
-                    t_rank_ptr,
-                    r_tok_ptr,
-                    r_par_ptr,
-                    p_key,
-                    p_tok,
-                    N,
-                    T,
-                    V,
-                    K,
-                    TB,
-                    LB,
-                    NB,
-                    CN,
-                    FROM_TABLE,
+                    o_l, m_l, n_got, req, K, TB, LB, NB, CN, FROM_TABLE
                 )
                 tl.store(p_cmp + o_l, b_cmp, mask=m_l)
                 tl.store(p_key + o_l, tl.where(m_live & ~m_un, b_dm, -1), mask=m_l)
@@ -487,143 +430,6 @@ def _retrieve_kernel(
     tl.store(o_par_ptr + p + b_slot, b_ppos, mask=m_ok)
     tl.store(o_dep_ptr + p + b_slot, b_rdep, mask=m_ok)
     tl.store(o_num_ptr + i_b, n)
-
-
-@triton.jit(do_not_specialize=["N", "V", "n_flat", "chunk", "stride_b", "stride_n"])
-def _topk_partial_kernel(
-    x_ptr,
-    tok_ptr,
-    num_ptr,
-    owner_ptr,
-    ws_val_ptr,
-    ws_id_ptr,
-    N,
-    V,
-    n_flat,
-    chunk,
-    stride_b,
-    stride_n,
-    K: tl.constexpr,
-    KB: tl.constexpr,
-    S: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    LAST_WINS: tl.constexpr,
-):
-    i_f = tl.program_id(0).to(tl.int64)  # flattened node b*N + i
-    i_s = tl.program_id(1)
-    i_b = i_f // N
-    i_n = i_f % N
-    tok = tl.load(tok_ptr + i_f)
-    valid = (i_n < tl.load(num_ptr + i_b)) & (tok >= 0) & (tok < V)
-    if valid:
-        if i_s == 0:
-            if LAST_WINS:
-                claim = (n_flat - 1 - i_f).to(tl.int32)
-            else:
-                claim = i_f.to(tl.int32)
-            tl.atomic_min(owner_ptr + tok, claim)
-        o_k = tl.arange(0, KB)
-        # running top-k: empty slots are (-inf, _BIG + slot), beaten by any element
-        b_rv = tl.full([KB], float("-inf"), tl.float32)
-        b_ri = _BIG + o_k
-        p_x = x_ptr + i_b * stride_b + i_n * stride_n
-        lo = i_s * chunk
-        hi = tl.minimum(lo + chunk, V)
-        for start in range(lo, hi, BLOCK_V):
-            o_v = start + tl.arange(0, BLOCK_V)
-            m_v = o_v < hi
-            b_x = tl.load(p_x + o_v, mask=m_v, other=float("-inf")).to(tl.float32)
-            # the running list's worst entry (value asc, id desc) and the block's best
-            wv = tl.min(tl.where(o_k < K, b_rv, float("inf")), 0)
-            wi = tl.max(tl.where((o_k < K) & (b_rv == wv), b_ri, -1), 0)
-            bv = tl.max(tl.where(m_v, b_x, float("-inf")), 0)
-            bi = tl.min(tl.where(m_v & (b_x == bv), o_v, _I32MAX), 0)
-            beats = (bv > wv) | ((bv == wv) & (bi < wi))
-            while beats:
-                b_rv = tl.where(b_ri == wi, bv, b_rv)
-                b_ri = tl.where(b_ri == wi, bi, b_ri)
-                m_v = m_v & (o_v != bi)
-                wv = tl.min(tl.where(o_k < K, b_rv, float("inf")), 0)
-                wi = tl.max(tl.where((o_k < K) & (b_rv == wv), b_ri, -1), 0)
-                bv = tl.max(tl.where(m_v, b_x, float("-inf")), 0)
-                bi = tl.min(tl.where(m_v & (b_x == bv), o_v, _I32MAX), 0)
-                beats = (bv > wv) | ((bv == wv) & (bi < wi))
-        p_ws = (i_f * S + i_s) * KB + o_k
-        tl.store(ws_val_ptr + p_ws, b_rv)
-        tl.store(ws_id_ptr + p_ws, b_ri)
-
-
-@triton.jit(do_not_specialize=["N", "n_flat"])
-def _claim_kernel(
-    tok_ptr, num_ptr, owner_ptr, N, V, n_flat, BLOCK: tl.constexpr, LAST_WINS: tl.constexpr
-):
-    o_f = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m_f = o_f < n_flat
-    tok = tl.load(tok_ptr + o_f, mask=m_f, other=-1)
-    num = tl.load(num_ptr + o_f // N, mask=m_f, other=0)
-    valid = m_f & (o_f % N < num) & (tok >= 0) & (tok < V)
-    if LAST_WINS:
-        claim = (n_flat - 1 - o_f).to(tl.int32)
-    else:
-        claim = o_f.to(tl.int32)
-    tl.atomic_min(owner_ptr + tok, claim, mask=valid)
-
-
-@triton.jit(do_not_specialize=["N", "V", "n_flat", "k_ids", "stride_ib", "stride_in", "n_cand"])
-def _update_write_kernel(
-    tok_ptr,
-    num_ptr,
-    owner_ptr,
-    table_ptr,
-    ws_val_ptr,
-    ws_id_ptr,
-    ids_ptr,
-    N,
-    V,
-    n_flat,
-    k_ids,
-    stride_ib,
-    stride_in,
-    n_cand,
-    K: tl.constexpr,
-    KB: tl.constexpr,
-    C: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    FROM_LOGITS: tl.constexpr,
-    LAST_WINS: tl.constexpr,
-):
-    o_f = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] flat nodes
-    m_f = o_f < n_flat
-    tok = tl.load(tok_ptr + o_f, mask=m_f, other=-1)
-    num = tl.load(num_ptr + o_f // N, mask=m_f, other=0)
-    valid = m_f & (o_f % N < num) & (tok >= 0) & (tok < V)
-    if LAST_WINS:
-        claim = (n_flat - 1 - o_f).to(tl.int32)
-    else:
-        claim = o_f.to(tl.int32)
-    owner = tl.load(owner_ptr + tok, mask=valid, other=-1)
-    win = valid & (owner == claim)
-    o_k = tl.arange(0, KB)
-    if FROM_LOGITS:
-        # merge the splits' lists: n_cand = S * KB candidates per node, C its power of two
-        o_c = tl.arange(0, C)
-        p_c = o_f[:, None] * n_cand + o_c[None, :]
-        m_c = win[:, None] & (o_c[None, :] < n_cand)
-        b_v = tl.load(ws_val_ptr + p_c, mask=m_c, other=float("-inf"))  # [M, C]
-        b_i = tl.load(ws_id_ptr + p_c, mask=m_c, other=_BIG)
-        m_alive = b_i < V
-        b_row = tl.full([BLOCK_M, KB], -1, tl.int32)
-        for r in tl.static_range(K):
-            bv = tl.max(tl.where(m_alive, b_v, float("-inf")), axis=1)
-            bi = tl.min(tl.where(m_alive & (b_v == bv[:, None]), b_i, _I32MAX), axis=1)
-            b_row = tl.where(o_k[None, :] == r, tl.where(bi < V, bi, -1)[:, None], b_row)
-            m_alive = m_alive & (b_i != bi[:, None])
-    else:
-        p_i = o_f[:, None] // N * stride_ib + o_f[:, None] % N * stride_in + o_k[None, :]
-        b_row = tl.load(ids_ptr + p_i, mask=win[:, None] & (o_k[None, :] < k_ids), other=-1)
-    m_w = win[:, None] & (o_k[None, :] < K)
-    tl.store(table_ptr + tok[:, None] * K + o_k[None, :], b_row, mask=m_w)
-    tl.store(owner_ptr + tok, tl.full([BLOCK_M], _I32MAX, tl.int32), mask=win)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -823,7 +629,7 @@ def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
     each. Depends on shapes and the SM count only (fixed for a CUDA graph)."""
     if device.type != "cuda":
         return min(2, triton.cdiv(V, block_v))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _runtime.sm_count(device)
     want = triton.cdiv(4 * sms, max(n_flat, 1))
     return max(1, min(want, triton.cdiv(V, block_v), 64))
 
@@ -852,7 +658,7 @@ def adjacency_update(
     # reset them, and a stale claim would block its token's row from every later update
     try:
         if logits is not None:
-            block_v = 256 if _INTERPRET else 2048
+            block_v = 256 if interpreted() else 2048
             S = _splits(n_flat, V, block_v, logits.device)
             chunk = triton.cdiv(triton.cdiv(V, S), block_v) * block_v
             S = triton.cdiv(V, chunk)

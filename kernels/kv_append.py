@@ -9,16 +9,12 @@ reference share every fp32 angle ``position · inv_freq``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from treeops._runtime import refuse_in_capture
+from treeops._runtime import interpreted, refuse_in_capture
 from treeops.reference.kv_append import rope_inv_freq
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit(do_not_specialize=["N", "H_KV"])
@@ -121,7 +117,7 @@ def kv_append_fwd(
 ) -> None:
     """Launch (no checks)."""
     B, N, H_kv, D = k.shape
-    block_t = min(triton.next_power_of_2(N), 16 if _INTERPRET else 32)
+    block_t = min(triton.next_power_of_2(N), 16 if interpreted() else 32)
     grid = (B * triton.cdiv(N, block_t), H_kv)
     _kv_append[grid](
         k,

@@ -17,16 +17,16 @@ outside the query range are zero-filled by the program whose absolute tile holds
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from treeops import _runtime
+from treeops._runtime import interpreted
+
 _LN2 = 0.6931471805599453
 _LOG2E = 1.4426950408889634
 
@@ -89,26 +89,11 @@ def _load_paged(X, page, slot, m_k, off_h, o_d, s_p, s_s, s_d, MASKED: tl.conste
 
 
 @triton.jit
-def _load_kv(
-    K,
-    V,
-    page,
-    pos,
-    m_k,
-    off_kh,
-    off_vh,
-    o_d,
-    s_kp,
-    s_ks,
-    s_kd,
-    s_vp,
-    s_vs,
-    s_vd,
-    PAGE_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,
-):
+def _load_kv(kv, page, pos, m_k, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
     """The [BLOCK_N, D] K and V tiles of logical slots ``pos`` on pages ``page`` (int64, so that
-    pages past 2**31 bytes address right); masked-off rows read 0."""
+    pages past 2**31 bytes address right); masked-off rows read 0. ``kv``: the caches, their KV
+    head's offsets, the head-dim offsets and the caches' strides (see ``_tree_attn_fwd``)."""
+    K, V, off_kh, off_vh, o_d, s_kp, s_ks, s_kd, s_vp, s_vs, s_vd = kv
     slot = pos % PAGE_SIZE
     b_k = _load_paged(K, page, slot, m_k, off_kh, o_d, s_kp, s_ks, s_kd, MASKED)
     b_v = _load_paged(V, page, slot, m_k, off_vh, o_d, s_vp, s_vs, s_vd, MASKED)
@@ -223,6 +208,7 @@ def _tree_attn_fwd(
         p_bt = BT + i_b * s_btb
         off_kh = i_kvh * s_kh
         off_vh = i_kvh * s_vh
+        kv = (K, V, off_kh, off_vh, o_d, s_kp, s_ks, s_kd, s_vp, s_vs, s_vd)
 
         b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         b_l = tl.zeros([BLOCK_M], tl.float32)
@@ -234,53 +220,19 @@ def _tree_attn_fwd(
         if PREFETCH:
             # Software pipeline by hand: the page ids of tile it+2 and the K/V of tile it+1 are
             # in flight while tile it is computed. Without it every tile waits on a serial chain
-            # block table -> K/V -> dot (measured on the H200: ~2.5 us per tile at any batch).
+            # block table -> K/V -> dot (bench/attention_notes.md).
             full_end = start + n_full * BLOCK_N
             pos = start + o_n
             m_k = pos < full_end
             page = _kv_page(p_bt, pos, m_k, PAGE_SIZE, True)
-            k_nxt, v_nxt = _load_kv(
-                K,
-                V,
-                page,
-                pos,
-                m_k,
-                off_kh,
-                off_vh,
-                o_d,
-                s_kp,
-                s_ks,
-                s_kd,
-                s_vp,
-                s_vs,
-                s_vd,
-                PAGE_SIZE,
-                True,
-            )
+            k_nxt, v_nxt = _load_kv(kv, page, pos, m_k, PAGE_SIZE, True)
             pos_nxt = pos + BLOCK_N
             page_nxt = _kv_page(p_bt, pos_nxt, pos_nxt < full_end, PAGE_SIZE, True)
             for _ in range(n_full):
                 b_k = k_nxt
                 b_v = v_nxt
                 m_k = pos_nxt < full_end
-                k_nxt, v_nxt = _load_kv(
-                    K,
-                    V,
-                    page_nxt,
-                    pos_nxt,
-                    m_k,
-                    off_kh,
-                    off_vh,
-                    o_d,
-                    s_kp,
-                    s_ks,
-                    s_kd,
-                    s_vp,
-                    s_vs,
-                    s_vd,
-                    PAGE_SIZE,
-                    True,
-                )
+                k_nxt, v_nxt = _load_kv(kv, page_nxt, pos_nxt, m_k, PAGE_SIZE, True)
                 pos_nxt = pos_nxt + BLOCK_N
                 page_nxt = _kv_page(p_bt, pos_nxt, pos_nxt < full_end, PAGE_SIZE, True)
                 b_acc, b_m, b_l = _attend(
@@ -290,24 +242,7 @@ def _tree_attn_fwd(
             for it in range(n_full):
                 pos = start + it * BLOCK_N + o_n  # [BLOCK_N] logical slot
                 page = _kv_page(p_bt, pos, None, PAGE_SIZE, False)
-                b_k, b_v = _load_kv(
-                    K,
-                    V,
-                    page,
-                    pos,
-                    None,
-                    off_kh,
-                    off_vh,
-                    o_d,
-                    s_kp,
-                    s_ks,
-                    s_kd,
-                    s_vp,
-                    s_vs,
-                    s_vd,
-                    PAGE_SIZE,
-                    False,
-                )
+                b_k, b_v = _load_kv(kv, page, pos, None, PAGE_SIZE, False)
                 b_acc, b_m, b_l = _attend(
                     b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, None, False, UPCAST
                 )
@@ -316,24 +251,7 @@ def _tree_attn_fwd(
             pos = tail + o_n
             m_k = pos < p_end
             page = _kv_page(p_bt, pos, m_k, PAGE_SIZE, True)
-            b_k, b_v = _load_kv(
-                K,
-                V,
-                page,
-                pos,
-                m_k,
-                off_kh,
-                off_vh,
-                o_d,
-                s_kp,
-                s_ks,
-                s_kd,
-                s_vp,
-                s_vs,
-                s_vd,
-                PAGE_SIZE,
-                True,
-            )
+            b_k, b_v = _load_kv(kv, page, pos, m_k, PAGE_SIZE, True)
             b_acc, b_m, b_l = _attend(
                 b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, m_k[None, :], True, UPCAST
             )
@@ -344,24 +262,7 @@ def _tree_attn_fwd(
             m_k = pos < end
             j = pos - seq  # [BLOCK_N] tree node of the key
             page = _kv_page(p_bt, pos, m_k, PAGE_SIZE, True)
-            b_k, b_v = _load_kv(
-                K,
-                V,
-                page,
-                pos,
-                m_k,
-                off_kh,
-                off_vh,
-                o_d,
-                s_kp,
-                s_ks,
-                s_kd,
-                s_vp,
-                s_vs,
-                s_vd,
-                PAGE_SIZE,
-                True,
-            )
+            b_k, b_v = _load_kv(kv, page, pos, m_k, PAGE_SIZE, True)
             word = tl.load(
                 p_anc + (j // 32)[None, :], mask=m_row[:, None] & m_k[None, :], other=0
             )  # [BLOCK_M, BLOCK_N] int32
@@ -450,21 +351,6 @@ def _merge_splits(
         tl.store(L + i_b * s_lb + row * s_ln + o_h * s_lh, b_out, mask=m_h)
 
 
-@functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """SM count of ``device``, asked lazily (never at import); a pretend 4 off the GPU, so that the
-    interpreter tests exercise split-KV."""
-    if device.type == "cuda":
-        return _cuda_sm_count(
-            device.index if device.index is not None else torch.cuda.current_device()
-        )
-    return 4
-
-
 @dataclass(frozen=True)
 class AttnConfig:
     block_q: int
@@ -481,8 +367,8 @@ class AttnConfig:
 
 
 # Split-KV: aim for this many programs per SM, never fewer than MIN_CHUNK keys per split, at
-# most MAX_SPLITS. H200 sweep at B=1, H_kv=8, n=64 (bench/attention_notes.md): 8 splits beat 16
-# (66 vs 75 us at ctx 16384) and 4 (13.8 vs 16.2 us at ctx 1024).
+# most MAX_SPLITS: more splits cost more in the merge than they win in occupancy, fewer leave SMs
+# idle at small batches (the H200 sweep in bench/attention_notes.md).
 PROGRAMS_PER_SM = 2
 MIN_CHUNK = 128
 MAX_SPLITS = 8
@@ -508,7 +394,7 @@ def pick_config(
     elif D <= 64:
         block_m, block_n, warps, stages = 128, 64, 4, 3
     elif D <= 128:
-        # H200 sweep (bench/attention_notes.md): with the hand-pipelined loop, one stage beats 2/3
+        # with the hand-pipelined loop, one stage beats 2 or 3 (bench/attention_notes.md)
         block_m, block_n, warps, stages = 128, 64, 8, 1
     else:
         block_m, block_n, warps, stages = 64, 32, 4, 2
@@ -560,8 +446,8 @@ def config_for(
         k_cache.shape[2],
         D,
         kv_capacity,
-        sm_count(q.device),
-        _INTERPRET,
+        _runtime.sm_count(q.device),
+        interpreted(),
         num_splits,
         override,
     )
@@ -599,7 +485,7 @@ def tree_attention_fwd(
         wo = wl = out  # never touched
     lse_t = lse if lse is not None else out
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
-    upcast = _INTERPRET or q.dtype == torch.float32
+    upcast = interpreted() or q.dtype == torch.float32
     grid = (triton.cdiv(N, cfg.block_q), B * H_kv, S)
     _tree_attn_fwd[grid](
         q,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 from fractions import Fraction
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -504,9 +505,10 @@ def test_emit_into_out_and_reuse_state():
 
 # ------------------------------------------------------- Triton kernels (interpreter) vs reference
 def _kb():
-    from treeops.kernels import build_tree as kb
+    """The kernels' launchers, called on a DraftState as the public ops' CUDA branch does."""
+    from treeops.build_tree import _launch_emit, _launch_expand
 
-    return kb
+    return SimpleNamespace(_launch_expand=_launch_expand, _launch_emit=_launch_emit)
 
 
 def compare_states(a, b, i, what=""):
@@ -533,12 +535,12 @@ def run_both(policy, logits, roots, seq, active, block_v=None, split=1, states=N
     sr = start(policy, roots, seq, active)
     i = 0
     while sr.wants_next_layer():
-        kb.expand(logits[i], sk, policy, block_v=block_v, split=split)
+        kb._launch_expand(logits[i], sk, policy, block_v=block_v, split=split)
         sk.layer += 1
         ref.build_tree_expand(logits[i], sr, policy)
         compare_states(sk, sr, i, f"layer {i}")
         i += 1
-    tk = kb.emit(sk, policy)
+    tk = kb._launch_emit(sk, policy)
     tr = ref.build_tree_emit(sr, policy)
     assert torch.equal(sk.verify, sr.verify)
     for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling"):
@@ -630,7 +632,7 @@ def expand_with(impl, policy, fs, logits):
     st_ = start(policy, [0] * B, [0] * B, [True] * B)
     st_.frontier_scores.copy_(fs)  # a frontier of W nodes (all children of the root)
     if impl == "kernel":
-        _kb().expand(logits, st_, policy, block_v=8)
+        _kb()._launch_expand(logits, st_, policy, block_v=8)
     else:
         ref.build_tree_expand(logits, st_, policy)
     return st_
@@ -745,11 +747,11 @@ def test_issue_4_reviewer_examples():
         st_ = start(pol, [3], [100], [True])
         for i in range(2):
             if impl == "kernel":
-                _kb().expand(logits[i], st_, pol, block_v=8)
+                _kb()._launch_expand(logits[i], st_, pol, block_v=8)
                 st_.layer += 1
             else:
                 ref.build_tree_expand(logits[i], st_, pol)
-        tree = _kb().emit(st_, pol) if impl == "kernel" else ref.build_tree_emit(st_, pol)
+        tree = _kb()._launch_emit(st_, pol) if impl == "kernel" else ref.build_tree_emit(st_, pol)
         assert st_.widths.tolist() == [2, 4], impl
         assert int(tree.num_nodes[0]) == 7, impl
         assert int(st_.verify[0]) == 7 and st_.verify_count() == 7, impl

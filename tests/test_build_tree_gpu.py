@@ -18,7 +18,7 @@ import torch
 
 import treeops
 from helpers import assert_close
-from treeops.kernels import build_tree as KB
+from treeops.build_tree import _launch_emit, _launch_expand
 from treeops.reference import build_tree as RB
 
 pytestmark = pytest.mark.gpu
@@ -188,16 +188,16 @@ def test_cuda_graph_replay_matches_eager(B):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up (compiles) outside the capture
-        KB.expand(static_logits, st, pol)
-        KB.emit(st, pol, out=out)
+        _launch_expand(static_logits, st, pol)
+        _launch_emit(st, pol, out=out)
     torch.cuda.current_stream().wait_stream(s)
     st.reset(roots, seq)
     graph_expand, graph_emit = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph_expand):
-        KB.expand(static_logits, st, pol)
+        _launch_expand(static_logits, st, pol)
     st.layer = 1
     with torch.cuda.graph(graph_emit):
-        KB.emit(st, pol, out=out)
+        _launch_emit(st, pol, out=out)
     eager = treeops.DraftState.new(pol, roots, seq)
     for rep in range(20):
         x = (torch.randn(B, W, V, device=DEV, generator=g) * (1 + rep % 4)).to(torch.bfloat16)
@@ -207,9 +207,9 @@ def test_cuda_graph_replay_matches_eager(B):
         st.layer = 1
         graph_emit.replay()
         eager.reset(roots, seq)
-        KB.expand(x, eager, pol)
+        _launch_expand(x, eager, pol)
         eager.layer = 1
-        ref_tree = KB.emit(eager, pol)
+        ref_tree = _launch_emit(eager, pol)
         torch.cuda.synchronize()
         for name in ("counters", "row_counters"):
             if name in st.workspace:
@@ -234,7 +234,7 @@ def test_stress_arrival_counters():
         st.frontier_scores.copy_(frontier_scores)
         st.layer = 0
         logits = torch.randn(B, W, V, device=DEV, generator=g)
-        KB.expand(logits, st, pol)
+        _launch_expand(logits, st, pol)
         if rep % 50 == 0 or rep == 199:
             torch.cuda.synchronize()
             assert int(st.workspace["counters"].abs().sum()) == 0, rep

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import treeops
+from treeops.build_tree import _launch_expand as launch_expand
 from treeops.kernels import accept as kacc
 from treeops.kernels import build_tree as kb
 from treeops.kernels import compact_kv as kc
@@ -50,15 +51,15 @@ def _state(B=2, V=1024):
 def test_expand_split_workspace_not_built_during_capture(capturing):
     pol, st, logits = _state()
     with pytest.raises(RuntimeError, match="split workspace"):
-        kb.expand(logits, st, pol, split=2, block_v=256)
+        launch_expand(logits, st, pol, split=2, block_v=256)
 
 
 def test_expand_split_workspace_replaced_stays_alive():
     pol, st, logits = _state()
-    kb.expand(logits, st, pol, split=2, block_v=256)
+    launch_expand(logits, st, pol, split=2, block_v=256)
     first = st.workspace["part_m"]
     wide = torch.randn(2, 1, 4096)  # more splits x rows: a larger workspace
-    kb.expand(wide, st, pol, split=8, block_v=256)
+    launch_expand(wide, st, pol, split=8, block_v=256)
     assert st.workspace["part_m"] is not first
     assert any(t is first for t in kb._RETIRED)
 
@@ -106,10 +107,10 @@ def test_expand_split_workspace_replaced_when_rows_grow():
     """More frontier rows (layer 1: W = 2) with no more partials than before: the row counters
     alone are too small, and the workspace is replaced."""
     pol, st, logits = _state(V=4096)
-    kb.expand(logits, st, pol, split=8, block_v=256)  # 2 rows x 8 splits = 16 partials
+    launch_expand(logits, st, pol, split=8, block_v=256)  # 2 rows x 8 splits = 16 partials
     counters = st.workspace["row_counters"]
     st.layer = 1
-    kb.expand(torch.randn(2, 2, 1024), st, pol, split=2, block_v=256)  # 4 rows x 2 = 8 partials
+    launch_expand(torch.randn(2, 2, 1024), st, pol, split=2, block_v=256)  # 4 rows x 2 = 8 partials
     assert st.workspace["row_counters"].numel() >= 4
     assert st.workspace["row_counters"] is not counters
     assert any(t is counters for t in kb._RETIRED)

@@ -748,48 +748,6 @@ def test_update_kernel_matches_reference(seed, dtype, ties, k, V):
     assert torch.equal(got, want)
 
 
-def _bench_module():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_graft.py"
-    spec = importlib.util.spec_from_file_location("bench_graft", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@given(
-    trees(max_batch=3, capacities=(8, 64), vocab=12, allow_inactive=True), st.integers(0, 2**31 - 1)
-)
-def test_bench_torch_peers_match_reference(case, seed):
-    """The benchmark's PyTorch peers compute the same thing (so its comparison is fair)."""
-    bench = _bench_module()
-    rng = random.Random(seed)
-    tree = case.tree
-    B, N = tree.parents.shape
-    pruned = prune(tree, rng.choice([2, 8, 24]))
-    tab = random_table(case.vocab, 8, rng, tree=pruned)
-    tpl = RankTemplate.default() if rng.random() < 0.5 else RankTemplate.balanced(3, 3)
-    budget = rng.randrange(1, N + 2)
-    assert_same_tree(
-        bench.torch_graft(pruned, tab, tpl, budget), ref.graft(pruned, tab, tpl, budget)
-    )
-    V = case.vocab
-    logits = logits_like((B, N, V), rng)  # no ties: torch.topk's order is then exact
-    tt = bench.TorchTable(V, 3, "cpu")
-    tt.update(tree.tokens, tree.num_nodes, logits)
-    want = torch.full((V, 3), -1, dtype=torch.int32)
-    ref.adjacency_update(want, tree, logits)
-    assert torch.equal(tt.table[:V], want)
-    assert torch.equal(
-        bench.stable_topk_table(
-            tree.tokens, tree.num_nodes, logits, 3, V, torch.full((V, 3), -1, dtype=torch.int32)
-        ),
-        want,
-    )
-
-
 def test_out_buffers():
     tree = tree_from_lists([[-1, 0, 0]], [[1, 2, 3]], capacity=8)
     table = AdjacencyTable(8, 2)

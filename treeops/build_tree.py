@@ -31,6 +31,7 @@ import torch
 from ._checks import check_finite, check_positive_int, check_same_device, check_tensor, cuda_device
 from ._draft_state import STATE_TENSORS, DraftState
 from .cost_table import CostTable
+from .kernels import build_tree as _kernels
 from .reference import build_tree as _ref
 from .tree import Tree, check_tree
 
@@ -159,6 +160,54 @@ def _check_state(state: object, policy: Policy) -> DraftState:
 
 
 
+def _kernel_inputs(state: DraftState, policy: Policy) -> dict:
+    """What both tree-build launchers read: the state's layer, request and candidate tensors and
+    workspace, and CAST's thresholds and device cost tables (None under EAGLE)."""
+    cast = None
+    if policy.is_cast:
+        t = policy.cost_table
+        tables = t.device_tables(state.active.shape[0], state.cand_scores.device)
+        cast = _kernels.CastInputs(
+            policy.C1, policy.C2, policy.C3, policy.R, *tables, t.L, t.M, t.n_max
+        )
+    return dict(
+        layer=state.layer,
+        active=state.active,
+        seq_lens=state.seq_lens,
+        cand_tokens=state.cand_tokens,
+        cand_scores=state.cand_scores,
+        cand_parents=state.cand_parents,
+        decisions=state.decisions,
+        workspace=state.workspace,
+        cast=cast,
+    )
+
+
+def _launch_expand(logits: torch.Tensor, state: DraftState, policy: Policy, **tuning) -> None:
+    """The CUDA branch of ``build_tree_expand`` (no checks, does not advance ``state.layer``);
+    ``tuning``: ``block_v``, ``num_warps``, ``split`` of the launcher."""
+    _kernels.expand(
+        logits,
+        topk=policy.topk,
+        frontier=state.frontier,
+        frontier_tokens=state.frontier_tokens,
+        frontier_scores=state.frontier_scores,
+        u_hist=state.u_hist,
+        **_kernel_inputs(state, policy),
+        **tuning,
+    )
+
+
+def _launch_emit(state: DraftState, policy: Policy, *, out: Tree | None = None) -> Tree:
+    """The CUDA branch of ``build_tree_emit`` (no checks)."""
+    return _kernels.emit(
+        capacity=policy.capacity,
+        root_tokens=state.root_tokens,
+        out=out,
+        **_kernel_inputs(state, policy),
+    )
+
+
 def build_tree_expand(
     logits: torch.Tensor, state: DraftState, policy: Policy, *, validate: bool = False
 ) -> None:
@@ -221,9 +270,7 @@ def build_tree_expand(
         raise ValueError("Invalid value in logits: expected numbers, got NaN")
     with cuda_device(logits):  # the launch and publish's event on the logits' device
         if logits.is_cuda:
-            from .kernels.build_tree import expand as _expand
-
-            _expand(logits, state, policy)
+            _launch_expand(logits, state, policy)
             state.layer += 1
         else:
             _ref.build_tree_expand(logits, state, policy)
@@ -269,9 +316,7 @@ def build_tree_emit(
         check_same_device(out=out.parents, state=state.cand_scores)
     with cuda_device(state.cand_scores):  # the launches and publish's event on its device
         if state.cand_scores.is_cuda:
-            from .kernels.build_tree import emit as _emit
-
-            tree = _emit(state, policy, out=out)
+            tree = _launch_emit(state, policy, out=out)
         else:
             tree = _ref.build_tree_emit(state, policy, out=out)
         state.publish(state.max_depth)

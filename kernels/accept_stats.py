@@ -1,0 +1,447 @@
+"""Acceptance, per-node statistics (the first half of ``treeops.kernels.accept``'s launch).
+
+One program per (request, node, vocabulary split) streams its slice of the node's logits: the
+running max and its lowest id, the sum of ``exp((x - max) / T)``, optionally the k largest
+(value, id) pairs and, for sampling rows with top-k/top-p, the exact threshold of the kept set
+(``_fast_threshold``, or the multi-pivot search of ``_count_search``/``_tie_cut``). Results go to
+the launch's workspace, which the walker (``accept_walk``) merges.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BIG = tl.constexpr(2147483647)
+INT32_MIN = tl.constexpr(-2147483648)
+
+
+@triton.jit
+def _key(x):
+    """Order-preserving int32 image of an fp32 value (-0.0 and +0.0 both map to 0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    k = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return tl.where(x == 0.0, 0, k)
+
+
+@triton.jit
+def _weight(x, m, T):
+    """``exp((x - m) / T)``, 0 for x = -inf; as exp2 of one multiply (a per-element fp32
+    division and natural exp would make pass 1 compute-bound on the H200 at V = 128K)."""
+    return tl.where(x == float("-inf"), 0.0, tl.exp2((x - m) * (1.4426950408889634 / T)))
+
+
+@triton.jit
+def _kept(key, ids, thr, idcut):
+    return (key > thr) | ((key == thr) & (ids <= idcut))
+
+
+@triton.jit
+def _count_search(
+    p_row,
+    stride_v,
+    V,
+    m,
+    T,
+    thr0,
+    cut0,
+    goal,
+    lo,
+    hi,
+    USE_MASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NPIV: tl.constexpr,
+):
+    """Largest key ``lo`` with f(lo) >= goal, f(P) = count (or mass) of kept-by-(thr0, cut0)
+    tokens with key >= P. Invariant: f(lo) >= goal > f(hi) (f(hi) = 0 on entry). Returns
+    (lo, f(lo + 1))."""
+    o_p = tl.arange(0, NPIV)
+    f_hi = tl.zeros([], dtype=tl.float32)
+    while hi.to(tl.int64) - lo.to(tl.int64) > 1:
+        span = hi.to(tl.int64) - lo.to(tl.int64)
+        piv = (lo.to(tl.int64) + (span * (o_p + 1).to(tl.int64)) // (NPIV + 1)).to(tl.int32)
+        acc = tl.zeros([NPIV], dtype=tl.float32)
+        for v0 in range(0, V, BLOCK):
+            o_v = v0 + tl.arange(0, BLOCK)
+            m_v = o_v < V
+            b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
+                tl.float32
+            )
+            b_k = _key(b_x)
+            m_k = m_v & _kept(b_k, o_v, thr0, cut0)
+            if USE_MASS:
+                b_w = tl.where(m_k, _weight(b_x, m, T), 0.0)
+            else:
+                b_w = tl.where(m_k, 1.0, 0.0)
+            ge = b_k[:, None] >= piv[None, :]  # [BLOCK, NPIV]
+            acc += tl.sum(tl.where(ge, b_w[:, None], 0.0), axis=0)
+        ok = acc >= goal
+        new_lo = tl.max(tl.where(ok, piv, lo), axis=0)
+        new_hi = tl.min(tl.where(ok, hi, piv), axis=0)
+        f_new_hi = tl.max(tl.where(piv == new_hi, acc, -1.0), axis=0)
+        f_hi = tl.where(new_hi == hi, f_hi, f_new_hi)
+        lo = new_lo
+        hi = new_hi
+    return lo, f_hi
+
+
+@triton.jit
+def _tie_cut(
+    p_row,
+    stride_v,
+    V,
+    m,
+    T,
+    thr,
+    thr0,
+    cut0,
+    base,
+    goal,
+    USE_MASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Lowest id t with key == thr (and kept by (thr0, cut0)) at which base + running count (or
+    mass) of such tokens in id order reaches ``goal``; the last such id if it never does."""
+    run = base
+    found = tl.full([], BIG, tl.int32)
+    last = tl.full([], -1, tl.int32)
+    for v0 in range(0, V, BLOCK):
+        o_v = v0 + tl.arange(0, BLOCK)
+        m_v = o_v < V
+        b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
+            tl.float32
+        )
+        b_k = _key(b_x)
+        eq = m_v & (b_k == thr) & _kept(b_k, o_v, thr0, cut0)
+        if USE_MASS:
+            b_w = tl.where(eq, _weight(b_x, m, T), 0.0)
+        else:
+            b_w = tl.where(eq, 1.0, 0.0)
+        cs = run + tl.cumsum(b_w, 0)
+        pos = tl.min(tl.where(eq & (cs >= goal), o_v, BIG), axis=0)
+        found = tl.minimum(found, pos)
+        last = tl.maximum(last, tl.max(tl.where(eq, o_v, -1), axis=0))
+        run += tl.sum(b_w, axis=0)
+    return tl.where(found < BIG, found, last)
+
+
+@triton.jit
+def _mass(p_row, stride_v, V, m, T, thr, cut, p_cs, p_cm, BLOCK: tl.constexpr, STORE: tl.constexpr):
+    """Mass of the kept set; with STORE, also each block's mass (and m) for the walker."""
+    z = tl.zeros([], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        o_v = v0 + tl.arange(0, BLOCK)
+        m_v = o_v < V
+        b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
+            tl.float32
+        )
+        m_k = m_v & _kept(_key(b_x), o_v, thr, cut)
+        b_z = tl.sum(tl.where(m_k, _weight(b_x, m, T), 0.0), axis=0)
+        if STORE:
+            tl.store(p_cs + v0 // BLOCK, b_z)
+            tl.store(p_cm + v0 // BLOCK, m)
+        z += b_z
+    return z
+
+
+@triton.jit
+def _unkey(k):
+    bits = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fast_threshold(
+    p_row,
+    stride_v,
+    V,
+    m,
+    T,
+    z_all,
+    k,
+    top_p,
+    use_k,
+    use_p,
+    p_gm,
+    p_cand,
+    p_cs,
+    p_cm,
+    NCH,
+    BLOCK_V: tl.constexpr,
+    NCH_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    CAP: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """Kept set of a top-k/top-p row in two passes when it is small: a lower bound L on the
+    threshold from the group maxima, every token >= L compacted into CAP slots, sorted in
+    registers by (logit desc, id asc). Returns (thr, idcut, Z, ok); ok = 0 if L was not found
+    or more than CAP tokens reach it (then the caller runs the exact search)."""
+    tl.debug_barrier()  # group maxima were stored by other threads of this program
+    o_g = tl.arange(0, G_PAD)
+    n_g = (V + GROUP - 1) // GROUP
+    gm = tl.load(p_gm + o_g, mask=o_g < n_g, other=float("-inf"))
+    gs = tl.sort(gm, descending=True)
+    L = tl.full([], float("-inf"), tl.float32)
+    ok = n_g > 0
+    if use_k:
+        # k distinct group maxima are >= the k-th largest of them
+        ok = k <= n_g
+        L = tl.sum(tl.where(o_g == k - 1, gs, 0.0), axis=0)
+    else:
+        # tokens >= L carry at least the group maxima's mass, which reaches top_p * Z
+        gw = tl.where(gs == float("-inf"), 0.0, tl.exp((gs - m) / T))
+        cw = tl.cumsum(gw, 0)
+        pos = tl.min(tl.where((cw >= top_p * z_all) & (o_g < n_g), o_g, G_PAD), axis=0)
+        ok = pos < G_PAD
+        L = tl.sum(tl.where(o_g == pos, gs, 0.0), axis=0)
+    ok = ok & (L > float("-inf"))
+    count = tl.zeros([], dtype=tl.int32)
+    if ok:
+        for v0 in range(0, V, BLOCK_V):
+            o_v = v0 + tl.arange(0, BLOCK_V)
+            m_v = o_v < V
+            b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
+                tl.float32
+            )
+            sel = m_v & (b_x >= L)
+            slot = count + tl.cumsum(sel.to(tl.int32), 0) - 1
+            packed = (_key(b_x).to(tl.int64) << 32) | (2147483647 - o_v.to(tl.int64))
+            tl.store(p_cand + slot, packed, mask=sel & (slot < CAP))
+            count += tl.sum(sel.to(tl.int32), axis=0)
+        ok = count <= CAP
+    thr = tl.full([], INT32_MIN, tl.int32)
+    cut = tl.zeros([], dtype=tl.int32) + V
+    z = z_all
+    if ok:
+        tl.debug_barrier()
+        o_c = tl.arange(0, CAP)
+        cand = tl.load(p_cand + o_c, mask=o_c < count, other=-9223372036854775807 - 1)
+        srt = tl.sort(cand, descending=True)
+        k_s = (srt >> 32).to(tl.int32)
+        id_s = (2147483647 - (srt & 0xFFFFFFFF)).to(tl.int32)
+        x_s = _unkey(k_s)
+        valid = o_c < count
+        w_s = tl.where(valid, _weight(x_s, m, T), 0.0)
+        C = count
+        z_k = z_all
+        if use_k:
+            C = tl.minimum(C, k)
+            z_k = tl.sum(tl.where(o_c < k, w_s, 0.0), axis=0)
+        if use_p:
+            cum = tl.cumsum(w_s, 0)
+            c_p = tl.min(tl.where(valid & (cum >= top_p * z_k), o_c, CAP), axis=0) + 1
+            C = tl.minimum(C, c_p)
+        thr = tl.sum(tl.where(o_c == C - 1, k_s, 0), axis=0)
+        cut = tl.sum(tl.where(o_c == C - 1, id_s, 0), axis=0)
+        w_s = tl.where(o_c < C, w_s, 0.0)
+        z = tl.sum(w_s, axis=0)
+        # per-block kept mass for the walker, from the kept tokens (SUB of them at a time)
+        tl.store(p_cand + o_c, srt)
+        tl.debug_barrier()
+        o_b = tl.arange(0, NCH_PAD)
+        acc = tl.zeros([NCH_PAD], dtype=tl.float32)
+        for c0 in range(0, C, SUB):
+            o_s = c0 + tl.arange(0, SUB)
+            m_s = o_s < C
+            p_s = tl.load(p_cand + o_s, mask=m_s, other=0)
+            i_s = (2147483647 - (p_s & 0xFFFFFFFF)).to(tl.int32)
+            w = tl.where(m_s, _weight(_unkey((p_s >> 32).to(tl.int32)), m, T), 0.0)
+            blk = i_s // BLOCK_V
+            acc += tl.sum(
+                tl.where(m_s[:, None] & (blk[:, None] == o_b[None, :]), w[:, None], 0.0), axis=0
+            )
+        tl.store(p_cs + o_b, acc, mask=o_b < NCH)
+        tl.store(p_cm + o_b, m + tl.zeros([NCH_PAD], dtype=tl.float32), mask=o_b < NCH)
+    return thr, cut, z, ok
+
+
+@triton.jit
+def _node_stats(
+    pid,
+    p_logits,
+    s_lb,
+    s_ln,
+    s_lv,
+    p_num_nodes,
+    p_temp,
+    p_topk_param,
+    p_topp,
+    p_wmax,
+    p_warg,
+    p_wse,
+    p_wtkv,
+    p_wtki,
+    p_wthr,
+    p_wcut,
+    p_wcs,
+    p_wcm,
+    p_wgm,
+    p_wcand,
+    N,
+    V,
+    CHUNK,
+    S: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NPIV: tl.constexpr,
+    NCH,
+    NCH_PAD: tl.constexpr,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    NEED_SE: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    CAP: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    i_s = (pid % S).to(tl.int32)
+    i_n = ((pid // S) % N).to(tl.int32)
+    i_b = pid // (S * N)
+    n = tl.load(p_num_nodes + i_b)
+    active = i_n < n
+    T = 1.0
+    if SAMPLE:
+        T_in = tl.load(p_temp + i_b).to(tl.float32)
+        T = tl.where(T_in > 0, T_in, 1.0)
+    p_row = p_logits + i_b * s_lb + i_n.to(tl.int64) * s_ln
+    p_cs = p_wcs + pid * NCH
+    p_cm = p_wcm + pid * NCH
+    v_start = i_s * CHUNK
+    v_end = tl.minimum(v_start + CHUNK, V)
+    trunc = False
+    if SAMPLE:
+        k = tl.load(p_topk_param + i_b).to(tl.int32)
+        top_p = tl.load(p_topp + i_b).to(tl.float32)
+        use_k = (k > 0) & (k < V)
+        use_p = top_p < 1.0
+        trunc = active & (T_in > 0) & (use_k | use_p)
+    p_gm = p_wgm + pid * G_PAD
+    m = tl.full([], float("-inf"), tl.float32)
+    arg = tl.full([], BIG, tl.int32)
+    se = tl.zeros([], dtype=tl.float32)
+    o_k = tl.arange(0, K_PAD)
+    tkv = tl.where(o_k < K, float("-inf"), float("inf"))
+    tki = V + o_k
+    if active:
+        for v0 in range(v_start, v_end, BLOCK_V):
+            o_v = v0 + tl.arange(0, BLOCK_V)
+            m_v = o_v < v_end
+            # upcast right after the load: bf16 arithmetic is wrong under the interpreter
+            b_x = tl.load(p_row + o_v.to(tl.int64) * s_lv, mask=m_v, other=float("-inf")).to(
+                tl.float32
+            )
+            b_m = tl.max(b_x, axis=0)
+            b_a = tl.min(tl.where(m_v & (b_x == b_m), o_v, BIG), axis=0)
+            arg = tl.where((b_m > m) | ((b_m == m) & (b_a < arg)), b_a, arg)
+            new_m = tl.maximum(m, b_m)
+            if NEED_SE:
+                scale = tl.where(new_m == float("-inf"), 1.0, tl.exp((m - new_m) / T))
+                b_z = tl.sum(tl.where(m_v, _weight(b_x, new_m, T), 0.0), axis=0)
+                se = se * scale + b_z
+                if SAMPLE:
+                    # per-block mass (relative to the running max) lets the walker find the
+                    # block of the bonus token without rescanning the row
+                    tl.store(p_cs + v0 // BLOCK_V, b_z)
+                    tl.store(p_cm + v0 // BLOCK_V, new_m)
+                    if trunc:
+                        # maxima of groups of GROUP tokens: distinct tokens, so the k-th largest
+                        # group maximum bounds the k-th largest logit from below
+                        o_g = v0 // GROUP + tl.arange(0, BLOCK_V // GROUP)
+                        b_g = tl.max(tl.reshape(b_x, [BLOCK_V // GROUP, GROUP]), axis=1)
+                        tl.store(p_gm + o_g, b_g, mask=o_g < G_PAD)
+            m = new_m
+            if K > 0:
+                # insert the block's better elements into the unsorted top-K buffer; after the
+                # first blocks most blocks insert nothing (one max-reduction each)
+                taken = o_v < 0
+                wv = tl.min(tkv, axis=0)
+                wi = tl.max(tl.where(tkv == wv, tki, -1), axis=0)
+                cv = tl.max(tl.where(m_v & ~taken, b_x, float("-inf")), axis=0)
+                ci = tl.min(tl.where(m_v & ~taken & (b_x == cv), o_v, BIG), axis=0)
+                better = (ci < BIG) & ((cv > wv) | ((cv == wv) & (ci < wi)))
+                while better:
+                    lane = (tkv == wv) & (tki == wi)
+                    tkv = tl.where(lane, cv, tkv)
+                    tki = tl.where(lane, ci, tki)
+                    taken = taken | (o_v == ci)
+                    wv = tl.min(tkv, axis=0)
+                    wi = tl.max(tl.where(tkv == wv, tki, -1), axis=0)
+                    cv = tl.max(tl.where(m_v & ~taken, b_x, float("-inf")), axis=0)
+                    ci = tl.min(tl.where(m_v & ~taken & (b_x == cv), o_v, BIG), axis=0)
+                    better = (ci < BIG) & ((cv > wv) | ((cv == wv) & (ci < wi)))
+    o_w = pid.to(tl.int64)
+    if SAMPLE:
+        lo0 = tl.full([], INT32_MIN, tl.int32)
+        thr = lo0
+        cut = tl.zeros([], dtype=tl.int32) + V
+        if trunc:
+            hi = _key(m) + 1
+            thr, cut, z, fast = _fast_threshold(
+                p_row,
+                s_lv,
+                V,
+                m,
+                T,
+                se,
+                k,
+                top_p,
+                use_k,
+                use_p,
+                p_gm,
+                p_wcand + pid * CAP,
+                p_cs,
+                p_cm,
+                NCH,
+                BLOCK_V,
+                NCH_PAD,
+                GROUP,
+                G_PAD,
+                CAP,
+                SUB,
+            )
+            if fast:
+                se = z
+            else:
+                # exact multi-pivot search over the whole row (wide nucleus, k beyond CAP)
+                if use_k:
+                    thr, f_gt = _count_search(
+                        p_row,
+                        s_lv,
+                        V,
+                        m,
+                        T,
+                        lo0,
+                        cut,
+                        k.to(tl.float32),
+                        lo0,
+                        hi,
+                        False,
+                        BLOCK_T,
+                        NPIV,
+                    )
+                    cut = _tie_cut(
+                        p_row, s_lv, V, m, T, thr, lo0, cut, f_gt, k.to(tl.float32), False, BLOCK_T
+                    )
+                if use_p:
+                    # the mass top-p is relative to: all tokens (pass 1's sum) or the top-k set
+                    z_k = se
+                    if use_k:
+                        z_k = _mass(p_row, s_lv, V, m, T, thr, cut, p_cs, p_cm, BLOCK_T, False)
+                    goal = top_p * z_k
+                    thr_p, f_gt = _count_search(
+                        p_row, s_lv, V, m, T, thr, cut, goal, thr, hi, True, BLOCK_T, NPIV
+                    )
+                    cut = _tie_cut(p_row, s_lv, V, m, T, thr_p, thr, cut, f_gt, goal, True, BLOCK_T)
+                    thr = thr_p
+                se = _mass(p_row, s_lv, V, m, T, thr, cut, p_cs, p_cm, BLOCK_V, True)
+        tl.store(p_wthr + o_w, thr)
+        tl.store(p_wcut + o_w, cut)
+    tl.store(p_wmax + o_w, m)
+    tl.store(p_warg + o_w, arg)
+    tl.store(p_wse + o_w, se)
+    if K > 0:
+        tl.store(p_wtkv + o_w * K_PAD + o_k, tkv)
+        tl.store(p_wtki + o_w * K_PAD + o_k, tki)
