@@ -143,3 +143,66 @@ def kv_append_fwd(
         HAS_DEPTH=depth is not None,
         num_warps=4,
     )
+
+
+@triton.jit(do_not_specialize=["N"])
+def _rope(
+    X,
+    POS,
+    INV_FREQ,
+    Y,
+    N,
+    H,
+    s_xb,
+    s_xn,
+    s_xh,
+    s_xd,
+    s_pb,
+    s_pn,
+    s_yb,
+    s_yn,
+    s_yh,
+    H_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    # one program per (b, n) row: every head of that row shares one position's cos/sin
+    i_row = tl.program_id(0).to(tl.int64)
+    i_b = i_row // N
+    i_n = i_row % N
+    o_h = tl.arange(0, H_PAD).to(tl.int64)
+    o_c = tl.arange(0, HALF).to(tl.int64)
+    half = tl.full([], HALF, tl.int64)
+    m_h = (o_h < H)[:, None]
+    pos = tl.load(POS + i_b * s_pb + i_n * s_pn).to(tl.float32)
+    ang = pos * tl.load(INV_FREQ + o_c)  # [HALF], the fp32 angles the reference computes
+    cos = tl.cos(ang)[None, :]
+    sin = tl.sin(ang)[None, :]
+    p_x = X + i_b * s_xb + i_n * s_xn + o_h[:, None] * s_xh + o_c[None, :] * s_xd  # [H_PAD, HALF]
+    b_x1 = tl.load(p_x, mask=m_h, other=0.0).to(tl.float32)
+    b_x2 = tl.load(p_x + half * s_xd, mask=m_h, other=0.0).to(tl.float32)
+    p_y = Y + i_b * s_yb + i_n * s_yn + o_h[:, None] * s_yh + o_c[None, :]
+    dt = Y.dtype.element_ty
+    tl.store(p_y, (b_x1 * cos - b_x2 * sin).to(dt), mask=m_h)
+    tl.store(p_y + half, (b_x2 * cos + b_x1 * sin).to(dt), mask=m_h)
+
+
+def rope_fwd(x: torch.Tensor, positions: torch.Tensor, theta: float, out: torch.Tensor) -> None:
+    """Launch (no checks): ``out`` [B, N, H, D] (contiguous last dim) = x [B, N, H, D] rotated at
+    ``positions`` [B, N]; any strides for x and positions."""
+    B, N, H, D = x.shape
+    if B * N == 0:
+        return
+    _rope[(B * N,)](
+        x,
+        positions,
+        inv_freq(D, theta, x.device),
+        out,
+        N,
+        H,
+        *x.stride(),
+        *positions.stride(),
+        *out.stride()[:3],
+        H_PAD=triton.next_power_of_2(H),
+        HALF=D // 2,
+        num_warps=1 if interpreted() else (4 if H * D >= 4096 else 2),
+    )

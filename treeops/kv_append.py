@@ -20,9 +20,59 @@ from ._checks import (
     check_tensor,
     cuda_device,
 )
+from ._library import define
+from .kernels import kv_append as _k
 from .reference import kv_append as _ref_kv
 
 __all__ = ["kv_append", "rope"]
+
+
+def _kv_append_cuda(k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta):
+    with cuda_device(k):
+        _k.kv_append_fwd(
+            k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta
+        )
+
+
+def _kv_append_cpu(k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta):
+    _ref_kv.kv_append(
+        k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta=rope_theta
+    )
+
+
+_kv_append_op = define(
+    "kv_append(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, "
+    "Tensor seq_lens, Tensor num_tokens, Tensor? depth, float rope_theta) -> ()",
+    cpu=_kv_append_cpu,
+    cuda=_kv_append_cuda,
+)
+
+
+def _rope_cuda(x, positions, theta):
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # the kernel takes [B, N, H, D] and positions [B, N]: other ranks as views of that shape
+    while x.dim() < 4:
+        x, positions = x.unsqueeze(0), positions.unsqueeze(0)
+    x4, p2 = x.flatten(0, -4), positions.flatten(0, -2)
+    with cuda_device(x):
+        _k.rope_fwd(x4, p2, theta, y.view(x4.shape))
+    return y
+
+
+def _rope_cpu(x, positions, theta):
+    return _ref_kv.rope(x, positions, theta)
+
+
+def _rope_fake(x, positions, theta):
+    return x.new_empty(x.shape)
+
+
+_rope_op = define(
+    "rope(Tensor x, Tensor positions, float theta) -> Tensor",
+    cpu=_rope_cpu,
+    cuda=_rope_cuda,
+    fake=_rope_fake,
+)
 
 
 def kv_append(
@@ -122,17 +172,9 @@ def kv_append(
                 f"Invalid value in seq_lens: seq_lens + num_tokens exceeds the "
                 f"block table's capacity of {capacity} slots"
             )
-    if k.device.type != "cuda":
-        _ref_kv.kv_append(
-            k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta=rope_theta
-        )
-        return
-    from .kernels import kv_append as _k
-
-    with cuda_device(k):
-        _k.kv_append_fwd(
-            k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, float(rope_theta)
-        )
+    _kv_append_op(
+        k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, float(rope_theta)
+    )
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
@@ -153,4 +195,13 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> to
     if x.shape[-1] % 2:
         raise ValueError(f"Invalid head dim of x: expected an even number, got {x.shape[-1]}")
     check_same_device(x=x, positions=positions)
-    return _ref_kv.rope(x, positions, theta)
+    if x.is_cuda and x.dim() > 4:
+        try:
+            x.view(-1, *x.shape[-3:])
+            positions.view(-1, positions.shape[-1])
+        except RuntimeError:
+            raise ValueError(
+                "Invalid strides of x: on CUDA the leading dims of x and positions before the "
+                "last two of positions must flatten without a copy"
+            ) from None
+    return _rope_op(x, positions, float(theta))

@@ -27,6 +27,8 @@ from ._checks import (
     check_tensor,
     cuda_device,
 )
+from ._library import TREE, define
+from .kernels import tree_attention as _k
 from .reference import tree_attention as _ref_attn
 from .tree import Tree, check_tree
 
@@ -123,6 +125,32 @@ def _check_attention(
     return sizes
 
 
+def _tree_attention_cuda(q, k_cache, v_cache, block_table, seq_lens, *rest):
+    tree, (q_start, q_len, scale, out, lse, workspace) = Tree(*rest[:8]), rest[8:]
+    with cuda_device(q):
+        _k.tree_attention_fwd(
+            q, k_cache, v_cache, block_table, seq_lens, tree.num_nodes, tree.anc, q_start, q_len,
+            scale, out, lse, workspace,
+        )  # fmt: skip
+
+
+def _tree_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, *rest):
+    tree, (q_start, q_len, scale, out, lse, _workspace) = Tree(*rest[:8]), rest[8:]
+    _ref_attn.tree_attention(
+        q, k_cache, v_cache, block_table, seq_lens, tree, q_start, q_len, sm_scale=scale,
+        return_lse=lse is not None, out=out, lse=lse,
+    )  # fmt: skip
+
+
+_tree_attention_op = define(
+    f"tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+    f"Tensor seq_lens, {TREE}, Tensor? q_start, Tensor? q_len, float sm_scale, Tensor(a!) out, "
+    f"Tensor(b!)? lse, Tensor(c!)? workspace) -> ()",
+    cpu=_tree_attention_cpu,
+    cuda=_tree_attention_cuda,
+)
+
+
 def tree_attention_workspace(
     q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor
 ) -> torch.Tensor:
@@ -134,8 +162,6 @@ def tree_attention_workspace(
     """
     if q.device.type != "cuda":
         return torch.zeros(0, dtype=torch.float32, device=q.device)
-    from .kernels import tree_attention as _k
-
     B, N, H_q, D = q.shape
     cfg = _k.config_for(q, k_cache, block_table)
     return torch.zeros(_k.workspace_numel(B, N, H_q, D, cfg), dtype=torch.float32, device=q.device)
@@ -223,49 +249,20 @@ def tree_attention(
         validate,
     )
     scale = 1.0 / math.sqrt(sizes["D"]) if sm_scale is None else float(sm_scale)
-    if q.device.type != "cuda":
-        return _ref_attn.tree_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            seq_lens,
-            tree,
-            q_start,
-            q_len,
-            sm_scale=scale,
-            return_lse=return_lse,
-            out=out,
-            lse=lse,
-        )
-    from .kernels import tree_attention as _k
-
     B, N, H_q, D = q.shape
     if out is None:
         out = torch.empty(B, N, H_q, D, dtype=q.dtype, device=q.device)
     if lse is None and return_lse:
         lse = torch.empty(B, N, H_q, dtype=torch.float32, device=q.device)
-    if workspace is not None:
+    if workspace is not None and q.is_cuda:
         need = _k.workspace_numel(B, N, H_q, D, _k.config_for(q, k_cache, block_table))
         if workspace.numel() < need:
             raise ValueError(
                 f"Invalid shape of workspace: expected at least [{need}] "
                 f"(tree_attention_workspace), got {list(workspace.shape)}"
             )
-    with cuda_device(q):
-        _k.tree_attention_fwd(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            seq_lens,
-            tree.num_nodes,
-            tree.anc,
-            q_start,
-            q_len,
-            scale,
-            out,
-            lse,
-            workspace,
-        )
+    _tree_attention_op(
+        q, k_cache, v_cache, block_table, seq_lens, *tree.tensors(), q_start, q_len, scale,
+        out, lse, workspace,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
