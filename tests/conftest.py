@@ -45,6 +45,7 @@ _real_empty = torch.empty
 _real_empty_like = torch.empty_like
 
 
+@torch.no_grad()  # torch.compile allocates leaves that require grad; filling them is fine here
 def _poison(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
         t.fill_(float("nan"))

@@ -62,3 +62,28 @@ def tree_from_lists(
             sc[b, : len(p)] = 1.0
     nn = torch.tensor([len(p) for p in parents], dtype=torch.int32)
     return treeops.Tree.from_parents(par.to(device), nn.to(device), tok.to(device), sc.to(device))
+
+
+def small_step(device="cpu", seed: int = 0) -> dict:
+    """One small verification step's tensors (B 2, N 4, 2 query / 1 KV heads, D 64, page 16,
+    V 32): the tree, q/k/v, paged caches, block table, seq_lens and target logits. For the custom
+    op checks (opcheck) and the torch.compile test."""
+    g = torch.Generator().manual_seed(seed)
+    tree = treeops.Tree.from_parents(
+        torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]], dtype=torch.int32),
+        torch.tensor([4, 3], dtype=torch.int32),
+        torch.tensor([[5, 7, 9, 11], [6, 8, 10, 0]]),
+    )
+    d = {
+        "q": torch.randn(2, 4, 2, 64, generator=g),
+        "k": torch.randn(2, 4, 1, 64, generator=g),
+        "v": torch.randn(2, 4, 1, 64, generator=g),
+        "k_cache": torch.randn(4, 16, 1, 64, generator=g),
+        "v_cache": torch.randn(4, 16, 1, 64, generator=g),
+        "block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        "seq_lens": torch.tensor([9, 20], dtype=torch.int32),
+        "logits": torch.randn(2, 4, 32, generator=g),
+    }
+    d = {k: v.to(device) for k, v in d.items()}
+    d["tree"] = tree.to(device)
+    return d

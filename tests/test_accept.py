@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treeops
-from helpers import tree_from_lists
+from helpers import small_step, tree_from_lists
 from strategies import logits_like, make_tree, parents_of, trees
 from treeops.kernels.accept import accept_launch
 from treeops.reference import accept as ref
@@ -758,3 +758,37 @@ def test_accept_counters_outlive_a_larger_batch():
     assert big.numel() >= 1000 and big is not small
     assert any(t is small for t in kacc._RETIRED)
     assert kacc._counters(dev, 8) is big  # the larger buffer serves smaller batches
+
+
+@pytest.mark.parametrize("extras", [False, True])
+def test_opcheck_accept(extras):
+    s = small_step()
+    t, logits = s["tree"], s["logits"]
+    B, N = t.parents.shape
+    k = 3 if extras else 0
+
+    def outs():
+        return (
+            torch.zeros(B, N, dtype=torch.int32),
+            torch.zeros(B, dtype=torch.int32),
+            torch.zeros(B, dtype=torch.int64),
+            torch.zeros(B, N) if extras else None,
+            torch.zeros(B, N, k, dtype=torch.int32) if extras else None,
+        )
+
+    stops = torch.tensor([9], dtype=torch.int64) if extras else None
+    budget = torch.tensor([2, 5], dtype=torch.int32) if extras else None
+    torch.library.opcheck(
+        torch.ops.treeops.accept_greedy.default,
+        (*t.tensors(), logits, stops, budget, k, *outs()),
+    )
+    sampling = (
+        torch.tensor([0.0, 0.8]),
+        torch.tensor([0, 5], dtype=torch.int32),
+        torch.tensor([1.0, 0.9]),
+        torch.rand(B, N, generator=torch.Generator().manual_seed(1)),
+    )
+    torch.library.opcheck(
+        torch.ops.treeops.accept_sample.default,
+        (*t.tensors(), logits, *sampling, stops, budget, k, *outs()),
+    )

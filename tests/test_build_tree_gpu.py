@@ -1,8 +1,8 @@
 """GPU tests of the tree build and CAST kernels (compiled, realistic vocabularies).
 
-Run on the H200: ``TREEOPS_GPU_TESTS=1 python -m pytest tests/test_build_tree_gpu.py``. The ``memcheck``
-cases use a fixed table of shapes so that ``compute-sanitizer --tool memcheck python -m pytest
-tests/test_build_tree_gpu.py -k memcheck`` compiles each kernel once per shape.
+Run on the H200: ``TREEOPS_GPU_TESTS=1 python -m pytest tests/test_build_tree_gpu.py``. The
+``memcheck`` cases use a fixed table of shapes so that ``compute-sanitizer --tool memcheck python
+-m pytest tests/test_build_tree_gpu.py -k memcheck`` compiles each kernel once per shape.
 
 GPU ``exp`` and division differ from the float64 reference by a few ulps, so candidate scores
 can order differently where two are within rounding of each other. The checks are therefore:

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import treeops
+from helpers import small_step
 from strategies import make_tree, paged_kv, parents_of
 from treeops.kernels.compact_kv import compact_kv_launch
 from treeops.reference.compact_kv import compact_kv as ref_compact
@@ -330,3 +331,20 @@ def test_bad_input(change, msg):
     with pytest.raises(ValueError) as e:
         treeops.compact_kv(**args)
     assert msg in str(e.value)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_opcheck_compact_kv(stacked):
+    s = small_step()
+    t = s["tree"]
+    layers = [s["k_cache"], s["k_cache"].clone()]
+    v_layers = [s["v_cache"], s["v_cache"].clone()]
+    if stacked:
+        layers, v_layers = [torch.stack(layers)], [torch.stack(v_layers)]
+    accepted = torch.tensor([[0, 1, 3, -1], [0, 1, -1, -1]], dtype=torch.int32)
+    accept_len = torch.tensor([3, 2], dtype=torch.int32)
+    torch.library.opcheck(
+        torch.ops.treeops.compact_kv.default,
+        (layers, v_layers, s["block_table"], s["seq_lens"], *t.tensors(), accepted, accept_len,
+         torch.zeros(2, dtype=torch.int32)),
+    )  # fmt: skip

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import treeops
-from helpers import assert_close
+from helpers import assert_close, small_step
 from strategies import paged_kv, trees
 from treeops.kernels import kv_append as KA
 from treeops.reference import kv_append as RK
@@ -193,3 +193,29 @@ def test_validate_checks_capacity_and_ranges():
         treeops.kv_append(
             **_args(num_tokens=torch.tensor([9, 0], dtype=torch.int32)), validate=True
         )
+
+
+def test_opcheck_kv_append_and_rope():
+    s = small_step()
+    t = s["tree"]
+    torch.library.opcheck(
+        torch.ops.treeops.kv_append.default,
+        (s["k"], s["v"], s["k_cache"], s["v_cache"], s["block_table"], s["seq_lens"],
+         t.num_nodes, t.depth, 10000.0),
+    )  # fmt: skip
+    torch.library.opcheck(
+        torch.ops.treeops.rope.default, (s["q"], t.positions(s["seq_lens"]), 10000.0)
+    )
+
+
+def test_rope_kernel_matches_reference_on_strided_input():
+    """The CUDA path's kernel (interpreted): a q view of a fused QKV output, every position
+    dtype, against the reference's fp32 angles."""
+    torch.manual_seed(0)
+    for (B, N, H, D), dt in (((2, 3, 5, 64), torch.float32), ((1, 7, 2, 128), torch.float16)):
+        x = torch.randn(B, N, 3 * H * D, dtype=dt)[..., : H * D].view(B, N, H, D)
+        for pdt in (torch.int32, torch.int64):
+            pos = torch.randint(0, 5000, (B, N), dtype=pdt)
+            y = torch.empty(B, N, H, D, dtype=dt)
+            KA.rope_fwd(x, pos, 10000.0, y)
+            assert_close(y, RK.rope(x, pos, 10000.0), dt, "rope")

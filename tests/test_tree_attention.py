@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treeops
-from helpers import TOLERANCES, assert_close, tree_from_lists
+from helpers import TOLERANCES, assert_close, small_step, tree_from_lists
 from strategies import make_tree, paged_kv, parents_of, trees
 from treeops.kernels import tree_attention as K
 from treeops.reference import tree_attention as R
@@ -470,3 +470,16 @@ def test_kernel_matches_reference_full_trees(tc, data):
         num_splits=data.draw(st.sampled_from([1, 2, 5])),
         override={"prefetch": data.draw(st.booleans()), "block_n": 64},
     )
+
+
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_opcheck_tree_attention(with_lse):
+    s = small_step()
+    B, N, H, D = s["q"].shape
+    out = torch.zeros(B, N, H, D)
+    lse = torch.zeros(B, N, H) if with_lse else None
+    torch.library.opcheck(
+        torch.ops.treeops.tree_attention.default,
+        (s["q"], s["k_cache"], s["v_cache"], s["block_table"], s["seq_lens"],
+         *s["tree"].tensors(), None, None, 0.125, out, lse, None),
+    )  # fmt: skip

@@ -36,9 +36,79 @@ import torch
 
 from ._accept_inputs import Acceptance, check_accept_inputs
 from ._checks import cuda_device
+from ._library import TREE, define
+from .kernels.accept import accept_launch
+from .reference import accept as _ref
 from .tree import Tree
 
 __all__ = ["Acceptance", "accept_greedy", "accept_sample"]
+
+_SAMPLING = "Tensor temperature, Tensor top_k, Tensor top_p, Tensor uniforms, "
+_OUTPUTS = (
+    "Tensor? stop_ids, Tensor? max_new_tokens, int topk_ids, Tensor(a!) accepted, "
+    "Tensor(b!) accept_len, Tensor(c!) bonus, Tensor(d!)? logprobs, Tensor(e!)? topk) -> ()"
+)
+
+
+def _split(args: tuple, sampling: bool) -> tuple:
+    """(tree, logits, sampling args or Nones, stop_ids, max_new_tokens, topk_ids, out) from an
+    op's flat arguments."""
+    tree, logits, rest = Tree(*args[:8]), args[8], args[9:]
+    samp, rest = (rest[:4], rest[4:]) if sampling else ((None,) * 4, rest)
+    stop_ids, max_new, topk_ids, *outs = rest
+    return tree, logits, samp, stop_ids, max_new, topk_ids, Acceptance(*outs)
+
+
+def _launcher(sampling: bool):
+    def cuda(*args) -> None:
+        tree, logits, (temp, top_k, top_p, uni), stop_ids, max_new, topk_ids, out = _split(
+            args, sampling
+        )
+        with cuda_device(logits):
+            accept_launch(
+                tree, logits, temperature=temp, top_k=top_k, top_p=top_p, uniforms=uni,
+                stop_ids=stop_ids, max_new_tokens=max_new, return_logprobs=out.logprobs is not None,
+                topk_ids=topk_ids, out=out,
+            )  # fmt: skip
+
+    def cpu(*args) -> None:
+        tree, logits, samp, stop_ids, max_new, topk_ids, out = _split(args, sampling)
+        kw = dict(
+            stop_ids=stop_ids, max_new_tokens=max_new, return_logprobs=out.logprobs is not None,
+            topk_ids=topk_ids, out=out,
+        )  # fmt: skip
+        if sampling:
+            _ref.accept_sample(tree, logits, *samp, **kw)
+        else:
+            _ref.accept_greedy(tree, logits, **kw)
+
+    return cuda, cpu
+
+
+_greedy_cuda, _greedy_cpu = _launcher(sampling=False)
+_sample_cuda, _sample_cpu = _launcher(sampling=True)
+_greedy_op = define(
+    f"accept_greedy({TREE}, Tensor target_logits, {_OUTPUTS}", cpu=_greedy_cpu, cuda=_greedy_cuda
+)
+_sample_op = define(
+    f"accept_sample({TREE}, Tensor target_logits, {_SAMPLING}{_OUTPUTS}",
+    cpu=_sample_cpu,
+    cuda=_sample_cuda,
+)
+
+
+def _outputs(tree: Tree, return_logprobs: bool, topk_ids: int, out: Acceptance | None):
+    if out is not None:
+        return out
+    B, N = tree.parents.shape
+    dev = tree.parents.device
+    return Acceptance(
+        torch.empty(B, N, dtype=torch.int32, device=dev),
+        torch.empty(B, dtype=torch.int32, device=dev),
+        torch.empty(B, dtype=torch.int64, device=dev),
+        torch.empty(B, N, dtype=torch.float32, device=dev) if return_logprobs else None,
+        torch.empty(B, N, topk_ids, dtype=torch.int32, device=dev) if topk_ids else None,
+    )
 
 
 def accept_greedy(
@@ -100,30 +170,9 @@ def accept_greedy(
         return_logprobs,
         validate=validate,
     )
-    if target_logits.is_cuda:
-        from .kernels.accept import accept_launch
-
-        with cuda_device(target_logits):
-            return accept_launch(
-                tree,
-                target_logits,
-                stop_ids=stop_ids,
-                max_new_tokens=max_new_tokens,
-                return_logprobs=return_logprobs,
-                topk_ids=topk_ids,
-                out=out,
-            )
-    from .reference.accept import accept_greedy as ref
-
-    return ref(
-        tree,
-        target_logits,
-        stop_ids=stop_ids,
-        max_new_tokens=max_new_tokens,
-        return_logprobs=return_logprobs,
-        topk_ids=topk_ids,
-        out=out,
-    )
+    out = _outputs(tree, return_logprobs, topk_ids, out)
+    _greedy_op(*tree.tensors(), target_logits, stop_ids, max_new_tokens, int(topk_ids), *out)
+    return out
 
 
 def accept_sample(
@@ -193,35 +242,9 @@ def accept_sample(
         uniforms=uniforms,
         validate=validate,
     )
-    if target_logits.is_cuda:
-        from .kernels.accept import accept_launch
-
-        with cuda_device(target_logits):
-            return accept_launch(
-                tree,
-                target_logits,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                uniforms=uniforms,
-                stop_ids=stop_ids,
-                max_new_tokens=max_new_tokens,
-                return_logprobs=return_logprobs,
-                topk_ids=topk_ids,
-                out=out,
-            )
-    from .reference.accept import accept_sample as ref
-
-    return ref(
-        tree,
-        target_logits,
-        temperature,
-        top_k,
-        top_p,
-        uniforms,
-        stop_ids=stop_ids,
-        max_new_tokens=max_new_tokens,
-        return_logprobs=return_logprobs,
-        topk_ids=topk_ids,
-        out=out,
-    )
+    out = _outputs(tree, return_logprobs, topk_ids, out)
+    _sample_op(
+        *tree.tensors(), target_logits, temperature, top_k, top_p, uniforms, stop_ids,
+        max_new_tokens, int(topk_ids), *out,
+    )  # fmt: skip
+    return out

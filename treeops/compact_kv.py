@@ -11,9 +11,42 @@ import torch
 
 from ._checks import cuda_device
 from ._compact_inputs import Caches, check_compact_inputs
+from ._library import TREE, define
+from .kernels.compact_kv import compact_kv_launch
+from .reference import compact_kv as _ref
 from .tree import Tree
 
 __all__ = ["compact_kv"]
+
+
+def _caches(layers: list[torch.Tensor]) -> Caches:
+    # a stacked [L, pages, page_size, H_kv, D] cache travels as a one-element list
+    return layers[0] if len(layers) == 1 and layers[0].dim() == 5 else layers
+
+
+def _compact_cuda(k_caches, v_caches, block_table, seq_lens, *rest) -> None:
+    accepted, accept_len, out = rest[8:]
+    with cuda_device(block_table):
+        compact_kv_launch(
+            _caches(k_caches), _caches(v_caches), block_table, seq_lens, accepted, accept_len,
+            out=out,
+        )  # fmt: skip
+
+
+def _compact_cpu(k_caches, v_caches, block_table, seq_lens, *rest) -> None:
+    tree, (accepted, accept_len, out) = Tree(*rest[:8]), rest[8:]
+    _ref.compact_kv(
+        _caches(k_caches), _caches(v_caches), block_table, seq_lens, tree, accepted, accept_len,
+        out=out,
+    )  # fmt: skip
+
+
+_compact_op = define(
+    f"compact_kv(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor block_table, "
+    f"Tensor seq_lens, {TREE}, Tensor accepted, Tensor accept_len, Tensor(c!) out) -> ()",
+    cpu=_compact_cpu,
+    cuda=_compact_cuda,
+)
 
 
 def compact_kv(
@@ -76,13 +109,11 @@ def compact_kv(
     check_compact_inputs(
         k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
     )
-    if block_table.is_cuda:
-        from .kernels.compact_kv import compact_kv_launch
-
-        with cuda_device(block_table):
-            return compact_kv_launch(
-                k_caches, v_caches, block_table, seq_lens, accepted, accept_len, out=out
-            )
-    from .reference.compact_kv import compact_kv as ref
-
-    return ref(k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out=out)
+    if out is None:
+        out = torch.empty(seq_lens.shape, dtype=torch.int32, device=seq_lens.device)
+    layers = [k_caches] if isinstance(k_caches, torch.Tensor) else list(k_caches)
+    v_layers = [v_caches] if isinstance(v_caches, torch.Tensor) else list(v_caches)
+    _compact_op(
+        layers, v_layers, block_table, seq_lens, *tree.tensors(), accepted, accept_len, out
+    )
+    return out
