@@ -44,6 +44,14 @@ what it measured):
    logits row: bf16 rounds a logit of size |l| by up to 2^-9 |l| and the tree forward sums in
    another order), otherwise a *mismatch* (a bug). Top-2 gaps are recorded too.
 
+6. Kernels and the floor (CUDA; ``--no-kernel-count`` skips the count): each row's
+   ``kernels_per_step``, counted with ``torch.profiler`` over two ``generate`` calls after the
+   warm-up (graph replays' kernels included, as CUPTI lists them; ``count_kernels``), with
+   ``kernels_per_layer`` (÷ ``target_layers``), the per-step kernel mix and graph launches;
+   ``step_us`` (decode time per step) beside ``weight_read_floor_us``: the target's weight
+   bytes (layers, final norm, LM head) ÷ 4.3 TB/s (``harness.HBM_BYTES_PER_S``), the floor of an
+   autoregressive step. The autoregressive row of every B prints all three.
+
 Writes ``DIR/e2e.json`` (``gpu``, ``versions``, ``commit``, ``model``, ``cost_table``, ``rows``)
 and ``DIR/e2e.png`` (speedup over autoregressive against B, per policy; needs matplotlib), and
 prints a table last. ``--budget-s`` (wall clock from the start, training included) stops adding
@@ -62,6 +70,7 @@ import os
 import sys
 import time
 import traceback
+from collections import Counter
 
 import torch
 
@@ -306,6 +315,16 @@ def run_policy(policy, target, draft, groups, args, table, graphs):
     for g in groups:
         timed.append(dec.generate(g, args.new_tokens))
         sync()
+    kernels = None
+    if cuda and not getattr(args, "no_kernel_count", False):
+        try:
+            kernels = count_kernels(dec, groups[0], args.new_tokens)
+        except Exception as e:  # the count is a diagnostic: never lose the row for it
+            traceback.print_exc()
+            kernels = {
+                "kernels_per_step": None,
+                "kernel_count_error": f"{type(e).__name__}: {e}"[:300],
+            }
     prof = None
     if cuda and not args.no_profile:
         dec.profile = True
@@ -318,7 +337,67 @@ def run_policy(policy, target, draft, groups, args, table, graphs):
     gc.collect()  # the decoder and its static batches reference each other
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return timed, prof, warm_s
+    return timed, prof, warm_s, kernels
+
+
+# -------------------------------------------------------------------------- kernels, floors
+_COPY_EVENTS = ("Memcpy", "Memset", "memcpy", "memset")
+
+
+def count_kernels(dec, prompts, new_tokens: int) -> dict:
+    """Device kernels per decoding step, counted with ``torch.profiler`` (CUPTI lists every
+    kernel a CUDA-graph replay launches as a kernel event of its own, graph kernels included):
+    two ``generate`` calls of the same prompts after the warm-up (no capture), ``hi`` =
+    min(new_tokens, 32) and ``lo`` = hi // 4 new tokens; kernels_per_step = (kernels_hi -
+    kernels_lo) / (steps_hi - steps_lo), so the prefill and per-call work cancel. Memcpy /
+    memset events are not kernels. Also: the per-step mix of the most frequent kernel names and
+    the per-step ``cudaGraphLaunch`` calls (a check: graphs launched but next to no kernels
+    counted would mean CUPTI did not trace the graphs' kernels)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    hi = max(2, min(new_tokens, 32))
+    lo = max(1, hi // 4)
+    runs = []
+    for n in (lo, hi):
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            res = dec.generate(prompts, n)
+            sync()
+        kern: Counter = Counter()
+        launches = 0
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                if not e.name.startswith(_COPY_EVENTS):
+                    kern[e.name[:100]] += 1
+            elif e.name == "cudaGraphLaunch":
+                launches += 1
+        runs.append((kern, res.steps, launches, res.graphs_captured))
+    (k_lo, s_lo, l_lo, g_lo), (k_hi, s_hi, l_hi, g_hi) = runs
+    out: dict = {"kernel_count_steps": [s_lo, s_hi], "kernel_count_captures": g_lo + g_hi}
+    if s_hi <= s_lo:
+        out["kernels_per_step"] = None
+        return out
+    ds = s_hi - s_lo
+    out["kernels_per_step"] = round((sum(k_hi.values()) - sum(k_lo.values())) / ds, 2)
+    out["graph_launches_per_step"] = round((l_hi - l_lo) / ds, 2)
+    mix = k_hi.copy()
+    mix.subtract(k_lo)
+    out["kernel_mix_per_step"] = {k: round(v / ds, 2) for k, v in mix.most_common(24) if v > 0}
+    return out
+
+
+def weight_read_bytes(target: Target) -> int:
+    """Bytes of target weights one forward reads: every layer's, the final norm and the LM head
+    (the tied embedding, or ``lm_head``; an untied embedding table only gathers B rows)."""
+    skip = "model.embed_tokens.weight" if target.lm_head is not None else None
+    return sum(p.numel() * p.element_size() for n, p in target.named_parameters() if n != skip)
+
+
+def weight_read_floor_us(target: Target) -> float:
+    """The weight-read floor of one target forward (an autoregressive step): weight bytes /
+    ``harness.HBM_BYTES_PER_S`` (4.3 TB/s, the H200's measured copy rate), in µs."""
+    return H.bytes_floor_us(weight_read_bytes(target))
 
 
 def row_estimate(B: int, n_groups: int, warm_times, group_times: dict) -> float:
@@ -343,8 +422,11 @@ def tokens_per_s(res) -> float:
     return ntok / t
 
 
-def row_of(policy, B, res, prof, ar_tps, div, graphs=None, groups=1) -> dict:
-    """One row from the results merged over its ``groups`` groups of B requests."""
+def row_of(policy, B, res, prof, ar_tps, div, graphs=None, groups=1, kernels=None,
+           floor_us=None, layers=None) -> dict:  # fmt: skip
+    """One row from the results merged over its ``groups`` groups of B requests; ``kernels``
+    from ``count_kernels`` (CUDA), ``floor_us`` the target's weight-read floor per step and
+    ``layers`` its layer count."""
     tps = tokens_per_s(res)
     st = res.stats()
     row = {
@@ -376,7 +458,18 @@ def row_of(policy, B, res, prof, ar_tps, div, graphs=None, groups=1) -> dict:
         "draft_forwards_per_step": round(
             sum(len(x) for x in res.draft_buckets) / max(1, res.steps), 2
         ),
+        # decode-loop time per step (an autoregressive step: one target forward)
+        "step_us": round(1e6 * max(res.time_decode - res.time_capture, 0.0) / max(1, res.steps), 1),
+        "target_layers": layers,
+        "weight_read_floor_us": None if floor_us is None else round(floor_us, 2),
+        "kernels_per_step": None,
+        "kernels_per_layer": None,
     }
+    if kernels:
+        row.update(kernels)
+        kps = kernels.get("kernels_per_step")
+        if kps is not None and layers:
+            row["kernels_per_layer"] = round(kps / layers, 2)
     if prof is not None:
         tot = prof.time_decode
         # profiled run: the device is synced before each wait, so this is the wait's own cost
@@ -491,7 +584,12 @@ def plot(out_dir, rows) -> str | None:
 
 def table_text(rows) -> str:
     lines = [f"{'policy':<15}{'B':>4}{'req':>5}{'tok/s':>10}{'AR tok/s':>10}{'speedup':>9}"
-             f"{'acc/step':>9}{'blk us':>9}{'diverged':>9}{'mismatch':>9}"]  # fmt: skip
+             f"{'acc/step':>9}{'blk us':>9}{'diverged':>9}{'mismatch':>9}{'step us':>9}"
+             f"{'floor us':>9}{'kern/step':>10}{'kern/L':>8}"]  # fmt: skip
+
+    def num(x, w, f=".1f"):
+        return f"{'-':>{w}}" if x is None else f"{x:>{w}{f}}"
+
     for r in sorted(rows, key=lambda r: (r["B"], r["policy"])):
         d = r.get("divergence") or {}
         if "error" in r:
@@ -502,7 +600,9 @@ def table_text(rows) -> str:
             f"{r['tokens_per_s']:>10.1f}{r['ar_tokens_per_s']:>10.1f}"
             f"{r['speedup'] or 0:>9.2f}{r['mean_accepted']:>9.2f}"
             f"{r['host_blocked_us_per_wait']:>9.1f}{d.get('diverged', 0):>9}"
-            f"{d.get('mismatch', 0):>9}"
+            f"{d.get('mismatch', 0):>9}{num(r.get('step_us'), 9)}"
+            f"{num(r.get('weight_read_floor_us'), 9)}{num(r.get('kernels_per_step'), 10)}"
+            f"{num(r.get('kernels_per_layer'), 8, '.2f')}"
         )
     return "\n".join(lines)
 
@@ -520,6 +620,8 @@ def main(argv=None) -> int:
                     "one CUDA graph per whole decoding step (rows say step_graphs: true; the "
                     "autoregressive baseline of speedup too)")  # fmt: skip
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled (split) runs")
+    ap.add_argument("--no-kernel-count", action="store_true",
+                    help="skip the torch.profiler kernel count per step (CUDA)")  # fmt: skip
     ap.add_argument("--preflight", action="store_true",
                     help="graphs vs eager on a random pair before training (a capture error "
                     "later falls back to eager anyway)")  # fmt: skip
@@ -599,6 +701,11 @@ def main(argv=None) -> int:
         target = target.to(torch.bfloat16).eval()
         draft = draft.to(torch.bfloat16).eval()
     report["decode_dtype"] = str(target.model.embed_tokens.weight.dtype)
+    layers = target.cfg.num_hidden_layers
+    floor_us = weight_read_floor_us(target)
+    report["target_layers"] = layers
+    report["weight_read_bytes"] = weight_read_bytes(target)
+    report["weight_read_floor_us"] = round(floor_us, 2)
     doc["model"] = report
     prompts = [p[-args.prompt_len :] for p in prompts if len(p) >= 2]
     if not prompts:
@@ -657,7 +764,7 @@ def main(argv=None) -> int:
 
         t_r = time.time()
         try:
-            ar, _, warm_s = run("autoregressive")
+            ar, _, warm_s, ar_kern = run("autoregressive")
             note(t_r, warm_s)
         except Exception as e:
             traceback.print_exc()
@@ -667,26 +774,41 @@ def main(argv=None) -> int:
             write(args.out, doc)
             continue
         ar_tps = tokens_per_s(ar)
-        doc["rows"].append(row_of("autoregressive", B, ar, None, ar_tps, None, graphs, len(groups)))
-        log(f"B={B} autoregressive: {ar_tps:.1f} tok/s ({len(groups)} groups of {B})")
+        ar_row = row_of("autoregressive", B, ar, None, ar_tps, None, graphs, len(groups),
+                        kernels=ar_kern, floor_us=floor_us, layers=layers)  # fmt: skip
+        doc["rows"].append(ar_row)
+        write(args.out, doc)
+        kpl = ar_row["kernels_per_layer"]
+        log(f"B={B} autoregressive: {ar_tps:.1f} tok/s ({len(groups)} groups of {B}), "
+            f"{ar_row['step_us']:.0f} us/step; weight-read floor {floor_us:.1f} us/step "
+            f"(= {1e6 * B / floor_us:.0f} tok/s); kernels/step {ar_row['kernels_per_step']} "
+            f"({kpl} per layer, {layers} layers)")  # fmt: skip
         for pol in policies:
             if time.time() - t_start > args.budget_s:
                 stopped = f"budget: stopped at B={B} before {pol}"
                 break
             t_r = time.time()
             try:
-                res, prof, warm_s = run(pol)
+                res, prof, warm_s, kern = run(pol)
                 # request by request against the autoregressive tokens of the same group
                 div = divergences(ref32, bprompts, ar.tokens, res.tokens, MAX_DIVERGENCES_CHECKED)
                 note(t_r, warm_s)
-                row = row_of(pol, B, res, prof, ar_tps, div, graphs, len(groups))
+                row = row_of(pol, B, res, prof, ar_tps, div, graphs, len(groups),
+                             kernels=kern, floor_us=floor_us, layers=layers)  # fmt: skip
             except Exception as e:
                 traceback.print_exc()
                 row = {"policy": pol, "B": B, "error": f"{type(e).__name__}: {e}"[:500]}
             row["row_seconds"] = round(time.time() - t_r, 1)
             doc["rows"].append(row)
             write(args.out, doc)
-            keys = ("tokens_per_s", "speedup", "mean_accepted", "host_wait_cost_us", "error")
+            keys = (
+                "tokens_per_s",
+                "speedup",
+                "mean_accepted",
+                "host_wait_cost_us",
+                "kernels_per_step",
+                "error",
+            )
             log(f"B={B} {pol}: " + json.dumps({k: row.get(k) for k in keys}))
         if stopped:
             break

@@ -153,6 +153,11 @@ class Decoder:
             )
         self.profile = bool(profile)
         self.check_buckets = bool(check_buckets)
+        if dev.type == "cuda":
+            # the fused forwards' concatenated weights, built now rather than inside a capture
+            target.fuse()
+            if self.draft is not None:
+                self.draft.fuse()
         self._graphs = GraphRunner(self)
 
     # ------------------------------------------------------------------ sizes

@@ -7,6 +7,15 @@ chain for prefill), their K/V go into slots ``seq_lens[b] + i`` through ``treeop
 (K rotated at ``seq_lens[b] + depth[i]``), the queries are rotated with ``treeops.rope`` at
 ``tree.positions(seq_lens)``, and attention is ``treeops.tree_attention`` (prefix + ancestors).
 
+On CUDA the forwards run fused, as an inference engine would (``fused.py``: hand-written Triton
+for add + RMSNorm, SwiGLU, the draft's fc input and the per-forward index math; one GEMM over
+concatenated q/k/v weights and one over gate/up, built once and cached, ``Attention.wqkv`` /
+``MLP.wgu``), every residual add folded into the next norm: per layer one add + RMSNorm, the
+q/k/v GEMM, ``kv_append``, ``rope``, ``tree_attention``, o_proj, one add + RMSNorm, the gate/up
+GEMM, SwiGLU, down_proj. On the CPU the same forwards run the same math as PyTorch ops
+(separate projections), equal to ``forward_unfused`` (the per-layer modules). The training
+forwards (``forward_train``, causal SDPA) and ``reference_forward`` use the separate weights.
+
 Weights use Hugging Face Llama names (``model.layers.{i}.self_attn.q_proj.weight`` ...), so a
 local directory with ``config.json`` + ``*.safetensors`` loads with ``Target.from_pretrained``
 when the optional ``safetensors`` package is installed.
@@ -22,9 +31,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .._runtime import refuse_in_capture
 from ..kv_append import kv_append, rope
 from ..tree import Tree
 from ..tree_attention import tree_attention
+from . import fused
 
 __all__ = [
     "ModelConfig",
@@ -166,6 +177,43 @@ class Attention(nn.Module):
         o = o.gather(1, idx[:, :, None, None].expand(B, R, Hq, D))
         return self.o_proj(o.reshape(B, R, -1))
 
+    def wqkv(self) -> torch.Tensor:
+        """The inference weight ``cat([q_proj, k_proj, v_proj])`` [(H_q + 2 H_kv) D, H]."""
+        return _concat(self, "_wqkv", (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+
+    def forward_fused(self, h: torch.Tensor, f: _Fwd, kv: PagedKV, layer: int) -> torch.Tensor:
+        """``forward`` of the normed input ``h`` [B, R, H] with the forward's shared index math
+        ``f``: on the fused path one GEMM for q/k/v (strided views of its output feed the
+        treeops ops), otherwise the three projections as ``forward``. Returns o_proj's output
+        (the residual's delta)."""
+        cfg = self.cfg
+        B, R, _ = h.shape
+        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if f.kernels:
+            qkv = nn.functional.linear(h, self.wqkv())
+            q = qkv[..., : Hq * D].unflatten(-1, (Hq, D))
+            k = qkv[..., Hq * D : (Hq + Hkv) * D].unflatten(-1, (Hkv, D))
+            v = qkv[..., (Hq + Hkv) * D :].unflatten(-1, (Hkv, D))
+        else:
+            q = self.q_proj(h).view(B, R, Hq, D)
+            k = self.k_proj(h).view(B, R, Hkv, D)
+            v = self.v_proj(h).view(B, R, Hkv, D)
+        kc, vc, bt = kv.k[layer], kv.v[layer], kv.block_table
+        theta, tree = cfg.rope_theta, f.tree
+        if f.q_start is None:
+            kv_append(k, v, kc, vc, bt, f.seq_lens, tree.num_nodes, tree.depth, rope_theta=theta)
+            q = rope(q, f.pos, theta)
+            o = tree_attention(q, kc, vc, bt, f.seq_lens, tree)
+        else:  # frontier rows only (see ``forward``); rows outside them are never read
+            kv_append(k, v, kc, vc, bt, f.base, f.q_len, f.rel, rope_theta=theta)
+            q = rope(q, f.pos, theta)
+            new = torch.empty if f.kernels else torch.zeros
+            qf = new(B, tree.capacity, Hq, D, dtype=q.dtype, device=q.device)
+            qf.scatter_(1, f.idx4, q)
+            o = tree_attention(qf, kc, vc, bt, f.seq_lens, tree, f.q_start, f.q_len)
+            o = o.gather(1, f.idx4)
+        return self.o_proj(o.reshape(B, R, -1))
+
     def forward_causal(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training path: x [B, T, H] is a whole sequence at positions 0..T-1, causal SDPA, no
         cache. ``cos``/``sin`` [T, D] from ``rope_tables``."""
@@ -210,6 +258,16 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def wgu(self) -> torch.Tensor:
+        """The inference weight ``cat([gate_proj, up_proj])`` [2I, H]."""
+        return _concat(self, "_wgu", (self.gate_proj.weight, self.up_proj.weight))
+
+    def forward_fused(self, h: torch.Tensor, f: _Fwd) -> torch.Tensor:
+        """``forward``; on the fused path one gate/up GEMM, the SwiGLU kernel, the down GEMM."""
+        if not f.kernels:
+            return self.forward(h)
+        return self.down_proj(fused.swiglu(nn.functional.linear(h, self.wgu())))
+
 
 class Layer(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -226,6 +284,90 @@ class Layer(nn.Module):
     def forward_causal(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn.forward_causal(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x, h, f: _Fwd, kv: PagedKV, layer: int):
+        """The layer with its residual adds folded into the norms: ``x`` [B, R, H] is the
+        residual stream, ``h`` its ``input_layernorm``; returns ``(x', delta)`` with the layer's
+        output ``x' + delta`` left to the caller's next ``f.norm`` (the next layer's input norm,
+        or the final one)."""
+        delta = self.self_attn.forward_fused(h, f, kv, layer)
+        x, h = f.norm(x, delta, self.post_attention_layernorm)
+        return x, self.mlp.forward_fused(h, f)
+
+    def fuse(self) -> None:
+        """Build (or refresh) the concatenated inference weights."""
+        self.self_attn.wqkv()
+        self.mlp.wgu()
+
+
+class _Fwd:
+    """What every layer of one tree forward shares, computed once per forward: the tree and
+    ``seq_lens``, the rows' RoPE positions ``pos``, and for a draft frontier (``q_start`` /
+    ``q_len``, R rows) the rows' node index as ``idx4`` [B, R, H_q, D] (for the scatter/gather
+    around attention) and kv_append's shifted ``base`` and relative depths ``rel``. ``kernels``:
+    the fused path (``fused.use_kernels``: CUDA) or the same math in PyTorch ops."""
+
+    pos: torch.Tensor
+    q_start: torch.Tensor | None
+    # set for a frontier only
+    q_len: torch.Tensor
+    base: torch.Tensor
+    rel: torch.Tensor
+    idx4: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig, seq_lens, tree: Tree, R: int, q_start=None, q_len=None,
+                 *, kernels: bool):  # fmt: skip
+        self.kernels = kernels
+        self.seq_lens, self.tree = seq_lens, tree
+        index = fused.tree_index if kernels else fused.tree_index_torch
+        self.q_start = None
+        if q_start is None or q_len is None:
+            self.pos = index(seq_lens, tree.depth)[0]
+            return
+        self.q_start = q_start.to(torch.int32)
+        self.q_len = q_len.to(torch.int32)
+        self.pos, idx, base, rel = index(seq_lens, tree.depth, self.q_start, R)
+        assert idx is not None and base is not None and rel is not None
+        self.base, self.rel = base, rel
+        B = idx.shape[0]
+        self.idx4 = idx[:, :, None, None].expand(B, R, cfg.num_attention_heads, cfg.head_dim)
+
+    def norm(self, x, delta, norm: RMSNorm, tokens=None):
+        """``(x + delta, norm(x + delta))`` (x itself without delta; with ``tokens``, x is the
+        embedding table and the rows are ``x[tokens]``): one kernel on the fused path."""
+        if self.kernels:
+            return fused.add_rmsnorm(x, delta, norm.weight, norm.eps, tokens)
+        if tokens is not None:
+            x = nn.functional.embedding(tokens, x)
+        if delta is not None:
+            x = x + delta
+        return x, norm(x)
+
+
+def _concat(owner: nn.Module, name: str, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``cat(parts, 0)``, cached on ``owner`` for inference and rebuilt when a part changes (its
+    storage, dtype, device or version counter: an in-place update). Training uses the separate
+    parameters and never sees it. A rebuild of the same shape is written into the cached tensor,
+    so that CUDA graphs captured with it read the new weights after the next eager forward (the
+    decoder's prefill is one). Built on a forward's first call, outside any capture (the
+    decoder's warm-up runs), or by ``fuse()``."""
+    key = tuple((p.data_ptr(), p._version, p.dtype, p.device, tuple(p.shape)) for p in parts)
+    ent = owner.__dict__.get(name)
+    if ent is not None and ent[0] == key:
+        return ent[1]
+    refuse_in_capture("the example decoder's concatenated q/k/v and gate/up weights")
+    with torch.no_grad():
+        w = torch.cat([p.detach() for p in parts], 0)
+        old = None if ent is None else ent[1]
+        if (
+            old is not None
+            and (old.shape, old.dtype, old.device) == (w.shape, w.dtype, w.device)
+            and not old.is_inference()
+        ):
+            old.copy_(w)
+            w = old
+    owner.__dict__[name] = (key, w)
+    return w
 
 
 class _Inner(nn.Module):
@@ -268,11 +410,37 @@ class Target(nn.Module):
         return (h @ w.t()).float()
 
     def forward(self, tokens, kv: PagedKV, seq_lens, tree: Tree):
+        """The tree forward (class docstring). On CUDA the fused path: per layer one add +
+        RMSNorm kernel, the q/k/v GEMM, kv_append, rope, tree_attention, o_proj, add + RMSNorm,
+        the gate/up GEMM, SwiGLU, down_proj (the embedding gathers inside the first norm; the
+        positions are computed once). On the CPU the same math in PyTorch ops, as
+        ``forward_unfused``."""
+        f = _Fwd(self.cfg, seq_lens, tree, tokens.shape[1], kernels=fused.use_kernels(tokens))
+        layers = self.model.layers
+        norms = [layer.input_layernorm for layer in layers] + [self.model.norm]
+        x, h = f.norm(self.model.embed_tokens.weight, None, norms[0], tokens=tokens)
+        for i, layer in enumerate(layers):
+            x, delta = layer.forward_fused(x, h, f, kv, i)
+            x, h = f.norm(x, delta, norms[i + 1])
+        return self.head(h), h
+
+    def forward_unfused(self, tokens, kv: PagedKV, seq_lens, tree: Tree):
+        """``forward`` through the per-layer modules (``Layer.forward``: separate GEMMs, norms
+        and activations as PyTorch ops, index math per layer): the reference the fused forward
+        is tested against."""
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, kv, i, seq_lens, tree)
         h = self.model.norm(x)
         return self.head(h), h
+
+    def fuse(self) -> Target:
+        """Build the concatenated inference weights now (``forward`` builds them on its first
+        CUDA call and rebuilds them after the weights change; that call must not be inside a
+        CUDA-graph capture: the decoder's warm-up runs come first)."""
+        for layer in self.model.layers:
+            layer.fuse()
+        return self
 
     def forward_train(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Training forward: whole sequences ``tokens`` [B, T] at positions 0..T-1 with a causal
@@ -374,13 +542,35 @@ class Draft(nn.Module):
         self, target: Target, tokens, feats, kv: PagedKV, seq_lens, tree, q_start=None, q_len=None
     ):
         """tokens [B, N], feats [B, N, H] (the parent position's feature of each node) ->
-        (logits [B, N, V] float32, hidden [B, N, H]). With ``q_start``/``q_len`` only those
-        rows are new (written to the cache and attended); the others are ignored."""
+        (logits [B, N, V] float32, hidden [B, N, H]). With ``q_start``/``q_len`` the R rows of
+        ``tokens``/``feats`` are the nodes ``q_start[b] + j`` (a frontier; written to the cache
+        and attended; rows ``j >= q_len[b]`` are ignored). On CUDA the fused path (as
+        ``Target.forward``; the fc input gathered and concatenated by one kernel, the frontier's
+        index math one kernel per forward); on the CPU PyTorch ops, as ``forward_unfused``."""
+        kern = fused.use_kernels(tokens)
+        f = _Fwd(self.cfg, seq_lens, tree, tokens.shape[1], q_start, q_len, kernels=kern)
+        cat = fused.embed_cat if kern else fused.embed_cat_torch
+        x = self.fc(cat(tokens, feats, target.model.embed_tokens.weight, self.fc.weight.dtype))
+        x, h = f.norm(x, None, self.layer.input_layernorm)
+        x, delta = self.layer.forward_fused(x, h, f, kv, 0)
+        x, h = f.norm(x, delta, self.norm)
+        return target.head(h), x
+
+    def forward_unfused(
+        self, target: Target, tokens, feats, kv: PagedKV, seq_lens, tree, q_start=None, q_len=None
+    ):
+        """``forward`` through the per-layer modules (the unfused reference, as
+        ``Target.forward_unfused``)."""
         x = self.fc(
             torch.cat([target.model.embed_tokens(tokens), feats.to(self.fc.weight.dtype)], -1)
         )
         h = self.layer(x, kv, 0, seq_lens, tree, q_start, q_len)
         return target.head(self.norm(h)), h
+
+    def fuse(self) -> Draft:
+        """Build the concatenated inference weights now (see ``Target.fuse``)."""
+        self.layer.fuse()
+        return self
 
     def forward_train(
         self, target: Target, tokens: torch.Tensor, feats: torch.Tensor
