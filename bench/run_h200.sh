@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, in the repo root): OUT=dir bash bench/run_h200.sh STAGE...
 # Stages: tests:<names>  memcheck:<names>  calibrate  bench_build  bench_cast  bench_accept
 #         bench_compact_kv  bench_kv_append  bench_graft  bench_attention  bench_e2e  pytest_bench
-#         (<names>: comma list of attention,build,accept,graft,cast,decoder). A stage may carry
+#         (<names>: comma list of op stems (tree_attention, build_tree, ...), decoder, or all). A stage may carry
 #         its own time limit: calibrate@240. pytest_bench: ``python -m pytest bench
 #         --benchmark-only`` (one benchmark per op at least; PYTEST_BENCH_K selects with -k), its
 #         results in $OUT/pytest_bench.json.
@@ -28,7 +28,7 @@ fi
 [ -z "${SKIP_INSTALL:-}" ] && { python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || echo "install failed" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee -a "$LOG"
 # tests:<names> runs tests/test_<name>_gpu.py, or the gpu-marked tests of tests/test_<name>.py
-files() { local f=""; for n in ${1//,/ }; do
+files() { local f=""; [ "$1" = all ] && { echo tests; return; }; for n in ${1//,/ }; do
   if [ -f "tests/test_${n}_gpu.py" ]; then f="$f tests/test_${n}_gpu.py"; else f="$f tests/test_${n}.py"; fi
 done; echo $f; }
 summary=""
