@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import random
 from fractions import Fraction
@@ -811,3 +812,92 @@ def test_draft_state_to_is_an_independent_copy():
     treeops.build_tree_expand(logits, st, pol)
     for f in ("cand_scores", "cand_tokens", "cand_parents", "frontier", "decisions"):
         assert torch.equal(getattr(st, f), getattr(c, f)), f
+
+
+# ------------------------------------------------------------------ torch.ops.treeops (opcheck)
+def _expand_args(logits, st_, pol):
+    """``treeops::build_tree_expand``'s arguments for one draft layer of ``st_``."""
+    cast = (None, None, 0.0, 0.0, 1, 1)
+    if pol.is_cast:
+        tt, dd = pol.cost_table.device_tables(st_.active.shape[0], "cpu")
+        cast = (tt, dd, float(pol.C1), float(pol.C2), pol.R, pol.cost_table.L)
+    ws = st_.workspace
+    return (
+        logits, st_.layer, pol.topk, st_.active, st_.seq_lens, st_.frontier, st_.frontier_tokens,
+        st_.frontier_scores, st_.cand_tokens, st_.cand_scores, st_.cand_parents, st_.decisions,
+        st_.u_hist, ws["counters"], ws["cum"], None, None, None, None, *cast,
+    )  # fmt: skip
+
+
+def _emit_args(st_, pol, out):
+    """``treeops::build_tree_emit``'s arguments, writing into ``out``."""
+    cast = (None, 0.0, 1)
+    if pol.is_cast:
+        tt, _ = pol.cost_table.device_tables(st_.active.shape[0], "cpu")
+        cast = (tt, float(pol.C3), pol.cost_table.L)
+    ws = st_.workspace
+    return (
+        st_.layer, st_.active, st_.seq_lens, st_.root_tokens, st_.cand_tokens, st_.cand_scores,
+        st_.cand_parents, st_.decisions, ws["sel"], ws["pos"], ws["cum"], *cast, *out.tensors(),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["eagle", "cast"])
+def test_opcheck_build_tree_ops(kind):
+    """``torch.library.opcheck`` of expand (first and second layer) and emit on CPU: two
+    requests (one inactive in the CAST case), V = 50; the schemas declare every buffer written."""
+    V = 50
+    if kind == "eagle":
+        pol = treeops.EagleStatic(depth=3, topk=3, budget=8)
+        active = [True, True]
+    else:
+        pol = treeops.Cast(C1=0.125, C2=0.0625, C3=0.01, R=2, cost_table=cost_table(3, 16),
+                           topk=3, max_width=4, max_depth=3, capacity=16)  # fmt: skip
+        active = [True, False]
+    st_ = start(pol, [4, 9], [17, 40], active)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(2):
+        logits = torch.randn(2, pol.max_width, V, generator=g) * 3
+        res = torch.library.opcheck(
+            torch.ops.treeops.build_tree_expand.default, _expand_args(logits, st_, pol)
+        )
+        assert set(res.values()) == {"SUCCESS"}, res
+        treeops.build_tree_expand(logits, st_, pol)  # the next layer's state
+    out = treeops.Tree.empty(2, pol.capacity)
+    res = torch.library.opcheck(
+        torch.ops.treeops.build_tree_emit.default, _emit_args(st_, pol, out)
+    )
+    assert set(res.values()) == {"SUCCESS"}, res
+    # opcheck runs on copies; called directly, the op writes the reference's tree into out
+    torch.ops.treeops.build_tree_emit.default(*_emit_args(st_, pol, out))
+    tree = ref.build_tree_emit(st_.to("cpu"), pol)
+    tree.validate()
+    for f in treeops.Tree.FIELDS:
+        assert torch.equal(getattr(out, f), getattr(tree, f)), f
+
+
+def test_expand_op_split_workspace_is_the_launchers(monkeypatch):
+    """The public expand sizes the split-V buffers (op arguments) as the launcher would: with a
+    pretend GPU split of 3, ``_split_workspace`` builds the buffers ``_launch_expand`` builds."""
+    tb = importlib.import_module("treeops.build_tree")  # treeops.build_tree is the function
+
+    monkeypatch.setattr(tb._kernels, "_default_split", lambda rows, V, block_v, dev: 3)
+    pol = treeops.EagleStatic(depth=2, topk=3, budget=6)
+    logits = torch.randn(2, 3, 600)  # 3 chunks of 256 (the interpreter's tile)
+    a, b = start(pol, [1, 2], [3, 4], [True, True]), start(pol, [1, 2], [3, 4], [True, True])
+    got = tb._split_workspace(logits, a, pol.topk)
+    tb._launch_expand(logits, b, pol)
+    assert b.workspace["part_m"].numel() == 2 * 3 * 3  # B x W x split
+    for name, t in zip(("row_counters", "part_m", "part_s", "part_k"), got, strict=True):
+        assert t is a.workspace[name] and t.shape == b.workspace[name].shape, name
+    assert tb._split_workspace(logits, a, pol.topk)[1] is got[1]  # reused, not rebuilt
+    # the op takes them (the CPU backend, the reference, leaves them alone)
+    args = list(_expand_args(logits, a, pol))
+    args[15:19] = got
+    res = torch.library.opcheck(torch.ops.treeops.build_tree_expand.default, tuple(args))
+    assert set(res.values()) == {"SUCCESS"}, res
+    c = start(pol, [1, 2], [3, 4], [True, True])
+    treeops.build_tree_expand(logits, a, pol)
+    ref.build_tree_expand(logits, c, pol)
+    for f in ("frontier", "frontier_tokens", "cand_tokens", "cand_parents", "decisions"):
+        assert torch.equal(getattr(a, f), getattr(c, f)), f

@@ -732,3 +732,28 @@ def test_reference_module_is_the_public_one():
     s = torch.tensor([[r.randrange(64) / 64 for _ in range(5)] for _ in range(3)])
     c = torch.tensor([1.0, 1.0, 2.0, 2.0, 3.0])
     assert int(treeops.cast_width(s, c, 0.5)) == int(ref.cast_width(s, c, 0.5))
+
+
+# ------------------------------------------------------------------ torch.ops.treeops (opcheck)
+def test_opcheck_cast_ops():
+    """``torch.library.opcheck`` of the four CAST ops on CPU: two requests of 50 candidate
+    scores (one inactive), 8 costs; the fakes give 0-d int32 (counts) and bool (depth)."""
+    g = torch.Generator().manual_seed(2)
+    scores = torch.rand(2, 50, generator=g) ** 2
+    scores[1, 30:] = -1.0  # no candidate
+    costs = torch.cumsum(torch.rand(8, generator=g) + 0.5, 0)
+    active = torch.tensor([True, False])
+    u = torch.cumsum(torch.rand(8, generator=g, dtype=torch.float64), 0)
+    cases = [
+        (torch.ops.treeops.cast_select.default, (u, costs.double(), 0.25)),
+        (torch.ops.treeops.cast_width.default, (scores, costs, 0.125, None)),
+        (torch.ops.treeops.cast_width.default, (scores, costs, 0.125, active)),
+        (torch.ops.treeops.cast_depth.default, (torch.tensor([1.0, 0.5, 0.375]),
+                                                torch.tensor(0.25), 1.0, 2)),
+        (torch.ops.treeops.cast_rerank.default, (scores.bfloat16(), costs, 0.01, None)),
+        (torch.ops.treeops.cast_rerank.default, (scores, costs.double(), 0.01, active)),
+    ]  # fmt: skip
+    for op, args in cases:
+        res = torch.library.opcheck(op, args)
+        assert set(res.values()) == {"SUCCESS"}, (op, res)
+    assert int(treeops.cast_width(scores, costs, 0.125)) == int(cases[1][0](*cases[1][1]))

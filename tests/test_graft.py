@@ -7,6 +7,8 @@ references with exact integer equality.
 
 from __future__ import annotations
 
+import importlib
+import math
 import random
 
 import pytest
@@ -778,3 +780,99 @@ def test_update_kernel_rejects_strided_ids_before_claiming():
         adjacency_update(table, owner, {}, tokens, num_nodes, None, ids, False)
     assert torch.equal(owner, torch.full((V,), 2**31 - 1, dtype=torch.int32))
     assert torch.equal(table, torch.full((V, k), -1, dtype=torch.int32))
+
+
+# ------------------------------------------------------------------ torch.ops.treeops (opcheck)
+def _opcheck(op, args):
+    res = torch.library.opcheck(op, args)
+    assert set(res.values()) == {"SUCCESS"}, (op, res)
+
+
+def _opcheck_inputs():
+    """Two trees (a random 12-node one and a chain) of capacity 16 over V = 50, a warm table."""
+    rng = random.Random(5)
+    V, N = 50, 16
+    tree = make_tree([parents_of("random", 12, rng), parents_of("chain", 5, rng)], N, V, rng)
+    tab = random_table(V, 4, rng, tree=tree)
+    return rng, V, tree, tab
+
+
+def test_opcheck_adjacency_ops():
+    """``adjacency_update`` / ``adjacency_warm_start`` from logits and from top-k ids, and
+    ``adjacency_retrieve`` with every kind of count (None stands as the template's size - 1)."""
+    ops = torch.ops.treeops
+    rng, V, tree, tab = _opcheck_inputs()
+    B, N = tree.parents.shape
+    logits = logits_like((B, N, V), rng)
+    ids = torch.randint(-1, V, (B, N, 6), dtype=torch.int32)
+    for lg, ii in ((logits, None), (None, ids)):
+        _opcheck(ops.adjacency_update.default, (tab.clone(), None, None, None,
+                                                *tree.tensors(), lg, ii))  # fmt: skip
+        lengths = torch.tensor([N, 3], dtype=torch.int32)
+        _opcheck(ops.adjacency_warm_start.default, (tab.clone(), None, None, None, tree.tokens,
+                                                    lg, lengths, ii))  # fmt: skip
+    tpl = RankTemplate.default()
+    par, rank, dep = tpl.tensors("cpu")
+    roots = tree.tokens[:, 0].contiguous()
+    table8 = random_table(V, 8, rng)
+    for count, count_int in ((None, tpl.size - 1), (None, 5), (torch.tensor([3, 40]), 0)):
+        count = None if count is None else count.to(torch.int32)
+        _opcheck(ops.adjacency_retrieve.default,
+                 (table8, roots, par, rank, dep, tpl.max_depth, count, count_int))  # fmt: skip
+    # the public methods run the ops
+    t = table_of(tab)
+    t.update(tree, topk_ids=ids)
+    want = tab.clone()
+    ref.adjacency_update(want, tree, None, ids)
+    assert torch.equal(t.table, want)
+
+
+def test_opcheck_graft_and_prune_ops():
+    """``graft``, ``graft_merge``, ``prune`` (int and tensor budget / keep / count) and
+    ``prune_checkpoint``; the out tree is a fresh buffer, as the public functions allocate."""
+    ops = torch.ops.treeops
+    rng, V, tree, tab = _opcheck_inputs()
+    B, N = tree.parents.shape
+    for keep, keep_int in ((None, 4), (None, NO_PRUNE), (torch.tensor([2, 0]), 0)):
+        keep = None if keep is None else keep.to(torch.int32)
+        _opcheck(ops.prune.default, (*tree.tensors(), keep, keep_int))
+    pruned = prune(tree, torch.tensor([6, NO_PRUNE], dtype=torch.int32))
+    tpl = RankTemplate.balanced(2, 3)
+    par, rank, dep = tpl.tensors("cpu")
+    budgets = ((None, 12), (torch.tensor([16, 9], dtype=torch.int32), 0))
+    for budget, budget_int in budgets:
+        for count, count_int in (
+            (None, tpl.size - 1),
+            (torch.tensor([2, 9], dtype=torch.int32), 0),
+        ):
+            out = treeops.Tree.empty(B, N)
+            _opcheck(ops.graft.default, (*pruned.tensors(), tab, par, rank, dep, tpl.max_depth,
+                                         tpl.max_width, budget, budget_int, count, count_int,
+                                         *out.tensors()))  # fmt: skip
+        r = ref.adjacency_retrieve(tab, pruned.tokens[:, 0], tpl)
+        out = treeops.Tree.empty(B, N)
+        _opcheck(ops.graft_merge.default, (*pruned.tensors(), r.tokens, r.parents, r.depth,
+                                           r.num_nodes, r.max_depth, budget, budget_int,
+                                           *out.tensors()))  # fmt: skip
+    keep = PruneCheckpoints().start(B)
+    _opcheck(ops.prune_checkpoint.default, (keep, torch.tensor([0.1, 0.9]), 8, 0.3))
+    # the public functions run the ops: the reference's trees
+    assert_same_tree(graft(pruned, table_of(tab), tpl, 12), ref.graft(pruned, tab, tpl, 12))
+    assert_same_tree(prune(tree, 3), ref.prune(tree, 3))
+
+
+def test_update_op_workspace_key_is_the_launchers():
+    """The public update caches the partial top-k buffers under the launcher's key."""
+    tg = importlib.import_module("treeops.graft")  # treeops.graft is the function
+
+    for V, k, n in ((50, 4, (2, 8)), (700, 3, (1, 3)), (7, 8, (3, 1))):
+        ws: dict = {}
+        tokens = torch.zeros(n, dtype=torch.int64)
+        table = torch.full((V, k), -1, dtype=torch.int32)
+        owner = torch.full((V,), kern.INT32_MAX, dtype=torch.int32)
+        num = torch.full((n[0],), n[1], dtype=torch.int32)
+        kern.adjacency_update(table, owner, ws, tokens, num, torch.randn(*n, V), None, False)
+        assert list(ws) == [tg._update_key(n[0] * n[1], V, k, table.device)]
+        assert ws[tg._update_key(n[0] * n[1], V, k, table.device)][0].numel() == math.prod(
+            tg._update_key(n[0] * n[1], V, k, table.device)
+        )

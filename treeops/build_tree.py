@@ -13,8 +13,10 @@ reranks the candidates into a ``Tree``::
     tree = treeops.build_tree_emit(state, policy)                       # two launches
 
 or, with a callable for the draft forward, ``tree = treeops.build_tree(policy, draft_fn,
-root_tokens, seq_lens)``. CUDA tensors run the Triton kernels (``treeops.kernels.build_tree``);
-CPU tensors run the reference (``treeops.reference.build_tree``).
+root_tokens, seq_lens)``. Expand and emit are the custom ops ``torch.ops.treeops.build_tree_expand``
+and ``build_tree_emit`` (the state's buffers are their mutated arguments): CUDA tensors run the
+Triton kernels (``treeops.kernels.build_tree``), CPU tensors the reference
+(``treeops.reference.build_tree``).
 
 Candidates are numbered ``i * W * K + r * K + j`` (draft layer i, frontier row r, top-k rank j):
 the tie-break of rank order. ``W`` is the frontier capacity (``EagleStatic.topk``,
@@ -25,15 +27,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from ._checks import check_finite, check_positive_int, check_same_device, check_tensor, cuda_device
 from ._draft_state import STATE_TENSORS, DraftState
+from ._library import OUT_TREE, define
+from ._runtime import cdiv, interpreted, pow2, refuse_in_capture
 from .cost_table import CostTable
 from .kernels import build_tree as _kernels
 from .reference import build_tree as _ref
-from .tree import Tree, check_tree
+from .tree import Tree, anc_words, check_tree
 
 __all__ = [
     "EagleStatic",
@@ -158,8 +163,6 @@ def _check_state(state: object, policy: Policy) -> DraftState:
     return state
 
 
-
-
 def _kernel_inputs(state: DraftState, policy: Policy) -> dict:
     """What both tree-build launchers read: the state's layer, request and candidate tensors and
     workspace, and CAST's thresholds and device cost tables (None under EAGLE)."""
@@ -184,8 +187,8 @@ def _kernel_inputs(state: DraftState, policy: Policy) -> dict:
 
 
 def _launch_expand(logits: torch.Tensor, state: DraftState, policy: Policy, **tuning) -> None:
-    """The CUDA branch of ``build_tree_expand`` (no checks, does not advance ``state.layer``);
-    ``tuning``: ``block_v``, ``num_warps``, ``split`` of the launcher."""
+    """The expand launcher on a state (no checks, does not advance ``state.layer``), for tests
+    and benchmarks; ``tuning``: ``block_v``, ``num_warps``, ``split`` of the launcher."""
     _kernels.expand(
         logits,
         topk=policy.topk,
@@ -199,12 +202,196 @@ def _launch_expand(logits: torch.Tensor, state: DraftState, policy: Policy, **tu
 
 
 def _launch_emit(state: DraftState, policy: Policy, *, out: Tree | None = None) -> Tree:
-    """The CUDA branch of ``build_tree_emit`` (no checks)."""
+    """The emit launchers on a state (no checks), for tests and benchmarks."""
     return _kernels.emit(
         capacity=policy.capacity,
         root_tokens=state.root_tokens,
         out=out,
         **_kernel_inputs(state, policy),
+    )
+
+
+# ------------------------------------------------------------------------------ custom ops
+# The ops take the DraftState's buffers (the mutated ones as such) and CAST's inputs as plain
+# tensors and numbers: ``target_times`` / ``draft_times`` are the cost table's device rows
+# [M, n_max] (None under EAGLE), ``bucket_len`` its L. ``state.layer`` and ``state.publish``
+# stay in Python around the op.
+
+
+def _cast_args(state: DraftState, policy: Policy) -> tuple:
+    """(target_times, draft_times, C1, C2, C3, R, L): CAST's op arguments (stand-ins for EAGLE)."""
+    if not policy.is_cast:
+        return None, None, 0.0, 0.0, 0.0, 1, 1
+    t = policy.cost_table
+    target, draft = t.device_tables(state.active.shape[0], state.cand_scores.device)
+    return target, draft, float(policy.C1), float(policy.C2), float(policy.C3), policy.R, t.L
+
+
+def _cast_inputs(target_times, draft_times, c1, c2, c3, fifo, bucket_len):
+    """The launchers' ``CastInputs`` from the op's arguments (None under EAGLE)."""
+    if target_times is None:
+        return None
+    M, n_max = target_times.shape
+    return _kernels.CastInputs(c1, c2, c3, fifo, target_times, draft_times, bucket_len, M, n_max)
+
+
+@dataclass(frozen=True)
+class _CostRows:
+    """What the reference reads of a ``CostTable``: the device rows and the context bucket."""
+
+    target: torch.Tensor
+    draft: torch.Tensor
+    L: int
+
+    def device_tables(self, B: int, device: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.target, self.draft
+
+    def bucket(self, c: int) -> int:
+        return min(max(int(c), 0) // self.L, self.target.shape[0] - 1)
+
+
+def _ref_policy(topk, W, D, N, target_times, draft_times, c1, c2, c3, fifo, bucket_len):
+    """A stand-in for the policy the reference reads (its sizes, thresholds and cost rows)."""
+    cast = target_times is not None
+    return SimpleNamespace(
+        topk=topk, max_width=W, max_depth=D, capacity=N, is_cast=cast, C1=c1, C2=c2, C3=c3,
+        R=fifo, cost_table=_CostRows(target_times, draft_times, bucket_len) if cast else None,
+    )  # fmt: skip
+
+
+def _split_workspace(logits: torch.Tensor, state: DraftState, K: int) -> tuple:
+    """(row_counters, part_m, part_s, part_k): the buffers of the split-V expand on CUDA, in
+    ``state.workspace`` (made on the first call of a larger shape: never inside a CUDA-graph
+    capture), or Nones when the launch has one program per row (always off the GPU). The sizes
+    are the launcher's (``kernels.build_tree.expand``); it checks them again."""
+    B, W, V = logits.shape
+    block_v = min(pow2(V), 256 if interpreted() else (2048 if B * W >= 256 else 4096))
+    split = _kernels._default_split(B * W, V, block_v, logits.device)
+    split = cdiv(V, cdiv(cdiv(V, split), block_v) * block_v)
+    if split <= 1:
+        return None, None, None, None
+    ws, need, KP = state.workspace, B * W * split, pow2(K)
+    if (
+        "part_m" not in ws
+        or ws["part_m"].numel() < need
+        or ws["part_k"].shape[1] != KP
+        or ws["row_counters"].numel() < B * W
+    ):
+        refuse_in_capture("build_tree_expand's split workspace (per draft state and V)")
+        # replaced buffers stay alive: a graph captured with them keeps replaying into them
+        _kernels._RETIRED.extend(
+            ws[k] for k in ("row_counters", "part_m", "part_s", "part_k") if k in ws
+        )
+        dev = logits.device
+        ws["row_counters"] = torch.zeros(B * W, dtype=torch.int32, device=dev)
+        ws["part_m"] = torch.zeros(need, dtype=torch.float32, device=dev)
+        ws["part_s"] = torch.zeros(need, dtype=torch.float32, device=dev)
+        ws["part_k"] = torch.zeros(need, KP, dtype=torch.int64, device=dev)
+    return ws["row_counters"], ws["part_m"], ws["part_s"], ws["part_k"]
+
+
+def _expand_cuda(
+    logits, layer, topk, active, seq_lens, frontier, frontier_tokens, frontier_scores,
+    cand_tokens, cand_scores, cand_parents, decisions, u_hist, counters, cum, row_counters,
+    part_m, part_s, part_k, target_times, draft_times, c1, c2, fifo, bucket_len,
+):  # fmt: skip
+    ws = {"counters": counters, "cum": cum}
+    if part_m is not None:
+        ws.update(row_counters=row_counters, part_m=part_m, part_s=part_s, part_k=part_k)
+    with cuda_device(logits):
+        _kernels.expand(
+            logits, layer=layer, topk=topk, active=active, seq_lens=seq_lens, frontier=frontier,
+            frontier_tokens=frontier_tokens, frontier_scores=frontier_scores,
+            cand_tokens=cand_tokens, cand_scores=cand_scores, cand_parents=cand_parents,
+            decisions=decisions, u_hist=u_hist, workspace=ws,
+            cast=_cast_inputs(target_times, draft_times, c1, c2, 0.0, fifo, bucket_len),
+        )  # fmt: skip
+
+
+def _expand_cpu(
+    logits, layer, topk, active, seq_lens, frontier, frontier_tokens, frontier_scores,
+    cand_tokens, cand_scores, cand_parents, decisions, u_hist, counters, cum, row_counters,
+    part_m, part_s, part_k, target_times, draft_times, c1, c2, fifo, bucket_len,
+):  # fmt: skip
+    W, D = logits.shape[1], cand_scores.shape[1]
+    state = DraftState(
+        root_tokens=seq_lens,  # not read by the expand
+        seq_lens=seq_lens, active=active, cand_tokens=cand_tokens, cand_scores=cand_scores,
+        cand_parents=cand_parents, frontier=frontier, frontier_tokens=frontier_tokens,
+        frontier_scores=frontier_scores, decisions=decisions, u_hist=u_hist, layer=layer,
+    )  # fmt: skip
+    policy = _ref_policy(topk, W, D, 0, target_times, draft_times, c1, c2, 0.0, fifo, bucket_len)
+    _ref.build_tree_expand(logits, state, policy)
+
+
+_expand_op = define(
+    "build_tree_expand(Tensor logits, int layer, int topk, Tensor active, Tensor seq_lens, "
+    "Tensor(a!) frontier, Tensor(b!) frontier_tokens, Tensor(c!) frontier_scores, "
+    "Tensor(d!) cand_tokens, Tensor(e!) cand_scores, Tensor(f!) cand_parents, "
+    "Tensor(g!) decisions, Tensor(h!) u_hist, Tensor(i!) counters, Tensor(j!) cum, "
+    "Tensor(k!)? row_counters, Tensor(l!)? part_m, Tensor(m!)? part_s, Tensor(n!)? part_k, "
+    "Tensor? target_times, Tensor? draft_times, float c1, float c2, int fifo, int bucket_len"
+    ") -> ()",
+    cpu=_expand_cpu,
+    cuda=_expand_cuda,
+)
+
+
+def _emit_cuda(
+    layer, active, seq_lens, root_tokens, cand_tokens, cand_scores, cand_parents, decisions,
+    sel, pos, cum, target_times, c3, bucket_len, *out,
+):  # fmt: skip
+    with cuda_device(cand_scores):
+        _kernels.emit(
+            layer=layer, capacity=out[1].shape[1], active=active, seq_lens=seq_lens,
+            root_tokens=root_tokens, cand_tokens=cand_tokens, cand_scores=cand_scores,
+            cand_parents=cand_parents, decisions=decisions,
+            workspace={"sel": sel, "pos": pos, "cum": cum},
+            cast=_cast_inputs(target_times, target_times, 0.0, 0.0, c3, 1, bucket_len),
+            out=Tree(*out),
+        )  # fmt: skip
+
+
+def _emit_cpu(
+    layer, active, seq_lens, root_tokens, cand_tokens, cand_scores, cand_parents, decisions,
+    sel, pos, cum, target_times, c3, bucket_len, *out,
+):  # fmt: skip
+    D = cand_scores.shape[1]
+    # the emit reads no frontier field nor u_hist (whose length is the state's D)
+    state = DraftState(
+        root_tokens=root_tokens, seq_lens=seq_lens, active=active, cand_tokens=cand_tokens,
+        cand_scores=cand_scores, cand_parents=cand_parents,
+        frontier=cand_parents, frontier_tokens=cand_tokens, frontier_scores=cand_scores,
+        decisions=decisions, u_hist=decisions[:D], layer=layer,
+    )  # fmt: skip
+    policy = _ref_policy(
+        0, 0, D, out[1].shape[1], target_times, target_times, 0.0, 0.0, c3, 1, bucket_len
+    )
+    _ref.build_tree_emit(state, policy, out=Tree(*out))
+
+
+_emit_op = define(
+    "build_tree_emit(int layer, Tensor active, Tensor seq_lens, Tensor root_tokens, "
+    "Tensor cand_tokens, Tensor cand_scores, Tensor cand_parents, Tensor(a!) decisions, "
+    "Tensor(b!) sel, Tensor(c!) pos, Tensor(d!) cum, Tensor? target_times, float c3, "
+    f"int bucket_len, {OUT_TREE}) -> ()",
+    cpu=_emit_cpu,
+    cuda=_emit_cuda,
+)
+
+
+def _empty_tree(B: int, N: int, device: torch.device) -> Tree:
+    """An uninitialised ``Tree`` [B, N] (an op's output buffers)."""
+    i32 = dict(dtype=torch.int32, device=device)
+    return Tree(
+        tokens=torch.empty(B, N, dtype=torch.int64, device=device),
+        parents=torch.empty(B, N, **i32),
+        num_nodes=torch.empty(B, **i32),
+        depth=torch.empty(B, N, **i32),
+        anc=torch.empty(B, N, anc_words(N), **i32),
+        first_child=torch.empty(B, N, **i32),
+        next_sibling=torch.empty(B, N, **i32),
+        scores=torch.empty(B, N, dtype=torch.float32, device=device),
     )
 
 
@@ -268,12 +455,16 @@ def build_tree_expand(
         )
     if validate and bool(torch.isnan(logits).any()):
         raise ValueError("Invalid value in logits: expected numbers, got NaN")
+    target, draft, c1, c2, _c3, fifo, bucket_len = _cast_args(state, policy)
     with cuda_device(logits):  # the launch and publish's event on the logits' device
-        if logits.is_cuda:
-            _launch_expand(logits, state, policy)
-            state.layer += 1
-        else:
-            _ref.build_tree_expand(logits, state, policy)
+        _expand_op(
+            logits, state.layer, policy.topk, state.active, state.seq_lens, state.frontier,
+            state.frontier_tokens, state.frontier_scores, state.cand_tokens, state.cand_scores,
+            state.cand_parents, state.decisions, state.u_hist, state.workspace["counters"],
+            state.workspace["cum"], *_split_workspace(logits, state, policy.topk), target, draft,
+            c1, c2, fifo, bucket_len,
+        )  # fmt: skip
+        state.layer += 1
         state.publish(state.layer - 1)
 
 
@@ -305,20 +496,25 @@ def build_tree_emit(
     _check_state(state, policy)
     if state.layer < 1:
         raise ValueError("Invalid state: expected at least one expanded draft layer, got 0")
+    B = state.active.shape[0]
     if out is not None:
         check_tree(out, name="out")
-        if out.parents.shape != (state.active.shape[0], policy.capacity):
+        if out.parents.shape != (B, policy.capacity):
             raise ValueError(
                 f"Invalid shape of out.parents: expected "
                 f"{[state.active.shape[0], policy.capacity]}, got "
                 f"{list(out.parents.shape)}"
             )
         check_same_device(out=out.parents, state=state.cand_scores)
+    tree = out if out is not None else _empty_tree(B, policy.capacity, state.cand_scores.device)
+    target, _draft, _c1, _c2, c3, _fifo, bucket_len = _cast_args(state, policy)
+    ws = state.workspace
     with cuda_device(state.cand_scores):  # the launches and publish's event on its device
-        if state.cand_scores.is_cuda:
-            tree = _launch_emit(state, policy, out=out)
-        else:
-            tree = _ref.build_tree_emit(state, policy, out=out)
+        _emit_op(
+            state.layer, state.active, state.seq_lens, state.root_tokens, state.cand_tokens,
+            state.cand_scores, state.cand_parents, state.decisions, ws["sel"], ws["pos"],
+            ws["cum"], target, c3, bucket_len, *tree.tensors(),
+        )  # fmt: skip
         state.publish(state.max_depth)
     if validate:
         tree.validate()

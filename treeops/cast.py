@@ -5,8 +5,9 @@
 depth and the verification count. Inside a decoding step these decisions are fused into the tree
 build kernels (``treeops.build_tree_expand`` / ``build_tree_emit`` with a ``treeops.Cast``
 policy); the functions here are the same rules as standalone ops, for engines that build trees
-their own way. They are small batched torch ops without host synchronisation on every device
-(the reference implementation; a separate kernel would not pay for its launch).
+their own way. Each is a custom op ``torch.ops.treeops.cast_*`` whose CPU and CUDA backends are
+both the reference implementation: small batched torch ops (a separate kernel would not pay for
+its launch).
 """
 
 from __future__ import annotations
@@ -14,10 +15,46 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_finite, check_same_device, check_tensor
+from ._library import define
 from .cost_table import CostTable
 from .reference import cast as _ref
 
 __all__ = ["CostTable", "cast_select", "cast_width", "cast_depth", "cast_rerank"]
+
+
+# The ops' CPU and CUDA backends are both the reference: batched torch ops, on any device.
+def _count_fake(x, *args):
+    return x.new_empty((), dtype=torch.int32)
+
+
+def _flag_fake(x, *args):
+    return x.new_empty((), dtype=torch.bool)
+
+
+_select_op = define(
+    "cast_select(Tensor u, Tensor c, float C) -> Tensor",
+    cpu=_ref.cast_select,
+    cuda=_ref.cast_select,
+    fake=_count_fake,
+)
+_width_op = define(
+    "cast_width(Tensor scores, Tensor costs, float C1, Tensor? active) -> Tensor",
+    cpu=_ref.cast_width,
+    cuda=_ref.cast_width,
+    fake=_count_fake,
+)
+_depth_op = define(
+    "cast_depth(Tensor u_hist, Tensor c, float C2, int R) -> Tensor",
+    cpu=_ref.cast_depth,
+    cuda=_ref.cast_depth,
+    fake=_flag_fake,
+)
+_rerank_op = define(
+    "cast_rerank(Tensor scores, Tensor costs, float C3, Tensor? active) -> Tensor",
+    cpu=_ref.cast_rerank,
+    cuda=_ref.cast_rerank,
+    fake=_count_fake,
+)
 
 
 def _check_scores_costs(
@@ -72,7 +109,7 @@ def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
     check_same_device(u=u, c=c)
     if sizes["K"] < 1:
         raise ValueError("Invalid shape of u: expected [K] with K >= 1, got [0]")
-    return _ref.cast_select(u, c, C)
+    return _select_op(u, c, float(C))
 
 
 def cast_width(
@@ -115,7 +152,7 @@ def cast_width(
         2
     """
     _check_scores_costs(scores, costs, active, C1, "C1", validate)
-    return _ref.cast_width(scores, costs, C1, active)
+    return _width_op(scores, costs, float(C1), active)
 
 
 def cast_depth(
@@ -150,7 +187,7 @@ def cast_depth(
     if validate:
         check_finite("u_hist", u_hist, nonnegative=True)
         check_finite("c", c, nonnegative=True)
-    return _ref.cast_depth(u_hist, c, C2, R)
+    return _depth_op(u_hist, c, float(C2), R)
 
 
 def cast_rerank(
@@ -190,4 +227,4 @@ def cast_rerank(
         4
     """
     _check_scores_costs(scores, costs, active, C3, "C3", validate)
-    return _ref.cast_rerank(scores, costs, C3, active)
+    return _rerank_op(scores, costs, float(C3), active)

@@ -1,4 +1,4 @@
-"""Graft (docs/design.md op 6): prune the draft tree early, refill its budget from a successor table.
+"""Graft (docs/design.md op 6): prune a draft tree early, refill its budget from a successor table.
 
 Per decoding step, for a batch of B requests:
 
@@ -13,8 +13,11 @@ Per decoding step, for a batch of B requests:
 3. Verify with the target, accept, then ``table.update(tree, target_logits)`` (or the
    ``topk_ids`` acceptance returns) so that the table learns the target's successors.
 
-CUDA tensors run the Triton kernels (``treeops.kernels.graft``), CPU tensors the references
-(``treeops.reference.graft``). Nothing here syncs with the host unless ``validate=True``.
+Each is a custom op ``torch.ops.treeops.*`` (``graft``, ``graft_merge``, ``prune``,
+``prune_checkpoint``, ``adjacency_update``, ``adjacency_warm_start``, ``adjacency_retrieve``):
+CUDA tensors run the Triton kernels (``treeops.kernels.graft``; ``prune`` and the checkpoint
+rule a few torch ops), CPU tensors the references (``treeops.reference.graft``). Nothing here
+syncs with the host unless ``validate=True``.
 
 Example (CPU):
     >>> import torch, treeops
@@ -35,11 +38,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from ._checks import check_positive_int, check_range, check_same_device, check_tensor, cuda_device
 from ._graft_types import NO_PRUNE, RankTemplate, Retrieved
+from ._library import OUT_TREE, TREE, define
+from ._runtime import cdiv, interpreted, pow2
+from .kernels import graft as _k
 from .reference import graft as _ref
 from .tree import Tree, check_tree
 
@@ -54,6 +61,223 @@ __all__ = [
     "graft_merge",
     "prune",
 ]
+
+# ------------------------------------------------------------------------------ custom ops
+# A budget, keep or count that is an int or a [B] int32 tensor passes as ``Tensor? x, int x_int``
+# (the tensor when given, else the int); a template as its tensors and max_depth; a Tree as its
+# tensors (``TREE``, first) and an output Tree as its buffers (``OUT_TREE``, last).
+
+
+def _template(parents, ranks, depth, max_depth) -> SimpleNamespace:
+    """What the reference reads of a ``RankTemplate``, from the op's template tensors."""
+    return SimpleNamespace(
+        parents=parents, ranks=ranks, depth=depth, size=parents.shape[0], max_depth=max_depth
+    )
+
+
+def _update_key(n_flat: int, V: int, K: int, device: torch.device) -> tuple[int, int, int]:
+    """The key (and sizes) of the CUDA update's partial top-k workspace: (nodes, splits of V,
+    padded k), as ``kernels.graft.adjacency_update`` computes it."""
+    block_v = 256 if interpreted() else 2048
+    S = _k._splits(n_flat, V, block_v, device)
+    S = cdiv(V, cdiv(cdiv(V, S), block_v) * block_v)
+    return n_flat, S, max(pow2(K), 2)
+
+
+def _update_launch(table, owner, ws_val, ws_id, tokens, num, logits, topk_ids, last_wins):
+    B, N = tokens.shape
+    ws = {}
+    if ws_val is not None:
+        ws[_update_key(B * N, table.shape[0], table.shape[1], table.device)] = (ws_val, ws_id)
+    with cuda_device(table):
+        _k.adjacency_update(table, owner, ws, tokens, num, logits, topk_ids, last_wins=last_wins)
+
+
+def _adjacency_update_cuda(table, owner, ws_val, ws_id, *rest):
+    tree, (logits, topk_ids) = Tree(*rest[:8]), rest[8:]
+    _update_launch(
+        table, owner, ws_val, ws_id, tree.tokens, tree.num_nodes, logits, topk_ids, False
+    )
+
+
+def _adjacency_update_cpu(table, owner, ws_val, ws_id, *rest):
+    tree, (logits, topk_ids) = Tree(*rest[:8]), rest[8:]
+    _ref.adjacency_update(table, tree, logits, topk_ids)
+
+
+_adjacency_update_op = define(
+    "adjacency_update(Tensor(a!) table, Tensor(b!)? owner, Tensor(c!)? ws_val, "
+    f"Tensor(d!)? ws_id, {TREE}, Tensor? target_logits, Tensor? topk_ids) -> ()",
+    cpu=_adjacency_update_cpu,
+    cuda=_adjacency_update_cuda,
+)
+
+
+def _warm_start_cuda(table, owner, ws_val, ws_id, tokens, logits, lengths, topk_ids):
+    _update_launch(table, owner, ws_val, ws_id, tokens, lengths, logits, topk_ids, True)
+
+
+def _warm_start_cpu(table, owner, ws_val, ws_id, tokens, logits, lengths, topk_ids):
+    _ref.adjacency_warm_start(table, tokens, logits, lengths, topk_ids)
+
+
+_warm_start_op = define(
+    "adjacency_warm_start(Tensor(a!) table, Tensor(b!)? owner, Tensor(c!)? ws_val, "
+    "Tensor(d!)? ws_id, Tensor prompt_tokens, Tensor? prefill_logits, Tensor lengths, "
+    "Tensor? topk_ids) -> ()",
+    cpu=_warm_start_cpu,
+    cuda=_warm_start_cuda,
+)
+
+
+def _retrieve_cuda(table, root_tokens, t_parents, t_ranks, t_depth, max_depth, count, count_int):
+    with cuda_device(table):
+        return _k.retrieve(
+            table, root_tokens, t_parents, t_ranks, t_depth, max_depth,
+            count if count is not None else count_int,
+        )  # fmt: skip
+
+
+def _retrieve_cpu(table, root_tokens, t_parents, t_ranks, t_depth, max_depth, count, count_int):
+    r = _ref.adjacency_retrieve(
+        table, root_tokens, _template(t_parents, t_ranks, t_depth, max_depth),
+        count if count is not None else count_int,
+    )  # fmt: skip
+    return r.tokens, r.parents, r.depth, r.num_nodes
+
+
+def _retrieve_fake(table, root_tokens, t_parents, *rest):
+    B, T = root_tokens.shape[0], t_parents.shape[0]
+    i32 = torch.int32
+    return (
+        root_tokens.new_empty(B, T, dtype=torch.int64),
+        root_tokens.new_empty(B, T, dtype=i32),
+        root_tokens.new_empty(B, T, dtype=i32),
+        root_tokens.new_empty(B, dtype=i32),
+    )
+
+
+_retrieve_op = define(
+    "adjacency_retrieve(Tensor table, Tensor root_tokens, Tensor t_parents, Tensor t_ranks, "
+    "Tensor t_depth, int max_depth, Tensor? count, int count_int) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+    cpu=_retrieve_cpu,
+    cuda=_retrieve_cuda,
+    fake=_retrieve_fake,
+)
+
+
+def _copy_into(res: Tree, out: tuple[torch.Tensor, ...]) -> None:
+    for dst, src in zip(out, res.tensors(), strict=True):
+        dst.copy_(src)
+
+
+def _graft_merge_cuda(*args):
+    tree, rest, out = Tree(*args[:8]), args[8:-8], args[-8:]
+    r_tok, r_par, r_dep, r_num, max_depth, budget, budget_int = rest
+    with cuda_device(r_tok):
+        _k.graft_fused(
+            tree, budget if budget is not None else budget_int, r_tokens=r_tok, r_parents=r_par,
+            r_depth=r_dep, r_num=r_num, max_depth=max_depth, out=out,
+        )  # fmt: skip
+
+
+def _graft_merge_cpu(*args):
+    tree, rest, out = Tree(*args[:8]), args[8:-8], args[-8:]
+    r_tok, r_par, r_dep, r_num, max_depth, budget, budget_int = rest
+    retrieved = Retrieved(r_tok, r_par, r_dep, r_num, max_depth)
+    res = _ref.graft_merge(tree, retrieved, budget if budget is not None else budget_int)
+    _copy_into(res, out)
+
+
+_graft_merge_op = define(
+    f"graft_merge({TREE}, Tensor r_tokens, Tensor r_parents, Tensor r_depth, "
+    f"Tensor r_num_nodes, int max_depth, Tensor? budget, int budget_int, {OUT_TREE}) -> ()",
+    cpu=_graft_merge_cpu,
+    cuda=_graft_merge_cuda,
+)
+
+
+def _graft_cuda(*args):
+    tree, rest, out = Tree(*args[:8]), args[8:-8], args[-8:]
+    table, par, rank, dep, max_depth, level_width, budget, budget_int, count, count_int = rest
+    with cuda_device(table):
+        _k.graft_fused(
+            tree, budget if budget is not None else budget_int, table=table, t_parents=par,
+            t_ranks=rank, t_depth=dep, max_depth=max_depth, level_width=level_width,
+            count=count if count is not None else count_int, out=out,
+        )  # fmt: skip
+
+
+def _graft_cpu(*args):
+    tree, rest, out = Tree(*args[:8]), args[8:-8], args[-8:]
+    table, par, rank, dep, max_depth, _lw, budget, budget_int, count, count_int = rest
+    res = _ref.graft(
+        tree, table, _template(par, rank, dep, max_depth),
+        budget if budget is not None else budget_int, count if count is not None else count_int,
+    )  # fmt: skip
+    _copy_into(res, out)
+
+
+_graft_op = define(
+    f"graft({TREE}, Tensor table, Tensor t_parents, Tensor t_ranks, Tensor t_depth, "
+    "int max_depth, int level_width, Tensor? budget, int budget_int, Tensor? count, "
+    f"int count_int, {OUT_TREE}) -> ()",
+    cpu=_graft_cpu,
+    cuda=_graft_cuda,
+)
+
+
+def _prune_cuda(*args):
+    tree, keep, keep_int = Tree(*args[:8]), args[8], args[9]
+    return _prune_torch(tree, keep if keep is not None else keep_int).tensors()
+
+
+def _prune_cpu(*args):
+    tree, keep, keep_int = Tree(*args[:8]), args[8], args[9]
+    return _ref.prune(tree, keep if keep is not None else keep_int).tensors()
+
+
+def _prune_fake(*args):
+    return tuple(t.new_empty(t.shape) for t in args[:8])
+
+
+_prune_op = define(
+    f"prune({TREE}, Tensor? keep, int keep_int) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    cpu=_prune_cpu,
+    cuda=_prune_cuda,
+    fake=_prune_fake,
+)
+
+
+def _checkpoint_cuda(keep, best_score, keep_value, threshold):
+    hit = (keep >= NO_PRUNE) & (best_score < threshold)
+    keep.copy_(torch.where(hit, torch.full_like(keep, keep_value), keep))
+
+
+def _checkpoint_cpu(keep, best_score, keep_value, threshold):
+    _ref.prune_checkpoint(keep, best_score, 0, (keep_value,), (threshold,))
+
+
+_checkpoint_op = define(
+    "prune_checkpoint(Tensor(a!) keep, Tensor best_score, int keep_value, float threshold) -> ()",
+    cpu=_checkpoint_cpu,
+    cuda=_checkpoint_cuda,
+)
+
+
+def _empty_tree(like: Tree) -> Tree:
+    """Uninitialised output buffers of ``like``'s shapes (the op writes every element)."""
+    return Tree(*(torch.empty_like(t) for t in like.tensors()))
+
+
+def _split(x: torch.Tensor | int | None, default: int) -> tuple[torch.Tensor | None, int]:
+    """``(tensor, int)`` op arguments for an int-or-tensor argument (None: ``default``)."""
+    if isinstance(x, torch.Tensor):
+        return x, 0
+    return None, default if x is None else x
+
 
 def _check_budget(budget: torch.Tensor | int, B: int, dev: torch.device, N: int) -> None:
     if isinstance(budget, torch.Tensor):
@@ -191,22 +415,10 @@ class AdjacencyTable:
         self._check_rows(
             "update", tree.tokens, tree.batch_size, tree.capacity, target_logits, topk_ids, validate
         )
-        if self.table.is_cuda:
-            from .kernels import graft as _k
-
-            with cuda_device(self.table):
-                _k.adjacency_update(
-                    self.table,
-                    self._owner,
-                    self._workspace,
-                    tree.tokens,
-                    tree.num_nodes,
-                    target_logits,
-                    topk_ids,
-                    last_wins=False,
-                )
-        else:
-            _ref.adjacency_update(self.table, tree, target_logits, topk_ids)
+        _adjacency_update_op(
+            self.table, self._owner, *self._update_workspace(tree.tokens, target_logits),
+            *tree.tensors(), target_logits, topk_ids,
+        )  # fmt: skip
 
     def warm_start(
         self,
@@ -241,22 +453,10 @@ class AdjacencyTable:
         self._check_rows("warm_start", prompt_tokens, B, L, prefill_logits, topk_ids, validate)
         if validate:
             check_range("lengths", lengths, 0, L + 1)
-        if self.table.is_cuda:
-            from .kernels import graft as _k
-
-            with cuda_device(self.table):
-                _k.adjacency_update(
-                    self.table,
-                    self._owner,
-                    self._workspace,
-                    prompt_tokens,
-                    lengths,
-                    prefill_logits,
-                    topk_ids,
-                    last_wins=True,
-                )
-        else:
-            _ref.adjacency_warm_start(self.table, prompt_tokens, prefill_logits, lengths, topk_ids)
+        _warm_start_op(
+            self.table, self._owner, *self._update_workspace(prompt_tokens, prefill_logits),
+            prompt_tokens, prefill_logits, lengths, topk_ids,
+        )  # fmt: skip
 
     def retrieve(
         self,
@@ -279,16 +479,29 @@ class AdjacencyTable:
         self._check_template(template)
         check_same_device(table=self.table, root_tokens=root_tokens)
         _check_count(count, B, self.device)
-        if self.table.is_cuda:
-            from .kernels import graft as _k
+        par, rank, dep = template.tensors(self.device)
+        tok, rpar, rdep, num = _retrieve_op(
+            self.table, root_tokens, par, rank, dep, template.max_depth,
+            *_split(count, template.size - 1),
+        )  # fmt: skip
+        return Retrieved(tok, rpar, rdep, num, template.max_depth)
 
-            par, rank, dep = template.tensors(self.device)
-            with cuda_device(self.table):
-                tok, rpar, rdep, num = _k.retrieve(
-                    self.table, root_tokens, par, rank, dep, template.max_depth, count
-                )
-            return Retrieved(tok, rpar, rdep, num, template.max_depth)
-        return _ref.adjacency_retrieve(self.table, root_tokens, template, count)
+    def _update_workspace(
+        self, tokens: torch.Tensor, logits: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The CUDA update's partial top-k buffers for these shapes (cached per shape), or Nones
+        (CPU table, ``topk_ids`` given, or no node)."""
+        n_flat = tokens.numel()
+        if logits is None or not self.table.is_cuda or n_flat == 0:
+            return None, None
+        key = _update_key(n_flat, self.vocab_size, self.k, self.device)
+        if key not in self._workspace:
+            size = key[0] * key[1] * key[2]
+            self._workspace[key] = (
+                torch.empty(size, dtype=torch.float32, device=self.device),
+                torch.empty(size, dtype=torch.int32, device=self.device),
+            )
+        return self._workspace[key]
 
     def _check_template(self, template: object) -> None:
         if not isinstance(template, RankTemplate):
@@ -349,23 +562,12 @@ def graft_merge(
         if isinstance(budget, torch.Tensor):
             _check_budget_values(budget, tree)
     _check_out(out, tree)
-    if tree.parents.is_cuda:
-        from .kernels import graft as _k
-
-        with cuda_device(tree.parents):
-            return Tree(
-                *_k.graft_fused(
-                    tree,
-                    budget,
-                    r_tokens=retrieved.tokens,
-                    r_parents=retrieved.parents,
-                    r_depth=retrieved.depth,
-                    r_num=retrieved.num_nodes,
-                    max_depth=retrieved.max_depth,
-                    out=_fields(out),
-                )
-            )
-    return _copy_out(_ref.graft_merge(tree, retrieved, budget), out)
+    out = _empty_tree(tree) if out is None else out
+    _graft_merge_op(
+        *tree.tensors(), retrieved.tokens, retrieved.parents, retrieved.depth,
+        retrieved.num_nodes, retrieved.max_depth, *_split(budget, 0), *out.tensors(),
+    )  # fmt: skip
+    return out
 
 
 def graft(
@@ -398,38 +600,13 @@ def graft(
     if validate and isinstance(budget, torch.Tensor):
         _check_budget_values(budget, tree)
     _check_out(out, tree)
-    if tree.parents.is_cuda:
-        from .kernels import graft as _k
-
-        par, rank, dep = template.tensors(tree.device)
-        with cuda_device(tree.parents):
-            return Tree(
-                *_k.graft_fused(
-                    tree,
-                    budget,
-                    table=table.table,
-                    t_parents=par,
-                    t_ranks=rank,
-                    t_depth=dep,
-                    max_depth=template.max_depth,
-                    level_width=template.max_width,
-                    count=count,
-                    out=_fields(out),
-                )
-            )
-    return _copy_out(_ref.graft(tree, table.table, template, budget, count), out)
-
-
-_FIELDS = (
-    "tokens",
-    "parents",
-    "num_nodes",
-    "depth",
-    "anc",
-    "first_child",
-    "next_sibling",
-    "scores",
-)
+    out = _empty_tree(tree) if out is None else out
+    par, rank, dep = template.tensors(tree.device)
+    _graft_op(
+        *tree.tensors(), table.table, par, rank, dep, template.max_depth, template.max_width,
+        *_split(budget, 0), *_split(count, template.size - 1), *out.tensors(),
+    )  # fmt: skip
+    return out
 
 
 def _check_out(out: Tree | None, tree: Tree) -> None:
@@ -442,20 +619,8 @@ def _check_out(out: Tree | None, tree: Tree) -> None:
             f"{list(tree.parents.shape)} on {tree.device}, got "
             f"{list(out.parents.shape)} on {out.device}"
         )
-    if any(getattr(out, f).data_ptr() == getattr(tree, f).data_ptr() for f in _FIELDS):
+    if any(o.data_ptr() == t.data_ptr() for o, t in zip(out.tensors(), tree.tensors())):
         raise ValueError("Invalid out: it shares memory with tree (the merge is not in place)")
-
-
-def _fields(out: Tree | None) -> tuple[torch.Tensor, ...] | None:
-    return None if out is None else tuple(getattr(out, f) for f in _FIELDS)
-
-
-def _copy_out(res: Tree, out: Tree | None) -> Tree:
-    if out is None:
-        return res
-    for f in _FIELDS:
-        getattr(out, f).copy_(getattr(res, f))
-    return out
 
 
 def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tree:
@@ -479,9 +644,7 @@ def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tr
         raise ValueError(
             f"Invalid value of keep: expected an int >= 0 or a [B] int32 tensor, got {keep!r}"
         )
-    if not tree.parents.is_cuda:
-        return _ref.prune(tree, keep)
-    return _prune_torch(tree, keep)
+    return Tree(*_prune_op(*tree.tensors(), *_split(keep, 0)))
 
 
 def _prune_torch(tree: Tree, keep: torch.Tensor | int) -> Tree:
@@ -559,11 +722,7 @@ class PruneCheckpoints:
         check_same_device(keep=keep, best_score=best_score)
         if step in self.steps:
             c = self.steps.index(step)
-            if keep.is_cuda:
-                hit = (keep >= NO_PRUNE) & (best_score < self.thresholds[c])
-                keep.copy_(torch.where(hit, torch.full_like(keep, self.keeps[c]), keep))
-            else:
-                _ref.prune_checkpoint(keep, best_score, c, self.keeps, self.thresholds)
+            _checkpoint_op(keep, best_score, self.keeps[c], float(self.thresholds[c]))
         return keep < NO_PRUNE
 
 
@@ -611,4 +770,3 @@ def calibrate_thresholds(
                 best = math.nextafter(sc[i], math.inf)
         out.append(float(best))
     return tuple(out)
-
