@@ -237,6 +237,20 @@ def kv_append(B, N, hkv, d, page, depth=True, dtype=torch.bfloat16):
     return f"kv_append B={B} N={N} hkv={hkv} D={d} page={page} depth={depth} {dtype}", case
 
 
+def rope(B, N, hq, d, dtype=torch.bfloat16):
+    def case():
+        from treeops.kernels.kv_append import rope_fwd
+
+        # q as a view of a fused QKV output (row stride (hq + 2 * 8) * d), as the decoder passes it
+        x = torch.randn(B, N, (hq + 16) * d, dtype=dtype, generator=G)[..., : hq * d]
+        x = x.view(B, N, hq, d)
+        pos = torch.full((B, N), 4096, dtype=torch.int64)
+        y = torch.empty(B, N, hq, d, dtype=dtype)
+        return lambda: rope_fwd(x, pos, 10000.0, y)
+
+    return f"rope B={B} N={N} hq={hq} D={d} {dtype}", case
+
+
 def build(kind, B, V, N, dtype=torch.bfloat16):
     def case():
         import treeops
@@ -365,6 +379,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             attention(4, 64, 32, 8, 128, 4096, 16),
             attention(1, 64, 32, 8, 128, 32768, 16),  # split-KV + merge
             kv_append(4, 64, 8, 128, 16),
+            rope(4, 64, 32, 128),
             build("cast", 8, 32000, 64),
             accept("greedy", 8, 32000),
             accept("sample", 8, 32000, k=50, p=0.9),
@@ -400,6 +415,8 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
         for dt in (bf, fp):
             out.append(kv_append(4, 64, 8, d, 16, dtype=dt))
     out += [kv_append(4, 10, 8, 128, 16, depth=False), kv_append(1, 1, 8, 128, 1)]
+    for d in (64, 128, 256):
+        out += [rope(4, 64, 32, d), rope(1, 1, 10, d, dtype=fp)]
     # tree build: both policies, both vocabularies, small and large batches (tile sizes change
     # with B x W), budgets on both sides of the rerank's 64-node tile switch, fp32 logits
     for kind in ("eagle", "cast"):

@@ -570,6 +570,45 @@ def _default_split(rows: int, V: int, block_v: int, device: torch.device) -> int
     return max(1, min(cdiv(2 * _runtime.sm_count(device), rows), cdiv(V, block_v), 32))
 
 
+def expand_tiling(
+    rows: int, V: int, device: torch.device, block_v: int | None = None, split: int | None = None
+) -> tuple[int, int]:
+    """(block_v, split) of the expand launch over ``rows`` frontier rows of V logits: the
+    vocabulary tile and the programs per row, from shapes and the SM count only; ``block_v`` and
+    ``split`` override the defaults (a split is rounded to whole tiles)."""
+    if block_v is None:
+        # small CTAs, many per SM: a row's top-K merges are chains of block reductions (latency),
+        # which other resident rows' streaming hides; few rows get wider tiles
+        block_v = min(pow2(V), 256 if interpreted() else (2048 if rows >= 256 else 4096))
+    if split is None:
+        split = _default_split(rows, V, block_v, device)
+    chunk = cdiv(cdiv(V, split), block_v) * block_v  # ceil(V / split) in whole tiles
+    return block_v, cdiv(V, chunk)
+
+
+def split_workspace(
+    ws: dict[str, torch.Tensor], rows: int, split: int, K: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split expand's buffers in ``ws`` (a ``DraftState``'s workspace): per-row arrival
+    counters and each (row, split)'s partial max, sum and top-K; made or grown on a first call of
+    a larger shape (never inside a CUDA-graph capture)."""
+    need, KP = rows * split, pow2(K)
+    if (
+        "part_m" not in ws
+        or ws["part_m"].numel() < need
+        or ws["part_k"].shape[1] != KP
+        or ws["row_counters"].numel() < rows
+    ):
+        refuse_in_capture("build_tree_expand's split workspace (per draft state and V)")
+        # replaced buffers stay alive: a graph captured with them keeps replaying into them
+        _RETIRED.extend(ws[k] for k in ("row_counters", "part_m", "part_s", "part_k") if k in ws)
+        ws["row_counters"] = torch.zeros(rows, dtype=torch.int32, device=device)
+        ws["part_m"] = torch.zeros(need, dtype=torch.float32, device=device)
+        ws["part_s"] = torch.zeros(need, dtype=torch.float32, device=device)
+        ws["part_k"] = torch.zeros(need, KP, dtype=torch.int64, device=device)
+    return ws["row_counters"], ws["part_m"], ws["part_s"], ws["part_k"]
+
+
 def expand(
     logits: torch.Tensor,
     *,
@@ -604,37 +643,14 @@ def expand(
     B, W, V = logits.shape
     K, D = topk, cand_scores.shape[1]
     C = W * K
-    if block_v is None:
-        # small CTAs, many per SM: a row's top-K merges are chains of block reductions (latency),
-        # which other resident rows' streaming hides; few rows get wider tiles
-        block_v = min(pow2(V), 256 if interpreted() else (2048 if B * W >= 256 else 4096))
-    if split is None:
-        split = _default_split(B * W, V, block_v, logits.device)
-    chunk = cdiv(cdiv(V, split), block_v) * block_v  # ceil(V / split) in whole tiles
-    split = cdiv(V, chunk)
-    ws = workspace
+    block_v, split = expand_tiling(B * W, V, logits.device, block_v, split)
+    chunk = cdiv(cdiv(V, split), block_v) * block_v
     KP = pow2(K)
+    ws = workspace
     if split > 1:
-        need = B * W * split
-        if (
-            "part_m" not in ws
-            or ws["part_m"].numel() < need
-            or ws["part_k"].shape[1] != KP
-            or ws["row_counters"].numel() < B * W
-        ):
-            refuse_in_capture("build_tree_expand's split workspace (per draft state and V)")
-            # replaced buffers stay alive: a graph captured with them keeps replaying into them
-            _RETIRED.extend(
-                ws[k] for k in ("row_counters", "part_m", "part_s", "part_k") if k in ws
-            )
-            dev = logits.device
-            ws["row_counters"] = torch.zeros(B * W, dtype=torch.int32, device=dev)
-            ws["part_m"] = torch.zeros(need, dtype=torch.float32, device=dev)
-            ws["part_s"] = torch.zeros(need, dtype=torch.float32, device=dev)
-            ws["part_k"] = torch.zeros(need, KP, dtype=torch.int64, device=dev)
-        rctr, pm, ps, pk = ws["row_counters"], ws["part_m"], ws["part_s"], ws["part_k"]
+        rctr, pm, ps, pk = split_workspace(workspace, B * W, split, K, logits.device)
     else:
-        rctr = pm = ps = pk = ws["counters"]  # never read (SPLIT = 1)
+        rctr = pm = ps = pk = workspace["counters"]  # never read (SPLIT = 1)
     costs = cast if cast is not None else _no_cast(u_hist)
     warps = num_warps or (1 if interpreted() else (8 if block_v >= 4096 else 4))
     _expand_kernel[(B * W * split,)](
@@ -711,16 +727,7 @@ def emit(
     D, C, N = cand_scores.shape[1], cand_scores.shape[2], capacity
     dev = cand_scores.device
     if out is None:
-        out = Tree(
-            tokens=torch.empty(B, N, dtype=torch.int64, device=dev),
-            parents=torch.empty(B, N, dtype=torch.int32, device=dev),
-            num_nodes=torch.empty(B, dtype=torch.int32, device=dev),
-            depth=torch.empty(B, N, dtype=torch.int32, device=dev),
-            anc=torch.empty(B, N, anc_words(N), dtype=torch.int32, device=dev),
-            first_child=torch.empty(B, N, dtype=torch.int32, device=dev),
-            next_sibling=torch.empty(B, N, dtype=torch.int32, device=dev),
-            scores=torch.empty(B, N, dtype=torch.float32, device=dev),
-        )
+        out = Tree.uninitialized(B, N, dev)
     for f in (
         "tokens",
         "parents",

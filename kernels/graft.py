@@ -31,6 +31,7 @@ import triton.language as tl
 
 from treeops import _runtime
 from treeops._runtime import interpreted
+from treeops.tree import Tree
 
 from .graft_update import _claim_kernel, _topk_partial_kernel, _update_write_kernel
 
@@ -470,32 +471,14 @@ def graft_fused(
     Returns the output tree's fields in ``Tree`` order (tokens, parents, num_nodes, depth, anc,
     first_child, next_sibling, scores), written into ``out`` when given.
     """
-    fields = (
-        "tokens",
-        "parents",
-        "num_nodes",
-        "depth",
-        "anc",
-        "first_child",
-        "next_sibling",
-        "scores",
-    )
+    fields = Tree.FIELDS
     for f in fields:
         _contig(f"tree.{f}", getattr(tree, f))
     B, N = tree.parents.shape
     W = tree.anc.shape[2]
     dev = tree.parents.device
     if out is None:
-        out = (
-            torch.empty(B, N, dtype=torch.int64, device=dev),
-            torch.empty(B, N, dtype=torch.int32, device=dev),
-            torch.empty(B, dtype=torch.int32, device=dev),
-            torch.empty(B, N, dtype=torch.int32, device=dev),
-            torch.empty(B, N, W, dtype=torch.int32, device=dev),
-            torch.empty(B, N, dtype=torch.int32, device=dev),
-            torch.empty(B, N, dtype=torch.int32, device=dev),
-            torch.empty(B, N, dtype=torch.float32, device=dev),
-        )
+        out = Tree.uninitialized(B, N, dev).tensors()
     for f, t in zip(fields, out):
         _contig(f"out.{f}", t)
     from_table = table is not None
@@ -634,6 +617,21 @@ def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
     return max(1, min(want, triton.cdiv(V, block_v), 64))
 
 
+def _update_block_v() -> int:
+    return 256 if interpreted() else 2048
+
+
+def update_workspace_key(
+    n_flat: int, V: int, K: int, device: torch.device
+) -> tuple[int, int, int]:
+    """(nodes, splits of V, padded k): the key, and the sizes, of ``adjacency_update``'s partial
+    top-k workspace for ``n_flat`` nodes of V logits and a table of width K."""
+    block_v = _update_block_v()
+    S = _splits(n_flat, V, block_v, device)
+    S = triton.cdiv(V, triton.cdiv(triton.cdiv(V, S), block_v) * block_v)
+    return n_flat, S, max(triton.next_power_of_2(K), 2)
+
+
 def adjacency_update(
     table: torch.Tensor,
     owner: torch.Tensor,
@@ -658,11 +656,10 @@ def adjacency_update(
     # reset them, and a stale claim would block its token's row from every later update
     try:
         if logits is not None:
-            block_v = 256 if interpreted() else 2048
-            S = _splits(n_flat, V, block_v, logits.device)
+            key = update_workspace_key(n_flat, V, K, logits.device)
+            _, S, _ = key
+            block_v = _update_block_v()
             chunk = triton.cdiv(triton.cdiv(V, S), block_v) * block_v
-            S = triton.cdiv(V, chunk)
-            key = (n_flat, S, KB)
             if key not in workspace:
                 workspace[key] = (
                     torch.empty(n_flat * S * KB, dtype=torch.float32, device=table.device),

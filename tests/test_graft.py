@@ -7,7 +7,6 @@ references with exact integer equality.
 
 from __future__ import annotations
 
-import importlib
 import math
 import random
 
@@ -862,9 +861,8 @@ def test_opcheck_graft_and_prune_ops():
 
 
 def test_update_op_workspace_key_is_the_launchers():
-    """The public update caches the partial top-k buffers under the launcher's key."""
-    tg = importlib.import_module("treeops.graft")  # treeops.graft is the function
-
+    """The launcher caches its partial top-k buffers under ``update_workspace_key`` (which the
+    public update uses to pass them to the op), sized by it."""
     for V, k, n in ((50, 4, (2, 8)), (700, 3, (1, 3)), (7, 8, (3, 1))):
         ws: dict = {}
         tokens = torch.zeros(n, dtype=torch.int64)
@@ -872,7 +870,5 @@ def test_update_op_workspace_key_is_the_launchers():
         owner = torch.full((V,), kern.INT32_MAX, dtype=torch.int32)
         num = torch.full((n[0],), n[1], dtype=torch.int32)
         kern.adjacency_update(table, owner, ws, tokens, num, torch.randn(*n, V), None, False)
-        assert list(ws) == [tg._update_key(n[0] * n[1], V, k, table.device)]
-        assert ws[tg._update_key(n[0] * n[1], V, k, table.device)][0].numel() == math.prod(
-            tg._update_key(n[0] * n[1], V, k, table.device)
-        )
+        key = kern.update_workspace_key(n[0] * n[1], V, k, table.device)
+        assert list(ws) == [key] and ws[key][0].numel() == math.prod(key)

@@ -34,11 +34,10 @@ import torch
 from ._checks import check_finite, check_positive_int, check_same_device, check_tensor, cuda_device
 from ._draft_state import STATE_TENSORS, DraftState
 from ._library import OUT_TREE, define
-from ._runtime import cdiv, interpreted, pow2, refuse_in_capture
 from .cost_table import CostTable
 from .kernels import build_tree as _kernels
 from .reference import build_tree as _ref
-from .tree import Tree, anc_words, check_tree
+from .tree import Tree, check_tree
 
 __all__ = [
     "EagleStatic",
@@ -260,34 +259,14 @@ def _ref_policy(topk, W, D, N, target_times, draft_times, c1, c2, c3, fifo, buck
 
 
 def _split_workspace(logits: torch.Tensor, state: DraftState, K: int) -> tuple:
-    """(row_counters, part_m, part_s, part_k): the buffers of the split-V expand on CUDA, in
-    ``state.workspace`` (made on the first call of a larger shape: never inside a CUDA-graph
-    capture), or Nones when the launch has one program per row (always off the GPU). The sizes
-    are the launcher's (``kernels.build_tree.expand``); it checks them again."""
+    """(row_counters, part_m, part_s, part_k): the split-V expand's buffers on CUDA, kept in
+    ``state.workspace`` and sized by the launcher's own rules, or Nones when the launch has one
+    program per row (always off the GPU)."""
     B, W, V = logits.shape
-    block_v = min(pow2(V), 256 if interpreted() else (2048 if B * W >= 256 else 4096))
-    split = _kernels._default_split(B * W, V, block_v, logits.device)
-    split = cdiv(V, cdiv(cdiv(V, split), block_v) * block_v)
+    _, split = _kernels.expand_tiling(B * W, V, logits.device)
     if split <= 1:
         return None, None, None, None
-    ws, need, KP = state.workspace, B * W * split, pow2(K)
-    if (
-        "part_m" not in ws
-        or ws["part_m"].numel() < need
-        or ws["part_k"].shape[1] != KP
-        or ws["row_counters"].numel() < B * W
-    ):
-        refuse_in_capture("build_tree_expand's split workspace (per draft state and V)")
-        # replaced buffers stay alive: a graph captured with them keeps replaying into them
-        _kernels._RETIRED.extend(
-            ws[k] for k in ("row_counters", "part_m", "part_s", "part_k") if k in ws
-        )
-        dev = logits.device
-        ws["row_counters"] = torch.zeros(B * W, dtype=torch.int32, device=dev)
-        ws["part_m"] = torch.zeros(need, dtype=torch.float32, device=dev)
-        ws["part_s"] = torch.zeros(need, dtype=torch.float32, device=dev)
-        ws["part_k"] = torch.zeros(need, KP, dtype=torch.int64, device=dev)
-    return ws["row_counters"], ws["part_m"], ws["part_s"], ws["part_k"]
+    return _kernels.split_workspace(state.workspace, B * W, split, K, logits.device)
 
 
 def _expand_cuda(
@@ -378,21 +357,6 @@ _emit_op = define(
     cpu=_emit_cpu,
     cuda=_emit_cuda,
 )
-
-
-def _empty_tree(B: int, N: int, device: torch.device) -> Tree:
-    """An uninitialised ``Tree`` [B, N] (an op's output buffers)."""
-    i32 = dict(dtype=torch.int32, device=device)
-    return Tree(
-        tokens=torch.empty(B, N, dtype=torch.int64, device=device),
-        parents=torch.empty(B, N, **i32),
-        num_nodes=torch.empty(B, **i32),
-        depth=torch.empty(B, N, **i32),
-        anc=torch.empty(B, N, anc_words(N), **i32),
-        first_child=torch.empty(B, N, **i32),
-        next_sibling=torch.empty(B, N, **i32),
-        scores=torch.empty(B, N, dtype=torch.float32, device=device),
-    )
 
 
 def build_tree_expand(
@@ -506,7 +470,8 @@ def build_tree_emit(
                 f"{list(out.parents.shape)}"
             )
         check_same_device(out=out.parents, state=state.cand_scores)
-    tree = out if out is not None else _empty_tree(B, policy.capacity, state.cand_scores.device)
+    dev = state.cand_scores.device
+    tree = out if out is not None else Tree.uninitialized(B, policy.capacity, dev)
     target, _draft, _c1, _c2, c3, _fifo, bucket_len = _cast_args(state, policy)
     ws = state.workspace
     with cuda_device(state.cand_scores):  # the launches and publish's event on its device

@@ -45,7 +45,6 @@ import torch
 from ._checks import check_positive_int, check_range, check_same_device, check_tensor, cuda_device
 from ._graft_types import NO_PRUNE, RankTemplate, Retrieved
 from ._library import OUT_TREE, TREE, define
-from ._runtime import cdiv, interpreted, pow2
 from .kernels import graft as _k
 from .reference import graft as _ref
 from .tree import Tree, check_tree
@@ -75,20 +74,12 @@ def _template(parents, ranks, depth, max_depth) -> SimpleNamespace:
     )
 
 
-def _update_key(n_flat: int, V: int, K: int, device: torch.device) -> tuple[int, int, int]:
-    """The key (and sizes) of the CUDA update's partial top-k workspace: (nodes, splits of V,
-    padded k), as ``kernels.graft.adjacency_update`` computes it."""
-    block_v = 256 if interpreted() else 2048
-    S = _k._splits(n_flat, V, block_v, device)
-    S = cdiv(V, cdiv(cdiv(V, S), block_v) * block_v)
-    return n_flat, S, max(pow2(K), 2)
-
-
 def _update_launch(table, owner, ws_val, ws_id, tokens, num, logits, topk_ids, last_wins):
     B, N = tokens.shape
     ws = {}
     if ws_val is not None:
-        ws[_update_key(B * N, table.shape[0], table.shape[1], table.device)] = (ws_val, ws_id)
+        key = _k.update_workspace_key(B * N, table.shape[0], table.shape[1], table.device)
+        ws[key] = (ws_val, ws_id)
     with cuda_device(table):
         _k.adjacency_update(table, owner, ws, tokens, num, logits, topk_ids, last_wins=last_wins)
 
@@ -494,7 +485,7 @@ class AdjacencyTable:
         n_flat = tokens.numel()
         if logits is None or not self.table.is_cuda or n_flat == 0:
             return None, None
-        key = _update_key(n_flat, self.vocab_size, self.k, self.device)
+        key = _k.update_workspace_key(n_flat, self.vocab_size, self.k, self.device)
         if key not in self._workspace:
             size = key[0] * key[1] * key[2]
             self._workspace[key] = (

@@ -161,6 +161,22 @@ class Tree:
         )
 
     @staticmethod
+    def uninitialized(batch_size: int, capacity: int, device: torch.device | str = "cpu") -> Tree:
+        """Output buffers for an op that writes every element (``torch.empty``, no fill)."""
+        B, N = batch_size, capacity
+        i32 = dict(dtype=torch.int32, device=device)
+        return Tree(
+            tokens=torch.empty(B, N, dtype=torch.int64, device=device),
+            parents=torch.empty(B, N, **i32),
+            num_nodes=torch.empty(B, **i32),
+            depth=torch.empty(B, N, **i32),
+            anc=torch.empty(B, N, anc_words(N), **i32),
+            first_child=torch.empty(B, N, **i32),
+            next_sibling=torch.empty(B, N, **i32),
+            scores=torch.empty(B, N, dtype=torch.float32, device=device),
+        )
+
+    @staticmethod
     def empty(batch_size: int, capacity: int, device: torch.device | str = "cpu") -> Tree:
         """A tree with every row inactive (``num_nodes = 0``), all padding values."""
         B, N = batch_size, capacity
