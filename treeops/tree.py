@@ -22,7 +22,6 @@ K/V is not yet in the cache. Node i's K/V sits at cache slot ``seq_lens[b] + i``
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import ClassVar
 
 import torch
 
@@ -53,7 +52,8 @@ class Tree:
     next_sibling: torch.Tensor
     scores: torch.Tensor
 
-    FIELDS: ClassVar[tuple[str, ...]] = (
+    # not annotated: a class constant, not a dataclass field
+    FIELDS = (
         "tokens",
         "parents",
         "num_nodes",
