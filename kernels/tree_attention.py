@@ -372,6 +372,9 @@ class AttnConfig:
 PROGRAMS_PER_SM = 2
 MIN_CHUNK = 128
 MAX_SPLITS = 8
+MIN_SPLIT_CAPACITY = 4 * MIN_CHUNK
+"""Below this many cache slots per request no split: a split of a few hundred keys saves less than
+the ``_merge_splits`` launch it adds (a decode step at short context pays it once per layer)."""
 
 
 def pick_config(
@@ -416,7 +419,7 @@ def pick_config(
         base = B * H_kv * m_tiles
         target = ppsm * sms
         num_splits = 1
-        if base < target:
+        if base < target and kv_capacity >= MIN_SPLIT_CAPACITY:
             num_splits = min(
                 triton.cdiv(target, base), MAX_SPLITS, max(1, kv_capacity // min_chunk)
             )

@@ -441,6 +441,11 @@ def test_split_count_depends_on_capacities_only():
     assert c1 == c2 and c1.num_splits > 1
     assert K.pick_config(64, 64, 32, 8, 128, 4096, 132, False).num_splits == 1
     assert K.pick_config(1, 64, 32, 8, 128, 128, 132, False).num_splits == 1  # tiny capacity
+    # a decode step at short context: no split below MIN_SPLIT_CAPACITY slots (the merge launch
+    # would cost more than it saves), the usual split from it on
+    below = K.MIN_SPLIT_CAPACITY - 16
+    assert K.pick_config(1, 1, 10, 2, 64, below, 132, False).num_splits == 1
+    assert K.pick_config(1, 1, 10, 2, 64, K.MIN_SPLIT_CAPACITY, 132, False).num_splits == 4
 
 
 @settings(max_examples=8)
