@@ -147,24 +147,14 @@ def kv_append_fwd(
 
 @triton.jit(do_not_specialize=["N"])
 def _rope(
-    X,
-    POS,
-    INV_FREQ,
-    Y,
-    N,
-    H,
-    s_xb,
-    s_xn,
-    s_xh,
-    s_xd,
-    s_pb,
-    s_pn,
-    s_yb,
-    s_yn,
-    s_yh,
+    X, POS, INV_FREQ, Y,  # x [B, N, H, D], positions [B, N], [D/2] fp32, out [B, N, H, D]
+    N, H,
+    s_xb, s_xn, s_xh, s_xd,
+    s_pb, s_pn,
+    s_yb, s_yn, s_yh,  # out's last stride is 1
     H_PAD: tl.constexpr,
     HALF: tl.constexpr,
-):
+):  # fmt: skip
     # one program per (b, n) row: every head of that row shares one position's cos/sin
     i_row = tl.program_id(0).to(tl.int64)
     i_b = i_row // N

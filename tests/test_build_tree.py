@@ -224,14 +224,10 @@ def steps(
         policy = treeops.Cast(
             C1=draw(st.sampled_from([0.0, 0.03125, 0.125, 0.5, 2.0])),
             C2=draw(st.sampled_from([0.0, 0.0625, 0.25, 1.0, 64.0])),
-            C3=draw(st.sampled_from([0.0, 0.001, 0.01, 0.05, 1.0])),
-            R=draw(st.integers(1, 4)),
-            cost_table=(flat_cost_table if flat else cost_table)(seed, max(N, W)),
-            topk=K,
-            max_width=W,
-            max_depth=D,
-            capacity=N,
-        )
+            C3=draw(st.sampled_from([0.0, 0.001, 0.01, 0.05, 1.0])), R=draw(st.integers(1, 4)),
+            cost_table=(flat_cost_table if flat else cost_table)(seed, max(N, W)), topk=K,
+            max_width=W, max_depth=D, capacity=N,
+        )  # fmt: skip
     ties = draw(st.booleans())
     dtype = draw(st.sampled_from(dtypes))
     g = torch.Generator().manual_seed(seed)
@@ -351,16 +347,9 @@ def test_rerank_is_ancestor_closed_rank_ordered_top_n(case):
 
 def test_reference_build_tree_is_the_public_loop():
     pol = treeops.Cast(
-        C1=0.05,
-        C2=0.1,
-        C3=0.01,
-        R=2,
-        cost_table=cost_table(1, 16),
-        topk=3,
-        max_width=4,
-        max_depth=5,
-        capacity=16,
-    )
+        C1=0.05, C2=0.1, C3=0.01, R=2, cost_table=cost_table(1, 16), topk=3, max_width=4,
+        max_depth=5, capacity=16,
+    )  # fmt: skip
     logits = torch.randn(5, 3, 4, 30, generator=torch.Generator().manual_seed(2)) * 2
     args = (torch.tensor([1, 2, 3]), torch.tensor([5, 50, 500]))
     a = ref.build_tree(pol, lambda s: logits[s.layer], *args)
@@ -423,16 +412,9 @@ def test_cast_prefers_small_trees_when_verification_is_expensive():
     sizes = []
     for table in (cheap, steep):
         pol = treeops.Cast(
-            C1=0.05,
-            C2=0.05,
-            C3=0.05,
-            R=3,
-            cost_table=table,
-            topk=4,
-            max_width=4,
-            max_depth=6,
+            C1=0.05, C2=0.05, C3=0.05, R=3, cost_table=table, topk=4, max_width=4, max_depth=6,
             capacity=64,
-        )
+        )  # fmt: skip
         tree = treeops.build_tree(
             pol, lambda s: logits[s.layer], torch.arange(8), torch.full((8,), 100)
         )
@@ -566,16 +548,9 @@ def test_kernels_named_large_case():
     run_both(pol, logits, [1, 2, 3], [10, 20, 30], [True, True, True], block_v=64, split=3)
     table = cost_table(7, 40)
     cast = treeops.Cast(
-        C1=0.125,
-        C2=0.0625,
-        C3=0.01,
-        R=2,
-        cost_table=table,
-        topk=3,
-        max_width=5,
-        max_depth=4,
+        C1=0.125, C2=0.0625, C3=0.01, R=2, cost_table=table, topk=3, max_width=5, max_depth=4,
         capacity=40,
-    )
+    )  # fmt: skip
     logits = torch.randn(4, 3, 5, 300, generator=g) * 3
     run_both(cast, logits, [1, 2, 3], [10, 40, 5], [True, False, True], block_v=128)
 
@@ -585,16 +560,9 @@ def test_kernels_negative_seq_lens_price_bucket_0():
     before bucketing, as CostTable.bucket does, instead of indexing before TAB_T / TAB_D."""
     g = torch.Generator().manual_seed(13)
     cast = treeops.Cast(
-        C1=0.125,
-        C2=0.0625,
-        C3=0.01,
-        R=2,
-        cost_table=cost_table(7, 40),
-        topk=3,
-        max_width=5,
-        max_depth=4,
-        capacity=40,
-    )
+        C1=0.125, C2=0.0625, C3=0.01, R=2, cost_table=cost_table(7, 40), topk=3, max_width=5,
+        max_depth=4, capacity=40,
+    )  # fmt: skip
     logits = torch.randn(4, 4, 5, 300, generator=g) * 3
     # B = 4 (no padding lanes), all active: the batch context is the max, -3, then -3 + widths
     run_both(cast, logits, [1, 2, 3, 4], [-50, -7, -1000, -3], [True] * 4, block_v=128)
@@ -695,16 +663,9 @@ def test_kernels_issue_extremes():
     active = [b % 7 != 3 for b in range(64)]
     run_both(pol, logits, list(range(64)), [b * 3 for b in range(64)], active, block_v=16)
     cast = treeops.Cast(
-        C1=0.01,
-        C2=0.0,
-        C3=0.001,
-        R=3,
-        cost_table=cost_table(3, 128),
-        topk=10,
-        max_width=10,
-        max_depth=10,
-        capacity=128,
-    )
+        C1=0.01, C2=0.0, C3=0.001, R=3, cost_table=cost_table(3, 128), topk=10, max_width=10,
+        max_depth=10, capacity=128,
+    )  # fmt: skip
     logits = torch.where(torch.rand(10, 2, 10, 40, generator=g) < 0.06, 0.0, -1000.0)
     run_both(cast, logits, [5, 6], [17, 40], [True, True], block_v=32)
 

@@ -38,20 +38,13 @@ def _table(B, n_max=128):
     )
 
 
-def _policy(kind, W=10, K=10, D=8, N=64, B=8):
+def _policy(kind, W=10, K=10, D=8, N=64, B=8, C=(0.3, 0.05, 0.02), R=4):
     if kind == "eagle":
         return treeops.EagleStatic(depth=D, topk=W, budget=N)
     return treeops.Cast(
-        C1=0.3,
-        C2=0.05,
-        C3=0.02,
-        R=4,
-        cost_table=_table(B, max(N, W)),
-        topk=K,
-        max_width=W,
-        max_depth=D,
-        capacity=N,
-    )
+        C1=C[0], C2=C[1], C3=C[2], R=R, cost_table=_table(B, max(N, W)), topk=K, max_width=W,
+        max_depth=D, capacity=N,
+    )  # fmt: skip
 
 
 def _cpu_state(st):
@@ -256,19 +249,5 @@ def test_stress_arrival_counters():
 )
 def test_memcheck(kind, B, W, K, V, D, N):
     """A fixed table for compute-sanitizer (odd V: the masked tail of the row)."""
-    pol = (
-        treeops.EagleStatic(depth=D, topk=W, budget=N)
-        if kind == "eagle"
-        else treeops.Cast(
-            C1=0.1,
-            C2=0.01,
-            C3=0.01,
-            R=2,
-            cost_table=_table(B, max(N, W)),
-            topk=K,
-            max_width=W,
-            max_depth=D,
-            capacity=N,
-        )
-    )
+    pol = _policy(kind, W, K, D, N, B, C=(0.1, 0.01, 0.01), R=2)
     _run(pol, B, V, torch.bfloat16, seed=7)

@@ -338,16 +338,7 @@ def test_prune_keeps_top_scores_ancestor_closed(case, seed):
     from treeops.graft import _prune_torch
 
     fast = _prune_torch(tree, keep)
-    for f in (
-        "tokens",
-        "parents",
-        "num_nodes",
-        "depth",
-        "anc",
-        "first_child",
-        "next_sibling",
-        "scores",
-    ):
+    for f in treeops.Tree.FIELDS:
         assert torch.equal(getattr(fast, f), getattr(out, f)), f
     for b in range(B):
         n0, n = int(tree.num_nodes[b]), int(out.num_nodes[b])
@@ -471,16 +462,7 @@ def test_graft_merge_properties(case, template, seed, tensor_budget):
     hybrid = graft_merge(pruned, r, budget)
     check_hybrid(pruned, r, budget, hybrid)
     fused = graft(pruned, table, template, budget)
-    for f in (
-        "tokens",
-        "parents",
-        "num_nodes",
-        "depth",
-        "anc",
-        "first_child",
-        "next_sibling",
-        "scores",
-    ):
+    for f in treeops.Tree.FIELDS:
         assert torch.equal(getattr(fused, f), getattr(hybrid, f)), f
 
 

@@ -34,21 +34,11 @@ from .tree import Tree, check_tree
 
 __all__ = ["tree_attention", "tree_attention_workspace"]
 
+
 def _check_attention(
-    q,
-    k_cache,
-    v_cache,
-    block_table,
-    seq_lens,
-    tree,
-    q_start,
-    q_len,
-    sm_scale,
-    out,
-    lse,
-    workspace,
-    validate,
-) -> dict[str, int]:
+    q, k_cache, v_cache, block_table, seq_lens, tree, q_start, q_len, sm_scale, out, lse,
+    workspace, validate,
+) -> dict[str, int]:  # fmt: skip
     tree = check_tree(tree, validate=validate)
     sizes: dict[str, int] = {"B": tree.batch_size, "N": tree.capacity}
     check_tensor("q", q, shape=("B", "N", "H_q", "D"), dtype=FLOAT_DTYPES, sizes=sizes)
@@ -234,20 +224,9 @@ def tree_attention(
         (torch.Size([1, 4, 8, 64]), torch.Size([1, 4, 8]))
     """
     sizes = _check_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        tree,
-        q_start,
-        q_len,
-        sm_scale,
-        out,
-        lse,
-        workspace,
-        validate,
-    )
+        q, k_cache, v_cache, block_table, seq_lens, tree, q_start, q_len, sm_scale, out, lse,
+        workspace, validate,
+    )  # fmt: skip
     scale = 1.0 / math.sqrt(sizes["D"]) if sm_scale is None else float(sm_scale)
     B, N, H_q, D = q.shape
     if out is None:
