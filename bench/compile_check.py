@@ -372,6 +372,29 @@ def graft(op, B, V, N=60, k=8):
     return f"graft {op} B={B} V={V} budget={N}", case
 
 
+def cast(B, M, K, dtype=torch.float32):
+    def case():
+        from treeops import cast as ops
+
+        scores = torch.rand(B, M, generator=G).to(dtype)
+        scores[:, M // 2 :] = -1.0  # no candidate
+        costs = torch.cumsum(torch.rand(K, generator=G) + 0.5, 0)
+        active = torch.rand(B, generator=G) < 0.8
+        u_hist = torch.rand(8, generator=G)
+        width = ops._utility_cuda(ops._k.cast_width_launch, None, root=False)
+        rerank = ops._utility_cuda(ops._k.cast_rerank_launch, None, root=True)
+
+        def launch():  # the ops' CUDA backends
+            width(scores, costs, 0.3, active)
+            rerank(scores, costs, 0.1, None)
+            ops._select_cuda(torch.cumsum(costs, 0), costs, 0.5)
+            ops._depth_cuda(u_hist, costs[0], 1.0, 4)
+
+        return launch
+
+    return f"cast_ops B={B} M={M} K={K} {dtype}", case
+
+
 def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     bf, fp = torch.bfloat16, torch.float16
     if quick:
@@ -387,6 +410,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             graft("retrieve_merge", 8, 32000),
             graft("retrieve", 8, 32000),
             graft("update", 8, 32000),
+            cast(8, 100, 10),
         ]
     out = []
     # tree attention: docs/benchmarks.md's shapes and its grid's corners, every head dim, GQA
@@ -444,6 +468,11 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     for B, V in ((1, 32000), (64, 128256)):
         for op in ("retrieve_merge", "retrieve", "update"):
             out.append(graft(op, B, V))
+    # CAST's standalone ops: bench_cast's shapes (width: 100 candidates, K = 10; rerank: 800,
+    # K = 64), a large batch, a tree capacity of 256 and the largest tile, 16-bit scores
+    for B, M, K in ((1, 100, 10), (64, 100, 10), (64, 800, 64), (8, 2048, 256), (2, 4096, 2048)):
+        out.append(cast(B, M, K))
+    out.append(cast(8, 800, 64, dtype=torch.bfloat16))
     return out
 
 

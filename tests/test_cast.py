@@ -757,3 +757,268 @@ def test_opcheck_cast_ops():
         res = torch.library.opcheck(op, args)
         assert set(res.values()) == {"SUCCESS"}, (op, res)
     assert int(treeops.cast_width(scores, costs, 0.125)) == int(cases[1][0](*cases[1][1]))
+
+
+# --------------------------------------------------- the Triton kernels (treeops.kernels.cast)
+# Each launcher under the interpreter against the reference (float64), on dyadic values whose
+# sums and scaled thresholds are exact in the kernels' float32: the results must be equal.
+from treeops import cast as _cast_mod  # noqa: E402
+from treeops.kernels import cast as kcast  # noqa: E402
+from treeops.testing import NoHostSync  # noqa: E402
+
+SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@st.composite
+def kernel_batches(draw, max_b=40, max_m=20):
+    """Scores [B, M] (multiples of 1/64 in [0, 1], -1 or -1/64 = no candidate), any B (several
+    row tiles under the interpreter), rows without candidates, inactive rows (or None),
+    a score dtype, and sometimes a non-contiguous view."""
+    B = draw(st.integers(1, max_b))
+    M = draw(st.integers(1, max_m))
+    none_p = draw(st.sampled_from([0, 1, 3, 10]))  # in tenths: how often a score is "none"
+    rows = []
+    for _ in range(B):
+        if draw(st.integers(0, 7)) == 0:
+            rows.append([-1.0] * M)  # no candidate at all
+            continue
+        rows.append(
+            [
+                draw(st.sampled_from([-1.0, -1 / 64]))
+                if draw(st.integers(0, 9)) < none_p
+                else draw(st.integers(0, 64)) / 64
+                for _ in range(M)
+            ]
+        )
+    dtype = draw(st.sampled_from(SCORE_DTYPES))
+    scores = torch.tensor(rows, dtype=dtype)
+    if draw(st.booleans()):
+        scores = scores.t().contiguous().t()  # column-major: strides (1, B)
+    mode = draw(st.sampled_from(["none", "all", "some", "off"]))
+    active = None
+    if mode != "none":
+        flags = [mode == "all" or (mode == "some" and draw(st.booleans())) for _ in range(B)]
+        active = torch.tensor(flags)
+    return scores, active
+
+
+def kernel_costs(draw, K):
+    """[K] costs, multiples of 1/16: non-decreasing with plateaus, flat, or unordered."""
+    kind = draw(st.sampled_from(["plateaus", "flat", "unordered"]))
+    if kind == "plateaus":
+        c = dyadic_costs(draw, K)
+    elif kind == "flat":
+        c = [draw(st.integers(0, 32)) / 16] * K
+    else:
+        c = [draw(st.integers(0, 64)) / 16 for _ in range(K)]
+    return torch.tensor(c, dtype=draw(st.sampled_from([torch.float32, torch.float64])))
+
+
+def _launch_count(launch, *args):
+    out = torch.empty((), dtype=torch.int32)
+    launch(*args, out)
+    return int(out)
+
+
+@pytest.mark.parametrize("root", [False, True], ids=["width", "rerank"])
+@given(batch=kernel_batches(), data=st.data())
+def test_kernel_width_and_rerank_match_the_reference(root, batch, data):
+    scores, active = batch
+    K = data.draw(st.integers(1, 28))  # often more than the candidates (and than M)
+    costs = kernel_costs(data.draw, K)
+    C = data.draw(st.integers(0, 64)) / 16
+    launch, rule = (
+        (kcast.cast_rerank_launch, ref.cast_rerank)
+        if root
+        else (kcast.cast_width_launch, ref.cast_width)
+    )
+    got = _launch_count(launch, scores, costs, C, active)
+    assert got == int(rule(scores, costs, C, active))
+    # the CUDA backend as the op calls it (here on CPU tensors)
+    backend = _cast_mod._utility_cuda(launch, rule, root)
+    assert int(backend(scores, costs, C, active)) == got
+
+
+def test_kernel_width_and_rerank_fixed_cases():
+    """The module's examples and the issue-4 caps, through the launchers."""
+    s = torch.tensor([[0.5, 0.25, 0.125, 0.0625]])
+    ones = torch.ones(4)
+    assert _launch_count(kcast.cast_width_launch, s, ones, 1.0, None) == 4
+    assert _launch_count(kcast.cast_width_launch, s[:, :2], ones, 1.0, None) == 2
+    s3 = torch.tensor([[0.5, 0.25, 0.125]])
+    assert _launch_count(kcast.cast_rerank_launch, s3, torch.tensor([1.0, 1.25, 1.5, 1.75]),
+                         1.0, None) == 3  # fmt: skip
+    assert _launch_count(kcast.cast_rerank_launch, s3, torch.ones(8), 1.0, None) == 4
+    s2 = torch.tensor([[0.5, 0.25, -1.0, -1.0], [0.5, 0.25, 0.125, -1.0]])
+    flat = torch.full((4,), 0.5)
+    assert _launch_count(kcast.cast_width_launch, s2, flat, 0.0, None) == 3
+    assert _launch_count(kcast.cast_width_launch, s2, flat, 0.0, torch.tensor([True, False])) == 2
+    # no active request: width and count 1
+    none = torch.tensor([False, False])
+    c = torch.tensor([1.0, 1.0, 2.0])
+    assert _launch_count(kcast.cast_width_launch, s2[:, :3], c, 1.0, none) == 1
+    assert _launch_count(kcast.cast_rerank_launch, s2[:, :3], c, 1.0, none) == 1
+    # B = 3, an exact tie that a rounded mean would break (test_theorem_4_1_three_requests...)
+    s3r = torch.tensor([[0.75, 0.75, 0.3125], [0.0, 0.75, 0.6875], [0.4375, 0.4375, 0.125]])
+    assert _launch_count(kcast.cast_width_launch, s3r, torch.tensor([1.0, 2.0, 3.0]), 0.625,
+                         None) == 2  # fmt: skip
+    # no score column at all
+    assert _launch_count(kcast.cast_width_launch, torch.zeros(2, 0), c, 1.0, None) == 1
+
+
+@given(st.data())
+def test_kernel_select_matches_the_reference(data):
+    K = data.draw(st.integers(1, 40))  # several tiles under the interpreter
+    u = torch.tensor([data.draw(st.integers(0, 256)) / 64 for _ in range(K)])
+    if data.draw(st.booleans()):
+        u = torch.sort(u).values
+    c = kernel_costs(data.draw, K)
+    u = u.to(data.draw(st.sampled_from([torch.float32, torch.float64])))
+    if data.draw(st.booleans()):
+        u = torch.stack([u, u], dim=1)[:, 0]  # stride 2
+    C = data.draw(st.integers(0, 64)) / 8
+    got = _launch_count(kcast.cast_select_launch, u, c, C)
+    assert got == int(ref.cast_select(u, c, C))
+    assert int(_cast_mod._select_cuda(u, c, C)) == got
+
+
+def _launch_flag(u, c, C2, R):
+    out = torch.empty((), dtype=torch.bool)
+    kcast.cast_depth_launch(u, c, C2, R, out)
+    return bool(out)
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered in divide:RuntimeWarning")  # c = 0 (inf, NaN)
+@given(st.data())
+def test_kernel_depth_matches_the_reference(data):
+    """Powers of two and 0 (every ratio exact), any FIFO length, a zero cost too."""
+    n = data.draw(st.integers(1, 12))
+    vals = [0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0]
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float64]))
+    u = torch.tensor([data.draw(st.sampled_from(vals)) for _ in range(n)], dtype=dtype)
+    if data.draw(st.booleans()):
+        u = torch.stack([u, u], dim=1)[:, 1]  # stride 2
+    R = data.draw(st.integers(1, 9))
+    c = torch.tensor(data.draw(st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0])), dtype=dtype)
+    C2 = data.draw(st.sampled_from([0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 3.0]))
+    got = _launch_flag(u, c, C2, R)
+    assert got == bool(ref.cast_depth(u, c, C2, R))
+    assert bool(_cast_mod._depth_cuda(u, c, C2, R)) == got
+
+
+def test_kernel_depth_fifo_forgets_beyond_R():
+    u, c = torch.tensor([1.0, 0.25, 0.25, 0.25]), torch.tensor(1.0)
+    assert _launch_flag(u, c, 0.25, 2) and not _launch_flag(u, c, 0.25, 4)
+
+
+def test_kernel_launchers_have_no_host_sync():
+    """The call a CUDA graph would capture (the second, after a warm-up): no host read, no
+    value-dependent shape, no host data copied in (launcher code and the ops' CUDA backends)."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.rand(5, 12, generator=g)
+    scores[1, 4:] = -1.0
+    costs = torch.cumsum(torch.rand(8, generator=g) + 0.5, 0)
+    active = torch.tensor([True, False, True, True, False])
+    u, c = torch.cumsum(torch.rand(8, generator=g), 0), torch.tensor(0.5)
+    calls = [
+        lambda: _cast_mod._select_cuda(u, costs, 0.25),
+        lambda: _cast_mod._utility_cuda(kcast.cast_width_launch, ref.cast_width, False)(
+            scores, costs, 0.125, active
+        ),
+        lambda: _cast_mod._utility_cuda(kcast.cast_rerank_launch, ref.cast_rerank, True)(
+            scores, costs, 0.125, None
+        ),
+        lambda: _cast_mod._depth_cuda(u, c, 1.0, 3),
+    ]
+    for call in calls:
+        first = call()  # warm-up (compiles)
+        with NoHostSync() as check:
+            again = call()
+        assert check.ops_checked > 0 and int(again) == int(first)
+    # the reference does sync: the check can see it
+    with pytest.raises(AssertionError, match="host sync"), NoHostSync():
+        ref.cast_width(scores, costs, 0.125, active)
+
+
+def test_kernel_tiling_is_from_shapes():
+    for B, M, K, root in [(1, 1, 1, False), (64, 800, 64, True), (8, 100, 10, False),
+                          (3, 5, 40, True)]:  # fmt: skip
+        BB, KP, CW, warps = kcast.cast_tiling(B, M, K, root)
+        assert KP == max(2, treeops._runtime.pow2(min(K, M + root))) and CW >= KP and BB >= 1
+        assert kcast.cast_tiling(B, M, K, root) == (BB, KP, CW, warps)
+
+
+def test_cuda_backend_falls_back_beyond_the_tile():
+    """K and M both past ``MAX_TILE``: the backend runs the reference (same answer)."""
+    s = torch.rand(1, kcast.MAX_TILE + 1)
+    costs = torch.linspace(1.0, 2.0, kcast.MAX_TILE + 1)
+    got = _cast_mod._utility_cuda(kcast.cast_width_launch, ref.cast_width, False)(
+        s, costs, 0.01, None
+    )
+    assert int(got) == int(ref.cast_width(s, costs, 0.01))
+
+
+@pytest.mark.gpu
+def test_cast_ops_on_the_gpu_match_the_reference_and_capture():
+    """On CUDA the ops run the kernels: equal to the CPU reference on dyadic inputs, opcheck, and
+    captured in a CUDA graph that replays on new values in the same buffers."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(5)
+
+    def dyadic(B, M):
+        s = torch.randint(-8, 65, (B, M), generator=g).float() / 64
+        return torch.where(s < 0, -1.0, s)
+
+    for B, M, K in [(1, 100, 10), (8, 100, 10), (64, 800, 64), (33, 7, 40), (5, 300, 200)]:
+        s = dyadic(B, M)
+        costs = torch.cumsum(torch.randint(0, 9, (K,), generator=g).float(), 0) / 16 + 1
+        a = torch.rand(B, generator=g) < 0.8
+        for C in (0.0, 0.25, 2.0):
+            for fn, rule in ((treeops.cast_width, ref.cast_width),
+                             (treeops.cast_rerank, ref.cast_rerank)):  # fmt: skip
+                got = fn(s.to(dev), costs.to(dev), C, active=a.to(dev))
+                assert got.is_cuda and int(got) == int(rule(s, costs, C, a)), (B, M, K, C)
+                got = fn(s.to(dev, torch.bfloat16), costs.to(dev), C)
+                assert int(got) == int(rule(s, costs, C)), (B, M, K, C)
+    u = torch.tensor([1.0, 0.5, 0.25, 0.5, 1.0])
+    for R in (1, 2, 4, 8):
+        got = treeops.cast_depth(u.to(dev), torch.tensor(0.25, device=dev), 1.0, R)
+        assert bool(got) == bool(ref.cast_depth(u, torch.tensor(0.25), 1.0, R))
+    # opcheck of the CUDA backends
+    s, costs = dyadic(4, 50).to(dev), (torch.arange(1, 9, dtype=torch.float32) / 4).to(dev)
+    for op, args in [
+        (torch.ops.treeops.cast_select.default, (costs.cumsum(0), costs, 0.5)),
+        (torch.ops.treeops.cast_width.default, (s, costs, 0.125, None)),
+        (torch.ops.treeops.cast_rerank.default, (s, costs, 0.125, s[:, 0] > 0)),
+        (torch.ops.treeops.cast_depth.default, (u.to(dev), costs[0], 1.0, 2)),
+    ]:
+        res = torch.library.opcheck(op, args)
+        assert set(res.values()) == {"SUCCESS"}, (op, res)
+    # capture all four in one graph, replay on new inputs
+    a = torch.ones(4, dtype=torch.bool, device=dev)
+    uh = u.to(dev)
+
+    def step():
+        return (
+            treeops.cast_width(s, costs, 0.125, active=a),
+            treeops.cast_rerank(s, costs, 0.125, active=a),
+            treeops.cast_select(costs.cumsum(0), costs, 0.5),
+            treeops.cast_depth(uh, costs[0], 1.0, 2),
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: compiles
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(3):
+        s.copy_(dyadic(4, 50).to(dev))
+        a.copy_(torch.rand(4, generator=g).to(dev) < 0.7)
+        graph.replay()
+        torch.cuda.synchronize()
+        sc, ac, cc = s.cpu(), a.cpu(), costs.cpu()
+        assert int(outs[0]) == int(ref.cast_width(sc, cc, 0.125, ac))
+        assert int(outs[1]) == int(ref.cast_rerank(sc, cc, 0.125, ac))

@@ -5,24 +5,27 @@
 depth and the verification count. Inside a decoding step these decisions are fused into the tree
 build kernels (``treeops.build_tree_expand`` / ``build_tree_emit`` with a ``treeops.Cast``
 policy); the functions here are the same rules as standalone ops, for engines that build trees
-their own way. Each is a custom op ``torch.ops.treeops.cast_*`` whose CPU and CUDA backends are
-both the reference implementation: small batched torch ops (a separate kernel would not pay for
-its launch).
+their own way. Each is a custom op ``torch.ops.treeops.cast_*``: on CUDA one Triton launch
+(``treeops.kernels.cast``: the batched top-k sums, the cap and Algorithm 1 in one program, no
+host sync, so it can be captured in a CUDA graph; float32, agreeing with the reference except at
+near-ties), on CPU the reference (``treeops.reference.cast``, float64).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import check_finite, check_same_device, check_tensor
+from ._checks import check_finite, check_same_device, check_tensor, cuda_device
 from ._library import define
+from ._runtime import pow2
 from .cost_table import CostTable
+from .kernels import cast as _k
 from .reference import cast as _ref
 
 __all__ = ["CostTable", "cast_select", "cast_width", "cast_depth", "cast_rerank"]
 
 
-# The ops' CPU and CUDA backends are both the reference: batched torch ops, on any device.
+# CPU backends: the reference (float64). CUDA backends: one Triton launch each (float32).
 def _count_fake(x, *args):
     return x.new_empty((), dtype=torch.int32)
 
@@ -31,28 +34,54 @@ def _flag_fake(x, *args):
     return x.new_empty((), dtype=torch.bool)
 
 
+def _select_cuda(u, c, C):
+    out = torch.empty((), dtype=torch.int32, device=u.device)
+    with cuda_device(u):
+        _k.cast_select_launch(u, c, C, out)
+    return out
+
+
+def _utility_cuda(launch, ref, root: bool):
+    def run(scores, costs, C, active):
+        if pow2(min(costs.shape[0], scores.shape[1] + int(root))) > _k.MAX_TILE:
+            return ref(scores, costs, C, active)  # beyond the kernel's registers (a host sync)
+        out = torch.empty((), dtype=torch.int32, device=scores.device)
+        with cuda_device(scores):
+            launch(scores, costs, C, active, out)
+        return out
+
+    return run
+
+
+def _depth_cuda(u_hist, c, C2, R):
+    out = torch.empty((), dtype=torch.bool, device=u_hist.device)
+    with cuda_device(u_hist):
+        _k.cast_depth_launch(u_hist, c, C2, R, out)
+    return out
+
+
 _select_op = define(
     "cast_select(Tensor u, Tensor c, float C) -> Tensor",
     cpu=_ref.cast_select,
-    cuda=_ref.cast_select,
+    cuda=_select_cuda,
     fake=_count_fake,
 )
 _width_op = define(
     "cast_width(Tensor scores, Tensor costs, float C1, Tensor? active) -> Tensor",
     cpu=_ref.cast_width,
-    cuda=_ref.cast_width,
+    cuda=_utility_cuda(_k.cast_width_launch, _ref.cast_width, root=False),
     fake=_count_fake,
 )
 _depth_op = define(
     "cast_depth(Tensor u_hist, Tensor c, float C2, int R) -> Tensor",
     cpu=_ref.cast_depth,
-    cuda=_ref.cast_depth,
+    cuda=_depth_cuda,
     fake=_flag_fake,
 )
 _rerank_op = define(
     "cast_rerank(Tensor scores, Tensor costs, float C3, Tensor? active) -> Tensor",
     cpu=_ref.cast_rerank,
-    cuda=_ref.cast_rerank,
+    cuda=_utility_cuda(_k.cast_rerank_launch, _ref.cast_rerank, root=True),
     fake=_count_fake,
 )
 
@@ -131,7 +160,7 @@ def cast_width(
         active: [B] bool, requests that count in the batch mean (default all).
         validate: also reject NaN/inf/negative scores and costs (a host sync). Without it
             such values are the caller's responsibility: the result is unspecified (no
-            memory access depends on them: these ops run PyTorch code, any strides).
+            memory access depends on them).
 
     Returns:
         0-d int32 tensor, the width ``n`` in ``[1, K]``: the largest k maximising
@@ -209,7 +238,7 @@ def cast_rerank(
         active: [B] bool (default all).
         validate: also reject NaN/inf/negative scores and costs (a host sync). Without it
             such values are the caller's responsibility: the result is unspecified (no
-            memory access depends on them: these ops run PyTorch code, any strides).
+            memory access depends on them).
 
     Returns:
         0-d int32 tensor ``n`` in ``[1, K]``; ``u_k`` = mean over active requests of
