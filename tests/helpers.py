@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import torch
 
 import treeops
@@ -87,3 +89,27 @@ def small_step(device="cpu", seed: int = 0) -> dict:
     d = {k: v.to(device) for k, v in d.items()}
     d["tree"] = tree.to(device)
     return d
+
+
+def brute_utilities(
+    scores: list[list[float]], K: int, active: list[bool] | None = None, root: bool = False
+) -> list[Fraction]:
+    """CAST's utilities u_1..u_K, exactly: the mean over active rows (all when ``active`` is
+    None) of the sum of each row's k best scores (negative scores count 0; ``root`` puts a score
+    of 1 first)."""
+    rows = []
+    for b, row in enumerate(scores):
+        if active is not None and not active[b]:
+            continue
+        s = sorted((Fraction(float(max(v, 0.0))) for v in row), reverse=True)
+        if root:
+            s = [Fraction(1)] + s
+        s = (s + [Fraction(0)] * K)[:K]
+        acc, cum = Fraction(0), []
+        for v in s:
+            acc += v
+            cum.append(acc)
+        rows.append(cum)
+    if not rows:
+        return [Fraction(0)] * K
+    return [sum(r[k] for r in rows) / len(rows) for k in range(K)]

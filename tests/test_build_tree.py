@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import treeops
-from helpers import assert_close
+from helpers import assert_close, brute_utilities
 from treeops.reference import build_tree as ref
 
 # the interpreter converts loop bounds with a NumPy call that NumPy >= 1.25 deprecates
@@ -36,23 +36,6 @@ def brute_select(u, c, C, cap=None) -> int:
         if best is None or v >= best:
             best, arg = v, k
     return arg
-
-
-def brute_util(rows: list[list[float]], K: int, root: bool) -> list[Fraction]:
-    out = []
-    for s in rows:
-        s = sorted((Fraction(max(v, 0.0)) for v in s), reverse=True)
-        if root:
-            s = [Fraction(1)] + s
-        s = (s + [Fraction(0)] * K)[:K]
-        acc, cum = Fraction(0), []
-        for v in s:
-            acc += v
-            cum.append(acc)
-        out.append(cum)
-    if not out:
-        return [Fraction(0)] * K
-    return [sum(r[k] for r in out) / len(out) for k in range(K)]
 
 
 class Brute:
@@ -103,7 +86,7 @@ class Brute:
         if self.p.is_cast:
             ctx = self.max_ctx() + sum(self.widths)
             c = self.costs(ctx, "draft", W)
-            u = brute_util(
+            u = brute_utilities(
                 [[s for _, s, _, _ in layer[b]] for b in range(self.B) if self.active[b]],
                 W,
                 root=False,
@@ -132,7 +115,7 @@ class Brute:
         N = self.p.capacity
         if self.p.is_cast:
             c = self.costs(self.max_ctx(), "target", N)
-            u = brute_util(
+            u = brute_utilities(
                 [[s for _, s, _, _ in self.cands[b]] for b in range(self.B) if self.active[b]],
                 N,
                 root=True,

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import treeops
+from helpers import brute_utilities
 from treeops.reference import cast as ref
 
 
@@ -36,25 +37,6 @@ def brute_available(scores: list[list[float]], active: list[bool], root: bool = 
     root, at least 1."""
     have = [sum(v >= 0 for v in row) for row, a in zip(scores, active, strict=True) if a]
     return max(max(have, default=0) + int(root), 1)
-
-
-def brute_utilities(scores: list[list[float]], K: int, active: list[bool], root: bool = False):
-    rows = []
-    for b, row in enumerate(scores):
-        if not active[b]:
-            continue
-        s = sorted((fr(max(v, 0.0)) for v in row), reverse=True)
-        if root:
-            s = [Fraction(1)] + s
-        s = (s + [Fraction(0)] * K)[:K]
-        acc, cum = Fraction(0), []
-        for v in s:
-            acc += v
-            cum.append(acc)
-        rows.append(cum)
-    if not rows:
-        return [Fraction(0)] * K
-    return [sum(r[k] for r in rows) / len(rows) for k in range(K)]
 
 
 @st.composite
