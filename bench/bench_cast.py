@@ -6,12 +6,11 @@
 
 Rows (docs/design.md op 5), B in {1, 8, 64}: ``width`` over one draft layer's W x top-k = 100
 candidate scores per request with K = 10 draft costs; ``rerank`` over 8 layers' 800 candidates
-with K = 64 target costs; ``depth`` over a history of 8 utilities. These ops are PyTorch code
-that reads one value on the host (the count of active requests), so they cannot be captured in a
-CUDA graph: ``treeops_us`` is the median of eager calls, host included (a device sync after each:
-``harness.eager_us``), and so is the peer's ``torch_eager_us``. The peer is Algorithm 1 written
-sync-free in PyTorch (sort, cumulative sum, batch mean, the largest argmax), which the expand
-kernel fuses; it can be captured, and ``torch_us`` is its CUDA-graph replay. Each result is
+with K = 64 target costs; ``depth`` over a history of 8 utilities. On CUDA each op is one Triton
+launch (``treeops.kernels.cast``) with no host sync: ``treeops_us`` is its CUDA-graph replay,
+``treeops_eager_us`` an eager call with the host included (``harness.eager_us``). The peer is
+Algorithm 1 written sync-free in PyTorch (sort, cumulative sum, batch mean, the largest argmax):
+``torch_us`` its CUDA-graph replay, ``torch_eager_us`` its eager call. Each result is
 compared with the peer's before it is timed. Floor = max(scores read once / 4.3 TB/s, an empty
 kernel replayed in a CUDA graph).
 """
@@ -54,7 +53,7 @@ def inputs(op: str, B: int, dev, seed: int = 0):
 
 def bench_row(op: str, B: int, empty_us: float, dev, time_treeops=None) -> dict:
     """One row, checked against the peer first (an incorrect row has no times)."""
-    time_treeops = time_treeops or (lambda fn: H.eager_us(fn, device=dev))
+    time_treeops = time_treeops or (lambda fn: H.graph_us([fn], device=dev))
     a, b = inputs(op, B, dev)
     if op == "depth":
         row = dict(op="cast_depth", B=None, M=8, K=None, floor_us=empty_us, check="ok")
@@ -64,6 +63,7 @@ def bench_row(op: str, B: int, empty_us: float, dev, time_treeops=None) -> dict:
 
         run()
         row["treeops_us"] = time_treeops(run)
+        row["treeops_eager_us"] = H.eager_us(run, device=dev)
         return row
     M, K, C = SHAPES[op]
     fn = treeops.cast_width if op == "width" else treeops.cast_rerank
@@ -83,6 +83,7 @@ def bench_row(op: str, B: int, empty_us: float, dev, time_treeops=None) -> dict:
     if row["check"] != "ok":
         return row
     row["treeops_us"] = time_treeops(run)
+    row["treeops_eager_us"] = H.eager_us(run, device=dev)
     row["torch_eager_us"] = H.eager_us(peer, device=dev)
     row["torch_us"] = H.graph_us([peer], device=dev)
     H.ratios([row])
@@ -104,27 +105,10 @@ def main(argv=None) -> dict:
     rows.append(bench_row("depth", 1, empty_us, dev))
     H.write_json(path, doc)
 
-    keys = ("op", "B", "treeops_us", "torch_eager_us", "torch_us", "floor_us", "check")
+    keys = ("op", "B", "treeops_us", "treeops_eager_us", "torch_eager_us", "torch_us", "floor_us",
+            "check")  # fmt: skip
     H.print_table(doc, path, rows, keys, width=14)
     return doc
-
-
-def _eager_benchmark(benchmark, dev):
-    """pytest-benchmark's own wall clock around one call and a device sync (these ops cannot
-    be captured in a CUDA graph); returns the median µs."""
-
-    def timed(fn):
-        def call():
-            fn()
-            torch.cuda.synchronize(dev)
-
-        benchmark.pedantic(call, rounds=200, warmup_rounds=10, iterations=1)
-        us = benchmark.stats.stats.median * 1e6
-        benchmark.extra_info["treeops_us"] = us
-        benchmark.extra_info["timing"] = "eager calls with a device sync, host included"
-        return us
-
-    return timed
 
 
 @pytest.mark.parametrize("op", ["width", "rerank"])
@@ -132,7 +116,9 @@ def test_cast(benchmark, op):
     """B = 64; width: 100 candidates, K = 10 draft costs; rerank: 800 candidates, K = 64 target
     costs. Peer: the sync-free PyTorch rule (eager and replayed in a graph)."""
     dev = torch.device("cuda")
-    row = bench_row(op, 64, H.empty_kernel_us(dev), dev, _eager_benchmark(benchmark, dev))
+    row = bench_row(
+        op, 64, H.empty_kernel_us(dev), dev, lambda fn: H.benchmark_graph(benchmark, [fn])
+    )
     assert row["check"] == "ok", row["check"]
     H.record(benchmark, row)
 
