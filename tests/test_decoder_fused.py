@@ -323,14 +323,8 @@ def test_fused_forward_never_syncs(models, monkeypatch):
     assert check.ops_checked > 20
 
 
-@pytest.mark.parametrize(
-    ("policy", "kw"),
-    [("EagleStatic", {}), ("Cast", {"static_shapes": True}),
-     ("EagleStatic", {"static_shapes": True, "step_graphs": True})],
-)  # fmt: skip
-def test_decoder_on_the_fused_forwards(policy, kw):
-    """The decoder on the fused forwards (forced onto the CPU) gives the CPU decoder's greedy
-    tokens and acceptance (a target close to its bigram draft: deep acceptance)."""
+def _friendly_pair() -> tuple[Target, Draft]:
+    """A tiny fp32 pair whose target is close to its bigram draft (deep acceptance)."""
     cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                       tie_word_embeddings=False)  # fmt: skip
@@ -339,7 +333,18 @@ def test_decoder_on_the_fused_forwards(policy, kw):
         for layer in target.model.layers:
             layer.self_attn.o_proj.weight.mul_(0.1)
             layer.mlp.down_proj.weight.mul_(0.1)
-    draft = Draft(cfg, seed=1).bigram_init(target)
+    return target, Draft(cfg, seed=1).bigram_init(target)
+
+
+@pytest.mark.parametrize(
+    ("policy", "kw"),
+    [("EagleStatic", {}), ("Cast", {"static_shapes": True}),
+     ("EagleStatic", {"static_shapes": True, "step_graphs": True})],
+)  # fmt: skip
+def test_decoder_on_the_fused_forwards(policy, kw):
+    """The decoder on the fused forwards (forced onto the CPU) gives the CPU decoder's greedy
+    tokens and acceptance (a target close to its bigram draft: deep acceptance)."""
+    target, draft = _friendly_pair()
     prompts = [[5, 17, 3, 99, 42, 7, 8], [11, 64]]
 
     def dec():
@@ -546,15 +551,7 @@ def test_fused_decoder_on_gpu_equals_cpu(policy):
     """Greedy decoding on the fused CUDA forwards with CUDA graphs (tiny fp32 pair) gives the
     CPU decoder's tokens."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      tie_word_embeddings=False)  # fmt: skip
-    target = Target(cfg, seed=0)
-    with torch.no_grad():
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.1)
-            layer.mlp.down_proj.weight.mul_(0.1)
-    draft = Draft(cfg, seed=1).bigram_init(target)
+    target, draft = _friendly_pair()
     prompts = [[5, 17, 3, 99, 42, 7, 8], [11, 64], [23, 1, 2, 3]]
     pol = make_policy(policy, depth=3, topk=3, budget=12)
     d = None if policy == "autoregressive" else draft

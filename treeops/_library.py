@@ -17,21 +17,15 @@ from collections.abc import Callable
 
 import torch
 
+from .tree import Tree
+
 LIB = torch.library.Library("treeops", "DEF")
 
-TREE = ", ".join(
-    f"Tensor tree_{f}"
-    for f in ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling", "scores")
-)
+TREE = ", ".join(f"Tensor tree_{f}" for f in Tree.FIELDS)
 """The schema fragment of a ``Tree`` argument: its fields in ``Tree.FIELDS`` order."""
 
 OUT_TREE = ", ".join(
-    f"Tensor({a}!) out_{f}"
-    for a, f in zip(
-        "stuvwxyz",
-        ("tokens", "parents", "num_nodes", "depth", "anc", "first_child", "next_sibling", "scores"),
-        strict=True,
-    )
+    f"Tensor({a}!) out_{f}" for a, f in zip("stuvwxyz", Tree.FIELDS, strict=True)
 )
 """The schema fragment of a ``Tree`` written in place (alias sets s..z)."""
 

@@ -13,8 +13,8 @@ import torch
 
 from ._checks import (
     FLOAT_DTYPES,
-    SEQ_LEN_DTYPES,
     check_head_dim,
+    check_paged_batch,
     check_range,
     check_same_device,
     check_tensor,
@@ -132,17 +132,7 @@ def kv_append(
     check_tensor(
         "v_cache", v_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype, sizes=sizes
     )
-    check_tensor(
-        "block_table",
-        block_table,
-        shape=("B", None),
-        dtype=torch.int32,
-        sizes=sizes,
-        unit_last=True,
-    )
-    check_tensor(
-        "seq_lens", seq_lens, shape=("B",), dtype=SEQ_LEN_DTYPES, sizes=sizes, unit_last=True
-    )
+    check_paged_batch(block_table, seq_lens, sizes)
     check_tensor(
         "num_tokens", num_tokens, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True
     )

@@ -20,8 +20,8 @@ import torch
 
 from ._checks import (
     FLOAT_DTYPES,
-    SEQ_LEN_DTYPES,
     check_head_dim,
+    check_paged_batch,
     check_range,
     check_same_device,
     check_tensor,
@@ -59,17 +59,7 @@ def _check_attention(
             f"Invalid shape of k_cache: H_q = {sizes['H_q']} must be a multiple of "
             f"H_kv = {sizes['H_kv']}"
         )
-    check_tensor(
-        "block_table",
-        block_table,
-        shape=("B", None),
-        dtype=torch.int32,
-        sizes=sizes,
-        unit_last=True,
-    )
-    check_tensor(
-        "seq_lens", seq_lens, shape=("B",), dtype=SEQ_LEN_DTYPES, sizes=sizes, unit_last=True
-    )
+    check_paged_batch(block_table, seq_lens, sizes)
     if q_start is not None:
         check_tensor(
             "q_start", q_start, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True
