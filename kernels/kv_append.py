@@ -3,8 +3,10 @@
 Program (request b, block of BLOCK_T tokens, KV head) loads K as its two halves (Llama's
 ``rotate_half`` pairs element k with element k + D/2), rotates them at position
 ``seq_lens[b] + depth[b, i]`` and stores K and V at logical slot ``seq_lens[b] + i`` through the
-block table. ``inv_freq`` comes in as a tensor computed exactly like the reference's, so kernel and
-reference share every fp32 angle ``position · inv_freq``.
+block table. With queries (``HAS_Q``) the same program then rotates, in place, the KV head's group
+of ``H_q / H_kv`` query heads at the same positions with the same cos/sin, so a decoder layer needs
+no separate RoPE launch for q. ``inv_freq`` comes in as a tensor computed exactly like the
+reference's, so kernel and reference share every fp32 angle ``position · inv_freq``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from treeops._runtime import interpreted, refuse_in_capture
 from treeops.reference.kv_append import rope_inv_freq
 
 
-@triton.jit(do_not_specialize=["N", "H_KV"])
+@triton.jit(do_not_specialize=["N", "H_KV", "GROUP"])
 def _kv_append(
     K,
     V,
+    Q,
     KC,
     VC,
     BT,
@@ -30,6 +33,7 @@ def _kv_append(
     INV_FREQ,
     N,
     H_KV,
+    GROUP,
     s_kb,
     s_kn,
     s_kh,
@@ -38,6 +42,10 @@ def _kv_append(
     s_vn,
     s_vh,
     s_vd,
+    s_qb,
+    s_qn,
+    s_qh,
+    s_qd,
     s_kcp,
     s_kcs,
     s_kch,
@@ -53,6 +61,7 @@ def _kv_append(
     HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HAS_DEPTH: tl.constexpr,
+    HAS_Q: tl.constexpr,
 ):
     i_bt = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -89,6 +98,17 @@ def _kv_append(
     tl.store(p_kc + half * s_kcd, (b_k2 * cos + b_k1 * sin).to(dt), mask=m_t[:, None])
     tl.store(p_vc, b_v1.to(VC.dtype.element_ty), mask=m_t[:, None])
     tl.store(p_vc + half * s_vcd, b_v2.to(VC.dtype.element_ty), mask=m_t[:, None])
+    if HAS_Q:
+        # query heads i_h * GROUP .. (i_h + 1) * GROUP - 1 read KV head i_h: their positions are
+        # K's, so the cos/sin above serve them; a loop keeps one head's halves live at a time
+        dq = Q.dtype.element_ty
+        p_q0 = Q + i_b * s_qb + o_t[:, None] * s_qn + o_c[None, :] * s_qd
+        for g in range(GROUP):
+            p_q = p_q0 + (i_h * GROUP + g) * s_qh
+            b_q1 = tl.load(p_q, mask=m_t[:, None], other=0.0).to(tl.float32)
+            b_q2 = tl.load(p_q + half * s_qd, mask=m_t[:, None], other=0.0).to(tl.float32)
+            tl.store(p_q, (b_q1 * cos - b_q2 * sin).to(dq), mask=m_t[:, None])
+            tl.store(p_q + half * s_qd, (b_q2 * cos + b_q1 * sin).to(dq), mask=m_t[:, None])
 
 
 _INV_FREQ: dict[tuple[int, float, torch.device], torch.Tensor] = {}
@@ -114,14 +134,17 @@ def kv_append_fwd(
     num_tokens: torch.Tensor,
     depth: torch.Tensor | None,
     rope_theta: float,
+    q: torch.Tensor | None = None,
 ) -> None:
-    """Launch (no checks)."""
+    """Launch (no checks). ``q`` [B, N, H_q, D] (H_q a multiple of H_kv, any strides), if given,
+    is rotated in place at K's positions for tokens i < ``num_tokens[b]``."""
     B, N, H_kv, D = k.shape
     block_t = min(triton.next_power_of_2(N), 16 if interpreted() else 32)
     grid = (B * triton.cdiv(N, block_t), H_kv)
     _kv_append[grid](
         k,
         v,
+        q if q is not None else k,
         k_cache,
         v_cache,
         block_table,
@@ -131,8 +154,10 @@ def kv_append_fwd(
         inv_freq(D, rope_theta, k.device),
         N,
         H_kv,
+        q.shape[2] // H_kv if q is not None else 1,
         *k.stride(),
         *v.stride(),
+        *(q.stride() if q is not None else (0, 0, 0, 0)),
         *k_cache.stride(),
         *v_cache.stride(),
         block_table.stride(0),
@@ -141,6 +166,7 @@ def kv_append_fwd(
         HALF=D // 2,
         PAGE_SIZE=k_cache.shape[1],
         HAS_DEPTH=depth is not None,
+        HAS_Q=q is not None,
         num_warps=4,
     )
 

@@ -3,9 +3,11 @@
 Token i < ``num_tokens[b]`` of request b goes to logical cache slot ``seq_lens[b] + i`` (page
 ``block_table[b, slot // page_size]``, row ``slot % page_size``): V as given, K rotated by RoPE
 at position ``seq_lens[b] + depth[b, i]`` (``depth=None``: position ``seq_lens[b] + i``, the
-prefill / chain case). RoPE is Llama's as Hugging Face writes it (``rotate_half``: the first and
-second halves of the head dimension form the pairs), ``inv_freq[k] = theta^(-2k/D)`` in fp32, the
-angle ``position · inv_freq`` in fp32. Nothing else in the caches changes.
+prefill / chain case). With ``q`` [B, N, H_q, D], its rows i < ``num_tokens[b]`` are rotated in
+place at the same positions (rows beyond are left as they are). RoPE is Llama's as Hugging Face
+writes it (``rotate_half``: the first and second halves of the head dimension form the pairs),
+``inv_freq[k] = theta^(-2k/D)`` in fp32, the angle ``position · inv_freq`` in fp32. Nothing else
+in the caches changes.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ def kv_append(
     num_tokens: torch.Tensor,
     depth: torch.Tensor | None = None,
     *,
+    q: torch.Tensor | None = None,
     rope_theta: float = 10000.0,
     validate: bool = False,
 ) -> None:
-    """Same contract as ``treeops.kv_append`` (in place); ``validate`` is ignored."""
+    """Same contract as ``treeops.kv_append`` (in place, ``q`` too); ``validate`` is ignored."""
     B, N = k.shape[:2]
     page_size = k_cache.shape[1]
     for b in range(B):
@@ -56,3 +59,5 @@ def kv_append(
         page = block_table[b, slot // page_size].long()
         k_cache[page, slot % page_size] = rope(k[b, :n], pos, rope_theta).to(k_cache.dtype)
         v_cache[page, slot % page_size] = v[b, :n].to(v_cache.dtype)
+        if q is not None:
+            q[b, :n] = rope(q[b, :n], pos, rope_theta)

@@ -1,5 +1,6 @@
 """KV append with RoPE: reference against an independent float64 rotation, the Triton kernel
-(under the interpreter) against the reference, the ``rope`` helper, and input checks."""
+(under the interpreter) against the reference, the queries rotated in place (``q=``), the
+``rope`` helper, and input checks."""
 
 from __future__ import annotations
 
@@ -124,6 +125,75 @@ def test_kernel_matches_reference(tc, data):
     assert not bool(changed[~written].any())
 
 
+def _queries(B, N, H_q, D, dtype, layout):
+    """q [B, N, H_q, D] and the buffer it lives in: dense, a view of a fused QKV projection's
+    output (the decoder's case: row stride past H_q·D), or heads-major (transposed)."""
+    if layout == "qkv":
+        buf = torch.randn(B, N, (H_q + 3) * D).to(dtype)
+        return buf[..., : H_q * D].view(B, N, H_q, D), buf
+    if layout == "heads_major":
+        buf = torch.randn(B, H_q, N, D).to(dtype)
+        return buf.transpose(1, 2), buf
+    buf = torch.randn(B, N, H_q, D).to(dtype)
+    return buf, buf
+
+
+@given(tc=trees(max_batch=3, capacities=(1, 4, 8, 16, 32)), data=st.data())
+def test_kernel_rotates_q_like_rope(tc, data):
+    """With ``q``: rows i < num_tokens[b] become rope(q, seq_lens[b] + depth[b, i]) (the
+    reference exactly, the kernel within the dtype's tolerance), every other element of q's
+    buffer is untouched, and the caches are written as without q."""
+    rng = random.Random(data.draw(st.integers(0, 2**16)))
+    B, N = tc.tree.batch_size, tc.tree.capacity
+    H_kv = data.draw(st.sampled_from([1, 2]))
+    H_q = H_kv * data.draw(st.sampled_from([1, 2, 4]))
+    D = data.draw(st.sampled_from([64, 128]))
+    dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
+    layout = data.draw(st.sampled_from(["dense", "qkv", "heads_major"]))
+    seq = torch.tensor([data.draw(st.integers(0, 80)) for _ in range(B)], dtype=torch.int32)
+    kv = paged_kv([int(s) + N for s in seq], data.draw(st.sampled_from([1, 16, None])), H_kv, D,
+                  dtype, rng)  # fmt: skip
+    k, v = torch.randn(B, N, H_kv, D).to(dtype), torch.randn(B, N, H_kv, D).to(dtype)
+    depth = tc.tree.depth if data.draw(st.booleans()) else None
+    nt = tc.tree.num_nodes
+    q, buf = _queries(B, N, H_q, D, dtype, layout)
+    buf0 = buf.clone()
+    q0 = q.clone()
+
+    rq, kc, vc = q0.clone(), kv.k_cache.clone(), kv.v_cache.clone()
+    RK.kv_append(k, v, kc, vc, kv.block_table, seq, nt, depth, q=rq, rope_theta=500000.0)
+    KA.kv_append_fwd(k, v, kv.k_cache, kv.v_cache, kv.block_table, seq, nt, depth, 500000.0, q)
+
+    want = q0.clone()
+    for b in range(B):
+        n = int(nt[b])
+        i = torch.arange(n)
+        pos = int(seq[b]) + (i if depth is None else depth[b, :n].long())
+        want[b, :n] = RK.rope(q0[b, :n], pos, 500000.0)
+    assert torch.equal(rq, want), "the reference rotates q as rope does, rows >= n untouched"
+    assert_close(q, want, dtype, "q")
+    for b in range(B):  # rows past num_tokens bit-identical (assert_close is relative)
+        assert torch.equal(q[b, int(nt[b]) :], q0[b, int(nt[b]) :])
+    if layout == "qkv":  # the K/V part of the projection's buffer is not q's
+        assert torch.equal(buf[..., H_q * D :], buf0[..., H_q * D :])
+    assert_close(kv.k_cache, kc, dtype, "k_cache")
+    assert torch.equal(kv.v_cache, vc)
+
+
+def test_public_op_rotates_q_in_place():
+    """CPU backend (the reference) through the public op, q a strided view; no depth."""
+    a = _args()
+    q, _ = _queries(2, 8, 4, 64, torch.float16, "qkv")
+    q0 = q.clone()
+    treeops.kv_append(**a, q=q, validate=True)
+    seq, nt = a["seq_lens"], a["num_tokens"]
+    for b in range(2):
+        n = int(nt[b])
+        pos = int(seq[b]) + torch.arange(n)
+        assert torch.equal(q[b, :n], RK.rope(q0[b, :n], pos))
+        assert torch.equal(q[b, n:], q0[b, n:])
+
+
 def _args(**changes):
     rng = random.Random(1)
     kv = paged_kv([24, 24], 16, 2, 64, torch.float16, rng)
@@ -178,6 +248,27 @@ def test_public_op_on_cpu_is_the_reference():
             dict(seq_lens=torch.zeros(2, dtype=torch.int32, device="meta")),
             "Invalid device of seq_lens",
         ),
+        (
+            dict(q=torch.randn(2, 8, 3, 64).half()),
+            "Invalid shape of q: expected a multiple of H_kv = 2 query heads (dim 2), got 3",
+        ),
+        (dict(q=torch.randn(2, 8, 4, 64)), "Invalid dtype of q: expected torch.float16"),
+        (
+            dict(q=torch.randn(2, 7, 4, 64).half()),
+            "Invalid shape of q: expected [2, 8, *, 64], got [2, 7, 4, 64]",
+        ),
+        (
+            dict(q=torch.randn(2, 8, 4, 128).half()),
+            "Invalid shape of q: expected [2, 8, *, 64], got [2, 8, 4, 128]",
+        ),
+        (
+            dict(q=torch.randn(2, 8, 1, 64).half().expand(2, 8, 4, 64)),
+            "Invalid stride of q: expected no stride-0 (expanded) dimension",
+        ),
+        (
+            dict(q=torch.zeros(2, 8, 4, 64, dtype=torch.float16, device="meta")),
+            "Invalid device of q",
+        ),
     ],
 )
 def test_public_op_rejects_bad_input(changes, message):
@@ -202,6 +293,13 @@ def test_opcheck_kv_append_and_rope():
         torch.ops.treeops.kv_append.default,
         (s["k"], s["v"], s["k_cache"], s["v_cache"], s["block_table"], s["seq_lens"],
          t.num_nodes, t.depth, 10000.0),
+    )  # fmt: skip
+    # with q (mutated in place), a strided view as the decoder's fused QKV output gives it
+    q = torch.randn(2, 4, 4 * 64)[..., : 2 * 64].unflatten(-1, (2, 64))
+    torch.library.opcheck(
+        torch.ops.treeops.kv_append.default,
+        (s["k"], s["v"], s["k_cache"], s["v_cache"], s["block_table"], s["seq_lens"],
+         t.num_nodes, t.depth, 10000.0, q),
     )  # fmt: skip
     torch.library.opcheck(
         torch.ops.treeops.rope.default, (s["q"], t.positions(s["seq_lens"]), 10000.0)

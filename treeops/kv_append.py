@@ -1,10 +1,13 @@
 """KV append with RoPE (docs/design.md op 2).
 
 ``kv_append`` writes the tree's K/V into the paged cache at slots ``seq_lens[b] + i``, rotating K
-by RoPE at position ``seq_lens[b] + depth[b, i]`` on the way in. CUDA tensors run the Triton
-kernel (``treeops.kernels.kv_append``); CPU tensors run the PyTorch reference
+by RoPE at position ``seq_lens[b] + depth[b, i]`` on the way in; given the queries (``q=``) it
+rotates them in place at the same positions in the same launch, which saves an attention layer
+its separate query RoPE launch. CUDA tensors run the Triton kernel
+(``treeops.kernels.kv_append``); CPU tensors run the PyTorch reference
 (``treeops.reference.kv_append``). No host sync, so it can be captured in a CUDA graph.
-``rope`` rotates queries the same way.
+``rope`` rotates any tensor (queries at positions that differ from the appended K's, say) the same
+way, out of place.
 """
 
 from __future__ import annotations
@@ -27,22 +30,28 @@ from .reference import kv_append as _ref_kv
 __all__ = ["kv_append", "rope"]
 
 
-def _kv_append_cuda(k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta):
+def _kv_append_cuda(
+    k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta, q=None
+):
     with cuda_device(k):
         _k.kv_append_fwd(
-            k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta
+            k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta, q
         )
 
 
-def _kv_append_cpu(k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta):
+def _kv_append_cpu(
+    k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta, q=None
+):
     _ref_kv.kv_append(
-        k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, rope_theta=rope_theta
-    )
+        k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, q=q,
+        rope_theta=rope_theta,
+    )  # fmt: skip
 
 
 _kv_append_op = define(
     "kv_append(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, "
-    "Tensor seq_lens, Tensor num_tokens, Tensor? depth, float rope_theta) -> ()",
+    "Tensor seq_lens, Tensor num_tokens, Tensor? depth, float rope_theta, Tensor(c!)? q=None) "
+    "-> ()",
     cpu=_kv_append_cpu,
     cuda=_kv_append_cuda,
 )
@@ -85,10 +94,12 @@ def kv_append(
     num_tokens: torch.Tensor,
     depth: torch.Tensor | None = None,
     *,
+    q: torch.Tensor | None = None,
     rope_theta: float = 10000.0,
     validate: bool = False,
 ) -> None:
-    """Write new K/V into the paged caches, rotating K by RoPE on the way (in place).
+    """Write new K/V into the paged caches, rotating K by RoPE on the way (in place); optionally
+    rotate the queries ``q`` in place at the same positions.
 
     Args:
         k, v: [B, N, H_kv, D] (the forward's K/V projections of the tree nodes, or of a prefill
@@ -99,12 +110,18 @@ def kv_append(
         num_tokens: [B] int32, tokens of request b to write (``tree.num_nodes`` when verifying).
             The [B] inputs need unit stride (no stride-0 ``expand``).
         depth: [B, N] int32 (``tree.depth``), or None for consecutive positions (prefill).
+        q: optional [B, N, H_q, D] queries, k's dtype and device, H_q a multiple of H_kv, any
+            strides (a view of a fused QKV projection's output is fine) but no stride-0
+            (expanded) dimension, and not overlapping k, v or the caches. Mutated: row i <
+            ``num_tokens[b]`` is rotated at K's position for token i (what ``rope(q,
+            tree.positions(seq_lens))`` computes for those rows); rows i >= ``num_tokens[b]``
+            are left unchanged.
         rope_theta: RoPE base (Llama's ``rope_theta``); layout is Llama's ``rotate_half``.
         validate: also check value ranges (syncs with the host).
 
     Token i < ``num_tokens[b]`` lands in slot ``seq_lens[b] + i``; K is rotated at position
-    ``seq_lens[b] + depth[b, i]`` (``seq_lens[b] + i`` without ``depth``). One launch for the
-    batch on CUDA; no host sync.
+    ``seq_lens[b] + depth[b, i]`` (``seq_lens[b] + i`` without ``depth``), and so is q's row i.
+    One launch for the batch, K, V and q, on CUDA; no host sync.
 
     Shapes, dtypes, devices and strides are always checked; values are the caller's
     responsibility when ``validate=False``: out-of-range indices (``block_table`` entries outside
@@ -121,6 +138,12 @@ def kv_append(
         ...                   torch.tensor([3], dtype=torch.int32), validate=True)
         >>> bool((v_cache[3, 0] == v[0, 1]).all())
         True
+        >>> q = torch.randn(1, 3, 4, 64); q0 = q.clone()  # 4 query heads share the 2 KV heads
+        >>> treeops.kv_append(k, v, k_cache, v_cache, bt, torch.tensor([15], dtype=torch.int32),
+        ...                   torch.tensor([2], dtype=torch.int32), q=q)
+        >>> pos = torch.tensor([[15, 16]])  # rows 0 and 1 at slots 15 and 16; row 2 not written
+        >>> torch.equal(q[:, :2], treeops.rope(q0[:, :2], pos)), torch.equal(q[:, 2], q0[:, 2])
+        (True, True)
     """
     sizes: dict[str, int] = {}
     check_tensor("k", k, shape=("B", "N", "H_kv", "D"), dtype=FLOAT_DTYPES, sizes=sizes)
@@ -138,6 +161,19 @@ def kv_append(
     )
     if depth is not None:
         check_tensor("depth", depth, shape=("B", "N"), dtype=torch.int32, sizes=sizes)
+    if q is not None:
+        check_tensor("q", q, shape=("B", "N", None, "D"), dtype=k.dtype, sizes=sizes)
+        if q.shape[2] % sizes["H_kv"]:
+            raise ValueError(
+                f"Invalid shape of q: expected a multiple of H_kv = {sizes['H_kv']} query heads "
+                f"(dim 2), got {q.shape[2]}"
+            )
+        if any(st == 0 and n > 1 for st, n in zip(q.stride(), q.shape, strict=True)):
+            # rotated in place: elements sharing memory would be written more than once
+            raise ValueError(
+                f"Invalid stride of q: expected no stride-0 (expanded) dimension, q is written "
+                f"in place, got strides {tuple(q.stride())}"
+            )
     if not (isinstance(rope_theta, (int, float)) and rope_theta > 0):
         raise ValueError(
             f"Invalid value of rope_theta: expected a positive float, got {rope_theta!r}"
@@ -151,6 +187,7 @@ def kv_append(
         seq_lens=seq_lens,
         num_tokens=num_tokens,
         depth=depth,
+        q=q,
     )
     if validate:
         capacity = block_table.shape[1] * sizes["page_size"]
@@ -163,13 +200,14 @@ def kv_append(
                 f"block table's capacity of {capacity} slots"
             )
     _kv_append_op(
-        k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, float(rope_theta)
+        k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, float(rope_theta), q
     )
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     """Rotate ``x`` [..., H, D] by RoPE at integer ``positions`` [...] (Llama ``rotate_half``
-    layout, fp32 math, x's dtype out); e.g. ``rope(q, tree.positions(seq_lens))`` for queries.
+    layout, fp32 math, x's dtype out); e.g. ``rope(q, tree.positions(seq_lens))`` for queries
+    (``kv_append(..., q=q)`` does that in place in its own launch where the positions are K's).
 
     Example:
         >>> import torch, treeops

@@ -4,17 +4,19 @@ Both models keep a paged KV cache (``PagedKV``: stacked ``[L, num_pages, page_si
 K and V, one block table ``[B, max_pages]`` int32) and run every forward as a *tree* forward:
 the inputs are the nodes of a ``treeops.Tree`` (a verification tree, a draft frontier, or a
 chain for prefill), their K/V go into slots ``seq_lens[b] + i`` through ``treeops.kv_append``
-(K rotated at ``seq_lens[b] + depth[i]``), the queries are rotated with ``treeops.rope`` at
-``tree.positions(seq_lens)``, and attention is ``treeops.tree_attention`` (prefix + ancestors).
+(K rotated at ``seq_lens[b] + depth[i]``), which rotates the queries in place at the same
+positions (``q=``, the same launch), and attention is ``treeops.tree_attention`` (prefix +
+ancestors).
 
 On CUDA the forwards run fused, as an inference engine would (``fused.py``: hand-written Triton
 for add + RMSNorm, SwiGLU, the draft's fc input and the per-forward index math; one GEMM over
 concatenated q/k/v weights and one over gate/up, built once and cached, ``Attention.wqkv`` /
 ``MLP.wgu``), every residual add folded into the next norm: per layer one add + RMSNorm, the
-q/k/v GEMM, ``kv_append``, ``rope``, ``tree_attention``, o_proj, one add + RMSNorm, the gate/up
-GEMM, SwiGLU, down_proj. On the CPU the same forwards run the same math as PyTorch ops
-(separate projections), equal to ``forward_unfused`` (the per-layer modules). The training
-forwards (``forward_train``, causal SDPA) and ``reference_forward`` use the separate weights.
+q/k/v GEMM, ``kv_append`` (K/V into the cache, K and q rotated), ``tree_attention``, o_proj, one
+add + RMSNorm, the gate/up GEMM, SwiGLU, down_proj; per forward the frontier's index math (a
+draft frontier only). On the CPU the same forwards run the same math as PyTorch ops (separate
+projections), equal to ``forward_unfused`` (the per-layer modules). The training forwards
+(``forward_train``, causal SDPA) and ``reference_forward`` use the separate weights.
 
 Weights use Hugging Face Llama names (``model.layers.{i}.self_attn.q_proj.weight`` ...), so a
 local directory with ``config.json`` + ``*.safetensors`` loads with ``Target.from_pretrained``
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 
 from .._runtime import refuse_in_capture
-from ..kv_append import kv_append, rope
+from ..kv_append import kv_append
 from ..tree import Tree
 from ..tree_attention import tree_attention
 from . import fused
@@ -153,14 +155,18 @@ class Attention(nn.Module):
         kc, vc, bt = kv.k[layer], kv.v[layer], kv.block_table
         theta = cfg.rope_theta
         if q_start is None:
-            kv_append(k, v, kc, vc, bt, seq_lens, tree.num_nodes, tree.depth, rope_theta=theta)
-            q = rope(q, tree.positions(seq_lens), theta)
+            # q rotated in place at K's positions, tree.positions(seq_lens); rows past
+            # num_nodes stay unrotated, and tree_attention's output there is 0 whatever q holds
+            kv_append(k, v, kc, vc, bt, seq_lens, tree.num_nodes, tree.depth, q=q,
+                      rope_theta=theta)  # fmt: skip
             o = tree_attention(q, kc, vc, bt, seq_lens, tree)
             return self.o_proj(o.reshape(B, R, -1))
         # Frontier rows only. kv_append has no row offset, so shift its base instead: row j lands
         # in slot (seq_lens + q_start) + j and K is rotated at (seq_lens + q_start) +
         # (depth - q_start) = seq_lens + depth; the relative depth may be negative, which the
-        # op's arithmetic allows (a workaround, see the package docstring).
+        # op's arithmetic allows (a workaround, see the package docstring). Row j < q_len of q
+        # is rotated at that same position, seq_lens + depth[q_start + j]; rows j >= q_len stay
+        # unrotated and land on nodes tree_attention does not query.
         N = tree.capacity
         q_start = q_start.to(torch.int32)
         q_len = q_len.to(torch.int32)
@@ -169,8 +175,7 @@ class Attention(nn.Module):
         dep = tree.depth.gather(1, idx)
         base = seq_lens.to(torch.int32) + q_start
         rel = (dep - q_start[:, None]).to(torch.int32)
-        kv_append(k, v, kc, vc, bt, base, q_len, rel, rope_theta=theta)
-        q = rope(q, seq_lens.long()[:, None] + dep.long(), theta)
+        kv_append(k, v, kc, vc, bt, base, q_len, rel, q=q, rope_theta=theta)
         qf = torch.zeros(B, N, Hq, D, dtype=q.dtype, device=q.device)
         qf.scatter_(1, idx[:, :, None, None].expand(B, R, Hq, D), q)
         o = tree_attention(qf, kc, vc, bt, seq_lens, tree, q_start, q_len)
@@ -184,8 +189,8 @@ class Attention(nn.Module):
     def forward_fused(self, h: torch.Tensor, f: _Fwd, kv: PagedKV, layer: int) -> torch.Tensor:
         """``forward`` of the normed input ``h`` [B, R, H] with the forward's shared index math
         ``f``: on the fused path one GEMM for q/k/v (strided views of its output feed the
-        treeops ops), otherwise the three projections as ``forward``. Returns o_proj's output
-        (the residual's delta)."""
+        treeops ops; ``kv_append`` rotates the q view in place), otherwise the three
+        projections as ``forward``. Returns o_proj's output (the residual's delta)."""
         cfg = self.cfg
         B, R, _ = h.shape
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -200,13 +205,13 @@ class Attention(nn.Module):
             v = self.v_proj(h).view(B, R, Hkv, D)
         kc, vc, bt = kv.k[layer], kv.v[layer], kv.block_table
         theta, tree = cfg.rope_theta, f.tree
+        # q rotated in place by kv_append at K's positions (see ``forward``)
         if f.q_start is None:
-            kv_append(k, v, kc, vc, bt, f.seq_lens, tree.num_nodes, tree.depth, rope_theta=theta)
-            q = rope(q, f.pos, theta)
+            kv_append(k, v, kc, vc, bt, f.seq_lens, tree.num_nodes, tree.depth, q=q,
+                      rope_theta=theta)  # fmt: skip
             o = tree_attention(q, kc, vc, bt, f.seq_lens, tree)
         else:  # frontier rows only (see ``forward``); rows outside them are never read
-            kv_append(k, v, kc, vc, bt, f.base, f.q_len, f.rel, rope_theta=theta)
-            q = rope(q, f.pos, theta)
+            kv_append(k, v, kc, vc, bt, f.base, f.q_len, f.rel, q=q, rope_theta=theta)
             new = torch.empty if f.kernels else torch.zeros
             qf = new(B, tree.capacity, Hq, D, dtype=q.dtype, device=q.device)
             qf.scatter_(1, f.idx4, q)
@@ -302,12 +307,12 @@ class Layer(nn.Module):
 
 class _Fwd:
     """What every layer of one tree forward shares, computed once per forward: the tree and
-    ``seq_lens``, the rows' RoPE positions ``pos``, and for a draft frontier (``q_start`` /
-    ``q_len``, R rows) the rows' node index as ``idx4`` [B, R, H_q, D] (for the scatter/gather
-    around attention) and kv_append's shifted ``base`` and relative depths ``rel``. ``kernels``:
-    the fused path (``fused.use_kernels``: CUDA) or the same math in PyTorch ops."""
+    ``seq_lens``, and for a draft frontier (``q_start`` / ``q_len``, R rows) the rows' node index
+    as ``idx4`` [B, R, H_q, D] (for the scatter/gather around attention) and kv_append's shifted
+    ``base`` and relative depths ``rel`` (its K, and so q, rotated at ``seq_lens + depth``). A
+    whole tree needs no index math: kv_append takes ``seq_lens`` and ``tree.depth`` as they are.
+    ``kernels``: the fused path (``fused.use_kernels``: CUDA) or the same math in PyTorch ops."""
 
-    pos: torch.Tensor
     q_start: torch.Tensor | None
     # set for a frontier only
     q_len: torch.Tensor
@@ -319,14 +324,13 @@ class _Fwd:
                  *, kernels: bool):  # fmt: skip
         self.kernels = kernels
         self.seq_lens, self.tree = seq_lens, tree
-        index = fused.tree_index if kernels else fused.tree_index_torch
         self.q_start = None
         if q_start is None or q_len is None:
-            self.pos = index(seq_lens, tree.depth)[0]
             return
+        index = fused.tree_index if kernels else fused.tree_index_torch
         self.q_start = q_start.to(torch.int32)
         self.q_len = q_len.to(torch.int32)
-        self.pos, idx, base, rel = index(seq_lens, tree.depth, self.q_start, R)
+        _, idx, base, rel = index(seq_lens, tree.depth, self.q_start, R)  # pos: kv_append rotates q
         assert idx is not None and base is not None and rel is not None
         self.base, self.rel = base, rel
         B = idx.shape[0]
@@ -411,9 +415,9 @@ class Target(nn.Module):
 
     def forward(self, tokens, kv: PagedKV, seq_lens, tree: Tree):
         """The tree forward (class docstring). On CUDA the fused path: per layer one add +
-        RMSNorm kernel, the q/k/v GEMM, kv_append, rope, tree_attention, o_proj, add + RMSNorm,
-        the gate/up GEMM, SwiGLU, down_proj (the embedding gathers inside the first norm; the
-        positions are computed once). On the CPU the same math in PyTorch ops, as
+        RMSNorm kernel, the q/k/v GEMM, kv_append (K, V and q), tree_attention, o_proj, add +
+        RMSNorm, the gate/up GEMM, SwiGLU, down_proj (the embedding gathers inside the first
+        norm). On the CPU the same math in PyTorch ops, as
         ``forward_unfused``."""
         f = _Fwd(self.cfg, seq_lens, tree, tokens.shape[1], kernels=fused.use_kernels(tokens))
         layers = self.model.layers
