@@ -29,6 +29,10 @@ OUT_TREE = ", ".join(
 )
 """The schema fragment of a ``Tree`` written in place (alias sets s..z)."""
 
+CUDA_BACKENDS: dict[str, Callable] = {}
+"""Each op's CUDA backend by op name (``bench/bench_host.py`` runs them on CPU tensors to time
+the launchers' host code)."""
+
 
 def define(
     schema: str,
@@ -43,6 +47,7 @@ def define(
     LIB.define(schema)
     LIB.impl(name, cpu, "CPU")
     LIB.impl(name, cuda, "CUDA")
+    CUDA_BACKENDS[name] = cuda
     torch.library.register_fake(f"treeops::{name}", fake or _no_output, lib=LIB)
     return getattr(torch.ops.treeops, name).default
 

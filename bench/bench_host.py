@@ -1,0 +1,294 @@
+"""Host cost of one eager call of every public op, at tiny shapes (the launch's host side only).
+
+Two measurements per op:
+
+* CPU, always (the number treeops controls): the public function on CPU tensors with each op's
+  CPU backend swapped for its CUDA backend (the Triton launcher), so one call runs the argument
+  checks, the custom-op dispatch and the launcher's host code as on the GPU. Triton is pointed at
+  a stand-in driver (``bench/compile_check.py``'s) and every kernel's compiled form is a stub, so
+  nothing compiles or runs on a device. ``host_us``: the call with Triton's ``JITFunction.run``
+  replaced by a no-op (treeops' own checks + dispatch + launcher prep); ``triton_us``: what
+  Triton's own Python launch path adds on top (argument binding, specialisation, kernel-cache
+  lookup; not the C launch itself), the real ``run`` against the stub kernels minus
+  ``host_us``. Ops whose CUDA backend is PyTorch ops (``prune``, ``PruneCheckpoints.check``)
+  time those ops on the CPU too. Each the best of several rounds of back-to-back calls, the two
+  alternating.
+* CUDA, when a GPU is there: ``eager_us`` (``harness.eager_us``: a call and a device sync,
+  perf_counter) minus ``replay_us`` (``harness.graph_us``: the same call replayed in a CUDA
+  graph) = ``overhead_us``, the host time an eager call adds.
+
+    python bench/bench_host.py [--out bench/results/host.json] [--quick] [--ops a,b]
+
+Must run without ``TRITON_INTERPRET`` (the launchers' GPU tile choices are timed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("bench_host.py times the GPU launchers' host code: run it without TRITON_INTERPRET")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+import harness  # noqa: E402
+import treeops  # noqa: E402
+from treeops import _library  # noqa: E402
+
+Call = Callable[[], object]
+BUDGET_US = 25.0
+"""The goal for every op's eager host overhead on the H200's host."""
+
+
+# ------------------------------------------------------------------------------------ cases
+def _tree(B: int, N: int, dev) -> treeops.Tree:
+    par = torch.tensor([[-1] + [(i - 1) // 2 for i in range(1, N)]] * B, dtype=torch.int32)
+    tok = torch.arange(B * N).view(B, N) % 50 + 1
+    sc = torch.linspace(1, 0.1, N).expand(B, N).contiguous()
+    return treeops.Tree.from_parents(par, torch.full((B,), N, dtype=torch.int32), tok, sc).to(dev)
+
+
+def cases(dev: torch.device) -> dict[str, Call]:
+    """One closure per public op at a tiny shape (B=2, N=8, V=64, D=64, page 16)."""
+    g = torch.Generator().manual_seed(0)
+    B, N, HQ, HKV, D, PAGE, V = 2, 8, 4, 2, 64, 16, 64
+
+    def rnd(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype).to(dev)
+
+    def i32(*vals):
+        return torch.tensor(vals, dtype=torch.int32, device=dev)
+
+    tree = _tree(B, N, dev)
+    bf = torch.bfloat16
+    q, k, v = rnd(B, N, HQ, D, dtype=bf), rnd(B, N, HKV, D, dtype=bf), rnd(B, N, HKV, D, dtype=bf)
+    kc, vc = rnd(B * 4, PAGE, HKV, D, dtype=bf), rnd(B * 4, PAGE, HKV, D, dtype=bf)
+    bt = torch.arange(B * 4, dtype=torch.int32, device=dev).view(B, 4)
+    sl = i32(*[20] * B)
+    pos = tree.positions(sl)
+    logits = rnd(B, N, V)
+    temp, top_k, top_p = rnd(B).abs() + 0.5, i32(*[0] * B), torch.ones(B, device=dev)
+    uni = torch.rand(B, N, generator=g).to(dev)
+    acc = treeops.accept_greedy(tree, logits)
+    stacked_k, stacked_v = kc[None].clone(), vc[None].clone()
+    table = treeops.AdjacencyTable(V, 4, device=dev)
+    topk = torch.topk(logits, 4, dim=-1).indices.to(torch.int32)
+    template = treeops.RankTemplate.from_paths([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+    table.update(tree, topk_ids=topk)
+    retrieved = table.retrieve(tree.tokens[:, 0], template)
+    ckpt = treeops.PruneCheckpoints()
+    keep, best = ckpt.start(B, dev), torch.rand(B, generator=g).to(dev)
+    eagle = treeops.EagleStatic(depth=3, topk=4, budget=N)
+    state = treeops.DraftState.new(eagle, tree.tokens[:, 0].contiguous(), sl.long())
+    draft_logits = rnd(B, eagle.max_width, V)
+    scores, costs = torch.rand(B, 16, generator=g).to(dev), torch.linspace(1, 2, 16, device=dev)
+    u_hist, c0 = torch.tensor([1.0, 0.5], device=dev), torch.tensor(0.25, device=dev)
+
+    def expand():
+        state.layer = 0
+        treeops.build_tree_expand(draft_logits, state, eagle)
+
+    def emit():
+        state.layer = 1
+        treeops.build_tree_emit(state, eagle)
+
+    return {
+        "tree_attention": lambda: treeops.tree_attention(q, kc, vc, bt, sl, tree),
+        "kv_append": lambda: treeops.kv_append(k, v, kc, vc, bt, sl, tree.num_nodes, tree.depth),
+        "rope": lambda: treeops.rope(q, pos),
+        "accept_greedy": lambda: treeops.accept_greedy(tree, logits),
+        "accept_sample": lambda: treeops.accept_sample(tree, logits, temp, top_k, top_p, uni),
+        "compact_kv": lambda: treeops.compact_kv(
+            stacked_k, stacked_v, bt, sl, tree, acc.accepted, acc.accept_len
+        ),
+        "build_tree_expand": expand,
+        "build_tree_emit": emit,
+        "cast_select": lambda: treeops.cast_select(costs, costs, 0.5),
+        "cast_width": lambda: treeops.cast_width(scores, costs, 0.5),
+        "cast_depth": lambda: treeops.cast_depth(u_hist, c0, 1.0, 4),
+        "cast_rerank": lambda: treeops.cast_rerank(scores, costs, 0.5),
+        "adjacency_update": lambda: table.update(tree, topk_ids=topk),
+        "adjacency_update_logits": lambda: table.update(tree, logits),
+        "adjacency_retrieve": lambda: table.retrieve(tree.tokens[:, 0], template),
+        "graft": lambda: treeops.graft(tree, table, template, N),
+        "graft_merge": lambda: treeops.graft_merge(tree, retrieved, N),
+        "prune": lambda: treeops.prune(tree, 4),
+        "prune_checkpoint": lambda: ckpt.check(0, best, keep),
+    }
+
+
+# ------------------------------------------------------------------------------------ timing
+def per_call_us(fn: Call, iters: int) -> float:
+    """Mean µs of ``iters`` back-to-back calls (GC paused)."""
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e6 / iters
+    finally:
+        if gc_was:
+            gc.enable()
+
+
+class _StubKernel:
+    """A compiled kernel that launches nothing (what ``JITFunction.run`` calls after its cache
+    lookup)."""
+
+    function = None
+    packed_metadata = None
+
+    def launch_metadata(self, *args):
+        return None
+
+    def run(self, *args):
+        return None
+
+
+def _stub_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+    kernel = _StubKernel()
+    self.device_caches[device][0][key] = kernel
+    return kernel
+
+
+def _no_launch(self, *args, grid, warmup, **kwargs):
+    return None
+
+
+@contextlib.contextmanager
+def launchers_on_cpu():
+    """Every treeops op's CPU kernel is its CUDA backend; Triton compiles nothing (stub kernels)
+    against a stand-in driver. The CPU kernels come back on exit; the driver stays (this
+    process launches nothing afterwards)."""
+    from compile_check import _Driver
+
+    driver.set_active(_Driver())
+    saved = JITFunction._do_compile
+    JITFunction._do_compile = _stub_compile
+    lib = torch.library.Library("treeops", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
+        for name, cuda in _library.CUDA_BACKENDS.items():
+            lib.impl(name, cuda, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+        JITFunction._do_compile = saved
+
+
+def cpu_rows(ops: list[str], iters: int, repeats: int) -> list[dict]:
+    rows = []
+    with launchers_on_cpu():
+        calls = cases(torch.device("cpu"))
+        real_run = JITFunction.run
+        for op in ops:
+            fn = calls[op]
+            row: dict = {"op": op}
+            try:
+                for _ in range(3):  # first calls: stub compiles, cached buffers
+                    fn()
+                # the two variants alternate, each keeps its best round: the machine's other
+                # load hits both alike
+                own = total = float("inf")
+                for _ in range(repeats):
+                    JITFunction.run = _no_launch
+                    own = min(own, per_call_us(fn, iters))
+                    JITFunction.run = real_run
+                    total = min(total, per_call_us(fn, iters))
+                row.update(host_us=own, triton_us=max(total - own, 0.0), total_us=total)
+            except Exception as e:  # noqa: BLE001 - one op's failure is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                JITFunction.run = real_run
+            rows.append(row)
+    return rows
+
+
+def cuda_rows(ops: list[str], quick: bool) -> dict[str, dict]:
+    calls = cases(torch.device("cuda"))
+    out = {}
+    for op in ops:
+        row: dict = {}
+        try:
+            row["eager_us"] = harness.eager_us(calls[op], iters=50 if quick else 200)
+            row["replay_us"] = harness.graph_us([calls[op]], reps=20)
+            row["overhead_us"] = row["eager_us"] - row["replay_us"]
+        except Exception as e:  # noqa: BLE001
+            torch.cuda.synchronize()
+            row["cuda_error"] = f"{type(e).__name__}: {e}"
+        out[op] = row
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON file for the results")
+    ap.add_argument("--quick", action="store_true", help="fewer calls per op (the CPU test)")
+    ap.add_argument("--ops", default=None, help="comma-separated subset of the ops")
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args(argv)
+    ops = list(cases(torch.device("cpu")))  # the names (cheap at these shapes)
+    if args.ops:
+        ops = [o for o in args.ops.split(",") if o]
+        unknown = set(ops) - set(cases(torch.device("cpu")))
+        if unknown:
+            ap.error(f"unknown ops {sorted(unknown)}")
+    iters, repeats = (50, 3) if args.quick else (400, 7)
+    cuda = harness.needs_cuda() is None
+    by_op = cuda_rows(ops, args.quick) if cuda else {}  # before the stand-in driver replaces CUDA
+    rows = cpu_rows(ops, iters, repeats)
+    for r in rows:
+        r.update(by_op.get(r["op"], {}))
+    doc = harness.result_doc(
+        commit_id=args.commit,
+        host_cpu=_cpu_name(),
+        budget_us=BUDGET_US,
+        timing=(
+            "host_us: eager call on CPU tensors through the CUDA launchers, Triton's run a no-op; "
+            "triton_us: Triton's Python launch path on top (stub kernels); overhead_us (GPU): "
+            "eager_us - replay_us"
+        ),
+        rows=rows,
+    )
+    keys = ["op", "host_us", "triton_us", "total_us"]
+    if cuda:
+        keys += ["eager_us", "replay_us", "overhead_us"]
+    if args.out:
+        harness.write_json(args.out, doc)
+    harness.print_table(doc, args.out or "-", rows, keys, width=10)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['op']}: {r['error']}")
+    return doc
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+if __name__ == "__main__":
+    main()
