@@ -220,21 +220,31 @@ def attention(B, N, hq, hkv, d, ctx, page, dtype=torch.bfloat16, lse=True, qrang
     ), case
 
 
-def kv_append(B, N, hkv, d, page, depth=True, dtype=torch.bfloat16):
+def kv_append(B, N, hkv, d, page, depth=True, dtype=torch.bfloat16, hq=0):
+    """``hq`` > 0: with queries (the HAS_Q variant), q/k/v as views of one fused QKV output."""
+
     def case():
         from treeops.kernels.kv_append import kv_append_fwd
 
         pages = -(-(4096 + N) // page)
-        k = torch.randn(B, N, hkv, d, dtype=dtype, generator=G)
         kc = torch.zeros(B * pages, page, hkv, d, dtype=dtype)
         bt = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
         seq = torch.full((B,), 4096, dtype=torch.int32)
         nt = torch.full((B,), N, dtype=torch.int32)
         dep = torch.zeros(B, N, dtype=torch.int32) if depth else None
-        v, vc = k.clone(), kc.clone()
+        vc = kc.clone()
+        if hq:
+            qkv = torch.randn(B, N, (hq + 2 * hkv) * d, dtype=dtype, generator=G)
+            q = qkv[..., : hq * d].unflatten(-1, (hq, d))
+            k = qkv[..., hq * d : (hq + hkv) * d].unflatten(-1, (hkv, d))
+            v = qkv[..., (hq + hkv) * d :].unflatten(-1, (hkv, d))
+            return lambda: kv_append_fwd(k, v, kc, vc, bt, seq, nt, dep, 10000.0, q)
+        k = torch.randn(B, N, hkv, d, dtype=dtype, generator=G)
+        v = k.clone()
         return lambda: kv_append_fwd(k, v, kc, vc, bt, seq, nt, dep, 10000.0)
 
-    return f"kv_append B={B} N={N} hkv={hkv} D={d} page={page} depth={depth} {dtype}", case
+    name = f"kv_append B={B} N={N} hkv={hkv} D={d} page={page} depth={depth} {dtype}"
+    return name + (f" hq={hq}" if hq else ""), case
 
 
 def rope(B, N, hq, d, dtype=torch.bfloat16):
@@ -402,6 +412,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             attention(4, 64, 32, 8, 128, 4096, 16),
             attention(1, 64, 32, 8, 128, 32768, 16),  # split-KV + merge
             kv_append(4, 64, 8, 128, 16),
+            kv_append(4, 64, 8, 128, 16, hq=32),
             rope(4, 64, 32, 128),
             build("cast", 8, 32000, 64),
             accept("greedy", 8, 32000),
@@ -439,6 +450,15 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
         for dt in (bf, fp):
             out.append(kv_append(4, 64, 8, d, 16, dtype=dt))
     out += [kv_append(4, 10, 8, 128, 16, depth=False), kv_append(1, 1, 8, 128, 1)]
+    # with queries (the decoder's call): every head dim, GQA 1 / 4 / 8, both 16-bit dtypes
+    for d in (64, 128, 256):
+        out.append(kv_append(4, 64, 8, d, 16, hq=32))
+    out += [
+        kv_append(4, 64, 8, 128, 16, dtype=fp, hq=32),
+        kv_append(4, 64, 8, 128, 16, hq=8),
+        kv_append(4, 64, 8, 128, 16, hq=64),
+        kv_append(4, 10, 8, 128, 16, depth=False, hq=32),
+    ]
     for d in (64, 128, 256):
         out += [rope(4, 64, 32, d), rope(1, 1, 10, d, dtype=fp)]
     # tree build: both policies, both vocabularies, small and large batches (tile sizes change

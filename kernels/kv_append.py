@@ -19,7 +19,7 @@ from treeops._runtime import interpreted, refuse_in_capture
 from treeops.reference.kv_append import rope_inv_freq
 
 
-@triton.jit(do_not_specialize=["N", "H_KV", "GROUP"])
+@triton.jit(do_not_specialize=["N", "H_KV"])
 def _kv_append(
     K,
     V,
@@ -33,7 +33,7 @@ def _kv_append(
     INV_FREQ,
     N,
     H_KV,
-    GROUP,
+    GROUP: tl.constexpr,
     s_kb,
     s_kn,
     s_kh,
@@ -100,10 +100,11 @@ def _kv_append(
     tl.store(p_vc + half * s_vcd, b_v2.to(VC.dtype.element_ty), mask=m_t[:, None])
     if HAS_Q:
         # query heads i_h * GROUP .. (i_h + 1) * GROUP - 1 read KV head i_h: their positions are
-        # K's, so the cos/sin above serve them; a loop keeps one head's halves live at a time
+        # K's, so the cos/sin above serve them. Unrolled (GROUP is constexpr, one compile per
+        # GQA ratio): the group's loads can be in flight together (a runtime loop spilled on sm_90)
         dq = Q.dtype.element_ty
         p_q0 = Q + i_b * s_qb + o_t[:, None] * s_qn + o_c[None, :] * s_qd
-        for g in range(GROUP):
+        for g in tl.static_range(GROUP):
             p_q = p_q0 + (i_h * GROUP + g) * s_qh
             b_q1 = tl.load(p_q, mask=m_t[:, None], other=0.0).to(tl.float32)
             b_q2 = tl.load(p_q + half * s_qd, mask=m_t[:, None], other=0.0).to(tl.float32)
