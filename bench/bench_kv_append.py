@@ -13,6 +13,11 @@ too. Before timing, treeops' caches are compared with ``treeops.reference.kv_app
 K within bf16 rounding) and the peer's with treeops'. Times are medians of CUDA-graph replays
 (``harness.graph_us``); ``treeops_eager_us`` is one eager call, host included. Floor = max(the
 new K/V read once and written once / 4.3 TB/s, an empty kernel replayed in a CUDA graph).
+
+With queries (32 heads, GQA 4, as the decoder calls it): ``treeops_q_us`` is ``kv_append(...,
+q=q)``, one launch that also rotates q in place (checked against the reference first:
+``check_q``), ``treeops_rope_us`` the two launches it replaces (``kv_append``, then
+``treeops.rope`` of q at positions computed beforehand); ``floor_q_us`` adds q's read and write.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ import treeops
 from treeops.reference import kv_append as ref
 
 HKV, D, PAGE, N, CTX = 8, 128, 16, 64, 4096
+GQA = 4  # query heads per KV head in the rows with queries
 THETA = 10000.0
 
 
 class Case:
-    """Paged bf16 caches with room for CTX + N tokens per request, ``copies`` sets of new K/V
-    and prefix lengths, and the trees' depths."""
+    """Paged bf16 caches with room for CTX + N tokens per request, ``copies`` sets of new K/V,
+    queries and prefix lengths (with the queries' RoPE positions), and the trees' depths."""
 
     def __init__(self, B: int, copies: int, dev, seed: int = 0, dims=(HKV, D, N, CTX)):
         self.hkv, self.d, self.n, self.ctx = dims
@@ -62,12 +68,20 @@ class Case:
             )
             for c in range(copies)
         ]
+        qs = (B, self.n, GQA * self.hkv, self.d)
+        self.queries = [torch.randn(qs, generator=g).to(dev, torch.bfloat16) for _ in self.inputs]
+        self.positions = [seq[:, None].long() + self.depth.long() for _, _, seq in self.inputs]
         self.inv_freq = ref.rope_inv_freq(self.d, THETA, dev)
         self.ar = torch.arange(self.n, device=dev)
 
-    def treeops(self, k, v, seq):
+    def treeops(self, k, v, seq, q=None):
         treeops.kv_append(k, v, self.k_cache, self.v_cache, self.block_table, seq, self.num,
-                          self.depth, rope_theta=THETA)  # fmt: skip
+                          self.depth, q=q, rope_theta=THETA)  # fmt: skip
+
+    def treeops_rope(self, k, v, seq, q, pos):
+        """The two launches ``q=`` replaces: kv_append, then rope of the queries."""
+        self.treeops(k, v, seq)
+        return treeops.rope(q, pos, THETA)
 
     def torch(self, k, v, seq):
         """The PyTorch recipe: every node of every request valid (num_tokens = N)."""
@@ -117,15 +131,38 @@ def check(c: Case) -> tuple[str, str]:
     return same(got, want), same(peer, got)
 
 
+def check_q(c: Case) -> str:
+    """``kv_append(..., q=q)``: q rotated as the reference rotates it, the caches as without q."""
+    snap = c.snapshot()
+    k, v, seq = c.inputs[0]
+    q = c.queries[0].clone()
+    c.treeops(k, v, seq, q)
+    got = c.snapshot()
+    c.restore(snap)
+    want_q = c.queries[0].clone()
+    ref.kv_append(k, v, c.k_cache, c.v_cache, c.block_table, seq, c.num, c.depth, q=want_q,
+                  rope_theta=THETA)  # fmt: skip
+    want = c.snapshot()
+    c.restore(snap)
+    if not torch.equal(got[1], want[1]):
+        return "V cache differs"
+    for name, a, b in (("K cache", got[0], want[0]), ("q", q, want_q)):
+        if not torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2):
+            return f"{name} differs beyond bf16 rounding"
+    return "ok"
+
+
 def bench_row(B: int, empty_us: float, dev, time_treeops=None, dims=(HKV, D, N, CTX)) -> dict:
     """One row, checked first (an incorrect row has no times)."""
     hkv, d, n, ctx = dims
     nbytes = 2 * 2 * B * n * hkv * d * 2  # K and V, read once and written once, bf16
+    qbytes = 2 * B * n * GQA * hkv * d * 2  # q, read once and written once
     copies, reps = H.rotation(nbytes) if torch.device(dev).type == "cuda" else (2, 1)
     c = Case(B, copies, dev, dims=dims)
     row = dict(op="kv_append", B=B, N=n, ctx=ctx, hkv=hkv, d=d, page_size=PAGE, dtype="bf16",
                copies=copies, reps=reps, bytes=nbytes, empty_kernel_us=empty_us,
-               floor_us=H.floor_us(nbytes, empty_us=empty_us))  # fmt: skip
+               floor_us=H.floor_us(nbytes, empty_us=empty_us), hq=GQA * hkv,
+               floor_q_us=H.floor_us(nbytes + qbytes, empty_us=empty_us))  # fmt: skip
     row["check"], row["torch_check"] = check(c)
     if row["check"] != "ok":
         return row
@@ -133,6 +170,14 @@ def bench_row(B: int, empty_us: float, dev, time_treeops=None, dims=(HKV, D, N, 
     row["treeops_us"] = timer([lambda a=a: c.treeops(*a) for a in c.inputs], reps)
     row["treeops_eager_us"] = H.eager_us(lambda: c.treeops(*c.inputs[0]), device=dev)
     row["torch_us"] = H.graph_us([lambda a=a: c.torch(*a) for a in c.inputs], reps, device=dev)
+    row["check_q"] = check_q(c)
+    if row["check_q"] == "ok":  # q is rotated again on every call: only the time matters here
+        ins = list(zip(c.inputs, c.queries, c.positions, strict=True))
+        row["treeops_q_us"] = H.graph_us([lambda a=a, q=q: c.treeops(*a, q) for a, q, _ in ins],
+                                         reps, device=dev)  # fmt: skip
+        row["treeops_rope_us"] = H.graph_us(
+            [lambda a=a, q=q, p=p: c.treeops_rope(*a, q, p) for a, q, p in ins], reps, device=dev
+        )
     H.ratios([row])
     return row
 
@@ -156,8 +201,12 @@ def main(argv=None) -> dict:
         "torch_us",
         "floor_us",
         "treeops_over_floor",
+        "treeops_q_us",
+        "treeops_rope_us",
+        "floor_q_us",
         "check",
         "torch_check",
+        "check_q",
     )
     H.print_table(doc, path, rows, keys)
     return doc
