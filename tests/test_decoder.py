@@ -585,8 +585,12 @@ def test_step_body_equals_eager_sampling(pair, policy):
 
 
 def test_step_graphs_flag_checks(pair):
+    target, draft = pair
+    cast = make_policy("Cast", depth=3, topk=3, budget=12, C3=0.1)  # thresholds: sizes in-step
     with pytest.raises(ValueError, match="step_graphs"):
-        _step_decoder(pair, "Cast", static_shapes=True, step_graphs=True)
+        Decoder(target, draft, cast, static_shapes=True, step_graphs=True)
+    with pytest.raises(ValueError, match="step_graphs"):  # λ-CAST: the static path plans steps
+        _step_decoder(pair, "Cast", static_shapes=True)
     with pytest.raises(ValueError, match="step_graphs"):
         _step_decoder(pair, "CastGraft", static_shapes=True, step_graphs=True)
     with pytest.raises(ValueError, match="step_graphs"):

@@ -2,7 +2,8 @@
 
 Every op is a fused Triton kernel for CUDA tensors and a PyTorch reference for CPU tensors:
 ``kv_append`` (KV append with RoPE), ``tree_attention`` (tree-masked paged attention),
-``build_tree`` (EAGLE and CAST tree build), ``cast_*`` (CAST's selection rules), ``graft`` /
+``build_tree`` (EAGLE and CAST tree build), ``cast_*`` (CAST's selection rules), ``CastPlanner``
+(λ-CAST: tree sizes from the measured throughput), ``graft`` /
 ``prune`` / ``AdjacencyTable`` (Graft), ``accept_greedy`` / ``accept_sample`` (lossless
 acceptance) and ``compact_kv`` (KV compaction). ``Tree`` is the batch of padded draft trees they
 share. Each op's module is ``treeops.<op>`` (its function shadows the module as an attribute of
@@ -12,6 +13,7 @@ share. Each op's module is ``treeops.<op>`` (its function shadows the module as 
 from . import accept as _accept
 from . import build_tree as _build
 from . import cast as _cast
+from . import cast_plan as _cast_plan
 from . import compact_kv as _compact
 from . import graft as _graft
 from . import kv_append as _kv_append
@@ -20,6 +22,7 @@ from ._version import __version__
 from .accept import *  # noqa: F403
 from .build_tree import *  # noqa: F403
 from .cast import *  # noqa: F403
+from .cast_plan import *  # noqa: F403
 from .compact_kv import *  # noqa: F403
 from .graft import *  # noqa: F403
 from .kv_append import *  # noqa: F403
@@ -27,6 +30,6 @@ from .tree import Tree, anc_words
 from .tree_attention import *  # noqa: F403
 
 __all__ = ["Tree", "anc_words", "__version__"]
-for _m in (_tree_attention, _kv_append, _build, _cast, _graft, _accept, _compact):
+for _m in (_tree_attention, _kv_append, _build, _cast, _cast_plan, _graft, _accept, _compact):
     __all__ += list(_m.__all__)
 del _m

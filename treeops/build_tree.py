@@ -52,12 +52,14 @@ __all__ = [
 @dataclass(frozen=True, eq=False)
 class EagleStatic:
     """EAGLE-2's dynamic tree with static sizes: ``depth`` draft layers, each frontier row expanded
-    to its ``topk`` best tokens, the ``topk`` best candidates of a layer forming the next frontier,
-    and the ``budget`` best nodes (root included) sent to verification (the tree capacity N)."""
+    to its ``topk`` best tokens, the ``width`` best candidates of a layer forming the next
+    frontier (default ``topk``, EAGLE-2's choice), and the ``budget`` best nodes (root included)
+    sent to verification (the tree capacity N)."""
 
     depth: int
     topk: int
     budget: int
+    width: int | None = None
 
     is_cast = False
 
@@ -65,6 +67,8 @@ class EagleStatic:
         check_positive_int("depth", self.depth)
         check_positive_int("topk", self.topk)
         check_positive_int("budget", self.budget)
+        if self.width is not None:
+            check_positive_int("width", self.width)
 
     @property
     def max_depth(self) -> int:
@@ -72,7 +76,7 @@ class EagleStatic:
 
     @property
     def max_width(self) -> int:
-        return self.topk
+        return self.topk if self.width is None else self.width
 
     @property
     def capacity(self) -> int:
@@ -92,18 +96,25 @@ class Cast:
             adds less than ``C3`` utility per unit of normalised target cost are dropped.
         R: length of the FIFO of utility ratios that predicts the next layer's utility.
         cost_table: measured ``f(B, c, n)``; its ``n_max`` must cover ``max_width`` and
-            ``capacity``.
+            ``capacity`` (required).
         topk: K, candidates per frontier row.
         max_width: W, frontier capacity (the largest width Algorithm 1 may pick).
         max_depth: D, the most draft layers per step.
         capacity: N, tree capacity (the largest verification count, root included).
+
+    ``C1``, ``C2``, ``C3`` all None (the default) is λ-CAST (docs/design.md op 5, "λ-CAST"):
+    the thresholds are the running throughput estimate λ̂ and the tree's sizes are planned
+    between steps by a ``treeops.CastPlanner`` (the example decoder does this); drafting then
+    runs the plan's ``EagleStatic`` shape (``CastPlanner.policy``), and ``build_tree_expand`` /
+    ``build_tree_emit`` with a λ-CAST policy itself are a ``ValueError``. Either all three
+    thresholds are numbers or all are None.
     """
 
-    C1: float
-    C2: float
-    C3: float
-    R: int
-    cost_table: CostTable
+    C1: float | None = None
+    C2: float | None = None
+    C3: float | None = None
+    R: int = 4
+    cost_table: CostTable | None = None
     topk: int = 10
     max_width: int = 10
     max_depth: int = 8
@@ -112,8 +123,16 @@ class Cast:
     is_cast = True
 
     def __post_init__(self) -> None:
+        given = [getattr(self, n) is not None for n in ("C1", "C2", "C3")]
+        if any(given) and not all(given):
+            raise ValueError(
+                "Invalid value of C1, C2, C3: expected all three numbers (fixed thresholds) or "
+                f"all None (λ-CAST), got C1={self.C1!r}, C2={self.C2!r}, C3={self.C3!r}"
+            )
         for name in ("C1", "C2", "C3"):
             v = getattr(self, name)
+            if v is None:
+                continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
                 raise ValueError(f"Invalid value of {name}: expected a number, got {v!r}")
         for name in ("R", "topk", "max_width", "max_depth", "capacity"):
@@ -130,6 +149,11 @@ class Cast:
                 f"capacity) = {need}, got {self.cost_table.n_max}"
             )
 
+    @property
+    def adaptive(self) -> bool:
+        """λ-CAST: no fixed thresholds; the sizes come from a ``CastPlanner``."""
+        return self.C1 is None
+
 
 Policy = EagleStatic | Cast
 
@@ -139,6 +163,11 @@ def _check_policy(policy: object) -> None:
         raise ValueError(
             f"Invalid type of policy: expected treeops.EagleStatic or treeops.Cast, "
             f"got {type(policy).__name__}"
+        )
+    if isinstance(policy, Cast) and policy.adaptive:
+        raise ValueError(
+            "Invalid value of policy: a λ-CAST policy (C1, C2, C3 None) has no thresholds to "
+            "draft with; draft its plan's shape (treeops.CastPlanner.policy) or pass C1-C3"
         )
 
 

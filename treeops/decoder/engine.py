@@ -28,7 +28,8 @@ from contextlib import nullcontext
 
 import torch
 
-from .._draft_state import DraftState
+from ..build_tree import Cast
+from ..cast_plan import CastPlanner
 from ..graft import AdjacencyTable
 from .graphs import (
     TOKEN_BUCKETS,
@@ -90,10 +91,15 @@ class Decoder:
             to pinned memory) instead of one graph per forward with the tree ops eager between
             them. Needs ``cuda_graphs=True`` (or ``static_shapes=True``, which runs the same
             step body eagerly: how the CPU tests check it) and a fixed-shape policy
-            (autoregressive, chain, EagleStatic): CAST decides sizes on the host during the
-            step, so ``Cast``/``CastGraft`` raise a ``ValueError`` naming ``step_graphs``. The
-            catch-up runs at the full tree capacity N instead of the bucket of the longest
-            accepted path. Host waits: one per step.
+            (autoregressive, chain, EagleStatic) or λ-CAST (``Cast()`` without thresholds: one
+            graph per plan, the plan chosen between steps by a ``treeops.CastPlanner``, which
+            the static path requires); CAST with thresholds decides sizes on the host during
+            the step, so it and ``CastGraft`` raise a ``ValueError`` naming ``step_graphs``. The
+            catch-up runs at the bucket of the longest possible accepted path (depth + 1 nodes)
+            instead of the longest accepted one. Host waits: one per step.
+        planner_options: keyword arguments of λ-CAST's ``CastPlanner`` (e.g. the measured
+            ``layer_overhead_us``), kept per decoder: its λ̂, calibration and plans persist
+            across ``generate`` calls.
     """
 
     def __init__(
@@ -108,6 +114,7 @@ class Decoder:
         profile: bool = False,
         check_buckets: bool = False,
         step_graphs: bool = False,
+        planner_options: dict | None = None,
     ):
         self.policy = as_policy(policy)
         self.name = policy_name(self.policy)
@@ -140,11 +147,28 @@ class Decoder:
         if self.cuda_graphs and not self.static:
             raise ValueError("Invalid value of static_shapes: cuda_graphs=True needs it True")
         self.step_graphs = bool(step_graphs)
-        if self.step_graphs and self.tree_policy is not None and self.tree_policy.is_cast:
+        tp = self.tree_policy
+        adaptive = isinstance(tp, Cast) and tp.adaptive
+        self.planner = CastPlanner(tp, verify_buckets=token_buckets(tp.capacity),
+                                   width_buckets=token_buckets(tp.max_width),
+                                   **(planner_options or {})) if adaptive else None  # fmt: skip
+        if adaptive and self.graft is not None:
+            raise ValueError(
+                "Invalid value of policy: CastGraft needs a Cast with thresholds C1-C3 (the "
+                "λ-CAST planner does not prune and graft)"
+            )
+        if self.step_graphs and tp is not None and tp.is_cast and not adaptive:
             raise ValueError(
                 f"Invalid value of step_graphs: True needs a fixed-shape policy (autoregressive, "
-                f"chain, EagleStatic), got policy {self.name!r}, whose sizes are decided on the "
-                "host during a step; use step_graphs=False (per-forward graphs)"
+                f"chain, EagleStatic) or λ-CAST (Cast without thresholds), got policy "
+                f"{self.name!r} with thresholds, whose sizes are decided on the host during a "
+                "step; use step_graphs=False (per-forward graphs)"
+            )
+        if adaptive and self.static and not self.step_graphs:
+            raise ValueError(
+                "Invalid value of step_graphs: λ-CAST (Cast without thresholds) runs each step "
+                "as one graph of its plan's shape; pass step_graphs=True with cuda_graphs (or "
+                "static_shapes)"
             )
         if self.step_graphs and not self.static:
             raise ValueError(
@@ -259,9 +283,6 @@ class Decoder:
         root, root_feat = self._prefill(prompts, carry.seq_lens, tkv, dkv)
         carry.start(root, root_feat, budget, per_req)
         if self.static:
-            if self.step_graphs and self.tree_policy is not None and sb.state is None:
-                # allocated outside any capture
-                sb.state = DraftState.new(self.tree_policy, sb.root, sb.seq_lens, sb.active)
             if dev.type == "cuda":  # the loop's clock must not start with prefill still queued
                 torch.cuda.synchronize(dev)
         res.time_prefill = clock() - t0
@@ -270,10 +291,11 @@ class Decoder:
             return EagerStep(self, carry, tkv, dkv, res, greedy, stops, g), res
         if self.step_graphs:
 
-            def make_body(copy_out: bool) -> WholeStepBody:
-                return WholeStepBody(self, sb, greedy, stops, copy_out)
+            def make_body(copy_out: bool, pb) -> WholeStepBody:
+                return WholeStepBody(self, sb, greedy, stops, copy_out, pb)
 
-            return WholeStep(self, sb, res, greedy, stops, g, make_body), res
+            ctx = max(len(p) for p in prompts)
+            return WholeStep(self, sb, res, greedy, stops, g, make_body, ctx), res
         return StaticStep(self, sb, res, greedy, stops, g), res
 
     def _prefill(self, prompts, seq_lens, tkv, dkv) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,9 @@ from .results import DecodeResult
 if TYPE_CHECKING:
     from .engine import Decoder
 
-__all__ = ["TOKEN_BUCKETS", "token_buckets", "bucket_for", "GraphRunner", "WholeStep"]
+__all__ = [
+    "TOKEN_BUCKETS", "token_buckets", "bucket_for", "GraphRunner", "PlanBuffers", "WholeStep",
+]
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -50,6 +52,50 @@ def bucket_for(n: int, capacity: int) -> int:
         if b >= n:
             return b
     return capacity  # unreachable: capacity is the last bucket
+
+
+class PlanBuffers:
+    """The buffers of one tree shape (``policy``: its frontier rows w, top-k K, depth D, capacity
+    n) over a static batch: the ``DraftState``, the candidate -> working-tree-node table, the
+    draft forwards' per-layer [B] metadata and the verification tree ``vin`` (capacity n).
+
+    The working tree keeps the decoder's frontier spacing W (the frontier of layer l >= 1 at
+    nodes ``1 + (l-1) W ..``) whatever w is; rows past w are never valid."""
+
+    def __init__(self, sb: _StaticBatch, policy, vin: Tree | None = None):
+        dev, B, W = sb.seq_lens.device, sb.B, sb.W
+        self.policy = policy
+        w, K, D = policy.max_width, policy.topk, policy.max_depth
+        self.w, self.depth, self.capacity = w, D, policy.capacity
+        # cand_node[c]: the working-tree node of candidate c's frontier row (candidate c of
+        # layer l >= 1 is a child of frontier row (c - l C) // K of layer l, node 1 + (l-1) W +
+        # that row; layer 0's candidates are the root's children); the last entry, which a
+        # frontier index of -1 reads, is the root
+        C = w * K
+        c = torch.arange(D * C, device=dev)
+        lay = c // C
+        row = torch.where(lay > 0, 1 + (lay - 1) * W + (c - lay * C) // K, 0)
+        self.cand_node = torch.cat([row, row.new_zeros(1)])
+        # layer i's [B] metadata = meta_base[i] + meta_coef[i] * active: num_nodes 1 + i W,
+        # q_start 1 + (i-1) W (0 at layer 0), q_len w rows (1 at layer 0; CAST with thresholds
+        # sets its bucket instead)
+        lay = torch.arange(D, dtype=torch.int32, device=dev)
+        zero, first = torch.zeros_like(lay), lay == 0
+        q_start = torch.where(first, 0, 1 + (lay - 1) * W)
+        q_len = torch.where(first, 1, w).to(torch.int32)
+        self.meta_coef = torch.stack([1 + lay * W, zero, q_len], 1)[:, :, None]
+        self.meta_base = torch.stack([zero, q_start, zero], 1)[:, :, None]
+        self.layer_meta = torch.zeros(D, 3, B, dtype=torch.int32, device=dev)
+        root = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.state = DraftState.new(policy, root, sb.seq_lens, sb.seq_lens > 0)
+        if vin is None:
+            vin = Tree.empty(B, policy.capacity, dev)
+            vin.anc[:, 0, 0] = 1
+        self.vin = vin
+
+    def logits(self, sb: _StaticBatch) -> torch.Tensor:
+        """The draft logits the expand reads: the first w rows of ``sb.d_logits``."""
+        return sb.d_logits[:, : self.w]
 
 
 class _StaticBatch:
@@ -77,44 +123,25 @@ class _StaticBatch:
         pin = dev.type == "cuda"
         self.host_pack = torch.zeros(B * (4 + N), dtype=torch.int64, pin_memory=pin)
         self.pack_event = torch.cuda.Event() if pin else None
-        self.state: DraftState | None = None
         self.step_ready = False
         if dft is None:
             return
         pol = dec.tree_policy
         assert pol is not None
-        W = pol.max_width
+        W = self.W = pol.max_width
         self.dkv = dft.make_cache(B, max_len, page_size=dec.page_size, seed=2)
         self.dtree = Tree.empty(B, Nd, dev)
         self.dtree.anc[:, 0, 0] = 1
         self.self_bits = torch.zeros(Nd, anc_words(Nd), dtype=torch.int32, device=dev)
         for k in range(Nd):
             self.self_bits[k, k // 32] = bit_value(k)
-        # cand_node[c]: the working-tree node of candidate c's frontier row (candidate c of
-        # layer l >= 1 is a child of frontier row (c - l C) // K of layer l, node 1 + (l-1) W +
-        # that row; layer 0's candidates are the root's children); the last entry, which a
-        # frontier index of -1 reads, is the root
-        K, C = pol.topk, pol.max_width * pol.topk
-        c = torch.arange(pol.max_depth * C, device=dev)
-        lay = c // C
-        row = torch.where(lay > 0, 1 + (lay - 1) * W + (c - lay * C) // K, 0)
-        self.cand_node = torch.cat([row, row.new_zeros(1)])
         self.hid = torch.zeros(B, Nd, H, dtype=wdtype, device=dev)
         self.d_feat = torch.zeros(B, W, H, dtype=wdtype, device=dev)
         # The draft forward's per-layer [B] inputs share one buffer (one copy per layer): the
-        # working tree's num_nodes, q_start and q_len. Layer i's values are meta_base[i] +
-        # meta_coef[i] * active: num_nodes 1 + i W, q_start 1 + (i-1) W (0 at layer 0), q_len W
-        # rows (1 at layer 0; CAST sets its bucket instead)
+        # working tree's num_nodes, q_start and q_len (``PlanBuffers.layer_meta``)
         self.d_meta = torch.zeros(3, B, dtype=torch.int32, device=dev)
         self.dtree.num_nodes = self.d_meta[0]
         self.d_qs, self.d_qlen = self.d_meta[1], self.d_meta[2]
-        lay = torch.arange(pol.max_depth, dtype=torch.int32, device=dev)
-        zero, first = torch.zeros_like(lay), lay == 0
-        q_start = torch.where(first, 0, 1 + (lay - 1) * W)
-        q_len = torch.where(first, 1, W).to(torch.int32)
-        self.meta_coef = torch.stack([1 + lay * W, zero, q_len], 1)[:, :, None]
-        self.meta_base = torch.stack([zero, q_start, zero], 1)[:, :, None]
-        self.layer_meta = torch.zeros(pol.max_depth, 3, B, dtype=torch.int32, device=dev)
         self.d_logits = torch.zeros(B, W, V, dtype=torch.float32, device=dev)
         self.d_h = torch.zeros(B, W, H, dtype=wdtype, device=dev)
         self.c_tok = torch.zeros(B, N, dtype=torch.int64, device=dev)
@@ -122,6 +149,18 @@ class _StaticBatch:
         self.c_len = torch.zeros(B, dtype=torch.int32, device=dev)
         self.chains: dict[int, Tree] = {}
         self.emit_buf = Tree.empty(B, N, dev)
+        self.plans: dict[tuple, PlanBuffers] = {}
+        self.default = self.plan_buffers(pol)
+
+    def plan_buffers(self, policy) -> PlanBuffers:
+        """The draft buffers of ``policy``'s tree shape (allocated on first use, outside any
+        capture); the decoder's own policy verifies into ``vin``."""
+        key = (policy.max_width, policy.topk, policy.max_depth, policy.capacity)
+        pb = self.plans.get(key)
+        if pb is None:
+            own = policy is self.dec.tree_policy
+            pb = self.plans[key] = PlanBuffers(self, policy, self.vin if own else None)
+        return pb
 
     def read_pack(self, host_pack: torch.Tensor) -> list:
         """The step's results from the pinned copy, after the one event wait (CUDA)."""
@@ -129,10 +168,12 @@ class _StaticBatch:
             self.pack_event.synchronize()
         return host_pack.tolist()
 
-    def verify_body(self, n: int):
-        """Target forward of the first ``n`` nodes of ``vin`` (num_nodes clamped to n, links past
-        it cut: a prefix of a rank-ordered tree is a tree). Returns (tree, logits, hidden)."""
-        vin, tgt, tkv, seq_lens = self.vin, self.dec.target, self.tkv, self.seq_lens
+    def verify_body(self, n: int, vin: Tree | None = None):
+        """Target forward of the first ``n`` nodes of ``vin`` (default the decoder's own
+        verification tree; num_nodes clamped to n, links past it cut: a prefix of a rank-ordered
+        tree is a tree). Returns (tree, logits, hidden)."""
+        vin = self.vin if vin is None else vin
+        tgt, tkv, seq_lens = self.dec.target, self.tkv, self.seq_lens
 
         def body():
             num = torch.clamp(vin.num_nodes, max=n)
@@ -156,32 +197,34 @@ class _StaticBatch:
 
         return body
 
-    def frontier_inputs(self, frontier: torch.Tensor, i: int, W: int) -> int:
+    def frontier_inputs(self, pb: PlanBuffers, frontier: torch.Tensor, i: int) -> int:
         """The draft forward's inputs for the frontier of layer ``i >= 1`` (rows ``q_start ..
-        q_start + W - 1`` of ``dtree``): depth and anc from each row's parent node, the parent's
-        target feature, and the layer's [B] metadata. Returns q_start."""
-        dt, B = self.dtree, self.B
-        qs = 1 + (i - 1) * W
-        # [B, W] int64: each frontier row's parent node, looked up by its candidate index (-1, an
+        q_start + w - 1`` of ``dtree``, w = the plan's frontier rows): depth and anc from each
+        row's parent node, the parent's target feature, and the layer's [B] metadata. Returns
+        q_start."""
+        dt, B, w = self.dtree, self.B, pb.w
+        qs = 1 + (i - 1) * self.W
+        # [B, w] int64: each frontier row's parent node, looked up by its candidate index (-1, an
         # unused row, reads the table's last entry: the root)
-        pnode = self.cand_node[frontier]
+        pnode = pb.cand_node[frontier]
         Wd, H = dt.anc.shape[2], self.hid.shape[2]
-        new = slice(qs, qs + W)
+        new = slice(qs, qs + w)
         torch.add(dt.depth.gather(1, pnode), 1, out=dt.depth[:, new])
-        pa = dt.anc.gather(1, pnode[:, :, None].expand(B, W, Wd))
+        pa = dt.anc.gather(1, pnode[:, :, None].expand(B, w, Wd))
         torch.bitwise_or(pa, self.self_bits[new], out=dt.anc[:, new])
-        torch.gather(self.hid, 1, pnode[:, :, None].expand(B, W, H), out=self.d_feat)
-        self.d_meta.copy_(self.layer_meta[i])  # num_nodes, q_start, q_len (EAGLE: W rows)
+        self.d_feat[:, :w] = torch.gather(self.hid, 1, pnode[:, :, None].expand(B, w, H))
+        self.d_meta.copy_(pb.layer_meta[i])  # num_nodes, q_start, q_len (EAGLE: w rows)
         return qs
 
-    def draft_body(self, R: int):
-        """Draft forward of frontier rows ``d_qs .. d_qs + R - 1`` of ``dtree``: logits and
-        hidden into rows ``:R`` of ``d_logits``/``d_h`` (rows past R are stale: invalid frontier
-        rows, ignored by ``build_tree_expand``)."""
+    def draft_body(self, R: int, pb: PlanBuffers | None = None):
+        """Draft forward of frontier rows ``d_qs .. d_qs + R - 1`` of ``dtree`` (the frontier of
+        ``pb``'s state, default the decoder's own shape): logits and hidden into rows ``:R`` of
+        ``d_logits``/``d_h`` (rows past R are stale: invalid frontier rows, ignored by
+        ``build_tree_expand``)."""
         dec = self.dec
         dft = dec.draft
-        assert dft is not None and self.state is not None
-        tok = self.state.frontier_tokens
+        assert dft is not None
+        tok = (pb or self.default).state.frontier_tokens
 
         def body():
             # the frontier's tokens are the draft state's own buffer (the root at layer 0)
@@ -241,6 +284,13 @@ class _StaticBatch:
         self.u_host = torch.zeros(B, N, dtype=torch.float32, pin_memory=dev.type == "cuda")
         self.rows = torch.arange(B, device=dev)
         self.stops: dict[int, torch.Tensor] = {}
+        planner = dec.planner
+        if planner is not None:  # λ-CAST: the gains in, the step's statistics out
+            pin = dev.type == "cuda"
+            self.gains = torch.ones(planner.D + 1, dtype=torch.float32, device=dev)
+            self.host_gains = torch.ones(planner.D + 1, dtype=torch.float32, pin_memory=pin)
+            self.stats = torch.zeros(planner.size, dtype=torch.float32, device=dev)
+            self.host_stats = torch.zeros(planner.size, dtype=torch.float32, pin_memory=pin)
         self.step_ready = True
 
     def stop_buf(self, n: int) -> torch.Tensor:
@@ -378,40 +428,78 @@ class WholeStep:
     """The whole-step path on the host: per step, the sampling uniforms (drawn from the CPU
     generator as on the eager path) into the static buffer, one replay of the step's graph
     (``GraphRunner.replay_step``; the body eagerly without ``cuda_graphs``), one event
-    wait for the results. ``make_body(copy_out)`` builds the step (``step.WholeStepBody``)."""
+    wait for the results. ``make_body(copy_out, pb)`` builds the step (``step.WholeStepBody``)
+    for the tree shape ``pb``.
+
+    Under λ-CAST (``dec.planner``) each step runs the planner's current plan (one graph per plan,
+    captured on first use): the calibration gains go to the device before the replay, and after
+    the wait the step's statistics, its measured time (from the previous step's end: what
+    tokens per second see) and its emitted tokens update the planner."""
 
     def __init__(self, dec: Decoder, sb: _StaticBatch, res: DecodeResult, greedy: bool, stops,
-                 generator: torch.Generator, make_body: Callable[[bool], Callable]):  # fmt: skip
+                 generator: torch.Generator, make_body: Callable[..., Callable],
+                 ctx: int = 0):  # fmt: skip
         self.dec, self.sb, self.res = dec, sb, res
         self.greedy, self.stops, self.g = greedy, stops, generator
         self.make_body = make_body
         self.key = ("step", greedy, 0 if stops is None else stops.numel())
-        pol = dec.tree_policy
-        W = 0 if pol is None else pol.max_width
-        self.layers = [] if pol is None else [1] + [W] * (pol.depth - 1)
+        self.ctx = ctx  # the longest context: prompt + tokens emitted so far
+        self.t_last = time.perf_counter()
+        self.pb = None if dec.tree_policy is None else sb.default
+        self.plan = None
 
     def clock(self) -> float:
         return self.dec._clock()
 
     def __call__(self) -> tuple[list, int]:
         dec, sb, res = self.dec, self.sb, self.res
-        B, N = sb.B, dec.capacity
+        planner = dec.planner
+        B = sb.B
+        key = self.key
+        if planner is not None:
+            self.plan = planner.plan(B)
+            self.pb = sb.plan_buffers(planner.policy_for(self.plan))
+            key = (*key, self.plan)
+            sb.host_gains.copy_(torch.tensor(planner.gains(B), dtype=torch.float32))
+            sb.gains.copy_(sb.host_gains, non_blocking=True)
+        pb = self.pb
+        n = dec.capacity if pb is None else pb.capacity
         t0 = self.clock()
         if not self.greedy:  # the eager path's draw, copied into the static buffer
-            sb.u_host.copy_(torch.rand(B, N, generator=self.g))
+            sb.u_host.copy_(torch.rand(B, dec.capacity, generator=self.g))
             sb.u.copy_(sb.u_host, non_blocking=True)
-        copied = dec._graphs.replay_step(sb, self.key, self.make_body, res)
-        host_pack = sb.host_pack.view(B, 4 + N)
+        copied = dec._graphs.replay_step(
+            sb, key, lambda copy_out, pb=pb: self.make_body(copy_out, pb), res
+        )
+        host_pack = sb.host_pack[: B * (4 + n)].view(B, 4 + n)
         if not copied:  # (capture fallback: the results' copy after the replay)
-            host_pack.copy_(sb.pack.view(B, 4 + N), non_blocking=True)
+            host_pack.copy_(sb.pack[: B * (4 + n)].view(B, 4 + n), non_blocking=True)
+            if planner is not None:
+                sb.host_stats.copy_(sb.stats, non_blocking=True)
         if sb.pack_event is not None:
             sb.pack_event.record()
         res.time_step += self.clock() - t0
-        return dec._wait(res, lambda hp=host_pack: sb.read_pack(hp)), N
+        rows = dec._wait(res, lambda hp=host_pack: sb.read_pack(hp))
+        now = time.perf_counter()
+        step_s, self.t_last = now - self.t_last, now
+        if planner is not None:
+            acc = [r[0] for r in rows if r[0] > 0]
+            if acc:
+                tokens = sum(acc) / len(acc)
+                self.ctx += max(acc)
+                planner.observe(B, sb.host_stats.numpy(), self.plan, tokens, step_s, self.ctx)
+            lam = planner.lam(B)
+            p = self.plan
+            res.plans.append([p.width, p.depth, p.verify, round(lam, 4)])
+        return rows, n
 
     def record(self, res: DecodeResult) -> None:
-        N = self.dec.capacity
-        res.verify_buckets.append(N)
-        if self.dec.tree_policy is not None:
-            res.draft_buckets.append(list(self.layers))
-        res.catchup_buckets.append(N if self.dec.draft is not None else 0)
+        pb = self.pb
+        n = self.dec.capacity if pb is None else pb.capacity
+        res.verify_buckets.append(n)
+        if pb is not None:
+            res.draft_buckets.append([1] + [pb.w] * (pb.depth - 1))
+        catchup = 0
+        if self.dec.draft is not None and pb is not None:
+            catchup = min(n, bucket_for(pb.depth + 1, self.dec.capacity))
+        res.catchup_buckets.append(catchup)

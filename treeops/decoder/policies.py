@@ -7,8 +7,10 @@ A policy is an object; ``POLICIES`` lists their names:
   ``EagleStatic(depth, topk=1, budget=depth + 1)``).
 * ``treeops.EagleStatic(depth, topk, budget)`` (``"EagleStatic"``): EAGLE-2's dynamic tree with
   static sizes.
-* ``treeops.Cast(...)`` (``"Cast"``): CAST's cost-aware tree, its widths, depth and verification
-  count decided on the device during the step.
+* ``treeops.Cast(...)`` (``"Cast"``): CAST's cost-aware tree. With thresholds C1-C3 its widths,
+  depth and verification count are decided on the device during the step; without them
+  (λ-CAST, ``make_policy``'s default) a ``treeops.CastPlanner`` sizes each step between steps
+  from the measured throughput λ̂, the calibrated draft scores and the cost table.
 * ``CastGraft(cast, checkpoints, template, adjacency_k)`` (``"CastGraft"``): CAST's tree, pruned
   at Graft's checkpoints and refilled from the successor table (docs/design.md op 6).
 
@@ -122,10 +124,12 @@ def make_policy(
     topk: int = 4,
     budget: int = 16,
     cost_table: CostTable | None = None,
-    C1: float = 0.3,
-    C2: float = 0.2,
-    C3: float = 0.1,
+    C1: float | None = None,
+    C2: float | None = None,
+    C3: float | None = None,
     R: int = 4,
+    cast_depth: int | None = None,
+    cast_budget: int | None = None,
     checkpoints: PruneCheckpoints | None = None,
     template: RankTemplate | None = None,
     adjacency_k: int = 8,
@@ -134,11 +138,15 @@ def make_policy(
     apply to it are ignored.
 
     ``chain`` uses ``depth``; ``EagleStatic`` ``depth``, ``topk``, ``budget``; ``Cast`` and
-    ``CastGraft`` use them as ``max_depth``, ``topk = max_width`` and ``capacity``, with the
+    ``CastGraft`` use ``cast_depth`` (default ``depth``) as ``max_depth``, ``topk`` as
+    ``topk = max_width``, ``cast_budget`` (default ``budget``) as ``capacity``, with the
     thresholds ``C1``, ``C2``, ``C3``, the FIFO length ``R`` and ``cost_table`` (default
-    ``synthetic_cost_table(max(64, budget, topk))``); ``CastGraft`` adds ``checkpoints``
-    (default ``PruneCheckpoints()``), ``template`` (default ``RankTemplate.default()``) and
-    ``adjacency_k``. A name outside ``POLICIES`` is a ``ValueError``."""
+    ``synthetic_cost_table(max(64, capacity, topk))``). ``Cast`` without thresholds is λ-CAST
+    (the decoder plans its sizes between steps); once one threshold is given the others default
+    to CAST's (C1, C2, C3 = 0.3, 0.2, 0.1), as they always do for ``CastGraft``, which adds
+    ``checkpoints`` (default ``PruneCheckpoints()``), ``template``
+    (default ``RankTemplate.default()``) and ``adjacency_k``. A name outside ``POLICIES`` is a
+    ``ValueError``."""
     if name not in POLICIES:
         raise ValueError(f"Invalid policy: expected one of {POLICIES}, got {name!r}")
     if name == "autoregressive":
@@ -147,10 +155,17 @@ def make_policy(
         return Chain(depth)
     if name == "EagleStatic":
         return EagleStatic(depth=depth, topk=topk, budget=budget)
-    table = cost_table or synthetic_cost_table(max(64, budget, topk))
+    max_depth = cast_depth or depth
+    capacity = cast_budget or budget
+    table = cost_table or synthetic_cost_table(max(64, capacity, topk))
+    given = (C1, C2, C3)
+    if name == "CastGraft" or any(c is not None for c in given):
+        # thresholds: the ones given, the others CAST's defaults (Graft prunes a thresholded
+        # CAST tree, not λ-CAST)
+        C1, C2, C3 = (d if c is None else c for c, d in zip(given, (0.3, 0.2, 0.1)))
     cast = Cast(
         C1=C1, C2=C2, C3=C3, R=R, cost_table=table, topk=topk, max_width=topk,
-        max_depth=depth, capacity=budget,
+        max_depth=max_depth, capacity=capacity,
     )  # fmt: skip
     if name == "Cast":
         return cast

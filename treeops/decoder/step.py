@@ -53,7 +53,8 @@ from ..build_tree import build_tree_emit, build_tree_expand
 from ..compact_kv import compact_kv
 from ..graft import graft, prune
 from ..tree import Tree
-from .graphs import _StaticBatch, bucket_for
+from ..cast_plan import cast_step_stats
+from .graphs import PlanBuffers, _StaticBatch, bucket_for
 from .model import PagedKV, chain_tree
 from .results import DecodeResult
 
@@ -264,16 +265,36 @@ class EagerStep(StepBody):
         self.dkv = dkv
         self.state: DraftState | None = None
         self.tree: Tree | None = None
+        self.t_last = time.perf_counter()
+        self.ctx = int(carry.seq_lens.max()) + 1 if self.B else 0
         self.grafted = torch.zeros(self.B, dtype=torch.int32, device=carry.rows.device)
 
     def draft(self, root):
-        c = self.carry
+        c, planner = self.carry, self.dec.planner
         if self.dec.tree_policy is None:
             par = torch.full((self.B, 1), -1, dtype=torch.int32, device=root.device)
             self.tree = Tree.from_parents(par, c.active.to(torch.int32), root[:, None].contiguous())
-        else:
-            self.tree = self._draft_tree(root)
-        return self.dec.capacity
+            return self.dec.capacity
+        pol = self.dec.tree_policy
+        if planner is not None:  # λ-CAST: this step drafts the planner's shape
+            self.plan = planner.plan(self.B)
+            pol = planner.policy_for(self.plan)
+        self.tree = self._draft_tree(root, pol)
+        return pol.capacity
+
+    def accept(self, tree, logits, h, n):
+        v = super().accept(tree, logits, h, n)
+        planner = self.dec.planner
+        if planner is not None:
+            dev = self.carry.rows.device
+            self.stats = torch.zeros(planner.size, dtype=torch.float32, device=dev)
+            gains = torch.tensor(planner.gains(self.B), dtype=torch.float32, device=dev)
+            assert self.state is not None
+            cast_step_stats(
+                self.state.cand_scores, tree, v.acc.accept_len, self.carry.active, gains,
+                self.stats, max_width=planner.W, capacity=planner.N,
+            )  # fmt: skip
+        return v
 
     def verify(self, n):
         tree = self.tree
@@ -282,7 +303,19 @@ class EagerStep(StepBody):
         return tree, logits, h
 
     def receive(self, pack):
-        return pack.tolist()
+        rows = pack.tolist()
+        planner = self.dec.planner
+        if planner is not None:  # the step's time: from the previous step's end
+            now = time.perf_counter()
+            step_s, self.t_last = now - self.t_last, now
+            acc = [r[0] for r in rows if r[0] > 0]
+            if acc:
+                self.ctx += max(acc)
+                planner.observe(self.B, self.stats.tolist(), self.plan, sum(acc) / len(acc),
+                                step_s, self.ctx)  # fmt: skip
+            p = self.plan
+            self.res.plans.append([p.width, p.depth, p.verify, round(planner.lam(self.B), 4)])
+        return rows
 
     def catch_up(self, v, rows, n):
         dec, c = self.dec, self.carry
@@ -290,7 +323,7 @@ class EagerStep(StepBody):
         if dft is None:
             return
         t0 = time.perf_counter()
-        j = torch.arange(dec.capacity, device=c.rows.device)[None, :]
+        j = torch.arange(v.path_tok.shape[1], device=c.rows.device)[None, :]
         on_path = j < v.alen[:, None]
         feats = torch.cat([c.root_feat[:, None], v.path_h[:, :-1]], 1)
         ctok = torch.where(on_path, v.path_tok, 0)
@@ -298,11 +331,11 @@ class EagerStep(StepBody):
         dft(dec.target, ctok, feats, self.dkv, c.seq_lens, chain)
         self.res.time_draft += time.perf_counter() - t0
 
-    def _draft_tree(self, root: torch.Tensor) -> Tree:
-        """Draft layer by layer over a working tree rebuilt per layer, emit the tree (CastGraft:
-        prune and graft; ``self.grafted`` = the nodes added)."""
+    def _draft_tree(self, root: torch.Tensor, pol) -> Tree:
+        """Draft ``pol``'s tree layer by layer over a working tree rebuilt per layer, emit the
+        tree (CastGraft: prune and graft; ``self.grafted`` = the nodes added)."""
         dec, c, res = self.dec, self.carry, self.res
-        pol, tgt, dft, gp = dec.tree_policy, dec.target, dec.draft, dec.graft
+        tgt, dft, gp = dec.target, dec.draft, dec.graft
         assert pol is not None and dft is not None
         root_feat, seq_lens, active, dkv = c.root_feat, c.seq_lens, c.active, self.dkv
         dev = root.device
@@ -310,10 +343,13 @@ class EagerStep(StepBody):
         W, K, Nd = pol.max_width, pol.topk, dec.draft_capacity
         C = W * K
         H = tgt.cfg.hidden_size
-        if self.state is None:
-            self.state = DraftState.new(pol, root, seq_lens, active)
-        else:
+        same = self.state is not None and self.state.cand_scores.shape[1:] == (
+            pol.max_depth, pol.max_width * pol.topk
+        ) and self.state.workspace["sel"].shape[1] == pol.capacity
+        if same:
             self.state.reset(root, seq_lens, active)
+        else:
+            self.state = DraftState.new(pol, root, seq_lens, active)
         state = self.state
         parents = torch.zeros(B, Nd, dtype=torch.int32, device=dev)
         tokens = torch.zeros(B, Nd, dtype=torch.int64, device=dev)
@@ -380,11 +416,14 @@ class EagerStep(StepBody):
 class StaticStep(StepBody):
     """The static path: every forward over the static buffers of ``sb``, at a token bucket,
     through ``GraphRunner.replay`` (captured, or eager without ``cuda_graphs``); decisions read
-    from pinned memory after one event wait each (``Decoder._wait``)."""
+    from pinned memory after one event wait each (``Decoder._wait``). ``pb``: the tree shape's
+    buffers (default the decoder's own policy)."""
 
-    def __init__(self, dec, sb: _StaticBatch, res, greedy, stops, generator):
+    def __init__(self, dec, sb: _StaticBatch, res, greedy, stops, generator,
+                 pb: PlanBuffers | None = None):  # fmt: skip
         super().__init__(dec, Carry.of(sb), sb.tkv, res, greedy, stops, generator)
         self.sb = sb
+        self.pb = sb.default if pb is None and dec.tree_policy is not None else pb
         self.grafted = sb.grafted
         self.check_buckets = dec.check_buckets
 
@@ -399,9 +438,14 @@ class StaticStep(StepBody):
         """The forward of ``kind`` at bucket ``R``, as its CUDA graph."""
         return self.dec._graphs.replay(self.sb, (kind, R), self.sb.body(kind, R), self.res)
 
+    @property
+    def vin(self) -> Tree:
+        """The verification tree this step drafts into."""
+        return self.sb.vin if self.pb is None else self.pb.vin
+
     def draft(self, root):
-        dec, sb, res = self.dec, self.sb, self.res
-        vin = sb.vin
+        dec, res = self.dec, self.res
+        vin = self.vin
         if dec.tree_policy is None:
             t0 = self.clock()
             vin.tokens[:, 0] = root
@@ -421,7 +465,7 @@ class StaticStep(StepBody):
         return self.run("verify", n)
 
     def num_nodes(self, tree):
-        return self.sb.vin.num_nodes
+        return self.vin.num_nodes
 
     def pack_buffer(self, n):
         # contiguous [B, 4 + n] views of flat buffers: with a bucket n < N, column slices of
@@ -466,25 +510,23 @@ class StaticStep(StepBody):
         sb.c_len.copy_(v.acc.accept_len)
 
     def _draft_tree(self, root: torch.Tensor) -> int:
-        """Draft one step's tree into ``sb.vin``; returns the verify bucket. The draft's working
-        tree ``sb.dtree`` is updated in place layer by layer (depth, anc, num_nodes: what the
-        forwards read; its parents, tokens and sibling links are not kept)."""
+        """Draft one step's tree into ``self.vin``; returns the verify bucket. The draft's
+        working tree ``sb.dtree`` is updated in place layer by layer (depth, anc, num_nodes: what
+        the forwards read; its parents, tokens and sibling links are not kept)."""
         dec, sb, res, clock = self.dec, self.sb, self.res, self.clock
-        pol, gp = dec.tree_policy, dec.graft
-        assert pol is not None and dec.draft is not None
+        pb, gp = self.pb, dec.graft
+        assert pb is not None and dec.draft is not None
+        pol = pb.policy
         active = self.carry.active
         B = root.shape[0]
         W = pol.max_width
-        N = dec.capacity
+        N = pol.capacity
         t0 = clock()
-        if sb.state is None:
-            sb.state = DraftState.new(pol, root, sb.seq_lens, active)
-        else:
-            sb.state.reset(root, sb.seq_lens, active)
-        st = sb.state
+        st = pb.state
+        st.reset(root, sb.seq_lens, active)
         act = active.to(torch.int32)
-        torch.addcmul(sb.meta_base, sb.meta_coef, act, out=sb.layer_meta)
-        sb.d_meta.copy_(sb.layer_meta[0])
+        torch.addcmul(pb.meta_base, pb.meta_coef, act, out=pb.layer_meta)
+        sb.d_meta.copy_(pb.layer_meta[0])
         sb.d_feat[:, 0] = self.carry.root_feat
         keep = gp.checkpoints.start(B, dec._dev) if gp is not None else None
         if gp is not None:
@@ -492,11 +534,12 @@ class StaticStep(StepBody):
         R = 1
         res.time_tree += clock() - t0
         buckets = []
+        logits = pb.logits(sb)
         while True:
             i = st.layer
             t0 = clock()
             if i > 0:  # the frontier of layer i: nodes q_start .. q_start + W - 1
-                qs = sb.frontier_inputs(st.frontier, i, W)
+                qs = sb.frontier_inputs(pb, st.frontier, i)
                 if pol.is_cast:
                     torch.mul(act, R, out=sb.d_qlen)
             else:
@@ -507,7 +550,7 @@ class StaticStep(StepBody):
             sb.hid[:, qs : qs + R] = sb.d_h[:, :R]
             t2 = clock()
             waited = res.time_host_wait
-            build_tree_expand(sb.d_logits, st, pol)
+            build_tree_expand(logits, st, pol)
             stop_now = False
             if keep is not None:
                 best = st.frontier_scores.max(1).values.float().contiguous()
@@ -538,10 +581,10 @@ class StaticStep(StepBody):
             tree = build_tree_emit(st, pol, out=sb.emit_buf)
             verify = tree.num_nodes.clone()
             pruned = prune(tree, keep)
-            graft(pruned, dec.table, gp.template, budget=verify, out=sb.vin)
-            sb.grafted.copy_(sb.vin.num_nodes - pruned.num_nodes)
+            graft(pruned, dec.table, gp.template, budget=verify, out=self.vin)
+            sb.grafted.copy_(self.vin.num_nodes - pruned.num_nodes)
         else:
-            build_tree_emit(st, pol, out=sb.vin)
+            build_tree_emit(st, pol, out=self.vin)
         res.time_tree += clock() - t0
         if not pol.is_cast:
             return N
@@ -549,24 +592,29 @@ class StaticStep(StepBody):
 
 
 class WholeStepBody(StaticStep):
-    """The static path's step with no host read inside (fixed-shape policies: verification and
-    catch-up at the capacity N, draft forwards of 1 then W rows), capturable as one CUDA graph.
-    It reads the ``Carry`` in ``sb`` (and the uniforms ``sb.u``, the stop ids ``stops``), writes
-    the results into ``sb.pack`` (and the pinned ``sb.host_pack`` with ``copy_out``) and the next
-    step's state in place. Its forwards are built once, outside any capture."""
+    """The static path's step with no host read inside, capturable as one CUDA graph: a
+    fixed-shape tree (``pb``'s policy: verification at its capacity n, draft forwards of 1 then
+    w rows, catch-up at the bucket of the longest possible accepted path, depth + 1 nodes;
+    padding beyond ``accept_len`` masked). It reads the ``Carry`` in ``sb`` (and the uniforms
+    ``sb.u``, the stop ids ``stops``, λ-CAST's gains ``sb.gains``), writes the results into
+    ``sb.pack`` (and the pinned ``sb.host_pack`` with ``copy_out``; λ-CAST's statistics into
+    ``sb.stats`` / ``sb.host_stats``) and the next step's state in place. Its forwards are built
+    once, outside any capture."""
 
-    def __init__(self, dec, sb: _StaticBatch, greedy: bool, stops, copy_out: bool):
+    def __init__(self, dec, sb: _StaticBatch, greedy: bool, stops, copy_out: bool,
+                 pb: PlanBuffers | None = None):  # fmt: skip
         # bookkeeping goes to a throwaway result: the host records the step after the replay
-        super().__init__(dec, sb, DecodeResult(tokens=[]), greedy, stops, None)
+        super().__init__(dec, sb, DecodeResult(tokens=[]), greedy, stops, None, pb)
         self.copy_out = copy_out
         self.check_buckets = False
-        N, pol = dec.capacity, dec.tree_policy
-        self.bodies = {("verify", N): sb.verify_body(N)}
-        if dec.draft is not None:
-            self.bodies["catchup", N] = sb.catchup_body(N)
-        if pol is not None:
-            for R in (1, pol.max_width):
-                self.bodies["draft", R] = sb.draft_body(R)
+        pb = self.pb
+        N = dec.capacity if pb is None else pb.capacity
+        self.bodies = {("verify", N): sb.verify_body(N, self.vin)}
+        if dec.draft is not None and pb is not None:
+            self.catchup_size = min(N, bucket_for(pb.depth + 1, dec.capacity))
+            self.bodies["catchup", self.catchup_size] = sb.catchup_body(self.catchup_size)
+            for R in (1, pb.w):
+                self.bodies["draft", R] = sb.draft_body(R, pb)
 
     def clock(self):
         return 0.0
@@ -578,17 +626,29 @@ class WholeStepBody(StaticStep):
         return self.bodies[kind, R]()
 
     def uniforms(self, n):
-        return self.sb.u
+        return self.sb.u[:, :n].contiguous()
+
+    def accept(self, tree, logits, h, n):
+        v = super().accept(tree, logits, h, n)
+        planner, sb = self.dec.planner, self.sb
+        if planner is not None and self.pb is not None:
+            cast_step_stats(
+                self.pb.state.cand_scores, tree, v.acc.accept_len, self.carry.active, sb.gains,
+                sb.stats, max_width=planner.W, capacity=planner.N,
+            )  # fmt: skip
+        return v
 
     def send(self, pack):
         if self.copy_out:
             self._host_pack(pack).copy_(pack, non_blocking=True)
+            if self.dec.planner is not None:
+                self.sb.host_stats.copy_(self.sb.stats, non_blocking=True)
 
     def receive(self, pack):
         return None
 
     def catch_up(self, v, rows, n):
-        """Over the accepted path at the capacity (padding beyond ``accept_len`` is masked)."""
+        """Over the accepted path at ``catchup_size`` (padding beyond ``accept_len`` masked)."""
         if self.dec.draft is not None:
             self.catchup_inputs(v, n)
-            self.run("catchup", n)
+            self.run("catchup", self.catchup_size)

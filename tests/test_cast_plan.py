@@ -1,0 +1,241 @@
+"""λ-CAST (treeops/cast_plan.py): the λ rules against brute force on step models where the best
+plan is known, the device statistics against a slow reference, and the planner's state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import treeops
+from treeops.cast_plan import Plan, _layout, cast_step_stats, lambda_rules, stats_size
+from treeops.decoder.policies import synthetic_cost_table
+from treeops.tree import Tree
+
+
+def _dinkelbach(rule, eta, lam=0.0, iters=50):
+    """Dinkelbach's iteration: the rule's choice at λ, then λ = η(choice), until it stops."""
+    for _ in range(iters):
+        x = rule(lam)
+        new = eta(x)
+        if abs(new - lam) <= 1e-12:
+            break
+        lam = new
+    return x, lam
+
+
+@st.composite
+def _concave_gains(draw, n):
+    """n positive, non-increasing marginal values (a concave cumulative curve)."""
+    v = sorted((draw(st.floats(0.0, 1.0)) for _ in range(n)), reverse=True)
+    return np.array(v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), N=st.integers(2, 40), tau0=st.floats(0.05, 3.0))
+def test_verify_rule_is_dinkelbach_exact(data, N, tau0):
+    """Verify count: at λ = η* the rule's n attains η* = max_n A(n) / τ(n), A(n) = 1 + the n - 1
+    best probabilities, τ(n) = τ0 + the target's cost at n (non-decreasing, bucketed); Dinkelbach
+    from λ = 0 reaches it."""
+    p = data.draw(_concave_gains(N - 1))
+    A = np.concatenate([[1.0], 1.0 + np.cumsum(p)])
+    steps = np.sort(np.array(data.draw(st.lists(st.floats(0, 0.2), min_size=N, max_size=N))))
+    cT = 1.0 + np.cumsum(steps) - steps[0]
+    bucket = data.draw(st.integers(1, 4))  # costs constant over buckets of this many sizes
+    cT = np.array([cT[min(N - 1, ((k // bucket) + 1) * bucket - 1)] for k in range(N)])
+    eta_all = A / (tau0 + cT)
+    best = eta_all.max()
+
+    def rule(lam):
+        layers = np.zeros((1, 1))
+        return lambda_rules(layers, A, 1, lam, cT, np.ones(1), max_depth=1).verify
+
+    n = rule(best)
+    assert eta_all[n - 1] == pytest.approx(best, rel=1e-9)
+    n2, lam = _dinkelbach(rule, lambda k: eta_all[k - 1])
+    assert lam == pytest.approx(best, rel=1e-9) and eta_all[n2 - 1] == pytest.approx(best, rel=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), D=st.integers(1, 10), tau0=st.floats(0.1, 3.0),
+       cD=st.floats(0.01, 0.5), dT=st.floats(0.0, 0.1))  # fmt: skip
+def test_depth_rule_is_dinkelbach_exact(data, D, tau0, cD, dT):
+    """Depth on a chain (width 1) with decreasing layer masses m_i: A(d) = 1 + m_0 + .. +
+    m_{d-1}, τ(d) = τ0 + d (c_D + Δ_T) (each layer's draft time and its node's verify time).
+    At λ = η* the rule's depth attains η* (the brute-force best over d = 1..D)."""
+    m = data.draw(_concave_gains(D))
+    A = 1.0 + np.cumsum(m)
+    tau = tau0 + np.arange(1, D + 1) * (cD + dT)
+    eta = A / tau
+    best = eta.max()
+    layers = np.cumsum(np.ones((D, 1)) * m[:, None], axis=1)  # [D, 1]: layer i's top-1 mass
+    N = D + 1
+    verify = np.concatenate([[1.0], 1.0 + np.cumsum(m)])
+    cT = 1.0 + dT * np.arange(N)  # linear: Δ_T exactly
+
+    def rule(lam):
+        return lambda_rules(layers, verify, D, lam, cT, np.array([cD]), max_depth=D).depth
+
+    d = rule(best)
+    assert eta[d - 1] == pytest.approx(best, rel=1e-9), (d, eta)
+    d2, lam = _dinkelbach(rule, lambda k: eta[k - 1])
+    assert eta[d2 - 1] == pytest.approx(best, rel=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), W=st.integers(1, 12), tau0=st.floats(0.1, 3.0), dT=st.floats(0.0, 0.1))
+def test_width_rule_is_dinkelbach_exact(data, W, tau0, dT):
+    """Width of one layer: A(w) = 1 + the w best row values, τ(w) = τ0 + c_D(w) + w Δ_T with
+    c_D non-decreasing. At λ = η* the rule's width attains η* (brute force over w)."""
+    p = data.draw(_concave_gains(W))
+    cum = np.cumsum(p)
+    steps = np.sort(np.array(data.draw(st.lists(st.floats(0, 0.3), min_size=W, max_size=W))))
+    cD = 0.05 + np.cumsum(steps)
+    eta = (1.0 + cum) / (tau0 + cD + dT * np.arange(1, W + 1))
+    best = eta.max()
+    N = W + 1
+    cT = 1.0 + dT * np.arange(N)
+    verify = np.concatenate([[1.0], 1.0 + cum])
+
+    def rule(lam):
+        return lambda_rules(cum[None, :], verify, 1, lam, cT, cD, max_depth=1).width
+
+    w = rule(best)
+    assert eta[w - 1] == pytest.approx(best, rel=1e-9)
+
+
+def test_depth_grows_one_layer_past_the_drafted_depth():
+    """Beyond the drafted layers the next layer's mass is predicted (CAST's FIFO of ratios);
+    the plan deepens by at most one layer per step and shrinks at once."""
+    layers = np.array([[0.9], [0.8], [0.7], [0.0]])
+    verify = np.array([1.0, 1.9, 2.7, 3.4, 3.4])
+    cT = np.ones(5)
+    plan = lambda_rules(layers, verify, 3, 0.5, cT, np.array([0.1]), max_depth=4)
+    assert plan.depth == 4  # predicted 0.7 * mean(1, 8/9, 7/8) > 0.5 * 0.1
+    weak = np.array([[0.9], [0.01], [0.0], [0.0]])
+    assert lambda_rules(weak, verify, 3, 0.5, cT, np.array([0.1]), max_depth=4).depth == 1
+
+
+def _stats_reference(cand_scores, tree, accept_len, active, gains, W, N):
+    """``cast_step_stats`` written with loops over requests."""
+    B, d, C = cand_scores.shape
+    D = gains.numel() - 1
+    out = np.zeros(stats_size(D, W, N))
+    lay = _layout(D, W, N)
+    acts = [b for b in range(B) if bool(active[b])]
+    n_act = max(1, len(acts))
+    for i in range(d):
+        curve = np.zeros(W)
+        for b in acts:
+            s = sorted((min(float(x) * float(gains[i + 1]), 1.0) if x >= 0 else 0.0
+                        for x in cand_scores[b, i].tolist()), reverse=True)  # fmt: skip
+            s = (s + [0.0] * W)[:W]
+            curve += np.cumsum(s)
+        out[lay["layers"]].reshape(D, W)  # (layout check)
+        out[lay["layers"].start + i * W : lay["layers"].start + (i + 1) * W] = curve / n_act
+    vc = np.zeros(N)
+    for b in acts:
+        s = []
+        for i in range(d):
+            s += [min(float(x) * float(gains[i + 1]), 1.0) if x >= 0 else 0.0
+                  for x in cand_scores[b, i].tolist()]  # fmt: skip
+        s = sorted(s, reverse=True)
+        s = ([1.0] + s + [0.0] * N)[:N]
+        vc += np.cumsum(s)
+    out[lay["verify"]] = vc / n_act
+    for b in acts:
+        for j in range(int(tree.num_nodes[b])):
+            t = int(tree.depth[b, j])
+            if t >= 1:
+                out[lay["scores"].start + min(t, D)] += float(tree.scores[b, j])
+        for t in range(1, D + 1):
+            out[lay["accepted"].start + t] += float(int(accept_len[b]) - 1 >= t)
+    out[lay["active"]] = len(acts)
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(B=st.integers(1, 5), d=st.integers(1, 4), w=st.integers(1, 3), K=st.integers(1, 4),
+       seed=st.integers(0, 10**6))  # fmt: skip
+def test_step_stats_equal_reference(B, d, w, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    D, W, N = 5, 4, 12
+    C = w * K
+    s = torch.rand(B, d, C, generator=g)
+    s = torch.where(torch.rand(B, d, C, generator=g) < 0.2, -1.0, s)
+    n = 1 + int(torch.randint(0, 8, (1,), generator=g))
+    par = torch.full((B, n), -1, dtype=torch.int32)
+    for j in range(1, n):
+        par[:, j] = torch.randint(0, j, (B,), generator=g)
+    num = torch.randint(1, n + 1, (B,), generator=g).to(torch.int32)
+    tree = Tree.from_parents(par, num, torch.zeros(B, n, dtype=torch.int64),
+                             torch.rand(B, n, generator=g))  # fmt: skip
+    alen = torch.randint(0, 5, (B,), generator=g).to(torch.int32)
+    active = torch.rand(B, generator=g) < 0.8
+    gains = 0.5 + torch.rand(D + 1, generator=g)
+    out = torch.zeros(stats_size(D, W, N))
+    cast_step_stats(s, tree, alen, active, gains, out, max_width=W, capacity=N)
+    want = _stats_reference(s, tree, alen, active, gains, W, N)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_step_stats_never_sync():
+    from treeops.testing import NoHostSync
+
+    B, D, W, N = 3, 4, 3, 10
+    tree = Tree.from_parents(torch.tensor([[-1, 0, 1]] * B, dtype=torch.int32),
+                             torch.full((B,), 3, dtype=torch.int32))  # fmt: skip
+    out = torch.zeros(stats_size(D, W, N))
+    args = (torch.rand(B, 2, 6), tree, torch.ones(B, dtype=torch.int32),
+            torch.ones(B, dtype=torch.bool), torch.ones(D + 1), out)  # fmt: skip
+    with NoHostSync():
+        cast_step_stats(*args, max_width=W, capacity=N)
+
+
+def _planner(**kw):
+    pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=4, max_width=4, max_depth=6,
+                       capacity=32)  # fmt: skip
+    return treeops.CastPlanner(pol, **kw)
+
+
+def test_planner_calibrates_and_tracks_lambda():
+    """Gains converge to accepted ÷ summed scores per depth; λ̂ follows the measured η; the plan
+    stays within the buckets and the maxima."""
+    pl = _planner(smoothing=0.0, lam_smoothing=0.0, prior=1e-6)
+    lay = pl.layout
+    x = np.zeros(pl.size)
+    x[lay["active"]] = 2
+    x[lay["scores"].start + 1] = 2.0  # two depth-1 nodes of score 1
+    x[lay["accepted"].start + 1] = 1.0  # one accepted: probability 1/2 per unit score
+    x[lay["layers"]] = np.tile(np.linspace(0.5, 2.0, 4), 6)
+    x[lay["verify"]] = 1.0 + np.minimum(np.arange(32) * 0.3, 4.0)
+    unit_us = pl.costs(2, 100)[2]
+    for _ in range(400):
+        plan = pl.observe(2, x, pl.plan(2), tokens=3.0, step_s=2 * unit_us * 1e-6, ctx=100)
+    g = pl.gains(2)
+    assert g[1] == pytest.approx(0.5, abs=0.02) and g[2] == pytest.approx(1.0)
+    assert pl.lam(2) == pytest.approx(1.5)
+    assert plan.width in pl.widths and plan.verify in pl.verify_sizes
+    assert 1 <= plan.depth <= 6 and plan.verify <= 32
+    assert pl.plan(1) == pl.initial  # another batch size: its own state
+    assert pl.describe(2)["lambda"] == pytest.approx(1.5)
+
+
+def test_planner_policy_shape_and_checks():
+    pl = _planner()
+    es = pl.policy_for(Plan(width=2, depth=3, verify=16))
+    assert (es.depth, es.topk, es.budget, es.max_width) == (3, 4, 16, 2)
+    with pytest.raises(ValueError, match="policy"):
+        treeops.CastPlanner(treeops.EagleStatic(depth=2, topk=2, budget=4))
+    with pytest.raises(ValueError, match="smoothing"):
+        _planner(smoothing=1.0)
+    with pytest.raises(ValueError, match="verify_buckets"):
+        _planner(verify_buckets=[1, 8])  # must end at the capacity
+    with pytest.raises(ValueError, match="C1, C2, C3"):
+        treeops.Cast(C1=0.1, cost_table=synthetic_cost_table(64))
+    lam_cast = treeops.Cast(cost_table=synthetic_cost_table(64), capacity=16)
+    state = treeops.DraftState.new(es, torch.tensor([1]), torch.tensor([4]))
+    with pytest.raises(ValueError, match="λ-CAST"):
+        treeops.build_tree_expand(torch.zeros(1, 2, 10), state, lam_cast)
