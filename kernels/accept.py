@@ -28,7 +28,7 @@ no request rescans a whole row.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import triton
@@ -176,6 +176,108 @@ def default_splits(B: int, N: int, V: int, device: torch.device, block_v: int) -
     return s
 
 
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_VIEWS: dict[tuple, tuple] = {}  # plan key -> (the scratch they view, its parts)
+
+
+def _scratch(device: torch.device, n_f: int, n_i: int, n_c: int) -> tuple:
+    """The per-device scratch workspace (float32, int32 and int64 parts of at least these sizes),
+    as ``_counters``: cached so that an eager launch allocates none, grown to the largest launch
+    seen, built by an eager call (a miss during CUDA-graph capture raises), a replaced one kept
+    alive for the graphs captured with it; launches on concurrent streams must not share it
+    (``workspace``)."""
+    cur = _SCRATCH.get(device)
+    if cur is None or cur[0].numel() < n_f or cur[1].numel() < n_i or cur[2].numel() < n_c:
+        refuse_in_capture("accept's scratch workspace (per device, up to the largest launch)")
+        if cur is not None:
+            _RETIRED.extend(cur)
+            n_f, n_i, n_c = max(n_f, cur[0].numel()), max(n_i, cur[1].numel()), max(
+                n_c, cur[2].numel()
+            )
+        cur = (
+            torch.empty(n_f, dtype=torch.float32, device=device),
+            torch.empty(n_i, dtype=torch.int32, device=device),
+            torch.empty(n_c, dtype=torch.int64, device=device),
+        )
+        _SCRATCH[device] = cur
+    return cur
+
+
+class _Plan(NamedTuple):
+    """A launch's sizes and constexprs: functions of shapes, flags and the device only."""
+
+    S: int
+    chunk: int
+    NCH: int
+    n_f: list[int]  # float32 workspace parts: max, sum-exp, top-K values, block mass, its max,
+    n_i: list[int]  # group maxima; int32 parts: argmax, top-K ids, threshold, id cut
+    n_cand: int  # int64 candidate slots
+    common: dict
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
+          block_v, num_pivots, cap, max_groups) -> _Plan:  # fmt: skip
+    if block_v is None:
+        block_v = min(4096 if not sample else 2048, pow2(V))
+    block_t = max(16, min(block_v, 512))
+    if sample:
+        S = 1
+    else:
+        S = num_splits if num_splits is not None else default_splits(B, N, V, dev, block_v)
+    per_split = -(-V // S)
+    chunk = -(-per_split // block_v) * block_v
+    K_PAD = pow2(max(K, 1))
+    NCH = -(-V // block_v) if sample else 1
+    # top-k/top-p fast path: group maxima (at most max_groups groups) and CAP candidate slots,
+    # both sorted in registers (512 each on the GPU; 64 under the interpreter, whose tl.sort
+    # takes about a second for 1024 elements)
+    if cap is None:
+        cap = 64 if interpreted() else 512
+    if max_groups is None:
+        max_groups = 64 if interpreted() else 512
+    group = min(block_v, pow2(-(-V // max_groups)))
+    G_PAD = pow2(-(-V // group))
+    CAP = pow2(cap)
+    BNS = B * N * S
+    n_f = [
+        BNS,
+        BNS,
+        BNS * K_PAD if K else 1,
+        B * N * NCH if sample else 1,
+        B * N * NCH if sample else 1,
+        B * N * G_PAD if sample else 1,
+    ]
+    n_i = [BNS, BNS * K_PAD if K else 1, B * N if sample else 1, B * N if sample else 1]
+    num_warps = 8 if (block_v >= 4096 or sample) and not interpreted() else 4
+    common = dict(
+        N_PAD=pow2(N),
+        S=S,
+        S_PAD=pow2(S),
+        BLOCK_V=block_v,
+        BLOCK_T=block_t,
+        NPIV=num_pivots,
+        NCH_PAD=pow2(NCH),
+        K=K,
+        K_PAD=K_PAD,
+        SAMPLE=sample,
+        NEED_SE=sample or return_logprobs,
+        HAS_STOP=has_stop,
+        STOP_PAD=pow2(max(n_stop, 1)),
+        HAS_BUDGET=has_budget,
+        HAS_LP=return_logprobs,
+        FENCE=not interpreted(),
+        GROUP=group,
+        G_PAD=G_PAD,
+        CAP=CAP,
+        SUB=min(128, CAP),
+        num_warps=num_warps,
+    )
+    return _Plan(S, chunk, NCH, n_f, n_i, B * N * CAP if sample else 1, common)
+
+
 def accept_launch(
     tree: Tree,
     target_logits: torch.Tensor,
@@ -203,23 +305,30 @@ def accept_launch(
     ``phase``: 0 (default) runs one fused launch, whose last program per request walks the tree
     after an arrival counter; 1 runs two launches (node statistics, then one walker program per
     request), a fallback that needs no inter-program ordering. ``num_splits``/``block_v`` override
-    the defaults (tests use small ones to exercise the split and block loops)."""
+    the defaults (tests use small ones to exercise the split and block loops). ``workspace``:
+    ``(float32, int32, counters)`` buffers to use instead of the per-device cached scratch and
+    counters (``_scratch``, ``_counters``), for launches on concurrent streams.
+
+    Sizes, tiles and constexprs depend on shapes, flags and the device only and are computed once
+    per such key."""
     if phase not in (0, 1):
         raise ValueError(f"Invalid value of phase: expected 0 or 1, got {phase!r}")
     B, N, V = target_logits.shape
     dev = target_logits.device
     sample = uniforms is not None
-    if block_v is None:
-        block_v = min(4096 if not sample else 2048, pow2(V))
-    block_t = max(16, min(block_v, 512))
-    if sample:
-        S = 1
-    else:
-        S = num_splits if num_splits is not None else default_splits(B, N, V, dev, block_v)
-    per_split = -(-V // S)
-    chunk = -(-per_split // block_v) * block_v
     K = int(topk_ids)
-    K_PAD = pow2(max(K, 1))
+    return_logprobs = bool(return_logprobs)
+    has_stop = stop_ids is not None
+    n_stop = stop_ids.shape[-1] if has_stop else 0
+    has_budget = max_new_tokens is not None
+    key = (B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
+           block_v, num_pivots, cap, max_groups)  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(*key)
+        if len(_PLANS) >= 256:
+            _PLANS.clear()
+        _PLANS[key] = plan
     if out is None:
         out = Acceptance(
             torch.empty(B, N, dtype=torch.int32, device=dev),
@@ -228,70 +337,28 @@ def accept_launch(
             torch.empty(B, N, dtype=torch.float32, device=dev) if return_logprobs else None,
             torch.empty(B, N, K, dtype=torch.int32, device=dev) if K else None,
         )
-    NCH = -(-V // block_v) if sample else 1
-    # top-k/top-p fast path: group maxima (at most max_groups groups) and CAP candidate slots,
-    # both sorted in registers (512 each on the GPU; 64 under the interpreter, whose tl.sort
-    # takes about a second for 1024 elements)
-    if cap is None:
-        cap = 64 if interpreted() else 512
-    if max_groups is None:
-        max_groups = 64 if interpreted() else 512
-    group = min(block_v, pow2(-(-V // max_groups)))
-    G_PAD = pow2(-(-V // group))
-    CAP = pow2(cap)
-    BNS = B * N * S
-    n_f = [
-        BNS,
-        BNS,
-        BNS * K_PAD if K else 1,
-        B * N * NCH if sample else 1,
-        B * N * NCH if sample else 1,
-    ]
-    n_i = [BNS, BNS * K_PAD if K else 1, B * N if sample else 1, B * N if sample else 1]
-    n_f.append(B * N * G_PAD if sample else 1)
     if workspace is None:
-        ws_f = torch.empty(sum(n_f), dtype=torch.float32, device=dev)
-        ws_i = torch.empty(sum(n_i), dtype=torch.int32, device=dev)
         count = _counters(dev, B)
+        ws = _scratch(dev, sum(plan.n_f), sum(plan.n_i), plan.n_cand)
+        hit = _VIEWS.get(key)
+        if hit is not None and hit[0] is ws:
+            views = hit[1]
+        else:  # first launch of this key, or the scratch grew since
+            views = _split_views(plan, ws)
+            if len(_VIEWS) >= 256:
+                _VIEWS.clear()
+            _VIEWS[key] = (ws, views)
     else:
         ws_f, ws_i, count = workspace
-    w_max, w_se, w_tkv, w_cs, w_cm, w_gm = torch.split(ws_f[: sum(n_f)], n_f)
-    w_cand = torch.empty(B * N * CAP if sample else 1, dtype=torch.int64, device=dev)
-    w_arg, w_tki, w_thr, w_cut = torch.split(ws_i[: sum(n_i)], n_i)
+        w_cand = torch.empty(plan.n_cand, dtype=torch.int64, device=dev)
+        views = _split_views(plan, (ws_f, ws_i, w_cand))
+    w_max, w_se, w_tkv, w_cs, w_cm, w_gm, w_arg, w_tki, w_thr, w_cut, w_cand = views
     dummy_f = w_se
-    has_stop = stop_ids is not None
-    n_stop = stop_ids.shape[-1] if has_stop else 0
     s_sb = (stop_ids.stride(0) if stop_ids.dim() == 2 else 0) if has_stop else 0
     tk, tp = tree.tokens, tree.parents
-    num_warps = 8 if (block_v >= 4096 or sample) and not interpreted() else 4
-    common = dict(
-        N_PAD=pow2(N),
-        S=S,
-        S_PAD=pow2(S),
-        BLOCK_V=block_v,
-        BLOCK_T=block_t,
-        NPIV=num_pivots,
-        NCH_PAD=pow2(NCH),
-        K=K,
-        K_PAD=K_PAD,
-        SAMPLE=sample,
-        NEED_SE=sample or bool(return_logprobs),
-        HAS_STOP=has_stop,
-        STOP_PAD=pow2(max(n_stop, 1)),
-        HAS_BUDGET=max_new_tokens is not None,
-        HAS_LP=bool(return_logprobs),
-        FENCE=not interpreted(),
-        GROUP=group,
-        G_PAD=G_PAD,
-        CAP=CAP,
-        SUB=min(128, CAP),
-        num_warps=num_warps,
-    )
     args = [
         target_logits,
-        target_logits.stride(0),
-        target_logits.stride(1),
-        target_logits.stride(2),
+        *target_logits.stride(),
         tk,
         tk.stride(0),
         tp,
@@ -305,7 +372,7 @@ def accept_launch(
         stop_ids if has_stop else w_arg,
         s_sb,
         n_stop,
-        max_new_tokens if max_new_tokens is not None else w_arg,
+        max_new_tokens if has_budget else w_arg,
         w_max,
         w_arg,
         w_se,
@@ -326,13 +393,22 @@ def accept_launch(
         B,
         N,
         V,
-        chunk,
-        NCH,
+        plan.chunk,
+        plan.NCH,
     ]
     assert tk.stride(1) == 1 and tp.stride(1) == 1, "tree fields are contiguous along N"
+    S = plan.S
     if phase == 0:
-        _accept_kernel[(B * N * S,)](*args, PHASE=0, **common)
+        _accept_kernel[(B * N * S,)](*args, PHASE=0, **plan.common)
     else:
-        _accept_kernel[(B * N * S,)](*args, PHASE=1, **common)
-        _accept_kernel[(B,)](*args, PHASE=2, **common)
+        _accept_kernel[(B * N * S,)](*args, PHASE=1, **plan.common)
+        _accept_kernel[(B,)](*args, PHASE=2, **plan.common)
     return out
+
+
+def _split_views(plan: _Plan, ws: tuple) -> tuple:
+    """The workspace parts as the kernel's arguments: float32 parts, int32 parts, candidates."""
+    ws_f, ws_i, w_cand = ws
+    f = ws_f[: sum(plan.n_f)].split_with_sizes(plan.n_f)
+    i = ws_i[: sum(plan.n_i)].split_with_sizes(plan.n_i)
+    return (*f, *i, w_cand[: plan.n_cand])

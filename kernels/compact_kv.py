@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treeops._runtime import refuse_in_capture
+from treeops._runtime import pow2, refuse_in_capture
 
 
 @triton.jit(do_not_specialize=["N", "L", "H"])
@@ -158,7 +158,7 @@ def compact_kv_launch(
         H,
         D,
         PS=PS,
-        D_PAD=triton.next_power_of_2(D),
+        D_PAD=pow2(D) if D else 0,  # triton.next_power_of_2's value, without its host cost
         DB=rows_per_step,
         STACKED=stacked,
         num_warps=4 if D <= 128 else 8,

@@ -456,6 +456,49 @@ def config_for(
     )
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What a launch of given shapes, device and optional arguments needs besides the tensors."""
+
+    cfg: AttnConfig
+    need: int  # workspace elements (0: no split)
+    wo_numel: int  # the partial outputs' share of the workspace
+    grid: tuple[int, int, int]
+    consts: dict  # the forward kernel's constexprs and launch options
+    merge_grid: tuple[int, int]
+    merge_consts: dict
+
+
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 256
+
+
+def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override) -> _Plan:
+    B, N, H_q, D = q.shape
+    page_size, H_kv = k_cache.shape[1], k_cache.shape[2]
+    cfg = config_for(q, k_cache, block_table, num_splits, override)
+    S = cfg.num_splits
+    s_pad = triton.next_power_of_2(S)
+    block_h = min(triton.next_power_of_2(H_q), max(1, 4096 // (s_pad * D)))
+    return _Plan(
+        cfg=cfg,
+        need=workspace_numel(B, N, H_q, D, cfg),
+        wo_numel=B * N * H_q * S * D,
+        grid=(triton.cdiv(N, cfg.block_q), B * H_kv, S),
+        consts=dict(
+            G=H_q // H_kv, G_PAD=cfg.g_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, D=D,
+            PAGE_SIZE=page_size, NUM_SPLITS=S, HAS_QS=has_qs, HAS_QL=has_ql, WRITE_LSE=has_lse,
+            UPCAST=interpreted() or q.dtype == torch.float32, PREFETCH=cfg.prefetch,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ),  # fmt: skip
+        merge_grid=(B * N, triton.cdiv(H_q, block_h)),
+        merge_consts=dict(
+            NUM_SPLITS=S, S_PAD=s_pad, BLOCK_H=block_h, D=D, HAS_QS=has_qs, HAS_QL=has_ql,
+            WRITE_LSE=has_lse, num_warps=4,
+        ),  # fmt: skip
+    )
+
+
 def tree_attention_fwd(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -473,87 +516,47 @@ def tree_attention_fwd(
     num_splits: int | None = None,
     override: dict | None = None,
 ) -> None:
-    """Launch (no checks): writes ``out`` [B, N, H_q, D] and, if given, ``lse`` [B, N, H_q]."""
-    B, N, H_q, D = q.shape
-    page_size, H_kv = k_cache.shape[1], k_cache.shape[2]
-    cfg = config_for(q, k_cache, block_table, num_splits, override)
-    S = cfg.num_splits
-    need = workspace_numel(B, N, H_q, D, cfg)
-    if S > 1 and (workspace is None or workspace.numel() < need):
-        workspace = torch.empty(need, dtype=torch.float32, device=q.device)
-    if S > 1:
-        wo = workspace[: B * N * H_q * S * D]
-        wl = workspace[B * N * H_q * S * D : need]
+    """Launch (no checks): writes ``out`` [B, N, H_q, D] and, if given, ``lse`` [B, N, H_q].
+
+    The launch plan (tiles, splits, grids) depends on shapes, dtype, device and which optional
+    tensors are given only; it is computed once per such key (``override`` calls: every time)."""
+    has_qs, has_ql, has_lse = q_start is not None, q_len is not None, lse is not None
+    if override is None:
+        key = (
+            q.shape, q.dtype, q.device, k_cache.shape[1], k_cache.shape[2], block_table.shape[1],
+            has_qs, has_ql, has_lse, num_splits,
+        )  # fmt: skip
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, None)
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    else:
+        plan = _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override)
+    need, split = plan.need, plan.cfg.num_splits > 1
+    if split:  # partial outputs, then partial LSEs
+        if workspace is None or workspace.numel() < need:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        wo = workspace[: plan.wo_numel]
+        wl = workspace[plan.wo_numel : need]
     else:
         wo = wl = out  # never touched
-    lse_t = lse if lse is not None else out
-    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
-    upcast = interpreted() or q.dtype == torch.float32
-    grid = (triton.cdiv(N, cfg.block_q), B * H_kv, S)
-    _tree_attn_fwd[grid](
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        num_nodes,
-        anc,
-        q_start if q_start is not None else seq_lens,
-        q_len if q_len is not None else seq_lens,
-        out,
-        lse_t,
-        wo,
-        wl,
-        sm_scale * _LOG2E,
-        N,
-        H_kv,
-        *q.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        block_table.stride(0),
-        anc.stride(0),
-        anc.stride(1),
-        *out.stride(),
-        *lse_strides,
-        G=H_q // H_kv,
-        G_PAD=cfg.g_pad,
-        BLOCK_Q=cfg.block_q,
-        BLOCK_N=cfg.block_n,
-        D=D,
-        PAGE_SIZE=page_size,
-        NUM_SPLITS=S,
-        HAS_QS=q_start is not None,
-        HAS_QL=q_len is not None,
-        WRITE_LSE=lse is not None,
-        UPCAST=upcast,
-        PREFETCH=cfg.prefetch,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    if S > 1:
-        s_pad = triton.next_power_of_2(S)
-        block_h = min(triton.next_power_of_2(H_q), max(1, 4096 // (s_pad * D)))
-        _merge_splits[(B * N, triton.cdiv(H_q, block_h))](
-            wo,
-            wl,
-            num_nodes,
-            q_start if q_start is not None else seq_lens,
-            q_len if q_len is not None else seq_lens,
-            out,
-            lse_t,
-            N,
-            H_q,
-            *out.stride(),
-            *lse_strides,
-            NUM_SPLITS=S,
-            S_PAD=s_pad,
-            BLOCK_H=block_h,
-            D=D,
-            HAS_QS=q_start is not None,
-            HAS_QL=q_len is not None,
-            WRITE_LSE=lse is not None,
-            num_warps=4,
-        )
+    lse_t = lse if has_lse else out
+    lse_strides = lse.stride() if has_lse else (0, 0, 0)
+    qs = q_start if has_qs else seq_lens
+    ql = q_len if has_ql else seq_lens
+    _tree_attn_fwd[plan.grid](
+        q, k_cache, v_cache, block_table, seq_lens, num_nodes, anc, qs, ql, out, lse_t, wo, wl,
+        sm_scale * _LOG2E, q.shape[1], k_cache.shape[2], *q.stride(), *k_cache.stride(),
+        *v_cache.stride(), block_table.stride(0), anc.stride(0), anc.stride(1), *out.stride(),
+        *lse_strides, **plan.consts,
+    )  # fmt: skip
+    if split:
+        _merge_splits[plan.merge_grid](
+            wo, wl, num_nodes, qs, ql, out, lse_t, q.shape[1], q.shape[2], *out.stride(),
+            *lse_strides, **plan.merge_consts,
+        )  # fmt: skip
 
 
 def default_scale(d: int) -> float:

@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_finite, check_range, check_same_device, check_tensor
-from .tree import check_tree
+from ._checks import Memo, check_finite, check_range, check_same_device, check_tensor, signature
+from .tree import Tree, check_tree
 
 _LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -22,6 +22,10 @@ class Acceptance(NamedTuple):
     bonus: torch.Tensor
     logprobs: torch.Tensor | None = None
     topk: torch.Tensor | None = None
+
+
+_PASSED = Memo()
+"""Signatures of inputs that passed ``check_accept_inputs`` with ``validate=False``."""
 
 
 def check_accept_inputs(
@@ -39,6 +43,29 @@ def check_accept_inputs(
     uniforms=None,
     validate=False,
 ) -> None:
+    """Shapes, dtypes, strides, devices and types of acceptance's inputs (and their values under
+    ``validate``); metadata that passed once is remembered (``_PASSED``)."""
+    key = None
+    if not validate:
+        outs = (out,) if out is None or out.__class__ is not Acceptance else out
+        key = signature(
+            (target_logits, stop_ids, max_new_tokens, temperature, top_k, top_p, uniforms, *outs,
+             *(tree.tensors() if tree.__class__ is Tree else (tree,))),
+            (topk_ids, return_logprobs),
+        )  # fmt: skip
+        if _PASSED.get(key) is not None:
+            return
+    _check_accept_inputs(
+        tree, target_logits, stop_ids, max_new_tokens, topk_ids, out, return_logprobs,
+        temperature, top_k, top_p, uniforms, validate,
+    )  # fmt: skip
+    _PASSED.put(key, True)
+
+
+def _check_accept_inputs(
+    tree, target_logits, stop_ids, max_new_tokens, topk_ids, out, return_logprobs, temperature,
+    top_k, top_p, uniforms, validate,
+) -> None:  # fmt: skip
     tree = check_tree(tree, validate=validate)
     sizes = {"B": tree.batch_size, "N": tree.capacity}
     check_tensor(

@@ -46,41 +46,131 @@ def check_tensor(
 
     ``shape`` entries are ints (exact), ``None`` (any) or names such as ``"B"``: a name seen for
     the first time binds its size in ``sizes`` (a dict shared across calls), later uses must agree.
-    ``unit_last`` / ``contiguous``: see ``check_stride``.
+    ``unit_last`` / ``contiguous``: see ``check_stride``. Nothing is bound in ``sizes`` unless the
+    whole shape matches.
     """
+    # the passing path compares metadata only; messages are built only to raise
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"Invalid type of {name}: expected torch.Tensor, got {type(t).__name__}")
     if dtype is not None:
-        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
-        if t.dtype not in allowed:
+        got = t.dtype
+        if not (got is dtype if dtype.__class__ is torch.dtype else got in dtype):
+            allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
             exp = (
                 allowed[0] if len(allowed) == 1 else "one of (" + ", ".join(map(str, allowed)) + ")"
             )
-            raise ValueError(f"Invalid dtype of {name}: expected {exp}, got {t.dtype}")
+            raise ValueError(f"Invalid dtype of {name}: expected {exp}, got {got}")
     if shape is not None:
-        expected: list[Dim] = []
-        ok = t.dim() == len(shape)
-        for i, d in enumerate(shape):
-            if isinstance(d, str):
-                if sizes is not None and d in sizes:
-                    expected.append(sizes[d])
-                    ok = ok and i < t.dim() and t.shape[i] == sizes[d]
-                else:
-                    expected.append(d)
-                    if sizes is not None and ok and i < t.dim():
-                        sizes[d] = int(t.shape[i])
-            else:
-                expected.append(d)
-                ok = ok and (d is None or (i < t.dim() and t.shape[i] == d))
-        if not ok:
-            raise ValueError(
-                f"Invalid shape of {name}: expected {_fmt_shape(expected)}, got {list(t.shape)}"
-            )
+        got_shape = t.shape
+        if len(got_shape) != len(shape):
+            _shape_error(name, got_shape, shape, sizes)
+        new: dict[str, int] | None = None
+        for d, n in zip(shape, got_shape):
+            if d is None:
+                continue
+            if d.__class__ is str:
+                if sizes is None:
+                    continue
+                want = sizes.get(d)
+                if want is None:
+                    want = None if new is None else new.get(d)
+                    if want is None:
+                        if new is None:
+                            new = {}
+                        new[d] = n
+                        continue
+                if n != want:
+                    _shape_error(name, got_shape, shape, sizes)
+            elif n != d:
+                _shape_error(name, got_shape, shape, sizes)
+        if new is not None:
+            sizes.update(new)  # type: ignore[union-attr]
     if unit_last or contiguous:
         check_stride(name, t, contiguous=contiguous)
     if device is not None and t.device != device:
         raise ValueError(f"Invalid device of {name}: expected {device}, got {t.device}")
     return t
+
+
+def _shape_error(
+    name: str, got: torch.Size, shape: Sequence[Dim], sizes: dict[str, int] | None
+) -> None:
+    """Raise the shape error: the expected shape with the names ``sizes`` binds (before this
+    check, or earlier in this shape) written as their sizes."""
+    bound = dict(sizes) if sizes is not None else None
+    expected: list[Dim] = []
+    ok = len(got) == len(shape)
+    for i, d in enumerate(shape):
+        if isinstance(d, str) and bound is not None and d in bound:
+            expected.append(bound[d])
+            ok = ok and i < len(got) and got[i] == bound[d]
+        else:
+            expected.append(d)
+            if isinstance(d, str):
+                if bound is not None and ok and i < len(got):
+                    bound[d] = int(got[i])
+            else:
+                ok = ok and (d is None or (i < len(got) and got[i] == d))
+    raise ValueError(f"Invalid shape of {name}: expected {_fmt_shape(expected)}, got {list(got)}")
+
+
+def signature(tensors: Sequence[object], values: Sequence[object] = ()) -> tuple | None:
+    """What the O(1) checks of a call read: each tensor's (type, shape, strides, dtype, device),
+    None for None, and each plain value with its type (``True`` and ``1`` differ); None when an
+    argument is no tensor or under ``torch.compile`` (no memo then: the full checks run).
+
+    Two calls with equal signatures pass or fail the same metadata checks (shapes, dtypes,
+    strides, devices, types, value arguments), so a ``Memo`` keyed by it can skip them."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        key = [
+            t if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device)
+            for t in tensors
+        ]
+    except Exception:  # noqa: BLE001 - not a tensor (or one without strides): check in full
+        return None
+    if values:
+        key += [(v.__class__, v) for v in values]
+    return tuple(key)
+
+
+class Memo:
+    """Signatures (``signature``) whose checks passed, each with what the checks derived (sizes,
+    a launch plan): a later call with an equal signature skips the checks. Bounded: the oldest
+    entry goes when ``maxsize`` are held. Only passing signatures are stored, so every error is
+    raised by the full checks, with their messages."""
+
+    __slots__ = ("_d", "_maxsize")
+
+    def __init__(self, maxsize: int = 64) -> None:
+        self._d: dict = {}
+        self._maxsize = maxsize
+
+    def get(self, key: tuple | None):
+        if key is None:
+            return None
+        try:
+            return self._d.get(key)
+        except TypeError:  # an unhashable value argument
+            return None
+
+    def put(self, key: tuple | None, value) -> None:
+        if key is None:
+            return
+        d = self._d
+        try:
+            if key not in d and len(d) >= self._maxsize:
+                del d[next(iter(d))]
+            d[key] = value
+        except (TypeError, StopIteration, KeyError, RuntimeError):
+            pass  # unhashable, or another thread changed the dict: stay unmemoised
+
+    def clear(self) -> None:
+        self._d.clear()
+
+    def __len__(self) -> int:
+        return len(self._d)
 
 
 def check_stride(name: str, t: torch.Tensor, *, contiguous: bool = False) -> torch.Tensor:

@@ -7,8 +7,15 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import SEQ_LEN_DTYPES, check_range, check_same_device, check_tensor
-from .tree import check_tree
+from ._checks import (
+    SEQ_LEN_DTYPES,
+    Memo,
+    check_range,
+    check_same_device,
+    check_tensor,
+    signature,
+)
+from .tree import Tree, check_tree
 
 Caches = torch.Tensor | Sequence[torch.Tensor]
 
@@ -53,7 +60,40 @@ def _check_caches(name: str, caches: object) -> tuple[tuple[int, ...], torch.dty
     return tuple(first.shape), first.dtype
 
 
+_PASSED = Memo()
+"""Signatures of inputs that passed ``check_compact_inputs`` with ``validate=False``."""
+
+
+def _flat(caches: object) -> tuple[tuple, tuple]:
+    """(tensors, values) of a cache argument for ``signature``: the list's or tuple's items with
+    its type and length, or the argument itself as one item."""
+    if caches.__class__ in (list, tuple):
+        return tuple(caches), (caches.__class__, len(caches))  # type: ignore[arg-type]
+    return (caches,), (None, 1)
+
+
 def check_compact_inputs(
+    k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
+) -> None:
+    """Shapes, dtypes, strides, devices and types of compaction's inputs (and their values under
+    ``validate``); metadata that passed once is remembered (``_PASSED``)."""
+    key = None
+    if not validate:
+        (kt, kv), (vt, vv) = _flat(k_caches), _flat(v_caches)
+        key = signature(
+            (block_table, seq_lens, accepted, accept_len, out, *kt, *vt,
+             *(tree.tensors() if tree.__class__ is Tree else (tree,))),
+            (*kv, *vv),
+        )  # fmt: skip
+        if _PASSED.get(key) is not None:
+            return
+    _check_compact_inputs(
+        k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
+    )
+    _PASSED.put(key, True)
+
+
+def _check_compact_inputs(
     k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
 ) -> None:
     tree = check_tree(tree, validate=validate)

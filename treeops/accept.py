@@ -37,7 +37,7 @@ import torch
 from ._accept_inputs import Acceptance, check_accept_inputs
 from ._checks import cuda_device
 from ._library import TREE, define
-from .kernels.accept import accept_launch
+from .kernels import accept as _kacc
 from .reference import accept as _ref
 from .tree import Tree
 
@@ -65,7 +65,7 @@ def _launcher(sampling: bool):
             args, sampling
         )
         with cuda_device(logits):
-            accept_launch(
+            _kacc.accept_launch(
                 tree, logits, temperature=temp, top_k=top_k, top_p=top_p, uniforms=uni,
                 stop_ids=stop_ids, max_new_tokens=max_new, return_logprobs=out.logprobs is not None,
                 topk_ids=topk_ids, out=out,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ._checks import check_same_device, check_tensor
+from ._checks import Memo, check_same_device, check_tensor, signature
 
 
 def anc_words(n: int) -> int:
@@ -422,13 +422,30 @@ def _links(par: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.
     return first_child, next_sibling
 
 
+_PASSED = Memo()
+"""Field signatures of trees whose ``check_fields`` passed (the check is the same whatever
+``name`` it reports under)."""
+
+
+def tree_signature(tree: object) -> tuple | None:
+    """``signature`` of a ``Tree``'s fields (None if ``tree`` is not exactly a ``Tree``): what
+    ``Tree.check_fields`` reads, for a public op's memo of passed checks."""
+    if tree.__class__ is not Tree:
+        return None
+    return signature(tree.tensors())  # type: ignore[union-attr]
+
+
 def check_tree(tree: object, *, validate: bool = False, name: str = "tree") -> Tree:
-    """Public-op helper: ``tree`` is a ``Tree`` with consistent fields (and, if asked, valid)."""
+    """Public-op helper: ``tree`` is a ``Tree`` with consistent fields (and, if asked, valid).
+    Field layouts that passed once are remembered (``_PASSED``); ``validate`` always runs."""
     if not isinstance(tree, Tree):
         raise ValueError(
             f"Invalid type of {name}: expected treeops.Tree, got {type(tree).__name__}"
         )
-    tree.check_fields(name)
+    key = tree_signature(tree)
+    if _PASSED.get(key) is None:
+        tree.check_fields(name)
+        _PASSED.put(key, True)
     if validate:
         tree.validate()
     return tree

@@ -20,12 +20,14 @@ import torch
 
 from ._checks import (
     FLOAT_DTYPES,
+    Memo,
     check_head_dim,
     check_paged_batch,
     check_range,
     check_same_device,
     check_tensor,
     cuda_device,
+    signature,
 )
 from ._library import TREE, define
 from .kernels import tree_attention as _k
@@ -106,10 +108,11 @@ def _check_attention(
 
 
 def _tree_attention_cuda(q, k_cache, v_cache, block_table, seq_lens, *rest):
-    tree, (q_start, q_len, scale, out, lse, workspace) = Tree(*rest[:8]), rest[8:]
+    # rest: the tree's fields (Tree.FIELDS order: num_nodes 2nd, anc 4th), then the options
+    q_start, q_len, scale, out, lse, workspace = rest[8:]
     with cuda_device(q):
         _k.tree_attention_fwd(
-            q, k_cache, v_cache, block_table, seq_lens, tree.num_nodes, tree.anc, q_start, q_len,
+            q, k_cache, v_cache, block_table, seq_lens, rest[2], rest[4], q_start, q_len,
             scale, out, lse, workspace,
         )  # fmt: skip
 
@@ -121,6 +124,9 @@ def _tree_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, *rest):
         return_lse=lse is not None, out=out, lse=lse,
     )  # fmt: skip
 
+
+_PASSED = Memo()
+"""Signatures of calls whose checks passed (with ``validate=False``) -> the default scale."""
 
 _tree_attention_op = define(
     f"tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
@@ -213,23 +219,35 @@ def tree_attention(
         >>> out.shape, lse.shape
         (torch.Size([1, 4, 8, 64]), torch.Size([1, 4, 8]))
     """
-    sizes = _check_attention(
-        q, k_cache, v_cache, block_table, seq_lens, tree, q_start, q_len, sm_scale, out, lse,
-        workspace, validate,
-    )  # fmt: skip
-    scale = 1.0 / math.sqrt(sizes["D"]) if sm_scale is None else float(sm_scale)
-    B, N, H_q, D = q.shape
+    key = None
+    if not validate:
+        fields = tree.tensors() if tree.__class__ is Tree else (tree,)
+        key = signature(
+            (q, k_cache, v_cache, block_table, seq_lens, q_start, q_len, out, lse, workspace,
+             *fields),
+            (sm_scale, return_lse),
+        )  # fmt: skip
+    passed = _PASSED.get(key)
+    if passed is None:
+        sizes = _check_attention(
+            q, k_cache, v_cache, block_table, seq_lens, tree, q_start, q_len, sm_scale, out, lse,
+            workspace, validate,
+        )  # fmt: skip
+        if workspace is not None and q.is_cuda:
+            B, N, H_q, D = q.shape
+            need = _k.workspace_numel(B, N, H_q, D, _k.config_for(q, k_cache, block_table))
+            if workspace.numel() < need:
+                raise ValueError(
+                    f"Invalid shape of workspace: expected at least [{need}] "
+                    f"(tree_attention_workspace), got {list(workspace.shape)}"
+                )
+        passed = 1.0 / math.sqrt(sizes["D"])
+        _PASSED.put(key, passed)
+    scale = passed if sm_scale is None else float(sm_scale)
     if out is None:
-        out = torch.empty(B, N, H_q, D, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if lse is None and return_lse:
-        lse = torch.empty(B, N, H_q, dtype=torch.float32, device=q.device)
-    if workspace is not None and q.is_cuda:
-        need = _k.workspace_numel(B, N, H_q, D, _k.config_for(q, k_cache, block_table))
-        if workspace.numel() < need:
-            raise ValueError(
-                f"Invalid shape of workspace: expected at least [{need}] "
-                f"(tree_attention_workspace), got {list(workspace.shape)}"
-            )
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     _tree_attention_op(
         q, k_cache, v_cache, block_table, seq_lens, *tree.tensors(), q_start, q_len, scale,
         out, lse, workspace,
