@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from treeops import _runtime
-from treeops._runtime import interpreted
+from treeops._runtime import cdiv, interpreted, pow2
 from treeops.tree import Tree
 
 from .graft_update import _claim_kernel, _topk_partial_kernel, _update_write_kernel
@@ -446,6 +446,14 @@ def _contig(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _contig_fields(prefix: str, tensors: tuple[torch.Tensor, ...]) -> None:
+    """``_contig`` of each of a tree's fields (``Tree.FIELDS`` order), the first bad one named."""
+    for t in tensors:
+        if not t.is_contiguous():
+            for f, u in zip(Tree.FIELDS, tensors):
+                _contig(f"{prefix}.{f}", u)
+
+
 def graft_fused(
     tree,
     budget: torch.Tensor | int,
@@ -471,16 +479,13 @@ def graft_fused(
     Returns the output tree's fields in ``Tree`` order (tokens, parents, num_nodes, depth, anc,
     first_child, next_sibling, scores), written into ``out`` when given.
     """
-    fields = Tree.FIELDS
-    for f in fields:
-        _contig(f"tree.{f}", getattr(tree, f))
+    _contig_fields("tree", tree.tensors())
     B, N = tree.parents.shape
     W = tree.anc.shape[2]
     dev = tree.parents.device
     if out is None:
         out = Tree.uninitialized(B, N, dev).tensors()
-    for f, t in zip(fields, out):
-        _contig(f"out.{f}", t)
+    _contig_fields("out", tuple(out))
     from_table = table is not None
     if from_table:
         assert t_parents is not None and t_ranks is not None and t_depth is not None
@@ -507,10 +512,10 @@ def graft_fused(
     if count_t:
         _contig("count", count)
     count_val = T - 1 if count is None or count_t else int(count)
-    NB = max(triton.next_power_of_2(N), 2)
-    TB = max(triton.next_power_of_2(T), 2)
-    WB = max(triton.next_power_of_2(W), 2)
-    level_block = min(32, max(2, triton.next_power_of_2(level_width)))
+    NB = max(pow2(N), 2)
+    TB = max(pow2(T), 2)
+    WB = max(pow2(W), 2)
+    level_block = min(32, max(2, pow2(level_width)))
     ws_i = torch.empty(B * 5 * TB, dtype=torch.int32, device=dev)
     ws_l = torch.empty(B * 2 * TB, dtype=torch.int64, device=dev)
     ws_anc = torch.empty(B * TB * WB, dtype=torch.int32, device=dev)
@@ -578,7 +583,7 @@ def retrieve(
     num = torch.empty(B, dtype=torch.int32, device=dev)
     count_t = isinstance(count, torch.Tensor)
     count_val = T - 1 if count is None or count_t else int(count)
-    TB = max(triton.next_power_of_2(T), 2)
+    TB = max(pow2(T), 2)
     ws_tok = torch.empty(B * TB, dtype=torch.int64, device=dev)
     ws_pos = torch.empty(B * TB, dtype=torch.int32, device=dev)
     _retrieve_kernel[(B,)](
@@ -611,10 +616,10 @@ def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
     """Splits of V per node: enough programs to fill the GPU (4 per SM), at least one block of V
     each. Depends on shapes and the SM count only (fixed for a CUDA graph)."""
     if device.type != "cuda":
-        return min(2, triton.cdiv(V, block_v))
+        return min(2, cdiv(V, block_v))
     sms = _runtime.sm_count(device)
-    want = triton.cdiv(4 * sms, max(n_flat, 1))
-    return max(1, min(want, triton.cdiv(V, block_v), 64))
+    want = cdiv(4 * sms, max(n_flat, 1))
+    return max(1, min(want, cdiv(V, block_v), 64))
 
 
 def _update_block_v() -> int:
@@ -628,8 +633,8 @@ def update_workspace_key(
     top-k workspace for ``n_flat`` nodes of V logits and a table of width K."""
     block_v = _update_block_v()
     S = _splits(n_flat, V, block_v, device)
-    S = triton.cdiv(V, triton.cdiv(triton.cdiv(V, S), block_v) * block_v)
-    return n_flat, S, max(triton.next_power_of_2(K), 2)
+    S = cdiv(V, cdiv(cdiv(V, S), block_v) * block_v)
+    return n_flat, S, max(pow2(K), 2)
 
 
 def adjacency_update(
@@ -648,7 +653,7 @@ def adjacency_update(
     V, K = table.shape
     B, N = tokens.shape
     n_flat = B * N
-    KB = max(triton.next_power_of_2(K), 2)
+    KB = max(pow2(K), 2)
     _contig("tokens", tokens)
     if n_flat == 0:
         return
@@ -659,7 +664,7 @@ def adjacency_update(
             key = update_workspace_key(n_flat, V, K, logits.device)
             _, S, _ = key
             block_v = _update_block_v()
-            chunk = triton.cdiv(triton.cdiv(V, S), block_v) * block_v
+            chunk = cdiv(cdiv(V, S), block_v) * block_v
             if key not in workspace:
                 workspace[key] = (
                     torch.empty(n_flat * S * KB, dtype=torch.float32, device=table.device),
@@ -695,7 +700,7 @@ def adjacency_update(
                 raise ValueError(
                     "Invalid stride of topk_ids: expected the last dimension contiguous"
                 )
-            _claim_kernel[(triton.cdiv(n_flat, 256),)](
+            _claim_kernel[(cdiv(n_flat, 256),)](
                 tokens,
                 num_nodes,
                 owner,
@@ -709,9 +714,9 @@ def adjacency_update(
             n_cand = KB
             ids, k_ids = topk_ids, topk_ids.shape[2]
             s_ib, s_in = topk_ids.stride(0), topk_ids.stride(1)
-        C = triton.next_power_of_2(n_cand)
+        C = pow2(n_cand)
         block_m = max(1, min(64, 2048 // C))
-        _update_write_kernel[(triton.cdiv(n_flat, block_m),)](
+        _update_write_kernel[(cdiv(n_flat, block_m),)](
             tokens,
             num_nodes,
             owner,

@@ -42,7 +42,15 @@ from types import SimpleNamespace
 
 import torch
 
-from ._checks import check_positive_int, check_range, check_same_device, check_tensor, cuda_device
+from ._checks import (
+    Memo,
+    check_positive_int,
+    check_range,
+    check_same_device,
+    check_tensor,
+    cuda_device,
+    signature,
+)
 from ._graft_types import NO_PRUNE, RankTemplate, Retrieved
 from ._library import OUT_TREE, TREE, define
 from .kernels import graft as _k
@@ -260,7 +268,7 @@ _checkpoint_op = define(
 
 def _empty_tree(like: Tree) -> Tree:
     """Uninitialised output buffers of ``like``'s shapes (the op writes every element)."""
-    return Tree(*(torch.empty_like(t) for t in like.tensors()))
+    return Tree(*[torch.empty_like(t) for t in like.tensors()])
 
 
 def _split(x: torch.Tensor | int | None, default: int) -> tuple[torch.Tensor | None, int]:
@@ -268,6 +276,37 @@ def _split(x: torch.Tensor | int | None, default: int) -> tuple[torch.Tensor | N
     if isinstance(x, torch.Tensor):
         return x, 0
     return None, default if x is None else x
+
+
+_PASSED = Memo()
+"""Signatures (``_key``) of calls whose checks passed with ``validate=False``."""
+
+
+def _fields(x: object) -> tuple:
+    """A ``Tree``'s or ``Retrieved``'s tensors for ``signature``; anything else as itself."""
+    if x.__class__ is Tree:
+        return x.tensors()  # type: ignore[attr-defined]
+    if x.__class__ is Retrieved:
+        return (x.tokens, x.parents, x.depth, x.num_nodes)  # type: ignore[attr-defined]
+    return (x,)
+
+
+def _key(op: str, objects: tuple, tensors: tuple, values: tuple) -> tuple | None:
+    """The memo key of a call: ``op``, the fields of ``objects`` (trees, retrieved paths) with
+    their types (which fix how many fields each has), ``tensors`` (int-or-tensor arguments
+    included: a non-tensor one counts as None there and as a value) and plain ``values``."""
+    flat: list = []
+    classes: list = [op]
+    for o in objects:
+        flat += _fields(o)
+        classes.append(o.__class__)
+    for t in tensors:
+        if isinstance(t, torch.Tensor) or t is None:
+            flat.append(t)
+        else:
+            flat.append(None)
+            classes.append(t)
+    return signature(flat, (*classes, *values))
 
 
 def _check_budget(budget: torch.Tensor | int, B: int, dev: torch.device, N: int) -> None:
@@ -402,10 +441,19 @@ class AdjacencyTable:
         ``validate=False``: ``num_nodes > N`` or ``topk_ids`` entries outside ``[-1, V)`` are
         undefined behaviour; ``validate=True`` checks them (with a host sync).
         """
-        check_tree(tree, validate=validate)
-        self._check_rows(
-            "update", tree.tokens, tree.batch_size, tree.capacity, target_logits, topk_ids, validate
-        )
+        key = None
+        if not validate:
+            key = _key(
+                "update", (tree,), (self.table, target_logits, topk_ids),
+                (self.__class__, self.vocab_size),
+            )  # fmt: skip
+        if _PASSED.get(key) is None:
+            check_tree(tree, validate=validate)
+            self._check_rows(
+                "update", tree.tokens, tree.batch_size, tree.capacity, target_logits, topk_ids,
+                validate,
+            )  # fmt: skip
+            _PASSED.put(key, True)
         _adjacency_update_op(
             self.table, self._owner, *self._update_workspace(tree.tokens, target_logits),
             *tree.tensors(), target_logits, topk_ids,
@@ -433,17 +481,28 @@ class AdjacencyTable:
         responsibility when ``validate=False``: ``lengths > L`` or ``topk_ids`` entries outside
         ``[-1, V)`` are undefined behaviour; ``validate=True`` checks them (with a host sync).
         """
-        check_tensor(
-            "prompt_tokens", prompt_tokens, shape=("B", "L"), dtype=torch.int64, contiguous=True
-        )
+        key = None
+        if not validate:
+            key = _key(
+                "warm_start", (), (prompt_tokens, prefill_logits, lengths, topk_ids, self.table),
+                (self.__class__, self.vocab_size),
+            )  # fmt: skip
+        passed = _PASSED.get(key) is not None
+        if not passed:
+            check_tensor(
+                "prompt_tokens", prompt_tokens, shape=("B", "L"), dtype=torch.int64,
+                contiguous=True,
+            )  # fmt: skip
         B, L = prompt_tokens.shape
         if lengths is None:
             lengths = torch.full((B,), L, dtype=torch.int32, device=prompt_tokens.device)
-        check_tensor("lengths", lengths, shape=(B,), dtype=torch.int32, unit_last=True)
-        check_same_device(prompt_tokens=prompt_tokens, lengths=lengths)
-        self._check_rows("warm_start", prompt_tokens, B, L, prefill_logits, topk_ids, validate)
-        if validate:
-            check_range("lengths", lengths, 0, L + 1)
+        if not passed:
+            check_tensor("lengths", lengths, shape=(B,), dtype=torch.int32, unit_last=True)
+            check_same_device(prompt_tokens=prompt_tokens, lengths=lengths)
+            self._check_rows("warm_start", prompt_tokens, B, L, prefill_logits, topk_ids, validate)
+            if validate:
+                check_range("lengths", lengths, 0, L + 1)
+            _PASSED.put(key, True)
         _warm_start_op(
             self.table, self._owner, *self._update_workspace(prompt_tokens, prefill_logits),
             prompt_tokens, prefill_logits, lengths, topk_ids,
@@ -465,11 +524,17 @@ class AdjacencyTable:
         Returns a ``Retrieved`` of capacity T = ``template.size``: empty entries (-1) and their
         subtrees are skipped, and the nodes left are packed in template order after the root.
         """
-        check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64)
-        B = root_tokens.shape[0]
-        self._check_template(template)
-        check_same_device(table=self.table, root_tokens=root_tokens)
-        _check_count(count, B, self.device)
+        key = _key(
+            "retrieve", (), (root_tokens, self.table, count),
+            (self.__class__, self.k,
+             template.max_rank if template.__class__ is RankTemplate else template),
+        )  # fmt: skip
+        if _PASSED.get(key) is None:
+            check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64)
+            self._check_template(template)
+            check_same_device(table=self.table, root_tokens=root_tokens)
+            _check_count(count, root_tokens.shape[0], self.device)
+            _PASSED.put(key, True)
         par, rank, dep = template.tensors(self.device)
         tok, rpar, rdep, num = _retrieve_op(
             self.table, root_tokens, par, rank, dep, template.max_depth,
@@ -534,25 +599,34 @@ def graft_merge(
     ``validate=False``: a malformed tree or ``retrieved`` (``num_nodes > N`` or ``> T``, parents
     out of range) is undefined behaviour; ``validate=True`` checks them (with a host sync).
     """
-    check_tree(tree, validate=validate)
-    if not isinstance(retrieved, Retrieved):
-        raise ValueError(
-            f"Invalid type of retrieved: expected treeops.Retrieved, got {type(retrieved).__name__}"
-        )
-    retrieved.check_fields()
-    B, N = tree.batch_size, tree.capacity
-    if retrieved.tokens.shape[0] != B:
-        raise ValueError(
-            f"Invalid shape of retrieved.tokens: expected [{B}, T], got "
-            f"{list(retrieved.tokens.shape)}"
-        )
-    check_same_device(tree=tree.parents, retrieved=retrieved.tokens)
-    _check_budget(budget, B, tree.device, N)
-    if validate:
-        retrieved.validate()
-        if isinstance(budget, torch.Tensor):
-            _check_budget_values(budget, tree)
-    _check_out(out, tree)
+    key = None
+    if not validate:
+        max_depth = retrieved.max_depth if retrieved.__class__ is Retrieved else None
+        key = _key("graft_merge", (tree, retrieved, out), (budget,), (max_depth,))
+    if _PASSED.get(key) is None:
+        check_tree(tree, validate=validate)
+        if not isinstance(retrieved, Retrieved):
+            raise ValueError(
+                "Invalid type of retrieved: expected treeops.Retrieved, got "
+                f"{type(retrieved).__name__}"
+            )
+        retrieved.check_fields()
+        B, N = tree.batch_size, tree.capacity
+        if retrieved.tokens.shape[0] != B:
+            raise ValueError(
+                f"Invalid shape of retrieved.tokens: expected [{B}, T], got "
+                f"{list(retrieved.tokens.shape)}"
+            )
+        check_same_device(tree=tree.parents, retrieved=retrieved.tokens)
+        _check_budget(budget, B, tree.device, N)
+        if validate:
+            retrieved.validate()
+            if isinstance(budget, torch.Tensor):
+                _check_budget_values(budget, tree)
+        _check_out(out, tree)
+        _PASSED.put(key, True)
+    elif out is not None:
+        _check_out_memory(out, tree)
     out = _empty_tree(tree) if out is None else out
     _graft_merge_op(
         *tree.tensors(), retrieved.tokens, retrieved.parents, retrieved.depth,
@@ -578,19 +652,30 @@ def graft(
     Values are unchecked when ``validate=False`` (a malformed tree, e.g. ``num_nodes > N``, is
     undefined behaviour); ``validate=True`` checks them (with a host sync).
     """
-    check_tree(tree, validate=validate)
-    if not isinstance(table, AdjacencyTable):
-        raise ValueError(
-            f"Invalid type of table: expected treeops.AdjacencyTable, got {type(table).__name__}"
-        )
-    table._check_template(template)
-    B, N = tree.batch_size, tree.capacity
-    check_same_device(tree=tree.parents, table=table.table)
-    _check_budget(budget, B, tree.device, N)
-    _check_count(count, B, tree.device)
-    if validate and isinstance(budget, torch.Tensor):
-        _check_budget_values(budget, tree)
-    _check_out(out, tree)
+    key = None
+    if not validate and table.__class__ is AdjacencyTable:
+        key = _key(
+            "graft", (tree, out), (table.table, budget, count),
+            (table.k, template.max_rank if template.__class__ is RankTemplate else template),
+        )  # fmt: skip
+    if _PASSED.get(key) is None:
+        check_tree(tree, validate=validate)
+        if not isinstance(table, AdjacencyTable):
+            raise ValueError(
+                "Invalid type of table: expected treeops.AdjacencyTable, got "
+                f"{type(table).__name__}"
+            )
+        table._check_template(template)
+        B, N = tree.batch_size, tree.capacity
+        check_same_device(tree=tree.parents, table=table.table)
+        _check_budget(budget, B, tree.device, N)
+        _check_count(count, B, tree.device)
+        if validate and isinstance(budget, torch.Tensor):
+            _check_budget_values(budget, tree)
+        _check_out(out, tree)
+        _PASSED.put(key, True)
+    elif out is not None:
+        _check_out_memory(out, tree)
     out = _empty_tree(tree) if out is None else out
     par, rank, dep = template.tensors(tree.device)
     _graft_op(
@@ -610,6 +695,11 @@ def _check_out(out: Tree | None, tree: Tree) -> None:
             f"{list(tree.parents.shape)} on {tree.device}, got "
             f"{list(out.parents.shape)} on {out.device}"
         )
+    _check_out_memory(out, tree)
+
+
+def _check_out_memory(out: Tree, tree: Tree) -> None:
+    """``out`` is not ``tree``'s memory (checked on every call: addresses are no metadata)."""
     if any(o.data_ptr() == t.data_ptr() for o, t in zip(out.tensors(), tree.tensors())):
         raise ValueError("Invalid out: it shares memory with tree (the merge is not in place)")
 
@@ -624,17 +714,20 @@ def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tr
     Values are unchecked when ``validate=False`` (a malformed tree is undefined behaviour);
     ``validate=True`` checks the tree and ``keep`` (with a host sync).
     """
-    check_tree(tree, validate=validate)
-    B = tree.batch_size
-    if isinstance(keep, torch.Tensor):
-        check_tensor("keep", keep, shape=(B,), dtype=torch.int32)
-        check_same_device(tree=tree.parents, keep=keep)
-        if validate:
-            check_range("keep", keep, 0)
-    elif not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
-        raise ValueError(
-            f"Invalid value of keep: expected an int >= 0 or a [B] int32 tensor, got {keep!r}"
-        )
+    key = None if validate else _key("prune", (tree,), (keep,), ())
+    if _PASSED.get(key) is None:
+        check_tree(tree, validate=validate)
+        B = tree.batch_size
+        if isinstance(keep, torch.Tensor):
+            check_tensor("keep", keep, shape=(B,), dtype=torch.int32)
+            check_same_device(tree=tree.parents, keep=keep)
+            if validate:
+                check_range("keep", keep, 0)
+        elif not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+            raise ValueError(
+                f"Invalid value of keep: expected an int >= 0 or a [B] int32 tensor, got {keep!r}"
+            )
+        _PASSED.put(key, True)
     return Tree(*_prune_op(*tree.tensors(), *_split(keep, 0)))
 
 
@@ -708,9 +801,12 @@ class PruneCheckpoints:
         under this checkpoint's threshold (in place on ``keep`` [B] int32); return ``stop`` [B]
         bool, whether each request is marked (now or before). A step that is no checkpoint only
         returns ``stop``. No host sync."""
-        check_tensor("keep", keep, shape=("B",), dtype=torch.int32)
-        check_tensor("best_score", best_score, shape=keep.shape, dtype=torch.float32)
-        check_same_device(keep=keep, best_score=best_score)
+        key = _key("checkpoint", (), (keep, best_score), ())
+        if _PASSED.get(key) is None:
+            check_tensor("keep", keep, shape=("B",), dtype=torch.int32)
+            check_tensor("best_score", best_score, shape=keep.shape, dtype=torch.float32)
+            check_same_device(keep=keep, best_score=best_score)
+            _PASSED.put(key, True)
         if step in self.steps:
             c = self.steps.index(step)
             _checkpoint_op(keep, best_score, self.keeps[c], float(self.thresholds[c]))
