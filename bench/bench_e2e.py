@@ -22,21 +22,26 @@ what it measured):
 2. The pair: ``treeops.decoder.train.train_pair(PairConfig.h200(), "cuda", cache_dir)`` (or a
    tiny random pair with ``--random-model``); decoding runs in bf16 on CUDA (fp32 on the CPU),
    the fp32 target is kept as the reference for divergences.
-3. A small CAST cost table for this model (``treeops.CostTable.measure_grid`` over the
-   decoder's own target forward of n tree nodes and draft forward of n frontier rows, CUDA-graph
-   replays, few points), saved as ``DIR/e2e_cost_table.json``.
-4. For each B (priority order 1, 64, 8, 4, 16, 32; ``--quick``: 1, 64, 8), ``ceil(R / B)``
-   groups of B held-out prompts (R = ``--min-requests``, default 8; group g holds prompts
+3. CAST's cost table for this model at the sizes the decoder runs (``calibrate``: the
+   target's tree forward and the draft's frontier forward at every token bucket up to the
+   capacity, at ``--contexts`` M context buckets of ``--context-len`` L tokens, CUDA-graph
+   replays, and one draft layer's tree ops, the expand, per B), saved as
+   ``DIR/e2e_cost_table.json``. ``Cast`` without ``--C1/2/3`` is λ-CAST (``CastPlanner``, its
+   ``layer_overhead_us`` from this table), always in whole-step graphs (one per plan), its
+   ``max_depth`` ``--cast-depth`` and capacity ``--cast-budget``.
+4. For each B (priority order 1, 64, 8, 4, 16, 32, 2; ``--quick``: 1, 64, 8): groups of B
+   held-out prompts (at least ``--min-requests`` requests, and enough groups that each
+   (policy, B) row generates ``--min-tokens`` over its repeats; group g holds prompts
    ``(g * B + i) % len(prompts)``, the last ``--prompt-len`` tokens of each), greedy,
-   ``--new-tokens`` each, decoded group after group: autoregressive first, then chain /
-   EagleStatic / Cast / CastGraft, all on the same groups. Each decoder is built once per
-   (policy, B) and runs the first group once to capture its graphs (warm-up), then every group
-   timed (host waits measured), then every group with ``profile=True`` (a device sync at every
-   boundary) for the time split draft / tree ops / verify / host waits. A row aggregates its
-   groups: tokens/s = all generated tokens / the summed decode-loop wall times (prefill and
-   captures excluded), accepted tokens per step over every request-step of every group, times,
-   host waits, ``undersized`` and divergences summed, ``valid`` only if every group is;
-   ``groups`` and ``requests`` (= groups * B) say how many were decoded.
+   ``--new-tokens`` each. One decoder per policy, warmed up on the first group (captures), then
+   ``--repeats`` rounds: in each, every policy decodes every group (autoregressive, chain,
+   EagleStatic, Cast, CastGraft, the order rotated by one per round). A row merges its rounds:
+   tokens/s = all generated tokens / the summed decode-loop wall times (prefill and captures
+   excluded); ``speedup`` = the mean over rounds of its tokens/s ÷ the same round's
+   autoregressive tokens/s, ``speedup_repeats`` and ``speedup_spread`` ((max - min) / mean);
+   λ-CAST rows add ``lambda_hat``, ``mean_width``, ``mean_depth``, the plans seen and the
+   calibration gains. Without ``--no-profile`` each policy is decoded once more with
+   ``profile=True`` (a device sync at every boundary) for the time split.
 5. Greedy correctness in bf16: each request's output against the autoregressive output of the
    same request (same group); at its first divergence (after it the contexts differ), the fp32
    target's logits at that position decide: a *near-tie* if ``|l[a] - l[p]| < 0.05 * scale``
@@ -45,7 +50,7 @@ what it measured):
    another order), otherwise a *mismatch* (a bug). Top-2 gaps are recorded too.
 
 6. Kernels and the floor (CUDA; ``--no-kernel-count`` skips the count): each row's
-   ``kernels_per_step``, counted with ``torch.profiler`` over two ``generate`` calls after the
+   ``kernels_per_step`` (autoregressive rows), counted with ``torch.profiler`` over two ``generate`` calls after the
    warm-up (graph replays' kernels included, as CUPTI lists them; ``count_kernels``), with
    ``kernels_per_layer`` (÷ ``target_layers``), the per-step kernel mix and graph launches;
    ``step_us`` (decode time per step) beside ``weight_read_floor_us``: the target's weight
@@ -56,7 +61,7 @@ Writes ``DIR/e2e.json`` (``gpu``, ``versions``, ``commit``, ``model``, ``cost_ta
 and ``DIR/e2e.png`` (speedup over autoregressive against B, per policy; needs matplotlib), and
 prints a table last. ``--budget-s`` (wall clock from the start, training included) stops adding
 rows once the next B would not fit (estimated from the rows so far: the largest warm-up plus
-its number of groups times a measured per-group time, ``row_estimate``).
+the time of the largest batch size so far).
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ from treeops.decoder.model import chain_tree, reference_forward  # noqa: E402
 from treeops.tree import Tree  # noqa: E402
 
 SPEC_POLICIES = ("chain", "EagleStatic", "Cast", "CastGraft")
-BATCHES = (1, 64, 8, 4, 16, 32)  # priority order: the claims are about B = 1 and the largest
+BATCHES = (1, 64, 8, 4, 16, 32, 2)  # priority order: the claims are about B = 1 and the largest
 QUICK_BATCHES = (1, 64, 8)
 NEAR_TIE_REL = 0.05  # near-tie: |l[a] - l[p]| < NEAR_TIE_REL * std(logits row)
 MAX_DIVERGENCES_CHECKED = 48  # per row: fp32 reference forwards are cheap but not free
@@ -136,15 +141,23 @@ def trained_pair(device: torch.device, cache_dir: str, train_seconds: str | None
 
 
 # ---------------------------------------------------------------------------- cost table
-def calibrate(target: Target, draft: Draft, batches, n_max: int, L: int, device, quick: bool):
-    """CAST's cost table over the decoder's own forwards: ``S_T(B, c, n)`` = the target's tree
-    forward of n nodes (a chain) after c cached tokens; ``S_D(B, c, n)`` = the draft's forward of
-    n frontier rows (root + n children, rows 1..n) with its LM head. CUDA-graph replays on CUDA
-    (eager perf_counter on the CPU), one context bucket (c = L), a few n."""
+def calibrate(target: Target, draft: Draft, batches, n_max: int, L: int, M: int, device,
+              quick: bool, topk: int = 10, width: int = 10):  # fmt: skip
+    """CAST's cost table over the decoder's own forwards, at the sizes the decoder runs:
+    ``S_T(B, c, n)`` = the target's tree forward of n nodes (a chain) after c cached tokens;
+    ``S_D(B, c, n)`` = the draft's forward of n frontier rows (root + n children, rows 1..n)
+    with its LM head; n at the decoder's token buckets up to ``n_max`` (``token_buckets``), c at
+    the M context buckets ``L, 2L, .., ML``. Also a draft layer's tree-op overhead per B: one
+    ``build_tree_expand`` of a [B, width, V] frontier (top-``topk``), λ-CAST's
+    ``layer_overhead_us``. CUDA-graph replays on CUDA (eager perf_counter on the CPU)."""
+    import treeops
+    from treeops.decoder.graphs import token_buckets
+
     dev = torch.device(device)
-    ns = sorted({1, 8, 32, n_max} if quick else {1, 4, 8, 16, 32, 48, n_max})
-    ns = [n for n in ns if n <= n_max]
-    H = target.cfg.hidden_size
+    ns = token_buckets(n_max)
+    if quick:
+        ns = sorted({1, 8, 32, n_max})
+    H_ = target.cfg.hidden_size
     wdtype = target.model.embed_tokens.weight.dtype
     inputs: dict = {}
 
@@ -164,39 +177,56 @@ def calibrate(target: Target, draft: Draft, batches, n_max: int, L: int, device,
             chain = chain_tree(tok[:, :n].contiguous(), full)
             par = torch.zeros(B, n + 1, dtype=torch.int32, device=dev)
             star = Tree.from_parents(par, full + 1, tok)
-            feats = torch.randn(B, n, H, generator=g).to(dev, wdtype)
+            feats = torch.randn(B, n, H_, generator=g).to(dev, wdtype)
             qs = torch.ones(B, dtype=torch.int32, device=dev)
             inputs[key] = (tok, tkv, dkv, seq, chain, star, feats, qs, full)
         return inputs[key]
 
     def t_fn(B, c, n):
-        tok, tkv, _, seq, chain, *_ = inputs[(B, c, n)]
+        tok, tkv, _, seq, chain, *_ = prep(B, c, n)
         return target(tok[:, :n], tkv, seq, chain)
 
     def d_fn(B, c, n):
-        tok, _, dkv, seq, _, star, feats, qs, full = inputs[(B, c, n)]
+        tok, _, dkv, seq, _, star, feats, qs, full = prep(B, c, n)
         return draft(target, tok[:, 1:], feats, dkv, seq, star, qs, full)
 
     fallbacks: list = []
-    tt = torch.zeros(len(batches), 1, n_max, dtype=torch.float64)
+    tt = torch.zeros(len(batches), M, n_max, dtype=torch.float64)
     dd = torch.zeros_like(tt)
+    layer_us: dict[int, float] = {}
     t0 = time.time()
     for i, B in enumerate(batches):
-        for n in ns:
-            prep(B, L, n)
+        for c in range(1, M + 1):  # prepared up front: nothing allocates between timings
+            for n in ns:
+                prep(B, c * L, n)
         iters = 5 if quick or dev.type != "cuda" else 10
         kw = dict(ns=ns, warmup=2 if dev.type == "cuda" else 1, iters=iters, device=dev,
                   fallbacks=fallbacks)  # fmt: skip
-        tt[i] = CostTable.measure_grid(t_fn, [B], L, 1, n_max, name="target", **kw)[0]
-        dd[i] = CostTable.measure_grid(d_fn, [B], L, 1, n_max, name="draft", **kw)[0]
-        log(f"  cost table B={B}: S_T(n=1)={tt[i, 0, 0]:.1f} us S_T(n={n_max})="
-            f"{tt[i, 0, -1]:.1f} us S_D(n=1)={dd[i, 0, 0]:.1f} us")  # fmt: skip
+        tt[i] = CostTable.measure_grid(t_fn, [B], L, M, n_max, name="target", **kw)[0]
+        dd[i] = CostTable.measure_grid(d_fn, [B], L, M, n_max, name="draft", **kw)[0]
         inputs.clear()
+        # the tree ops of one draft layer besides its forward: the expand (softmax + top-k over
+        # V per frontier row, the path scores, the next frontier)
+        pol = treeops.EagleStatic(depth=2, topk=topk, budget=n_max, width=width)
+        V = target.cfg.vocab_size
+        logits = torch.randn(B, width, V, device=dev)
+        root = torch.zeros(B, dtype=torch.int64, device=dev)
+        st = treeops.DraftState.new(pol, root, torch.full((B,), L, device=dev))
+
+        def expand(st=st, logits=logits, pol=pol):
+            st.layer = 0
+            treeops.build_tree_expand(logits, st, pol)
+
+        layer_us[B] = round(H.graph_us([expand], device=dev), 2)
+        log(f"  cost table B={B}: S_T(n=1)={tt[i, 0, 0]:.1f} us S_T(n={n_max})="
+            f"{tt[i, 0, -1]:.1f} us S_D(n=1)={dd[i, 0, 0]:.1f} us; draft layer's tree ops "
+            f"{layer_us[B]:.1f} us")  # fmt: skip
     meta = {
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "model": "bench_e2e decoder pair",
         "measured_ns": ns,
-        "contexts": [L],
+        "contexts": [L * (k + 1) for k in range(M)],
+        "layer_overhead_us": layer_us,
         "timing": "CUDA-graph replays, median" if dev.type == "cuda" else "eager, perf_counter",
         "graph_fallbacks": fallbacks[:5],
         "seconds": round(time.time() - t0, 1),
@@ -263,13 +293,26 @@ def divergences(ref32: Target, prompts, ar_tokens, pol_tokens, limit: int) -> di
 STEP_GRAPH_POLICIES = ("autoregressive", "chain", "EagleStatic")
 
 
+def lambda_cast(args) -> bool:
+    """Cast runs as λ-CAST (no thresholds given): always whole-step graphs, one per plan."""
+    return args.C1 is None and args.C2 is None and args.C3 is None
+
+
 def make_decoder(policy, target, draft, args, table, graphs, profile=False):
     pol = make_policy(policy, depth=args.depth, topk=args.topk, budget=args.budget,
-                      cost_table=table, C1=args.C1, C2=args.C2, C3=args.C3)  # fmt: skip
+                      cost_table=table, C1=args.C1, C2=args.C2, C3=args.C3,
+                      cast_depth=args.cast_depth, cast_budget=args.cast_budget)  # fmt: skip
     kw = dict(page_size=16)
-    if getattr(args, "step_graphs", False) and policy in STEP_GRAPH_POLICIES:
+    lam = policy == "Cast" and lambda_cast(args)
+    if (getattr(args, "step_graphs", False) and policy in STEP_GRAPH_POLICIES) or lam:
         # one graph per whole step (eager step body, static shapes, without graphs)
         kw.update(step_graphs=True, static_shapes=True)
+    if lam:
+        ov = table.meta.get("layer_overhead_us") or {}
+        ov = {int(b): float(v) for b, v in ov.items()}
+        kw["planner_options"] = {
+            "layer_overhead_us": (lambda B: ov.get(B, max(ov.values()))) if ov else 0.0
+        }
     return Decoder(target, draft if policy != "autoregressive" else None, pol,
                    cuda_graphs=graphs, profile=profile, **kw)  # fmt: skip
 
@@ -298,46 +341,6 @@ def merge_results(results: list[DecodeResult]) -> DecodeResult:
             merged = sum(vals)
         setattr(out, f.name, merged)
     return out
-
-
-def run_policy(policy, target, draft, groups, args, table, graphs):
-    """One decoder for all groups of a row: a warm-up on the first group (captures; CUDA only),
-    then every group timed, then every group profiled. Returns (timed, profiled, warm-up s),
-    the results merged over the groups (``merge_results``)."""
-    t0 = time.time()
-    dec = make_decoder(policy, target, draft, args, table, graphs)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        dec.generate(groups[0], args.new_tokens)  # warm-up: graphs captured, Triton compiled
-        sync()
-    warm_s = time.time() - t0
-    timed = []
-    for g in groups:
-        timed.append(dec.generate(g, args.new_tokens))
-        sync()
-    kernels = None
-    if cuda and not getattr(args, "no_kernel_count", False):
-        try:
-            kernels = count_kernels(dec, groups[0], args.new_tokens)
-        except Exception as e:  # the count is a diagnostic: never lose the row for it
-            traceback.print_exc()
-            kernels = {
-                "kernels_per_step": None,
-                "kernel_count_error": f"{type(e).__name__}: {e}"[:300],
-            }
-    prof = None
-    if cuda and not args.no_profile:
-        dec.profile = True
-        prof = merge_results([dec.generate(g, args.new_tokens) for g in groups])
-        dec.profile = False
-    timed = merge_results(timed)
-    if not cuda:
-        prof = timed  # on the CPU host times are the split already
-    del dec
-    gc.collect()  # the decoder and its static batches reference each other
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return timed, prof, warm_s, kernels
 
 
 # -------------------------------------------------------------------------- kernels, floors
@@ -398,17 +401,6 @@ def weight_read_floor_us(target: Target) -> float:
     """The weight-read floor of one target forward (an autoregressive step): weight bytes /
     ``harness.HBM_BYTES_PER_S`` (4.3 TB/s, the H200's measured copy rate), in µs."""
     return H.bytes_floor_us(weight_read_bytes(target))
-
-
-def row_estimate(B: int, n_groups: int, warm_times, group_times: dict) -> float:
-    """Seconds for one row of ``n_groups`` groups of B: the largest warm-up seen, plus per group
-    the smallest per-group time among the measured batch sizes >= B (a group of B costs no
-    more), or the largest per-group time seen when every measured batch size is smaller."""
-    if not group_times:
-        return 0.0
-    larger = [t for b, t in group_times.items() if b >= B]
-    per_group = min(larger) if larger else max(group_times.values())
-    return max(warm_times, default=0.0) + n_groups * per_group
 
 
 def sync():
@@ -635,9 +627,21 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--topk", type=int, default=10)
     ap.add_argument("--budget", type=int, default=60, help="tree capacity (EAGLE-2: 60)")
-    ap.add_argument("--C1", type=float, default=0.3)
-    ap.add_argument("--C2", type=float, default=0.2)
-    ap.add_argument("--C3", type=float, default=0.1)
+    ap.add_argument("--C1", type=float, default=None,
+                    help="CAST thresholds (all three None, the default: λ-CAST; CastGraft's "
+                    "default 0.3, 0.2, 0.1)")  # fmt: skip
+    ap.add_argument("--C2", type=float, default=None)
+    ap.add_argument("--C3", type=float, default=None)
+    ap.add_argument("--cast-depth", type=int, default=10, help="Cast's max_depth")
+    ap.add_argument("--cast-budget", type=int, default=96, help="Cast's capacity")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="per B, every policy's timed run repeated this many times, the "
+                    "policies interleaved (order rotated per repeat); ratios with spreads")
+    ap.add_argument("--min-tokens", type=int, default=0,
+                    help="per (policy, B) row, at least this many generated tokens over the "
+                    "repeats (more groups of B prompts)")  # fmt: skip
+    ap.add_argument("--contexts", type=int, default=4, help="cost table context buckets M")
+    ap.add_argument("--context-len", type=int, default=128, help="cost table bucket length L")
     ap.add_argument("--cache-dir", default=None, help="train_pair cache (/tmp/treeops-e2e-pair)")
     ap.add_argument(
         "--train-seconds", default=None, help="T,D: training budgets (default: PairConfig.h200)"
@@ -714,9 +718,10 @@ def main(argv=None) -> int:
     write(args.out, doc)
 
     # 3. cost table
-    n_max = max(args.budget, args.topk)  # CAST needs n_max >= capacity and max width
+    n_max = max(args.budget, args.topk, args.cast_budget)  # CAST: n_max >= capacity, max width
     try:
-        table = calibrate(target, draft, sorted(batches), n_max, 256, device, args.quick)
+        table = calibrate(target, draft, sorted(batches), n_max, args.context_len, args.contexts,
+                          device, args.quick, topk=args.topk, width=args.topk)  # fmt: skip
         table.save(os.path.join(args.out, "e2e_cost_table.json"))
         doc["cost_table"] = {"file": "e2e_cost_table.json", **table.meta}
     except Exception as e:
@@ -726,91 +731,37 @@ def main(argv=None) -> int:
         log("COST TABLE CALIBRATION FAILED: the synthetic table is used")
     write(args.out, doc)
 
-    # 4. rows
-    # per (policy, B) row: warm-up once, then the groups; the budget check estimates a row as
-    # the largest warm-up seen plus its groups times a per-group time seen (row_estimate)
-    warm_times: list[float] = []
-    group_times: dict[int, float] = {}  # B -> the largest per-group time of its rows
+    # 4. rows: per B, one decoder per policy (warmed up once), then ``repeats`` rounds of every
+    # policy's timed run over the same groups, interleaved (the order rotated each round)
+    order = ["autoregressive"] + [p for p in policies if p != "autoregressive"]
     stopped = None
+    b_seconds: list[float] = []
     for B in batches:
-        groups = groups_of(prompts, B, args.min_requests)
+        per_group = B * args.new_tokens * max(1, args.repeats)
+        n_groups = max(-(-args.min_requests // B), -(-args.min_tokens // per_group))
+        groups = groups_of(prompts, B, n_groups * B)
         bprompts = [p for g in groups for p in g]  # every request of the row, group by group
-        est = row_estimate(B, len(groups), warm_times, group_times) * (1 + len(policies))
-        if group_times and time.time() - t_start + est > args.budget_s:
+        est = max(b_seconds, default=0.0)
+        if b_seconds and time.time() - t_start + 1.2 * est > args.budget_s:
             stopped = f"budget: B={B} and later not run ({time.time() - t_start:.0f} s used)"
             log(stopped)
             break
-
-        def run(pol, B=B, groups=groups):
-            nonlocal graphs
-            try:
-                return run_policy(pol, target, draft, groups, args, table, graphs)
-            except RuntimeError as e:
-                if not graphs or "CUDA-graph capture" not in str(e):
-                    raise
-                traceback.print_exc()
-                graphs = False
-                doc["graphs"] = False
-                doc["graphs_disabled"] = f"{pol} B={B}: {e}"[:800]
-                log("CUDA-GRAPH CAPTURE FAILED: the rest of the run is eager (see e2e.json)")
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                return run_policy(pol, target, draft, groups, args, table, graphs)
-
-        def note(t_r, warm_s, B=B, groups=groups):  # a row's time: warm-up and its groups
-            warm_times.append(warm_s)
-            per_group = max(0.0, time.time() - t_r - warm_s) / len(groups)
-            group_times[B] = max(group_times.get(B, 0.0), per_group)
-
-        t_r = time.time()
+        t_b = time.time()
         try:
-            ar, _, warm_s, ar_kern = run("autoregressive")
-            note(t_r, warm_s)
+            rows = run_batch(order, B, groups, bprompts, target, draft, ref32, args, table,
+                             graphs, floor_us, layers, doc)  # fmt: skip
         except Exception as e:
             traceback.print_exc()
-            doc["rows"].append(
-                {"policy": "autoregressive", "B": B, "error": f"{type(e).__name__}: {e}"[:500]}
-            )
-            write(args.out, doc)
-            continue
-        ar_tps = tokens_per_s(ar)
-        ar_row = row_of("autoregressive", B, ar, None, ar_tps, None, graphs, len(groups),
-                        kernels=ar_kern, floor_us=floor_us, layers=layers)  # fmt: skip
-        doc["rows"].append(ar_row)
+            rows = [{"policy": "autoregressive", "B": B, "error": f"{type(e).__name__}: {e}"[:500]}]
+        doc["rows"].extend(rows)
         write(args.out, doc)
-        kpl = ar_row["kernels_per_layer"]
-        log(f"B={B} autoregressive: {ar_tps:.1f} tok/s ({len(groups)} groups of {B}), "
-            f"{ar_row['step_us']:.0f} us/step; weight-read floor {floor_us:.1f} us/step "
-            f"(= {1e6 * B / floor_us:.0f} tok/s); kernels/step {ar_row['kernels_per_step']} "
-            f"({kpl} per layer, {layers} layers)")  # fmt: skip
-        for pol in policies:
-            if time.time() - t_start > args.budget_s:
-                stopped = f"budget: stopped at B={B} before {pol}"
-                break
-            t_r = time.time()
-            try:
-                res, prof, warm_s, kern = run(pol)
-                # request by request against the autoregressive tokens of the same group
-                div = divergences(ref32, bprompts, ar.tokens, res.tokens, MAX_DIVERGENCES_CHECKED)
-                note(t_r, warm_s)
-                row = row_of(pol, B, res, prof, ar_tps, div, graphs, len(groups),
-                             kernels=kern, floor_us=floor_us, layers=layers)  # fmt: skip
-            except Exception as e:
-                traceback.print_exc()
-                row = {"policy": pol, "B": B, "error": f"{type(e).__name__}: {e}"[:500]}
-            row["row_seconds"] = round(time.time() - t_r, 1)
-            doc["rows"].append(row)
-            write(args.out, doc)
-            keys = (
-                "tokens_per_s",
-                "speedup",
-                "mean_accepted",
-                "host_wait_cost_us",
-                "kernels_per_step",
-                "error",
-            )
-            log(f"B={B} {pol}: " + json.dumps({k: row.get(k) for k in keys}))
-        if stopped:
+        b_seconds.append(time.time() - t_b)
+        for r in rows:
+            keys = ("tokens_per_s", "speedup", "speedup_spread", "mean_accepted",
+                    "mean_verified_nodes", "lambda", "kernels_per_layer", "error")  # fmt: skip
+            log(f"B={B} {r['policy']}: " + json.dumps({k: r.get(k) for k in keys if k in r}))
+        if time.time() - t_start > args.budget_s:
+            stopped = f"budget: stopped after B={B}"
             break
     doc["stopped"] = stopped
     doc["seconds"] = round(time.time() - t_start, 1)
@@ -821,6 +772,96 @@ def main(argv=None) -> int:
     log(f"gpu {doc['gpu']}, graphs {doc['graphs']}, {doc['seconds']} s")
     log(table_text(doc["rows"]))
     return 0
+
+
+def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, graphs, floor_us,
+              layers, doc) -> list[dict]:  # fmt: skip
+    """The rows of one batch size: decoders built and warmed up (graphs captured), then
+    ``args.repeats`` rounds of every policy over ``groups`` (the order rotated per round), then
+    per policy its row (results merged over the rounds; ``speedup`` = the mean over rounds of
+    tokens/s ÷ the same round's autoregressive tokens/s, with ``speedup_repeats`` and
+    ``speedup_spread`` = (max - min) / mean). A policy that fails is an error row."""
+    cuda = torch.cuda.is_available()
+    decs, warm, errors = {}, {}, {}
+    for pol in order:
+        t0 = time.time()
+        try:
+            decs[pol] = make_decoder(pol, target, draft, args, table, graphs)
+            if cuda:
+                decs[pol].generate(groups[0], args.new_tokens)  # graphs captured, Triton compiled
+                sync()
+        except Exception as e:
+            traceback.print_exc()
+            errors[pol] = f"{type(e).__name__}: {e}"[:500]
+            decs.pop(pol, None)
+        warm[pol] = round(time.time() - t0, 1)
+    rounds: dict[str, list[DecodeResult]] = {p: [] for p in decs}
+    live = [p for p in order if p in decs]
+    for r in range(max(1, args.repeats)):
+        k = r % len(live)
+        for pol in live[k:] + live[:k]:
+            out = []
+            for g in groups:
+                out.append(decs[pol].generate(g, args.new_tokens))
+                sync()
+            rounds[pol].append(merge_results(out))
+    rows = []
+    if "autoregressive" not in rounds:
+        return [{"policy": p, "B": B, "error": e} for p, e in errors.items()]
+    ar_r = [tokens_per_s(x) for x in rounds["autoregressive"]]
+    ar_all = merge_results(rounds["autoregressive"])
+    ar_tps = tokens_per_s(ar_all)
+    for pol in order:
+        if pol in errors:
+            rows.append({"policy": pol, "B": B, "error": errors[pol]})
+            continue
+        res = merge_results(rounds[pol])
+        kernels = None
+        if cuda and not args.no_kernel_count and pol == "autoregressive":
+            try:
+                kernels = count_kernels(decs[pol], groups[0], args.new_tokens)
+            except Exception as e:  # the count is a diagnostic: never lose the row for it
+                kernels = {"kernel_count_error": f"{type(e).__name__}: {e}"[:300]}
+        prof = None
+        if cuda and not args.no_profile:
+            decs[pol].profile = True
+            prof = merge_results([decs[pol].generate(g, args.new_tokens) for g in groups])
+            decs[pol].profile = False
+        div = None
+        if pol != "autoregressive":
+            first = rounds[pol][0]
+            div = divergences(ref32, bprompts, rounds["autoregressive"][0].tokens, first.tokens,
+                              MAX_DIVERGENCES_CHECKED)  # fmt: skip
+        row = row_of(pol, B, res, prof if prof is not None else (None if cuda else res), ar_tps,
+                     div, graphs, len(groups), kernels=kernels, floor_us=floor_us,
+                     layers=layers)  # fmt: skip
+        tps_r = [tokens_per_s(x) for x in rounds[pol]]
+        ratios = [t / a for t, a in zip(tps_r, ar_r)]
+        mean = sum(ratios) / len(ratios)
+        row.update(
+            repeats=len(ratios),
+            tokens_per_s_repeats=[round(t, 1) for t in tps_r],
+            speedup=round(mean, 3),
+            speedup_repeats=[round(x, 3) for x in ratios],
+            speedup_spread=round((max(ratios) - min(ratios)) / mean, 4) if mean else None,
+            warmup_s=warm[pol],
+        )
+        dec = decs[pol]
+        if dec.planner is not None and res.plans:
+            d = dec.planner.describe(B)
+            row.update(
+                lambda_hat=d["lambda"], lambda_per_step_last=res.plans[-1][3],
+                mean_width=round(sum(p[0] for p in res.plans) / len(res.plans), 3),
+                mean_depth=round(sum(p[1] for p in res.plans) / len(res.plans), 3),
+                plans_seen=sorted({tuple(p[:3]) for p in res.plans}),
+                final_plan=d["plan"], gains=d["gains"],
+            )  # fmt: skip
+        rows.append(row)
+    del decs
+    gc.collect()  # the decoders and their static batches reference each other
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
 
 
 if __name__ == "__main__":

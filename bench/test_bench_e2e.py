@@ -80,15 +80,6 @@ def test_bench_e2e_min_requests_groups(tmp_path, pair):
     assert row["tokens"] == sum(sum(len(t) for t in r.tokens) for r in per)
 
 
-def test_bench_e2e_row_estimate():
-    est = bench.row_estimate
-    assert est(1, 8, [], {}) == 0.0
-    # the largest warm-up, plus per group the smallest time among measured B' >= B, else the
-    # largest per-group time seen
-    assert est(4, 2, [1.0, 0.2], {1: 0.5, 8: 2.0, 64: 3.0}) == 1.0 + 2 * 2.0
-    assert est(128, 1, [1.0], {1: 0.5, 64: 3.0}) == 1.0 + 3.0
-
-
 def test_bench_e2e_budget_stops_adding_rows(tmp_path):
     argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs",
             "--batches", "1,2,4", "--new-tokens", "3", "--prompt-len", "6", "--budget-s", "0",
@@ -100,10 +91,13 @@ def test_bench_e2e_budget_stops_adding_rows(tmp_path):
 
 def test_bench_e2e_step_graphs_rows(tmp_path):
     """``--step-graphs`` (on the CPU: the whole-step body eagerly) marks the fixed-shape rows
-    ``step_graphs: true`` and leaves Cast's row as it was; tokens stay exact (fp32)."""
+    ``step_graphs: true`` (λ-CAST always runs whole steps); tokens stay exact (fp32); two
+    interleaved repeats give each row its per-repeat speedups, λ-CAST's row its λ̂ and mean
+    plan."""
     argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs", "--batches", "2",
             "--new-tokens", "4", "--prompt-len", "8", "--min-requests", "2", "--step-graphs",
-            "--policies", "chain,EagleStatic,Cast"]  # fmt: skip
+            "--policies", "chain,EagleStatic,Cast", "--repeats", "2", "--cast-depth", "4",
+            "--cast-budget", "16"]  # fmt: skip
     assert bench.main(argv) == 0
     doc = json.loads((tmp_path / "e2e.json").read_text())
     assert doc["step_graphs"] is True
@@ -111,7 +105,11 @@ def test_bench_e2e_step_graphs_rows(tmp_path):
     assert set(rows) == {"autoregressive", "chain", "EagleStatic", "Cast"}
     for pol, r in rows.items():
         assert "error" not in r, r
-        assert r["step_graphs"] is (pol != "Cast")
+        assert r["step_graphs"] is True
+        assert r["repeats"] == 2 and len(r["speedup_repeats"]) == 2
         if pol != "autoregressive":
             assert r["divergence"]["mismatch"] == 0
             assert "step_s" in r["split"]
+    cast = rows["Cast"]
+    assert cast["lambda_hat"] > 0 and 1 <= cast["mean_depth"] <= 4
+    assert 1 <= cast["mean_width"] <= 3 and cast["mean_verified_nodes"] <= 16

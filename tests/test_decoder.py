@@ -636,7 +636,7 @@ def test_step_graphs_equal_per_forward_graphs(gpu_pair, policy, batch):
 @pytest.mark.parametrize(
     ("policy", "step_graphs"),
     [(p, False) for p in POLICIES]
-    + [(p, True) for p in ("autoregressive", "chain", "EagleStatic")],
+    + [(p, True) for p in ("autoregressive", "chain", "EagleStatic", "lambda-Cast")],
 )
 def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graphs):
     """What the GPU path captures in CUDA graphs (the per-forward bodies, or the whole step)
@@ -673,7 +673,11 @@ def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graph
         ),
     )
 
-    dec = _decoder(pair, policy, static_shapes=True, step_graphs=step_graphs)
+    if policy == "lambda-Cast":  # λ-CAST: a plan per step, its statistics computed on device
+        pol = make_policy("Cast", depth=3, topk=3, budget=12, cost_table=_steep_costs())
+        dec = Decoder(pair[0], pair[1], pol, static_shapes=True, step_graphs=True)
+    else:
+        dec = _decoder(pair, policy, static_shapes=True, step_graphs=step_graphs)
     stop = baseline[1][3]
     with check:
         res = dec.generate(PROMPTS, [3, 8, 10], stop_ids=[stop])
@@ -685,3 +689,51 @@ def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graph
     target, _ = pair
     want = [_greedy_baseline(target, p, m, stop=(stop,)) for p, m in zip(PROMPTS, [3, 8, 10])]
     assert res.tokens == want
+
+
+# ---------------------------------------------------------------------------------- λ-CAST
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "step-body"])
+def test_lambda_cast_greedy_equals_autoregressive(pair, batch, static):
+    """λ-CAST (Cast without thresholds): each step runs the planner's plan (eagerly, or as the
+    whole-step body), greedy output equals autoregressive decoding with stop ids and ragged
+    budgets, every step records its plan and λ̂, and the planner's state persists across calls."""
+    target, draft = pair
+    pol = make_policy("Cast", depth=3, topk=3, budget=12, cast_depth=5, cast_budget=16,
+                      cost_table=_steep_costs())  # fmt: skip
+    dec = Decoder(target, draft, pol, static_shapes=static, step_graphs=static)
+    stop = _greedy_baseline(target, PROMPTS[1], NEW)[3]
+    budgets = [NEW, 8, 5][:batch]
+    res = dec.generate(PROMPTS[:batch], budgets, stop_ids=[stop])
+    want = [_greedy_baseline(target, p, m, stop=(stop,)) for p, m in zip(PROMPTS, budgets)]
+    assert res.tokens == want
+    assert len(res.plans) == res.steps and res.mean_accepted > 1.0
+    for (w, d, n, lam), row in zip(res.plans, res.verified):
+        assert 1 <= w <= 3 and 1 <= d <= 5 and 1 <= n <= 16 and lam > 0
+        assert max(row) <= n
+    if static:
+        assert res.host_waits == res.steps  # one wait per step
+        assert res.verify_buckets == [int(p[2]) for p in res.plans]
+    steps = dec.planner.describe(batch)["steps"]
+    again = dec.generate(PROMPTS[:batch], budgets, stop_ids=[stop])
+    assert again.tokens == want and dec.planner.describe(batch)["steps"] > steps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+def test_lambda_cast_step_graphs_on_gpu(gpu_pair, batch):
+    """λ-CAST with CUDA graphs (one whole-step graph per plan): greedy equals the tiny fp32
+    pair's autoregressive output, one host wait per step, sampling runs."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    target, draft = gpu_pair
+    prompts = (PROMPTS * 2)[:batch]
+    pol = make_policy("Cast", depth=3, topk=3, budget=12, cast_depth=5, cast_budget=16,
+                      cost_table=_steep_costs())  # fmt: skip
+    ar = Decoder(target, None, "autoregressive").generate(prompts, NEW)
+    dec = Decoder(target, draft, pol, cuda_graphs=True, step_graphs=True)
+    res = dec.generate(prompts, NEW)
+    assert res.tokens == ar.tokens and res.host_waits == res.steps
+    assert res.graphs_captured >= 1 and len(res.plans) == res.steps
+    g = torch.Generator().manual_seed(1)
+    out = dec.generate(prompts, 6, sampling=SamplingParams(temperature=1.0), generator=g)
+    assert all(len(t) == 6 for t in out.tokens)
