@@ -31,8 +31,15 @@ from types import SimpleNamespace
 
 import torch
 
-from ._checks import check_finite, check_positive_int, check_same_device, check_tensor, cuda_device
-from ._draft_state import STATE_TENSORS, DraftState
+from ._checks import (
+    Memo,
+    check_finite,
+    check_positive_int,
+    check_same_device,
+    check_tensor,
+    cuda_device,
+)
+from ._draft_state import STATE_TENSORS, DraftState, state_signature
 from ._library import OUT_TREE, define
 from .cost_table import CostTable
 from .kernels import build_tree as _kernels
@@ -105,8 +112,8 @@ class Cast:
     ``C1``, ``C2``, ``C3`` all None (the default) is λ-CAST (docs/design.md op 5, "λ-CAST"):
     the thresholds are the running throughput estimate λ̂ and the tree's sizes are planned
     between steps by a ``treeops.CastPlanner`` (the example decoder does this); drafting then
-    runs the plan's ``EagleStatic`` shape (``CastPlanner.policy``), and ``build_tree_expand`` /
-    ``build_tree_emit`` with a λ-CAST policy itself are a ``ValueError``. Either all three
+    runs the plan's ``EagleStatic`` shape (``CastPlanner.policy_for``), and
+    ``build_tree_expand`` / ``build_tree_emit`` with a λ-CAST policy itself are a ``ValueError``. Either all three
     thresholds are numbers or all are None.
     """
 
@@ -167,8 +174,13 @@ def _check_policy(policy: object) -> None:
     if isinstance(policy, Cast) and policy.adaptive:
         raise ValueError(
             "Invalid value of policy: a λ-CAST policy (C1, C2, C3 None) has no thresholds to "
-            "draft with; draft its plan's shape (treeops.CastPlanner.policy) or pass C1-C3"
+            "draft with; draft its plan's shape (treeops.CastPlanner.policy_for) or pass C1-C3"
         )
+
+
+_PASSED = Memo()
+"""Signatures (``state_signature``) of expand and emit calls whose checks passed with
+``validate=False``; the layer counter is checked on every call."""
 
 
 def _check_state(state: object, policy: Policy) -> DraftState:
@@ -422,25 +434,29 @@ def build_tree_expand(
         >>> st.frontier_tokens.tolist(), st.layer
         ([[1, 2]], 1)
     """
-    _check_policy(policy)
-    _check_state(state, policy)
-    check_tensor(
-        "logits",
-        logits,
-        shape=(state.active.shape[0], policy.max_width, None),
-        dtype=(torch.float32, torch.bfloat16, torch.float16),
-    )
-    check_same_device(logits=logits, state=state.cand_scores)
-    V = logits.shape[2]
-    if V < policy.topk:
-        raise ValueError(
-            f"Invalid shape of logits: expected vocabulary V >= topk = {policy.topk}, got V = {V}"
+    key = None if validate else state_signature(state, (logits,), ("expand", policy))
+    if _PASSED.get(key) is None:
+        _check_policy(policy)
+        _check_state(state, policy)
+        check_tensor(
+            "logits",
+            logits,
+            shape=(state.active.shape[0], policy.max_width, None),
+            dtype=(torch.float32, torch.bfloat16, torch.float16),
         )
-    if logits.stride(2) != 1:
-        raise ValueError(
-            f"Invalid stride of logits: expected the vocabulary dimension "
-            f"contiguous (stride 1), got {logits.stride(2)}"
-        )
+        check_same_device(logits=logits, state=state.cand_scores)
+        V = logits.shape[2]
+        if V < policy.topk:
+            raise ValueError(
+                f"Invalid shape of logits: expected vocabulary V >= topk = {policy.topk}, "
+                f"got V = {V}"
+            )
+        if logits.stride(2) != 1:
+            raise ValueError(
+                f"Invalid stride of logits: expected the vocabulary dimension "
+                f"contiguous (stride 1), got {logits.stride(2)}"
+            )
+        _PASSED.put(key, True)
     if state.layer >= policy.max_depth:
         raise ValueError(
             f"Invalid state: all {policy.max_depth} draft layers already expanded "
@@ -485,12 +501,16 @@ def build_tree_emit(
 
     On CUDA two Triton launches (select, then count + emit), no host sync.
     """
-    _check_policy(policy)
-    _check_state(state, policy)
+    outs = out.tensors() if out.__class__ is Tree else (out,)
+    key = None if validate else state_signature(state, outs, ("emit", policy, out.__class__))
+    passed = _PASSED.get(key) is not None
+    if not passed:
+        _check_policy(policy)
+        _check_state(state, policy)
     if state.layer < 1:
         raise ValueError("Invalid state: expected at least one expanded draft layer, got 0")
     B = state.active.shape[0]
-    if out is not None:
+    if out is not None and not passed:
         check_tree(out, name="out")
         if out.parents.shape != (B, policy.capacity):
             raise ValueError(
@@ -499,6 +519,8 @@ def build_tree_emit(
                 f"{list(out.parents.shape)}"
             )
         check_same_device(out=out.parents, state=state.cand_scores)
+    if not passed:
+        _PASSED.put(key, True)
     dev = state.cand_scores.device
     tree = out if out is not None else Tree.uninitialized(B, policy.capacity, dev)
     target, _draft, _c1, _c2, c3, _fifo, bucket_len = _cast_args(state, policy)
