@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ._checks import check_same_device, check_tensor
+from ._checks import check_same_device, check_tensor, signature
 
-__all__ = ["DraftState", "STATE_TENSORS"]
+__all__ = ["DraftState", "STATE_TENSORS", "state_signature"]
 
 STATE_TENSORS = (
     "root_tokens",
@@ -30,6 +30,20 @@ STATE_TENSORS = (
     "decisions",
     "u_hist",
 )
+
+
+def state_signature(state: object, tensors: tuple, values: tuple) -> tuple | None:
+    """``signature`` of a ``DraftState``'s buffers (``STATE_TENSORS``, then the workspace's, with
+    its keys) and of a call's other ``tensors`` and ``values``: what an op's checks of the state
+    read. None when ``state`` is not exactly a ``DraftState`` (then the op checks in full)."""
+    if state.__class__ is not DraftState:
+        return None
+    try:
+        ws = state.workspace  # type: ignore[attr-defined]
+        own = [getattr(state, f) for f in STATE_TENSORS]
+        return signature((*own, *ws.values(), *tensors), (*values, *ws))
+    except AttributeError:  # a workspace that is no dict: check in full
+        return None
 
 
 def _check_policy_sizes(policy: object) -> None:

@@ -12,12 +12,16 @@ import os
 import torch
 
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreted() -> bool:
     """Whether Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``).
 
     Triton fixes this when a kernel is decorated, so it must be set before treeops is imported;
-    launchers read it to pick CPU-sized tiles and fp32 dot operands."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    it is read once, at that import (launchers ask on every call, to pick CPU-sized tiles and
+    fp32 dot operands)."""
+    return _INTERPRETED
 
 
 def pow2(n: int) -> int:
