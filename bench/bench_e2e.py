@@ -156,7 +156,7 @@ def calibrate(target: Target, draft: Draft, batches, n_max: int, L: int, M: int,
     dev = torch.device(device)
     ns = token_buckets(n_max)
     if quick:
-        ns = sorted({1, 8, 32, n_max})
+        ns = sorted({n for n in (1, 8, 32) if n < n_max} | {n_max})
     H_ = target.cfg.hidden_size
     wdtype = target.model.embed_tokens.weight.dtype
     inputs: dict = {}
@@ -640,6 +640,13 @@ def main(argv=None) -> int:
     ap.add_argument("--min-tokens", type=int, default=0,
                     help="per (policy, B) row, at least this many generated tokens over the "
                     "repeats (more groups of B prompts)")  # fmt: skip
+    ap.add_argument("--table", default=None,
+                    help="load the cost table from this JSON instead of calibrating (a table "
+                    "an earlier run of the same pair wrote; also written to "
+                    "$TREEOPS_TABLE_CACHE, default /tmp/treeops-e2e-table.json)")  # fmt: skip
+    ap.add_argument("--resume", default=None,
+                    help="an earlier run's e2e.json: its rows are kept and its batch sizes "
+                    "skipped (a run split over two device calls)")  # fmt: skip
     ap.add_argument("--contexts", type=int, default=4, help="cost table context buckets M")
     ap.add_argument("--context-len", type=int, default=128, help="cost table bucket length L")
     ap.add_argument("--cache-dir", default=None, help="train_pair cache (/tmp/treeops-e2e-pair)")
@@ -719,9 +726,17 @@ def main(argv=None) -> int:
 
     # 3. cost table
     n_max = max(args.budget, args.topk, args.cast_budget)  # CAST: n_max >= capacity, max width
+    cache = os.environ.get("TREEOPS_TABLE_CACHE", "/tmp/treeops-e2e-table.json")
     try:
-        table = calibrate(target, draft, sorted(batches), n_max, args.context_len, args.contexts,
-                          device, args.quick, topk=args.topk, width=args.topk)  # fmt: skip
+        if args.table:
+            table = CostTable.load(args.table)
+            log(f"cost table loaded from {args.table}")
+        else:
+            table = calibrate(target, draft, sorted(batches), n_max, args.context_len,
+                              args.contexts, device, args.quick, topk=args.topk,
+                              width=args.topk)  # fmt: skip
+            if cuda:
+                table.save(cache)
         table.save(os.path.join(args.out, "e2e_cost_table.json"))
         doc["cost_table"] = {"file": "e2e_cost_table.json", **table.meta}
     except Exception as e:
@@ -734,6 +749,14 @@ def main(argv=None) -> int:
     # 4. rows: per B, one decoder per policy (warmed up once), then ``repeats`` rounds of every
     # policy's timed run over the same groups, interleaved (the order rotated each round)
     order = ["autoregressive"] + [p for p in policies if p != "autoregressive"]
+    if args.resume:
+        with open(args.resume) as f:
+            earlier = json.load(f)
+        doc["rows"] = earlier.get("rows", [])
+        doc["resumed_from"] = {"commit": earlier.get("commit"), "created": earlier.get("created")}
+        done = {r["B"] for r in doc["rows"]}
+        batches = [b for b in batches if b not in done]
+        log(f"resumed: {len(doc['rows'])} rows kept, batch sizes left {batches}")
     stopped = None
     b_seconds: list[float] = []
     for B in batches:
