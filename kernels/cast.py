@@ -29,6 +29,8 @@ otherwise differ only at near-ties of ``u_k - C c_k`` (or of ``alpha u / c`` wit
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -158,6 +160,7 @@ def _cast_depth_kernel(p_u, p_c, p_out, n, R, stride_u, C2, RP: tl.constexpr):
 
 
 # --------------------------------------------------------------------------------- launchers
+@functools.lru_cache(maxsize=1024)  # a pure function of shapes, asked on every launch
 def cast_tiling(B: int, M: int, K: int, root: bool) -> tuple[int, int, int, int]:
     """(BB, KP, CW, num_warps) of the width/rerank launch over scores [B, M] and K costs, from
     shapes only: ``KP`` the utilities held (past ``M + root`` they are flat and the cap stops

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_finite, check_same_device, check_tensor, cuda_device
+from ._checks import Memo, check_finite, check_same_device, check_tensor, cuda_device, signature
 from ._library import define
 from ._runtime import pow2
 from .cost_table import CostTable
@@ -86,6 +86,10 @@ _rerank_op = define(
 )
 
 
+_PASSED = Memo()
+"""Signatures of calls whose checks passed (``validate=False``), with the op's name."""
+
+
 def _check_scores_costs(
     scores: torch.Tensor,
     costs: torch.Tensor,
@@ -94,6 +98,9 @@ def _check_scores_costs(
     cname: str,
     validate: bool,
 ) -> None:
+    key = None if validate else signature((scores, costs, active), (cname, C))
+    if _PASSED.get(key) is not None:
+        return
     sizes: dict[str, int] = {}
     check_tensor(
         "scores",
@@ -113,6 +120,7 @@ def _check_scores_costs(
     if validate:
         check_finite("scores", scores, nonnegative=True)
         check_finite("costs", costs, nonnegative=True)
+    _PASSED.put(key, True)
 
 
 def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
@@ -132,12 +140,15 @@ def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
         ...                         torch.tensor([1., 2., 3., 4.]), 0.25))
         3
     """
-    sizes: dict[str, int] = {}
-    check_tensor("u", u, shape=("K",), dtype=(torch.float32, torch.float64), sizes=sizes)
-    check_tensor("c", c, shape=("K",), dtype=(torch.float32, torch.float64), sizes=sizes)
-    check_same_device(u=u, c=c)
-    if sizes["K"] < 1:
-        raise ValueError("Invalid shape of u: expected [K] with K >= 1, got [0]")
+    key = signature((u, c), ("select",))
+    if _PASSED.get(key) is None:
+        sizes: dict[str, int] = {}
+        check_tensor("u", u, shape=("K",), dtype=(torch.float32, torch.float64), sizes=sizes)
+        check_tensor("c", c, shape=("K",), dtype=(torch.float32, torch.float64), sizes=sizes)
+        check_same_device(u=u, c=c)
+        if sizes["K"] < 1:
+            raise ValueError("Invalid shape of u: expected [K] with K >= 1, got [0]")
+        _PASSED.put(key, True)
     return _select_op(u, c, float(C))
 
 
@@ -206,13 +217,16 @@ def cast_depth(
         >>> bool(treeops.cast_depth(torch.tensor([1.0, 0.5]), torch.tensor(0.25), C2=1.0, R=4))
         True
     """
-    check_tensor("u_hist", u_hist, shape=(None,), dtype=(torch.float32, torch.float64))
-    check_tensor("c", c, shape=(), dtype=(torch.float32, torch.float64))
-    check_same_device(u_hist=u_hist, c=c)
-    if u_hist.numel() < 1:
-        raise ValueError("Invalid shape of u_hist: expected [i + 1] with i >= 0, got [0]")
-    if not isinstance(R, int) or isinstance(R, bool) or R < 1:
-        raise ValueError(f"Invalid value of R: expected a positive int, got {R!r}")
+    key = None if validate else signature((u_hist, c), ("depth", R))
+    if _PASSED.get(key) is None:
+        check_tensor("u_hist", u_hist, shape=(None,), dtype=(torch.float32, torch.float64))
+        check_tensor("c", c, shape=(), dtype=(torch.float32, torch.float64))
+        check_same_device(u_hist=u_hist, c=c)
+        if u_hist.numel() < 1:
+            raise ValueError("Invalid shape of u_hist: expected [i + 1] with i >= 0, got [0]")
+        if not isinstance(R, int) or isinstance(R, bool) or R < 1:
+            raise ValueError(f"Invalid value of R: expected a positive int, got {R!r}")
+        _PASSED.put(key, True)
     if validate:
         check_finite("u_hist", u_hist, nonnegative=True)
         check_finite("c", c, nonnegative=True)
