@@ -251,8 +251,7 @@ _prune_op = define(
 
 
 def _checkpoint_cuda(keep, best_score, keep_value, threshold):
-    hit = (keep >= NO_PRUNE) & (best_score < threshold)
-    keep.copy_(torch.where(hit, torch.full_like(keep, keep_value), keep))
+    keep.masked_fill_((keep >= NO_PRUNE) & (best_score < threshold), keep_value)
 
 
 def _checkpoint_cpu(keep, best_score, keep_value, threshold):
@@ -732,21 +731,24 @@ def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tr
 
 
 def _prune_torch(tree: Tree, keep: torch.Tensor | int) -> Tree:
-    """Sync-free ``prune``: a handful of elementwise ops (also the CUDA path)."""
+    """Sync-free ``prune``: a handful of elementwise ops (also the CUDA path, where each is a
+    launch: as few as the rule needs)."""
     N = tree.capacity
-    kp = keep if isinstance(keep, torch.Tensor) else torch.full_like(tree.num_nodes, keep)
-    kp = kp.clamp(max=N - 1) + 1
-    num = torch.where(tree.num_nodes > 0, torch.minimum(tree.num_nodes, kp), tree.num_nodes)
-    idx = torch.arange(N, device=tree.device, dtype=torch.int32)
-    valid = idx[None, :] < num[:, None]
-    neg = torch.full_like(tree.parents, -1)
+    nn = tree.num_nodes
+    if isinstance(keep, torch.Tensor):
+        kp = keep.clamp(max=N - 1) + 1
+        num = torch.where(nn > 0, torch.minimum(nn, kp), nn)
+    else:  # keep >= 0, so the cap is >= 1 and leaves an inactive row (0) at 0
+        num = nn.clamp(max=min(keep, N - 1) + 1)
+    num_col = num[:, None]
+    valid = torch.arange(N, device=tree.device, dtype=torch.int32) < num_col
 
     def link(x: torch.Tensor) -> torch.Tensor:
-        return torch.where(valid & (x < num[:, None]), x, neg)
+        return torch.where(valid & (x < num_col), x, -1)
 
     return Tree(
         tokens=torch.where(valid, tree.tokens, 0),
-        parents=torch.where(valid, tree.parents, neg),
+        parents=torch.where(valid, tree.parents, -1),
         num_nodes=num,
         depth=torch.where(valid, tree.depth, 0),
         anc=torch.where(valid[:, :, None], tree.anc, 0),
