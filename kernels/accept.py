@@ -191,8 +191,10 @@ def _scratch(device: torch.device, n_f: int, n_i: int, n_c: int) -> tuple:
         refuse_in_capture("accept's scratch workspace (per device, up to the largest launch)")
         if cur is not None:
             _RETIRED.extend(cur)
-            n_f, n_i, n_c = max(n_f, cur[0].numel()), max(n_i, cur[1].numel()), max(
-                n_c, cur[2].numel()
+            n_f, n_i, n_c = (
+                max(n_f, cur[0].numel()),
+                max(n_i, cur[1].numel()),
+                max(n_c, cur[2].numel()),
             )
         cur = (
             torch.empty(n_f, dtype=torch.float32, device=device),

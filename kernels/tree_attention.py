@@ -486,15 +486,31 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
         wo_numel=B * N * H_q * S * D,
         grid=(triton.cdiv(N, cfg.block_q), B * H_kv, S),
         consts=dict(
-            G=H_q // H_kv, G_PAD=cfg.g_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, D=D,
-            PAGE_SIZE=page_size, NUM_SPLITS=S, HAS_QS=has_qs, HAS_QL=has_ql, WRITE_LSE=has_lse,
-            UPCAST=interpreted() or q.dtype == torch.float32, PREFETCH=cfg.prefetch,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            G=H_q // H_kv,
+            G_PAD=cfg.g_pad,
+            BLOCK_Q=cfg.block_q,
+            BLOCK_N=cfg.block_n,
+            D=D,
+            PAGE_SIZE=page_size,
+            NUM_SPLITS=S,
+            HAS_QS=has_qs,
+            HAS_QL=has_ql,
+            WRITE_LSE=has_lse,
+            UPCAST=interpreted() or q.dtype == torch.float32,
+            PREFETCH=cfg.prefetch,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         ),  # fmt: skip
         merge_grid=(B * N, triton.cdiv(H_q, block_h)),
         merge_consts=dict(
-            NUM_SPLITS=S, S_PAD=s_pad, BLOCK_H=block_h, D=D, HAS_QS=has_qs, HAS_QL=has_ql,
-            WRITE_LSE=has_lse, num_warps=4,
+            NUM_SPLITS=S,
+            S_PAD=s_pad,
+            BLOCK_H=block_h,
+            D=D,
+            HAS_QS=has_qs,
+            HAS_QL=has_ql,
+            WRITE_LSE=has_lse,
+            num_warps=4,
         ),  # fmt: skip
     )
 

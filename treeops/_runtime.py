@@ -11,7 +11,6 @@ import os
 
 import torch
 
-
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 

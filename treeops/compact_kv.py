@@ -110,7 +110,7 @@ def compact_kv(
         k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
     )
     if out is None:
-        out = torch.empty(seq_lens.shape, dtype=torch.int32, device=seq_lens.device)
+        out = torch.empty(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
     layers = [k_caches] if isinstance(k_caches, torch.Tensor) else list(k_caches)
     v_layers = [v_caches] if isinstance(v_caches, torch.Tensor) else list(v_caches)
     _compact_op(

@@ -244,10 +244,12 @@ def tree_attention(
         passed = 1.0 / math.sqrt(sizes["D"])
         _PASSED.put(key, passed)
     scale = passed if sm_scale is None else float(sm_scale)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if lse is None and return_lse:
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    if out is None or (lse is None and return_lse):
+        B, N, H_q, D = q.shape  # sizes as ints: torch.empty parses them faster than a Size
+        if out is None:
+            out = torch.empty(B, N, H_q, D, dtype=q.dtype, device=q.device)
+        if lse is None and return_lse:
+            lse = torch.empty(B, N, H_q, dtype=torch.float32, device=q.device)
     _tree_attention_op(
         q, k_cache, v_cache, block_table, seq_lens, *tree.tensors(), q_start, q_len, scale,
         out, lse, workspace,
