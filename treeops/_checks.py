@@ -138,12 +138,13 @@ def signature(tensors: Sequence[object], values: Sequence[object] = ()) -> tuple
 class Memo:
     """Signatures (``signature``) whose checks passed, each with what the checks derived (sizes,
     a launch plan): a later call with an equal signature skips the checks. Bounded: the oldest
-    entry goes when ``maxsize`` are held. Only passing signatures are stored, so every error is
-    raised by the full checks, with their messages."""
+    entry goes when ``maxsize`` are held (an engine's batch-size buckets fit). Only passing
+    signatures are stored, so every error is raised by the full checks, with their messages. A
+    key holds its value arguments (a policy object, say), so those stay alive while it is kept."""
 
     __slots__ = ("_d", "_maxsize")
 
-    def __init__(self, maxsize: int = 64) -> None:
+    def __init__(self, maxsize: int = 256) -> None:
         self._d: dict = {}
         self._maxsize = maxsize
 
