@@ -51,7 +51,7 @@ for spec in "$@"; do
     bench_kv_append) cmd="python3 bench/bench_kv_append.py --out $OUT";;
     bench_graft) cmd="python3 bench/bench_graft.py --out $OUT";;
     bench_attention) cmd="python3 bench/bench_tree_attention.py --out $OUT ${ATT_ARGS:-}";;
-    bench_host) cmd="python3 bench/bench_host.py --out $OUT ${HOST_ARGS:-}";;
+    bench_host) cmd="python3 bench/bench_host.py --out $OUT/host.json ${HOST_ARGS:-}";;
     bench_e2e) cmd="python3 bench/bench_e2e.py --out $OUT ${E2E_ARGS:-}";;
     pytest_bench) cmd="python3 -m pytest bench --benchmark-only -p no:cacheprovider -q --benchmark-json=$OUT/pytest_bench.json ${PYTEST_BENCH_K:+-k '$PYTEST_BENCH_K'}";;
     *) echo "unknown stage $stage"; continue;;
