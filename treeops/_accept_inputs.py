@@ -47,10 +47,10 @@ def check_accept_inputs(
     ``validate``); metadata that passed once is remembered (``_PASSED``)."""
     key = None
     if not validate:
-        outs = (out,) if out is None or out.__class__ is not Acceptance else out
+        outs = (out,) if out is None or not isinstance(out, Acceptance) else out
         key = signature(
             (target_logits, stop_ids, max_new_tokens, temperature, top_k, top_p, uniforms, *outs,
-             *(tree.tensors() if tree.__class__ is Tree else (tree,))),
+             *(tree.tensors() if isinstance(tree, Tree) else (tree,))),
             (topk_ids, return_logprobs),
         )  # fmt: skip
         if _PASSED.get(key) is not None:

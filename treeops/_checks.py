@@ -54,7 +54,7 @@ def check_tensor(
         raise ValueError(f"Invalid type of {name}: expected torch.Tensor, got {type(t).__name__}")
     if dtype is not None:
         got = t.dtype
-        if not (got is dtype if dtype.__class__ is torch.dtype else got in dtype):
+        if not (got is dtype if isinstance(dtype, torch.dtype) else got in dtype):
             allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
             exp = (
                 allowed[0] if len(allowed) == 1 else "one of (" + ", ".join(map(str, allowed)) + ")"
@@ -68,7 +68,7 @@ def check_tensor(
         for d, n in zip(shape, got_shape):
             if d is None:
                 continue
-            if d.__class__ is str:
+            if isinstance(d, str):
                 if sizes is None:
                     continue
                 want = sizes.get(d)

@@ -82,7 +82,7 @@ def check_compact_inputs(
         (kt, kv), (vt, vv) = _flat(k_caches), _flat(v_caches)
         key = signature(
             (block_table, seq_lens, accepted, accept_len, out, *kt, *vt,
-             *(tree.tensors() if tree.__class__ is Tree else (tree,))),
+             *(tree.tensors() if isinstance(tree, Tree) else (tree,))),
             (*kv, *vv),
         )  # fmt: skip
         if _PASSED.get(key) is not None:

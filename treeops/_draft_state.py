@@ -36,7 +36,7 @@ def state_signature(state: object, tensors: tuple, values: tuple) -> tuple | Non
     """``signature`` of a ``DraftState``'s buffers (``STATE_TENSORS``, then the workspace's, with
     its keys) and of a call's other ``tensors`` and ``values``: what an op's checks of the state
     read. None when ``state`` is not exactly a ``DraftState`` (then the op checks in full)."""
-    if state.__class__ is not DraftState:
+    if not isinstance(state, DraftState):
         return None
     try:
         ws = state.workspace  # type: ignore[attr-defined]

@@ -501,7 +501,7 @@ def build_tree_emit(
 
     On CUDA two Triton launches (select, then count + emit), no host sync.
     """
-    outs = out.tensors() if out.__class__ is Tree else (out,)
+    outs = out.tensors() if isinstance(out, Tree) else (out,)
     key = None if validate else state_signature(state, outs, ("emit", policy, out.__class__))
     passed = _PASSED.get(key) is not None
     if not passed:

@@ -129,11 +129,10 @@ def cast_step_stats(
     ok = (node < tree.num_nodes.view(B, 1)) & active.view(B, 1) & (tree.depth >= 1)
     dep = tree.depth.clamp(max=D).long()
     out[lay["scores"]].scatter_add_(0, dep.reshape(-1), torch.where(ok, tree.scores, 0.0).reshape(-1))
-    reach = (accept_len.view(B, 1).long() - 1) >= torch.arange(D + 1, device=s.device).view(1, -1)
-    reach = reach & active.view(B, 1)
-    acc = reach.to(torch.float32).sum(0)
-    acc[0] = 0.0
-    out[lay["accepted"]].copy_(acc)
+    depth = torch.arange(D + 1, device=s.device).view(1, -1)
+    # depth t >= 1 holds an accepted node iff accept_len - 1 >= t (the root is depth 0)
+    reach = ((accept_len.view(B, 1).long() - 1) >= depth) & (depth >= 1) & active.view(B, 1)
+    out[lay["accepted"]].copy_(reach.to(torch.float32).sum(0))
     out[lay["active"]].copy_(act.sum().view(1))
 
 

@@ -283,9 +283,9 @@ _PASSED = Memo()
 
 def _fields(x: object) -> tuple:
     """A ``Tree``'s or ``Retrieved``'s tensors for ``signature``; anything else as itself."""
-    if x.__class__ is Tree:
+    if isinstance(x, Tree):
         return x.tensors()  # type: ignore[attr-defined]
-    if x.__class__ is Retrieved:
+    if isinstance(x, Retrieved):
         return (x.tokens, x.parents, x.depth, x.num_nodes)  # type: ignore[attr-defined]
     return (x,)
 
@@ -526,7 +526,7 @@ class AdjacencyTable:
         key = _key(
             "retrieve", (), (root_tokens, self.table, count),
             (self.__class__, self.k,
-             template.max_rank if template.__class__ is RankTemplate else template),
+             template.max_rank if isinstance(template, RankTemplate) else template),
         )  # fmt: skip
         if _PASSED.get(key) is None:
             check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64)
@@ -600,7 +600,7 @@ def graft_merge(
     """
     key = None
     if not validate:
-        max_depth = retrieved.max_depth if retrieved.__class__ is Retrieved else None
+        max_depth = retrieved.max_depth if isinstance(retrieved, Retrieved) else None
         key = _key("graft_merge", (tree, retrieved, out), (budget,), (max_depth,))
     if _PASSED.get(key) is None:
         check_tree(tree, validate=validate)
@@ -652,10 +652,10 @@ def graft(
     undefined behaviour); ``validate=True`` checks them (with a host sync).
     """
     key = None
-    if not validate and table.__class__ is AdjacencyTable:
+    if not validate and isinstance(table, AdjacencyTable):
         key = _key(
             "graft", (tree, out), (table.table, budget, count),
-            (table.k, template.max_rank if template.__class__ is RankTemplate else template),
+            (table.k, template.max_rank if isinstance(template, RankTemplate) else template),
         )  # fmt: skip
     if _PASSED.get(key) is None:
         check_tree(tree, validate=validate)

@@ -430,7 +430,7 @@ _PASSED = Memo()
 def tree_signature(tree: object) -> tuple | None:
     """``signature`` of a ``Tree``'s fields (None if ``tree`` is not exactly a ``Tree``): what
     ``Tree.check_fields`` reads, for a public op's memo of passed checks."""
-    if tree.__class__ is not Tree:
+    if not isinstance(tree, Tree):
         return None
     return signature(tree.tensors())  # type: ignore[union-attr]
 

@@ -221,7 +221,7 @@ def tree_attention(
     """
     key = None
     if not validate:
-        fields = tree.tensors() if tree.__class__ is Tree else (tree,)
+        fields = tree.tensors() if isinstance(tree, Tree) else (tree,)
         key = signature(
             (q, k_cache, v_cache, block_table, seq_lens, q_start, q_len, out, lse, workspace,
              *fields),
