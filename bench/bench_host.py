@@ -287,7 +287,13 @@ def main(argv=None) -> dict:
     iters, repeats = (50, 3) if args.quick else (400, 7)
     cuda = harness.needs_cuda() is None
     by_op = cuda_rows(ops, args.quick) if cuda else {}  # before the stand-in driver replaces CUDA
-    rows = cpu_rows(ops, iters, repeats)
+    try:
+        rows = cpu_rows(ops, iters, repeats)
+    except RuntimeError as e:
+        # torch < 2.13 refuses to re-register a Python kernel for a dispatch key: no CPU rows
+        # there, the GPU rows stand alone
+        print(f"CPU rows skipped: {e}", file=sys.stderr)
+        rows = [{"op": op, "cpu_rows_skipped": str(e)[:160]} for op in ops]
     for r in rows:
         r.update(by_op.get(r["op"], {}))
     doc = harness.result_doc(
