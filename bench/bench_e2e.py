@@ -40,7 +40,7 @@ what it measured):
    excluded); ``speedup`` = the mean over rounds of its tokens/s ÷ the same round's
    autoregressive tokens/s, ``speedup_repeats`` and ``speedup_spread`` ((max - min) / mean);
    λ-CAST rows add ``lambda_hat``, ``mean_width``, ``mean_depth``, the plans seen and the
-   calibration gains. Without ``--no-profile`` each policy is decoded once more with
+   calibrated acceptance rates. Without ``--no-profile`` each policy is decoded once more with
    ``profile=True`` (a device sync at every boundary) for the time split.
 5. Greedy correctness in bf16: each request's output against the autoregressive output of the
    same request (same group); at its first divergence (after it the contexts differ), the fp32
@@ -877,7 +877,7 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
                 mean_width=round(sum(p[0] for p in res.plans) / len(res.plans), 3),
                 mean_depth=round(sum(p[1] for p in res.plans) / len(res.plans), 3),
                 plans_seen=sorted({tuple(p[:3]) for p in res.plans}),
-                final_plan=d["plan"], gains=d["gains"],
+                final_plan=d["plan"], rates=d["rates"],
             )  # fmt: skip
         rows.append(row)
     del decs

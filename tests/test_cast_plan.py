@@ -10,7 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treeops
-from treeops.cast_plan import Plan, _layout, cast_step_stats, lambda_rules, stats_size
+from treeops.cast_plan import (
+    SCORE_BINS,
+    Plan,
+    _layout,
+    cast_step_stats,
+    lambda_rules,
+    score_bin,
+    stats_size,
+)
 from treeops.decoder.policies import synthetic_cost_table
 from treeops.tree import Tree
 
@@ -118,40 +126,36 @@ def test_depth_grows_one_layer_past_the_drafted_depth():
     assert lambda_rules(weak, verify, 3, 0.5, cT, np.array([0.1]), max_depth=4).depth == 1
 
 
-def _stats_reference(cand_scores, tree, accept_len, active, gains, W, N):
-    """``cast_step_stats`` written with loops over requests."""
+def _stats_reference(cand_scores, tree, accepted, accept_len, active, rates, D, W, N):
+    """``cast_step_stats`` written with loops over requests and nodes."""
     B, d, C = cand_scores.shape
-    D = gains.numel() - 1
     out = np.zeros(stats_size(D, W, N))
     lay = _layout(D, W, N)
     acts = [b for b in range(B) if bool(active[b])]
     n_act = max(1, len(acts))
+
+    def cal(x):
+        return float(rates[int(score_bin(torch.tensor([x]))[0])]) if x >= 0 else 0.0
+
     for i in range(d):
         curve = np.zeros(W)
         for b in acts:
-            s = sorted((min(float(x) * float(gains[i + 1]), 1.0) if x >= 0 else 0.0
-                        for x in cand_scores[b, i].tolist()), reverse=True)  # fmt: skip
-            s = (s + [0.0] * W)[:W]
-            curve += np.cumsum(s)
-        out[lay["layers"]].reshape(D, W)  # (layout check)
+            v = sorted((cal(x) for x in cand_scores[b, i].tolist()), reverse=True)
+            curve += np.cumsum((v + [v[-1] if v else 0.0] * W)[:W] if len(v) >= W else
+                               v + [0.0] * (W - len(v)))  # fmt: skip
         out[lay["layers"].start + i * W : lay["layers"].start + (i + 1) * W] = curve / n_act
     vc = np.zeros(N)
     for b in acts:
-        s = []
-        for i in range(d):
-            s += [min(float(x) * float(gains[i + 1]), 1.0) if x >= 0 else 0.0
-                  for x in cand_scores[b, i].tolist()]  # fmt: skip
-        s = sorted(s, reverse=True)
-        s = ([1.0] + s + [0.0] * N)[:N]
-        vc += np.cumsum(s)
+        v = sorted((cal(x) for i in range(d) for x in cand_scores[b, i].tolist()), reverse=True)
+        vc += np.cumsum(([1.0] + v + [0.0] * N)[:N])
     out[lay["verify"]] = vc / n_act
     for b in acts:
+        path = set(int(j) for j in accepted[b, : int(accept_len[b])].tolist())
         for j in range(int(tree.num_nodes[b])):
-            t = int(tree.depth[b, j])
-            if t >= 1:
-                out[lay["scores"].start + min(t, D)] += float(tree.scores[b, j])
-        for t in range(1, D + 1):
-            out[lay["accepted"].start + t] += float(int(accept_len[b]) - 1 >= t)
+            if int(tree.depth[b, j]) >= 1:
+                k = int(score_bin(tree.scores[b, j : j + 1])[0])
+                out[lay["seen"].start + k] += 1
+                out[lay["hits"].start + k] += j in path
     out[lay["active"]] = len(acts)
     return out
 
@@ -163,7 +167,7 @@ def test_step_stats_equal_reference(B, d, w, K, seed):
     g = torch.Generator().manual_seed(seed)
     D, W, N = 5, 4, 12
     C = w * K
-    s = torch.rand(B, d, C, generator=g)
+    s = torch.rand(B, d, C, generator=g) ** 3
     s = torch.where(torch.rand(B, d, C, generator=g) < 0.2, -1.0, s)
     n = 1 + int(torch.randint(0, 8, (1,), generator=g))
     par = torch.full((B, n), -1, dtype=torch.int32)
@@ -171,13 +175,23 @@ def test_step_stats_equal_reference(B, d, w, K, seed):
         par[:, j] = torch.randint(0, j, (B,), generator=g)
     num = torch.randint(1, n + 1, (B,), generator=g).to(torch.int32)
     tree = Tree.from_parents(par, num, torch.zeros(B, n, dtype=torch.int64),
-                             torch.rand(B, n, generator=g))  # fmt: skip
-    alen = torch.randint(0, 5, (B,), generator=g).to(torch.int32)
+                             torch.rand(B, n, generator=g) ** 2)  # fmt: skip
+    alen = torch.minimum(torch.randint(0, 5, (B,), generator=g).to(torch.int32), num)
+    accepted = torch.full((B, n), -1, dtype=torch.int32)
+    for b in range(B):  # a root-to-node path of the tree, alen[b] nodes long
+        path, j = [], int(num[b]) - 1
+        while j >= 0:
+            path.append(j)
+            j = int(par[b, j])
+        path = path[::-1][: int(alen[b])]
+        alen[b] = len(path)
+        accepted[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
     active = torch.rand(B, generator=g) < 0.8
-    gains = 0.5 + torch.rand(D + 1, generator=g)
+    rates = torch.sort(torch.rand(SCORE_BINS, generator=g), descending=True).values
     out = torch.zeros(stats_size(D, W, N))
-    cast_step_stats(s, tree, alen, active, gains, out, max_width=W, capacity=N)
-    want = _stats_reference(s, tree, alen, active, gains, W, N)
+    cast_step_stats(s, tree, accepted, alen, active, rates, out, max_depth=D, max_width=W,
+                    capacity=N)  # fmt: skip
+    want = _stats_reference(s, tree, accepted, alen, active, rates, D, W, N)
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -188,10 +202,11 @@ def test_step_stats_never_sync():
     tree = Tree.from_parents(torch.tensor([[-1, 0, 1]] * B, dtype=torch.int32),
                              torch.full((B,), 3, dtype=torch.int32))  # fmt: skip
     out = torch.zeros(stats_size(D, W, N))
-    args = (torch.rand(B, 2, 6), tree, torch.ones(B, dtype=torch.int32),
-            torch.ones(B, dtype=torch.bool), torch.ones(D + 1), out)  # fmt: skip
+    acc = torch.tensor([[0, 1, -1]] * B, dtype=torch.int32)
+    args = (torch.rand(B, 2, 6), tree, acc, torch.full((B,), 2, dtype=torch.int32),
+            torch.ones(B, dtype=torch.bool), torch.ones(SCORE_BINS), out)  # fmt: skip
     with NoHostSync():
-        cast_step_stats(*args, max_width=W, capacity=N)
+        cast_step_stats(*args, max_depth=D, max_width=W, capacity=N)
 
 
 def _planner(**kw):
@@ -201,26 +216,44 @@ def _planner(**kw):
 
 
 def test_planner_calibrates_and_tracks_lambda():
-    """Gains converge to accepted ÷ summed scores per depth; λ̂ follows the measured η; the plan
-    stays within the buckets and the maxima."""
-    pl = _planner(smoothing=0.0, lam_smoothing=0.0, prior=1e-6)
+    """The rates converge to accepted ÷ verified per score bin (non-increasing towards lower
+    scores); λ̂ follows the measured η; the plan stays within the buckets and the maxima."""
+    pl = _planner(interval=1, lam_smoothing=0.0, prior=1e-6)
     lay = pl.layout
     x = np.zeros(pl.size)
     x[lay["active"]] = 2
-    x[lay["scores"].start + 1] = 2.0  # two depth-1 nodes of score 1
-    x[lay["accepted"].start + 1] = 1.0  # one accepted: probability 1/2 per unit score
+    x[lay["seen"].start + 1] = 4.0  # four nodes of bin 1, one accepted
+    x[lay["hits"].start + 1] = 1.0
+    x[lay["seen"].start + 5] = 2.0  # two of bin 5, both accepted: capped by bin 1's rate
+    x[lay["hits"].start + 5] = 2.0
     x[lay["layers"]] = np.tile(np.linspace(0.5, 2.0, 4), 6)
     x[lay["verify"]] = 1.0 + np.minimum(np.arange(32) * 0.3, 4.0)
     unit_us = pl.costs(2, 100)[2]
     for _ in range(400):
         plan = pl.observe(2, x, pl.plan(2), tokens=3.0, step_s=2 * unit_us * 1e-6, ctx=100)
-    g = pl.gains(2)
-    assert g[1] == pytest.approx(0.5, abs=0.02) and g[2] == pytest.approx(1.0)
+    r = pl.rates(2)
+    # bin 5's 2 of 2 lift bin 1 (1 of 4): a higher score is never less likely
+    assert r[5] == pytest.approx(1.0) and r[1] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(r, r[1:]))
     assert pl.lam(2) == pytest.approx(1.5)
     assert plan.width in pl.widths and plan.verify in pl.verify_sizes
     assert 1 <= plan.depth <= 6 and plan.verify <= 32
     assert pl.plan(1) == pl.initial  # another batch size: its own state
     assert pl.describe(2)["lambda"] == pytest.approx(1.5)
+
+
+def test_planner_rates_follow_the_data():
+    """With a weak prior the rate of a bin is its accepted fraction."""
+    pl = _planner(interval=1, prior=1e-6)
+    lay = pl.layout
+    x = np.zeros(pl.size)
+    x[lay["active"]] = 1
+    x[lay["seen"].start + 3] = 10.0
+    x[lay["hits"].start + 3] = 3.0
+    pl.observe(1, x, pl.plan(1), tokens=2.0, step_s=1e-3, ctx=10)
+    r = pl.rates(1)
+    assert r[3] == pytest.approx(0.3, rel=1e-4)
+    assert r[0] == pytest.approx(2.0 ** -0.25, rel=1e-3)  # the prior where nothing was seen
 
 
 def test_planner_policy_shape_and_checks():
@@ -229,8 +262,10 @@ def test_planner_policy_shape_and_checks():
     assert (es.depth, es.topk, es.budget, es.max_width) == (3, 4, 16, 2)
     with pytest.raises(ValueError, match="policy"):
         treeops.CastPlanner(treeops.EagleStatic(depth=2, topk=2, budget=4))
-    with pytest.raises(ValueError, match="smoothing"):
-        _planner(smoothing=1.0)
+    with pytest.raises(ValueError, match="lam_smoothing"):
+        _planner(lam_smoothing=1.0)
+    with pytest.raises(ValueError, match="interval"):
+        _planner(interval=0)
     with pytest.raises(ValueError, match="verify_buckets"):
         _planner(verify_buckets=[1, 8])  # must end at the capacity
     with pytest.raises(ValueError, match="C1, C2, C3"):
@@ -239,3 +274,51 @@ def test_planner_policy_shape_and_checks():
     state = treeops.DraftState.new(es, torch.tensor([1]), torch.tensor([4]))
     with pytest.raises(ValueError, match="λ-CAST"):
         treeops.build_tree_expand(torch.zeros(1, 2, 10), state, lam_cast)
+
+
+def _model_stats(pl, rng, noise):
+    """One step's statistics from a fixed acceptance model (per-layer masses decaying with
+    depth, a few strong candidates per layer), with multiplicative noise."""
+    lay = pl.layout
+    x = np.zeros(pl.size)
+    x[lay["active"]] = 1
+    q = np.array([1.0, 0.35, 0.18, 0.1, 0.06, 0.04, 0.03, 0.02])[: pl.W]
+    layers = np.array([np.cumsum(0.8 ** (i + 1) * q) for i in range(pl.D)])
+    layers *= 1 + noise * rng.standard_normal(layers.shape)
+    x[lay["layers"]] = np.clip(layers, 0, None).ravel()
+    cand = np.sort(np.concatenate([0.8 ** (i + 1) * q for i in range(pl.D)]))[::-1]
+    vc = np.concatenate([[1.0], 1 + np.cumsum(np.pad(cand, (0, pl.N))[: pl.N - 1])])
+    x[lay["verify"]] = vc * (1 + noise * rng.standard_normal())
+    return x
+
+
+def test_planner_plans_are_stable_under_noise():
+    """Noisy steps of a fixed acceptance model: the plan moves one bucket per decision at most,
+    settles, and visits few distinct plans (each one CUDA graph in the decoder)."""
+    pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=8, max_width=8, max_depth=8,
+                       capacity=64)  # fmt: skip
+    pl = treeops.CastPlanner(pol, interval=8)
+    rng = np.random.default_rng(0)
+    seen, last = [], None
+    unit_s = pl.costs(1, 100)[2] * 1e-6
+    for _ in range(800):
+        plan = pl.plan(1)
+        if last is not None and plan != last:
+            assert abs(plan.depth - last.depth) <= 1
+            for a, b, sizes in ((plan.width, last.width, pl.widths),
+                                (plan.verify, last.verify, pl.verify_sizes)):  # fmt: skip
+                assert abs(sizes.index(a) - sizes.index(b)) <= 1 or a < b  # (capped verify)
+        seen.append(plan)
+        last = plan
+        pl.observe(1, _model_stats(pl, rng, 0.3), plan, tokens=3.0, step_s=1.5 * unit_s, ctx=100)
+    assert len(set(seen)) <= 12
+    # settled: the last half stays next to its most frequent plan (near-ties of the model may
+    # alternate between neighbours, each a graph captured once)
+    tail = seen[-400:]
+    mode = max(set(tail), key=tail.count)
+    assert tail.count(mode) > len(tail) // 2
+    for p in set(tail):
+        assert abs(p.depth - mode.depth) <= 1
+        assert abs(pl.widths.index(p.width) - pl.widths.index(mode.width)) <= 1
+        assert abs(pl.verify_sizes.index(p.verify) - pl.verify_sizes.index(mode.verify)) <= 1
+    assert pl.lam(1) == pytest.approx(2.0, rel=1e-6)

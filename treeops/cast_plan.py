@@ -19,20 +19,22 @@ maximises ``A − λτ`` at ``λ = η*``, which splits into marginal rules (all 
 
 ``λ̂`` is kept online per batch size: emitted tokens per active request per step ÷ the measured
 step time in ``S_T(B, 1)`` units (an exponential average); the draft's path scores are
-calibrated online into acceptance probabilities per depth (accepted nodes ÷ summed scores of the
-verified nodes at that depth). ``CastPlanner`` holds that state on the host; the device computes
+calibrated online into acceptance probabilities per score bin (the verified nodes of each bin
+and how many of them were accepted). ``CastPlanner`` holds that state on the host; the device computes
 each step's curves and calibration counts with ``cast_step_stats`` (torch ops, no host sync,
 capturable) and the host reads them with the step's results: no extra wait.
 
-The plan changes between steps only (an exponential average of the rules' choices, rounded to
-the buckets the engine has graphs for), so a step runs as a fixed-shape graph: the plan's
-``EagleStatic(depth, topk, verify, width)`` tree (``CastPlanner.policy``).
+The plan changes between steps only: every ``interval`` steps the rules run on the curves averaged
+over those steps and each size moves at most one bucket (of the sizes the engine has graphs for)
+towards their choice; so a step runs as a fixed-shape graph, the plan's
+``EagleStatic(depth, topk, verify, width)`` tree (``CastPlanner.policy_for``), and plans change
+rarely.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,7 +43,10 @@ from ._checks import check_positive_int
 from .build_tree import Cast, EagleStatic
 from .tree import Tree
 
-__all__ = ["Plan", "CastPlanner", "cast_step_stats", "stats_size", "lambda_rules"]
+__all__ = [
+    "Plan", "CastPlanner", "cast_step_stats", "stats_size", "lambda_rules", "SCORE_BINS",
+    "score_bin",
+]
 
 
 @dataclass(frozen=True, order=True)
@@ -54,17 +59,33 @@ class Plan:
     verify: int
 
 
+SCORE_BINS = 24
+"""Calibration bins of a path score s: bin ``min(floor(-2 log2 s), 23)`` (half-octaves from 1
+down to 2^-11.5; smaller scores and 0 share the last)."""
+
+
+def score_bin(s: torch.Tensor) -> torch.Tensor:
+    """The calibration bin of each score (``SCORE_BINS``), int64."""
+    x = torch.floor(-2.0 * torch.log2(s.float().clamp(min=1e-30)))
+    return x.clamp(0, SCORE_BINS - 1).long()
+
+
+def bin_prior() -> np.ndarray:
+    """Each bin's geometric-mean score: the acceptance probability assumed before data."""
+    return 2.0 ** (-(np.arange(SCORE_BINS) + 0.5) / 2.0)
+
+
 def stats_size(max_depth: int, max_width: int, capacity: int) -> int:
     """Length of ``cast_step_stats``'s output for a policy's maxima D, W, N:
-    ``D * W + N + 2 * (D + 1) + 1``."""
-    return max_depth * max_width + capacity + 2 * (max_depth + 1) + 1
+    ``D * W + N + 2 * SCORE_BINS + 1``."""
+    return max_depth * max_width + capacity + 2 * SCORE_BINS + 1
 
 
 def _layout(D: int, W: int, N: int) -> dict[str, slice]:
     o = 0
     out = {}
-    for name, n in (("layers", D * W), ("verify", N), ("scores", D + 1), ("accepted", D + 1),
-                    ("active", 1)):  # fmt: skip
+    for name, n in (("layers", D * W), ("verify", N), ("seen", SCORE_BINS),
+                    ("hits", SCORE_BINS), ("active", 1)):  # fmt: skip
         out[name] = slice(o, o + n)
         o += n
     return out
@@ -73,41 +94,44 @@ def _layout(D: int, W: int, N: int) -> dict[str, slice]:
 def cast_step_stats(
     cand_scores: torch.Tensor,
     tree: Tree,
+    accepted: torch.Tensor,
     accept_len: torch.Tensor,
     active: torch.Tensor,
-    gains: torch.Tensor,
+    rates: torch.Tensor,
     out: torch.Tensor,
     *,
+    max_depth: int,
     max_width: int,
     capacity: int,
 ) -> None:
     """One step's statistics for the planner, written into ``out`` (float32, length
-    ``stats_size(D, max_width, capacity)``, D = ``gains.numel() - 1``); torch ops only, no host
-    sync, capturable.
+    ``stats_size(max_depth, max_width, capacity)``); torch ops only, no host sync, capturable.
 
     Args:
         cand_scores: [B, d, C] float32, the step's candidate path scores (``DraftState``; < 0 = no
-            candidate), d <= D drafted layers.
-        tree: the verified tree (its ``scores``, ``depth``, ``num_nodes``).
-        accept_len: [B] int32, accepted nodes with the root (``accept_*``).
+            candidate), d <= max_depth drafted layers.
+        tree: the verified tree (its ``scores``, ``depth``, ``num_nodes``), capacity n.
+        accepted: [B, n] int32, the accepted path's nodes (``accept_*``), the first
+            ``accept_len[b]`` valid (the root first).
+        accept_len: [B] int32.
         active: [B] bool.
-        gains: [D + 1] float32, the calibration factor per depth (``CastPlanner.gains``): a
-            candidate at depth t (layer t - 1) of raw score s has probability ``min(g[t] s, 1)``.
+        rates: [SCORE_BINS] float32, the calibrated acceptance probability of a candidate per
+            score bin (``CastPlanner.rates``).
 
-    Layout (``_layout``): ``layers`` [D, W]: row i = batch mean over active requests of the
-    cumulative sum of layer i's k best calibrated probabilities, k = 1..W (rows >= d zero);
-    ``verify`` [N]: batch mean of 1 + the k - 1 best calibrated probabilities of the step;
-    ``scores`` [D + 1]: summed raw scores of the verified nodes per depth (active requests);
-    ``accepted`` [D + 1]: accepted nodes per depth; ``active``: the number of active requests.
+    Layout (``_layout``; D = max_depth, W = max_width, N = capacity): ``layers`` [D, W]: row i =
+    batch mean over active requests of the cumulative sum of layer i's k best calibrated
+    probabilities, k = 1..W (rows >= d zero); ``verify`` [N]: batch mean of 1 + the k - 1 best
+    calibrated probabilities of the step; ``seen`` / ``hits`` [SCORE_BINS]: the verified
+    non-root nodes of active requests per score bin, and those of them accepted; ``active``:
+    the number of active requests.
     """
     B, d, C = cand_scores.shape
-    D = gains.numel() - 1
-    W, N = max_width, capacity
+    D, W, N = max_depth, max_width, capacity
     lay = _layout(D, W, N)
     act = active.to(torch.float32)
     n_act = act.sum().clamp(min=1.0)
     s = cand_scores.float()
-    cal = torch.where(s >= 0, (s * gains[1 : d + 1].view(1, d, 1)).clamp(max=1.0), 0.0)
+    cal = torch.where(s >= 0, rates[score_bin(s)], 0.0)  # [B, d, C]
     out.zero_()
     k = min(W, C)
     top = torch.topk(cal, k, dim=2).values.cumsum(2)  # [B, d, k]
@@ -127,12 +151,13 @@ def cast_step_stats(
     n = tree.capacity
     node = torch.arange(n, device=s.device).view(1, n)
     ok = (node < tree.num_nodes.view(B, 1)) & active.view(B, 1) & (tree.depth >= 1)
-    dep = tree.depth.clamp(max=D).long()
-    out[lay["scores"]].scatter_add_(0, dep.reshape(-1), torch.where(ok, tree.scores, 0.0).reshape(-1))
-    depth = torch.arange(D + 1, device=s.device).view(1, -1)
-    # depth t >= 1 holds an accepted node iff accept_len - 1 >= t (the root is depth 0)
-    reach = ((accept_len.view(B, 1).long() - 1) >= depth) & (depth >= 1) & active.view(B, 1)
-    out[lay["accepted"]].copy_(reach.to(torch.float32).sum(0))
+    # hit[b, j]: node j is on request b's accepted path (entries past accept_len point nowhere)
+    on = (node[:, : accepted.shape[1]] < accept_len.view(B, 1)).to(torch.float32)
+    hit = torch.zeros(B, n, device=s.device).scatter_add_(1, accepted.long().clamp(min=0), on)
+    bins = score_bin(tree.scores).reshape(-1)
+    okf = ok.to(torch.float32)
+    out[lay["seen"]].scatter_add_(0, bins, okf.reshape(-1))
+    out[lay["hits"]].scatter_add_(0, bins, (okf * (hit > 0)).reshape(-1))
     out[lay["active"]].copy_(act.sum().view(1))
 
 
@@ -203,15 +228,18 @@ def _round_up(x: float, buckets: Sequence[int]) -> int:
 class _BatchState:
     lam: float
     plan: Plan
-    ema: list[float]
-    acc: np.ndarray
-    score: np.ndarray
+    seen: np.ndarray  # decayed verified nodes per score bin
+    hits: np.ndarray  # decayed accepted nodes per score bin
+    layers: np.ndarray  # the window's summed layer curves [D, W]
+    verify: np.ndarray  # the window's summed verify curves [N]
     steps: int = 0
-    history: list = field(default_factory=list)
+    window: int = 0  # steps in the current window (all of them ran ``plan``)
+    rates_version: int = 0
+    votes: tuple = (0, 0, 0)  # the last decision's direction per size (width, depth, verify)
 
 
 class CastPlanner:
-    """λ-CAST's host side: per batch size, λ̂, the calibration gains and the current ``Plan``.
+    """λ-CAST's host side: per batch size, λ̂, the calibration and the current ``Plan``.
 
     Args:
         policy: a λ-CAST ``treeops.Cast`` (its ``cost_table``, ``topk`` K, ``max_width`` W,
@@ -223,15 +251,19 @@ class CastPlanner:
         layer_overhead_us: the measured time of a draft layer's tree ops besides the draft
             forward (``build_tree_expand`` and the frontier's inputs), per batch size B: a
             callable ``B -> µs`` or a constant.
-        smoothing: weight of the previous choice in the exponential average of the rules'
-            choices (0 = follow each step's rules).
-        lam_smoothing: the same for λ̂.
-        prior: pseudo-count of the calibration's prior (gain 1, the path score taken as the
-            acceptance probability).
-        initial: the first plan (default: width min(2, W), depth min(4, D), verify 8).
+        interval: steps per decision: the rules run on the curves averaged over the last
+            ``interval`` steps (all of the current plan), and each decision moves every size at
+            most one bucket towards the rules' choice, so plans (one CUDA graph each) change
+            rarely and a noisy step cannot swing them.
+        lam_smoothing: weight of the previous λ̂ in its exponential average (per step).
+        prior: pseudo-count of the calibration's prior per score bin (the bin's score taken as
+            the acceptance probability).
+        initial: the first plan (default: width min(2, W), depth min(4, D), verify 8), rounded
+            up to the buckets.
 
-    Per step: ``plan(B)`` (the shape to run), ``gains(B)`` (to upload for ``cast_step_stats``),
-    then ``observe(B, stats, plan, tokens, step_s, ctx)`` with the step's statistics.
+    Per step: ``plan(B)`` (the shape to run), ``rates(B)`` (to upload for ``cast_step_stats``
+    when ``rates_version(B)`` changed), then ``observe(B, stats, plan, tokens, step_s, ctx)``
+    with the step's statistics.
     """
 
     def __init__(
@@ -241,7 +273,7 @@ class CastPlanner:
         width_buckets: Sequence[int] | None = None,
         verify_buckets: Sequence[int] | None = None,
         layer_overhead_us: Callable[[int], float] | float = 0.0,
-        smoothing: float = 0.75,
+        interval: int = 8,
         lam_smoothing: float = 0.9,
         prior: float = 8.0,
         initial: Plan | None = None,
@@ -270,15 +302,19 @@ class CastPlanner:
                     f"Invalid value of {name}: expected positive sizes ending at {top}, got {bs}"
                 )
         self.layer_overhead_us = layer_overhead_us
-        for name, v in (("smoothing", smoothing), ("lam_smoothing", lam_smoothing)):
-            if not 0.0 <= v < 1.0:
-                raise ValueError(f"Invalid value of {name}: expected 0 <= x < 1, got {v!r}")
-        self.smoothing, self.lam_smoothing = smoothing, lam_smoothing
+        check_positive_int("interval", interval)
+        if not 0.0 <= lam_smoothing < 1.0:
+            raise ValueError(
+                f"Invalid value of lam_smoothing: expected 0 <= x < 1, got {lam_smoothing!r}"
+            )
+        self.interval, self.lam_smoothing = interval, lam_smoothing
         if prior <= 0:
             raise ValueError(f"Invalid value of prior: expected > 0, got {prior!r}")
         self.prior = prior
-        self.initial = initial or self._rounded(min(2, self.W), min(4, self.D), 8)
+        p = initial or Plan(width=min(2, self.W), depth=min(4, self.D), verify=8)
+        self.initial = self._rounded(p.width, p.depth, p.verify)
         self._batch: dict[int, _BatchState] = {}
+        self._costs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]] = {}
         self.layout = _layout(self.D, self.W, self.N)
         self.size = stats_size(self.D, self.W, self.N)
 
@@ -288,8 +324,8 @@ class CastPlanner:
         if st is None:
             p = self.initial
             st = _BatchState(
-                lam=1.0, plan=p, ema=[float(p.width), float(p.depth), float(p.verify)],
-                acc=np.zeros(self.D + 1), score=np.zeros(self.D + 1),
+                lam=1.0, plan=p, seen=np.zeros(SCORE_BINS), hits=np.zeros(SCORE_BINS),
+                layers=np.zeros((self.D, self.W)), verify=np.zeros(self.N),
             )  # fmt: skip
             self._batch[B] = st
         return st
@@ -303,13 +339,18 @@ class CastPlanner:
         """λ̂ at batch size ``B`` (1 before any step: autoregressive decoding's throughput)."""
         return self._state(B).lam
 
-    def gains(self, B: int) -> list[float]:
-        """[D + 1] calibration factors per depth (index 0 unused): accepted nodes ÷ summed raw
-        scores of the verified nodes at that depth, with ``prior`` pseudo-nodes of gain 1."""
+    def rates_version(self, B: int) -> int:
+        """Changes whenever ``rates(B)`` may have (at each decision): re-upload then."""
+        return self._state(B).rates_version
+
+    def rates(self, B: int) -> list[float]:
+        """[SCORE_BINS] calibrated acceptance probabilities per score bin: (accepted + prior ×
+        the bin's score) ÷ (verified + prior) over decayed counts of verified nodes, then made
+        non-increasing from the high-score bins down (a higher score is never less likely)."""
         st = self._state(B)
-        g = (st.acc + self.prior) / (st.score + self.prior)
-        g[0] = 1.0
-        return np.clip(g, 0.05, 4.0).tolist()
+        r = (st.hits + self.prior * bin_prior()) / (st.seen + self.prior)
+        r = np.maximum.accumulate(r[::-1])[::-1]
+        return np.clip(r, 0.0, 1.0).tolist()
 
     def policy_for(self, plan: Plan) -> EagleStatic:
         """The fixed-shape tree a step of ``plan`` drafts: ``EagleStatic(depth, topk=K,
@@ -318,7 +359,16 @@ class CastPlanner:
 
     def costs(self, B: int, ctx: int) -> tuple[np.ndarray, np.ndarray, float]:
         """(target [N], draft [W] in ``S_T(B, 1)`` units at the buckets that run, the draft
-        layer's overhead included; ``S_T(B, 1)`` in µs) at batch ``B`` and context ``ctx``."""
+        layer's overhead included; ``S_T(B, 1)`` in µs) at batch ``B`` and context ``ctx``
+        (cached per batch size and context bucket: the host asks every step)."""
+        t = self.policy.cost_table
+        key = (B, t.bucket(ctx))
+        hit = self._costs.get(key)
+        if hit is None:
+            hit = self._costs[key] = self._costs_of(B, ctx)
+        return hit
+
+    def _costs_of(self, B: int, ctx: int) -> tuple[np.ndarray, np.ndarray, float]:
         t = self.policy.cost_table
         ST = t.S_T(B, ctx).numpy()
         SD = t.S_D(B, ctx).numpy()
@@ -335,46 +385,73 @@ class CastPlanner:
     ) -> Plan:
         """Take one step's results: ``stats`` (``cast_step_stats``'s output, read on the host),
         the ``plan`` it ran, ``tokens`` emitted per active request, its measured time
-        ``step_s`` (seconds), the batch's context ``ctx`` (tokens). Updates λ̂, the calibration
-        and the next plan; returns it."""
+        ``step_s`` (seconds), the batch's context ``ctx`` (tokens). Updates λ̂ and the
+        calibration; every ``interval`` steps runs the rules on the window's mean curves and
+        moves the plan; returns the plan for the next step."""
         st = self._state(B)
         x = np.asarray(stats, dtype=np.float64)
         lay = self.layout
         if x[lay["active"]][0] < 1:  # no active request: nothing learnt
             return st.plan
-        target_cost, draft_cost, unit_us = self.costs(B, ctx)
-        if step_s > 0 and tokens > 0:
-            eta = tokens / (step_s * 1e6 / unit_us)
-            a = self.lam_smoothing if st.steps else 0.0
-            st.lam = a * st.lam + (1 - a) * eta
-        decay = 0.98
-        st.acc = decay * st.acc + x[lay["accepted"]]
-        st.score = decay * st.score + x[lay["scores"]]
-        layers = x[lay["layers"]].reshape(self.D, self.W)
-        raw = lambda_rules(
-            layers, x[lay["verify"]], plan.depth, st.lam, target_cost, draft_cost,
-            R=self.policy.R, max_depth=self.D,
-        )  # fmt: skip
-        s = self.smoothing if st.steps else 0.0
-        st.ema = [s * e + (1 - s) * v for e, v in zip(st.ema, (raw.width, raw.depth, raw.verify))]
-        st.plan = self._rounded(*st.ema)
         st.steps += 1
+        if step_s > 0 and tokens > 0:
+            _, _, unit_us = self.costs(B, ctx)
+            eta = tokens / (step_s * 1e6 / unit_us)
+            a = self.lam_smoothing if st.steps > 1 else 0.0
+            st.lam = a * st.lam + (1 - a) * eta
+        decay = 0.995
+        st.seen = decay * st.seen + x[lay["seen"]]
+        st.hits = decay * st.hits + x[lay["hits"]]
+        if plan != st.plan:  # a step of an older plan: its curves are another shape's
+            return st.plan
+        st.layers += x[lay["layers"]].reshape(self.D, self.W)
+        st.verify += x[lay["verify"]]
+        st.window += 1
+        if st.window < self.interval:
+            return st.plan
+        target_cost, draft_cost, _ = self.costs(B, ctx)
+        raw = lambda_rules(
+            st.layers / st.window, st.verify / st.window, plan.depth, st.lam, target_cost,
+            draft_cost, R=self.policy.R, max_depth=self.D,
+        )  # fmt: skip
+        st.plan, st.votes = self._toward(plan, raw, st.votes)
+        st.layers[:] = 0.0
+        st.verify[:] = 0.0
+        st.window = 0
+        st.rates_version += 1
         return st.plan
+
+    def _toward(self, plan: Plan, raw: Plan, votes: tuple) -> tuple[Plan, tuple]:
+        """``plan`` moved one bucket (one layer) towards ``raw`` in each size where this decision
+        and the previous one (``votes``) point the same way: a single noisy window moves
+        nothing. Returns (the plan, this decision's directions)."""
+        cur = (plan.width, plan.depth, plan.verify)
+        lists = (self.widths, list(range(1, self.D + 1)), self.verify_sizes)
+        out, dirs = [], []
+        for c, want, sizes, last in zip(cur, (raw.width, raw.depth, raw.verify), lists, votes):
+            target = _round_up(want, sizes)
+            d = (target > c) - (target < c)
+            dirs.append(d)
+            i = sizes.index(c)
+            out.append(sizes[min(max(i + d, 0), len(sizes) - 1)] if d and d == last else c)
+        width, depth, verify = out
+        most = 1 + self.K + (depth - 1) * width * self.K  # the most nodes the tree can hold
+        verify = min(verify, _round_up(most, self.verify_sizes))
+        return Plan(width=width, depth=depth, verify=verify), tuple(dirs)
 
     def _rounded(self, w: float, d: float, n: float) -> Plan:
         width = _round_up(min(max(w, 1.0), self.W), self.widths)
         depth = int(min(max(round(d), 1), self.D))
-        # the tree holds at most 1 + K + (depth - 1) * width * K nodes
         most = 1 + self.K + (depth - 1) * width * self.K
         verify = _round_up(min(max(n, 1.0), self.N, most), self.verify_sizes)
         return Plan(width=width, depth=depth, verify=verify)
 
     def describe(self, B: int) -> dict:
-        """λ̂, the plan and the gains at batch size ``B`` (for results and logs)."""
+        """λ̂, the plan and the calibrated rates at batch size ``B`` (for results and logs)."""
         st = self._state(B)
         return {
             "lambda": round(st.lam, 4),
             "plan": [st.plan.width, st.plan.depth, st.plan.verify],
-            "gains": [round(g, 3) for g in self.gains(B)],
+            "rates": [round(g, 4) for g in self.rates(B)],
             "steps": st.steps,
         }

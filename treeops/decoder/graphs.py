@@ -285,10 +285,11 @@ class _StaticBatch:
         self.rows = torch.arange(B, device=dev)
         self.stops: dict[int, torch.Tensor] = {}
         planner = dec.planner
-        if planner is not None:  # λ-CAST: the gains in, the step's statistics out
+        if planner is not None:  # λ-CAST: the calibration in, the step's statistics out
             pin = dev.type == "cuda"
-            self.gains = torch.ones(planner.D + 1, dtype=torch.float32, device=dev)
-            self.host_gains = torch.ones(planner.D + 1, dtype=torch.float32, pin_memory=pin)
+            nb = len(planner.rates(B))
+            self.rates = torch.zeros(nb, dtype=torch.float32, device=dev)
+            self.host_rates = torch.zeros(nb, dtype=torch.float32, pin_memory=pin)
             self.stats = torch.zeros(planner.size, dtype=torch.float32, device=dev)
             self.host_stats = torch.zeros(planner.size, dtype=torch.float32, pin_memory=pin)
         self.step_ready = True
@@ -432,9 +433,10 @@ class WholeStep:
     for the tree shape ``pb``.
 
     Under λ-CAST (``dec.planner``) each step runs the planner's current plan (one graph per plan,
-    captured on first use): the calibration gains go to the device before the replay, and after
+    captured on first use), and after
     the wait the step's statistics, its measured time (from the previous step's end: what
-    tokens per second see) and its emitted tokens update the planner."""
+    tokens per second see) and its emitted tokens update the planner; the calibration goes to the
+    device before a replay whenever the planner changed it."""
 
     def __init__(self, dec: Decoder, sb: _StaticBatch, res: DecodeResult, greedy: bool, stops,
                  generator: torch.Generator, make_body: Callable[..., Callable],
@@ -447,6 +449,8 @@ class WholeStep:
         self.t_last = time.perf_counter()
         self.pb = None if dec.tree_policy is None else sb.default
         self.plan = None
+        self.plans: dict = {}  # plan -> (its buffers, its graph key)
+        self.rates_version = -1
 
     def clock(self) -> float:
         return self.dec._clock()
@@ -458,10 +462,16 @@ class WholeStep:
         key = self.key
         if planner is not None:
             self.plan = planner.plan(B)
-            self.pb = sb.plan_buffers(planner.policy_for(self.plan))
-            key = (*key, self.plan)
-            sb.host_gains.copy_(torch.tensor(planner.gains(B), dtype=torch.float32))
-            sb.gains.copy_(sb.host_gains, non_blocking=True)
+            ent = self.plans.get(self.plan)
+            if ent is None:
+                pb = sb.plan_buffers(planner.policy_for(self.plan))
+                ent = self.plans[self.plan] = (pb, (*key, self.plan))
+            self.pb, key = ent
+            version = planner.rates_version(B)
+            if version != self.rates_version:  # a new calibration after a decision
+                self.rates_version = version
+                sb.host_rates.copy_(torch.tensor(planner.rates(B), dtype=torch.float32))
+                sb.rates.copy_(sb.host_rates, non_blocking=True)
         pb = self.pb
         n = dec.capacity if pb is None else pb.capacity
         t0 = self.clock()

@@ -288,11 +288,12 @@ class EagerStep(StepBody):
         if planner is not None:
             dev = self.carry.rows.device
             self.stats = torch.zeros(planner.size, dtype=torch.float32, device=dev)
-            gains = torch.tensor(planner.gains(self.B), dtype=torch.float32, device=dev)
+            rates = torch.tensor(planner.rates(self.B), dtype=torch.float32, device=dev)
             assert self.state is not None
             cast_step_stats(
-                self.state.cand_scores, tree, v.acc.accept_len, self.carry.active, gains,
-                self.stats, max_width=planner.W, capacity=planner.N,
+                self.state.cand_scores, tree, v.acc.accepted, v.acc.accept_len,
+                self.carry.active, rates, self.stats, max_depth=planner.D, max_width=planner.W,
+                capacity=planner.N,
             )  # fmt: skip
         return v
 
@@ -596,7 +597,7 @@ class WholeStepBody(StaticStep):
     fixed-shape tree (``pb``'s policy: verification at its capacity n, draft forwards of 1 then
     w rows, catch-up at the bucket of the longest possible accepted path, depth + 1 nodes;
     padding beyond ``accept_len`` masked). It reads the ``Carry`` in ``sb`` (and the uniforms
-    ``sb.u``, the stop ids ``stops``, λ-CAST's gains ``sb.gains``), writes the results into
+    ``sb.u``, the stop ids ``stops``, λ-CAST's calibration ``sb.rates``), writes the results into
     ``sb.pack`` (and the pinned ``sb.host_pack`` with ``copy_out``; λ-CAST's statistics into
     ``sb.stats`` / ``sb.host_stats``) and the next step's state in place. Its forwards are built
     once, outside any capture."""
@@ -633,8 +634,9 @@ class WholeStepBody(StaticStep):
         planner, sb = self.dec.planner, self.sb
         if planner is not None and self.pb is not None:
             cast_step_stats(
-                self.pb.state.cand_scores, tree, v.acc.accept_len, self.carry.active, sb.gains,
-                sb.stats, max_width=planner.W, capacity=planner.N,
+                self.pb.state.cand_scores, tree, v.acc.accepted, v.acc.accept_len,
+                self.carry.active, sb.rates, sb.stats, max_depth=planner.D, max_width=planner.W,
+                capacity=planner.N,
             )  # fmt: skip
         return v
 
