@@ -554,16 +554,20 @@ def plot(out_dir, rows) -> str | None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for pol in SPEC_POLICIES:
         pts = sorted(
-            (r["B"], r["speedup"])
+            (r["B"], r["speedup"], min(r.get("speedup_repeats") or [r["speedup"]]),
+             max(r.get("speedup_repeats") or [r["speedup"]]))
             for r in rows
             if r["policy"] == pol and r.get("speedup") and r.get("valid", True)
-        )
+        )  # fmt: skip
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=pol)
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            err = [[y - p[2] for y, p in zip(ys, pts)], [p[3] - y for y, p in zip(ys, pts)]]
+            label = "λ-CAST" if pol == "Cast" else pol
+            ax.errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, label=label)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size B")
-    ax.set_ylabel("speedup over autoregressive (tokens/s)")
+    ax.set_ylabel("speedup over autoregressive (tokens/s; bars: repeats' range)")
     ax.set_title("treeops example decoder, greedy")
     if ax.get_lines()[1:]:
         ax.legend()
