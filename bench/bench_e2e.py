@@ -50,9 +50,10 @@ what it measured):
    another order), otherwise a *mismatch* (a bug). Top-2 gaps are recorded too.
 
 6. Kernels and the floor (CUDA; ``--no-kernel-count`` skips the count): each row's
-   ``kernels_per_step`` (autoregressive rows), counted with ``torch.profiler`` over two ``generate`` calls after the
-   warm-up (graph replays' kernels included, as CUPTI lists them; ``count_kernels``), with
-   ``kernels_per_layer`` (÷ ``target_layers``), the per-step kernel mix and graph launches;
+   ``kernels_per_step`` (autoregressive rows), counted with ``torch.profiler`` over two
+   ``generate`` calls after the warm-up (graph replays' kernels included, as CUPTI lists
+   them; ``count_kernels``), with ``kernels_per_layer`` (÷ ``target_layers``), the per-step
+   kernel mix and graph launches;
    ``step_us`` (decode time per step) beside ``weight_read_floor_us``: the target's weight
    bytes (layers, final norm, LM head) ÷ 4.3 TB/s (``harness.HBM_BYTES_PER_S``), the floor of an
    autoregressive step. The autoregressive row of every B prints all three.
@@ -638,9 +639,13 @@ def main(argv=None) -> int:
     ap.add_argument("--C3", type=float, default=None)
     ap.add_argument("--cast-depth", type=int, default=10, help="Cast's max_depth")
     ap.add_argument("--cast-budget", type=int, default=96, help="Cast's capacity")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="per B, every policy's timed run repeated this many times, the "
-                    "policies interleaved (order rotated per repeat); ratios with spreads")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="per B, every policy's timed run repeated this many times, the "
+        "policies interleaved (order rotated per repeat); ratios with spreads",
+    )
     ap.add_argument("--min-tokens", type=int, default=0,
                     help="per (policy, B) row, at least this many generated tokens over the "
                     "repeats (more groups of B prompts)")  # fmt: skip

@@ -1,4 +1,5 @@
-"""Reference acceptance (docs/design.md op 7): greedy and lossless sampling over a batch of draft trees.
+"""Reference acceptance (docs/design.md op 7): greedy and lossless sampling over a batch of draft
+trees.
 
 This is the specification the Triton kernels in ``treeops.kernels.accept`` are tested against:
 plain PyTorch, one request at a time, probabilities in float64.

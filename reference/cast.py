@@ -128,9 +128,10 @@ def cast_utilities(
 def cast_width(
     scores: torch.Tensor, costs: torch.Tensor, C1: float, active: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Width of the next frontier (docs/design.md op 5): Algorithm 1 with ``u_k`` = batch mean of the
-    k best candidate scores of this layer (``scores`` [B, M], < 0 = none), ``c_k = costs[k - 1]``
-    (K = len(costs)) and threshold ``C1``. Returns a 0-d int32 tensor in [1, K].
+    """Width of the next frontier (docs/design.md op 5): Algorithm 1 with ``u_k`` = batch mean of
+    the k best candidate scores of this layer (``scores`` [B, M], < 0 = none),
+    ``c_k = costs[k - 1]`` (K = len(costs)) and threshold ``C1``. Returns a 0-d int32 tensor in
+    [1, K].
 
     ``k`` only ranges over widths that can be filled: ``k <= cast_available(scores, active)``, the
     most candidates (score >= 0) of any active request (1 if none is active). Beyond that count

@@ -1,4 +1,5 @@
-"""Reference KV compaction (docs/design.md op 8), written the obvious way: one slot copy at a time."""
+"""Reference KV compaction (docs/design.md op 8), written the obvious way: one slot copy at a
+time."""
 
 from __future__ import annotations
 

@@ -253,7 +253,7 @@ def test_planner_rates_follow_the_data():
     pl.observe(1, x, pl.plan(1), tokens=2.0, step_s=1e-3, ctx=10)
     r = pl.rates(1)
     assert r[3] == pytest.approx(0.3, rel=1e-4)
-    assert r[0] == pytest.approx(2.0 ** -0.25, rel=1e-3)  # the prior where nothing was seen
+    assert r[0] == pytest.approx(2.0**-0.25, rel=1e-3)  # the prior where nothing was seen
 
 
 def test_planner_policy_shape_and_checks():

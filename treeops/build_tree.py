@@ -113,8 +113,8 @@ class Cast:
     the thresholds are the running throughput estimate λ̂ and the tree's sizes are planned
     between steps by a ``treeops.CastPlanner`` (the example decoder does this); drafting then
     runs the plan's ``EagleStatic`` shape (``CastPlanner.policy_for``), and
-    ``build_tree_expand`` / ``build_tree_emit`` with a λ-CAST policy itself are a ``ValueError``. Either all three
-    thresholds are numbers or all are None.
+    ``build_tree_expand`` / ``build_tree_emit`` with a λ-CAST policy itself are a
+    ``ValueError``. Either all three thresholds are numbers or all are None.
     """
 
     C1: float | None = None

@@ -20,9 +20,9 @@ maximises ``A − λτ`` at ``λ = η*``, which splits into marginal rules (all 
 ``λ̂`` is kept online per batch size: emitted tokens per active request per step ÷ the measured
 step time in ``S_T(B, 1)`` units (an exponential average); the draft's path scores are
 calibrated online into acceptance probabilities per score bin (the verified nodes of each bin
-and how many of them were accepted). ``CastPlanner`` holds that state on the host; the device computes
-each step's curves and calibration counts with ``cast_step_stats`` (torch ops, no host sync,
-capturable) and the host reads them with the step's results: no extra wait.
+and how many of them were accepted). ``CastPlanner`` holds that state on the host; the device
+computes each step's curves and calibration counts with ``cast_step_stats`` (torch ops, no host
+sync, capturable) and the host reads them with the step's results: no extra wait.
 
 The plan changes between steps only: every ``interval`` steps the rules run on the curves averaged
 over those steps and each size moves at most one bucket (of the sizes the engine has graphs for)
@@ -44,7 +44,12 @@ from .build_tree import Cast, EagleStatic
 from .tree import Tree
 
 __all__ = [
-    "Plan", "CastPlanner", "cast_step_stats", "stats_size", "lambda_rules", "SCORE_BINS",
+    "Plan",
+    "CastPlanner",
+    "cast_step_stats",
+    "stats_size",
+    "lambda_rules",
+    "SCORE_BINS",
     "score_bin",
 ]
 

@@ -30,7 +30,12 @@ if TYPE_CHECKING:
     from .engine import Decoder
 
 __all__ = [
-    "TOKEN_BUCKETS", "token_buckets", "bucket_for", "GraphRunner", "PlanBuffers", "WholeStep",
+    "TOKEN_BUCKETS",
+    "token_buckets",
+    "bucket_for",
+    "GraphRunner",
+    "PlanBuffers",
+    "WholeStep",
 ]
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)

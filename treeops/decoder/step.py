@@ -50,10 +50,10 @@ import torch
 from .._draft_state import DraftState
 from ..accept import accept_greedy, accept_sample
 from ..build_tree import build_tree_emit, build_tree_expand
+from ..cast_plan import cast_step_stats
 from ..compact_kv import compact_kv
 from ..graft import graft, prune
 from ..tree import Tree
-from ..cast_plan import cast_step_stats
 from .graphs import PlanBuffers, _StaticBatch, bucket_for
 from .model import PagedKV, chain_tree
 from .results import DecodeResult
@@ -344,9 +344,11 @@ class EagerStep(StepBody):
         W, K, Nd = pol.max_width, pol.topk, dec.draft_capacity
         C = W * K
         H = tgt.cfg.hidden_size
-        same = self.state is not None and self.state.cand_scores.shape[1:] == (
-            pol.max_depth, pol.max_width * pol.topk
-        ) and self.state.workspace["sel"].shape[1] == pol.capacity
+        same = (
+            self.state is not None
+            and self.state.cand_scores.shape[1:] == (pol.max_depth, pol.max_width * pol.topk)
+            and self.state.workspace["sel"].shape[1] == pol.capacity
+        )
         if same:
             self.state.reset(root, seq_lens, active)
         else:
