@@ -61,8 +61,8 @@ what it measured):
 Writes ``DIR/e2e.json`` (``gpu``, ``versions``, ``commit``, ``model``, ``cost_table``, ``rows``)
 and ``DIR/e2e.png`` (speedup over autoregressive against B, per policy; needs matplotlib), and
 prints a table last. ``--budget-s`` (wall clock from the start, training included) stops adding
-rows once the next B would not fit (estimated from the rows so far: the largest warm-up plus
-the time of the largest batch size so far).
+rows once the next B would not fit: 1.2 × the longest batch size's time so far
+(``--first-batch-s`` before the first).
 """
 
 from __future__ import annotations
@@ -656,6 +656,9 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", default=None,
                     help="an earlier run's e2e.json: its rows are kept and its batch sizes "
                     "skipped (a run split over two device calls)")  # fmt: skip
+    ap.add_argument("--first-batch-s", type=float, default=120.0,
+                    help="the budget check's estimate of the first batch size's rows (later "
+                    "ones: the longest batch so far)")  # fmt: skip
     ap.add_argument("--contexts", type=int, default=4, help="cost table context buckets M")
     ap.add_argument("--context-len", type=int, default=128, help="cost table bucket length L")
     ap.add_argument("--cache-dir", default=None, help="train_pair cache (/tmp/treeops-e2e-pair)")
@@ -773,8 +776,8 @@ def main(argv=None) -> int:
         n_groups = max(-(-args.min_requests // B), -(-args.min_tokens // per_group))
         groups = groups_of(prompts, B, n_groups * B)
         bprompts = [p for g in groups for p in g]  # every request of the row, group by group
-        est = max(b_seconds, default=0.0)
-        if b_seconds and time.time() - t_start + 1.2 * est > args.budget_s:
+        est = max(b_seconds, default=args.first_batch_s)
+        if time.time() - t_start + 1.2 * est > args.budget_s:
             stopped = f"budget: B={B} and later not run ({time.time() - t_start:.0f} s used)"
             log(stopped)
             break

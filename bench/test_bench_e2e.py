@@ -83,10 +83,14 @@ def test_bench_e2e_min_requests_groups(tmp_path, pair):
 def test_bench_e2e_budget_stops_adding_rows(tmp_path):
     argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs",
             "--batches", "1,2,4", "--new-tokens", "3", "--prompt-len", "6", "--budget-s", "0",
-            "--policies", "chain"]  # fmt: skip
+            "--policies", "chain", "--first-batch-s", "0"]  # fmt: skip
     assert bench.main(argv) == 0
     doc = json.loads((tmp_path / "e2e.json").read_text())
     assert doc["stopped"] and {r["B"] for r in doc["rows"]} == {1}
+    # the first batch size too is skipped when its estimate does not fit
+    assert bench.main(argv[:-1] + ["60"]) == 0
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    assert doc["stopped"] and doc["rows"] == []
 
 
 def test_bench_e2e_step_graphs_rows(tmp_path):
