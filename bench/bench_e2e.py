@@ -658,7 +658,7 @@ def main(argv=None) -> int:
                     "skipped (a run split over two device calls)")  # fmt: skip
     ap.add_argument("--first-batch-s", type=float, default=120.0,
                     help="the budget check's estimate of the first batch size's rows (later "
-                    "ones: the longest batch so far)")  # fmt: skip
+                    "ones: the longest batch so far); 0 always runs the first")  # fmt: skip
     ap.add_argument("--contexts", type=int, default=4, help="cost table context buckets M")
     ap.add_argument("--context-len", type=int, default=128, help="cost table bucket length L")
     ap.add_argument("--cache-dir", default=None, help="train_pair cache (/tmp/treeops-e2e-pair)")
@@ -777,7 +777,7 @@ def main(argv=None) -> int:
         groups = groups_of(prompts, B, n_groups * B)
         bprompts = [p for g in groups for p in g]  # every request of the row, group by group
         est = max(b_seconds, default=args.first_batch_s)
-        if time.time() - t_start + 1.2 * est > args.budget_s:
+        if est > 0 and time.time() - t_start + 1.2 * est > args.budget_s:
             stopped = f"budget: B={B} and later not run ({time.time() - t_start:.0f} s used)"
             log(stopped)
             break
