@@ -202,6 +202,9 @@ def launchers_on_cpu():
 
     driver.set_active(_Driver())
     saved = JITFunction._do_compile
+    direct_was = _library.DIRECT
+    if direct_was:  # the ops' direct path (no dispatcher) for the CPU tensors too
+        _library.DIRECT = 2
     JITFunction._do_compile = _stub_compile
     # torch before 2.13 refuses a second Python kernel for an (op, key) it has in this registry
     # of Python registrations (the dispatcher itself allows the override and undoes it when the
@@ -225,6 +228,10 @@ def launchers_on_cpu():
         if hidden:
             registry |= hidden
         JITFunction._do_compile = saved
+        _library.DIRECT = direct_was
+        from treeops.kernels import _launch
+
+        _launch.clear_all()  # the stub kernels cached for the stand-in driver
 
 
 def cpu_rows(ops: list[str], iters: int, repeats: int) -> list[dict]:

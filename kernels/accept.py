@@ -39,6 +39,7 @@ from treeops._accept_inputs import Acceptance
 from treeops._runtime import interpreted, pow2, refuse_in_capture
 from treeops.tree import Tree
 
+from ._launch import direct
 from .accept_stats import _node_stats
 from .accept_walk import _walk
 
@@ -401,10 +402,10 @@ def accept_launch(
     assert tk.stride(1) == 1 and tp.stride(1) == 1, "tree fields are contiguous along N"
     S = plan.S
     if phase == 0:
-        _accept_kernel[(B * N * S,)](*args, PHASE=0, **plan.common)
+        direct(_accept_kernel).launch((B * N * S,), *args, PHASE=0, **plan.common)
     else:
-        _accept_kernel[(B * N * S,)](*args, PHASE=1, **plan.common)
-        _accept_kernel[(B,)](*args, PHASE=2, **plan.common)
+        direct(_accept_kernel).launch((B * N * S,), *args, PHASE=1, **plan.common)
+        direct(_accept_kernel).launch((B,), *args, PHASE=2, **plan.common)
     return out
 
 

@@ -41,6 +41,8 @@ from treeops import _runtime
 from treeops._runtime import cdiv, interpreted, pow2, refuse_in_capture
 from treeops.tree import Tree, anc_words
 
+from ._launch import direct
+
 # below every key a real logit or score can produce (ordered(-inf) << 32 is about -2^63 + 2^55)
 _KEY_MIN = -9223372036854775807 - 1
 
@@ -653,7 +655,8 @@ def expand(
         rctr = pm = ps = pk = workspace["counters"]  # never read (SPLIT = 1)
     costs = cast if cast is not None else _no_cast(u_hist)
     warps = num_warps or (1 if interpreted() else (8 if block_v >= 4096 else 4))
-    _expand_kernel[(B * W * split,)](
+    direct(_expand_kernel).launch(
+        (B * W * split,),
         logits,
         frontier_scores,
         frontier,
@@ -747,7 +750,8 @@ def emit(
     # [NP, NP] tiles: past 64 nodes 8 warps keep the per-thread registers in bounds
     # (bench/compile_check.py reports them)
     warps = 1 if interpreted() else (4 if NP <= 64 else 8)
-    _select_kernel[(B,)](
+    direct(_select_kernel).launch(
+        (B,),
         cand_scores,
         ws["sel"],
         ws["pos"],
@@ -761,7 +765,8 @@ def emit(
         NP=NP,
         num_warps=warps,
     )
-    _emit_kernel[(B,)](
+    direct(_emit_kernel).launch(
+        (B,),
         cand_tokens,
         cand_scores,
         cand_parents,

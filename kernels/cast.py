@@ -37,6 +37,8 @@ import triton.language as tl
 
 from treeops._runtime import interpreted, pow2
 
+from ._launch import direct
+
 __all__ = [
     "MAX_TILE",
     "cast_depth_launch",
@@ -179,7 +181,8 @@ def cast_select_launch(u: torch.Tensor, c: torch.Tensor, C: float, out: torch.Te
     ``C``: writes the largest maximising ``k`` into ``out`` (0-d int32)."""
     K = u.shape[0]
     BK = min(pow2(K), 8 if interpreted() else 1024)  # the interpreter runs several tiles
-    _cast_select_kernel[(1,)](
+    direct(_cast_select_kernel).launch(
+        (1,),
         u, c, out, K, u.stride(0), c.stride(0), float(C), BK=BK,
         num_warps=1 if interpreted() else 4,
     )  # fmt: skip
@@ -190,7 +193,8 @@ def _utility_launch(scores, costs, C, active, out, root: bool) -> None:
     K = costs.shape[0]
     BB, KP, CW, warps = cast_tiling(B, M, K, root)
     act = active.view(torch.uint8) if active is not None else out
-    _cast_utility_kernel[(1,)](
+    direct(_cast_utility_kernel).launch(
+        (1,),
         scores,
         costs,
         act,
@@ -244,7 +248,8 @@ def cast_depth_launch(
     """CAST's depth flag: ``u_hist`` [i + 1] (float32/64, any stride), ``c`` 0-d, threshold
     ``C2``, FIFO length ``R`` >= 1; writes ``alpha * u^(i) / c >= C2`` into ``out`` (0-d bool)."""
     n = u_hist.shape[0]
-    _cast_depth_kernel[(1,)](
+    direct(_cast_depth_kernel).launch(
+        (1,),
         u_hist, c, out, n, int(R), u_hist.stride(0), float(C2), RP=pow2(min(int(R), n)),
         num_warps=1,
     )  # fmt: skip

@@ -18,6 +18,8 @@ import triton.language as tl
 
 from treeops._runtime import pow2, refuse_in_capture
 
+from ._launch import direct
+
 
 @triton.jit(do_not_specialize=["N", "L", "H"])
 def _compact_kernel(
@@ -137,7 +139,8 @@ def compact_kv_launch(
     if out is None:
         out = torch.empty(B, dtype=torch.int32, device=accepted.device)
     grid = (B * L * H,)
-    _compact_kernel[grid](
+    direct(_compact_kernel).launch(
+        grid,
         k0,
         v0,
         ktab,

@@ -33,6 +33,7 @@ from treeops import _runtime
 from treeops._runtime import cdiv, interpreted, pow2
 from treeops.tree import Tree
 
+from ._launch import direct
 from .graft_update import _claim_kernel, _topk_partial_kernel, _update_write_kernel
 
 INT32_MAX = 2**31 - 1
@@ -519,7 +520,8 @@ def graft_fused(
     ws_i = torch.empty(B * 5 * TB, dtype=torch.int32, device=dev)
     ws_l = torch.empty(B * 2 * TB, dtype=torch.int64, device=dev)
     ws_anc = torch.empty(B * TB * WB, dtype=torch.int32, device=dev)
-    _graft_kernel[(B,)](
+    direct(_graft_kernel).launch(
+        (B,),
         tree.tokens,
         tree.parents,
         tree.num_nodes,
@@ -586,7 +588,8 @@ def retrieve(
     TB = max(pow2(T), 2)
     ws_tok = torch.empty(B * TB, dtype=torch.int64, device=dev)
     ws_pos = torch.empty(B * TB, dtype=torch.int32, device=dev)
-    _retrieve_kernel[(B,)](
+    direct(_retrieve_kernel).launch(
+        (B,),
         table,
         root_tokens,
         root_tokens.stride(0),
@@ -671,7 +674,8 @@ def adjacency_update(
                     torch.empty(n_flat * S * KB, dtype=torch.int32, device=table.device),
                 )
             ws_val, ws_id = workspace[key]
-            _topk_partial_kernel[(n_flat, S)](
+            direct(_topk_partial_kernel).launch(
+                (n_flat, S),
                 logits,
                 tokens,
                 num_nodes,
@@ -700,7 +704,8 @@ def adjacency_update(
                 raise ValueError(
                     "Invalid stride of topk_ids: expected the last dimension contiguous"
                 )
-            _claim_kernel[(cdiv(n_flat, 256),)](
+            direct(_claim_kernel).launch(
+                (cdiv(n_flat, 256),),
                 tokens,
                 num_nodes,
                 owner,
@@ -716,7 +721,8 @@ def adjacency_update(
             s_ib, s_in = topk_ids.stride(0), topk_ids.stride(1)
         C = pow2(n_cand)
         block_m = max(1, min(64, 2048 // C))
-        _update_write_kernel[(cdiv(n_flat, block_m),)](
+        direct(_update_write_kernel).launch(
+            (cdiv(n_flat, block_m),),
             tokens,
             num_nodes,
             owner,

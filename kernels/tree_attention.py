@@ -27,6 +27,8 @@ import triton.language as tl
 from treeops import _runtime
 from treeops._runtime import interpreted
 
+from ._launch import direct
+
 _LN2 = 0.6931471805599453
 _LOG2E = 1.4426950408889634
 
@@ -562,14 +564,16 @@ def tree_attention_fwd(
     lse_strides = lse.stride() if has_lse else (0, 0, 0)
     qs = q_start if has_qs else seq_lens
     ql = q_len if has_ql else seq_lens
-    _tree_attn_fwd[plan.grid](
+    direct(_tree_attn_fwd).launch(
+        plan.grid,
         q, k_cache, v_cache, block_table, seq_lens, num_nodes, anc, qs, ql, out, lse_t, wo, wl,
         sm_scale * _LOG2E, q.shape[1], k_cache.shape[2], *q.stride(), *k_cache.stride(),
         *v_cache.stride(), block_table.stride(0), anc.stride(0), anc.stride(1), *out.stride(),
         *lse_strides, **plan.consts,
     )  # fmt: skip
     if split:
-        _merge_splits[plan.merge_grid](
+        direct(_merge_splits).launch(
+            plan.merge_grid,
             wo, wl, num_nodes, qs, ql, out, lse_t, q.shape[1], q.shape[2], *out.stride(),
             *lse_strides, **plan.merge_consts,
         )  # fmt: skip

@@ -1,0 +1,269 @@
+"""Direct launches of Triton kernels: Triton's compiled kernel, without ``JITFunction.run``.
+
+``kernel[grid](*args)`` spends 5-20 µs of Python per launch before the C launch (on a fast CPU;
+about three times that on the H200's host): it binds every argument to the signature, specialises
+each one (``native_specialize_impl``: a pointer's dtype and 16-byte alignment, an integer's range,
+whether it equals 1 or is divisible by 16), builds a string key from them and the options, looks
+the compiled kernel up, checks the globals it read, and builds the launch metadata for the hooks.
+``direct(kernel).launch(grid, *args, **kwargs)`` takes the same arguments and does the lookup
+itself, from a key that costs a fraction of that, then calls the compiled kernel's launcher
+exactly as ``JITFunction.run`` does (``compiled.run(grid..., stream, function, packed_metadata,
+...)``).
+
+Why it launches what Triton would. The key is a tuple, built by code generated per kernel (no loop
+in Python), that holds everything Triton's specialisation depends on, and more:
+
+* each tensor argument's dtype and whether its data pointer is 16-byte aligned;
+* each integer's class and value (its value fixes its range, ``== 1``, ``% 16``), or for a
+  ``do_not_specialize`` integer its class and whether it fits in int32 (else its value);
+* each float's or bool's class (Triton specialises neither on its value), ``is None`` for None;
+* each constexpr's class and value; the launch options (``num_warps``, ``num_stages``) with their
+  classes; ``knobs.runtime.debug`` and ``knobs.compilation.instrumentation_mode`` (options Triton
+  adds); the driver object and the current device (Triton's caches are per device).
+
+So two calls with equal keys get equal specialisations. A key not seen before launches through
+``JITFunction.run`` (compiling if needed) and stores the ``CompiledKernel`` it returns under the
+key, provided every argument has the kind the generated code was built for (the kinds of the first
+call: tensor, int, float, bool, None; the class entries in the key keep a bool from matching a
+stored int, a float an int). tests/test_host_path.py checks, for arguments that differ in every
+specialised property (integers 1, 16, 17; pointers aligned and not; dtypes), that the kernel
+launched is the one in Triton's own cache under Triton's own key.
+
+Always through ``JITFunction.run`` instead: under ``TRITON_INTERPRET=1`` (the kernel is no
+``JITFunction``) and with ``TREEOPS_DIRECT_LAUNCH=0``; when ``JITFunction.run`` is not Triton's
+(``bench/compile_check.py``'s compile-only run, ``bench/bench_host.py``'s timing stub), a grid that
+is no tuple, options other than ``num_warps``/``num_stages``, a kernel with pre-run hooks, launch
+enter/exit hooks installed (``knobs.runtime.launch_enter_hook``: the profiler's; Triton builds
+their metadata), an argument whose key cannot be built (a kind the generated code does not expect),
+or an async compile. The globals a kernel read are checked on every direct launch, as Triton checks
+them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+
+import torch
+from triton import knobs
+from triton.knobs import HookChain
+from triton.runtime.driver import driver as _driver_config
+from triton.runtime.jit import JITFunction
+
+ENABLED = os.environ.get("TREEOPS_DIRECT_LAUNCH") != "0"
+"""Read at import: ``TREEOPS_DIRECT_LAUNCH=0`` sends every launch through ``JITFunction.run`` (to
+compare, or to rule the direct launch out while debugging)."""
+
+_TRITON_RUN = JITFunction.run
+"""Triton's own ``run``: when the class's is another (patched), every launch goes through it."""
+
+MAX_ENTRIES = 256
+"""Keys kept per kernel; the cache is emptied when full (an engine's shapes fit many times)."""
+
+_MISSING = object()
+OPTIONS = ("num_warps", "num_stages")
+"""The launch options a direct launch handles; other keywords go through ``JITFunction.run``."""
+
+KINDS = {torch.Tensor: "T", int: "i", float: "f", bool: "b", type(None): "N"}
+
+
+def kind_of(value: object, constexpr: bool, dns: bool) -> str | None:
+    """A parameter's kind for the generated key code: "c" constexpr, "T" tensor, "i" int ("n" not
+    specialised), "f" float, "b" bool, "N" None; None for anything else (no direct launch)."""
+    if constexpr:
+        return "c"
+    k = KINDS.get(value.__class__)
+    if k is None and isinstance(value, torch.Tensor):
+        k = "T"
+    if k == "i" and dns:
+        k = "n"
+    return k
+
+
+def _key_expr(name: str, kind: str) -> str:
+    """The key entries of one argument (see the module docstring)."""
+    if kind == "T":
+        return f"{name}.dtype, not {name}.data_ptr() & 15"
+    if kind == "i" or kind == "c":
+        return f"{name}.__class__, {name}"
+    if kind == "n":
+        return f"{name}.__class__, -0x80000000 <= {name} <= 0x7fffffff or {name}"
+    if kind in ("f", "b"):
+        return f"{name}.__class__"
+    if kind == "N":
+        return f"{name} is None"
+    raise ValueError(kind)
+
+
+def _check_globals(fn: JITFunction) -> None:
+    """``JITFunction.run``'s check that the globals a kernel read have not changed since it was
+    compiled (the same loop, the same error)."""
+    not_present = object()
+    for (name, _), (val, globals_dict) in fn.used_global_vals.items():
+        if (new_val := globals_dict.get(name, not_present)) != val:
+            raise RuntimeError(
+                f"Global variable {name} has changed since we compiled this kernel, from {val} "
+                f"to {new_val}"
+            )
+
+
+class Launcher:
+    """Direct launches of one ``@triton.jit`` kernel: ``launch(grid, *args, **kwargs)`` is
+    ``kernel[grid](*args, **kwargs)`` (see the module docstring).
+
+    ``cache``: key -> (compiled.run, compiled.function, compiled.packed_metadata, compiled);
+    ``kinds``: the argument kinds the generated key code expects (set by the first launch);
+    ``misses``: launches that went through ``JITFunction.run``."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.cache: dict[tuple, tuple] = {}
+        self.kinds: tuple[str, ...] | None = None
+        self.misses = 0
+        self.source = ""
+        if ENABLED and isinstance(fn, JITFunction):
+            self.params = [p.name for p in fn.params]
+            self._sig = inspect.signature(fn.fn)
+            self.launch: Callable = self._first
+        else:  # the interpreter's InterpretedFunction: Triton's path always
+            self.launch = self._triton
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__name__", repr(self.fn))
+        return f"Launcher({name}, {len(self.cache)} keys, {self.misses} misses)"
+
+    def _triton(self, grid, *args, **kwargs):
+        self.misses += 1
+        return self.fn[grid](*args, **kwargs)
+
+    def clear(self) -> None:
+        """Forget the cached kernels (they are Triton's: its own cache keeps them)."""
+        self.cache.clear()
+
+    def _first(self, grid, *args, **kwargs):
+        """The first launch: learn the argument kinds, generate the launch code, launch with it."""
+        fn = self.fn
+        opts = {k: kwargs.pop(k) for k in list(kwargs) if k not in self._sig.parameters}
+        try:
+            bound = self._sig.bind(*args, **kwargs)
+        except TypeError:
+            self.launch = self._triton
+            return self._triton(grid, *args, **kwargs, **opts)
+        bound.apply_defaults()
+        kinds = []
+        for p, value in zip(fn.params, bound.arguments.values(), strict=True):
+            kinds.append(kind_of(value, p.is_constexpr, p.do_not_specialize))
+        if None in kinds or any(name.startswith("_t_") for name in self.params):
+            self.launch = self._triton
+        else:
+            self.kinds = tuple(kinds)  # type: ignore[arg-type]
+            self.launch = self._generate()
+        return self.launch(grid, *args, **kwargs, **opts)
+
+    def _generate(self) -> Callable:
+        fn, names, kinds = self.fn, self.params, self.kinds
+        assert kinds is not None
+        sig_parts = []
+        ns: dict[str, object] = {}
+        for name, p in zip(names, self._sig.parameters.values(), strict=True):
+            if p.default is inspect.Parameter.empty:
+                sig_parts.append(name)
+            else:
+                ns[f"_t_default_{name}"] = p.default
+                sig_parts.append(f"{name}=_t_default_{name}")
+        sig = ", ".join(["_t_grid", *sig_parts, *(f"{o}=_t_missing" for o in OPTIONS)])
+        args = ", ".join(names)
+        opts_key = ", ".join(f"{o}.__class__, {o}" for o in OPTIONS)
+        key = ", ".join(_key_expr(n, k) for n, k in zip(names, kinds, strict=True))
+        self.source = f"""
+def launch({sig}, **_t_other):
+    _t_drv = _t_dc._active or _t_dc.active
+    _t_enter = _t_rt.launch_enter_hook
+    _t_exit = _t_rt.launch_exit_hook
+    if (_t_JF.run is _t_triton_run and not _t_other and _t_grid.__class__ is tuple
+            and _t_enter.__class__ is _t_HC and not _t_enter.calls
+            and _t_exit.__class__ is _t_HC and not _t_exit.calls and not _t_fn.pre_run_hooks):
+        _t_dev = _t_drv.get_current_device()
+        try:
+            _t_key = (_t_dev, _t_drv, _t_rt.debug, _t_comp.instrumentation_mode, {opts_key},
+                      {key})
+            _t_entry = _t_cache.get(_t_key)
+        except Exception:
+            _t_key = _t_entry = None
+        if _t_entry is not None:
+            if _t_fn.used_global_vals:
+                _t_check_globals(_t_fn)
+            _t_n = len(_t_grid)
+            _t_entry[0](_t_grid[0], _t_grid[1] if _t_n > 1 else 1, _t_grid[2] if _t_n > 2 else 1,
+                        _t_drv.get_current_stream(_t_dev), _t_entry[1], _t_entry[2], None, None,
+                        None, {args})
+            return _t_entry[3]
+    else:
+        _t_key = None
+    return _t_slow(_t_key, _t_grid, ({args},), ({", ".join(OPTIONS)},), _t_other)
+"""
+        ns.update(
+            _t_dc=_driver_config,
+            _t_rt=knobs.runtime,
+            _t_comp=knobs.compilation,
+            _t_JF=JITFunction,
+            _t_triton_run=_TRITON_RUN,
+            _t_HC=HookChain,
+            _t_fn=fn,
+            _t_cache=self.cache,
+            _t_check_globals=_check_globals,
+            _t_slow=self._slow,
+            _t_missing=_MISSING,
+        )
+        exec(compile(self.source, f"<treeops launch {fn.__name__}>", "exec"), ns)
+        return ns["launch"]  # type: ignore[return-value]
+
+    def _slow(self, key, grid, args: tuple, options: tuple, other: dict):
+        """Launch through ``JITFunction.run``; remember the compiled kernel under ``key`` if the
+        arguments have the kinds the key code was generated for."""
+        self.misses += 1
+        kwargs = {o: v for o, v in zip(OPTIONS, options) if v is not _MISSING}
+        kwargs.update(other)
+        kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+        if key is not None and kernel is not None and not hasattr(kernel, "result"):
+            fn = self.fn
+            kinds = tuple(
+                kind_of(a, p.is_constexpr, p.do_not_specialize)
+                for a, p in zip(args, fn.params, strict=True)
+            )
+            if kinds == self.kinds:
+                if len(self.cache) >= MAX_ENTRIES:
+                    self.cache.clear()
+                try:
+                    self.cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, kernel)
+                except TypeError:  # an unhashable constexpr: no direct launch for it
+                    pass
+        return kernel
+
+
+LAUNCHERS: list[Launcher] = []
+"""Every launcher ``direct`` made (``clear_all`` empties their caches)."""
+
+
+def direct(fn) -> Launcher:
+    """The ``Launcher`` of ``fn`` (made on first use, kept on the kernel object): launch sites
+    write ``direct(_kernel).launch(grid, ...)`` and so look the kernel up when they run, as
+    ``_kernel[grid](...)`` did (a test may replace a module's kernel)."""
+    try:
+        return fn._treeops_launcher
+    except AttributeError:
+        pass
+    lau = Launcher(fn)
+    try:
+        fn._treeops_launcher = lau
+    except AttributeError:  # an object that takes no attributes: a new launcher per call
+        return lau
+    LAUNCHERS.append(lau)
+    return lau
+
+
+def clear_all() -> None:
+    """Forget every launcher's cached kernels (after a test swapped Triton's driver, say)."""
+    for lau in LAUNCHERS:
+        lau.clear()
