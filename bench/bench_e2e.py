@@ -652,7 +652,8 @@ def main(argv=None) -> int:
     ap.add_argument("--table", default=None,
                     help="load the cost table from this JSON instead of calibrating (a table "
                     "an earlier run of the same pair wrote; also written to "
-                    "$TREEOPS_TABLE_CACHE, default /tmp/treeops-e2e-table.json)")  # fmt: skip
+                    "$TREEOPS_TABLE_CACHE, default /tmp/treeops-e2e-table.json); calibrates "
+                    "when the file is missing")  # fmt: skip
     ap.add_argument("--resume", default=None,
                     help="an earlier run's e2e.json: its rows are kept and its batch sizes "
                     "skipped (a run split over two device calls)")  # fmt: skip
@@ -740,10 +741,12 @@ def main(argv=None) -> int:
     n_max = max(args.budget, args.topk, args.cast_budget)  # CAST: n_max >= capacity, max width
     cache = os.environ.get("TREEOPS_TABLE_CACHE", "/tmp/treeops-e2e-table.json")
     try:
-        if args.table:
+        if args.table and os.path.exists(args.table):
             table = CostTable.load(args.table)
             log(f"cost table loaded from {args.table}")
         else:
+            if args.table:  # (a device call on a fresh machine: its /tmp is empty)
+                log(f"no cost table at {args.table}: calibrating")
             table = calibrate(target, draft, sorted(batches), n_max, args.context_len,
                               args.contexts, device, args.quick, topk=args.topk,
                               width=args.topk)  # fmt: skip
