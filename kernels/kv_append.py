@@ -15,8 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from treeops._runtime import interpreted, refuse_in_capture
+from treeops._runtime import cdiv, interpreted, pow2, refuse_in_capture
 from treeops.reference.kv_append import rope_inv_freq
+
+from ._launch import direct
 
 
 @triton.jit(do_not_specialize=["N", "H_KV"])
@@ -140,9 +142,10 @@ def kv_append_fwd(
     """Launch (no checks). ``q`` [B, N, H_q, D] (H_q a multiple of H_kv, any strides), if given,
     is rotated in place at K's positions for tokens i < ``num_tokens[b]``."""
     B, N, H_kv, D = k.shape
-    block_t = min(triton.next_power_of_2(N), 16 if interpreted() else 32)
-    grid = (B * triton.cdiv(N, block_t), H_kv)
-    _kv_append[grid](
+    block_t = min(pow2(N), 16 if interpreted() else 32)
+    grid = (B * cdiv(N, block_t), H_kv)
+    direct(_kv_append).launch(
+        grid,
         k,
         v,
         q if q is not None else k,
@@ -209,7 +212,8 @@ def rope_fwd(x: torch.Tensor, positions: torch.Tensor, theta: float, out: torch.
     B, N, H, D = x.shape
     if B * N == 0:
         return
-    _rope[(B * N,)](
+    direct(_rope).launch(
+        (B * N,),
         x,
         positions,
         inv_freq(D, theta, x.device),
@@ -219,7 +223,7 @@ def rope_fwd(x: torch.Tensor, positions: torch.Tensor, theta: float, out: torch.
         *x.stride(),
         *positions.stride(),
         *out.stride()[:3],
-        H_PAD=triton.next_power_of_2(H),
+        H_PAD=pow2(H),
         HALF=D // 2,
         num_warps=1 if interpreted() else (4 if H * D >= 4096 else 2),
     )

@@ -16,12 +16,14 @@ import torch
 
 from ._checks import (
     FLOAT_DTYPES,
+    Memo,
     check_head_dim,
     check_paged_batch,
     check_range,
     check_same_device,
     check_tensor,
     cuda_device,
+    signature,
 )
 from ._library import define
 from .kernels import kv_append as _k
@@ -48,6 +50,70 @@ def _kv_append_cpu(
     )  # fmt: skip
 
 
+_PASSED = Memo()
+"""Signatures (``treeops._checks.signature``) of ``kv_append`` and ``rope`` calls whose checks
+passed (with ``validate=False``): a repeated call skips them."""
+
+
+def _check_kv_append(
+    k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, q, rope_theta, validate
+) -> None:
+    sizes: dict[str, int] = {}
+    check_tensor("k", k, shape=("B", "N", "H_kv", "D"), dtype=FLOAT_DTYPES, sizes=sizes)
+    check_head_dim("k", sizes["D"])
+    check_tensor("v", v, shape=("B", "N", "H_kv", "D"), dtype=k.dtype, sizes=sizes)
+    check_tensor(
+        "k_cache", k_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype, sizes=sizes
+    )
+    check_tensor(
+        "v_cache", v_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype, sizes=sizes
+    )
+    check_paged_batch(block_table, seq_lens, sizes)
+    check_tensor(
+        "num_tokens", num_tokens, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True
+    )
+    if depth is not None:
+        check_tensor("depth", depth, shape=("B", "N"), dtype=torch.int32, sizes=sizes)
+    if q is not None:
+        check_tensor("q", q, shape=("B", "N", None, "D"), dtype=k.dtype, sizes=sizes)
+        if q.shape[2] % sizes["H_kv"]:
+            raise ValueError(
+                f"Invalid shape of q: expected a multiple of H_kv = {sizes['H_kv']} query heads "
+                f"(dim 2), got {q.shape[2]}"
+            )
+        if any(st == 0 and n > 1 for st, n in zip(q.stride(), q.shape, strict=True)):
+            # rotated in place: elements sharing memory would be written more than once
+            raise ValueError(
+                f"Invalid stride of q: expected no stride-0 (expanded) dimension, q is written "
+                f"in place, got strides {tuple(q.stride())}"
+            )
+    if not (isinstance(rope_theta, (int, float)) and rope_theta > 0):
+        raise ValueError(
+            f"Invalid value of rope_theta: expected a positive float, got {rope_theta!r}"
+        )
+    check_same_device(
+        k=k,
+        v=v,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        num_tokens=num_tokens,
+        depth=depth,
+        q=q,
+    )
+    if validate:
+        capacity = block_table.shape[1] * sizes["page_size"]
+        check_range("seq_lens", seq_lens, 0, None)
+        check_range("num_tokens", num_tokens, 0, sizes["N"] + 1)
+        check_range("block_table", block_table, 0, sizes["P"])
+        if int((seq_lens.long() + num_tokens.long()).max()) > capacity:
+            raise ValueError(
+                f"Invalid value in seq_lens: seq_lens + num_tokens exceeds the "
+                f"block table's capacity of {capacity} slots"
+            )
+
+
 _kv_append_op = define(
     "kv_append(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, "
     "Tensor seq_lens, Tensor num_tokens, Tensor? depth, float rope_theta, Tensor(c!)? q=None) "
@@ -59,7 +125,11 @@ _kv_append_op = define(
 
 def _rope_cuda(x, positions, theta):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    # the kernel takes [B, N, H, D] and positions [B, N]: other ranks as views of that shape
+    if x.dim() == 4:  # the kernel's own layout: x [B, N, H, D], positions [B, N]
+        with cuda_device(x):
+            _k.rope_fwd(x, positions, theta, y)
+        return y
+    # other ranks as views of that shape
     while x.dim() < 4:
         x, positions = x.unsqueeze(0), positions.unsqueeze(0)
     x4, p2 = x.flatten(0, -4), positions.flatten(0, -2)
@@ -145,60 +215,17 @@ def kv_append(
         >>> torch.equal(q[:, :2], treeops.rope(q0[:, :2], pos)), torch.equal(q[:, 2], q0[:, 2])
         (True, True)
     """
-    sizes: dict[str, int] = {}
-    check_tensor("k", k, shape=("B", "N", "H_kv", "D"), dtype=FLOAT_DTYPES, sizes=sizes)
-    check_head_dim("k", sizes["D"])
-    check_tensor("v", v, shape=("B", "N", "H_kv", "D"), dtype=k.dtype, sizes=sizes)
-    check_tensor(
-        "k_cache", k_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype, sizes=sizes
-    )
-    check_tensor(
-        "v_cache", v_cache, shape=("P", "page_size", "H_kv", "D"), dtype=k.dtype, sizes=sizes
-    )
-    check_paged_batch(block_table, seq_lens, sizes)
-    check_tensor(
-        "num_tokens", num_tokens, shape=("B",), dtype=torch.int32, sizes=sizes, unit_last=True
-    )
-    if depth is not None:
-        check_tensor("depth", depth, shape=("B", "N"), dtype=torch.int32, sizes=sizes)
-    if q is not None:
-        check_tensor("q", q, shape=("B", "N", None, "D"), dtype=k.dtype, sizes=sizes)
-        if q.shape[2] % sizes["H_kv"]:
-            raise ValueError(
-                f"Invalid shape of q: expected a multiple of H_kv = {sizes['H_kv']} query heads "
-                f"(dim 2), got {q.shape[2]}"
-            )
-        if any(st == 0 and n > 1 for st, n in zip(q.stride(), q.shape, strict=True)):
-            # rotated in place: elements sharing memory would be written more than once
-            raise ValueError(
-                f"Invalid stride of q: expected no stride-0 (expanded) dimension, q is written "
-                f"in place, got strides {tuple(q.stride())}"
-            )
-    if not (isinstance(rope_theta, (int, float)) and rope_theta > 0):
-        raise ValueError(
-            f"Invalid value of rope_theta: expected a positive float, got {rope_theta!r}"
+    key = None
+    if not validate:
+        key = signature(
+            (k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, q), (rope_theta,)
         )
-    check_same_device(
-        k=k,
-        v=v,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        block_table=block_table,
-        seq_lens=seq_lens,
-        num_tokens=num_tokens,
-        depth=depth,
-        q=q,
-    )
-    if validate:
-        capacity = block_table.shape[1] * sizes["page_size"]
-        check_range("seq_lens", seq_lens, 0, None)
-        check_range("num_tokens", num_tokens, 0, sizes["N"] + 1)
-        check_range("block_table", block_table, 0, sizes["P"])
-        if int((seq_lens.long() + num_tokens.long()).max()) > capacity:
-            raise ValueError(
-                f"Invalid value in seq_lens: seq_lens + num_tokens exceeds the "
-                f"block table's capacity of {capacity} slots"
-            )
+    if _PASSED.get(key) is None:
+        _check_kv_append(
+            k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, q, rope_theta,
+            validate,
+        )  # fmt: skip
+        _PASSED.put(key, True)
     _kv_append_op(
         k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, float(rope_theta), q
     )
@@ -216,6 +243,14 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> to
         >>> bool(torch.allclose(x, y))
         True
     """
+    key = signature((x, positions), ("rope",))  # theta is not checked
+    if _PASSED.get(key) is None:
+        _check_rope(x, positions)
+        _PASSED.put(key, True)
+    return _rope_op(x, positions, float(theta))
+
+
+def _check_rope(x, positions) -> None:
     check_tensor("x", x, dtype=FLOAT_DTYPES)
     check_tensor(
         "positions", positions, shape=tuple(x.shape[:-2]), dtype=(torch.int32, torch.int64)
@@ -232,4 +267,3 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> to
                 "Invalid strides of x: on CUDA the leading dims of x and positions before the "
                 "last two of positions must flatten without a copy"
             ) from None
-    return _rope_op(x, positions, float(theta))
