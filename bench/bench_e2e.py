@@ -764,7 +764,9 @@ def main(argv=None) -> int:
     # 4. rows: per B, one decoder per policy (warmed up once), then ``repeats`` rounds of every
     # policy's timed run over the same groups, interleaved (the order rotated each round)
     order = ["autoregressive"] + [p for p in policies if p != "autoregressive"]
-    if args.resume:
+    if args.resume and not os.path.exists(args.resume):
+        log(f"no earlier run at {args.resume}: every batch size runs")
+    elif args.resume:
         with open(args.resume) as f:
             earlier = json.load(f)
         doc["rows"] = earlier.get("rows", [])
