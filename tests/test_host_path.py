@@ -210,6 +210,9 @@ def test_direct_path_calls_the_cuda_backend_with_the_same_arguments(monkeypatch)
     assert r.__class__ is tuple and len(r) == 4
 
 
+@pytest.mark.skipif(
+    not treeops._runtime.interpreted(), reason="CPU tensors through the CUDA backend: interpreter"
+)
 def test_direct_path_matches_the_dispatched_op(monkeypatch):
     """The public ops on CPU tensors with the direct path forced (DIRECT = 2): the CUDA backend
     (the Triton launcher, interpreted here) runs without the dispatcher, and computes what the
@@ -224,3 +227,151 @@ def test_direct_path_matches_the_dispatched_op(monkeypatch):
     acc = treeops.accept_greedy(tree, logits)
     assert torch.equal(acc.accepted, acc_ref.accepted)
     assert torch.equal(acc.accept_len, acc_ref.accept_len)
+
+
+# ------------------------------------------------------------------- direct Triton launches
+import triton.language as tl  # noqa: E402
+from triton.runtime import driver as _triton_driver  # noqa: E402
+from triton.runtime.jit import JITFunction, compute_cache_key  # noqa: E402
+
+from treeops.kernels import _launch  # noqa: E402
+
+
+def _probe(X, Y, N, s_x, s_y, scale, flag, BLOCK: tl.constexpr, HAS_Y: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    x = tl.load(X + o * s_x, mask=o < N)
+    if HAS_Y:
+        tl.store(Y + o * s_y, (x * scale).to(Y.dtype.element_ty), mask=o < N)
+
+
+class _Stub:
+    """A compiled kernel that launches nothing, one per Triton key."""
+
+    function = None
+    packed_metadata = None
+
+    def __init__(self):
+        self.launches = 0
+        self.last: tuple = ()
+
+    def launch_metadata(self, *args):
+        return None
+
+    def run(self, *args):
+        self.launches += 1
+        self.last = args
+
+
+@pytest.fixture
+def stand_in_triton(monkeypatch):
+    """Triton against compile_check.py's stand-in driver (sm_90), every compile a ``_Stub``
+    stored in Triton's own cache under Triton's own key; a JITFunction even under the
+    interpreter (the tests' mode), made directly."""
+    import importlib
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench")
+    monkeypatch.syspath_prepend(bench)
+    interp = os.environ.pop("TRITON_INTERPRET", None)  # compile_check refuses to import under it
+    try:
+        compile_check = importlib.import_module("compile_check")
+    finally:
+        if interp is not None:
+            os.environ["TRITON_INTERPRET"] = interp
+    active = _triton_driver._active
+    _triton_driver.set_active(compile_check._Driver())
+
+    def stub_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+        kernel = self.device_caches[device][0][key] = _Stub()
+        return kernel
+
+    monkeypatch.setattr(JITFunction, "_do_compile", stub_compile)
+    try:
+        yield JITFunction(_probe, do_not_specialize=["N"])
+    finally:
+        _triton_driver._active = active
+        sys.modules.pop("compile_check", None)
+
+
+def _tritons_own(fn, args, kwargs):
+    """The kernel ``JITFunction.run`` picks for these arguments: its binder's specialisation,
+    its cache key, its cache (device 0 of the stand-in driver)."""
+    kernel_cache, key_cache, _, _, binder = fn.device_caches[0]
+    kw = dict(kwargs, debug=fn.debug or False, instrumentation_mode="")  # what run() adds
+    _, spec, options = binder(*args, **kw)
+    return kernel_cache.get(compute_cache_key(key_cache, spec, options)), spec
+
+
+def test_direct_launch_picks_tritons_kernel(stand_in_triton):
+    fn = stand_in_triton
+    lau = _launch.Launcher(fn)
+    x = torch.zeros(64)
+    y = torch.zeros(64, dtype=torch.bfloat16)
+    combos = []
+    for ptr in (x, x[1:], x[4:], y, y[8:], y[1:]):  # fp32/bf16, 16-byte aligned or not
+        for n in (1, 16, 17, 2**31, -5):  # do_not_specialize: only int32 or int64 matters
+            for s in (1, 16, 17, 0, 2**40):  # specialised: == 1, % 16, int64
+                for flag in (True, 1, 1.0):  # bool, int (1: a constexpr to Triton), float
+                    for block in (16, 32):
+                        combos.append(((ptr, y, n, s, 16, 0.5, flag),
+                                       dict(BLOCK=block, HAS_Y=True, num_warps=4)))  # fmt: skip
+    specs = set()
+    for rnd in range(2):
+        misses = lau.misses
+        for args, kwargs in combos:
+            got = lau.launch((1,), *args, **kwargs)
+            want, spec = _tritons_own(fn, args, kwargs)
+            assert got is want, (rnd, spec)
+            specs.add(str(spec))
+        if rnd:
+            # second round: every call whose argument kinds are the first call's (flag a bool)
+            # hit the direct cache; the others (flag an int or a float) went through Triton
+            assert lau.misses - misses == len(combos) * 2 // 3
+    assert len(specs) > 50 and 0 < len(lau.cache) < len(combos)
+    assert lau.kinds == ("T", "T", "n", "i", "i", "f", "b", "c", "c")
+    stub = next(iter(lau.cache.values()))[3]
+    assert stub.launches >= 2  # launched directly, not only compiled
+
+
+def test_direct_launch_falls_back_to_triton(stand_in_triton, monkeypatch):
+    fn = stand_in_triton
+    lau = _launch.Launcher(fn)
+    x = torch.zeros(64)
+    args, kw = (x, x, 8, 1, 1, 0.5, True), dict(BLOCK=16, HAS_Y=False)
+    lau.launch((1,), *args, **kw)
+    lau.launch((1,), *args, **kw)
+    assert lau.misses == 1  # the first launch: Triton's run, then the direct cache
+    lau.launch(lambda meta: (1,), *args, **kw)  # a callable grid
+    lau.launch((1,), *args, **kw, num_ctas=1)  # an option the direct launch does not handle
+    lau.launch((1,), None, *args[1:], **kw)  # an argument of another kind (no key)
+    assert lau.misses == 4
+    seen = []
+    run = JITFunction.run
+
+    def patched(self, *a, grid, warmup, **k):  # compile_check.py's compile-only run, say
+        seen.append(grid)
+        return run(self, *a, grid=grid, warmup=warmup, **k)
+
+    monkeypatch.setattr(JITFunction, "run", patched)
+    lau.launch((3,), *args, **kw)
+    assert seen == [(3,)] and lau.misses == 5
+    monkeypatch.setattr(JITFunction, "run", run)
+    from triton import knobs
+
+    lau.launch((1,), *args, **kw)
+    stub = next(iter(lau.cache.values()))[3]
+    assert lau.misses == 5 and stub.last[7] is None  # a direct launch passes no hooks (Triton's chains are empty)
+    hook = knobs.runtime.launch_enter_hook
+    hook.add(print)  # a profiler's hook
+    try:
+        lau.launch((1,), *args, **kw)
+    finally:
+        hook.remove(print)
+    assert lau.misses == 6 and stub.last[7] is hook  # Triton's run passed it to the launcher
+    lau.launch((1,), *args, **kw)
+    assert lau.misses == 6 and stub.last[7] is None
+    if treeops._runtime.interpreted():  # the interpreter's kernels: through Triton, always
+        from treeops.kernels import kv_append as kk
+
+        assert _launch.direct(kk._rope).launch == _launch.direct(kk._rope)._triton
