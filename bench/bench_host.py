@@ -3,14 +3,17 @@
 Two measurements per op:
 
 * CPU, always (the number treeops controls): the public function on CPU tensors with each op's
-  CPU backend swapped for its CUDA backend (the Triton launcher), so one call runs the argument
-  checks, the custom-op dispatch and the launcher's host code as on the GPU. Triton is pointed at
-  a stand-in driver (``bench/compile_check.py``'s) and every kernel's compiled form is a stub, so
-  nothing compiles or runs on a device. ``host_us``: the call with Triton's ``JITFunction.run``
-  replaced by a no-op (treeops' own checks + dispatch + launcher prep); ``triton_us``: what
-  Triton's own Python launch path adds on top (argument binding, specialisation, kernel-cache
-  lookup; not the C launch itself), the real ``run`` against the stub kernels minus
-  ``host_us``. Ops whose CUDA backend is PyTorch ops (``prune``, ``PruneCheckpoints.check``)
+  CPU backend swapped for its CUDA backend (the Triton launcher) and the ops' direct path taken
+  for CPU tensors too (``treeops._library.DIRECT = 2``), so one call runs the argument checks,
+  the direct-path guard (or, with ``TREEOPS_DISPATCH=1``, the custom-op dispatch) and the
+  launcher's host code as on the GPU. Triton is pointed at a stand-in driver
+  (``bench/compile_check.py``'s) and every kernel's compiled form is a stub, so nothing compiles
+  or runs on a device. ``host_us``: the call with every launch a no-op (the direct launches of
+  ``kernels/_launch.py`` and Triton's ``JITFunction.run``): treeops' checks, guard and launcher
+  prep; ``triton_us``: what the launch's Python path adds on top (the direct launch's key, cache
+  lookup and call of the compiled kernel's launcher, here the stub's; with
+  ``TREEOPS_DIRECT_LAUNCH=0``, Triton's binding, specialisation and cache lookup; not the C
+  launch itself). Ops whose CUDA backend is PyTorch ops (``prune``, ``PruneCheckpoints.check``)
   time those ops on the CPU too. Each the best of several rounds of back-to-back calls, the two
   alternating.
 * CUDA, when a GPU is there: ``eager_us`` (``harness.eager_us``: a call and a device sync,
@@ -20,6 +23,7 @@ Two measurements per op:
   these shapes, the device keeps up).
 
     python bench/bench_host.py [--out bench/results/host.json] [--quick] [--ops a,b]
+    TREEOPS_DISPATCH=1 TREEOPS_DIRECT_LAUNCH=0 python bench/bench_host.py ...  # the old paths
 
 Must run without ``TRITON_INTERPRET`` (the launchers' GPU tile choices are timed).
 """
@@ -235,6 +239,8 @@ def launchers_on_cpu():
 
 
 def cpu_rows(ops: list[str], iters: int, repeats: int) -> list[dict]:
+    from treeops.kernels import _launch
+
     rows = []
     with launchers_on_cpu():
         calls = cases(torch.device("cpu"))
@@ -243,23 +249,43 @@ def cpu_rows(ops: list[str], iters: int, repeats: int) -> list[dict]:
             fn = calls[op]
             row: dict = {"op": op}
             try:
-                for _ in range(3):  # first calls: stub compiles, cached buffers
+                for _ in range(3):  # first calls: stub compiles, cached buffers, launchers
                     fn()
+                direct = {lau: lau.launch for lau in _launch.LAUNCHERS}
                 # the two variants alternate, each keeps its best round: the machine's other
                 # load hits both alike
                 own = total = float("inf")
                 for _ in range(repeats):
-                    JITFunction.run = _no_launch
+                    _launches_off(direct)
                     own = min(own, per_call_us(fn, iters))
-                    JITFunction.run = real_run
+                    _launches_on(direct, real_run)
                     total = min(total, per_call_us(fn, iters))
                 row.update(host_us=own, triton_us=max(total - own, 0.0), total_us=total)
             except Exception as e:  # noqa: BLE001 - one op's failure is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {e}"
             finally:
                 JITFunction.run = real_run
+                for lau, launch in direct.items():
+                    lau.launch = launch
             rows.append(row)
     return rows
+
+
+def _no_direct_launch(grid, *args, **kwargs) -> None:
+    return None
+
+
+def _launches_off(direct: dict) -> None:
+    """Every launch a no-op: the direct launches (``kernels/_launch.py``) and Triton's run."""
+    JITFunction.run = _no_launch
+    for lau in direct:
+        lau.launch = _no_direct_launch
+
+
+def _launches_on(direct: dict, real_run) -> None:
+    JITFunction.run = real_run
+    for lau, launch in direct.items():
+        lau.launch = launch
 
 
 def cuda_rows(ops: list[str], quick: bool) -> dict[str, dict]:
@@ -292,6 +318,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="fewer calls per op (the CPU test)")
     ap.add_argument("--ops", default=None, help="comma-separated subset of the ops")
     ap.add_argument("--commit", default=None)
+    ap.add_argument(
+        "--no-compare",
+        action="store_true",
+        help="on a GPU, skip the second run through the old paths (the old_* columns)",
+    )
+    ap.add_argument("--gpu-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit(
@@ -306,8 +338,12 @@ def main(argv=None) -> dict:
     iters, repeats = (50, 3) if args.quick else (400, 7)
     cuda = harness.needs_cuda() is None
     by_op = cuda_rows(ops, args.quick) if cuda else {}  # before the stand-in driver replaces CUDA
+    if args.gpu_only:
+        rows = [{"op": op} for op in ops]
+    elif cuda and not args.no_compare:
+        _compare_old(by_op, ops, args.quick)
     try:
-        rows = cpu_rows(ops, iters, repeats)
+        rows = rows if args.gpu_only else cpu_rows(ops, iters, repeats)
     except RuntimeError as e:
         # a torch that refuses the CPU kernels' swap (launchers_on_cpu): no CPU rows there,
         # the GPU rows stand alone
@@ -319,9 +355,10 @@ def main(argv=None) -> dict:
         commit_id=args.commit,
         host_cpu=_cpu_name(),
         budget_us=BUDGET_US,
+        paths={"direct_op": bool(_library.DIRECT), "direct_launch": _direct_launch_enabled()},
         timing=(
-            "host_us: eager call on CPU tensors through the CUDA launchers, Triton's run a no-op; "
-            "triton_us: Triton's Python launch path on top (stub kernels); overhead_us (GPU): "
+            "host_us: eager call on CPU tensors through the CUDA launchers, launches no-ops; "
+            "triton_us: the launch's Python path on top (stub kernels); overhead_us (GPU): "
             "eager_us - replay_us; loop_us (GPU): back-to-back eager calls, one sync"
         ),
         rows=rows,
@@ -329,6 +366,8 @@ def main(argv=None) -> dict:
     keys = ["op", "host_us", "triton_us", "total_us"]
     if cuda:
         keys += ["eager_us", "replay_us", "overhead_us", "loop_us"]
+        if any("old_loop_us" in r for r in rows):
+            keys += ["old_overhead_us", "old_loop_us"]
     if args.out:
         harness.write_json(args.out, doc)
     harness.print_table(doc, args.out or "-", rows, keys, width=10)
@@ -336,6 +375,37 @@ def main(argv=None) -> dict:
         if "error" in r:
             print(f"{r['op']}: {r['error']}")
     return doc
+
+
+def _direct_launch_enabled() -> bool:
+    from treeops.kernels import _launch
+
+    return _launch.ENABLED
+
+
+def _compare_old(by_op: dict, ops: list[str], quick: bool) -> None:
+    """The GPU columns again in a fresh process through the old paths (every call through the
+    dispatcher, every launch through ``JITFunction.run``), as ``old_*``: before and after on
+    the same machine in one run."""
+    import json
+    import subprocess
+    import tempfile
+
+    env = dict(os.environ, TREEOPS_DISPATCH="1", TREEOPS_DIRECT_LAUNCH="0")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "old.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--gpu-only", "--out", out,
+               "--ops", ",".join(ops)] + (["--quick"] if quick else [])  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"old paths' run failed: {proc.stderr[-2000:]}", file=sys.stderr)
+            return
+        with open(out) as f:
+            old = {r["op"]: r for r in json.load(f)["rows"]}
+    for op, row in by_op.items():
+        for k in ("eager_us", "replay_us", "overhead_us", "loop_us", "cuda_error"):
+            if k in old.get(op, {}):
+                row[f"old_{k}"] = old[op][k]
 
 
 def _cpu_name() -> str:

@@ -58,6 +58,14 @@ compare, or to rule the direct launch out while debugging)."""
 _TRITON_RUN = JITFunction.run
 """Triton's own ``run``: when the class's is another (patched), every launch goes through it."""
 
+_CUDA_CURRENT_DEVICE = torch.cuda.current_device
+_CUDA_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+if _CUDA_GET_DEVICE is None:  # a build without CUDA: the driver's own call, always
+    _CUDA_CURRENT_DEVICE = object()
+"""Triton's CUDA driver asks ``torch.cuda.current_device()`` (lazy CUDA init, then
+``torch._C._cuda_getDevice()``); once a launch went through Triton CUDA is initialised, so the
+direct launch calls ``_cuda_getDevice`` itself (a Python frame or two less)."""
+
 MAX_ENTRIES = 256
 """Keys kept per kernel; the cache is emptied when full (an engine's shapes fit many times)."""
 
@@ -184,7 +192,8 @@ def launch({sig}, **_t_other):
     if (_t_JF.run is _t_triton_run and not _t_other and _t_grid.__class__ is tuple
             and _t_enter.__class__ is _t_HC and not _t_enter.calls
             and _t_exit.__class__ is _t_HC and not _t_exit.calls and not _t_fn.pre_run_hooks):
-        _t_dev = _t_drv.get_current_device()
+        _t_devfn = _t_drv.get_current_device
+        _t_dev = _t_cuda_get_device() if _t_devfn is _t_cuda_current_device else _t_devfn()
         try:
             _t_key = (_t_dev, _t_drv, _t_rt.debug, _t_comp.instrumentation_mode, {opts_key},
                       {key})
@@ -215,6 +224,8 @@ def launch({sig}, **_t_other):
             _t_check_globals=_check_globals,
             _t_slow=self._slow,
             _t_missing=_MISSING,
+            _t_cuda_current_device=_CUDA_CURRENT_DEVICE,
+            _t_cuda_get_device=_CUDA_GET_DEVICE,
         )
         exec(compile(self.source, f"<treeops launch {fn.__name__}>", "exec"), ns)
         return ns["launch"]  # type: ignore[return-value]

@@ -247,13 +247,18 @@ def check_positive_int(name: str, v: object) -> int:
     return v
 
 
+_NO_CONTEXT = nullcontext()
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def cuda_device(t: torch.Tensor) -> AbstractContextManager:
     """A context that makes ``t``'s CUDA device the current one for the kernel launches inside
     it (Triton launches, events and stream queries use the current device); nothing to do for a
-    CPU tensor or one already on the current device."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
+    CPU tensor or one already on the current device. (A CUDA tensor exists, so CUDA is
+    initialised: the device is asked of torch's C API without ``torch.cuda``'s Python frames.)"""
+    if t.is_cuda and t.get_device() != _cuda_get_device():
         return torch.cuda.device(t.device)
-    return nullcontext()
+    return _NO_CONTEXT
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
