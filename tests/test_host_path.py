@@ -361,7 +361,8 @@ def test_direct_launch_falls_back_to_triton(stand_in_triton, monkeypatch):
 
     lau.launch((1,), *args, **kw)
     stub = next(iter(lau.cache.values()))[3]
-    assert lau.misses == 5 and stub.last[7] is None  # a direct launch passes no hooks (Triton's chains are empty)
+    # a direct launch passes no hooks (Triton's chains are empty)
+    assert lau.misses == 5 and stub.last[7] is None
     hook = knobs.runtime.launch_enter_hook
     hook.add(print)  # a profiler's hook
     try:
@@ -375,3 +376,39 @@ def test_direct_launch_falls_back_to_triton(stand_in_triton, monkeypatch):
         from treeops.kernels import kv_append as kk
 
         assert _launch.direct(kk._rope).launch == _launch.direct(kk._rope)._triton
+
+
+@pytest.mark.skipif(
+    not treeops._runtime.interpreted(), reason="CPU tensors through the CUDA backend: interpreter"
+)
+def test_every_public_op_takes_the_direct_path(monkeypatch):
+    """Each public function's call of its op passes what the direct path needs (every argument,
+    exact int/float scalars): with the path open to CPU tensors (DIRECT = 2), the op's CUDA
+    backend runs (here through the interpreter) instead of the dispatcher's CPU reference."""
+    import os
+    import sys
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    from bench_host import OPS, cases
+
+    calls = cases(torch.device("cpu"))
+    backends: dict = {}  # code object -> op names (accept's two ops share one backend)
+    for name, op in _library.OPS.items():
+        backends.setdefault(op.cuda.__code__, set()).add(name)
+    op_of = {"adjacency_update_logits": "adjacency_update"}
+    monkeypatch.setattr(_library, "DIRECT", 2)
+    for case in OPS:
+        seen = set()
+
+        def profile(frame, event, arg, seen=seen):
+            if event == "call" and frame.f_code in backends:
+                seen.update(backends[frame.f_code])
+
+        sys.setprofile(profile)
+        try:
+            calls[case]()
+        except Exception:  # noqa: BLE001 - a backend that needs CUDA-only state (the adjacency
+            pass  # table's claim array): it was called, which is what this test asks
+        finally:
+            sys.setprofile(None)
+        assert op_of.get(case, case) in seen, (case, seen)

@@ -11,18 +11,19 @@ dispatch costs a few microseconds per call, the decorator's tens (measured on CP
 and eager calls are on an engine's host path.
 
 Two paths, one backend. ``define`` returns a callable (``_make_op``) that the public functions call
-like the ``OpOverload``. A plain eager call on CUDA tensors skips the dispatcher and calls the CUDA backend
-directly (the same Python function the dispatcher would call, with the same arguments); every
-other call goes through the ``OpOverload``. The dispatcher is needed where something intercepts
-the op: ``torch.compile``/``torch.export`` tracing (the op and its fake implementation are what
-they trace), a ``TorchDispatchMode`` or ``TorchFunctionMode`` (``FakeTensorMode``, ``make_fx``,
-``treeops.testing.NoHostSync``, ``with torch.device(...)``), tensor subclasses, functorch
-transforms, the profiler (it records the op by name), CPU and meta tensors (their backends), and an
-op that returns tensors while grad mode is on and an input requires grad (the dispatcher's autograd
-fallback marks its outputs). None of these applies to an engine's eager step, and there the
-dispatch is most of treeops' host time (about 4.5 µs of a 10 µs call on a fast CPU, three times
-that on the H200's host). The guard (``direct_ok``, inlined in each op) costs a few hundred nanoseconds: five
-thread-state queries and one pass over the argument types in C (``map(type, args)``).
+like the ``OpOverload``. A plain eager call on CUDA tensors skips the dispatcher and calls the CUDA
+backend directly (the same Python function the dispatcher would call, with the same arguments);
+every other call goes through the ``OpOverload``. The dispatcher is needed where something
+intercepts the op: ``torch.compile``/``torch.export`` tracing (the op and its fake implementation
+are what they trace), a ``TorchDispatchMode`` or ``TorchFunctionMode`` (``FakeTensorMode``,
+``make_fx``, ``treeops.testing.NoHostSync``, ``with torch.device(...)``), tensor subclasses,
+functorch transforms, the profiler (it records the op by name), CPU and meta tensors (their
+backends), and an op that returns tensors while grad mode is on and an input requires grad (the
+dispatcher's autograd fallback marks its outputs). None of these applies to an engine's eager step,
+and there the dispatch is most of treeops' host time (about 4.5 µs of a 10 µs call on a fast CPU,
+three times that on the H200's host). The guard (``direct_ok``, inlined in each op) costs about
+half a microsecond on that CPU: five thread-state queries and one pass over the argument types in C
+(``map(type, args)``).
 """
 
 from __future__ import annotations
@@ -65,14 +66,19 @@ _functorch = torch._C._are_functorch_transforms_active
 _profiling = torch._C._autograd._profiler_enabled
 _grad = torch.is_grad_enabled
 _any_requires_grad = torch._C._any_requires_grad
+_plain_issuperset = _PLAIN.issuperset
+_plain_or_list_issuperset = (_PLAIN | {list}).issuperset
+_tensors_only = frozenset({torch.Tensor}).issuperset
 
 
 def direct_ok(args: tuple, first: int, returns: int) -> bool:
     """Whether a call with these positional arguments may skip the dispatcher (the guard each op
     runs inline, spelled out for the tests): not compiling or tracing, no dispatch or function
-    mode, no functorch transform, no profiler, ``args[first]`` (the op's first ``Tensor`` argument) on CUDA,
-    every argument a plain ``torch.Tensor``, None, int, float or bool, and for an op that returns
-    tensors, grad mode off or no argument requiring grad."""
+    mode, no functorch transform, no profiler, ``args[first]`` (the op's first ``Tensor``
+    argument) on CUDA, every argument a plain ``torch.Tensor``, None, int, float or bool, and for
+    an op that returns tensors, grad mode off or no argument requiring grad. Each op also needs
+    every argument given and its ``int``/``float`` arguments of exactly those classes
+    (``_make_op``)."""
     if not DIRECT or first < 0 or _compiling():
         return False
     a = args[first]
@@ -84,43 +90,82 @@ def direct_ok(args: tuple, first: int, returns: int) -> bool:
     )
 
 
-def _make_op(overload: torch._ops.OpOverload, cuda: Callable) -> Callable:
-    """The callable ``define`` returns (a closure: a Python call of it costs less than of an
-    object's ``__call__``), with ``overload``, ``cuda``, ``first`` and ``returns`` attributes."""
-    schema = overload._schema
-    first = next((i for i, a in enumerate(schema.arguments) if str(a.type) == "Tensor"), -1)
-    returns = len(schema.returns)
-    need = first + 1
-    plain_issuperset = _PLAIN.issuperset
-    compiling, dispatch_modes, function_modes = _compiling, _dispatch_modes, _function_modes
-    functorch, profiling, grad, any_requires_grad = _functorch, _profiling, _grad, _any_requires_grad
+_SCALARS = {"int": "int", "float": "float", "bool": "bool"}
 
-    def op(*args):
+
+def _make_op(overload: torch._ops.OpOverload, cuda: Callable) -> Callable:
+    """The callable ``define`` returns: a function generated per op (a Python call of it costs
+    less than of an object's ``__call__``, and its scalar checks are inline), with ``overload``,
+    ``cuda``, ``first`` and ``returns`` attributes.
+
+    The direct path also needs every argument given (``len(args)``) and each ``int``/``float``
+    schema argument of exactly that class: the dispatcher hands the backend a Python int for an
+    ``int`` and a float for a ``float`` (it would turn ``True`` into 1, 1 into 1.0), so the
+    backend, and the Triton kernel's specialisation, see the same values on both paths."""
+    schema = overload._schema
+    name = schema.name.split("::", 1)[-1]
+    args = schema.arguments
+    first = next((i for i, a in enumerate(args) if str(a.type) == "Tensor"), -1)
+    returns = len(schema.returns)
+    checks = []
+    plain = "_plain_issuperset"
+    for i, a in enumerate(args):
+        ty = str(a.type)
+        if ty in _SCALARS:
+            checks.append(f"args[{i}].__class__ is {_SCALARS[ty]}")
+        elif ty == "List[Tensor]":  # a list of plain tensors (as the dispatcher passes it on)
+            checks.append(f"args[{i}].__class__ is list and _tensors_only(map(type, args[{i}]))")
+            plain = "_plain_or_list_issuperset"
+        elif ty not in ("Tensor", "Optional[Tensor]"):
+            first = -1  # an argument the direct path does not vet (none so far): dispatch
+    scalar_ok = " and ".join(checks) or "True"
+    if returns == 0:
+        call = "cuda(*args)\n            return None"
+    elif returns == 1:
+        call = "return cuda(*args)"
+    else:
+        call = (
+            "out = cuda(*args)\n"
+            "                return out if out.__class__ is tuple else tuple(out)"
+        )
+    if returns:
+        call = f"if not (_grad() and _any_requires_grad(*args)):\n                {call}"
+    src = f"""
+def _factory(overload, cuda):
+    def {name}(*args):
         # direct_ok, inlined: see its docstring
         if (
             DIRECT
-            and need
-            and not compiling()
-            and len(args) >= need
-            and (args[first].is_cuda or DIRECT == 2)
-            and not (dispatch_modes() or function_modes() or functorch() or profiling())
-            and plain_issuperset(map(type, args))
+            and not _compiling()
+            and len(args) == {len(args)}
+            and (args[{first}].is_cuda or DIRECT == 2)
+            and not (_dispatch_modes() or _function_modes() or _functorch() or _profiling())
+            and {plain}(map(type, args))
+            and {scalar_ok}
         ):
-            if not returns:
-                cuda(*args)
-                return None
-            if not (grad() and any_requires_grad(*args)):
-                out = cuda(*args)
-                return out if returns == 1 or out.__class__ is tuple else tuple(out)
+            {call}
         return overload(*args)
 
-    op.overload = overload  # type: ignore[attr-defined]
-    op.cuda = cuda  # type: ignore[attr-defined]
-    op.first = first  # type: ignore[attr-defined]
-    op.returns = returns  # type: ignore[attr-defined]
-    op.__name__ = op.__qualname__ = schema.name.split("::", 1)[-1]
+    return {name}
+"""
+    if first < 0:
+        src = f"""
+def _factory(overload, cuda):
+    def {name}(*args):
+        return overload(*args)
+
+    return {name}
+"""
+    ns: dict = {}
+    exec(compile(src, f"<treeops op {name}>", "exec"), globals(), ns)
+    op = ns["_factory"](overload, cuda)
+    op.overload = overload
+    op.cuda = cuda
+    op.first = first
+    op.returns = returns
+    op.source = src
     op.__doc__ = (
-        f"treeops::{op.__name__}: the CUDA backend directly on a plain eager call (direct_ok), "
+        f"treeops::{name}: the CUDA backend directly on a plain eager call (direct_ok), "
         "else the OpOverload (same backend)."
     )
     return op
