@@ -14,8 +14,9 @@ Why it launches what Triton would. The key is a tuple, built by code generated p
 in Python), that holds everything Triton's specialisation depends on, and more:
 
 * each tensor argument's dtype and whether its data pointer is 16-byte aligned;
-* each integer's class and value (its value fixes its range, ``== 1``, ``% 16``), or for a
-  ``do_not_specialize`` integer its class and whether it fits in int32 (else its value);
+* each integer's value (its value fixes its range, ``== 1``, ``% 16``), or for a
+  ``do_not_specialize`` integer whether it fits in int32 (else its value); the key is built only
+  when every integer argument is exactly an ``int`` (one check over all of them);
 * each float's or bool's class (Triton specialises neither on its value), ``is None`` for None;
 * each constexpr's class and value; the launch options (``num_warps``, ``num_stages``) with their
   classes; ``knobs.runtime.debug`` and ``knobs.compilation.instrumentation_mode`` (options Triton
@@ -24,9 +25,9 @@ in Python), that holds everything Triton's specialisation depends on, and more:
 So two calls with equal keys get equal specialisations. A key not seen before launches through
 ``JITFunction.run`` (compiling if needed) and stores the ``CompiledKernel`` it returns under the
 key, provided every argument has the kind the generated code was built for (the kinds of the first
-call: tensor, int, float, bool, None; the class entries in the key keep a bool from matching a
-stored int, a float an int). tests/test_host_path.py checks, for arguments that differ in every
-specialised property (integers 1, 16, 17; pointers aligned and not; dtypes), that the kernel
+call: tensor, int, float, bool, None; the ``int`` check and the class entries keep a bool or a
+float from matching a stored int). tests/test_host_path.py checks, for arguments that differ in
+every specialised property (integers 1, 16, 17; pointers aligned and not; dtypes), that the kernel
 launched is the one in Triton's own cache under Triton's own key.
 
 Always through ``JITFunction.run`` instead: under ``TRITON_INTERPRET=1`` (the kernel is no
@@ -93,10 +94,13 @@ def _key_expr(name: str, kind: str) -> str:
     """The key entries of one argument (see the module docstring)."""
     if kind == "T":
         return f"{name}.dtype, not {name}.data_ptr() & 15"
-    if kind == "i" or kind == "c":
+    if kind == "c":
         return f"{name}.__class__, {name}"
+    # "i", "n": exact ints (the launch code checks every one's class at once, _t_ints_only)
+    if kind == "i":
+        return name
     if kind == "n":
-        return f"{name}.__class__, -0x80000000 <= {name} <= 0x7fffffff or {name}"
+        return f"-0x80000000 <= {name} <= 0x7fffffff or {name}"
     if kind in ("f", "b"):
         return f"{name}.__class__"
     if kind == "N":
@@ -184,6 +188,8 @@ class Launcher:
         args = ", ".join(names)
         opts_key = ", ".join(f"{o}.__class__, {o}" for o in OPTIONS)
         key = ", ".join(_key_expr(n, k) for n, k in zip(names, kinds, strict=True))
+        ints = [n for n, k in zip(names, kinds, strict=True) if k in ("i", "n")]
+        ints_ok = f"_t_ints_only(map(type, ({', '.join(ints)},)))" if ints else "True"
         self.source = f"""
 def launch({sig}, **_t_other):
     _t_drv = _t_dc._active or _t_dc.active
@@ -195,9 +201,12 @@ def launch({sig}, **_t_other):
         _t_devfn = _t_drv.get_current_device
         _t_dev = _t_cuda_get_device() if _t_devfn is _t_cuda_current_device else _t_devfn()
         try:
-            _t_key = (_t_dev, _t_drv, _t_rt.debug, _t_comp.instrumentation_mode, {opts_key},
-                      {key})
-            _t_entry = _t_cache.get(_t_key)
+            if {ints_ok}:
+                _t_key = (_t_dev, _t_drv, _t_rt.debug, _t_comp.instrumentation_mode, {opts_key},
+                          {key})
+                _t_entry = _t_cache.get(_t_key)
+            else:
+                _t_key = _t_entry = None
         except Exception:
             _t_key = _t_entry = None
         if _t_entry is not None:
@@ -226,6 +235,7 @@ def launch({sig}, **_t_other):
             _t_missing=_MISSING,
             _t_cuda_current_device=_CUDA_CURRENT_DEVICE,
             _t_cuda_get_device=_CUDA_GET_DEVICE,
+            _t_ints_only=frozenset({int}).issuperset,
         )
         exec(compile(self.source, f"<treeops launch {fn.__name__}>", "exec"), ns)
         return ns["launch"]  # type: ignore[return-value]
