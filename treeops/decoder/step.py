@@ -23,11 +23,13 @@ A step over a batch of B requests (each with its own tree, length and stop condi
   (verification count) and after acceptance (accepted lengths, bonus tokens, which requests are
   done: the catch-up bucket and the loop's end). EAGLE and chain trees have static sizes and wait
   only after acceptance.
-* ``WholeStepBody`` (``step_graphs``, fixed-shape policies): the static path with nothing in the
-  step depending on the host (frontier width, depth, verification count and catch-up size fixed
-  by the policy; padding beyond ``accept_len`` masked), so the whole body, the non-blocking copy
-  of its results into pinned memory included, is one CUDA graph; ``graphs.WholeStep`` replays
-  it and waits on one event per step.
+* ``WholeStepBody`` (``step_graphs``: fixed-shape policies, and λ-CAST per plan): the static
+  path with nothing in the step depending on the host (frontier width, depth, verification
+  count and catch-up size fixed by the policy or the plan; padding beyond ``accept_len``
+  masked), so the whole body, the non-blocking copy of its results (and λ-CAST's statistics)
+  into pinned memory included, is one CUDA graph; ``graphs.WholeStep`` replays it, waits on one
+  event per step and, under λ-CAST, hands the statistics to the planner, whose plan picks the
+  next step's graph.
 
 The draft's working tree during a step: node 0 = root, the frontier of draft layer ``l >= 1`` at
 nodes ``1 + (l-1)W .. lW`` (W = frontier capacity; unused rows hang off the root with token 0 and
