@@ -730,19 +730,20 @@ def emit(
     D, C, N = cand_scores.shape[1], cand_scores.shape[2], capacity
     dev = cand_scores.device
     if out is None:
-        out = Tree.uninitialized(B, N, dev)
-    for f in (
-        "tokens",
-        "parents",
-        "num_nodes",
-        "depth",
-        "anc",
-        "first_child",
-        "next_sibling",
-        "scores",
-    ):
-        if not getattr(out, f).is_contiguous():
-            raise ValueError(f"Invalid layout of out.{f}: expected a contiguous tensor")
+        out = Tree.uninitialized(B, N, dev)  # contiguous
+    else:
+        for f in (
+            "tokens",
+            "parents",
+            "num_nodes",
+            "depth",
+            "anc",
+            "first_child",
+            "next_sibling",
+            "scores",
+        ):
+            if not getattr(out, f).is_contiguous():
+                raise ValueError(f"Invalid layout of out.{f}: expected a contiguous tensor")
     ws = workspace
     costs = cast if cast is not None else _no_cast(decisions)
     NP = max(pow2(N), 32)  # >= 32: whole anc words, and tl.dot's minimum
