@@ -412,3 +412,19 @@ def test_every_public_op_takes_the_direct_path(monkeypatch):
         finally:
             sys.setprofile(None)
         assert op_of.get(case, case) in seen, (case, seen)
+
+
+def test_direct_path_not_under_jit_trace(monkeypatch):
+    monkeypatch.setattr(_library, "DIRECT", 2)
+    seen = []
+
+    def f(t):
+        seen.append(direct_ok((t,), 0, 0))
+        return t + 1
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.trace(f, (torch.zeros(2),), check_trace=False)
+    assert seen == [False] and direct_ok((torch.zeros(2),), 0, 0)

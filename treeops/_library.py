@@ -17,13 +17,13 @@ every other call goes through the ``OpOverload``. The dispatcher is needed where
 intercepts the op: ``torch.compile``/``torch.export`` tracing (the op and its fake implementation
 are what they trace), a ``TorchDispatchMode`` or ``TorchFunctionMode`` (``FakeTensorMode``,
 ``make_fx``, ``treeops.testing.NoHostSync``, ``with torch.device(...)``), tensor subclasses,
-functorch transforms, the profiler (it records the op by name), CPU and meta tensors (their
-backends), and an op that returns tensors while grad mode is on and an input requires grad (the
-dispatcher's autograd fallback marks its outputs). None of these applies to an engine's eager step,
-and there the dispatch is most of treeops' host time (about 4.5 µs of a 10 µs call on a fast CPU,
-three times that on the H200's host). The guard (``direct_ok``, inlined in each op) costs about
-half a microsecond on that CPU: five thread-state queries and one pass over the argument types in C
-(``map(type, args)``).
+functorch transforms, the profiler (it records the op by name), ``torch.jit.trace`` (it records the
+op), CPU and meta tensors (their backends), and an op that returns tensors while grad mode is on
+and an input requires grad (the dispatcher's autograd fallback marks its outputs). None of these
+applies to an engine's eager step, and there the dispatch is most of treeops' host time (about 4.5
+µs of a 10 µs call on a fast CPU, three times that on the H200's host). The guard (``direct_ok``,
+inlined in each op) costs about half a microsecond on that CPU: six thread-state queries and one
+pass over the argument types in C (``map(type, args)``).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._len_torch_function_stack
 _functorch = torch._C._are_functorch_transforms_active
 _profiling = torch._C._autograd._profiler_enabled
+_jit_tracing = torch._C._get_tracing_state
 _grad = torch.is_grad_enabled
 _any_requires_grad = torch._C._any_requires_grad
 _plain_issuperset = _PLAIN.issuperset
@@ -73,18 +74,19 @@ _tensors_only = frozenset({torch.Tensor}).issuperset
 
 def direct_ok(args: tuple, first: int, returns: int) -> bool:
     """Whether a call with these positional arguments may skip the dispatcher (the guard each op
-    runs inline, spelled out for the tests): not compiling or tracing, no dispatch or function
-    mode, no functorch transform, no profiler, ``args[first]`` (the op's first ``Tensor``
-    argument) on CUDA, every argument a plain ``torch.Tensor``, None, int, float or bool, and for
-    an op that returns tensors, grad mode off or no argument requiring grad. Each op also needs
-    every argument given and its ``int``/``float`` arguments of exactly those classes
-    (``_make_op``)."""
+    runs inline, spelled out for the tests): not compiling or tracing, no dispatch or function mode,
+    no functorch transform, no profiler, no ``torch.jit.trace``, ``args[first]`` (the op's
+    first ``Tensor`` argument) on CUDA, every argument a plain ``torch.Tensor``, None, int,
+    float or bool, and for an op that returns tensors, grad mode off or no argument requiring
+    grad. Each op also needs every argument given and its ``int``/``float`` arguments of
+    exactly those classes (``_make_op``)."""
     if not DIRECT or first < 0 or _compiling():
         return False
     a = args[first]
     return (
         (a.is_cuda or DIRECT == 2)
         and not (_dispatch_modes() or _function_modes() or _functorch() or _profiling())
+        and _jit_tracing() is None
         and _PLAIN.issuperset(map(type, args))
         and not (returns and _grad() and _any_requires_grad(*args))
     )
@@ -140,6 +142,7 @@ def _factory(overload, cuda):
             and len(args) == {len(args)}
             and (args[{first}].is_cuda or DIRECT == 2)
             and not (_dispatch_modes() or _function_modes() or _functorch() or _profiling())
+            and _jit_tracing() is None
             and {plain}(map(type, args))
             and {scalar_ok}
         ):
