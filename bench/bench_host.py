@@ -13,14 +13,17 @@ Two measurements per op:
   prep; ``triton_us``: what the launch's Python path adds on top (the direct launch's key, cache
   lookup and call of the compiled kernel's launcher, here the stub's; with
   ``TREEOPS_DIRECT_LAUNCH=0``, Triton's binding, specialisation and cache lookup; not the C
-  launch itself). Ops whose CUDA backend is PyTorch ops (``prune``, ``PruneCheckpoints.check``)
-  time those ops on the CPU too. Each the best of several rounds of back-to-back calls, the two
-  alternating.
+  launch itself); ``launch_misses``: launches that went through ``JITFunction.run`` in the
+  timed rounds (0 when every launch was direct). Ops whose CUDA backend is PyTorch ops
+  (``prune``, ``PruneCheckpoints.check``) time those ops on the CPU too. Each the best of several
+  rounds of back-to-back calls, the two alternating.
 * CUDA, when a GPU is there: ``eager_us`` (``harness.eager_us``: a call and a device sync,
   perf_counter) minus ``replay_us`` (``harness.graph_us``: the same call replayed in a CUDA
   graph) = ``overhead_us``, the host time an eager call adds (the sync's latency included);
   ``loop_us``: back-to-back eager calls and one sync, per call (the host's cost where, as at
-  these shapes, the device keeps up).
+  these shapes, the device keeps up); ``gpu_launch_misses`` as above, for the GPU loops. Then the
+  same GPU columns from a fresh process through the old paths, as ``old_*`` (``--no-compare``
+  skips them).
 
     python bench/bench_host.py [--out bench/results/host.json] [--quick] [--ops a,b]
     TREEOPS_DISPATCH=1 TREEOPS_DIRECT_LAUNCH=0 python bench/bench_host.py ...  # the old paths
@@ -255,12 +258,16 @@ def cpu_rows(ops: list[str], iters: int, repeats: int) -> list[dict]:
                 # the two variants alternate, each keeps its best round: the machine's other
                 # load hits both alike
                 own = total = float("inf")
+                misses = None
                 for _ in range(repeats):
                     _launches_off(direct)
                     own = min(own, per_call_us(fn, iters))
                     _launches_on(direct, real_run)
+                    if misses is None:
+                        misses = _launch_misses()
                     total = min(total, per_call_us(fn, iters))
                 row.update(host_us=own, triton_us=max(total - own, 0.0), total_us=total)
+                row["launch_misses"] = _launch_misses() - misses
             except Exception as e:  # noqa: BLE001 - one op's failure is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {e}"
             finally:
@@ -303,8 +310,12 @@ def cuda_rows(ops: list[str], quick: bool) -> dict[str, dict]:
             row["replay_us"] = harness.graph_us([fn], reps=20)
             row["overhead_us"] = row["eager_us"] - row["replay_us"]
             torch.cuda.synchronize()
+            misses = _launch_misses()
             row["loop_us"] = min(harness.wall_us([fn], rounds=n) for _ in range(3))
             torch.cuda.synchronize()
+            # launches that went through JITFunction.run in the timed loops (0: every launch
+            # direct, kernels/_launch.py; with TREEOPS_DIRECT_LAUNCH=0 every launch)
+            row["gpu_launch_misses"] = _launch_misses() - misses
         except Exception as e:  # noqa: BLE001 - one op's failure is reported, not fatal
             torch.cuda.synchronize()
             row["cuda_error"] = f"{type(e).__name__}: {e}"
@@ -359,13 +370,15 @@ def main(argv=None) -> dict:
         timing=(
             "host_us: eager call on CPU tensors through the CUDA launchers, launches no-ops; "
             "triton_us: the launch's Python path on top (stub kernels); overhead_us (GPU): "
-            "eager_us - replay_us; loop_us (GPU): back-to-back eager calls, one sync"
+            "eager_us - replay_us; loop_us (GPU): back-to-back eager calls, one sync; "
+            "launch_misses / gpu_launch_misses: launches through JITFunction.run in the timed "
+            "loops (0: all direct)"
         ),
         rows=rows,
     )
-    keys = ["op", "host_us", "triton_us", "total_us"]
+    keys = ["op", "host_us", "triton_us", "total_us", "launch_misses"]
     if cuda:
-        keys += ["eager_us", "replay_us", "overhead_us", "loop_us"]
+        keys += ["eager_us", "replay_us", "overhead_us", "loop_us", "gpu_launch_misses"]
         if any("old_loop_us" in r for r in rows):
             keys += ["old_overhead_us", "old_loop_us"]
     if args.out:
@@ -375,6 +388,12 @@ def main(argv=None) -> dict:
         if "error" in r:
             print(f"{r['op']}: {r['error']}")
     return doc
+
+
+def _launch_misses() -> int:
+    from treeops.kernels import _launch
+
+    return sum(lau.misses for lau in _launch.LAUNCHERS)
 
 
 def _direct_launch_enabled() -> bool:
@@ -403,7 +422,8 @@ def _compare_old(by_op: dict, ops: list[str], quick: bool) -> None:
         with open(out) as f:
             old = {r["op"]: r for r in json.load(f)["rows"]}
     for op, row in by_op.items():
-        for k in ("eager_us", "replay_us", "overhead_us", "loop_us", "cuda_error"):
+        for k in ("eager_us", "replay_us", "overhead_us", "loop_us", "gpu_launch_misses",
+                  "cuda_error"):  # fmt: skip
             if k in old.get(op, {}):
                 row[f"old_{k}"] = old[op][k]
 
