@@ -428,3 +428,89 @@ def test_direct_path_not_under_jit_trace(monkeypatch):
         warnings.simplefilter("ignore")
         torch.jit.trace(f, (torch.zeros(2),), check_trace=False)
     assert seen == [False] and direct_ok((torch.zeros(2),), 0, 0)
+
+
+# --------------------------------------------------------------- on the GPU (TREEOPS_GPU_TESTS=1)
+def _decode_step(dev, k, v, kc0, vc0, bt, sl, q0, tree, logits):
+    kc, vc, q = kc0.clone(), vc0.clone(), q0.clone()
+    treeops.kv_append(k, v, kc, vc, bt, sl, tree.num_nodes, tree.depth, q=q)
+    out = treeops.tree_attention(q, kc, vc, bt, sl, tree)
+    r = treeops.rope(q0, tree.positions(sl))
+    acc = treeops.accept_greedy(tree, logits)
+    w = treeops.cast_width(logits[:, :, 0].contiguous(), torch.linspace(1, 2, 4, device=dev), 0.5)
+    return [kc, vc, q, out, r, acc.accepted, acc.accept_len, acc.bonus, w]
+
+
+@pytest.mark.gpu
+def test_gpu_direct_paths_compute_what_the_dispatched_triton_paths_do(monkeypatch):
+    """On the GPU: a decode step's ops through the direct paths (no dispatcher, direct launches)
+    give bitwise the results of the old paths (the OpOverload, JITFunction.run), and repeated
+    calls launch every kernel directly (no launch through JITFunction.run)."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    B, N, HQ, HKV, D, P = 2, 4, 4, 2, 64, 16
+    tree = _tree(B, N).to(dev)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype).to(dev)
+
+    k, v, q0 = rnd(B, N, HKV, D), rnd(B, N, HKV, D), rnd(B, N, HQ, D)
+    kc0, vc0 = rnd(4, P, HKV, D), rnd(4, P, HKV, D)
+    bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=dev)
+    sl = torch.tensor([3, 5], dtype=torch.int32, device=dev)
+    logits = rnd(B, N, 16, dtype=torch.float32)
+    args = (dev, k, v, kc0, vc0, bt, sl, q0, tree, logits)
+    _decode_step(*args)  # first calls: compiles, plans, direct-launch keys
+    misses = sum(lau.misses for lau in _launch.LAUNCHERS)
+    new = _decode_step(*args)
+    torch.cuda.synchronize()
+    assert sum(lau.misses for lau in _launch.LAUNCHERS) == misses  # every launch direct
+    monkeypatch.setattr(_library, "DIRECT", 0)
+    for lau in _launch.LAUNCHERS:
+        monkeypatch.setattr(lau, "launch", lau._triton)
+    old = _decode_step(*args)
+    torch.cuda.synchronize()
+    for a, b in zip(new, old, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launch_picks_tritons_kernel():
+    """On the GPU's own driver: for pointers aligned and not, two dtypes and strides 1 / 16 / 17,
+    the kernel a direct launch runs is the one in Triton's cache under Triton's key."""
+    from triton import knobs
+
+    from treeops.kernels import kv_append as kk
+
+    fn = kk._rope
+    lau = _launch.Launcher(fn)
+    dev = torch.device("cuda")
+    inv = kk.inv_freq(64, 10000.0, dev)
+    for dtype in (torch.float32, torch.bfloat16):
+        for off in (0, 1, 8):
+            n = 2 * 3 * 4 * 64
+            x = torch.randn(n + 16, device=dev).to(dtype)[off : off + n].view(2, 3, 4, 64)
+            y = torch.empty(n + 16, device=dev, dtype=dtype)[off : off + n].view(2, 3, 4, 64)
+            pos = torch.arange(6, device=dev).view(2, 3)
+            for _ in range(2):
+                args = (x, pos, inv, y, 3, 4, *x.stride(), *pos.stride(), *y.stride()[:3])
+                kw = dict(H_PAD=4, HALF=32, num_warps=2)
+                got = lau.launch((6,), *args, **kw)
+                caches = fn.device_caches[torch.cuda.current_device()]
+                kernel_cache, key_cache, _, _, binder = caches
+                tkw = dict(kw, debug=kw.get("debug", fn.debug) or knobs.runtime.debug,
+                           instrumentation_mode=knobs.compilation.instrumentation_mode)  # fmt: skip
+                _, spec, options = binder(*args, **tkw)
+                assert got is kernel_cache.get(compute_cache_key(key_cache, spec, options))
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+            want = kk_rope_reference(x, pos)
+            torch.testing.assert_close(y.float(), want.float(), atol=tol, rtol=tol)
+    # the first launch of each new key: fp32 and bf16, each aligned and 1-element misaligned
+    # (an offset of 8 elements is 16-byte aligned for both: the aligned kernel, launched directly)
+    assert lau.misses == 4
+
+
+def kk_rope_reference(x, pos):
+    from treeops.reference import kv_append as ref
+
+    return ref.rope(x, pos, 10000.0)
