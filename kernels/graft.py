@@ -629,9 +629,7 @@ def _update_block_v() -> int:
     return 256 if interpreted() else 2048
 
 
-def update_workspace_key(
-    n_flat: int, V: int, K: int, device: torch.device
-) -> tuple[int, int, int]:
+def update_workspace_key(n_flat: int, V: int, K: int, device: torch.device) -> tuple[int, int, int]:
     """(nodes, splits of V, padded k): the key, and the sizes, of ``adjacency_update``'s partial
     top-k workspace for ``n_flat`` nodes of V logits and a table of width K."""
     block_v = _update_block_v()

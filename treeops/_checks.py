@@ -273,9 +273,7 @@ def check_head_dim(name: str, d: int) -> None:
         raise ValueError(f"Invalid head dim of {name}: expected one of {HEAD_DIMS}, got {d}")
 
 
-def check_paged_batch(
-    block_table: object, seq_lens: object, sizes: dict[str, int]
-) -> None:
+def check_paged_batch(block_table: object, seq_lens: object, sizes: dict[str, int]) -> None:
     """A paged batch's ``block_table`` [B, max_pages] int32 and ``seq_lens`` [B] int32/int64,
     both with a unit last stride (the kernels index them as ``ptr + b * stride + page``)."""
     check_tensor("block_table", block_table, shape=("B", None), dtype=torch.int32, sizes=sizes,

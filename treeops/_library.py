@@ -40,9 +40,7 @@ LIB = torch.library.Library("treeops", "DEF")
 TREE = ", ".join(f"Tensor tree_{f}" for f in Tree.FIELDS)
 """The schema fragment of a ``Tree`` argument: its fields in ``Tree.FIELDS`` order."""
 
-OUT_TREE = ", ".join(
-    f"Tensor({a}!) out_{f}" for a, f in zip("stuvwxyz", Tree.FIELDS, strict=True)
-)
+OUT_TREE = ", ".join(f"Tensor({a}!) out_{f}" for a, f in zip("stuvwxyz", Tree.FIELDS, strict=True))
 """The schema fragment of a ``Tree`` written in place (alias sets s..z)."""
 
 CUDA_BACKENDS: dict[str, Callable] = {}

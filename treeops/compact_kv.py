@@ -113,7 +113,5 @@ def compact_kv(
         out = torch.empty(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
     layers = [k_caches] if isinstance(k_caches, torch.Tensor) else list(k_caches)
     v_layers = [v_caches] if isinstance(v_caches, torch.Tensor) else list(v_caches)
-    _compact_op(
-        layers, v_layers, block_table, seq_lens, *tree.tensors(), accepted, accept_len, out
-    )
+    _compact_op(layers, v_layers, block_table, seq_lens, *tree.tensors(), accepted, accept_len, out)
     return out

@@ -11,7 +11,6 @@ Queries are rotated by the caller (they never reach the cache):
 ``q = treeops.rope(q, tree.positions(seq_lens))`` before ``tree_attention``.
 """
 
-
 from __future__ import annotations
 
 import math
