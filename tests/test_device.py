@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
+from treeops import _checks
 from treeops._checks import cuda_device
 
 
@@ -27,10 +28,10 @@ def test_switches_only_to_another_device(monkeypatch):
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_checks, "_cuda_get_device", lambda: 0)  # the current device
     monkeypatch.setattr(torch.cuda, "device", Recorder)
-    on1 = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
-    on0 = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    on1 = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1), get_device=lambda: 1)
+    on0 = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), get_device=lambda: 0)
     with cuda_device(on0):
         pass
     assert entered == []  # already current
