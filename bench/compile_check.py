@@ -411,6 +411,8 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
         return [
             attention(4, 64, 32, 8, 128, 4096, 16),
             attention(1, 64, 32, 8, 128, 32768, 16),  # split-KV + merge
+            attention(2, 64, 32, 8, 64, 2048, 16),  # every head dim's tile
+            attention(2, 64, 32, 8, 256, 2048, 16),
             kv_append(4, 64, 8, 128, 16),
             kv_append(4, 64, 8, 128, 16, hq=32),
             rope(4, 64, 32, 128),

@@ -394,15 +394,18 @@ def pick_config(
     """Tile sizes and split count from capacities and the device only (never tensor values)."""
     g = H_q // H_kv
     g_pad = triton.next_power_of_2(g)
+    # 8 warps at every head dim: with 4, the D = 64 and D = 256 tiles spill on sm_90 (76 and
+    # 532 bytes per thread; bench/attention_notes.md), with 8 none does (checked in CI,
+    # tests/test_compile_check.py)
     if interpret:
         block_m, block_n, warps, stages = 64, 32, 4, 1
     elif D <= 64:
-        block_m, block_n, warps, stages = 128, 64, 4, 3
+        block_m, block_n, warps, stages = 128, 64, 8, 3
     elif D <= 128:
         # with the hand-pipelined loop, one stage beats 2 or 3 (bench/attention_notes.md)
         block_m, block_n, warps, stages = 128, 64, 8, 1
     else:
-        block_m, block_n, warps, stages = 64, 32, 4, 2
+        block_m, block_n, warps, stages = 64, 32, 8, 2
     prefetch = not interpret
     ppsm, min_chunk = PROGRAMS_PER_SM, MIN_CHUNK
     if override:
