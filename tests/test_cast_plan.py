@@ -268,6 +268,9 @@ def test_planner_policy_shape_and_checks():
         _planner(interval=0)
     with pytest.raises(ValueError, match="verify_buckets"):
         _planner(verify_buckets=[1, 8])  # must end at the capacity
+    with pytest.raises(ValueError, match="Invalid value of width"):
+        treeops.EagleStatic(depth=2, topk=4, budget=8, width=0)
+    assert treeops.EagleStatic(depth=2, topk=4, budget=8).max_width == 4  # default: topk
     with pytest.raises(ValueError, match="C1, C2, C3"):
         treeops.Cast(C1=0.1, cost_table=synthetic_cost_table(64))
     lam_cast = treeops.Cast(cost_table=synthetic_cost_table(64), capacity=16)
