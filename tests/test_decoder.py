@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treeops import Cast, CostTable, EagleStatic, PruneCheckpoints, RankTemplate, Tree
+from treeops import Cast, CostTable, EagleStatic, Plan, PruneCheckpoints, RankTemplate, Tree
 from treeops.decoder import (
     POLICIES,
     Autoregressive,
@@ -737,3 +737,18 @@ def test_lambda_cast_step_graphs_on_gpu(gpu_pair, batch):
     g = torch.Generator().manual_seed(1)
     out = dec.generate(prompts, 6, sampling=SamplingParams(temperature=1.0), generator=g)
     assert all(len(t) == 6 for t in out.tokens)
+
+
+def test_lambda_cast_plan_at_the_policys_maxima(pair):
+    """A plan of the λ-CAST policy's own maxima (W, D, N) drafts that plan's fixed-shape tree:
+    its buffers are not confused with the policy's own (same shape, no thresholds)."""
+    target, draft = pair
+    pol = make_policy("Cast", depth=3, topk=3, budget=12, cast_depth=5, cast_budget=16,
+                      cost_table=_steep_costs())  # fmt: skip
+    dec = Decoder(target, draft, pol, static_shapes=True, step_graphs=True,
+                  planner_options={"interval": 10_000})  # fmt: skip
+    top = Plan(width=pol.max_width, depth=pol.max_depth, verify=pol.capacity)
+    dec.planner.initial = top
+    res = dec.generate(PROMPTS[:2], NEW)
+    assert res.tokens == [_greedy_baseline(target, p, NEW) for p in PROMPTS[:2]]
+    assert {tuple(p[:3]) for p in res.plans} == {(top.width, top.depth, top.verify)}

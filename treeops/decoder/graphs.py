@@ -160,7 +160,9 @@ class _StaticBatch:
     def plan_buffers(self, policy) -> PlanBuffers:
         """The draft buffers of ``policy``'s tree shape (allocated on first use, outside any
         capture); the decoder's own policy verifies into ``vin``."""
-        key = (policy.max_width, policy.topk, policy.max_depth, policy.capacity)
+        # the kind too: a plan's EagleStatic of the λ-CAST policy's own maxima has its shape,
+        # and must draft as a fixed tree, not with thresholds the policy does not have
+        key = (type(policy), policy.max_width, policy.topk, policy.max_depth, policy.capacity)
         pb = self.plans.get(key)
         if pb is None:
             own = policy is self.dec.tree_policy
