@@ -360,18 +360,20 @@ def _h200_like_table() -> treeops.CostTable:
     return treeops.CostTable.from_functions(target, draft, [1, 8, 64], L=128, M=4, n_max=96)
 
 
-@pytest.mark.parametrize("B", [1, 8, 64])
-def test_planner_finds_the_best_plan_of_a_step_model(B):
-    """On a step model where every plan's tokens per step and time are known, the planner, fed
-    each step's curves and measured time, settles on a plan within 3 % of the brute-force best
-    tokens per second over every plan of the graph buckets, visiting few plans."""
+def _run_step_model(B: int, hidden_us, learn_costs: bool = True):
+    """The planner on a step model where every plan's tokens per step and time are known (the
+    time: what the table says plus ``hidden_us(plan)``, which the table does not see), fed each
+    step's curves and measured time. Returns (η of its final plan ÷ the brute-force best η over
+    every plan of the graph buckets, the plans it visited, the planner)."""
     table = _h200_like_table()
     pol = treeops.Cast(cost_table=table, topk=10, max_width=10, max_depth=10, capacity=96)
-    pl = treeops.CastPlanner(pol, layer_overhead_us=25.0)
+    pl = treeops.CastPlanner(pol, layer_overhead_us=25.0, learn_costs=learn_costs)
     ST, SD = table.S_T(B, 300).numpy(), table.S_D(B, 300).numpy()
 
     def step_us(p: Plan) -> float:
-        return 150 + ST[p.verify - 1] + SD[0] + (p.depth - 1) * SD[p.width - 1] + 25 * p.depth
+        catch = SD[min(_bucket(p.depth + 1), 96) - 1]
+        return (150 + ST[p.verify - 1] + SD[0] + (p.depth - 1) * SD[p.width - 1] + 25 * p.depth
+                + catch + hidden_us(p))  # fmt: skip
 
     def stats(p: Plan) -> np.ndarray:
         lay = pl.layout
@@ -395,5 +397,50 @@ def test_planner_finds_the_best_plan_of_a_step_model(B):
         seen.add(p)
         noisy = step_us(p) * 1e-6 * (1 + 0.05 * rng.standard_normal())
         pl.observe(B, stats(p), p, _tokens(p), noisy, ctx=300)
-    assert eta[pl.plan(B)] >= 0.97 * best, (pl.plan(B), max(eta, key=eta.get))
-    assert len(seen) <= 12
+    return eta[pl.plan(B)] / best, seen, pl
+
+
+def _bucket(n: int) -> int:
+    return next(b for b in (1, 2, 4, 8, 16, 32, 48, 64, 96) if b >= n)
+
+
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_planner_finds_the_best_plan_of_a_step_model(B):
+    """The table prices the step exactly (the catch-up included): the planner settles within
+    3 % of the best plan's tokens per second, visiting few plans."""
+    ratio, seen, _ = _run_step_model(B, lambda p: 0.0)
+    assert ratio >= 0.97 and len(seen) <= 12
+
+
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_planner_learns_what_the_table_misses(B):
+    """Each draft layer costs more than the table says (kernels between the forwards: 60 µs at
+    B = 1 growing with B) and each verified node a little (accept and compaction): the planner
+    learns the difference from the measured step times and still settles within 3 % of the
+    best plan of the true costs, with a positive per-layer correction (how much of the hidden
+    cost the fit puts on depth rather than on the intercept depends on the plans it visited).
+    Without learning it settles on a plan measurably worse at some batch size: the next test."""
+    per_layer = 60.0 + 2.0 * B
+
+    def hidden(p: Plan) -> float:
+        return 80.0 + per_layer * (p.depth - 1) + (0.05 * B) * (p.verify - 1)
+
+    ratio, seen, pl = _run_step_model(B, hidden)
+    assert ratio >= 0.97 and len(seen) <= 14
+    assert pl.correction(B)[1] > 0.25 * per_layer
+
+
+def test_planner_without_learning_overbuilds():
+    """The same hidden costs with ``learn_costs=False``: at some batch size the table's plan is
+    more than 3 % slower than the best, so the previous test can fail."""
+    ratios = []
+    for B in (1, 8, 64):
+        per_layer = 60.0 + 2.0 * B
+        ratio, _, pl = _run_step_model(
+            B,
+            lambda p, q=per_layer, B=B: 80.0 + q * (p.depth - 1) + 0.05 * B * (p.verify - 1),
+            learn_costs=False,
+        )
+        assert not pl.correction(B).any()
+        ratios.append(ratio)
+    assert min(ratios) < 0.97, ratios

@@ -34,7 +34,7 @@ rarely.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -182,6 +182,7 @@ def lambda_rules(
     draft_cost: np.ndarray,
     R: int = 4,
     max_depth: int | None = None,
+    catchup_cost: np.ndarray | None = None,
 ) -> Plan:
     """The λ rules on one step's curves (float64 host arrays; costs in ``S_T(B, 1)`` units,
     already at the buckets that run and with the per-layer overhead in ``draft_cost``).
@@ -196,6 +197,9 @@ def lambda_rules(
         draft_cost: [W], a draft layer's cost at k frontier rows.
         R: CAST's FIFO length (the layer-ratio average that predicts the next layer).
         max_depth: the most layers (default D).
+        catchup_cost: [D + 1], the next step's catch-up forward at depth d (it carries up to
+            d + 1 accepted tokens into the draft): a layer more also costs
+            ``catchup_cost[d + 1] - catchup_cost[d]`` (default none).
 
     Returns the rules' ``Plan`` (unrounded choices; the planner rounds them to buckets).
     """
@@ -211,10 +215,12 @@ def lambda_rules(
     u = [float(layers[i, w - 1]) for i in range(drafted)]
     ratios = [1.0] + [u[j + 1] / u[j] if u[j] > 0 else 0.0 for j in range(drafted - 1)]
     alpha = float(np.mean(ratios[-R:]))
+    catch = np.zeros(max_depth + 2) if catchup_cost is None else catchup_cost
     depth = 1
     while depth < max_depth:
         mass = u[depth] if depth < drafted else alpha * u[-1]
-        if mass - lam * w * dT < lam * draft_cost[w - 1]:
+        layer = draft_cost[w - 1] + catch[depth + 1] - catch[depth]
+        if mass - lam * w * dT < lam * layer:
             break
         depth += 1
         if depth > drafted:  # one layer past the drafted depth per step, at most
@@ -241,6 +247,23 @@ class _BatchState:
     window: int = 0  # steps in the current window (all of them ran ``plan``)
     rates_version: int = 0
     votes: tuple = (0, 0, 0)  # the last decision's direction per size (width, depth, verify)
+    # per plan run: [steps timed (capped), mean of measured - modelled step time in µs]
+    residuals: dict = field(default_factory=dict)
+
+
+COST_PRIOR_US = (200.0, 20.0, 50.0)
+"""Prior standard deviations (µs) of the learnt step-time corrections b (per draft layer),
+c (per verified node), e (per frontier row beyond the first, per layer)."""
+STEP_NOISE_US = 200.0
+"""Assumed standard deviation of one step's measured time (µs): sets how many steps of data
+outweigh the prior."""
+RESIDUAL_CAP = 64
+"""Steps a plan's mean residual weighs at most (older plans do not outvote the recent)."""
+
+
+def _features(plan: Plan) -> np.ndarray:
+    d = plan.depth - 1
+    return np.array([1.0, d, plan.verify - 1.0, (plan.width - 1.0) * d])
 
 
 class CastPlanner:
@@ -265,6 +288,18 @@ class CastPlanner:
             the acceptance probability).
         initial: the first plan (default: width min(2, W), depth min(4, D), verify 8), rounded
             up to the buckets.
+        learn_costs: correct the table's step model with the measured step times (below).
+
+    Costs that run. The step the rules price is the verification forward at its bucket, the
+    draft's root layer and ``depth - 1`` layers of ``width`` rows (each with
+    ``layer_overhead_us``) and the next step's catch-up forward at ``bucket(depth + 1)`` rows.
+    What the table does not see (kernels between the forwards, the host's share of a step,
+    shapes its grid interpolates) shows in the measured step times: the planner keeps, per plan
+    it ran, the mean of measured minus modelled time, and fits it per batch size as
+    ``a + b (depth - 1) + c (verify - 1) + e (width - 1)(depth - 1)`` µs (a Gaussian prior
+    around 0 on b, c, e: ``COST_PRIOR_US``; a plan's steps weigh up to ``RESIDUAL_CAP``). The
+    rules add ``b + e (k - 1)`` to a layer of ``k`` rows and ``c`` per verified node; ``a``
+    (the step's fixed part) changes no decision.
 
     Per step: ``plan(B)`` (the shape to run), ``rates(B)`` (to upload for ``cast_step_stats``
     when ``rates_version(B)`` changed), then ``observe(B, stats, plan, tokens, step_s, ctx)``
@@ -282,6 +317,7 @@ class CastPlanner:
         lam_smoothing: float = 0.9,
         prior: float = 8.0,
         initial: Plan | None = None,
+        learn_costs: bool = True,
     ):
         if not isinstance(policy, Cast):
             raise ValueError(
@@ -316,10 +352,11 @@ class CastPlanner:
         if prior <= 0:
             raise ValueError(f"Invalid value of prior: expected > 0, got {prior!r}")
         self.prior = prior
+        self.learn_costs = learn_costs
         p = initial or Plan(width=min(2, self.W), depth=min(4, self.D), verify=8)
         self.initial = self._rounded(p.width, p.depth, p.verify)
         self._batch: dict[int, _BatchState] = {}
-        self._costs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]] = {}
+        self._costs: dict[tuple, object] = {}  # per batch size and context bucket
         self.layout = _layout(self.D, self.W, self.N)
         self.size = stats_size(self.D, self.W, self.N)
 
@@ -384,15 +421,55 @@ class CastPlanner:
         dft = np.array([SD[_round_up(k, self.widths) - 1] + ov for k in range(1, self.W + 1)])
         return tgt / unit, dft / unit, unit
 
+    def catchup_costs(self, B: int, ctx: int) -> np.ndarray:
+        """[D + 1] in ``S_T(B, 1)`` units: the catch-up forward after a step of depth d, at
+        the bucket of d + 1 rows (capped at the capacity), as the decoder runs it."""
+        key = ("catchup", B, self.policy.cost_table.bucket(ctx))
+        hit = self._costs.get(key)
+        if hit is None:
+            t = self.policy.cost_table
+            SD = t.S_D(B, ctx).numpy()
+            unit = float(t.S_T(B, ctx)[0])
+            top = min(self.N, t.n_max)
+            hit = np.array([SD[min(_round_up(d + 1, self.verify_sizes), top) - 1]
+                            for d in range(self.D + 1)]) / unit  # fmt: skip
+            hit[0] = 0.0
+            self._costs[key] = hit
+        return hit
+
+    def modelled_us(self, B: int, ctx: int, plan: Plan) -> float:
+        """The table's time of a step of ``plan`` (µs): verification at its bucket, the root
+        layer and ``depth - 1`` layers of ``width`` rows with their overhead, the catch-up."""
+        tgt, dft, unit = self.costs(B, ctx)
+        catch = self.catchup_costs(B, ctx)
+        d = plan.depth
+        return unit * float(
+            tgt[plan.verify - 1] + dft[0] + (d - 1) * dft[plan.width - 1] + catch[d]
+        )
+
+    def correction(self, B: int) -> np.ndarray:
+        """The learnt step-time correction at batch size ``B``: (a, b, c, e) µs (see the class
+        docstring); zeros before any timed step or with ``learn_costs`` off."""
+        st = self._state(B)
+        if not self.learn_costs or not st.residuals:
+            return np.zeros(4)
+        X = np.array([_features(p) for p in st.residuals])
+        wr = np.array(list(st.residuals.values()))
+        w, r = wr[:, 0], wr[:, 1]
+        prec = np.diag([1e-9] + [(STEP_NOISE_US / s) ** 2 for s in COST_PRIOR_US])
+        A = X.T @ (w[:, None] * X) + prec
+        return np.linalg.solve(A, X.T @ (w * r))
+
     # ---------------------------------------------------------------- observe
     def observe(
         self, B: int, stats: Sequence[float], plan: Plan, tokens: float, step_s: float, ctx: int
     ) -> Plan:
         """Take one step's results: ``stats`` (``cast_step_stats``'s output, read on the host),
         the ``plan`` it ran, ``tokens`` emitted per active request, its measured time
-        ``step_s`` (seconds), the batch's context ``ctx`` (tokens). Updates λ̂ and the
-        calibration; every ``interval`` steps runs the rules on the window's mean curves and
-        moves the plan; returns the plan for the next step."""
+        ``step_s`` (seconds; 0 for a step that is no measure of its plan, e.g. one that
+        captured a graph), the batch's context ``ctx`` (tokens). Updates λ̂, the learnt step
+        costs and the calibration; every ``interval`` steps runs the rules on the window's mean
+        curves and moves the plan; returns the plan for the next step."""
         st = self._state(B)
         x = np.asarray(stats, dtype=np.float64)
         lay = self.layout
@@ -404,6 +481,11 @@ class CastPlanner:
             eta = tokens / (step_s * 1e6 / unit_us)
             a = self.lam_smoothing if st.steps > 1 else 0.0
             st.lam = a * st.lam + (1 - a) * eta
+        if step_s > 0 and self.learn_costs:
+            r = step_s * 1e6 - self.modelled_us(B, ctx, plan)
+            ent = st.residuals.setdefault(plan, [0.0, 0.0])
+            ent[0] = min(ent[0] + 1.0, RESIDUAL_CAP)
+            ent[1] += (r - ent[1]) / ent[0]
         decay = 0.995
         st.seen = decay * st.seen + x[lay["seen"]]
         st.hits = decay * st.hits + x[lay["hits"]]
@@ -414,10 +496,16 @@ class CastPlanner:
         st.window += 1
         if st.window < self.interval:
             return st.plan
-        target_cost, draft_cost, _ = self.costs(B, ctx)
+        target_cost, draft_cost, unit = self.costs(B, ctx)
+        _, b, c, e = self.correction(B) / unit
+        k = np.arange(self.N)
+        target_cost = np.maximum(target_cost + c * k, 0.25 * target_cost)
+        k = np.arange(self.W)
+        draft_cost = np.maximum(draft_cost + b + e * k, 0.25 * draft_cost)
         raw = lambda_rules(
             st.layers / st.window, st.verify / st.window, plan.depth, st.lam, target_cost,
             draft_cost, R=self.policy.R, max_depth=self.D,
+            catchup_cost=self.catchup_costs(B, ctx),
         )  # fmt: skip
         st.plan, st.votes = self._toward(plan, raw, st.votes)
         st.layers[:] = 0.0
@@ -457,6 +545,7 @@ class CastPlanner:
         return {
             "lambda": round(st.lam, 4),
             "plan": [st.plan.width, st.plan.depth, st.plan.verify],
+            "cost_correction_us": [round(float(x), 2) for x in self.correction(B)],
             "rates": [round(g, 4) for g in self.rates(B)],
             "steps": st.steps,
         }

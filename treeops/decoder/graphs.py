@@ -485,6 +485,7 @@ class WholeStep:
         if not self.greedy:  # the eager path's draw, copied into the static buffer
             sb.u_host.copy_(torch.rand(B, dec.capacity, generator=self.g))
             sb.u.copy_(sb.u_host, non_blocking=True)
+        captures = res.graphs_captured
         copied = dec._graphs.replay_step(
             sb, key, lambda copy_out, pb=pb: self.make_body(copy_out, pb), res
         )
@@ -499,6 +500,8 @@ class WholeStep:
         rows = dec._wait(res, lambda hp=host_pack: sb.read_pack(hp))
         now = time.perf_counter()
         step_s, self.t_last = now - self.t_last, now
+        if res.graphs_captured != captures:  # a capture is no step time: the planner skips it
+            step_s = 0.0
         if planner is not None:
             acc = [r[0] for r in rows if r[0] > 0]
             if acc:
