@@ -34,6 +34,7 @@ Must run without ``TRITON_INTERPRET`` (the launchers' GPU tile choices are timed
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import os
@@ -211,6 +212,14 @@ def launchers_on_cpu():
     process launches nothing afterwards)."""
     from compile_check import _Driver
 
+    from treeops.kernels import _launch
+
+    # on a GPU machine the real kernels sit in the caches under device 0, the stand-in's device
+    # too: set them aside so that no real kernel is launched on CPU pointers
+    _launch.clear_all()
+    real_caches = {lau.fn: lau.fn.device_caches for lau in _launch.LAUNCHERS}
+    for fn in real_caches:
+        fn.device_caches = collections.defaultdict(fn.create_binder)
     driver.set_active(_Driver())
     saved = JITFunction._do_compile
     direct_was = _library.DIRECT
@@ -240,9 +249,9 @@ def launchers_on_cpu():
             registry |= hidden
         JITFunction._do_compile = saved
         _library.DIRECT = direct_was
-        from treeops.kernels import _launch
-
         _launch.clear_all()  # the stub kernels cached for the stand-in driver
+        for fn, caches in real_caches.items():
+            fn.device_caches = caches
 
 
 def cpu_rows(ops: list[str], iters: int, repeats: int) -> list[dict]:
