@@ -46,8 +46,8 @@ from collections.abc import Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-# the lean paths are opt-in (treeops/_library.py, kernels/_launch.py): this bench times them,
-# its second process (``old_*`` columns) the default paths
+# the lean paths (treeops/_library.py, kernels/_launch.py; the defaults): this bench times them
+# unless the environment turns them off; its second process (``old_*`` columns) the old paths
 os.environ.setdefault("TREEOPS_DISPATCH", "0")
 os.environ.setdefault("TREEOPS_DIRECT_LAUNCH", "1")
 

@@ -31,8 +31,7 @@ every specialised property (integers 1, 16, 17; pointers aligned and not; dtypes
 launched is the one in Triton's own cache under Triton's own key.
 
 Always through ``JITFunction.run`` instead: under ``TRITON_INTERPRET=1`` (the kernel is no
-``JITFunction``) and unless ``TREEOPS_DIRECT_LAUNCH=1`` (the default, until the GPU suite has
-passed with it); when ``JITFunction.run`` is not Triton's
+``JITFunction``) and with ``TREEOPS_DIRECT_LAUNCH=0`` in the environment; when ``JITFunction.run`` is not Triton's
 (``bench/compile_check.py``'s compile-only run, ``bench/bench_host.py``'s timing stub), a grid that
 is no tuple, options other than ``num_warps``/``num_stages``, a kernel with pre-run hooks, launch
 enter/exit hooks installed (``knobs.runtime.launch_enter_hook``: the profiler's; Triton builds
@@ -53,11 +52,9 @@ from triton.knobs import HookChain
 from triton.runtime.driver import driver as _driver_config
 from triton.runtime.jit import JITFunction
 
-ENABLED = os.environ.get("TREEOPS_DIRECT_LAUNCH") == "1"
-"""Read at import: ``TREEOPS_DIRECT_LAUNCH=1`` turns the direct launch on; by default every
-launch goes through ``JITFunction.run``. Off by default until it has passed the GPU test suite:
-with it and the direct op path on, one GPU test (per-forward CUDA graphs of a thresholded CAST
-decoder, B = 3) failed its capture on the H200."""
+ENABLED = os.environ.get("TREEOPS_DIRECT_LAUNCH") != "0"
+"""Read at import: on by default; ``TREEOPS_DIRECT_LAUNCH=0`` sends every launch through
+``JITFunction.run``. The GPU test suite passes either way."""
 
 _TRITON_RUN = JITFunction.run
 """Triton's own ``run``: when the class's is another (patched), every launch goes through it."""

@@ -444,8 +444,7 @@ def _decode_step(dev, k, v, kc0, vc0, bt, sl, q0, tree, logits):
 
 _OPT_IN = pytest.mark.skipif(
     not (_launch.ENABLED and _library.DIRECT),
-    reason="the lean paths are opt-in until the GPU suite passes with them: run with "
-    "TREEOPS_DISPATCH=0 TREEOPS_DIRECT_LAUNCH=1",
+    reason="the lean paths are turned off (TREEOPS_DISPATCH=1 or TREEOPS_DIRECT_LAUNCH=0)",
 )
 
 

@@ -50,13 +50,11 @@ the launchers' host code)."""
 OPS: dict[str, Callable] = {}
 """Every op's callable (``define``) by name."""
 
-DIRECT = 1 if os.environ.get("TREEOPS_DISPATCH") == "0" else 0
-"""0 (default): every call goes through the dispatcher; 1: plain eager calls on CUDA tensors call
-the CUDA backend directly; 2: CPU tensors too, for ``bench/bench_host.py`` and the tests, which
-install the CUDA backends (Triton's launch stubbed) where the CPU reference would run. Set
-``TREEOPS_DISPATCH=0`` in the environment to start at 1. Off by default until it has passed the
-GPU test suite: with it and the direct launch on, one GPU test (per-forward CUDA graphs of a
-thresholded CAST decoder, B = 3) failed its capture on the H200."""
+DIRECT = 0 if os.environ.get("TREEOPS_DISPATCH") == "1" else 1
+"""1 (default): plain eager calls on CUDA tensors call the CUDA backend directly; 0 (set
+``TREEOPS_DISPATCH=1`` in the environment): every call goes through the dispatcher; 2: CPU
+tensors too, for ``bench/bench_host.py`` and the tests, which install the CUDA backends (Triton's
+launch stubbed) where the CPU reference would run. The GPU test suite passes on both paths."""
 
 _PLAIN = frozenset({torch.Tensor, type(None), int, float, bool})
 _compiling = torch.compiler.is_compiling
