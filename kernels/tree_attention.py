@@ -370,10 +370,13 @@ class AttnConfig:
 
 # Split-KV: aim for this many programs per SM, never fewer than MIN_CHUNK keys per split, at
 # most MAX_SPLITS: more splits cost more in the merge than they win in occupancy, fewer leave SMs
-# idle at small batches (the H200 sweep in bench/attention_notes.md).
+# idle at small batches. H200 (bench/attention_notes.md; tree_attention.json): with 4 query
+# tiles (B = 1, H_kv = 8, n = 64) the program target picks 9 splits, near the sweep's best (8
+# beat 16 and 4); with one tile (n = 16) 16 splits ran 69.6 / 15.9 µs at ctx 32768 / 4096 where
+# a cap of 8 left half the SMs idle (125.1 / 27.8 µs).
 PROGRAMS_PER_SM = 2
 MIN_CHUNK = 128
-MAX_SPLITS = 8
+MAX_SPLITS = 16
 MIN_SPLIT_CAPACITY = 4 * MIN_CHUNK
 """Below this many cache slots per request no split: a split of a few hundred keys saves less than
 the ``_merge_splits`` launch it adds (a decode step at short context pays it once per layer)."""
