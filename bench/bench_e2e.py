@@ -33,7 +33,8 @@ what it measured):
    held-out prompts (at least ``--min-requests`` requests, and enough groups that each
    (policy, B) row generates ``--min-tokens`` over its repeats; group g holds prompts
    ``(g * B + i) % len(prompts)``, the last ``--prompt-len`` tokens of each), greedy,
-   ``--new-tokens`` each. One decoder per policy, warmed up on the first group (captures), then
+   ``--new-tokens`` each. One decoder per policy, warmed up on the first group (captures;
+   λ-CAST until its planner has seen ``--planner-warmup-steps`` steps at this B), then
    ``--repeats`` rounds: in each, every policy decodes every group (autoregressive, chain,
    EagleStatic, Cast, CastGraft, the order rotated by one per round). A row merges its rounds:
    tokens/s = all generated tokens / the summed decode-loop wall times (prefill and captures
@@ -547,6 +548,10 @@ def main(argv=None) -> int:
     ap.add_argument("--C3", type=float, default=None)
     ap.add_argument("--cast-depth", type=int, default=10, help="Cast's max_depth")
     ap.add_argument("--cast-budget", type=int, default=96, help="Cast's capacity")
+    ap.add_argument("--planner-warmup-steps", type=int, default=200,
+                    help="λ-CAST's warm-up decodes groups until its planner has seen this many "
+                    "steps at the batch size (at most 60 s): the timed runs see its settled "
+                    "plans, as an engine would after its first requests")  # fmt: skip
     ap.add_argument(
         "--repeats",
         type=int,
@@ -737,6 +742,16 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
             decs[pol] = make_decoder(pol, target, draft, args, table, graphs)
             if cuda:
                 decs[pol].generate(groups[0], args.new_tokens)  # graphs captured, Triton compiled
+                sync()
+                planner = decs[pol].planner
+                g = 1
+                while (
+                    planner is not None
+                    and time.time() - t0 < 60
+                    and planner.describe(B)["steps"] < args.planner_warmup_steps
+                ):
+                    decs[pol].generate(groups[g % len(groups)], args.new_tokens)
+                    g += 1
                 sync()
         except Exception as e:
             traceback.print_exc()
