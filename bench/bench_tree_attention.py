@@ -38,14 +38,23 @@ GRID_SHAPES = [(b, c, n) for b in (1, 4, 16, 64) for c in (512, 4096, 32768) for
 LONG_SHAPES = [(1, 131072, 64)]
 # FlexAttention compiles per shape (tens of seconds of device time each): one shape only
 FLEX_SHAPES = [(8, 4096, 64)]
-HQ, HKV, D, PAGE = 32, 8, 128, 16
+HQ, HKV, D, PAGE = 32, 8, 128, 16  # the default layout; a shape may name its own heads and D
+# shapes beyond the default layout (B, ctx, n, H_q, H_kv, D): many query heads, a tree of 127
+# nodes, D = 256 and D = 64 (the tiles each head dim compiles), a tiny tree
+LAYOUT_SHAPES = [
+    (16, 8192, 16, 64, 8, 128),
+    (4, 4096, 127, 32, 8, 128),
+    (32, 2048, 64, 16, 4, 256),
+    (32, 2048, 64, 32, 8, 64),
+    (1, 512, 8, 32, 8, 128),
+]
 TOL = 2e-2  # bf16 inputs and outputs, fp32 accumulation: max error / max |ref|
 
 
-def floor_us(B, ctx, n):
-    kv_bytes = 2 * B * (ctx + n) * HKV * D * 2
-    qo_bytes = 2 * B * n * HQ * D * 2
-    flops = 4 * HQ * D * B * n * (ctx + n)
+def floor_us(B, ctx, n, hq=HQ, hkv=HKV, d=D):
+    kv_bytes = 2 * B * (ctx + n) * hkv * d * 2
+    qo_bytes = 2 * B * n * hq * d * 2
+    flops = 4 * hq * d * B * n * (ctx + n)
     return H.floor_us(kv_bytes + qo_bytes, flops), kv_bytes + qo_bytes, flops
 
 
@@ -64,22 +73,24 @@ def random_tree(B: int, n: int, rng: random.Random, dev) -> treeops.Tree:
 class Case:
     """Random bf16 tensors of one shape: paged caches (pages shuffled), trees, queries."""
 
-    def __init__(self, B, ctx, n, seed=0, dev="cuda"):
+    def __init__(self, B, ctx, n, seed=0, dev="cuda", hq=HQ, hkv=HKV, d=D):
         rng = random.Random(seed)
         self.B, self.ctx, self.n = B, ctx, n
+        self.hq, self.hkv, self.d = hq, hkv, d
         L = ctx + n
         self.pages_per = -(-L // PAGE)
         P = B * self.pages_per
         perm = torch.randperm(P, generator=torch.Generator().manual_seed(seed))
         self.block_table = perm.view(B, self.pages_per).to(torch.int32).to(dev)
         g = torch.Generator(device=dev).manual_seed(seed)
-        self.k_cache = torch.randn(P, PAGE, HKV, D, device=dev, generator=g, dtype=torch.bfloat16)
-        self.v_cache = torch.randn(P, PAGE, HKV, D, device=dev, generator=g, dtype=torch.bfloat16)
-        self.q = torch.randn(B, n, HQ, D, device=dev, generator=g, dtype=torch.bfloat16)
+        kw = dict(device=dev, generator=g, dtype=torch.bfloat16)
+        self.k_cache = torch.randn(P, PAGE, hkv, d, **kw)
+        self.v_cache = torch.randn(P, PAGE, hkv, d, **kw)
+        self.q = torch.randn(B, n, hq, d, **kw)
         self.seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
         self.tree = random_tree(B, n, rng, dev)
         self.tree_mask = self.tree.ancestor_mask()  # [B, n, n] bool
-        self.scale = 1.0 / math.sqrt(D)
+        self.scale = 1.0 / math.sqrt(d)
 
     def mask(self, b):
         """[n, ctx + n] bool: prefix visible, tree keys by ancestry."""
@@ -90,18 +101,19 @@ class Case:
     def kv_contig(self):
         """[B, L, H_kv, D] contiguous K and V (the layout SDPA, Flex and ragged FlashInfer take)."""
         L = self.ctx + self.n
-        k = self.k_cache[self.block_table.long()].reshape(self.B, -1, HKV, D)[:, :L]
-        v = self.v_cache[self.block_table.long()].reshape(self.B, -1, HKV, D)[:, :L]
+        k = self.k_cache[self.block_table.long()].reshape(self.B, -1, self.hkv, self.d)[:, :L]
+        v = self.v_cache[self.block_table.long()].reshape(self.B, -1, self.hkv, self.d)[:, :L]
         return k.contiguous(), v.contiguous()
 
     def reference(self):
         """fp32 reference, one request at a time: [B, n, H_q, D]."""
-        ref = torch.empty(self.B, self.n, HQ, D, dtype=torch.float32, device=self.q.device)
+        hq, hkv, d = self.hq, self.hkv, self.d
+        ref = torch.empty(self.B, self.n, hq, d, dtype=torch.float32, device=self.q.device)
         L = self.ctx + self.n
         for b in range(self.B):
             pages = self.block_table[b].long()
-            k = self.k_cache[pages].reshape(-1, HKV, D)[:L].float().repeat_interleave(HQ // HKV, 1)
-            v = self.v_cache[pages].reshape(-1, HKV, D)[:L].float().repeat_interleave(HQ // HKV, 1)
+            k = self.k_cache[pages].reshape(-1, hkv, d)[:L].float().repeat_interleave(hq // hkv, 1)
+            v = self.v_cache[pages].reshape(-1, hkv, d)[:L].float().repeat_interleave(hq // hkv, 1)
             s = torch.einsum("nhd,lhd->hnl", self.q[b].float(), k) * self.scale
             s.masked_fill_(~self.mask(b)[None], float("-inf"))
             ref[b] = torch.einsum("hnl,lhd->nhd", torch.softmax(s, -1), v)
@@ -144,7 +156,7 @@ def kernel_fn(c: Case, override=None, num_splits=None):
     out = torch.empty_like(c.q)
     cfg = K.config_for(c.q, c.k_cache, c.block_table, num_splits, override)
     ws = torch.empty(
-        max(1, K.workspace_numel(c.B, c.n, HQ, D, cfg)), dtype=torch.float32, device=c.q.device
+        max(1, K.workspace_numel(c.B, c.n, c.hq, c.d, cfg)), dtype=torch.float32, device=c.q.device
     )
 
     def fn():
@@ -202,9 +214,9 @@ def flashinfer_paged(c: Case, causal: bool):
         kv_indptr,
         indices,
         last,
-        HQ,
-        HKV,
-        D,
+        c.hq,
+        c.hkv,
+        c.d,
         PAGE,
         q_data_type=torch.bfloat16,
         kv_data_type=torch.bfloat16,
@@ -213,7 +225,7 @@ def flashinfer_paged(c: Case, causal: bool):
     )
     torch.cuda.synchronize()
     plan_us = (time.perf_counter() - t0) * 1e6
-    q = c.q.reshape(c.B * c.n, HQ, D)
+    q = c.q.reshape(c.B * c.n, c.hq, c.d)
     return (lambda: w.run(q, (c.k_cache, c.v_cache))), plan_us
 
 
@@ -228,9 +240,9 @@ def flashinfer_ragged(c: Case, k, v):
     w.plan(
         qo_indptr,
         kv_indptr,
-        HQ,
-        HKV,
-        D,
+        c.hq,
+        c.hkv,
+        c.d,
         custom_mask=torch.cat([c.mask(b).reshape(-1) for b in range(c.B)]),
         q_data_type=torch.bfloat16,
         kv_data_type=torch.bfloat16,
@@ -238,8 +250,8 @@ def flashinfer_ragged(c: Case, k, v):
     )
     torch.cuda.synchronize()
     plan_us = (time.perf_counter() - t0) * 1e6
-    q = c.q.reshape(c.B * c.n, HQ, D)
-    kf, vf = k.reshape(-1, HKV, D), v.reshape(-1, HKV, D)
+    q = c.q.reshape(c.B * c.n, c.hq, c.d)
+    kf, vf = k.reshape(-1, c.hkv, c.d), v.reshape(-1, c.hkv, c.d)
     return (lambda: w.run(q, kf, vf)), plan_us
 
 
@@ -249,8 +261,8 @@ def sdpa_fn(c: Case, k, v):
     q = c.q.transpose(1, 2)  # [B, H_q, n, D]
     # heads expanded once, outside the timing: the memory-efficient backend takes a bool mask
     # but not GQA, and the math fallback would time a different algorithm
-    kt = k.transpose(1, 2).repeat_interleave(HQ // HKV, 1)  # [B, H_q, L, D]
-    vt = v.transpose(1, 2).repeat_interleave(HQ // HKV, 1)
+    kt = k.transpose(1, 2).repeat_interleave(c.hq // c.hkv, 1)  # [B, H_q, L, D]
+    vt = v.transpose(1, 2).repeat_interleave(c.hq // c.hkv, 1)
     mask = torch.stack([c.mask(b) for b in range(c.B)])[:, None]  # [B, 1, n, L]
     return lambda: F.scaled_dot_product_attention(
         q, kt, vt, attn_mask=mask, scale=c.scale
@@ -295,19 +307,20 @@ def measure(name, row, make, ref, graph=True, timer=None):
         traceback.print_exc(limit=2)
 
 
-def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=True):
+def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=True, hq=HQ,
+              hkv=HKV, d=D):  # fmt: skip
     """One row: treeops (the public op, or the kernel with ``override``) and its peers, each
     checked against the fp32 reference before it is timed. ``time_treeops(fn) -> (µs, method)``
     times treeops (default ``time_us``)."""
-    c = Case(B, ctx, n)
-    fl, nbytes, flops = floor_us(B, ctx, n)
+    c = Case(B, ctx, n, hq=hq, hkv=hkv, d=d)
+    fl, nbytes, flops = floor_us(B, ctx, n, hq, hkv, d)
     row = dict(
         B=B,
         ctx=ctx,
         n=n,
-        hq=HQ,
-        hkv=HKV,
-        d=D,
+        hq=hq,
+        hkv=hkv,
+        d=d,
         page_size=PAGE,
         dtype="bf16",
         floor_us=round(fl, 2),
@@ -430,7 +443,10 @@ def sweep(shapes):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
-    ap.add_argument("--shapes", choices=("bench", "all"), default="all")
+    ap.add_argument("--shapes", choices=("bench", "all", "layout"), default="all",
+                    help="bench: docs/benchmarks.md's five; all: those, the grid, the long "
+                    "context and the other layouts (heads, head dims, tiny and 127-node trees); "
+                    "layout: the other layouts only")  # fmt: skip
     ap.add_argument("--sweep", action="store_true", help="also time tile/split variants")
     ap.add_argument(
         "--auto",
@@ -445,7 +461,7 @@ def main(argv=None):
         ap.error("needs a CUDA device")
     result = H.result_doc(
         commit_id=args.commit,
-        layout=dict(hq=HQ, hkv=HKV, d=D, page=PAGE),
+        layout=dict(hq=HQ, hkv=HKV, d=D, page=PAGE),  # rows name their own heads and D
         floor=dict(bandwidth=H.HBM_BYTES_PER_S, flops=H.ATTENTION_FLOPS_PER_S),
         rows=[],
     )
@@ -456,8 +472,11 @@ def main(argv=None):
             override = best_override(result["sweep"])
             result["sweep_choice"] = override
             print("sweep choice:", override, flush=True)
-    shapes = BENCH_SHAPES + ([] if args.shapes == "bench" else GRID_SHAPES + LONG_SHAPES)
-    for i, (B, ctx, n) in enumerate(shapes):
+    default = {"bench": BENCH_SHAPES, "all": BENCH_SHAPES + GRID_SHAPES + LONG_SHAPES,
+               "layout": []}[args.shapes]  # fmt: skip
+    shapes = [(*s, HQ, HKV, D) for s in default]
+    shapes += [] if args.shapes == "bench" else LAYOUT_SHAPES
+    for i, (B, ctx, n, hq, hkv, d) in enumerate(shapes):
         t0 = time.time()
         torch.cuda.empty_cache()
         row = run_shape(
@@ -465,13 +484,16 @@ def main(argv=None):
             ctx,
             n,
             not args.no_peers,
-            flex=not args.no_flex and (B, ctx, n) in FLEX_SHAPES,
+            flex=not args.no_flex and (B, ctx, n, hq, hkv, d) == (*FLEX_SHAPES[0], HQ, HKV, D),
             override=override,
+            hq=hq,
+            hkv=hkv,
+            d=d,
         )
-        row["bench_md_shape"] = (B, ctx, n) in BENCH_SHAPES
+        row["bench_md_shape"] = (B, ctx, n) in BENCH_SHAPES and (hq, hkv, d) == (HQ, HKV, D)
         result["rows"].append(row)
         print(
-            f"[{i + 1}/{len(shapes)}] {B} {ctx} {n}: {time.time() - t0:.1f}s "
+            f"[{i + 1}/{len(shapes)}] {B} {ctx} {n} {hq}/{hkv} D{d}: {time.time() - t0:.1f}s "
             + json.dumps(
                 {
                     k: row.get(k)
@@ -494,12 +516,15 @@ def print_table(rows):
         return "-" if x is None else f"{x:.1f}"
 
     print(
-        f"{'B':>3} {'ctx':>6} {'n':>4} {'floor':>7} {'treeops':>8} {'FIcust':>8} {'FIrag':>8} "
-        f"{'FIcaus':>8} {'sdpa':>8} {'flex':>8} {'xFIc':>5} {'/flr':>5} err"
+        f"{'B':>3} {'ctx':>6} {'n':>4} {'heads':>6} {'D':>3} {'floor':>7} {'treeops':>8} "
+        f"{'FIcust':>8} {'FIrag':>8} {'FIcaus':>8} {'sdpa':>8} {'flex':>8} {'xFIc':>5} "
+        f"{'/flr':>5} err"
     )
     for r in rows:
+        heads = f"{r.get('hq', HQ)}/{r.get('hkv', HKV)}"
         print(
-            f"{r['B']:>3} {r['ctx']:>6} {r['n']:>4} {f(r['floor_us']):>7} "
+            f"{r['B']:>3} {r['ctx']:>6} {r['n']:>4} {heads:>6} {r.get('d', D):>3} "
+            f"{f(r['floor_us']):>7} "
             f"{f(r.get('treeops_us')):>8} {f(r.get('flashinfer_custom_us')):>8} "
             f"{f(r.get('flashinfer_ragged_us')):>8} {f(r.get('flashinfer_causal_us')):>8} "
             f"{f(r.get('sdpa_us')):>8} {f(r.get('flex_us')):>8} "
