@@ -752,3 +752,27 @@ def test_lambda_cast_plan_at_the_policys_maxima(pair):
     res = dec.generate(PROMPTS[:2], NEW)
     assert res.tokens == [_greedy_baseline(target, p, NEW) for p in PROMPTS[:2]]
     assert {tuple(p[:3]) for p in res.plans} == {(top.width, top.depth, top.verify)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["chain", "EagleStatic", "Cast", "CastGraft", "lambda-Cast"])
+def test_fp32_greedy_equals_autoregressive_at_batch_64(gpu_pair, policy):
+    """Lossless at B = 64 in fp32 (tiny pair, tf32 off): every policy's greedy output equals
+    autoregressive decoding token for token, on its fastest graph mode (whole-step graphs where
+    the policy has them, per-forward graphs for thresholded CAST and CastGraft)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    target, draft = gpu_pair
+    g = torch.Generator().manual_seed(64)
+    V = target.cfg.vocab_size
+    prompts = [torch.randint(1, V, (3 + i % 9,), generator=g).tolist() for i in range(64)]
+    ar = Decoder(target, None, "autoregressive", cuda_graphs=True).generate(prompts, NEW)
+    if policy == "lambda-Cast":
+        pol = make_policy("Cast", depth=3, topk=3, budget=12, cast_depth=5, cast_budget=16,
+                          cost_table=_steep_costs())  # fmt: skip
+        dec = Decoder(target, draft, pol, cuda_graphs=True, step_graphs=True)
+    else:
+        whole = policy in ("chain", "EagleStatic")
+        dec = _decoder(gpu_pair, policy, cuda_graphs=True, step_graphs=whole)
+    res = dec.generate(prompts, NEW)
+    assert res.tokens == ar.tokens
+    assert res.mean_accepted > 1.0  # the drafts were used, not only the bonus tokens
