@@ -462,23 +462,30 @@ def plot(out_dir, rows) -> str | None:
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    flagged = False
     for pol in SPEC_POLICIES:
         pts = sorted(
             (r["B"], r["speedup"], min(r.get("speedup_repeats") or [r["speedup"]]),
-             max(r.get("speedup_repeats") or [r["speedup"]]))
+             max(r.get("speedup_repeats") or [r["speedup"]]), r.get("valid", True))
             for r in rows
-            if r["policy"] == pol and r.get("speedup") and r.get("valid", True)
+            if r["policy"] == pol and r.get("speedup")
         )  # fmt: skip
         if pts:
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             err = [[y - p[2] for y, p in zip(ys, pts)], [p[3] - y for y, p in zip(ys, pts)]]
             label = "λ-CAST" if pol == "Cast" else pol
-            ax.errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, label=label)
+            line = ax.errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, label=label)
+            bad = [(x, y) for x, y, p in zip(xs, ys, pts) if not p[4]]
+            if bad:  # a divergence beyond the near-tie bound: the point ringed
+                flagged = True
+                ax.plot(*zip(*bad), "o", ms=13, mfc="none", color=line[0].get_color())
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size B")
     ax.set_ylabel("speedup over autoregressive (tokens/s; bars: repeats' range)")
-    ax.set_title("treeops example decoder, greedy")
+    ax.set_title("treeops example decoder, greedy"
+                 + (" (ringed: a bf16 divergence past the near-tie bound)" if flagged else ""),
+                 fontsize=10)  # fmt: skip
     if ax.get_lines()[1:]:
         ax.legend()
     path = os.path.join(out_dir, "e2e.png")
