@@ -405,6 +405,29 @@ def cast(B, M, K, dtype=torch.float32):
     return f"cast_ops B={B} M={M} K={K} {dtype}", case
 
 
+def cast_stats(B, d, C, D=10, W=10, N=96):
+    def case():
+        from treeops.cast_plan import SCORE_BINS, stats_size
+        from treeops.kernels.cast_plan import step_stats_launch
+
+        n = N
+        scores = torch.rand(B, d, C, generator=G)
+        tree = _tree(B, n, n, 1000)
+        acc = torch.zeros(B, n, dtype=torch.int32)
+        alen = torch.ones(B, dtype=torch.int32)
+        active = torch.ones(B, dtype=torch.bool)
+        rates = torch.rand(SCORE_BINS, generator=G)
+        out = torch.zeros(stats_size(D, W, N))
+
+        def launch():
+            step_stats_launch(scores, tree, acc, alen, active, rates, out, max_depth=D,
+                              max_width=W, capacity=N, bins=SCORE_BINS)  # fmt: skip
+
+        return launch
+
+    return f"cast_step_stats B={B} d={d} C={C} D={D} W={W} N={N}", case
+
+
 def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     bf, fp = torch.bfloat16, torch.float16
     if quick:
@@ -424,6 +447,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             graft("retrieve", 8, 32000),
             graft("update", 8, 32000),
             cast(8, 100, 10),
+            cast_stats(8, 4, 20),
         ]
     out = []
     # tree attention: docs/benchmarks.md's shapes and its grid's corners, every head dim, GQA
@@ -495,6 +519,9 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     for B, M, K in ((1, 100, 10), (64, 100, 10), (64, 800, 64), (8, 2048, 256), (2, 4096, 2048)):
         out.append(cast(B, M, K))
     out.append(cast(8, 800, 64, dtype=torch.bfloat16))
+    # λ-CAST's step statistics: the planner's largest plan (depth 10 of 10 rows of 10) and a
+    # chain-like one
+    out += [cast_stats(64, 10, 100), cast_stats(1, 6, 10)]
     return out
 
 

@@ -31,13 +31,13 @@ every specialised property (integers 1, 16, 17; pointers aligned and not; dtypes
 launched is the one in Triton's own cache under Triton's own key.
 
 Always through ``JITFunction.run`` instead: under ``TRITON_INTERPRET=1`` (the kernel is no
-``JITFunction``) and with ``TREEOPS_DIRECT_LAUNCH=0`` in the environment; when ``JITFunction.run`` is not Triton's
-(``bench/compile_check.py``'s compile-only run, ``bench/bench_host.py``'s timing stub), a grid that
-is no tuple, options other than ``num_warps``/``num_stages``, a kernel with pre-run hooks, launch
-enter/exit hooks installed (``knobs.runtime.launch_enter_hook``: the profiler's; Triton builds
-their metadata), an argument whose key cannot be built (a kind the generated code does not expect),
-or an async compile. The globals a kernel read are checked on every direct launch, as Triton checks
-them.
+``JITFunction``) and with ``TREEOPS_DIRECT_LAUNCH=0`` in the environment; when ``JITFunction.run``
+is not Triton's (``bench/compile_check.py``'s compile-only run, ``bench/bench_host.py``'s timing
+stub), a grid that is no tuple, options other than ``num_warps``/``num_stages``, a kernel with
+pre-run hooks, launch enter/exit hooks installed (``knobs.runtime.launch_enter_hook``: the
+profiler's; Triton builds their metadata), an argument whose key cannot be built (a kind the
+generated code does not expect), or an async compile. The globals a kernel read are checked on every
+direct launch, as Triton checks them.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from treeops.cast_plan import (
     stats_size,
 )
 from treeops.decoder.policies import synthetic_cost_table
+from treeops.kernels.cast_plan import step_stats_launch
 from treeops.tree import Tree
 
 
@@ -160,13 +161,32 @@ def _stats_reference(cand_scores, tree, accepted, accept_len, active, rates, D, 
     return out
 
 
+@pytest.mark.parametrize("path", ["torch", "kernel"])
 @settings(max_examples=30, deadline=None)
 @given(B=st.integers(1, 5), d=st.integers(1, 4), w=st.integers(1, 3), K=st.integers(1, 4),
        seed=st.integers(0, 10**6))  # fmt: skip
-def test_step_stats_equal_reference(B, d, w, K, seed):
-    g = torch.Generator().manual_seed(seed)
+def test_step_stats_equal_reference(path, B, d, w, K, seed):
+    """The torch path (CPU, torch.compile) and the Triton kernels (CUDA; here the interpreter)
+    against the loop reference: ragged trees, inactive requests, layers with fewer candidates
+    than the width and steps with fewer candidates than the verify capacity."""
     D, W, N = 5, 4, 12
-    C = w * K
+    s, tree, accepted, alen, active, rates = _stats_inputs(B, d, w * K, seed)
+    out = torch.zeros(stats_size(D, W, N))
+    if path == "torch":
+        cast_step_stats(s, tree, accepted, alen, active, rates, out, max_depth=D, max_width=W,
+                        capacity=N)  # fmt: skip
+    else:
+        step_stats_launch(s, tree, accepted, alen, active, rates, out, max_depth=D,
+                          max_width=W, capacity=N, bins=SCORE_BINS)  # fmt: skip
+    want = _stats_reference(s, tree, accepted, alen, active, rates, D, W, N)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def _stats_inputs(B: int, d: int, C: int, seed: int):
+    """A step's statistics inputs: candidate scores (a fifth of them "none"), a random tree of
+    up to 8 nodes per request, each request's accepted path a root-to-node path of it, about a
+    fifth of the requests inactive, non-increasing rates."""
+    g = torch.Generator().manual_seed(seed)
     s = torch.rand(B, d, C, generator=g) ** 3
     s = torch.where(torch.rand(B, d, C, generator=g) < 0.2, -1.0, s)
     n = 1 + int(torch.randint(0, 8, (1,), generator=g))
@@ -188,11 +208,28 @@ def test_step_stats_equal_reference(B, d, w, K, seed):
         accepted[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
     active = torch.rand(B, generator=g) < 0.8
     rates = torch.sort(torch.rand(SCORE_BINS, generator=g), descending=True).values
-    out = torch.zeros(stats_size(D, W, N))
-    cast_step_stats(s, tree, accepted, alen, active, rates, out, max_depth=D, max_width=W,
-                    capacity=N)  # fmt: skip
-    want = _stats_reference(s, tree, accepted, alen, active, rates, D, W, N)
-    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
+    return s, tree, accepted, alen, active, rates
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("B", "d", "C"), [(1, 1, 1), (3, 4, 12), (64, 10, 100), (8, 6, 30)])
+def test_step_stats_kernels_on_gpu(B, d, C):
+    """On CUDA ``cast_step_stats`` runs the two Triton launches: equal to the torch path on the
+    CPU (float32 sums in another order), and the same when replayed from a CUDA graph."""
+    D, W, N = 10, 10, 96
+    ins = _stats_inputs(B, d, C, seed=B * 100 + d)
+    want = torch.zeros(stats_size(D, W, N))
+    cast_step_stats(*ins, want, max_depth=D, max_width=W, capacity=N)
+    dev = [x.cuda() if isinstance(x, torch.Tensor) else x.to("cuda") for x in ins]
+    out = torch.zeros(stats_size(D, W, N), device="cuda")
+    cast_step_stats(*dev, out, max_depth=D, max_width=W, capacity=N)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
+    out.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cast_step_stats(*dev, out, max_depth=D, max_width=W, capacity=N)
+    graph.replay()
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_step_stats_never_sync():

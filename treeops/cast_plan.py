@@ -41,6 +41,7 @@ import torch
 
 from ._checks import check_positive_int
 from .build_tree import Cast, EagleStatic
+from .kernels import cast_plan as _kstats
 from .tree import Tree
 
 __all__ = [
@@ -110,7 +111,8 @@ def cast_step_stats(
     capacity: int,
 ) -> None:
     """One step's statistics for the planner, written into ``out`` (float32, length
-    ``stats_size(max_depth, max_width, capacity)``); torch ops only, no host sync, capturable.
+    ``stats_size(max_depth, max_width, capacity)``); no host sync, capturable. On CUDA two Triton
+    launches (``kernels/cast_plan.py``), elsewhere (and under ``torch.compile``) torch ops.
 
     Args:
         cand_scores: [B, d, C] float32, the step's candidate path scores (``DraftState``; < 0 = no
@@ -132,6 +134,12 @@ def cast_step_stats(
     """
     B, d, C = cand_scores.shape
     D, W, N = max_depth, max_width, capacity
+    if out.is_cuda and not torch.compiler.is_compiling():  # two launches (kernels/cast_plan.py)
+        _kstats.step_stats_launch(
+            cand_scores.float().contiguous(), tree, accepted, accept_len, active, rates, out,
+            max_depth=D, max_width=W, capacity=N, bins=SCORE_BINS,
+        )  # fmt: skip
+        return
     lay = _layout(D, W, N)
     act = active.to(torch.float32)
     n_act = act.sum().clamp(min=1.0)

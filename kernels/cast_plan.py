@@ -1,0 +1,164 @@
+"""λ-CAST's per-step statistics (``treeops.cast_step_stats``) on the GPU: two launches instead
+of the ~50 small PyTorch kernels of the reference path (``treeops.cast_plan``), inside every
+λ-CAST step's CUDA graph.
+
+``_stats_rows_kernel`` — one program per request: its candidates' calibrated probabilities
+  (``rates[score_bin(s)]``, 0 for ``s < 0``), each drafted layer's sorted and summed (its
+  ``W`` best, flat past its candidates), all of them sorted and summed into the verify curve
+  (``1 +`` the ``k - 1`` best, flat past them), and the per-bin counts of its verified non-root
+  nodes and of those on its accepted path; all zero for an inactive request. Written to a
+  ``[B, S]`` float32 workspace.
+
+``_stats_reduce_kernel`` — the batch sum of the workspace per column, in request order (so the
+  result does not depend on scheduling), divided by the active requests (at least 1) for the
+  curves; the counts as they are; the number of active requests last.
+
+Precision: float32 as the reference; the sums run in another order (sort-and-cumsum per request,
+then requests in order), so results agree to float32 rounding. The score bin is
+``floor(-2 log2 s)`` clamped to ``[0, SCORE_BINS - 1]`` as in ``treeops.cast_plan.score_bin``;
+a score within an ulp of a half-octave boundary may fall in either bin.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from treeops._runtime import pow2
+
+from ._launch import direct
+
+__all__ = ["step_stats_launch"]
+
+
+@triton.jit
+def _bin(s, NB: tl.constexpr):
+    x = tl.floor(-2.0 * tl.log2(tl.maximum(s, 1e-30)))
+    return tl.minimum(tl.maximum(x, 0.0), NB - 1).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["n_acc"])
+def _stats_rows_kernel(
+    p_cs,  # [B, d, C] f32 candidate path scores (< 0: none), contiguous
+    p_ts,  # [B, n] tree scores
+    p_td,  # [B, n] tree depths (int32)
+    p_tn,  # [B] tree num_nodes (int32)
+    p_acc,  # [B, n_acc] accepted path's nodes (int32)
+    p_alen,  # [B] accepted path lengths (int32)
+    p_act,  # [B] active (uint8)
+    p_rates,  # [NB] f32 calibrated acceptance per score bin
+    p_part,  # [B, S] f32 workspace
+    n_acc,
+    s_ts,
+    s_td,
+    s_acc,
+    d: tl.constexpr,  # drafted layers
+    C: tl.constexpr,  # candidates per layer
+    DP: tl.constexpr,  # pow2(d)
+    CP: tl.constexpr,  # pow2(max(C, W))
+    D: tl.constexpr,  # the planner's maxima: layers, width, verify capacity
+    W: tl.constexpr,
+    N: tl.constexpr,
+    F: tl.constexpr,  # DP * CP: the flattened candidates
+    n: tl.constexpr,  # tree capacity
+    NP: tl.constexpr,  # pow2(n)
+    NB: tl.constexpr,  # score bins
+    NBP: tl.constexpr,  # pow2(NB)
+    S: tl.constexpr,  # workspace row: D * W + N + 2 * NB
+):
+    b = tl.program_id(0).to(tl.int64)
+    act = tl.load(p_act + b) != 0
+    # ---- calibrated probabilities [DP, CP]
+    o_i = tl.arange(0, DP)
+    o_c = tl.arange(0, CP)
+    m = (o_i < d)[:, None] & (o_c < C)[None, :] & act
+    s = tl.load(p_cs + b * (d * C) + o_i[:, None] * C + o_c[None, :], mask=m, other=-1.0)
+    cal = tl.where(s >= 0, tl.load(p_rates + _bin(s, NB), mask=s >= 0, other=0.0), 0.0)
+    # ---- per layer: its W best, summed (zeros sort last: flat past its candidates)
+    cum = tl.cumsum(tl.sort(cal, descending=True), 1)  # [DP, CP]
+    row = p_part + b * S
+    tl.store(row + o_i[:, None] * W + o_c[None, :], cum, mask=(o_i < d)[:, None] & (o_c < W))
+    # ---- the verify curve: 1, then 1 + the k best of all (flat past them)
+    flat = tl.cumsum(tl.sort(tl.reshape(cal, [F]), descending=True), 0)  # [F]
+    o_f = tl.arange(0, F)
+    v = row + D * W
+    tl.store(v, tl.where(act, 1.0, 0.0))
+    tl.store(v + 1 + o_f, tl.where(act, 1.0 + flat, 0.0), mask=1 + o_f < N)
+    if 1 + F < N:  # more slots than candidates: the curve stays at its total
+        total = tl.where(act, 1.0 + tl.sum(cal), 0.0)
+        for k0 in tl.static_range(1 + F, N, F):
+            o_k = k0 + o_f
+            tl.store(v + o_k, tl.zeros([F], tl.float32) + total, mask=o_k < N)
+    # ---- verified non-root nodes per score bin, and those on the accepted path
+    o_j = tl.arange(0, NP)
+    num = tl.load(p_tn + b)
+    dep = tl.load(p_td + b * s_td + o_j, mask=o_j < n, other=0)
+    ok = (o_j < num) & (o_j < n) & (dep >= 1) & act
+    ts = tl.load(p_ts + b * s_ts + o_j, mask=o_j < n, other=0.0).to(tl.float32)
+    bins = _bin(ts, NB)
+    # on the accepted path: its alen (<= depth + 1) nodes, one scalar load each
+    alen = tl.minimum(tl.load(p_alen + b), n_acc)
+    on = o_j < 0
+    for p in range(0, alen):
+        on = on | (o_j == tl.load(p_acc + b * s_acc + p))
+    o_k = tl.arange(0, NBP)
+    is_bin = bins[:, None] == o_k[None, :]  # [NP, NBP]
+    seen = tl.sum((is_bin & ok[:, None]).to(tl.float32), 0)
+    hits = tl.sum((is_bin & (ok & on)[:, None]).to(tl.float32), 0)
+    tl.store(v + N + o_k, seen, mask=o_k < NB)
+    tl.store(v + N + NB + o_k, hits, mask=o_k < NB)
+
+
+@triton.jit(do_not_specialize=["B"])
+def _stats_reduce_kernel(
+    p_part,  # [B, S] f32
+    p_act,  # [B] uint8
+    p_out,  # [S + 1] f32
+    B,
+    CURVES: tl.constexpr,  # the first D * W + N columns: means over the active requests
+    S: tl.constexpr,
+    BP: tl.constexpr,  # pow2 tile over the batch for the active count
+    BS: tl.constexpr,  # columns per program
+):
+    o = tl.program_id(0) * BS + tl.arange(0, BS)
+    m = o < S
+    n_act = tl.sum(tl.zeros([BP], tl.int32), 0)
+    for b0 in range(0, B, BP):
+        o_b = b0 + tl.arange(0, BP)
+        n_act += tl.sum((tl.load(p_act + o_b, mask=o_b < B, other=0) != 0).to(tl.int32), 0)
+    acc = tl.zeros([BS], tl.float32)
+    for b in range(0, B):
+        acc += tl.load(p_part + b * S + o, mask=m, other=0.0)
+    div = tl.maximum(n_act, 1).to(tl.float32)
+    tl.store(p_out + o, tl.where(o < CURVES, acc / div, acc), mask=m)
+    if tl.program_id(0) == 0:
+        tl.store(p_out + S, n_act.to(tl.float32))
+
+
+def step_stats_launch(
+    cand_scores, tree, accepted, accept_len, active, rates, out, *, max_depth: int,
+    max_width: int, capacity: int, bins: int,
+) -> None:  # fmt: skip
+    """Write ``treeops.cast_step_stats``'s output into ``out`` ([D * W + N + 2 * bins + 1]
+    float32) with two launches; inputs as there (checked by the caller), ``cand_scores``
+    contiguous float32, ``active`` bool. No host sync: capturable."""
+    B, d, C = cand_scores.shape
+    D, W, N = max_depth, max_width, capacity
+    n = tree.capacity
+    S = D * W + N + 2 * bins
+    part = torch.zeros(B, S, dtype=torch.float32, device=out.device)
+    DP, CP = pow2(d), max(2, pow2(max(C, W)))
+    act = active.view(torch.uint8)
+    ts, td = tree.scores, tree.depth
+    direct(_stats_rows_kernel).launch(
+        (B,), cand_scores, ts, td, tree.num_nodes, accepted, accept_len, act, rates, part,
+        accepted.shape[1], ts.stride(0), td.stride(0), accepted.stride(0),
+        d=d, C=C, DP=DP, CP=CP, D=D, W=W, N=N, F=DP * CP, n=n, NP=max(2, pow2(n)),
+        NB=bins, NBP=pow2(bins), S=S,
+    )  # fmt: skip
+    BS = 256
+    direct(_stats_reduce_kernel).launch(
+        (triton.cdiv(S, BS),), part, act, out, B,
+        CURVES=D * W + N, S=S, BP=min(pow2(B), 1024), BS=BS,
+    )  # fmt: skip
