@@ -150,7 +150,9 @@ def step_stats_launch(
     part = torch.zeros(B, S, dtype=torch.float32, device=out.device)
     DP, CP = pow2(d), max(2, pow2(max(C, W)))
     act = active.view(torch.uint8)
-    ts, td = tree.scores, tree.depth
+    # rows may be strided (a verify tree's column slice), elements must be adjacent
+    ts, td = (x if x.stride(1) == 1 else x.contiguous() for x in (tree.scores, tree.depth))
+    accepted = accepted if accepted.stride(1) == 1 else accepted.contiguous()
     direct(_stats_rows_kernel).launch(
         (B,), cand_scores, ts, td, tree.num_nodes, accepted, accept_len, act, rates, part,
         accepted.shape[1], ts.stride(0), td.stride(0), accepted.stride(0),
