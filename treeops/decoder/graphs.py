@@ -440,10 +440,11 @@ class WholeStep:
     for the tree shape ``pb``.
 
     Under λ-CAST (``dec.planner``) each step runs the planner's current plan (one graph per plan,
-    captured on first use), and after
-    the wait the step's statistics, its measured time (from the previous step's end: what
-    tokens per second see) and its emitted tokens update the planner; the calibration goes to the
-    device before a replay whenever the planner changed it."""
+    captured on first use); the step's statistics, its measured time (from the previous step's
+    end: what tokens per second see; 0 for a step that captured) and its emitted tokens update
+    the planner while the next step runs on the device (the host's planning overlaps it; the
+    plan lags one step; a call's last step is not observed); the calibration goes to the device
+    before a replay whenever the planner changed it."""
 
     def __init__(self, dec: Decoder, sb: _StaticBatch, res: DecodeResult, greedy: bool, stops,
                  generator: torch.Generator, make_body: Callable[..., Callable],
@@ -458,6 +459,7 @@ class WholeStep:
         self.plan = None
         self.plans: dict = {}  # plan -> (its buffers, its graph key)
         self.rates_version = -1
+        self.pending: tuple | None = None  # the last step's observation, for the planner
 
     def clock(self) -> float:
         return self.dec._clock()
@@ -496,6 +498,9 @@ class WholeStep:
                 sb.host_stats.copy_(sb.stats, non_blocking=True)
         if sb.pack_event is not None:
             sb.pack_event.record()
+        if self.pending is not None:  # the previous step's, while the device runs this one
+            planner.observe(*self.pending)
+            self.pending = None
         res.time_step += self.clock() - t0
         rows = dec._wait(res, lambda hp=host_pack: sb.read_pack(hp))
         now = time.perf_counter()
@@ -507,7 +512,11 @@ class WholeStep:
             if acc:
                 tokens = sum(acc) / len(acc)
                 self.ctx += max(acc)
-                planner.observe(B, sb.host_stats.numpy(), self.plan, tokens, step_s, self.ctx)
+                # observed at the next step's launch (its plan is chosen before: one step of
+                # lag in plans that move every few steps anyway); the statistics copied now,
+                # before the next step's graph overwrites the pinned buffer
+                self.pending = (B, sb.host_stats.numpy().copy(), self.plan, tokens, step_s,
+                                self.ctx)  # fmt: skip
             lam = planner.lam(B)
             p = self.plan
             res.plans.append([p.width, p.depth, p.verify, round(lam, 4)])
