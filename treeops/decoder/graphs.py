@@ -49,6 +49,13 @@ def token_buckets(capacity: int) -> list[int]:
     return [b for b in TOKEN_BUCKETS if b < capacity] + [capacity]
 
 
+def path_cols(grafting: bool, pb: PlanBuffers | None, n: int) -> int:
+    """Columns of accepted-path tokens in a step's results pack: the longest path the step's
+    tree can accept (its draft depth + 1, within the verified bucket n; n where Graft may add
+    nodes below the draft's depth). Fewer columns, less for the host to read each step."""
+    return n if grafting or pb is None else min(n, pb.depth + 1)
+
+
 def bucket_for(n: int, capacity: int) -> int:
     """The smallest bucket of ``token_buckets(capacity)`` holding ``n`` tokens (``n`` is clamped
     to ``[1, capacity]``): never smaller than ``n`` while ``n <= capacity``."""
@@ -491,9 +498,10 @@ class WholeStep:
         copied = dec._graphs.replay_step(
             sb, key, lambda copy_out, pb=pb: self.make_body(copy_out, pb), res
         )
-        host_pack = sb.host_pack[: B * (4 + n)].view(B, 4 + n)
+        w = 4 + path_cols(dec.graft is not None, pb, n)
+        host_pack = sb.host_pack[: B * w].view(B, w)
         if not copied:  # (capture fallback: the results' copy after the replay)
-            host_pack.copy_(sb.pack[: B * (4 + n)].view(B, 4 + n), non_blocking=True)
+            host_pack.copy_(sb.pack[: B * w].view(B, w), non_blocking=True)
             if planner is not None:
                 sb.host_stats.copy_(sb.stats, non_blocking=True)
         if sb.pack_event is not None:

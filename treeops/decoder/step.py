@@ -56,7 +56,7 @@ from ..cast_plan import cast_step_stats
 from ..compact_kv import compact_kv
 from ..graft import graft, prune
 from ..tree import Tree
-from .graphs import PlanBuffers, _StaticBatch, bucket_for
+from .graphs import PlanBuffers, _StaticBatch, bucket_for, path_cols
 from .model import PagedKV, chain_tree
 from .results import DecodeResult
 
@@ -200,10 +200,10 @@ class StepBody:
         return Verified(acc, alen, path_tok, path_h, new_lens)
 
     def pack(self, v: Verified, tree: Tree, n: int) -> torch.Tensor:
-        """What the host needs, in one [B, 4 + n] int64 tensor: accepted lengths, bonus tokens,
-        verified sizes, grafted counts, the accepted path's tokens."""
+        """What the host needs, in one [B, 4 + P] int64 tensor: accepted lengths, bonus tokens,
+        verified sizes, grafted counts, the accepted path's tokens (P = ``path_cols(n)``)."""
         heads = (v.alen, v.acc.bonus, self.num_nodes(tree), self.grafted)
-        cols = [x[:, None] for x in heads] + [v.path_tok]
+        cols = [x[:, None] for x in heads] + [v.path_tok[:, : self.path_cols(n)]]
         out = self.pack_buffer(n)
         return torch.cat(cols, 1) if out is None else torch.cat(cols, 1, out=out)
 
@@ -246,6 +246,10 @@ class StepBody:
 
     def pack_buffer(self, n: int) -> torch.Tensor | None:
         return None
+
+    def path_cols(self, n: int) -> int:
+        """Columns of the accepted path in the results pack (the longest path it can hold)."""
+        return n
 
     def send(self, pack: torch.Tensor) -> None:
         """Start the results' copy to the host (nothing to do on the eager path)."""
@@ -472,11 +476,15 @@ class StaticStep(StepBody):
     def num_nodes(self, tree):
         return self.vin.num_nodes
 
+    def path_cols(self, n):
+        return path_cols(self.dec.graft is not None, self.pb, n)
+
     def pack_buffer(self, n):
-        # contiguous [B, 4 + n] views of flat buffers: with a bucket n < N, column slices of
+        # contiguous [B, 4 + P] views of flat buffers: with a bucket n < N, column slices of
         # [B, 4 + N] buffers made copy_ go through temporaries, an extra device copy and a host
         # staging buffer that is not pinned, which can block the host
-        return self.sb.pack[: self.B * (4 + n)].view(self.B, 4 + n)
+        w = 4 + self.path_cols(n)
+        return self.sb.pack[: self.B * w].view(self.B, w)
 
     def _host_pack(self, pack):
         return self.sb.host_pack[: pack.numel()].view(pack.shape)
