@@ -66,6 +66,7 @@ def _stats_rows_kernel(
     NB: tl.constexpr,  # score bins
     NBP: tl.constexpr,  # pow2(NB)
     S: tl.constexpr,  # workspace row: D * W + N + 2 * NB
+    ZP: tl.constexpr,  # pow2((D - d) * W): the undrafted layers' columns
 ):
     b = tl.program_id(0).to(tl.int64)
     act = tl.load(p_act + b) != 0
@@ -79,6 +80,9 @@ def _stats_rows_kernel(
     cum = tl.cumsum(tl.sort(cal, descending=True), 1)  # [DP, CP]
     row = p_part + b * S
     tl.store(row + o_i[:, None] * W + o_c[None, :], cum, mask=(o_i < d)[:, None] & (o_c < W))
+    if d < D:  # the layers not drafted: zero (the workspace is not cleared beforehand)
+        o_z = tl.arange(0, ZP)
+        tl.store(row + d * W + o_z, tl.zeros([ZP], tl.float32), mask=o_z < (D - d) * W)
     # ---- the verify curve: 1, then 1 + the k best of all (flat past them)
     flat = tl.cumsum(tl.sort(tl.reshape(cal, [F]), descending=True), 0)  # [F]
     o_f = tl.arange(0, F)
@@ -147,7 +151,7 @@ def step_stats_launch(
     D, W, N = max_depth, max_width, capacity
     n = tree.capacity
     S = D * W + N + 2 * bins
-    part = torch.zeros(B, S, dtype=torch.float32, device=out.device)
+    part = torch.empty(B, S, dtype=torch.float32, device=out.device)  # every entry written
     DP, CP = pow2(d), max(2, pow2(max(C, W)))
     act = active.view(torch.uint8)
     # rows may be strided (a verify tree's column slice), elements must be adjacent
@@ -157,7 +161,7 @@ def step_stats_launch(
         (B,), cand_scores, ts, td, tree.num_nodes, accepted, accept_len, act, rates, part,
         accepted.shape[1], ts.stride(0), td.stride(0), accepted.stride(0),
         d=d, C=C, DP=DP, CP=CP, D=D, W=W, N=N, F=DP * CP, n=n, NP=max(2, pow2(n)),
-        NB=bins, NBP=pow2(bins), S=S,
+        NB=bins, NBP=pow2(bins), S=S, ZP=max(2, pow2((D - d) * W)),
     )  # fmt: skip
     BS = 256
     direct(_stats_reduce_kernel).launch(
