@@ -481,3 +481,24 @@ def test_planner_without_learning_overbuilds():
         assert not pl.correction(B).any()
         ratios.append(ratio)
     assert min(ratios) < 0.97, ratios
+
+
+def test_step_stats_kernels_write_every_entry(monkeypatch):
+    """The kernels' workspace is not cleared: with it filled with NaN the result is unchanged
+    (undrafted layers, inactive requests and the flat tails are all written)."""
+    import treeops.kernels.cast_plan as K
+
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(K.torch, "empty", nan_empty)
+    D, W, N = 5, 4, 12
+    for B, d, C in ((3, 2, 6), (2, 5, 8), (1, 1, 1)):
+        ins = _stats_inputs(B, d, C, seed=7)
+        out = torch.zeros(stats_size(D, W, N))
+        step_stats_launch(*ins, out, max_depth=D, max_width=W, capacity=N, bins=SCORE_BINS)
+        want = _stats_reference(*ins, D, W, N)
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
