@@ -502,3 +502,43 @@ def test_step_stats_kernels_write_every_entry(monkeypatch):
         step_stats_launch(*ins, out, max_depth=D, max_width=W, capacity=N, bins=SCORE_BINS)
         want = _stats_reference(*ins, D, W, N)
         np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 4), d=st.integers(1, 4), M=st.integers(2, 12), lam=st.floats(0.05, 3.0),
+       seed=st.integers(0, 10**6))  # fmt: skip
+def test_lambda_rules_through_the_standalone_cast_ops(B, d, M, lam, seed):
+    """λ-CAST's rules in the standalone ops' form (what an engine with its own tree builder
+    calls): width = ``cast_width`` of a layer's calibrated probabilities with costs
+    ``c_k + k Δ_T`` and C1 = λ (the widest over the drafted layers); verify count =
+    ``cast_rerank`` of all of them with the verification costs and C3 = λ; one layer more =
+    ``cast_depth`` of the layers' masses at that width with cost ``c_w + w Δ_T`` and C2 = λ
+    (when every drafted layer was kept). Each equals ``lambda_rules``' choice."""
+    rng = np.random.default_rng(seed)
+    W, N = M, 16
+    p = rng.random((B, d, M)) ** 2 * np.linspace(1.0, 0.3, d)[None, :, None]  # [B, d, M]
+    srt = -np.sort(-p, axis=2)
+    layers = np.zeros((d, W))
+    layers[:, :M] = srt.cumsum(2).mean(0)
+    allp = -np.sort(-p.reshape(B, -1), axis=1)
+    verify = np.ones(N)
+    k = min(N - 1, d * M)
+    verify[1 : 1 + k] += allp[:, :k].cumsum(1).mean(0)
+    verify[1 + k :] = verify[k]
+    target_cost = 1.0 + 0.08 * np.arange(N) + 0.01 * np.arange(N) ** 1.5
+    draft_cost = 0.05 + 0.02 * np.arange(W)
+    R = 4
+    plan = lambda_rules(layers, verify, d, lam, target_cost, draft_cost, R=R, max_depth=d + 1)
+    # Δ_T at the chosen count, as lambda_rules prices a drafted node's verification
+    m = max(plan.verify, 2)
+    dT = (target_cost[m - 1] - target_cost[0]) / (m - 1)
+    t = torch.from_numpy
+    wcost = t(draft_cost + dT * np.arange(1, W + 1))
+    widths = [int(treeops.cast_width(t(p[:, i, :]), wcost, lam)) for i in range(d)]
+    assert max(widths) == plan.width
+    assert int(treeops.cast_rerank(t(p.reshape(B, -1)), t(target_cost), lam)) == plan.verify
+    w = plan.width
+    u_hist = t(layers[:, w - 1].copy())
+    more = bool(treeops.cast_depth(u_hist, t(np.array(draft_cost[w - 1] + w * dT)), lam, R))
+    if plan.depth >= d:  # every drafted layer kept: the rule's next decision is the predicted one
+        assert more == (plan.depth > d)
