@@ -9,6 +9,13 @@ their own way. Each is a custom op ``torch.ops.treeops.cast_*``: on CUDA one Tri
 (``treeops.kernels.cast``: the batched top-k sums, the cap and Algorithm 1 in one program, no
 host sync, so it can be captured in a CUDA graph; float32, agreeing with the reference except at
 near-ties), on CPU the reference (``treeops.reference.cast``, float64).
+
+λ-CAST (``treeops.cast_plan``) in this form, with calibrated acceptance probabilities as the
+scores, ``λ`` the measured throughput and ``Δ_T`` the verification time per node (all in units
+of ``S_T(B, 1)``): the width is ``cast_width`` with costs ``c_k + k Δ_T`` and ``C1 = λ``; the
+verify count ``cast_rerank`` with ``C3 = λ``; one layer more ``cast_depth`` with the cost
+``c_w + w Δ_T`` and ``C2 = λ`` (``tests/test_cast_plan.py`` checks each against
+``lambda_rules``).
 """
 
 from __future__ import annotations
