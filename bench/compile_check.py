@@ -393,12 +393,18 @@ def cast(B, M, K, dtype=torch.float32):
         u_hist = torch.rand(8, generator=G)
         width = ops._utility_cuda(ops._k.cast_width_launch, None, root=False)
         rerank = ops._utility_cuda(ops._k.cast_rerank_launch, None, root=True)
+        table = torch.stack([costs * (1 + i) for i in range(4)])  # per context bucket
+        seq = torch.full((B,), 300, dtype=torch.int32)
+        w = torch.tensor(1, dtype=torch.int32)
 
-        def launch():  # the ops' CUDA backends
+        def launch():  # the ops' CUDA backends, with cost vectors and per-context tables
             width(scores, costs, 0.3, active)
             rerank(scores, costs, 0.1, None)
+            width(scores, table, 0.3, active, seq, 128, table[:, 0])
+            rerank(scores, table, 0.1, None, seq, 128, None)
             ops._select_cuda(torch.cumsum(costs, 0), costs, 0.5)
             ops._depth_cuda(u_hist, costs[0], 1.0, 4)
+            ops._depth_cuda(u_hist, table, 1.0, 4, seq, 128, table[:, 0], w)
 
         return launch
 

@@ -73,12 +73,14 @@ def _cast_select_kernel(p_u, p_c, p_out, K, stride_u, stride_c, C, BK: tl.conste
     tl.store(p_out, arg)
 
 
-@triton.jit(do_not_specialize=["B", "M", "K", "C"])
+@triton.jit(do_not_specialize=["B", "M", "K", "C", "L", "MC"])
 def _cast_utility_kernel(
     p_s,  # [B, M] scores (any float dtype, any strides)
     p_c,  # [K] costs
     p_act,  # [B] uint8 active flags (HAS_ACT)
     p_out,  # [] int32 the chosen k
+    p_seq,  # TABLE: [B] context lengths (int32/int64)
+    p_unit,  # TABLE: [MC] each row's divisor
     B,
     M,
     K,
@@ -87,8 +89,14 @@ def _cast_utility_kernel(
     stride_c,
     stride_a,
     C,  # threshold (fp32)
+    stride_q,  # TABLE: seq_lens' stride
+    stride_cm,  # TABLE: costs' row stride
+    stride_un,  # TABLE: unit's stride
+    L,  # TABLE: context tokens per row
+    MC,  # TABLE: rows
     ROOT: tl.constexpr,  # rerank: the root (score 1) is every row's first node
     HAS_ACT: tl.constexpr,
+    TABLE: tl.constexpr,  # costs [MC, K] per context: the row of the longest active context
     SRC64: tl.constexpr,  # float64 scores: "is a candidate" is decided before rounding
     BB: tl.constexpr,  # rows per tile
     KP: tl.constexpr,  # utilities held: pow2(min(K, M + ROOT)), at least 2
@@ -98,6 +106,7 @@ def _cast_utility_kernel(
     o_k = tl.arange(0, KP)
     o_w = tl.arange(0, CW)
     b_U = tl.zeros([KP], tl.float32)  # sum over active rows of their k best, at k - 1
+    ctx = tl.sum(tl.zeros([BB], tl.int64), axis=0)  # TABLE: the longest active context
     n_act = tl.sum(tl.zeros([BB], tl.int32), axis=0)
     have = tl.sum(tl.zeros([BB], tl.int32), axis=0)  # most candidates of an active row
     for b0 in range(0, B, BB):
@@ -107,6 +116,9 @@ def _cast_utility_kernel(
             act = m_b & (tl.load(p_act + o_b.to(tl.int64) * stride_a, mask=m_b, other=0) != 0)
         else:
             act = m_b
+        if TABLE:
+            q = tl.load(p_seq + o_b.to(tl.int64) * stride_q, mask=act, other=0).to(tl.int64)
+            ctx = tl.maximum(ctx, tl.max(q, axis=0))
         p_row = p_s + o_b.to(tl.int64)[:, None] * stride_sb
         b_run = tl.zeros([BB, KP], tl.int32)  # running top-KP keys, descending
         cnt = tl.zeros([BB], tl.int32)
@@ -139,14 +151,25 @@ def _cast_utility_kernel(
     cap = tl.maximum(have + ROOT, 1)
     thr = C * tl.maximum(n_act, 1).to(tl.float32)
     m_k = (o_k < K) & (o_k < cap)
-    b_c = tl.load(p_c + o_k.to(tl.int64) * stride_c, mask=m_k, other=0.0).to(tl.float32)
+    if TABLE:  # the row of the batch's context, divided by its unit
+        r = tl.minimum(tl.maximum(ctx, 0) // L, MC - 1)
+        p_c = p_c + r * stride_cm
+        unit = tl.load(p_unit + r * stride_un).to(tl.float32)
+        b_c = tl.load(p_c + o_k.to(tl.int64) * stride_c, mask=m_k, other=0.0).to(tl.float32)
+        b_c = b_c / unit
+    else:
+        b_c = tl.load(p_c + o_k.to(tl.int64) * stride_c, mask=m_k, other=0.0).to(tl.float32)
     b_obj = tl.where(m_k, b_U - thr * b_c, -float("inf"))
     n = tl.max(tl.where(m_k & (b_obj == tl.max(b_obj, axis=0)), o_k + 1, 0), axis=0)
     tl.store(p_out, n)
 
 
-@triton.jit(do_not_specialize=["n", "R", "C2"])
-def _cast_depth_kernel(p_u, p_c, p_out, n, R, stride_u, C2, RP: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "R", "C2", "B", "L", "MC"])
+def _cast_depth_kernel(
+    p_u, p_c, p_out, n, R, stride_u, C2,
+    p_seq, p_unit, p_w, B, stride_q, stride_cm, stride_c, stride_un, L, MC,
+    RP: tl.constexpr, TABLE: tl.constexpr, BQ: tl.constexpr,
+):  # fmt: skip
     cnt = tl.minimum(R, n)  # FIFO entries that count: the last min(R, i + 1)
     o = tl.arange(0, RP)
     i = (n - cnt + o).to(tl.int64)  # FIFO entry i: 1 for i = 0, else u[i] / u[i - 1]
@@ -157,7 +180,18 @@ def _cast_depth_kernel(p_u, p_c, p_out, n, R, stride_u, C2, RP: tl.constexpr):
     e = tl.where(o < cnt, tl.where(i == 0, 1.0, phi), 0.0)
     alpha = tl.sum(e, axis=0) / cnt.to(tl.float32)
     u_i = tl.load(p_u + (n - 1).to(tl.int64) * stride_u).to(tl.float32)
-    c = tl.load(p_c).to(tl.float32)
+    if TABLE:  # entry width - 1 of the row of the longest context, divided by its unit
+        o_q = tl.arange(0, BQ)
+        ctx = tl.sum(tl.zeros([BQ], tl.int64), axis=0)
+        for b0 in range(0, B, BQ):
+            q = tl.load(p_seq + (b0 + o_q).to(tl.int64) * stride_q, mask=b0 + o_q < B, other=0)
+            ctx = tl.maximum(ctx, tl.max(q.to(tl.int64), axis=0))
+        r = tl.minimum(tl.maximum(ctx, 0) // L, MC - 1)
+        w = tl.load(p_w).to(tl.int64) - 1
+        c = tl.load(p_c + r * stride_cm + w * stride_c).to(tl.float32)
+        c = c / tl.load(p_unit + r * stride_un).to(tl.float32)
+    else:
+        c = tl.load(p_c).to(tl.float32)
     tl.store(p_out, (alpha * u_i / c) >= C2)
 
 
@@ -188,27 +222,39 @@ def cast_select_launch(u: torch.Tensor, c: torch.Tensor, C: float, out: torch.Te
     )  # fmt: skip
 
 
-def _utility_launch(scores, costs, C, active, out, root: bool) -> None:
+def _utility_launch(scores, costs, C, active, out, root: bool, seq_lens=None, context_len=0,
+                    unit=None) -> None:  # fmt: skip
     B, M = scores.shape
-    K = costs.shape[0]
+    K = costs.shape[-1]
     BB, KP, CW, warps = cast_tiling(B, M, K, root)
     act = active.view(torch.uint8) if active is not None else out
+    table = costs.dim() == 2
+    if table and unit is None:
+        unit = costs[:, 0]
     direct(_cast_utility_kernel).launch(
         (1,),
         scores,
         costs,
         act,
         out,
+        seq_lens if table else out,
+        unit if table else out,
         B,
         M,
         K,
         scores.stride(0),
         scores.stride(1),
-        costs.stride(0),
+        costs.stride(-1),
         active.stride(0) if active is not None else 0,
         float(C),
+        seq_lens.stride(0) if table else 0,
+        costs.stride(0) if table else 0,
+        unit.stride(0) if table else 0,
+        int(context_len) if table else 1,
+        costs.shape[0] if table else 1,
         ROOT=int(root),
         HAS_ACT=active is not None,
+        TABLE=table,
         SRC64=scores.dtype == torch.float64,
         BB=BB,
         KP=KP,
@@ -223,11 +269,16 @@ def cast_width_launch(
     C1: float,
     active: torch.Tensor | None,
     out: torch.Tensor,
+    seq_lens: torch.Tensor | None = None,
+    context_len: int = 0,
+    unit: torch.Tensor | None = None,
 ) -> None:
     """CAST's width: ``scores`` [B, M] (float32/64, bfloat16 or float16; < 0 = no candidate),
-    ``costs`` [K] (float32/64), threshold ``C1``, ``active`` [B] bool or None (all); writes the
-    width into ``out`` (0-d int32). Needs ``pow2(min(K, M)) <= MAX_TILE``."""
-    _utility_launch(scores, costs, C1, active, out, root=False)
+    ``costs`` [K] (float32/64) or [MC, K] per context (with ``seq_lens`` [B], ``context_len``
+    and ``unit`` [MC] or None: ``reference.cast.cast_context_costs``), threshold ``C1``,
+    ``active`` [B] bool or None (all); writes the width into ``out`` (0-d int32). Needs
+    ``pow2(min(K, M)) <= MAX_TILE``."""
+    _utility_launch(scores, costs, C1, active, out, False, seq_lens, context_len, unit)
 
 
 def cast_rerank_launch(
@@ -236,20 +287,42 @@ def cast_rerank_launch(
     C3: float,
     active: torch.Tensor | None,
     out: torch.Tensor,
+    seq_lens: torch.Tensor | None = None,
+    context_len: int = 0,
+    unit: torch.Tensor | None = None,
 ) -> None:
     """CAST's verification count (root included): as ``cast_width_launch`` with the root's score
     1 first in every active row and the cap + 1. Needs ``pow2(min(K, M + 1)) <= MAX_TILE``."""
-    _utility_launch(scores, costs, C3, active, out, root=True)
+    _utility_launch(scores, costs, C3, active, out, True, seq_lens, context_len, unit)
 
 
 def cast_depth_launch(
-    u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int, out: torch.Tensor
+    u_hist: torch.Tensor,
+    c: torch.Tensor,
+    C2: float,
+    R: int,
+    out: torch.Tensor,
+    seq_lens: torch.Tensor | None = None,
+    context_len: int = 0,
+    unit: torch.Tensor | None = None,
+    width: torch.Tensor | None = None,
 ) -> None:
-    """CAST's depth flag: ``u_hist`` [i + 1] (float32/64, any stride), ``c`` 0-d, threshold
-    ``C2``, FIFO length ``R`` >= 1; writes ``alpha * u^(i) / c >= C2`` into ``out`` (0-d bool)."""
+    """CAST's depth flag: ``u_hist`` [i + 1] (float32/64, any stride), ``c`` 0-d or [MC, K] per
+    context (with ``seq_lens``, ``context_len``, ``unit`` as ``cast_width_launch`` and
+    ``width`` 0-d int: the entry ``width - 1`` of the batch's row), threshold ``C2``, FIFO
+    length ``R`` >= 1; writes ``alpha * u^(i) / c >= C2`` into ``out`` (0-d bool)."""
     n = u_hist.shape[0]
+    table = c.dim() == 2
+    if table and unit is None:
+        unit = c[:, 0]
+    B = seq_lens.shape[0] if table else 1
     direct(_cast_depth_kernel).launch(
         (1,),
-        u_hist, c, out, n, int(R), u_hist.stride(0), float(C2), RP=pow2(min(int(R), n)),
+        u_hist, c, out, n, int(R), u_hist.stride(0), float(C2),
+        seq_lens if table else out, unit if table else out, width if table else out, B,
+        seq_lens.stride(0) if table else 0, c.stride(0) if table else 0,
+        c.stride(1) if table else 0, unit.stride(0) if table else 0,
+        int(context_len) if table else 1, c.shape[0] if table else 1,
+        RP=pow2(min(int(R), n)), TABLE=table, BQ=min(pow2(B), 8 if interpreted() else 1024),
         num_warps=1,
     )  # fmt: skip

@@ -36,6 +36,7 @@ import torch
 __all__ = [
     "cast_select",
     "cast_available",
+    "cast_context_costs",
     "cast_utilities",
     "cast_utility_sums",
     "cast_width",
@@ -116,6 +117,33 @@ def cast_utility_sums(
     return total, max(int(act.sum()), 1)  # no active request: all utilities 0
 
 
+def cast_context_costs(
+    table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    context_len: int,
+    unit: torch.Tensor | None = None,
+    active: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The cost vector of the batch's context from a per-context table (a ``CostTable``'s rows
+    for one batch size): row ``r = min(ctx // context_len, M - 1)`` of ``table`` [M, K] divided
+    by ``unit[r]`` (default ``table[r, 0]``), ``ctx`` = the longest ``seq_lens`` [B] of an
+    active request (0 when none is active). [K] float64."""
+    s = seq_lens.long()
+    if active is not None:
+        s = torch.where(active.bool(), s, 0)
+    ctx = s.max().clamp(min=0) if s.numel() else s.new_zeros(())
+    r = torch.clamp(ctx // int(context_len), max=table.shape[0] - 1)
+    row = table.double().index_select(0, r.view(1))[0]
+    u = row[0] if unit is None else unit.double().index_select(0, r.view(1))[0]
+    return row / u
+
+
+def _costs(costs, seq_lens, context_len, unit, active):
+    if costs.dim() == 1:
+        return costs
+    return cast_context_costs(costs, seq_lens, context_len, unit, active)
+
+
 def cast_utilities(
     scores: torch.Tensor, K: int, active: torch.Tensor | None = None, root: bool = False
 ) -> torch.Tensor:
@@ -126,7 +154,13 @@ def cast_utilities(
 
 
 def cast_width(
-    scores: torch.Tensor, costs: torch.Tensor, C1: float, active: torch.Tensor | None = None
+    scores: torch.Tensor,
+    costs: torch.Tensor,
+    C1: float,
+    active: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    context_len: int = 0,
+    unit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Width of the next frontier (docs/design.md op 5): Algorithm 1 with ``u_k`` = batch mean of
     the k best candidate scores of this layer (``scores`` [B, M], < 0 = none),
@@ -136,13 +170,24 @@ def cast_width(
     ``k`` only ranges over widths that can be filled: ``k <= cast_available(scores, active)``, the
     most candidates (score >= 0) of any active request (1 if none is active). Beyond that count
     the utility is flat, so on a plateau of costs Algorithm 1 alone would pick a width larger
-    than any frontier the layer can have."""
+    than any frontier the layer can have. With ``costs`` [M, K] (a table per context), the
+    costs are ``cast_context_costs(costs, seq_lens, context_len, unit, active)``."""
+    costs = _costs(costs, seq_lens, context_len, unit, active)
     K = costs.numel()
     total, n_act = cast_utility_sums(scores, K, active)
     return cast_select(total, costs, float(C1) * n_act, cast_available(scores, active))
 
 
-def cast_depth(u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int) -> torch.Tensor:
+def cast_depth(
+    u_hist: torch.Tensor,
+    c: torch.Tensor,
+    C2: float,
+    R: int,
+    seq_lens: torch.Tensor | None = None,
+    context_len: int = 0,
+    unit: torch.Tensor | None = None,
+    width: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Whether to draft the next layer (docs/design.md op 5).
 
     Args:
@@ -154,8 +199,13 @@ def cast_depth(u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int) -> torc
 
     The FIFO holds ``1`` then ``phi_j = u^(j+1) / u^(j)`` (0 where ``u^(j) = 0``) for j < i; only
     its last ``R`` entries count; ``alpha`` = their mean; returns ``alpha * u^(i) / c >= C2``
-    (0-d bool).
+    (0-d bool). With ``c`` [M, K] (a table per context), ``c`` is entry ``width - 1`` of
+    ``cast_context_costs(c, seq_lens, context_len, unit)`` (``width`` 0-d, in [1, K]).
     """
+    if c.dim() == 2:
+        c = cast_context_costs(c, seq_lens, context_len, unit).index_select(
+            0, (width.long().view(1) - 1).clamp(0, c.shape[1] - 1)
+        )[0]
     u = u_hist.double()
     seq = [torch.ones((), dtype=torch.float64, device=u.device)]
     for j in range(u.numel() - 1):
@@ -166,7 +216,13 @@ def cast_depth(u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int) -> torc
 
 
 def cast_rerank(
-    scores: torch.Tensor, costs: torch.Tensor, C3: float, active: torch.Tensor | None = None
+    scores: torch.Tensor,
+    costs: torch.Tensor,
+    C3: float,
+    active: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    context_len: int = 0,
+    unit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Number of nodes sent to verification (root included): Algorithm 1 with ``u_k`` = batch
     mean of the root's score 1 plus the ``k - 1`` best candidate scores of the step (``scores``
@@ -174,7 +230,9 @@ def cast_rerank(
 
     ``k`` only ranges up to ``cast_available(scores, active, root=True)``: 1 + the most
     candidates (score >= 0) of any active request (1 if none is active), so the count never
-    exceeds the largest tree the candidates can make (``max_b num_nodes[b]``)."""
+    exceeds the largest tree the candidates can make (``max_b num_nodes[b]``). With ``costs``
+    [M, K], as ``cast_width``."""
+    costs = _costs(costs, seq_lens, context_len, unit, active)
     K = costs.numel()
     total, n_act = cast_utility_sums(scores, K, active, root=True)
     return cast_select(total, costs, float(C3) * n_act, cast_available(scores, active, root=True))

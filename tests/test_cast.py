@@ -335,7 +335,7 @@ def test_bad_shapes_and_dtypes_rejected():
         treeops.cast_rerank(s, c, 1.0, active=torch.tensor([True, True]))
     with pytest.raises(ValueError, match=r"Invalid dtype of active: expected torch.bool"):
         treeops.cast_rerank(s, c, 1.0, active=torch.tensor([1]))
-    with pytest.raises(ValueError, match=r"Invalid shape of costs: expected \[K\] with K >= 1"):
+    with pytest.raises(ValueError, match=r"Invalid shape of costs: expected \[K\] or \[MC, K\]"):
         treeops.cast_width(s, c[:0], 1.0)
     with pytest.raises(ValueError, match=r"Invalid value of C1: expected a number"):
         treeops.cast_width(s, c, float("nan"))
@@ -357,14 +357,24 @@ def test_opcheck_cast_ops():
     costs = torch.cumsum(torch.rand(8, generator=g) + 0.5, 0)
     active = torch.tensor([True, False])
     u = torch.cumsum(torch.rand(8, generator=g, dtype=torch.float64), 0)
+    table = torch.cumsum(torch.rand(3, 8, generator=g) + 0.5, 1)  # per context bucket
+    seq = torch.tensor([300, 40], dtype=torch.int32)
+    no_table = (None, 0, None)
     cases = [
         (torch.ops.treeops.cast_select.default, (u, costs.double(), 0.25)),
-        (torch.ops.treeops.cast_width.default, (scores, costs, 0.125, None)),
-        (torch.ops.treeops.cast_width.default, (scores, costs, 0.125, active)),
+        (torch.ops.treeops.cast_width.default, (scores, costs, 0.125, None, *no_table)),
+        (torch.ops.treeops.cast_width.default, (scores, costs, 0.125, active, *no_table)),
+        (torch.ops.treeops.cast_width.default, (scores, table, 0.125, active, seq, 128, None)),
         (torch.ops.treeops.cast_depth.default, (torch.tensor([1.0, 0.5, 0.375]),
-                                                torch.tensor(0.25), 1.0, 2)),
-        (torch.ops.treeops.cast_rerank.default, (scores.bfloat16(), costs, 0.01, None)),
-        (torch.ops.treeops.cast_rerank.default, (scores, costs.double(), 0.01, active)),
+                                                torch.tensor(0.25), 1.0, 2, *no_table, None)),
+        (torch.ops.treeops.cast_depth.default, (torch.tensor([1.0, 0.5, 0.375]), table, 1.0, 2,
+                                                seq, 128, table[:, 1], torch.tensor(3))),
+        (torch.ops.treeops.cast_rerank.default, (scores.bfloat16(), costs, 0.01, None,
+                                                 *no_table)),
+        (torch.ops.treeops.cast_rerank.default, (scores, costs.double(), 0.01, active,
+                                                 *no_table)),
+        (torch.ops.treeops.cast_rerank.default, (scores, table, 0.01, None, seq.long(), 64,
+                                                 table[:, 0])),
     ]  # fmt: skip
     for op, args in cases:
         res = torch.library.opcheck(op, args)
@@ -450,6 +460,91 @@ def test_kernel_width_and_rerank_match_the_reference(root, batch, data):
     # the CUDA backend as the op calls it (here on CPU tensors)
     backend = _cast_mod._utility_cuda(launch, rule, root)
     assert int(backend(scores, costs, C, active)) == got
+
+
+@pytest.mark.parametrize("root", [False, True], ids=["width", "rerank"])
+@given(batch=kernel_batches(max_b=12), data=st.data())
+def test_kernel_context_table_lookup_matches_the_reference(root, batch, data):
+    """Costs as a per-context table [MC, K] looked up in the launch (the row of the longest
+    active context, divided by its unit): the kernel equals the reference, which equals the
+    vector rule on the row ``cast_context_costs`` picks. Dyadic entries, power-of-two units
+    (exact in float32); contexts on both sides of every row boundary and past the last row."""
+    scores, active = batch
+    B = scores.shape[0]
+    K = data.draw(st.integers(1, 20))
+    MC = data.draw(st.integers(1, 4))
+    L = data.draw(st.sampled_from([1, 16, 128]))
+    table = torch.stack([kernel_costs(data.draw, K).double() for _ in range(MC)])
+    dt = data.draw(st.sampled_from([torch.float32, torch.float64]))
+    table = table.to(dt)
+    unit = None
+    if data.draw(st.booleans()):
+        unit = torch.tensor([2.0 ** data.draw(st.integers(-2, 3)) for _ in range(MC)], dtype=dt)
+    elif bool((table[:, 0] == 0).any()):
+        table[:, 0] = 1.0  # the default unit (column 0) must not be 0
+    seq = torch.tensor([data.draw(st.integers(0, L * (MC + 1))) for _ in range(B)],
+                       dtype=data.draw(st.sampled_from([torch.int32, torch.int64])))  # fmt: skip
+    C = data.draw(st.integers(0, 64)) / 16
+    launch, rule = (
+        (kcast.cast_rerank_launch, ref.cast_rerank)
+        if root
+        else (kcast.cast_width_launch, ref.cast_width)
+    )
+    out = torch.empty((), dtype=torch.int32)
+    launch(scores, table, C, active, out, seq, L, unit)
+    want = int(rule(scores, table, C, active, seq, L, unit))
+    assert int(out) == want
+    row = ref.cast_context_costs(table, seq, L, unit, active)
+    assert want == int(rule(scores, row, C, active))
+
+
+@given(data=st.data())
+def test_kernel_depth_context_table_lookup_matches_the_reference(data):
+    """The depth flag with a per-context table and the width: kernel = reference = the scalar
+    rule on the looked-up entry."""
+    n = data.draw(st.integers(1, 6))
+    u = torch.tensor([data.draw(st.integers(0, 32)) / 16 for _ in range(n)])
+    K, MC, L = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 4)), 32
+    table = torch.tensor([[data.draw(st.integers(1, 64)) / 16 for _ in range(K)]
+                          for _ in range(MC)])  # fmt: skip
+    unit = torch.tensor([2.0 ** data.draw(st.integers(-2, 2)) for _ in range(MC)])
+    B = data.draw(st.integers(1, 20))  # several tiles of the context scan under the interpreter
+    seq = torch.tensor([data.draw(st.integers(0, L * (MC + 1))) for _ in range(B)])
+    width = torch.tensor(data.draw(st.integers(1, K)), dtype=torch.int32)
+    C2, R = data.draw(st.integers(0, 32)) / 16, data.draw(st.integers(1, 4))
+    out = torch.empty((), dtype=torch.bool)
+    kcast.cast_depth_launch(u, table, C2, R, out, seq, L, unit, width)
+    want = bool(ref.cast_depth(u, table, C2, R, seq, L, unit, width))
+    assert bool(out) == want
+    c = ref.cast_context_costs(table, seq, L, unit)[int(width) - 1]
+    assert want == bool(ref.cast_depth(u, c, C2, R))
+    assert want == bool(treeops.cast_depth(u, table, C2, R, seq_lens=seq, context_len=L,
+                                           unit=unit, width=width))  # fmt: skip
+
+
+def test_context_table_arguments_checked():
+    s = torch.rand(2, 5)
+    table = torch.ones(3, 4)
+    seq = torch.tensor([10, 20], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"Invalid shape of costs: expected \[K\], or"):
+        treeops.cast_width(s, table, 0.5)
+    with pytest.raises(ValueError, match="Invalid value of context_len"):
+        treeops.cast_width(s, table, 0.5, seq_lens=seq)
+    with pytest.raises(ValueError, match="Invalid value of seq_lens: only with a per-context"):
+        treeops.cast_rerank(s, torch.ones(4), 0.5, seq_lens=seq)
+    with pytest.raises(ValueError, match=r"Invalid shape of seq_lens: expected \[2\]"):
+        treeops.cast_width(s, table, 0.5, seq_lens=seq[:1], context_len=8)
+    with pytest.raises(ValueError, match=r"Invalid shape of unit: expected \[3\]"):
+        treeops.cast_rerank(s, table, 0.5, seq_lens=seq, context_len=8, unit=torch.ones(2))
+    with pytest.raises(ValueError, match="Invalid value of width"):
+        treeops.cast_depth(torch.ones(2), table, 1.0, 2, seq_lens=seq, context_len=8)
+    with pytest.raises(ValueError, match="Invalid value of width: only with"):
+        treeops.cast_depth(torch.ones(2), torch.tensor(1.0), 1.0, 2, width=torch.tensor(1))
+    # a table at the batch's context: row 1 (longest active context 20 // 16)
+    t = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 4.0, 8.0, 16.0], [1.0, 1.0, 1.0, 1.0]])
+    sc = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [0.5, 0.25, 0.125, 0.0625]])
+    assert int(treeops.cast_width(sc, t, 0.0625, seq_lens=seq, context_len=16)) == 2
+    assert int(treeops.cast_width(sc, t, 0.0625, seq_lens=seq * 3, context_len=16)) == 4
 
 
 def test_kernel_width_and_rerank_fixed_cases():

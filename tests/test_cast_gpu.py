@@ -76,3 +76,45 @@ def test_cast_ops_on_the_gpu_match_the_reference_and_capture():
         sc, ac, cc = s.cpu(), a.cpu(), costs.cpu()
         assert int(outs[0]) == int(ref.cast_width(sc, cc, 0.125, ac))
         assert int(outs[1]) == int(ref.cast_rerank(sc, cc, 0.125, ac))
+
+
+@pytest.mark.gpu
+def test_cast_ops_look_up_per_context_tables_on_the_gpu():
+    """Per-context cost tables looked up in the launch: equal to the CPU reference, and a graph
+    captured once follows the contexts as seq_lens grow in place (no new costs from the host)."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(6)
+    B, M, K, MC, L = 16, 200, 64, 4, 128
+    s = torch.randint(0, 65, (B, M), generator=g).float() / 64
+    base = torch.cumsum(torch.randint(0, 9, (K,), generator=g).float(), 0) / 16 + 1
+    table = torch.stack([base * 2**i for i in range(MC)])  # costs double per context bucket
+    unit = torch.tensor([1.0, 2.0, 2.0, 4.0])
+    seq = torch.randint(0, L * MC, (B,), generator=g).to(torch.int32)
+    a = torch.rand(B, generator=g) < 0.8
+    d = {x: y.to(dev) for x, y in (("s", s), ("t", table), ("u", unit), ("q", seq), ("a", a))}
+    for C in (0.0, 0.0625, 0.5):
+        for fn, rule in ((treeops.cast_width, ref.cast_width),
+                         (treeops.cast_rerank, ref.cast_rerank)):  # fmt: skip
+            got = fn(d["s"], d["t"], C, active=d["a"], seq_lens=d["q"], context_len=L,
+                     unit=d["u"])  # fmt: skip
+            assert int(got) == int(rule(s, table, C, a, seq, L, unit)), C
+    w = torch.tensor(5, dtype=torch.int32)
+    u_hist = torch.tensor([1.0, 0.5, 0.25])
+    got = treeops.cast_depth(u_hist.to(dev), d["t"], 0.5, 2, seq_lens=d["q"], context_len=L,
+                             unit=d["u"], width=w.to(dev))  # fmt: skip
+    assert bool(got) == bool(ref.cast_depth(u_hist, table, 0.5, 2, seq, L, unit, w))
+    q = torch.zeros(B, dtype=torch.int32, device=dev)
+    out = torch.zeros((), dtype=torch.int32, device=dev)
+    width = treeops.cast_width(d["s"], d["t"], 2.0, seq_lens=q, context_len=L, unit=d["u"])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(treeops.cast_width(d["s"], d["t"], 2.0, seq_lens=q, context_len=L,
+                                     unit=d["u"]))  # fmt: skip
+    seen = set()
+    for ctx in (0, L, 2 * L + 5, 10 * L):
+        q.fill_(ctx)
+        graph.replay()
+        want = int(ref.cast_width(s, table, 2.0, None, torch.full((B,), ctx), L, unit))
+        assert int(out) == want, ctx
+        seen.add(want)
+    assert width.is_cuda and len(seen) > 1  # the contexts' rows gave different widths

@@ -49,21 +49,22 @@ def _select_cuda(u, c, C):
 
 
 def _utility_cuda(launch, ref, root: bool):
-    def run(scores, costs, C, active):
-        if pow2(min(costs.shape[0], scores.shape[1] + int(root))) > _k.MAX_TILE:
-            return ref(scores, costs, C, active)  # beyond the kernel's registers (a host sync)
+    def run(scores, costs, C, active, seq_lens=None, context_len=0, unit=None):
+        if pow2(min(costs.shape[-1], scores.shape[1] + int(root))) > _k.MAX_TILE:
+            # beyond the kernel's registers (a host sync)
+            return ref(scores, costs, C, active, seq_lens, context_len, unit)
         out = torch.empty((), dtype=torch.int32, device=scores.device)
         with cuda_device(scores):
-            launch(scores, costs, C, active, out)
+            launch(scores, costs, C, active, out, seq_lens, context_len, unit)
         return out
 
     return run
 
 
-def _depth_cuda(u_hist, c, C2, R):
+def _depth_cuda(u_hist, c, C2, R, seq_lens=None, context_len=0, unit=None, width=None):
     out = torch.empty((), dtype=torch.bool, device=u_hist.device)
     with cuda_device(u_hist):
-        _k.cast_depth_launch(u_hist, c, C2, R, out)
+        _k.cast_depth_launch(u_hist, c, C2, R, out, seq_lens, context_len, unit, width)
     return out
 
 
@@ -73,20 +74,21 @@ _select_op = define(
     cuda=_select_cuda,
     fake=_count_fake,
 )
+_TABLE_ARGS = "Tensor? seq_lens, int context_len, Tensor? unit"
 _width_op = define(
-    "cast_width(Tensor scores, Tensor costs, float C1, Tensor? active) -> Tensor",
+    f"cast_width(Tensor scores, Tensor costs, float C1, Tensor? active, {_TABLE_ARGS}) -> Tensor",
     cpu=_ref.cast_width,
     cuda=_utility_cuda(_k.cast_width_launch, _ref.cast_width, root=False),
     fake=_count_fake,
 )
 _depth_op = define(
-    "cast_depth(Tensor u_hist, Tensor c, float C2, int R) -> Tensor",
+    f"cast_depth(Tensor u_hist, Tensor c, float C2, int R, {_TABLE_ARGS}, Tensor? width) -> Tensor",
     cpu=_ref.cast_depth,
     cuda=_depth_cuda,
     fake=_flag_fake,
 )
 _rerank_op = define(
-    "cast_rerank(Tensor scores, Tensor costs, float C3, Tensor? active) -> Tensor",
+    f"cast_rerank(Tensor scores, Tensor costs, float C3, Tensor? active, {_TABLE_ARGS}) -> Tensor",
     cpu=_ref.cast_rerank,
     cuda=_utility_cuda(_k.cast_rerank_launch, _ref.cast_rerank, root=True),
     fake=_count_fake,
@@ -97,6 +99,41 @@ _PASSED = Memo()
 """Signatures of calls whose checks passed (``validate=False``), with the op's name."""
 
 
+def _check_table(
+    costs: torch.Tensor,
+    cname: str,
+    seq_lens: torch.Tensor | None,
+    context_len: int,
+    unit: torch.Tensor | None,
+    sizes: dict[str, int],
+) -> None:
+    """A per-context cost table ``costs`` [MC, K] with its ``seq_lens`` [B], ``context_len``
+    and ``unit`` [MC] or None; or a cost vector, and then none of them."""
+    if costs.dim() != 2:
+        for name, v in (("seq_lens", seq_lens), ("unit", unit)):
+            if v is not None:
+                raise ValueError(
+                    f"Invalid value of {name}: only with a per-context table of {cname} "
+                    f"([MC, K]), got {cname} of shape {list(costs.shape)}"
+                )
+        return
+    if seq_lens is None:
+        raise ValueError(
+            f"Invalid shape of {cname}: expected [K], or [MC, K] (a per-context table) with "
+            f"seq_lens, got {list(costs.shape)} and no seq_lens"
+        )
+    check_tensor("seq_lens", seq_lens, shape=("B",), dtype=(torch.int32, torch.int64),
+                 sizes=sizes)  # fmt: skip
+    if unit is not None:
+        check_tensor("unit", unit, shape=("MC",), dtype=(torch.float32, torch.float64),
+                     sizes=sizes)  # fmt: skip
+    if not isinstance(context_len, int) or isinstance(context_len, bool) or context_len < 1:
+        raise ValueError(
+            f"Invalid value of context_len: expected a positive int (tokens per row of the "
+            f"table), got {context_len!r}"
+        )
+
+
 def _check_scores_costs(
     scores: torch.Tensor,
     costs: torch.Tensor,
@@ -104,8 +141,13 @@ def _check_scores_costs(
     C: float,
     cname: str,
     validate: bool,
+    seq_lens: torch.Tensor | None = None,
+    context_len: int = 0,
+    unit: torch.Tensor | None = None,
 ) -> None:
-    key = None if validate else signature((scores, costs, active), (cname, C))
+    key = None
+    if not validate:
+        key = signature((scores, costs, active, seq_lens, unit), (cname, C, context_len))
     if _PASSED.get(key) is not None:
         return
     sizes: dict[str, int] = {}
@@ -116,12 +158,15 @@ def _check_scores_costs(
         dtype=(torch.float32, torch.float64, torch.bfloat16, torch.float16),
         sizes=sizes,
     )
-    check_tensor("costs", costs, shape=("K",), dtype=(torch.float32, torch.float64), sizes=sizes)
+    shape = ("MC", "K") if costs.dim() == 2 else ("K",)
+    check_tensor("costs", costs, shape=shape, dtype=(torch.float32, torch.float64), sizes=sizes)
     if active is not None:
         check_tensor("active", active, shape=("B",), dtype=torch.bool, sizes=sizes)
-    check_same_device(scores=scores, costs=costs, active=active)
-    if sizes["K"] < 1:
-        raise ValueError("Invalid shape of costs: expected [K] with K >= 1, got [0]")
+    _check_table(costs, "costs", seq_lens, context_len, unit, sizes)
+    check_same_device(scores=scores, costs=costs, active=active, seq_lens=seq_lens, unit=unit)
+    if sizes["K"] < 1 or sizes.get("MC", 1) < 1:
+        raise ValueError(f"Invalid shape of costs: expected [K] or [MC, K] with K, MC >= 1, "
+                         f"got {list(costs.shape)}")  # fmt: skip
     if not isinstance(C, (int, float)) or C != C:
         raise ValueError(f"Invalid value of {cname}: expected a number, got {C!r}")
     if validate:
@@ -165,6 +210,9 @@ def cast_width(
     C1: float,
     *,
     active: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    context_len: int = 0,
+    unit: torch.Tensor | None = None,
     validate: bool = False,
 ) -> torch.Tensor:
     """CAST's width for the next frontier (Algorithm 1 with threshold ``C1``).
@@ -173,9 +221,15 @@ def cast_width(
         scores: [B, M] float, this draft layer's candidate path scores per request (any order;
             a negative entry means "no candidate" and counts as 0 — rejected under ``validate``).
         costs: [K] float, ``c_k = S_D(B)[select(ctx)][k] / S_T(B)[select(ctx)][1]``
-            (``CostTable.width_costs``); K is the largest width allowed.
+            (``CostTable.width_costs``); K is the largest width allowed. Or [MC, K], the draft
+            times per context bucket (``CostTable.device_tables``), looked up in the same
+            launch: row ``min(ctx // context_len, MC - 1)``, ``ctx`` the longest ``seq_lens``
+            of an active request, divided by ``unit`` at that row (the target's one-token
+            times [MC]; default ``costs[:, 0]``), so a graph replayed as contexts grow needs
+            no new costs from the host.
         C1: threshold.
         active: [B] bool, requests that count in the batch mean (default all).
+        seq_lens, context_len, unit: with a per-context ``costs`` only (see there).
         validate: also reject NaN/inf/negative scores and costs (a host sync). Without it
             such values are the caller's responsibility: the result is unspecified (no
             memory access depends on them).
@@ -198,21 +252,35 @@ def cast_width(
         >>> int(treeops.cast_width(s[:, :2], torch.tensor([1., 1., 1., 1.]), C1=1.0))  # 2 exist
         2
     """
-    _check_scores_costs(scores, costs, active, C1, "C1", validate)
-    return _width_op(scores, costs, float(C1), active)
+    _check_scores_costs(scores, costs, active, C1, "C1", validate, seq_lens, context_len, unit)
+    return _width_op(scores, costs, float(C1), active, seq_lens, int(context_len), unit)
 
 
 def cast_depth(
-    u_hist: torch.Tensor, c: torch.Tensor, C2: float, R: int, *, validate: bool = False
+    u_hist: torch.Tensor,
+    c: torch.Tensor,
+    C2: float,
+    R: int,
+    *,
+    seq_lens: torch.Tensor | None = None,
+    context_len: int = 0,
+    unit: torch.Tensor | None = None,
+    width: torch.Tensor | None = None,
+    validate: bool = False,
 ) -> torch.Tensor:
     """CAST's depth rule: draft layer i+1 iff ``alpha * u^(i) / c^(i) >= C2``.
 
     Args:
         u_hist: [i + 1] float, ``u^(0)_{n_0} .. u^(i)_{n_i}``: the utility of the chosen width at
             each layer drafted so far in this decoding step.
-        c: 0-d float, ``c^(i)_{n_i}``, the normalised draft cost of the current width.
+        c: 0-d float, ``c^(i)_{n_i}``, the normalised draft cost of the current width. Or
+            [MC, K], the draft times per context bucket, looked up in the launch: entry
+            ``width - 1`` of row ``min(ctx // context_len, MC - 1)`` divided by ``unit`` there
+            (default ``c[:, 0]``), ``ctx`` the longest of ``seq_lens`` [B].
         C2: threshold.
         R: FIFO length (>= 1).
+        seq_lens, context_len, unit: with a per-context ``c`` only.
+        width: 0-d int32/int64 in [1, K] (``cast_width``'s result), with a per-context ``c``.
         validate: also reject NaN/inf/negative utilities and costs (a host sync). Without it
             such values are the caller's responsibility: the result is unspecified.
 
@@ -224,11 +292,25 @@ def cast_depth(
         >>> bool(treeops.cast_depth(torch.tensor([1.0, 0.5]), torch.tensor(0.25), C2=1.0, R=4))
         True
     """
-    key = None if validate else signature((u_hist, c), ("depth", R))
+    key = None
+    if not validate:
+        key = signature((u_hist, c, seq_lens, unit, width), ("depth", R, context_len))
     if _PASSED.get(key) is None:
         check_tensor("u_hist", u_hist, shape=(None,), dtype=(torch.float32, torch.float64))
-        check_tensor("c", c, shape=(), dtype=(torch.float32, torch.float64))
-        check_same_device(u_hist=u_hist, c=c)
+        table = c.dim() == 2
+        check_tensor("c", c, shape=("MC", "K") if table else (),
+                     dtype=(torch.float32, torch.float64))  # fmt: skip
+        _check_table(c, "c", seq_lens, context_len, unit, {"MC": c.shape[0]} if table else {})
+        if table:
+            if width is None:
+                raise ValueError(
+                    "Invalid value of width: a per-context table c ([MC, K]) needs the width "
+                    "(a 0-d int tensor), got None"
+                )
+            check_tensor("width", width, shape=(), dtype=(torch.int32, torch.int64))
+        elif width is not None:
+            raise ValueError("Invalid value of width: only with a per-context table c ([MC, K])")
+        check_same_device(u_hist=u_hist, c=c, seq_lens=seq_lens, unit=unit, width=width)
         if u_hist.numel() < 1:
             raise ValueError("Invalid shape of u_hist: expected [i + 1] with i >= 0, got [0]")
         if not isinstance(R, int) or isinstance(R, bool) or R < 1:
@@ -237,7 +319,7 @@ def cast_depth(
     if validate:
         check_finite("u_hist", u_hist, nonnegative=True)
         check_finite("c", c, nonnegative=True)
-    return _depth_op(u_hist, c, float(C2), R)
+    return _depth_op(u_hist, c, float(C2), R, seq_lens, int(context_len), unit, width)
 
 
 def cast_rerank(
@@ -246,6 +328,9 @@ def cast_rerank(
     C3: float,
     *,
     active: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    context_len: int = 0,
+    unit: torch.Tensor | None = None,
     validate: bool = False,
 ) -> torch.Tensor:
     """CAST's verification count, root included (Algorithm 1 with threshold ``C3``).
@@ -254,9 +339,12 @@ def cast_rerank(
         scores: [B, M] float, every candidate path score of the decoding step per request
             (negative = no candidate; rejected under ``validate``).
         costs: [K] float, ``c_k = S_T(B)[select(ctx)][k] / S_T(B)[select(ctx)][1]``
-            (``CostTable.rerank_costs``); K is the tree capacity.
+            (``CostTable.rerank_costs``); K is the tree capacity. Or [MC, K], the target times
+            per context bucket, looked up in the launch as ``cast_width``'s (``unit`` default
+            ``costs[:, 0]``, which is the target's one-token time here).
         C3: threshold.
         active: [B] bool (default all).
+        seq_lens, context_len, unit: with a per-context ``costs`` only.
         validate: also reject NaN/inf/negative scores and costs (a host sync). Without it
             such values are the caller's responsibility: the result is unspecified (no
             memory access depends on them).
@@ -276,5 +364,5 @@ def cast_rerank(
         >>> int(treeops.cast_rerank(s, torch.ones(8), C3=1.0))  # flat costs: root + 3 exist
         4
     """
-    _check_scores_costs(scores, costs, active, C3, "C3", validate)
-    return _rerank_op(scores, costs, float(C3), active)
+    _check_scores_costs(scores, costs, active, C3, "C3", validate, seq_lens, context_len, unit)
+    return _rerank_op(scores, costs, float(C3), active, seq_lens, int(context_len), unit)
