@@ -5,15 +5,15 @@
     python -m pytest bench/bench_cast.py --benchmark-only
 
 Rows (docs/design.md op 5), B in {1, 8, 64}: ``width`` over one draft layer's W x top-k = 100
-candidate scores per request with K = 10 draft costs; ``rerank`` over 8 layers' 800 candidates
-with K = 64 target costs; ``depth`` over a history of 8 utilities. On CUDA each op is one Triton
-launch (``treeops.kernels.cast``) with no host sync: ``treeops_us`` is its CUDA-graph replay,
+candidate scores per request with K = 10 draft costs; ``rerank`` over 8 layers' 800 candidates with
+K = 64 target costs; ``*_table`` the same with the costs a per-context table [4, K] whose row the
+launch picks from ``seq_lens``; ``depth`` over a history of 8 utilities. On CUDA each op is one
+Triton launch (``treeops.kernels.cast``) with no host sync: ``treeops_us`` is its CUDA-graph replay,
 ``treeops_eager_us`` an eager call with the host included (``harness.eager_us``). The peer is
 Algorithm 1 written sync-free in PyTorch (sort, cumulative sum, batch mean, the largest argmax):
-``torch_us`` its CUDA-graph replay, ``torch_eager_us`` its eager call. Each result is
-compared with the peer's before it is timed. Floor = max(scores read once / 4.3 TB/s, an empty
-kernel replayed in a CUDA graph).
-"""
+``torch_us`` its CUDA-graph replay, ``torch_eager_us`` its eager call. Each result is compared with
+the peer's before it is timed. Floor = max(scores read once / 4.3 TB/s, an empty kernel replayed in
+a CUDA graph)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch
 import treeops
 
 SHAPES = {"width": (100, 10, 0.3), "rerank": (800, 64, 0.1)}  # op: (M, K, threshold)
+TABLE_ROWS, CONTEXT_LEN, CONTEXT = 4, 128, 300  # the *_table rows: row 2 of 4 is the batch's
 
 
 def torch_select(scores: torch.Tensor, costs: torch.Tensor, C: float, rerank: bool):
@@ -45,7 +46,7 @@ def inputs(op: str, B: int, dev, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     if op == "depth":
         return torch.rand(8, generator=g).to(dev), torch.tensor(0.5, device=dev)
-    M, K, _ = SHAPES[op]
+    M, K, _ = SHAPES[op.removesuffix("_table")]
     scores = torch.rand(B, M, generator=g).to(dev)  # every candidate exists: no ties in practice
     costs = (1.0 + torch.rand(K, generator=g).cumsum(0) / K).to(dev)
     return scores, costs
@@ -65,17 +66,30 @@ def bench_row(op: str, B: int, empty_us: float, dev, time_treeops=None) -> dict:
         row["treeops_us"] = time_treeops(run)
         row["treeops_eager_us"] = H.eager_us(run, device=dev)
         return row
-    M, K, C = SHAPES[op]
-    fn = treeops.cast_width if op == "width" else treeops.cast_rerank
+    rule, table = op.removesuffix("_table"), op.endswith("_table")
+    M, K, C = SHAPES[rule]
+    fn = treeops.cast_width if rule == "width" else treeops.cast_rerank
     nbytes = a.numel() * 4 + b.numel() * 4
     row = dict(op=f"cast_{op}", B=B, M=M, K=K, threshold=C, bytes=nbytes,
                floor_us=H.floor_us(nbytes, empty_us=empty_us))  # fmt: skip
+    if table:  # costs per context bucket, the batch's row looked up in the launch
+        tab = torch.stack([b * (1 + i) for i in range(TABLE_ROWS)])
+        seq = torch.full((B,), CONTEXT, dtype=torch.int32, device=dev)
 
-    def run():
-        return fn(a, b, C)
+        def run():
+            return fn(a, tab, C, seq_lens=seq, context_len=CONTEXT_LEN)
 
-    def peer():
-        return torch_select(a, b, C, op == "rerank")
+        def peer():
+            r = torch.clamp(seq.max() // CONTEXT_LEN, max=TABLE_ROWS - 1)
+            costs = tab.index_select(0, r.view(1))[0]
+            return torch_select(a, costs / costs[0], C, rule == "rerank")
+    else:
+
+        def run():
+            return fn(a, b, C)
+
+        def peer():
+            return torch_select(a, b, C, rule == "rerank")
 
     got, want = int(run()), int(peer())
     row["check"] = "ok" if got == want else f"treeops {got} != torch {want}"
@@ -98,7 +112,7 @@ def main(argv=None) -> dict:
                        timing="treeops: eager calls, host included (not capturable)",
                        rows=rows)  # fmt: skip
     path = os.path.join(args.out, "cast.json")
-    for op in ("width", "rerank"):
+    for op in ("width", "rerank", "width_table", "rerank_table"):
         for B in (int(b) for b in args.batches.split(",")):
             rows.append(bench_row(op, B, empty_us, dev))
             H.write_json(path, doc)
@@ -111,10 +125,11 @@ def main(argv=None) -> dict:
     return doc
 
 
-@pytest.mark.parametrize("op", ["width", "rerank"])
+@pytest.mark.parametrize("op", ["width", "rerank", "width_table"])
 def test_cast(benchmark, op):
     """B = 64; width: 100 candidates, K = 10 draft costs; rerank: 800 candidates, K = 64 target
-    costs. Peer: the sync-free PyTorch rule (eager and replayed in a graph)."""
+    costs; width_table: the costs a per-context table looked up in the launch. Peer: the
+    sync-free PyTorch rule (eager and replayed in a graph)."""
     dev = torch.device("cuda")
     row = bench_row(
         op, 64, H.empty_kernel_us(dev), dev, lambda fn: H.benchmark_graph(benchmark, [fn])
