@@ -732,16 +732,7 @@ def emit(
     if out is None:
         out = Tree.uninitialized(B, N, dev)  # contiguous
     else:
-        for f in (
-            "tokens",
-            "parents",
-            "num_nodes",
-            "depth",
-            "anc",
-            "first_child",
-            "next_sibling",
-            "scores",
-        ):
+        for f in Tree.FIELDS:
             if not getattr(out, f).is_contiguous():
                 raise ValueError(f"Invalid layout of out.{f}: expected a contiguous tensor")
     ws = workspace

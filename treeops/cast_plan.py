@@ -364,7 +364,9 @@ class CastPlanner:
         p = initial or Plan(width=min(2, self.W), depth=min(4, self.D), verify=8)
         self.initial = self._rounded(p.width, p.depth, p.verify)
         self._batch: dict[int, _BatchState] = {}
-        self._costs: dict[tuple, object] = {}  # per batch size and context bucket
+        # per batch size and context bucket: (target, draft, unit) and the catch-up costs
+        self._costs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]] = {}
+        self._catchup: dict[tuple[int, int], np.ndarray] = {}
         self.layout = _layout(self.D, self.W, self.N)
         self.size = stats_size(self.D, self.W, self.N)
 
@@ -432,8 +434,8 @@ class CastPlanner:
     def catchup_costs(self, B: int, ctx: int) -> np.ndarray:
         """[D + 1] in ``S_T(B, 1)`` units: the catch-up forward after a step of depth d, at
         the bucket of d + 1 rows (capped at the capacity), as the decoder runs it."""
-        key = ("catchup", B, self.policy.cost_table.bucket(ctx))
-        hit = self._costs.get(key)
+        key = (B, self.policy.cost_table.bucket(ctx))
+        hit = self._catchup.get(key)
         if hit is None:
             t = self.policy.cost_table
             SD = t.S_D(B, ctx).numpy()
@@ -442,7 +444,7 @@ class CastPlanner:
             hit = np.array([SD[min(_round_up(d + 1, self.verify_sizes), top) - 1]
                             for d in range(self.D + 1)]) / unit  # fmt: skip
             hit[0] = 0.0
-            self._costs[key] = hit
+            self._catchup[key] = hit
         return hit
 
     def modelled_us(self, B: int, ctx: int, plan: Plan) -> float:
