@@ -40,11 +40,16 @@ def test_cast_ops_on_the_gpu_match_the_reference_and_capture():
         assert bool(got) == bool(ref.cast_depth(u, torch.tensor(0.25), 1.0, R))
     # opcheck of the CUDA backends
     s, costs = dyadic(4, 50).to(dev), (torch.arange(1, 9, dtype=torch.float32) / 4).to(dev)
+    table = torch.stack([costs, 2 * costs, 3 * costs])  # per context bucket
+    seq = torch.tensor([300, 40, 7, 129], dtype=torch.int32, device=dev)
+    no_table = (None, 0, None)
     for op, args in [
         (torch.ops.treeops.cast_select.default, (costs.cumsum(0), costs, 0.5)),
-        (torch.ops.treeops.cast_width.default, (s, costs, 0.125, None)),
-        (torch.ops.treeops.cast_rerank.default, (s, costs, 0.125, s[:, 0] > 0)),
-        (torch.ops.treeops.cast_depth.default, (u.to(dev), costs[0], 1.0, 2)),
+        (torch.ops.treeops.cast_width.default, (s, costs, 0.125, None, *no_table)),
+        (torch.ops.treeops.cast_width.default, (s, table, 0.125, None, seq, 128, None)),
+        (torch.ops.treeops.cast_rerank.default, (s, costs, 0.125, s[:, 0] > 0, *no_table)),
+        (torch.ops.treeops.cast_rerank.default, (s, table, 0.125, None, seq, 128, table[:, 0])),
+        (torch.ops.treeops.cast_depth.default, (u.to(dev), costs[0], 1.0, 2, *no_table, None)),
     ]:
         res = torch.library.opcheck(op, args)
         assert set(res.values()) == {"SUCCESS"}, (op, res)

@@ -15,6 +15,8 @@ bodies eagerly: the CPU tests check the graph path's logic that way.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -64,6 +66,23 @@ def bucket_for(n: int, capacity: int) -> int:
         if b >= n:
             return b
     return capacity  # unreachable: capacity is the last bucket
+
+
+@contextlib.contextmanager
+def _capture(graph: torch.cuda.CUDAGraph, pool):
+    """``torch.cuda.graph`` with Python's garbage collector held off until the capture ends: a
+    collection inside the capture can run a destructor that makes a capture-unsafe CUDA call
+    (an event query of a freed pinned buffer, a free), which invalidates the capture; the
+    collection runs before it instead (``torch.cuda.graph`` collects on entry). ``thread_local``
+    keeps other threads' unsafe calls (a data loader's pinned copies) from invalidating it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class PlanBuffers:
@@ -363,7 +382,7 @@ class GraphRunner:
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
+                with _capture(g, self.pool):
                     out = body()
             except Exception as e:
                 # a failed capture_end raises before torch.cuda.graph restores the stream
@@ -413,7 +432,7 @@ class GraphRunner:
                     if self.pool is None:
                         self.pool = torch.cuda.graph_pool_handle()
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool):
+                    with _capture(graph, self.pool):
                         body()
                     ent = sb.graphs[key] = (graph, copy_out)
                     break
