@@ -216,7 +216,8 @@ def make_decoder(policy, target, draft, args, table, graphs, profile=False):
     lam = policy == "Cast" and lambda_cast(args)
     if (getattr(args, "step_graphs", False) and policy in STEP_GRAPH_POLICIES) or lam:
         # one graph per whole step (eager step body, static shapes, without graphs)
-        kw.update(step_graphs=True, static_shapes=True)
+        kw.update(step_graphs=True, static_shapes=True,
+                  launch_ahead=not getattr(args, "no_launch_ahead", False))  # fmt: skip
     if lam:
         ov = table.meta.get("layer_overhead_us") or {}
         ov = {int(b): float(v) for b, v in ov.items()}
@@ -532,6 +533,9 @@ def main(argv=None) -> int:
                     help="autoregressive, chain and EagleStatic with Decoder(step_graphs=True): "
                     "one CUDA graph per whole decoding step (rows say step_graphs: true; the "
                     "autoregressive baseline of speedup too)")  # fmt: skip
+    ap.add_argument("--no-launch-ahead", action="store_true",
+                    help="whole-step graphs one step at a time (launch, wait, read): the host's "
+                    "per-step work not overlapped with the device's next step")  # fmt: skip
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled (split) runs")
     ap.add_argument("--no-kernel-count", action="store_true",
                     help="skip the torch.profiler kernel count per step (CUDA)")  # fmt: skip
@@ -610,6 +614,7 @@ def main(argv=None) -> int:
     doc.update({"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": [],
                 "settings": {k: v for k, v in vars(args).items() if k != "out"},
                 "graphs": graphs, "step_graphs": args.step_graphs,
+                "launch_ahead": not args.no_launch_ahead,
                 "near_tie_rule": f"|l[a] - l[p]| < {NEAR_TIE_REL} * std(fp32 "
                 "logits row) at a request's first divergence (a: AR token, p: policy token)",
                 "tokens_per_s_rule": "generated tokens / decode-loop wall time (prefill and "

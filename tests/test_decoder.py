@@ -547,17 +547,18 @@ def _step_decoder(pair, policy: str, **kw) -> Decoder:
     return Decoder(target, draft, pol, page_size=16, **kw)
 
 
+@pytest.mark.parametrize("ahead", [True, False])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("policy", ["chain", "EagleStatic"])
-def test_step_body_equals_eager_greedy(pair, baseline, policy, batch):
+def test_step_body_equals_eager_greedy(pair, baseline, policy, batch, ahead):
     """The whole-step body (static_shapes=True, step_graphs=True: the graph's code, eager) gives
-    token for token the eager decoder's greedy output, with stop ids and ragged budgets; one
-    host wait per step."""
+    token for token the eager decoder's greedy output, with stop ids and ragged budgets, steps
+    launched ahead of the last one's collection or one at a time; one host wait per step."""
     target, _ = pair
     stop = baseline[1][3]
     budgets = [3, 8, 1][:batch] if batch > 1 else [7]
     eager = _step_decoder(pair, policy).generate(PROMPTS[:batch], budgets, stop_ids=[stop])
-    dec = _step_decoder(pair, policy, static_shapes=True, step_graphs=True)
+    dec = _step_decoder(pair, policy, static_shapes=True, step_graphs=True, launch_ahead=ahead)
     res = dec.generate(PROMPTS[:batch], budgets, stop_ids=[stop])
     assert res.tokens == eager.tokens
     want = [_greedy_baseline(target, p, m, stop=(stop,)) for p, m in zip(PROMPTS, budgets)]
@@ -568,6 +569,37 @@ def test_step_body_equals_eager_greedy(pair, baseline, policy, batch):
     # the decoder is reused (static buffers kept): no stop ids, other budgets
     again = dec.generate(PROMPTS[:batch], NEW)
     assert again.tokens == baseline[:batch]
+
+
+def test_steps_are_launched_ahead_of_collection(pair, monkeypatch):
+    """With ``launch_ahead`` the decoder enqueues step t + 1 before it reads step t (two steps
+    launched before the first collection) while a request is sure to outlive step t, and
+    collects every launched step when no stop id can end the batch early; each collection is
+    of the oldest launched step."""
+    import treeops.decoder.graphs as G
+
+    order = []
+    launch, collect = G.WholeStep.launch, G.WholeStep.collect
+
+    def spy_launch(self):
+        out = launch(self)
+        order.append(("launch", id(out)))
+        return out
+
+    def spy_collect(self, launched):
+        order.append(("collect", id(launched)))
+        return collect(self, launched)
+
+    monkeypatch.setattr(G.WholeStep, "launch", spy_launch)
+    monkeypatch.setattr(G.WholeStep, "collect", spy_collect)
+    dec = _step_decoder(pair, "chain", static_shapes=True, step_graphs=True)
+    res = dec.generate(PROMPTS[:2], [12, 5])
+    kinds = [k for k, _ in order]
+    assert kinds[:3] == ["launch", "launch", "collect"]
+    launched = [i for k, i in order if k == "launch"]
+    collected = [i for k, i in order if k == "collect"]
+    assert collected == launched  # every step collected, in launch order
+    assert len(collected) == res.steps == res.host_waits
 
 
 @pytest.mark.parametrize("policy", ["chain", "EagleStatic", "autoregressive"])
@@ -669,7 +701,7 @@ def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graph
         G.GraphRunner,
         "replay_step",
         lambda self, sb, key, make_body, res: replay_step(
-            self, sb, key, lambda copy_out: check.region(make_body(copy_out)), res
+            self, sb, key, lambda: check.region(make_body()), res
         ),
     )
 

@@ -97,6 +97,13 @@ class Decoder:
             the step, so it and ``CastGraft`` raise a ``ValueError`` naming ``step_graphs``. The
             catch-up runs at the bucket of the longest possible accepted path (depth + 1 nodes)
             instead of the longest accepted one. Host waits: one per step.
+        launch_ahead: with ``step_graphs``, enqueue step t + 1 before reading step t's results
+            whenever some request is sure to outlive step t (its remaining budget exceeds the
+            most tokens step t can emit), so the host's per-step work (reading the results,
+            appending tokens, the λ-CAST planner) overlaps the device's next step instead of
+            leaving it idle; a step enqueued for requests that all stop on a stop id is a
+            masked no-op. λ-CAST's plans then follow statistics two steps old. False: launch,
+            wait, read, one step at a time.
         planner_options: keyword arguments of λ-CAST's ``CastPlanner`` (e.g. the measured
             ``layer_overhead_us``), kept per decoder: its λ̂, calibration and plans persist
             across ``generate`` calls.
@@ -114,6 +121,7 @@ class Decoder:
         profile: bool = False,
         check_buckets: bool = False,
         step_graphs: bool = False,
+        launch_ahead: bool = True,
         planner_options: dict | None = None,
     ):
         self.policy = as_policy(policy)
@@ -147,6 +155,7 @@ class Decoder:
         if self.cuda_graphs and not self.static:
             raise ValueError("Invalid value of static_shapes: cuda_graphs=True needs it True")
         self.step_graphs = bool(step_graphs)
+        self.launch_ahead = bool(launch_ahead)
         tp = self.tree_policy
         adaptive = isinstance(tp, Cast) and tp.adaptive
         self.planner = CastPlanner(tp, verify_buckets=token_buckets(tp.capacity),
@@ -231,15 +240,29 @@ class Decoder:
             host_remaining = list(budget)
             host_active = [m > 0 for m in budget]
             t_loop = time.perf_counter()
-            while any(host_active):
-                rows, n = step()
+
+            def take(rows, n, launched=None):
                 t0 = step.clock()
                 grafted = absorb(res, rows, n, stop_set, host_remaining, host_active)
                 if self.graft is not None:
                     res.grafted.append(grafted)
-                step.record(res)
+                step.record(res, launched) if launched else step.record(res)
                 res.steps += 1
                 res.time_tree += step.clock() - t0
+
+            if isinstance(step, WholeStep) and self.launch_ahead:
+                # step t + 1 is enqueued before step t's results are read, whenever some
+                # request is sure to outlive step t: the host's work overlaps the device's
+                cur = step.launch() if any(host_active) else None
+                while cur is not None:
+                    sure = any(a and r > cur.emit for a, r in zip(host_active, host_remaining))
+                    nxt = step.launch() if sure else None
+                    take(step.collect(cur), cur.n, cur)
+                    if not any(host_active):
+                        break  # (a step launched ahead of a stop-id ending is left uncollected)
+                    cur = nxt or step.launch()
+            while any(host_active):
+                take(*step())
             if self.static and self._dev.type == "cuda":  # nor end with work still queued
                 torch.cuda.synchronize(self._dev)
             res.time_decode = time.perf_counter() - t_loop
@@ -291,8 +314,8 @@ class Decoder:
             return EagerStep(self, carry, tkv, dkv, res, greedy, stops, g), res
         if self.step_graphs:
 
-            def make_body(copy_out: bool, pb) -> WholeStepBody:
-                return WholeStepBody(self, sb, greedy, stops, copy_out, pb)
+            def make_body(pb) -> WholeStepBody:
+                return WholeStepBody(self, sb, greedy, stops, pb)
 
             ctx = max(len(p) for p in prompts)
             return WholeStep(self, sb, res, greedy, stops, g, make_body, ctx), res

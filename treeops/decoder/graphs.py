@@ -19,7 +19,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -154,6 +154,9 @@ class _StaticBatch:
         pin = dev.type == "cuda"
         self.host_pack = torch.zeros(B * (4 + N), dtype=torch.int64, pin_memory=pin)
         self.pack_event = torch.cuda.Event() if pin else None
+        # the whole-step path's two result slots (a step launched while the last is collected)
+        self.host_packs = [self.host_pack, torch.zeros_like(self.host_pack, pin_memory=pin)]
+        self.pack_events = [self.pack_event, torch.cuda.Event() if pin else None]
         self.step_ready = False
         if dft is None:
             return
@@ -314,7 +317,6 @@ class _StaticBatch:
         self.top_k = torch.zeros(B, dtype=torch.int32, device=dev)
         self.top_p = torch.ones(B, dtype=torch.float32, device=dev)
         self.u = torch.zeros(B, N, dtype=torch.float32, device=dev)
-        self.u_host = torch.zeros(B, N, dtype=torch.float32, pin_memory=dev.type == "cuda")
         self.rows = torch.arange(B, device=dev)
         self.stops: dict[int, torch.Tensor] = {}
         planner = dec.planner
@@ -322,9 +324,10 @@ class _StaticBatch:
             pin = dev.type == "cuda"
             nb = len(planner.rates(B))
             self.rates = torch.zeros(nb, dtype=torch.float32, device=dev)
-            self.host_rates = torch.zeros(nb, dtype=torch.float32, pin_memory=pin)
             self.stats = torch.zeros(planner.size, dtype=torch.float32, device=dev)
-            self.host_stats = torch.zeros(planner.size, dtype=torch.float32, pin_memory=pin)
+            self.host_stats = [
+                torch.zeros(planner.size, dtype=torch.float32, pin_memory=pin) for _ in range(2)
+            ]  # one per result slot
         self.step_ready = True
 
     def stop_buf(self, n: int) -> torch.Tensor:
@@ -400,14 +403,13 @@ class GraphRunner:
         g.replay()
         return out
 
-    def replay_step(self, sb: _StaticBatch, key: tuple, make_body, res: DecodeResult) -> bool:
+    def replay_step(self, sb: _StaticBatch, key: tuple, make_body, res: DecodeResult) -> None:
         """One whole decoding step: the graph of ``key`` (captured on first use) or, without
-        ``cuda_graphs``, ``make_body(True)()`` eagerly. ``make_body(copy_out)`` builds the step
-        (copying its results to the pinned buffer itself with ``copy_out``). Returns whether
-        the step itself copied its results (False only after the capture fallback below)."""
+        ``cuda_graphs``, ``make_body()()`` eagerly. ``make_body()`` builds the step, which
+        leaves its results in ``sb.pack`` (and λ-CAST's statistics in ``sb.stats``)."""
         if not self.dec.cuda_graphs:
-            make_body(True)()
-            return True
+            make_body()()
+            return
         ent = sb.graphs.get(key)
         if ent is None:
             t0 = time.perf_counter()
@@ -417,60 +419,58 @@ class GraphRunner:
             state = sb.step_state()
             saved = [t.clone() for t in state]
             cur = torch.cuda.current_stream(self.dec._dev)
-            err = None
-            for copy_out in (True, False):
-                body = make_body(copy_out)
-                try:
-                    s = torch.cuda.Stream(self.dec._dev)
-                    s.wait_stream(cur)
-                    with torch.cuda.stream(s):
-                        for _ in range(2):
-                            body()
-                            for t, v in zip(state, saved):
-                                t.copy_(v)
-                    cur.wait_stream(s)
-                    if self.pool is None:
-                        self.pool = torch.cuda.graph_pool_handle()
-                    graph = torch.cuda.CUDAGraph()
-                    with _capture(graph, self.pool):
+            body = make_body()
+            try:
+                s = torch.cuda.Stream(self.dec._dev)
+                s.wait_stream(cur)
+                with torch.cuda.stream(s):
+                    for _ in range(2):
                         body()
-                    ent = sb.graphs[key] = (graph, copy_out)
-                    break
-                except Exception as e:  # noqa: PERF203
-                    err = err or e
-                    # a failed capture_end raises before torch.cuda.graph restores the stream
-                    torch.cuda.set_stream(cur)
-                    torch.cuda.synchronize(self.dec._dev)
-                    for t, v in zip(state, saved):
-                        t.copy_(v)
-            if ent is None:
-                assert err is not None
+                        for t, v in zip(state, saved):
+                            t.copy_(v)
+                cur.wait_stream(s)
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                with _capture(graph, self.pool):
+                    body()
+            except Exception as e:
+                # a failed capture_end raises before torch.cuda.graph restores the stream
+                torch.cuda.set_stream(cur)
+                torch.cuda.synchronize(self.dec._dev)
+                for t, v in zip(state, saved):
+                    t.copy_(v)
                 raise RuntimeError(
                     f"treeops decoder: CUDA-graph capture of the whole step failed (policy "
-                    f"{self.dec.name}, B={sb.B}): {type(err).__name__}: {err}. Something in the "
+                    f"{self.dec.name}, B={sb.B}): {type(e).__name__}: {e}. Something in the "
                     "step syncs with the host or allocates outside the graph; step_graphs=False "
                     "(per-forward graphs) or cuda_graphs=False runs it otherwise."
-                ) from err
+                ) from e
+            ent = sb.graphs[key] = (graph, None)
             res.time_capture += time.perf_counter() - t0
             res.graphs_captured += 1
-        graph, copy_out = ent
-        graph.replay()
-        return copy_out
+        ent[0].replay()
 
 
 class WholeStep:
-    """The whole-step path on the host: per step, the sampling uniforms (drawn from the CPU
-    generator as on the eager path) into the static buffer, one replay of the step's graph
-    (``GraphRunner.replay_step``; the body eagerly without ``cuda_graphs``), one event
-    wait for the results. ``make_body(copy_out, pb)`` builds the step (``step.WholeStepBody``)
+    """The whole-step path on the host. ``launch()`` enqueues one step: the sampling uniforms
+    (drawn from the CPU generator as on the eager path) and, under λ-CAST, a changed calibration
+    copied in; one replay of the step's graph (``GraphRunner.replay_step``; the body eagerly
+    without ``cuda_graphs``); its results (and statistics) copied into one of two pinned slots
+    and an event recorded. ``collect(launched)`` waits on that event (the step's one host wait)
+    and reads the results. ``make_body(pb)`` builds the step (``step.WholeStepBody``)
     for the tree shape ``pb``.
 
+    Two slots let the caller launch step t + 1 before collecting step t: a whole step reads only
+    device state, so the host's work on step t's results (appending tokens, the planner)
+    overlaps the device running step t + 1, as an engine's overlapped scheduler does.
+
     Under λ-CAST (``dec.planner``) each step runs the planner's current plan (one graph per plan,
-    captured on first use); the step's statistics, its measured time (from the previous step's
-    end: what tokens per second see; 0 for a step that captured) and its emitted tokens update
-    the planner while the next step runs on the device (the host's planning overlaps it; the
-    plan lags one step; a call's last step is not observed); the calibration goes to the device
-    before a replay whenever the planner changed it."""
+    captured on first use); at its collection, the step's statistics, its measured time (from
+    the previous collection: the device's step period when steps are launched ahead; 0 when a
+    capture ran in between) and its emitted tokens update the planner, so a plan lags the
+    statistics it follows by the steps in flight; the calibration goes to the device at a launch
+    whenever the planner changed it."""
 
     def __init__(self, dec: Decoder, sb: _StaticBatch, res: DecodeResult, greedy: bool, stops,
                  generator: torch.Generator, make_body: Callable[..., Callable],
@@ -481,77 +481,97 @@ class WholeStep:
         self.key = ("step", greedy, 0 if stops is None else stops.numel())
         self.ctx = ctx  # the longest context: prompt + tokens emitted so far
         self.t_last = time.perf_counter()
-        self.pb = None if dec.tree_policy is None else sb.default
-        self.plan = None
+        self.captures_seen = res.graphs_captured
         self.plans: dict = {}  # plan -> (its buffers, its graph key)
         self.rates_version = -1
-        self.pending: tuple | None = None  # the last step's observation, for the planner
+        self.slot = 0
+        self.pin = sb.seq_lens.device.type == "cuda"
 
     def clock(self) -> float:
         return self.dec._clock()
 
-    def __call__(self) -> tuple[list, int]:
+    def _staged(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in fresh pinned memory on CUDA (the caching host allocator keeps it until the
+        asynchronous copy from it ran: a step launched ahead may still be waiting for it)."""
+        return x.pin_memory() if self.pin else x
+
+    def launch(self) -> _Launched:
+        """Enqueue one step; returns what ``collect`` needs (no host wait here)."""
         dec, sb, res = self.dec, self.sb, self.res
         planner = dec.planner
         B = sb.B
-        key = self.key
+        key, plan, pb = self.key, None, (None if dec.tree_policy is None else sb.default)
         if planner is not None:
-            self.plan = planner.plan(B)
-            ent = self.plans.get(self.plan)
+            plan = planner.plan(B)
+            ent = self.plans.get(plan)
             if ent is None:
-                pb = sb.plan_buffers(planner.policy_for(self.plan))
-                ent = self.plans[self.plan] = (pb, (*key, self.plan))
-            self.pb, key = ent
+                ent = self.plans[plan] = (
+                    sb.plan_buffers(planner.policy_for(plan)), (*key, plan)
+                )  # fmt: skip
+            pb, key = ent
             version = planner.rates_version(B)
             if version != self.rates_version:  # a new calibration after a decision
                 self.rates_version = version
-                sb.host_rates.copy_(torch.tensor(planner.rates(B), dtype=torch.float32))
-                sb.rates.copy_(sb.host_rates, non_blocking=True)
-        pb = self.pb
+                rates = torch.tensor(planner.rates(B), dtype=torch.float32)
+                sb.rates.copy_(self._staged(rates), non_blocking=True)
         n = dec.capacity if pb is None else pb.capacity
         t0 = self.clock()
-        if not self.greedy:  # the eager path's draw, copied into the static buffer
-            sb.u_host.copy_(torch.rand(B, dec.capacity, generator=self.g))
-            sb.u.copy_(sb.u_host, non_blocking=True)
-        captures = res.graphs_captured
-        copied = dec._graphs.replay_step(
-            sb, key, lambda copy_out, pb=pb: self.make_body(copy_out, pb), res
-        )
+        if not self.greedy:  # the eager path's draw, in step order
+            u = torch.rand(B, dec.capacity, generator=self.g)
+            sb.u.copy_(self._staged(u), non_blocking=True)
+        dec._graphs.replay_step(sb, key, lambda pb=pb: self.make_body(pb), res)
+        # the results into this launch's pinned slot: the next launch writes the other one
+        slot, self.slot = self.slot, 1 - self.slot
         w = 4 + path_cols(dec.graft is not None, pb, n)
-        host_pack = sb.host_pack[: B * w].view(B, w)
-        if not copied:  # (capture fallback: the results' copy after the replay)
-            host_pack.copy_(sb.pack[: B * w].view(B, w), non_blocking=True)
-            if planner is not None:
-                sb.host_stats.copy_(sb.stats, non_blocking=True)
-        if sb.pack_event is not None:
-            sb.pack_event.record()
-        if self.pending is not None:  # the previous step's, while the device runs this one
-            planner.observe(*self.pending)
-            self.pending = None
+        host_pack = sb.host_packs[slot][: B * w].view(B, w)
+        host_pack.copy_(sb.pack[: B * w].view(B, w), non_blocking=True)
+        host_stats = None
+        if planner is not None:
+            host_stats = sb.host_stats[slot]
+            host_stats.copy_(sb.stats, non_blocking=True)
+        event = sb.pack_events[slot]
+        if event is not None:
+            event.record()
         res.time_step += self.clock() - t0
-        rows = dec._wait(res, lambda hp=host_pack: sb.read_pack(hp))
+        emit = n if dec.graft is not None or pb is None else pb.depth + 1
+        return _Launched(plan, pb, n, emit, host_pack, host_stats, event)
+
+    def collect(self, launched: _Launched) -> list:
+        """Wait for ``launched`` and read its results: a row per request (``absorb``'s)."""
+        dec, res = self.dec, self.res
+        planner = dec.planner
+
+        def read():
+            if launched.event is not None:
+                launched.event.synchronize()
+            return launched.host_pack.tolist()
+
+        rows = dec._wait(res, read)
         now = time.perf_counter()
         step_s, self.t_last = now - self.t_last, now
-        if res.graphs_captured != captures:  # a capture is no step time: the planner skips it
+        if res.graphs_captured != self.captures_seen:  # a capture is no step time
+            self.captures_seen = res.graphs_captured
             step_s = 0.0
         if planner is not None:
             acc = [r[0] for r in rows if r[0] > 0]
             if acc:
-                tokens = sum(acc) / len(acc)
                 self.ctx += max(acc)
-                # observed at the next step's launch (its plan is chosen before: one step of
-                # lag in plans that move every few steps anyway); the statistics copied now,
-                # before the next step's graph overwrites the pinned buffer
-                self.pending = (B, sb.host_stats.numpy().copy(), self.plan, tokens, step_s,
-                                self.ctx)  # fmt: skip
-            lam = planner.lam(B)
-            p = self.plan
-            res.plans.append([p.width, p.depth, p.verify, round(lam, 4)])
-        return rows, n
+                planner.observe(self.sb.B, launched.host_stats.numpy(), launched.plan,
+                                sum(acc) / len(acc), step_s, self.ctx)  # fmt: skip
+            p = launched.plan
+            res.plans.append([p.width, p.depth, p.verify, round(planner.lam(self.sb.B), 4)])
+        return rows
 
-    def record(self, res: DecodeResult) -> None:
-        pb = self.pb
-        n = self.dec.capacity if pb is None else pb.capacity
+    def __call__(self) -> tuple[list, int]:
+        """One step, launched and collected (no step in flight before or after)."""
+        launched = self.launch()
+        self.last = launched
+        return self.collect(launched), launched.n
+
+    def record(self, res: DecodeResult, launched: _Launched | None = None) -> None:
+        """The shapes the collected step ``launched`` (default the last ``__call__``'s) ran."""
+        launched = launched or self.last
+        pb, n = launched.pb, launched.n
         res.verify_buckets.append(n)
         if pb is not None:
             res.draft_buckets.append([1] + [pb.w] * (pb.depth - 1))
@@ -559,3 +579,16 @@ class WholeStep:
         if self.dec.draft is not None and pb is not None:
             catchup = min(n, bucket_for(pb.depth + 1, self.dec.capacity))
         res.catchup_buckets.append(catchup)
+
+
+class _Launched(NamedTuple):
+    """A launched whole step: its plan (λ-CAST) and tree shape, the verified bucket n, the most
+    tokens it can emit per request, its pinned results (and statistics) and their event."""
+
+    plan: Any
+    pb: PlanBuffers | None
+    n: int
+    emit: int
+    host_pack: torch.Tensor
+    host_stats: torch.Tensor | None
+    event: Any

@@ -610,15 +610,14 @@ class WholeStepBody(StaticStep):
     w rows, catch-up at the bucket of the longest possible accepted path, depth + 1 nodes;
     padding beyond ``accept_len`` masked). It reads the ``Carry`` in ``sb`` (and the uniforms
     ``sb.u``, the stop ids ``stops``, λ-CAST's calibration ``sb.rates``), writes the results into
-    ``sb.pack`` (and the pinned ``sb.host_pack`` with ``copy_out``; λ-CAST's statistics into
-    ``sb.stats`` / ``sb.host_stats``) and the next step's state in place. Its forwards are built
-    once, outside any capture."""
+    ``sb.pack`` (λ-CAST's statistics into ``sb.stats``; ``graphs.WholeStep`` copies both to the
+    host after the replay) and the next step's state in place. Its forwards are built once,
+    outside any capture."""
 
-    def __init__(self, dec, sb: _StaticBatch, greedy: bool, stops, copy_out: bool,
+    def __init__(self, dec, sb: _StaticBatch, greedy: bool, stops,
                  pb: PlanBuffers | None = None):  # fmt: skip
         # bookkeeping goes to a throwaway result: the host records the step after the replay
         super().__init__(dec, sb, DecodeResult(tokens=[]), greedy, stops, None, pb)
-        self.copy_out = copy_out
         self.check_buckets = False
         pb = self.pb
         N = dec.capacity if pb is None else pb.capacity
@@ -653,10 +652,7 @@ class WholeStepBody(StaticStep):
         return v
 
     def send(self, pack):
-        if self.copy_out:
-            self._host_pack(pack).copy_(pack, non_blocking=True)
-            if self.dec.planner is not None:
-                self.sb.host_stats.copy_(self.sb.stats, non_blocking=True)
+        return None  # the results stay in sb.pack: graphs.WholeStep copies them after the replay
 
     def receive(self, pack):
         return None
