@@ -397,10 +397,12 @@ def _h200_like_table() -> treeops.CostTable:
     return treeops.CostTable.from_functions(target, draft, [1, 8, 64], L=128, M=4, n_max=96)
 
 
-def _run_step_model(B: int, hidden_us, learn_costs: bool = True):
+def _run_step_model(B: int, hidden_us, learn_costs: bool = True, true_tokens=None):
     """The planner on a step model where every plan's tokens per step and time are known (the
     time: what the table says plus ``hidden_us(plan)``, which the table does not see), fed each
-    step's curves and measured time. Returns (η of its final plan ÷ the brute-force best η over
+    step's curves and measured time. ``true_tokens(plan)``: the tokens a step really emits where
+    they differ from what the curves fed to the planner imply (default: they agree; else with
+    per-step noise of 15 % / sqrt(B)). Returns (η of its final plan ÷ the brute-force best η over
     every plan of the graph buckets, the plans it visited, the planner)."""
     table = _h200_like_table()
     pol = treeops.Cast(cost_table=table, topk=10, max_width=10, max_depth=10, capacity=96)
@@ -425,7 +427,8 @@ def _run_step_model(B: int, hidden_us, learn_costs: bool = True):
         return x
 
     plans = [Plan(w, d, n) for w in pl.widths for d in range(1, 11) for n in pl.verify_sizes]
-    eta = {p: _tokens(p) / step_us(p) for p in plans}
+    tokens = true_tokens or _tokens
+    eta = {p: tokens(p) / step_us(p) for p in plans}
     best = max(eta.values())
     rng = np.random.default_rng(B)
     seen = set()
@@ -433,7 +436,10 @@ def _run_step_model(B: int, hidden_us, learn_costs: bool = True):
         p = pl.plan(B)
         seen.add(p)
         noisy = step_us(p) * 1e-6 * (1 + 0.05 * rng.standard_normal())
-        pl.observe(B, stats(p), p, _tokens(p), noisy, ctx=300)
+        tok = tokens(p)
+        if true_tokens is not None:
+            tok *= 1 + 0.15 * rng.standard_normal() / np.sqrt(B)
+        pl.observe(B, stats(p), p, tok, noisy, ctx=300)
     return eta[pl.plan(B)] / best, seen, pl
 
 
@@ -481,6 +487,35 @@ def test_planner_without_learning_overbuilds():
         assert not pl.correction(B).any()
         ratios.append(ratio)
     assert min(ratios) < 0.97, ratios
+
+
+def _shrunk_tokens(p: Plan, f: float = 0.8) -> float:
+    """Tokens per step of the step model when a node at depth d is accepted f**d times as often
+    as the curves (and so the calibration) say: a model that overrates depth."""
+    out, front = [], np.array([1.0])
+    for d in range(p.depth):
+        c = np.sort((front[:, None] * _Q[None, :]).ravel())[::-1]
+        out.append(c * f**d)
+        front = c[: p.width]
+    return 1.0 + np.sort(np.concatenate(out))[::-1][: p.verify - 1].sum()
+
+
+def test_measured_throughput_overrules_a_model_that_overrates_depth(monkeypatch):
+    """The curves say deep layers are accepted more often than they are (a node at depth d:
+    0.8**d times as often). The rules alone climb too deep; with each plan's measured η kept,
+    a plan measured worse is left for the measured best, and the planner settles within 5 % of
+    the best plan at B = 8 and 64 (at B = 1 the per-step noise hides differences of a few
+    percent between neighbouring plans). With the guard off (MEASURED_Z infinite) it does not."""
+    import treeops.cast_plan as CP
+
+    def run():
+        return [_run_step_model(B, lambda p: 100.0, true_tokens=_shrunk_tokens)[0] for B in (8, 64)]
+
+    guarded = run()
+    assert min(guarded) >= 0.95, guarded
+    monkeypatch.setattr(CP, "MEASURED_Z", float("inf"))
+    unguarded = run()
+    assert min(unguarded) < 0.93, unguarded
 
 
 def test_step_stats_kernels_write_every_entry(monkeypatch):

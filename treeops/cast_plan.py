@@ -257,6 +257,9 @@ class _BatchState:
     votes: tuple = (0, 0, 0)  # the last decision's direction per size (width, depth, verify)
     # per plan run: [steps timed (capped), mean of measured - modelled step time in µs]
     residuals: dict = field(default_factory=dict)
+    # per plan run: [steps timed (capped), mean and mean square of the step's measured η (tokens
+    # per S_T(B, 1) of time, as λ̂), the step count when last run]
+    measured: dict = field(default_factory=dict)
 
 
 COST_PRIOR_US = (200.0, 20.0, 50.0)
@@ -266,7 +269,15 @@ STEP_NOISE_US = 200.0
 """Assumed standard deviation of one step's measured time (µs): sets how many steps of data
 outweigh the prior."""
 RESIDUAL_CAP = 64
-"""Steps a plan's mean residual weighs at most (older plans do not outvote the recent)."""
+"""Steps a plan's mean residual (and its measured η) weighs at most (older steps do not outvote
+the recent)."""
+MEASURED_MIN_STEPS = 8
+"""Timed steps of a plan before its measured η may overrule the rules (one window)."""
+MEASURED_MAX_AGE = 1024
+"""Steps after which a plan's measured η, not refreshed, no longer counts (contexts and the
+calibration have moved on)."""
+MEASURED_Z = 2.0
+"""Standard errors by which one plan's measured η must beat another's to overrule the rules."""
 
 
 def _features(plan: Plan) -> np.ndarray:
@@ -496,6 +507,14 @@ class CastPlanner:
             ent = st.residuals.setdefault(plan, [0.0, 0.0])
             ent[0] = min(ent[0] + 1.0, RESIDUAL_CAP)
             ent[1] += (r - ent[1]) / ent[0]
+        if step_s > 0 and tokens > 0 and self.learn_costs:
+            _, _, unit_us = self.costs(B, ctx)
+            eta = tokens / (step_s * 1e6 / unit_us)
+            m = st.measured.setdefault(plan, [0.0, 0.0, 0.0, 0])
+            m[0] = min(m[0] + 1.0, RESIDUAL_CAP)
+            m[1] += (eta - m[1]) / m[0]
+            m[2] += (eta * eta - m[2]) / m[0]
+            m[3] = st.steps
         decay = 0.995
         st.seen = decay * st.seen + x[lay["seen"]]
         st.hits = decay * st.hits + x[lay["hits"]]
@@ -518,6 +537,7 @@ class CastPlanner:
             catchup_cost=self.catchup_costs(B, ctx),
         )  # fmt: skip
         st.plan, st.votes = self._toward(plan, raw, st.votes)
+        st.plan = self._measured_guard(st, plan, st.plan)
         st.layers[:] = 0.0
         st.verify[:] = 0.0
         st.window = 0
@@ -542,6 +562,37 @@ class CastPlanner:
         verify = min(verify, _round_up(most, self.verify_sizes))
         return Plan(width=width, depth=depth, verify=verify), tuple(dirs)
 
+    def _measured_guard(self, st: _BatchState, cur: Plan, proposed: Plan) -> Plan:
+        """The rules propose, the measured throughput disposes: a plan run for
+        ``MEASURED_MIN_STEPS`` timed steps within the last ``MEASURED_MAX_AGE`` has a measured η.
+        If the best measured plan beats the current one by ``MEASURED_Z`` standard errors, the
+        plan moves one bucket per size towards it; else a proposed plan measured worse than the
+        current one by as much is not taken. The model's errors (costs the table and its learnt
+        correction do not see, a calibration off at depth) then cost a few windows, not the
+        run."""
+        if not self.learn_costs:
+            return proposed
+        live = {
+            p: m for p, m in st.measured.items()
+            if m[0] >= MEASURED_MIN_STEPS and st.steps - m[3] <= MEASURED_MAX_AGE
+        }  # fmt: skip
+        if cur not in live:
+            return proposed
+
+        def beats(p: Plan, q: Plan) -> bool:
+            (n1, m1, s1, _), (n2, m2, s2, _) = live[p], live[q]
+            se = np.sqrt(max(s1 - m1 * m1, 0.0) / n1 + max(s2 - m2 * m2, 0.0) / n2)
+            return m1 - m2 > MEASURED_Z * se
+
+        best = max(live, key=lambda p: live[p][1])
+        if best != cur and beats(best, cur):
+            # (votes that agree with every direction: the move is not held for a second vote)
+            sizes = zip((best.width, best.depth, best.verify), (cur.width, cur.depth, cur.verify))
+            return self._toward(cur, best, tuple((a > b) - (a < b) for a, b in sizes))[0]
+        if proposed in live and beats(cur, proposed):
+            return cur
+        return proposed
+
     def _rounded(self, w: float, d: float, n: float) -> Plan:
         width = _round_up(min(max(w, 1.0), self.W), self.widths)
         depth = int(min(max(round(d), 1), self.D))
@@ -556,6 +607,18 @@ class CastPlanner:
             "lambda": round(st.lam, 4),
             "plan": [st.plan.width, st.plan.depth, st.plan.verify],
             "cost_correction_us": [round(float(x), 2) for x in self.correction(B)],
+            # per plan run: [timed steps (capped), mean measured - modelled µs; measured η]
+            "plans_measured": [
+                [
+                    p.width,
+                    p.depth,
+                    p.verify,
+                    int(r[0]),
+                    round(r[1], 1),
+                    round(st.measured[p][1], 4) if p in st.measured else None,
+                ]
+                for p, r in st.residuals.items()
+            ],  # fmt: skip
             "rates": [round(g, 4) for g in self.rates(B)],
             "steps": st.steps,
         }
