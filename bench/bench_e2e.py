@@ -831,6 +831,7 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
                 plans_seen=sorted({tuple(p[:3]) for p in res.plans}),
                 final_plan=d["plan"], rates=d["rates"],
                 cost_correction_us=d["cost_correction_us"],
+                plans_measured=d["plans_measured"],
             )  # fmt: skip
         rows.append(row)
     del decs
