@@ -13,9 +13,10 @@ Because nodes go in breadth-first order this equals the reference's serial loop.
 new nodes (scattered to their index) and padding are written, and the links are computed from the
 written parents in [NB, 32] tiles.
 
-``adjacency_update``: stage 1, grid (nodes, splits): each program streams its slice of V and keeps
-a running top-k (value desc, id asc); a block enters the running list only if its best element
-beats the current k-th, so most blocks cost one max. Split 0 also claims the node's token with
+``adjacency_update``: stage 1, grid (nodes, splits of V, about 32 one-warp programs per SM): each
+program streams its chunk of V once and keeps a running top-k of integer order keys (value desc,
+id asc: ``graft_update``); a block enters the running list only while its best key beats the
+list's worst, so most blocks cost one max. Split 0 also claims the node's token with
 ``atomic_min(owner[token], flat index)``. Stage 2, grid (node blocks): merge the splits' lists,
 and the node whose index equals ``owner[token]`` writes the row and resets the owner to INT32_MAX
 (losers read either their winner's index or INT32_MAX, never their own), so the owner buffer is
@@ -616,26 +617,37 @@ def retrieve(
 
 
 def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
-    """Splits of V per node: enough programs to fill the GPU (4 per SM), at least one block of V
-    each. Depends on shapes and the SM count only (fixed for a CUDA graph)."""
+    """Splits of V per node: enough one-warp programs to fill the GPU (32 per SM, so that even
+    one request's nodes stream at full bandwidth), at least one block of V each. Depends on
+    shapes and the SM count only (fixed for a CUDA graph)."""
     if device.type != "cuda":
         return min(2, cdiv(V, block_v))
     sms = _runtime.sm_count(device)
-    want = cdiv(4 * sms, max(n_flat, 1))
+    want = cdiv(32 * sms, max(n_flat, 1))
     return max(1, min(want, cdiv(V, block_v), 64))
 
 
 def _update_block_v() -> int:
-    return 256 if interpreted() else 2048
+    return 256 if interpreted() else 512
+
+
+_MAX_CHUNK = 1 << 16
+"""A split's ids fit the 16 bits that bf16 order keys give them (kernels.graft_update)."""
 
 
 def update_workspace_key(n_flat: int, V: int, K: int, device: torch.device) -> tuple[int, int, int]:
     """(nodes, splits of V, padded k): the key, and the sizes, of ``adjacency_update``'s partial
     top-k workspace for ``n_flat`` nodes of V logits and a table of width K."""
     block_v = _update_block_v()
-    S = _splits(n_flat, V, block_v, device)
-    S = cdiv(V, cdiv(cdiv(V, S), block_v) * block_v)
+    S = max(_splits(n_flat, V, block_v, device), cdiv(V, _MAX_CHUNK))
+    S = cdiv(V, _chunk(V, S, block_v))
     return n_flat, S, max(pow2(K), 2)
+
+
+def _chunk(V: int, S: int, block_v: int) -> int:
+    """Ids per split: V / S rounded up to whole blocks (at most ``_MAX_CHUNK`` when V / S is,
+    since ``block_v`` divides it)."""
+    return cdiv(cdiv(V, S), block_v) * block_v
 
 
 def adjacency_update(
@@ -665,7 +677,7 @@ def adjacency_update(
             key = update_workspace_key(n_flat, V, K, logits.device)
             _, S, _ = key
             block_v = _update_block_v()
-            chunk = cdiv(cdiv(V, S), block_v) * block_v
+            chunk = _chunk(V, S, block_v)
             if key not in workspace:
                 workspace[key] = (
                     torch.empty(n_flat * S * KB, dtype=torch.float32, device=table.device),
@@ -690,8 +702,9 @@ def adjacency_update(
                 KB=KB,
                 S=S,
                 BLOCK_V=block_v,
+                KEY32=logits.dtype == torch.bfloat16,
                 LAST_WINS=last_wins,
-                num_warps=4,
+                num_warps=1,
             )
             n_cand = S * KB
             ids, s_ib, s_in, k_ids = ws_id, 0, 0, 0
@@ -718,7 +731,7 @@ def adjacency_update(
             ids, k_ids = topk_ids, topk_ids.shape[2]
             s_ib, s_in = topk_ids.stride(0), topk_ids.stride(1)
         C = pow2(n_cand)
-        block_m = max(1, min(64, 2048 // C))
+        block_m = max(1, min(64, 512 // C))
         direct(_update_write_kernel).launch(
             (cdiv(n_flat, block_m),),
             tokens,

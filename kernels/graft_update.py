@@ -1,12 +1,22 @@
 """Graft's adjacency-table update kernels (launched by ``treeops.kernels.graft.adjacency_update``).
 
-``_topk_partial_kernel``, grid (nodes, splits): each program streams its slice of V and keeps a
-running top-k (value desc, id asc); split 0 also claims the node's token with
-``atomic_min(owner[token], claim)``. ``_claim_kernel``: the claims alone (top-k ids given).
-``_update_write_kernel``, grid (node blocks): merges the splits' lists (or reads the given ids),
-and the node whose claim equals ``owner[token]`` writes the row and resets the owner to
-INT32_MAX. A claim is the flattened node index (the lowest wins), or its mirror ``n_flat - 1 -
-index`` when the last one wins.
+Top-k order is one integer compare: every logit gets an *order key* whose signed order is
+(value descending, id ascending). The value part is ``_value_key`` (the float's bits made
+monotone, -0 equal to +0, NaN below -inf as the reference's sort puts it); the id part is
+``MASK - (id - chunk start)``, so the lower id wins a tie. For bf16 logits the value needs only
+the top 16 bits of its fp32 upcast, and the key is int32 (``KEY32``: a chunk of V is at most
+2^16 ids, which the launcher guarantees); otherwise it is int64. Empty entries hold the type's
+minimum, below every real key (the NaN key's value part is above it).
+
+``_topk_partial_kernel``, grid (nodes, splits): each program streams its chunk of V once, one
+block at a time, and keeps a running top-k of keys: a block's best key enters only while it beats
+the running list's worst, so after the first blocks most cost one max. It writes the list as
+(value key, bit-cast into the float32 buffer; id, or -1 when empty). Split 0 also claims the node's
+token with ``atomic_min(owner[token], claim)``. ``_claim_kernel``: the claims alone (top-k ids
+given). ``_update_write_kernel``, grid (node blocks): merges the splits' lists with int64 keys
+rebuilt from (value key, id), k maxima, or reads the given ids, and the node whose claim equals
+``owner[token]`` writes the row and resets the owner to INT32_MAX. A claim is the flattened node
+index (the lowest wins), or its mirror ``n_flat - 1 - index`` when the last one wins.
 """
 
 from __future__ import annotations
@@ -14,11 +24,39 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_BIG = tl.constexpr(1 << 30)
 _I32MAX = tl.constexpr(2**31 - 1)
+_K32MIN = tl.constexpr(-(2**31))
+_K64MIN = tl.constexpr(-(2**63))
+_K64MAX = tl.constexpr(2**63 - 1)
+# the value key of NaN: below -inf's (0x807FFFFF), above an empty entry's, the top 16 bits alone
+# also distinct from both
+_NAN_KEY = tl.constexpr(-(2**31) + (1 << 16))
+_LOW32 = tl.constexpr(2**32 - 1)
 
 
-@triton.jit(do_not_specialize=["N", "V", "n_flat", "chunk", "stride_b", "stride_n"])
+@triton.jit
+def _value_key(x):
+    """fp32 ``x`` -> int32 whose signed order is x's (-0 == +0, NaN below -inf)."""
+    bits = tl.where(x == 0, 0.0, x).to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return tl.where(x != x, _NAN_KEY, key)
+
+
+@triton.jit
+def _order_key(x, local, m, KEY32: tl.constexpr):
+    """Order keys of fp32 values ``x`` at chunk offsets ``local`` (< 2^16 when ``KEY32``); the
+    type's minimum where ``m`` is false."""
+    vk = _value_key(x)
+    if KEY32:
+        key = (vk & -65536) | (65535 - local).to(tl.int32)
+        key = tl.where(m, key, _K32MIN)
+    else:
+        key = (vk.to(tl.int64) << 32) | (_LOW32 - local.to(tl.int64))
+        key = tl.where(m, key, _K64MIN)
+    return key
+
+
+@triton.jit(do_not_specialize=["N", "n_flat"])
 def _topk_partial_kernel(
     x_ptr,
     tok_ptr,
@@ -36,6 +74,7 @@ def _topk_partial_kernel(
     KB: tl.constexpr,
     S: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    KEY32: tl.constexpr,
     LAST_WINS: tl.constexpr,
 ):
     i_f = tl.program_id(0).to(tl.int64)  # flattened node b*N + i
@@ -52,34 +91,51 @@ def _topk_partial_kernel(
                 claim = i_f.to(tl.int32)
             tl.atomic_min(owner_ptr + tok, claim)
         o_k = tl.arange(0, KB)
-        # running top-k: empty slots are (-inf, _BIG + slot), beaten by any element
-        b_rv = tl.full([KB], float("-inf"), tl.float32)
-        b_ri = _BIG + o_k
+        # running list: slots < K start empty (the minimum), padding slots hold the maximum so
+        # they are never the worst entry
+        if KEY32:
+            run = tl.where(o_k < K, _K32MIN, _I32MAX)
+        else:
+            run = tl.where(o_k < K, _K64MIN, _K64MAX)
         p_x = x_ptr + i_b * stride_b + i_n * stride_n
+        # chunk is whole blocks, so a block's only bound is V; V, chunk and the strides are
+        # specialised (divisibility) so that these loads vectorise. The next block is loaded
+        # ahead, as raw 16-bit values (cheap registers), to keep two in flight.
         lo = i_s * chunk
         hi = tl.minimum(lo + chunk, V)
+        o_b = tl.arange(0, BLOCK_V)
+        b_next = tl.load(p_x + lo + o_b, mask=lo + o_b < V, other=0.0)
         for start in range(lo, hi, BLOCK_V):
-            o_v = start + tl.arange(0, BLOCK_V)
-            m_v = o_v < hi
-            b_x = tl.load(p_x + o_v, mask=m_v, other=float("-inf")).to(tl.float32)
-            # the running list's worst entry (value asc, id desc) and the block's best
-            wv = tl.min(tl.where(o_k < K, b_rv, float("inf")), 0)
-            wi = tl.max(tl.where((o_k < K) & (b_rv == wv), b_ri, -1), 0)
-            bv = tl.max(tl.where(m_v, b_x, float("-inf")), 0)
-            bi = tl.min(tl.where(m_v & (b_x == bv), o_v, _I32MAX), 0)
-            beats = (bv > wv) | ((bv == wv) & (bi < wi))
-            while beats:
-                b_rv = tl.where(b_ri == wi, bv, b_rv)
-                b_ri = tl.where(b_ri == wi, bi, b_ri)
-                m_v = m_v & (o_v != bi)
-                wv = tl.min(tl.where(o_k < K, b_rv, float("inf")), 0)
-                wi = tl.max(tl.where((o_k < K) & (b_rv == wv), b_ri, -1), 0)
-                bv = tl.max(tl.where(m_v, b_x, float("-inf")), 0)
-                bi = tl.min(tl.where(m_v & (b_x == bv), o_v, _I32MAX), 0)
-                beats = (bv > wv) | ((bv == wv) & (bi < wi))
+            o_v = start + o_b
+            m_v = o_v < V
+            b_x = b_next.to(tl.float32)
+            nxt = start + BLOCK_V
+            b_next = tl.load(p_x + nxt + o_b, mask=(nxt + o_b < V) & (nxt < hi), other=0.0)
+            key = _order_key(b_x, o_v - lo, m_v, KEY32)
+            best = tl.max(key, 0)
+            worst = tl.min(run, 0)
+            # keys are distinct (each holds its id): the block's best replaces the list's worst
+            while best > worst:
+                slot = tl.min(tl.where(run == worst, o_k, KB), 0)
+                run = tl.where(o_k == slot, best, run)
+                if KEY32:
+                    key = tl.where(key == best, _K32MIN, key)
+                else:
+                    key = tl.where(key == best, _K64MIN, key)
+                best = tl.max(key, 0)
+                worst = tl.min(run, 0)
+        # (value key, id) per slot; -1 for an empty or padding slot
+        if KEY32:
+            live = (o_k < K) & (run != _K32MIN)
+            vk = run & -65536
+            ids = lo + 65535 - (run & 65535)
+        else:
+            live = (o_k < K) & (run != _K64MIN)
+            vk = (run >> 32).to(tl.int32)
+            ids = (lo + (_LOW32 - (run & _LOW32))).to(tl.int32)
         p_ws = (i_f * S + i_s) * KB + o_k
-        tl.store(ws_val_ptr + p_ws, b_rv)
-        tl.store(ws_id_ptr + p_ws, b_ri)
+        tl.store(ws_val_ptr + p_ws, vk.to(tl.float32, bitcast=True))
+        tl.store(ws_id_ptr + p_ws, tl.where(live, ids, -1))
 
 
 @triton.jit(do_not_specialize=["N", "n_flat"])
@@ -138,15 +194,16 @@ def _update_write_kernel(
         o_c = tl.arange(0, C)
         p_c = o_f[:, None] * n_cand + o_c[None, :]
         m_c = win[:, None] & (o_c[None, :] < n_cand)
-        b_v = tl.load(ws_val_ptr + p_c, mask=m_c, other=float("-inf"))  # [M, C]
-        b_i = tl.load(ws_id_ptr + p_c, mask=m_c, other=_BIG)
-        m_alive = b_i < V
+        vk = tl.load(ws_val_ptr + p_c, mask=m_c, other=0.0).to(tl.int32, bitcast=True)
+        b_i = tl.load(ws_id_ptr + p_c, mask=m_c, other=-1)  # [M, C]
+        key = (vk.to(tl.int64) << 32) | (_LOW32 - b_i.to(tl.int64))
+        key = tl.where(b_i >= 0, key, _K64MIN)
         b_row = tl.full([BLOCK_M, KB], -1, tl.int32)
         for r in tl.static_range(K):
-            bv = tl.max(tl.where(m_alive, b_v, float("-inf")), axis=1)
-            bi = tl.min(tl.where(m_alive & (b_v == bv[:, None]), b_i, _I32MAX), axis=1)
-            b_row = tl.where(o_k[None, :] == r, tl.where(bi < V, bi, -1)[:, None], b_row)
-            m_alive = m_alive & (b_i != bi[:, None])
+            best = tl.max(key, axis=1)
+            bi = tl.where(best != _K64MIN, _LOW32 - (best & _LOW32), -1).to(tl.int32)
+            b_row = tl.where(o_k[None, :] == r, bi[:, None], b_row)
+            key = tl.where(key == best[:, None], _K64MIN, key)
     else:
         p_i = o_f[:, None] // N * stride_ib + o_f[:, None] % N * stride_in + o_k[None, :]
         b_row = tl.load(ids_ptr + p_i, mask=win[:, None] & (o_k[None, :] < k_ids), other=-1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -731,6 +732,46 @@ def test_update_kernel_matches_reference(seed, dtype, ties, k, V):
     assert torch.equal(got, want)
 
 
+_SPECIALS = [0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, float("inf"), float("-inf"), float("nan")]
+
+
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    st.integers(1, 9),
+    st.sampled_from([16, 32, 64]),
+    st.integers(1, 300),
+    st.sampled_from([1, 2, 5, 8, 16]),
+    st.sampled_from(["randn", "ties", "specials"]),
+)
+def test_update_kernel_splits_and_special_values(seed, dtype, splits, block_v, V, k, kind):
+    """Any split/block (V rarely their multiple; k >= V), ties, ±0, ±inf, NaN: the reference's."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    B, N = rng.randint(1, 2), rng.choice([1, 3, 6])
+    tree = make_tree([parents_of("random", rng.randint(0, N), rng) for _ in range(B)], N, 300, rng)
+    tree.tokens.copy_(tree.tokens % min(V, 4))
+    logits = {
+        "randn": lambda: torch.randn(B, N, V, generator=g) * 3,
+        "ties": lambda: torch.randint(-2, 2, (B, N, V), generator=g).float(),
+        "specials": lambda: torch.tensor(_SPECIALS)[torch.randint(0, 9, (B, N, V), generator=g)],
+    }[kind]().to(dtype)
+    lengths = torch.tensor([rng.randint(0, N) for _ in range(B)], dtype=torch.int32)
+    with (
+        patch.object(kern, "_splits", lambda n, v, b, d: splits),
+        patch.object(kern, "_update_block_v", lambda: block_v),
+    ):
+        for num, last in ((tree.num_nodes, False), (lengths, True)):
+            want = torch.full((V, k), -1, dtype=torch.int32)
+            got = want.clone()
+            if last:
+                ref.adjacency_warm_start(want, tree.tokens, logits, lengths)
+            else:
+                ref.adjacency_update(want, tree, logits)
+            run_update_kernel(got, tree.tokens, num, logits=logits, last_wins=last)
+            assert torch.equal(got, want)
+
+
 def test_out_buffers():
     tree = tree_from_lists([[-1, 0, 0]], [[1, 2, 3]], capacity=8)
     table = AdjacencyTable(8, 2)
@@ -854,3 +895,6 @@ def test_update_op_workspace_key_is_the_launchers():
         kern.adjacency_update(table, owner, ws, tokens, num, torch.randn(*n, V), None, False)
         key = kern.update_workspace_key(n[0] * n[1], V, k, table.device)
         assert list(ws) == [key] and ws[key][0].numel() == math.prod(key)
+    for V in (65537, 128256, 300000):  # bf16 order keys hold a split's ids in 16 bits
+        S = kern.update_workspace_key(1, V, 8, torch.device("cpu"))[1]
+        assert kern._chunk(V, S, kern._update_block_v()) <= 1 << 16
