@@ -17,7 +17,8 @@ what it measured):
    under-sized bucket turns graphs off; token differences are recorded as warnings.
    ``--step-graphs``: autoregressive, chain and EagleStatic run with ``Decoder(step_graphs=True)``
    (one CUDA graph per whole decoding step; each row says ``step_graphs``; their profiled split
-   puts the step's time in ``step_s``); Cast/CastGraft rows are unchanged. A whole-step capture
+   puts the step's time in ``step_s``); Cast and CastGraft without thresholds (λ-CAST, and Graft
+   over λ-CAST) always run whole-step graphs, with or without the flag. A whole-step capture
    error turns all graphs off like any other capture error.
 2. The pair: ``treeops.decoder.train.train_pair(PairConfig.h200(), "cuda", cache_dir)`` (or a
    tiny random pair with ``--random-model``); decoding runs in bf16 on CUDA (fp32 on the CPU),
@@ -204,16 +205,18 @@ STEP_GRAPH_POLICIES = ("autoregressive", "chain", "EagleStatic")
 
 
 def lambda_cast(args) -> bool:
-    """Cast runs as λ-CAST (no thresholds given): always whole-step graphs, one per plan."""
+    """Cast runs as λ-CAST (no thresholds given), and CastGraft as Graft over λ-CAST: always
+    whole-step graphs, one per plan."""
     return args.C1 is None and args.C2 is None and args.C3 is None
 
 
 def make_decoder(policy, target, draft, args, table, graphs, profile=False):
+    lam = policy in ("Cast", "CastGraft") and lambda_cast(args)
     pol = make_policy(policy, depth=args.depth, topk=args.topk, budget=args.budget,
                       cost_table=table, C1=args.C1, C2=args.C2, C3=args.C3,
-                      cast_depth=args.cast_depth, cast_budget=args.cast_budget)  # fmt: skip
+                      cast_depth=args.cast_depth, cast_budget=args.cast_budget,
+                      lambda_graft=lam)  # fmt: skip
     kw = dict(page_size=16)
-    lam = policy == "Cast" and lambda_cast(args)
     if (getattr(args, "step_graphs", False) and policy in STEP_GRAPH_POLICIES) or lam:
         # one graph per whole step (eager step body, static shapes, without graphs)
         kw.update(step_graphs=True, static_shapes=True,
@@ -553,8 +556,9 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=10)
     ap.add_argument("--budget", type=int, default=60, help="tree capacity (EAGLE-2: 60)")
     ap.add_argument("--C1", type=float, default=None,
-                    help="CAST thresholds (all three None, the default: λ-CAST; CastGraft's "
-                    "default 0.3, 0.2, 0.1)")  # fmt: skip
+                    help="CAST thresholds (all three None, the default: λ-CAST, and CastGraft "
+                    "over λ-CAST; one given: thresholded CAST, CastGraft's others 0.3, 0.2, "
+                    "0.1)")  # fmt: skip
     ap.add_argument("--C2", type=float, default=None)
     ap.add_argument("--C3", type=float, default=None)
     ap.add_argument("--cast-depth", type=int, default=10, help="Cast's max_depth")
@@ -828,10 +832,11 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
                 lambda_hat=d["lambda"], lambda_per_step_last=res.plans[-1][3],
                 mean_width=round(sum(p[0] for p in res.plans) / len(res.plans), 3),
                 mean_depth=round(sum(p[1] for p in res.plans) / len(res.plans), 3),
-                plans_seen=sorted({tuple(p[:3]) for p in res.plans}),
+                mean_graft=round(sum(p[4] for p in res.plans) / len(res.plans), 3),
+                plans_seen=sorted({(*p[:3], p[4]) for p in res.plans}),
                 final_plan=d["plan"], rates=d["rates"],
                 cost_correction_us=d["cost_correction_us"],
-                plans_measured=d["plans_measured"],
+                plans_measured=d["plans_measured"], graft_rate=d["graft_rate"],
             )  # fmt: skip
         rows.append(row)
     del decs

@@ -364,6 +364,40 @@ def test_planner_plans_are_stable_under_noise():
     assert pl.lam(1) == pytest.approx(2.0, rel=1e-6)
 
 
+@pytest.mark.parametrize(("q", "grows"), [(0.3, True), (0.0, False)])
+def test_planner_grafts_what_beats_the_draft_tail(q, grows):
+    """With ``graft_sizes`` the plan's graft count follows the measured acceptance q of grafted
+    nodes against the calibrated mass of the draft ranks they replace: grafted nodes accepted
+    30 % of the time (far above the model's tail) take the largest size that fits (half the
+    verify count), never accepted ones none; one size per decision; the statistics' two graft
+    entries (verified, accepted) are read."""
+    pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=8, max_width=8, max_depth=8,
+                       capacity=64)  # fmt: skip
+    pl = treeops.CastPlanner(pol, interval=8, graft_sizes=[2, 4, 8, 16])
+    assert pl.graft_sizes == [0, 2, 4, 8, 16] and pl.size == pl.base_size + 2
+    assert pl.plan(1).graft == 2  # grafting starts small, to be measured
+    rng = np.random.default_rng(0)
+    unit_s = pl.costs(1, 100)[2] * 1e-6
+    last = pl.plan(1).graft
+    for _ in range(400):
+        plan = pl.plan(1)
+        sizes = pl.graft_sizes
+        assert plan.graft <= plan.verify // 2
+        assert abs(sizes.index(plan.graft) - sizes.index(last)) <= 1 or plan.graft < last
+        last = plan.graft
+        x = _model_stats(pl, rng, 0.05)
+        x[pl.layout["graft"]] = [plan.graft, q * plan.graft]
+        pl.observe(1, x, plan, tokens=3.0, step_s=1.5 * unit_s, ctx=100)
+    final = pl.plan(1)
+    if grows:
+        assert final.graft == max(g for g in pl.graft_sizes if g <= final.verify // 2) > 0
+        assert pl.graft_rate(1) == pytest.approx(0.3, abs=0.02)
+    else:
+        assert final.graft == 0 and pl.graft_rate(1) < 0.01
+    with pytest.raises(ValueError, match="graft_sizes"):
+        treeops.CastPlanner(pol, graft_sizes=[64])
+
+
 # ------------------------------------------------------- the planner against brute force
 _Q = np.array([0.80, 0.10, 0.04, 0.02, 0.012, 0.008, 0.005, 0.004, 0.003, 0.002])
 

@@ -668,7 +668,10 @@ def test_step_graphs_equal_per_forward_graphs(gpu_pair, policy, batch):
 @pytest.mark.parametrize(
     ("policy", "step_graphs"),
     [(p, False) for p in POLICIES]
-    + [(p, True) for p in ("autoregressive", "chain", "EagleStatic", "lambda-Cast")],
+    + [
+        (p, True)
+        for p in ("autoregressive", "chain", "EagleStatic", "lambda-Cast", "lambda-CastGraft")
+    ],
 )
 def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graphs):
     """What the GPU path captures in CUDA graphs (the per-forward bodies, or the whole step)
@@ -705,9 +708,8 @@ def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graph
         ),
     )
 
-    if policy == "lambda-Cast":  # λ-CAST: a plan per step, its statistics computed on device
-        pol = make_policy("Cast", depth=3, topk=3, budget=12, cost_table=_steep_costs())
-        dec = Decoder(pair[0], pair[1], pol, static_shapes=True, step_graphs=True)
+    if policy.startswith("lambda-"):  # λ-CAST: a plan per step, its statistics on device
+        dec = _lambda_decoder(pair, graft=policy.endswith("Graft"), static_shapes=True)
     else:
         dec = _decoder(pair, policy, static_shapes=True, step_graphs=step_graphs)
     stop = baseline[1][3]
@@ -724,6 +726,40 @@ def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graph
 
 
 # ---------------------------------------------------------------------------------- λ-CAST
+def _lambda_decoder(pair, graft: bool = False, **kw) -> Decoder:
+    """λ-CAST (max depth 5, capacity 16) as whole steps; with ``graft`` CastGraft over it,
+    starting from a plan that grafts 4 of 8 verified nodes."""
+    target, draft = pair
+    pol = make_policy("CastGraft" if graft else "Cast", depth=3, topk=3, budget=12,
+                      cast_depth=5, cast_budget=16, cost_table=_steep_costs(),
+                      lambda_graft=graft)  # fmt: skip
+    opts = {"initial": Plan(width=2, depth=3, verify=8, graft=4)} if graft else None
+    kw.setdefault("step_graphs", True)
+    return Decoder(target, draft, pol, planner_options=opts, **kw)
+
+
+def test_lambda_cast_graft_greedy_equals_autoregressive(pair):
+    """CastGraft over λ-CAST (the whole-step body): the plan's n - g best draft nodes plus g
+    retrieved from the successor table are verified; greedy output equals autoregressive
+    decoding with stop ids and ragged budgets, grafted nodes are added (and counted for the
+    planner), and each plan's graft count is at most half its verify count."""
+    target, _ = pair
+    dec = _lambda_decoder(pair, graft=True, static_shapes=True)
+    assert dec.planner.graft_sizes == [0, 2, 4, 8]
+    stop = _greedy_baseline(target, PROMPTS[1], NEW)[3]
+    budgets = [NEW, 8, 5]
+    res = dec.generate(PROMPTS, budgets, stop_ids=[stop])
+    want = [_greedy_baseline(target, p, m, stop=(stop,)) for p, m in zip(PROMPTS, budgets)]
+    assert res.tokens == want
+    assert sum(res.grafted) > 0 and res.host_waits == res.steps
+    plans = dec.planner._state(3).measured or dec.planner._state(3).residuals
+    assert any(p.graft > 0 for p in plans)
+    assert all(p.graft <= p.verify // 2 for p in plans)
+    assert dec.planner._state(3).grafted > 0  # the step's statistics reached the planner
+    with pytest.raises(ValueError, match="step_graphs"):
+        _lambda_decoder(pair, graft=True, step_graphs=False)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "step-body"])
 def test_lambda_cast_greedy_equals_autoregressive(pair, batch, static):
@@ -740,8 +776,8 @@ def test_lambda_cast_greedy_equals_autoregressive(pair, batch, static):
     want = [_greedy_baseline(target, p, m, stop=(stop,)) for p, m in zip(PROMPTS, budgets)]
     assert res.tokens == want
     assert len(res.plans) == res.steps and res.mean_accepted > 1.0
-    for (w, d, n, lam), row in zip(res.plans, res.verified):
-        assert 1 <= w <= 3 and 1 <= d <= 5 and 1 <= n <= 16 and lam > 0
+    for (w, d, n, lam, g), row in zip(res.plans, res.verified):
+        assert 1 <= w <= 3 and 1 <= d <= 5 and 1 <= n <= 16 and lam > 0 and g == 0
         assert max(row) <= n
     if static:
         assert res.host_waits == res.steps  # one wait per step
@@ -787,7 +823,9 @@ def test_lambda_cast_plan_at_the_policys_maxima(pair):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["chain", "EagleStatic", "Cast", "CastGraft", "lambda-Cast"])
+@pytest.mark.parametrize(
+    "policy", ["chain", "EagleStatic", "Cast", "CastGraft", "lambda-Cast", "lambda-CastGraft"]
+)
 def test_fp32_greedy_equals_autoregressive_at_batch_64(gpu_pair, policy):
     """Lossless at B = 64 in fp32 (tiny pair, tf32 off): every policy's greedy output equals
     autoregressive decoding token for token, on its fastest graph mode (whole-step graphs where
@@ -798,10 +836,8 @@ def test_fp32_greedy_equals_autoregressive_at_batch_64(gpu_pair, policy):
     V = target.cfg.vocab_size
     prompts = [torch.randint(1, V, (3 + i % 9,), generator=g).tolist() for i in range(64)]
     ar = Decoder(target, None, "autoregressive", cuda_graphs=True).generate(prompts, NEW)
-    if policy == "lambda-Cast":
-        pol = make_policy("Cast", depth=3, topk=3, budget=12, cast_depth=5, cast_budget=16,
-                          cost_table=_steep_costs())  # fmt: skip
-        dec = Decoder(target, draft, pol, cuda_graphs=True, step_graphs=True)
+    if policy.startswith("lambda-"):
+        dec = _lambda_decoder(gpu_pair, graft=policy.endswith("Graft"), cuda_graphs=True)
     else:
         whole = policy in ("chain", "EagleStatic")
         dec = _decoder(gpu_pair, policy, cuda_graphs=True, step_graphs=whole)

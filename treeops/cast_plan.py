@@ -34,7 +34,7 @@ rarely.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -58,11 +58,14 @@ __all__ = [
 @dataclass(frozen=True, order=True)
 class Plan:
     """A step's sizes: ``width`` frontier rows per draft layer after the first, ``depth`` draft
-    layers, ``verify`` nodes sent to verification (root included)."""
+    layers, ``verify`` nodes sent to verification (root included), ``graft`` of them retrieved
+    from Graft's successor table (λ-CAST with grafting)."""
 
     width: int
     depth: int
     verify: int
+    graft: int = 0  # of the verified nodes, how many Graft's successor table fills (the rest
+    # are the draft tree's best ``verify - graft``)
 
 
 SCORE_BINS = 24
@@ -260,6 +263,8 @@ class _BatchState:
     # per plan run: [steps timed (capped), mean and mean square of the step's measured η (tokens
     # per S_T(B, 1) of time, as λ̂), the step count when last run]
     measured: dict = field(default_factory=dict)
+    grafted: float = 0.0  # decayed grafted nodes verified (active requests)
+    graft_hits: float = 0.0  # decayed grafted nodes accepted
 
 
 COST_PRIOR_US = (200.0, 20.0, 50.0)
@@ -276,6 +281,10 @@ MEASURED_MIN_STEPS = 8
 MEASURED_MAX_AGE = 1024
 """Steps after which a plan's measured η, not refreshed, no longer counts (contexts and the
 calibration have moved on)."""
+GRAFT_PRIOR = (4.0, 0.05)
+"""Pseudo-count and acceptance probability of a grafted node before any was verified."""
+GRAFT_DECAY = 0.98
+"""Per-step decay of the grafted nodes' verified and accepted counts."""
 MEASURED_Z = 2.0
 """Standard errors by which one plan's measured η must beat another's to overrule the rules."""
 
@@ -308,6 +317,14 @@ class CastPlanner:
         initial: the first plan (default: width min(2, W), depth min(4, D), verify 8), rounded
             up to the buckets.
         learn_costs: correct the table's step model with the measured step times (below).
+        graft_sizes: with Graft: the numbers of verified nodes the successor table may fill
+            (0 among them added). A plan's ``graft`` g replaces the draft's g lowest-ranked
+            verified nodes with retrieved ones: each decision picks the g of these sizes (at
+            most half the verify count) that maximises ``q g`` minus the replaced ranks'
+            calibrated mass, q being the measured acceptance of grafted nodes (decayed counts
+            and a prior, ``GRAFT_PRIOR``), and moves one size towards it. The statistics then
+            end with two more entries (grafted nodes verified, and accepted, over the active
+            requests) that the caller writes after ``cast_step_stats``'s.
 
     Costs that run. The step the rules price is the verification forward at its bucket, the
     draft's root layer and ``depth - 1`` layers of ``width`` rows (each with
@@ -337,6 +354,7 @@ class CastPlanner:
         prior: float = 8.0,
         initial: Plan | None = None,
         learn_costs: bool = True,
+        graft_sizes: Sequence[int] | None = None,
     ):
         if not isinstance(policy, Cast):
             raise ValueError(
@@ -372,14 +390,28 @@ class CastPlanner:
             raise ValueError(f"Invalid value of prior: expected > 0, got {prior!r}")
         self.prior = prior
         self.learn_costs = learn_costs
+        self.graft_sizes = sorted({0, *(int(g) for g in graft_sizes)}) if graft_sizes else []
+        if self.graft_sizes and self.graft_sizes[-1] >= self.N:
+            raise ValueError(
+                f"Invalid value of graft_sizes: expected sizes below the capacity {self.N}, "
+                f"got {list(graft_sizes or [])}"
+            )
         p = initial or Plan(width=min(2, self.W), depth=min(4, self.D), verify=8)
         self.initial = self._rounded(p.width, p.depth, p.verify)
+        if self.graft_sizes:  # start grafting a little: its acceptance is measured from there
+            first = self.graft_sizes[1] if len(self.graft_sizes) > 1 else 0
+            g = initial.graft if initial is not None else first
+            self.initial = replace(self.initial, graft=min(g, self.initial.verify // 2))
         self._batch: dict[int, _BatchState] = {}
         # per batch size and context bucket: (target, draft, unit) and the catch-up costs
         self._costs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]] = {}
         self._catchup: dict[tuple[int, int], np.ndarray] = {}
         self.layout = _layout(self.D, self.W, self.N)
-        self.size = stats_size(self.D, self.W, self.N)
+        # cast_step_stats's entries, then (with Graft) grafted nodes verified and accepted
+        self.base_size = stats_size(self.D, self.W, self.N)
+        self.size = self.base_size + (2 if self.graft_sizes else 0)
+        if self.graft_sizes:
+            self.layout["graft"] = slice(self.base_size, self.size)
 
     # ------------------------------------------------------------------ state
     def _state(self, B: int) -> _BatchState:
@@ -518,6 +550,10 @@ class CastPlanner:
         decay = 0.995
         st.seen = decay * st.seen + x[lay["seen"]]
         st.hits = decay * st.hits + x[lay["hits"]]
+        if self.graft_sizes:
+            added, hits = x[lay["graft"]]
+            st.grafted = GRAFT_DECAY * st.grafted + added
+            st.graft_hits = GRAFT_DECAY * st.graft_hits + hits
         if plan != st.plan:  # a step of an older plan: its curves are another shape's
             return st.plan
         st.layers += x[lay["layers"]].reshape(self.D, self.W)
@@ -537,6 +573,9 @@ class CastPlanner:
             catchup_cost=self.catchup_costs(B, ctx),
         )  # fmt: skip
         st.plan, st.votes = self._toward(plan, raw, st.votes)
+        if self.graft_sizes:
+            curve = st.verify / st.window
+            st.plan = replace(st.plan, graft=self._graft_for(st, curve, st.plan.verify, plan.graft))
         st.plan = self._measured_guard(st, plan, st.plan)
         st.layers[:] = 0.0
         st.verify[:] = 0.0
@@ -561,6 +600,30 @@ class CastPlanner:
         most = 1 + self.K + (depth - 1) * width * self.K  # the most nodes the tree can hold
         verify = min(verify, _round_up(most, self.verify_sizes))
         return Plan(width=width, depth=depth, verify=verify), tuple(dirs)
+
+    def graft_rate(self, B: int) -> float:
+        """The measured acceptance probability of a grafted node at batch size ``B`` (decayed
+        counts and ``GRAFT_PRIOR``)."""
+        st = self._state(B)
+        n0, q0 = GRAFT_PRIOR
+        return (st.graft_hits + n0 * q0) / (st.grafted + n0)
+
+    def _graft_for(self, st: _BatchState, curve: np.ndarray, verify: int, cur: int) -> int:
+        """The graft size one step from ``cur`` towards the best for ``verify`` nodes: g
+        grafted nodes gain ``q g`` tokens and lose the draft's ranks ``verify - g .. verify - 1``
+        (their mass on the window's verify curve, cumulative in rank)."""
+        n0, q0 = GRAFT_PRIOR
+        q = (st.graft_hits + n0 * q0) / (st.grafted + n0)
+        sizes = [g for g in self.graft_sizes if g <= verify // 2]
+        top = curve[verify - 1]
+
+        def value(g: int) -> float:
+            return q * g - (top - curve[verify - g - 1]) if g else 0.0
+
+        want = max(sizes, key=value)
+        cur = max((g for g in sizes if g <= cur), default=0)
+        i = sizes.index(cur)
+        return sizes[i + (want > cur) - (want < cur)]
 
     def _measured_guard(self, st: _BatchState, cur: Plan, proposed: Plan) -> Plan:
         """The rules propose, the measured throughput disposes: a plan run for
@@ -588,7 +651,8 @@ class CastPlanner:
         if best != cur and beats(best, cur):
             # (votes that agree with every direction: the move is not held for a second vote)
             sizes = zip((best.width, best.depth, best.verify), (cur.width, cur.depth, cur.verify))
-            return self._toward(cur, best, tuple((a > b) - (a < b) for a, b in sizes))[0]
+            toward = self._toward(cur, best, tuple((a > b) - (a < b) for a, b in sizes))[0]
+            return replace(toward, graft=min(best.graft, toward.verify // 2))
         if proposed in live and beats(cur, proposed):
             return cur
         return proposed
@@ -605,7 +669,7 @@ class CastPlanner:
         st = self._state(B)
         return {
             "lambda": round(st.lam, 4),
-            "plan": [st.plan.width, st.plan.depth, st.plan.verify],
+            "plan": [st.plan.width, st.plan.depth, st.plan.verify, st.plan.graft],
             "cost_correction_us": [round(float(x), 2) for x in self.correction(B)],
             # per plan run: [timed steps (capped), mean measured - modelled µs; measured η]
             "plans_measured": [
@@ -613,6 +677,7 @@ class CastPlanner:
                     p.width,
                     p.depth,
                     p.verify,
+                    p.graft,
                     int(r[0]),
                     round(r[1], 1),
                     round(st.measured[p][1], 4) if p in st.measured else None,
@@ -620,5 +685,6 @@ class CastPlanner:
                 for p, r in st.residuals.items()
             ],  # fmt: skip
             "rates": [round(g, 4) for g in self.rates(B)],
+            "graft_rate": round(self.graft_rate(B), 4) if self.graft_sizes else None,
             "steps": st.steps,
         }

@@ -65,6 +65,10 @@ __all__ = [
 ]
 
 
+GRAFT_SIZES = (0, 2, 4, 8, 16)
+"""The graft counts λ-CAST with Graft plans between (each a whole-step graph per shape)."""
+
+
 class Decoder:
     """Speculative decoder over a ``Target`` and a ``Draft``.
 
@@ -93,8 +97,10 @@ class Decoder:
             step body eagerly: how the CPU tests check it) and a fixed-shape policy
             (autoregressive, chain, EagleStatic) or λ-CAST (``Cast()`` without thresholds: one
             graph per plan, the plan chosen between steps by a ``treeops.CastPlanner``, which
-            the static path requires); CAST with thresholds decides sizes on the host during
-            the step, so it and ``CastGraft`` raise a ``ValueError`` naming ``step_graphs``. The
+            the static path requires; ``CastGraft(Cast())``: λ-CAST whose plans also set how
+            many of the verified nodes Graft's successor table fills, ``GRAFT_SIZES``); CAST
+            with thresholds decides sizes on the host during the step, so it and ``CastGraft``
+            over it raise a ``ValueError`` naming ``step_graphs``. The
             catch-up runs at the bucket of the longest possible accepted path (depth + 1 nodes)
             instead of the longest accepted one. Host waits: one per step.
         launch_ahead: with ``step_graphs``, enqueue step t + 1 before reading step t's results
@@ -158,13 +164,17 @@ class Decoder:
         self.launch_ahead = bool(launch_ahead)
         tp = self.tree_policy
         adaptive = isinstance(tp, Cast) and tp.adaptive
+        opts = dict(planner_options or {})
+        if adaptive and self.graft is not None:  # λ-CAST plans how many nodes Graft fills
+            opts.setdefault("graft_sizes", [g for g in GRAFT_SIZES if g < tp.capacity])
         self.planner = CastPlanner(tp, verify_buckets=token_buckets(tp.capacity),
                                    width_buckets=token_buckets(tp.max_width),
-                                   **(planner_options or {})) if adaptive else None  # fmt: skip
-        if adaptive and self.graft is not None:
+                                   **opts) if adaptive else None  # fmt: skip
+        if adaptive and self.graft is not None and not self.step_graphs:
             raise ValueError(
-                "Invalid value of policy: CastGraft needs a Cast with thresholds C1-C3 (the "
-                "λ-CAST planner does not prune and graft)"
+                "Invalid value of step_graphs: CastGraft over λ-CAST (Cast without thresholds) "
+                "runs as whole steps only; pass step_graphs=True with cuda_graphs (or "
+                "static_shapes)"
             )
         if self.step_graphs and tp is not None and tp.is_cast and not adaptive:
             raise ValueError(

@@ -87,15 +87,17 @@ def _capture(graph: torch.cuda.CUDAGraph, pool):
 
 class PlanBuffers:
     """The buffers of one tree shape (``policy``: its frontier rows w, top-k K, depth D, capacity
-    n) over a static batch: the ``DraftState``, the candidate -> working-tree-node table, the
-    draft forwards' per-layer [B] metadata and the verification tree ``vin`` (capacity n).
+    n; ``graft``: of the n verified nodes, how many Graft's successor table fills) over a static
+    batch: the ``DraftState``, the candidate -> working-tree-node table, the draft forwards'
+    per-layer [B] metadata and the verification tree ``vin`` (capacity n).
 
     The working tree keeps the decoder's frontier spacing W (the frontier of layer l >= 1 at
     nodes ``1 + (l-1) W ..``) whatever w is; rows past w are never valid."""
 
-    def __init__(self, sb: _StaticBatch, policy, vin: Tree | None = None):
+    def __init__(self, sb: _StaticBatch, policy, vin: Tree | None = None, graft: int = 0):
         dev, B, W = sb.seq_lens.device, sb.B, sb.W
         self.policy = policy
+        self.graft = graft
         w, K, D = policy.max_width, policy.topk, policy.max_depth
         self.w, self.depth, self.capacity = w, D, policy.capacity
         # cand_node[c]: the working-tree node of candidate c's frontier row (candidate c of
@@ -123,6 +125,9 @@ class PlanBuffers:
             vin = Tree.empty(B, policy.capacity, dev)
             vin.anc[:, 0, 0] = 1
         self.vin = vin
+        # with grafting: the draft tree is emitted here, its best n - graft nodes kept and the
+        # successor table's nodes merged in, into ``vin``
+        self.emit = Tree.empty(B, policy.capacity, dev) if graft else None
 
     def logits(self, sb: _StaticBatch) -> torch.Tensor:
         """The draft logits the expand reads: the first w rows of ``sb.d_logits``."""
@@ -186,16 +191,17 @@ class _StaticBatch:
         self.plans: dict[tuple, PlanBuffers] = {}
         self.default = self.plan_buffers(pol)
 
-    def plan_buffers(self, policy) -> PlanBuffers:
-        """The draft buffers of ``policy``'s tree shape (allocated on first use, outside any
-        capture); the decoder's own policy verifies into ``vin``."""
+    def plan_buffers(self, policy, graft: int = 0) -> PlanBuffers:
+        """The draft buffers of ``policy``'s tree shape with ``graft`` grafted nodes (allocated
+        on first use, outside any capture); the decoder's own policy verifies into ``vin``."""
         # the kind too: a plan's EagleStatic of the λ-CAST policy's own maxima has its shape,
         # and must draft as a fixed tree, not with thresholds the policy does not have
-        key = (type(policy), policy.max_width, policy.topk, policy.max_depth, policy.capacity)
+        key = (type(policy), policy.max_width, policy.topk, policy.max_depth, policy.capacity,
+               graft)  # fmt: skip
         pb = self.plans.get(key)
         if pb is None:
             own = policy is self.dec.tree_policy
-            pb = self.plans[key] = PlanBuffers(self, policy, self.vin if own else None)
+            pb = self.plans[key] = PlanBuffers(self, policy, self.vin if own else None, graft)
         return pb
 
     def read_pack(self, host_pack: torch.Tensor) -> list:
@@ -505,9 +511,8 @@ class WholeStep:
             plan = planner.plan(B)
             ent = self.plans.get(plan)
             if ent is None:
-                ent = self.plans[plan] = (
-                    sb.plan_buffers(planner.policy_for(plan)), (*key, plan)
-                )  # fmt: skip
+                pb = sb.plan_buffers(planner.policy_for(plan), graft=plan.graft)
+                ent = self.plans[plan] = (pb, (*key, plan))
             pb, key = ent
             version = planner.rates_version(B)
             if version != self.rates_version:  # a new calibration after a decision
@@ -559,7 +564,8 @@ class WholeStep:
                 planner.observe(self.sb.B, launched.host_stats.numpy(), launched.plan,
                                 sum(acc) / len(acc), step_s, self.ctx)  # fmt: skip
             p = launched.plan
-            res.plans.append([p.width, p.depth, p.verify, round(planner.lam(self.sb.B), 4)])
+            lam = round(planner.lam(self.sb.B), 4)
+            res.plans.append([p.width, p.depth, p.verify, lam, p.graft])
         return rows
 
     def __call__(self) -> tuple[list, int]:

@@ -133,6 +133,7 @@ def make_policy(
     checkpoints: PruneCheckpoints | None = None,
     template: RankTemplate | None = None,
     adjacency_k: int = 8,
+    lambda_graft: bool = False,
 ) -> Policy:
     """The policy ``name`` (one of ``POLICIES``) from EAGLE-style sizes; arguments that do not
     apply to it are ignored.
@@ -145,8 +146,9 @@ def make_policy(
     (the decoder plans its sizes between steps); once one threshold is given the others default
     to CAST's (C1, C2, C3 = 0.3, 0.2, 0.1), as they always do for ``CastGraft``, which adds
     ``checkpoints`` (default ``PruneCheckpoints()``), ``template``
-    (default ``RankTemplate.default()``) and ``adjacency_k``. A name outside ``POLICIES`` is a
-    ``ValueError``."""
+    (default ``RankTemplate.default()``) and ``adjacency_k``; with ``lambda_graft`` (and no
+    threshold given) ``CastGraft`` grafts onto λ-CAST instead, its plans choosing how many
+    verified nodes the table fills. A name outside ``POLICIES`` is a ``ValueError``."""
     if name not in POLICIES:
         raise ValueError(f"Invalid policy: expected one of {POLICIES}, got {name!r}")
     if name == "autoregressive":
@@ -159,7 +161,7 @@ def make_policy(
     capacity = cast_budget or budget
     table = cost_table or synthetic_cost_table(max(64, capacity, topk))
     given = (C1, C2, C3)
-    if name == "CastGraft" or any(c is not None for c in given):
+    if (name == "CastGraft" and not lambda_graft) or any(c is not None for c in given):
         # thresholds: the ones given, the others CAST's defaults (Graft prunes a thresholded
         # CAST tree, not λ-CAST)
         C1, C2, C3 = (d if c is None else c for c, d in zip(given, (0.3, 0.2, 0.1)))

@@ -56,7 +56,7 @@ class DecodeResult:
     # time_draft / time_tree / time_verify (those then hold only the host's bookkeeping)
     time_step: float = 0.0
     step_graphs: bool = False
-    # λ-CAST: per step, the plan that ran and λ̂ after it: [width, depth, verify, lambda]
+    # λ-CAST: per step, the plan that ran and λ̂ after it: [width, depth, verify, lambda, graft]
     plans: list[list[float]] = field(default_factory=list)
 
     @property

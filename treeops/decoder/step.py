@@ -321,7 +321,8 @@ class EagerStep(StepBody):
                 planner.observe(self.B, self.stats.tolist(), self.plan, sum(acc) / len(acc),
                                 step_s, self.ctx)  # fmt: skip
             p = self.plan
-            self.res.plans.append([p.width, p.depth, p.verify, round(planner.lam(self.B), 4)])
+            lam = round(planner.lam(self.B), 4)
+            self.res.plans.append([p.width, p.depth, p.verify, lam, p.graft])
         return rows
 
     def catch_up(self, v, rows, n):
@@ -541,7 +542,10 @@ class StaticStep(StepBody):
         torch.addcmul(pb.meta_base, pb.meta_coef, act, out=pb.layer_meta)
         sb.d_meta.copy_(pb.layer_meta[0])
         sb.d_feat[:, 0] = self.carry.root_feat
-        keep = gp.checkpoints.start(B, dec._dev) if gp is not None else None
+        # thresholded CAST prunes at Graft's checkpoints; λ-CAST's plan sets its graft count
+        keep = None
+        if gp is not None and dec.planner is None:
+            keep = gp.checkpoints.start(B, dec._dev)
         if gp is not None:
             sb.grafted.zero_()
         R = 1
@@ -596,6 +600,11 @@ class StaticStep(StepBody):
             pruned = prune(tree, keep)
             graft(pruned, dec.table, gp.template, budget=verify, out=self.vin)
             sb.grafted.copy_(self.vin.num_nodes - pruned.num_nodes)
+        elif pb.graft:  # λ-CAST with Graft: the plan's n - g best draft nodes, g retrieved
+            tree = build_tree_emit(st, pol, out=pb.emit)
+            pruned = prune(tree, N - pb.graft)
+            graft(pruned, dec.table, gp.template, budget=N, out=self.vin)
+            sb.grafted.copy_(self.vin.num_nodes - pruned.num_nodes)
         else:
             build_tree_emit(st, pol, out=self.vin)
         res.time_tree += clock() - t0
@@ -646,9 +655,16 @@ class WholeStepBody(StaticStep):
         if planner is not None and self.pb is not None:
             cast_step_stats(
                 self.pb.state.cand_scores, tree, v.acc.accepted, v.acc.accept_len,
-                self.carry.active, sb.rates, sb.stats, max_depth=planner.D, max_width=planner.W,
-                capacity=planner.N,
+                self.carry.active, sb.rates, sb.stats[: planner.base_size],
+                max_depth=planner.D, max_width=planner.W, capacity=planner.N,
             )  # fmt: skip
+            if planner.graft_sizes:  # grafted nodes (the tree's last) verified and accepted
+                act = self.carry.active
+                first = (tree.num_nodes - sb.grafted)[:, None]
+                k = torch.arange(v.acc.accepted.shape[1], device=act.device)
+                hit = (v.acc.accepted >= first) & (k < v.acc.accept_len[:, None]) & act[:, None]
+                added = torch.where(act, sb.grafted, 0).sum()
+                torch.stack([added.float(), hit.sum().float()], out=sb.stats[planner.base_size :])
         return v
 
     def send(self, pack):
