@@ -1,29 +1,33 @@
-"""Acceptance kernels (docs/design.md op 7): greedy and lossless sampling in one launch.
+"""Acceptance kernels (docs/design.md op 7): greedy and lossless sampling.
 
-One program per (request b, node i, vocabulary split s) reads node i's logits once and writes
-partial statistics to a small workspace: running max and its lowest id (the argmax), the sum of
-``exp((x - max) / T)``, optionally the k largest (value, id) pairs, and for sampling rows with
-top-k/top-p the exact threshold of the kept set. Each program then bumps a per-request counter
-(release/acquire); the last of the request's ``N * S`` programs merges the partials of all nodes
-(vectorised over nodes) and walks the tree in registers -- at most N steps, each a few O(N)
-vector operations -- then writes the outputs and resets the counter to 0, so the launch can be
-replayed in a CUDA graph without a memset. ``phase=1/2`` splits the same code into two launches
-(node statistics, then one walker program per request) as a fallback.
+Greedy, one launch: one program per (request b, node i, vocabulary split s) reads its slice of
+node i's logits once and writes partial statistics to a small workspace: running max and its
+lowest id (the argmax), with logprobs the sum of ``exp(x - max)``, optionally the k largest
+(value, id) pairs. Each program then bumps a per-request counter (release/acquire); the last of
+the request's ``N * S`` programs merges the partials of all nodes (vectorised over nodes) and
+walks the tree in registers -- at most N steps, each a few O(N) vector operations -- then writes
+the outputs and resets the counter to 0, so the launch can be replayed in a CUDA graph without a
+memset. ``phase=1`` splits the same code into two launches (node statistics, then one walker
+program per request) as a fallback.
 
-Kept set of a sampling node (top-k, then top-p): the first C tokens in the order (logit
-descending, id ascending), i.e. ``key(x_t) > thr or (key(x_t) == thr and t <= idcut)`` with
-``key`` an order-preserving int32 image of the fp32 logit. Fast path (two passes over the row):
-pass 1 also stores the maxima of groups of tokens; the k-th largest group maximum (top-k), or
-the smallest group maximum whose running mass of group maxima reaches top_p (top-p only), is a
-lower bound L of the threshold; pass 2 compacts every token >= L into CAP slots, which are
-sorted in registers by (key, id) to read off C, thr, idcut, Z and the per-block masses. When k
-exceeds the number of groups or more than CAP tokens reach L (a wide nucleus), an exact
-multi-pivot search over the 2^32 keys runs instead (NPIV pivots per pass, 8 passes for
-NPIV = 16, plus tie and mass passes). Rows without top-k/top-p read the logits once.
+Sampling, two launches (three when the walk is not fused, see ``_Plan.fuse_walk``, or with
+``phase=1``). Pass 1, the same split grid as greedy, reads every logit once: per split the max,
+argmax and sum of ``exp((x - max) / T)``, each vocabulary block's mass (relative to the split's
+running max) and, for top-k/top-p rows, the maxima of groups of GROUP tokens. Pass 2, one program
+per node (``accept_thresh``): merges the partials into the node's max and normaliser; a
+top-k/top-p row takes a lower bound L of its threshold from the group maxima (the k-th largest
+group maximum, or for top-p alone the group maximum where the sorted group maxima's mass reaches
+top_p), rereads only the groups whose maximum reaches L (about k groups: a few KB), sorts the
+tokens >= L (at most CAP) by (logit descending, id ascending) and reads the kept set off them:
+the first C tokens, i.e. ``key(x_t) > thr or (key(x_t) == thr and t <= idcut)`` with ``key`` an
+order-preserving int32 image of the fp32 logit, its mass and its mass per vocabulary block. When
+k exceeds the number of groups or more than CAP tokens reach L (a wide nucleus), an exact
+multi-pivot search over the 2^32 keys runs instead (NPIV pivots per pass, 8 passes for NPIV = 16,
+plus tie and mass passes, by the node's program alone: slow, exact). Then the request's last node
+program (or a walker launch) walks.
 
-The walker finds the bonus token of a sampling node from the per-block kept masses that the
-node's program stored, then scans that block (and the next ones only if rounding says so), so
-no request rescans a whole row.
+The walker finds the bonus token of a sampling node from the per-block kept masses, then scans
+that block (and the next ones only if rounding says so), so no request rescans a whole row.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from treeops.tree import Tree
 
 from ._launch import direct
 from .accept_stats import _node_stats
+from .accept_thresh import _finish_node
 from .accept_walk import _walk
 
 
@@ -73,8 +78,10 @@ def _accept_kernel(
     p_wcut,  # workspace [B*N]: kept-set id cut at the threshold
     p_wcs,  # workspace [B*N, NCH]: kept mass per vocabulary block
     p_wcm,  # workspace [B*N, NCH]: the max that mass is relative to
-    p_wgm,  # workspace [B*N, G_PAD]: group maxima (fast threshold)
+    p_wgm,  # workspace [B*N, G_PAD]: group maxima (lower bound of the threshold)
     p_wcand,  # workspace [B*N, CAP] i64: candidate (key, id) slots
+    p_wz,  # workspace [B*N]: sampling: the kept set's mass (relative to the node's max)
+    p_wsel,  # workspace [B*N, G_PAD] i32: sampling: ids of the groups reaching the bound
     p_count,  # [B] arrival counters (PHASE 0), 0 between launches
     p_acc,  # out [B, N] accepted path
     p_len,  # out [B] accept length
@@ -101,27 +108,41 @@ def _accept_kernel(
     STOP_PAD: tl.constexpr,
     HAS_BUDGET: tl.constexpr,
     HAS_LP: tl.constexpr,
-    PHASE: tl.constexpr,  # 0: stats + last arriver walks; 1: stats only; 2: walk only
+    PHASE: tl.constexpr,  # see the docstring
     FENCE: tl.constexpr,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     CAP: tl.constexpr,
     SUB: tl.constexpr,
 ):
+    """PHASE 0: pass 1, the request's last program walks (grid B*N*S; greedy). 1: pass 1 only
+    (grid B*N*S). 2: the walk only (grid B). Sampling: 4: pass 2, each node's kept set, the
+    request's last program walks (grid B*N); 5: pass 2 only (grid B*N)."""
     pid = tl.program_id(0).to(tl.int64)
-    if PHASE != 2:
+    if PHASE <= 1:
         _node_stats(
             pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp, p_wmax,
-            p_warg, p_wse, p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm, p_wgm, p_wcand, N, V,
-            CHUNK, S, BLOCK_V, BLOCK_T, NPIV, NCH, NCH_PAD, K, K_PAD, SAMPLE, NEED_SE, GROUP,
-            G_PAD, CAP, SUB
+            p_warg, p_wse, p_wtkv, p_wtki, p_wcs, p_wcm, p_wgm, N, V, CHUNK, S, BLOCK_V,
+            NCH, K, K_PAD, SAMPLE, NEED_SE, GROUP, G_PAD
         )  # fmt: skip
-    # PHASE 0: the request's last program to arrive walks; PHASE 2: one walker per request
+    if PHASE >= 4:
+        _finish_node(
+            pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp, p_wmax,
+            p_wse, p_wthr, p_wcut, p_wz, p_wcs, p_wcm, p_wgm, p_wcand, p_wsel, N, V, NCH, S,
+            S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, CAP, SUB
+        )  # fmt: skip
+    # PHASE 0 and 4: the request's last program to arrive walks; PHASE 2: one walker per request
+    last = False
     if PHASE == 2:
         i_b = pid
         last = True
-    if PHASE == 0:
-        i_b = pid // (S * N)
+    if (PHASE == 0) or (PHASE == 4):
+        if PHASE == 0:
+            i_b = pid // (S * N)
+            arrivals = N * S
+        else:
+            i_b = pid // N
+            arrivals = N
         if FENCE:
             # every thread's workspace stores are ordered before the release below
             tl.inline_asm_elementwise(
@@ -129,17 +150,17 @@ def _accept_kernel(
             )
         tl.debug_barrier()
         count = tl.atomic_add(p_count + i_b, 1, sem="acq_rel", scope="gpu")
-        last = count == N * S - 1
-    if PHASE != 1:
+        last = count == arrivals - 1
+    if (PHASE == 0) or (PHASE == 2) or (PHASE == 4):
         if last:
             _walk(
                 i_b, p_logits, s_lb, s_ln, s_lv, p_tokens, s_tb, p_parents, s_pb, p_num_nodes,
                 p_temp, p_uni, s_ub, p_stop, s_sb, n_stop, p_budget, p_wmax, p_warg, p_wse,
-                p_wtkv, p_wtki, p_wthr, p_wcut, p_wcs, p_wcm, p_acc, p_len, p_bonus, p_lp, p_topk,
-                N, V, NCH, N_PAD, S, S_PAD, BLOCK_V, NCH_PAD, K, K_PAD, SAMPLE, HAS_STOP,
+                p_wtkv, p_wtki, p_wthr, p_wcut, p_wz, p_wcs, p_wcm, p_acc, p_len, p_bonus, p_lp,
+                p_topk, N, V, NCH, N_PAD, S, S_PAD, BLOCK_V, NCH_PAD, K, K_PAD, SAMPLE, HAS_STOP,
                 STOP_PAD, HAS_BUDGET, HAS_LP
             )  # fmt: skip
-            if PHASE == 0:
+            if PHASE != 2:
                 tl.store(p_count + i_b, 0)
 
 
@@ -166,8 +187,9 @@ def _counters(device: torch.device, B: int) -> torch.Tensor:
 
 
 def default_splits(B: int, N: int, V: int, device: torch.device, block_v: int) -> int:
-    """Vocabulary splits per node for greedy: enough programs to fill the GPU twice over, each
-    split at least two blocks long. Depends on capacities and the SM count only."""
+    """Vocabulary splits per node in pass 1 (greedy and sampling): enough programs to fill the
+    GPU twice over, each split at least two blocks long. Depends on capacities and the SM count
+    only."""
     if device.type != "cuda":
         return 1
     sms = _runtime.sm_count(device)
@@ -212,10 +234,12 @@ class _Plan(NamedTuple):
     S: int
     chunk: int
     NCH: int
-    n_f: list[int]  # float32 workspace parts: max, sum-exp, top-K values, block mass, its max,
-    n_i: list[int]  # group maxima; int32 parts: argmax, top-K ids, threshold, id cut
+    n_f: list[int]  # float32 parts: max, sum-exp, top-K values, block mass, its max, group
+    n_i: list[int]  # maxima, kept mass; int32: argmax, top-K ids, threshold, id cut, group ids
     n_cand: int  # int64 candidate slots
     common: dict
+    common2: dict  # sampling's pass 2 (PHASE 4/5)
+    fuse_walk: bool  # sampling, phase 0: the walk runs in pass 2's last node program
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -225,11 +249,10 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
           block_v, num_pivots, cap, max_groups) -> _Plan:  # fmt: skip
     if block_v is None:
         block_v = min(4096 if not sample else 2048, pow2(V))
-    block_t = max(16, min(block_v, 512))
-    if sample:
-        S = 1
-    else:
-        S = num_splits if num_splits is not None else default_splits(B, N, V, dev, block_v)
+    # the exact search's [BLOCK_T, NPIV] tile: small for sampling, whose pass 2 programs are
+    # one per node and must stay light in registers
+    block_t = max(16, min(block_v, 128 if sample else 512))
+    S = num_splits if num_splits is not None else default_splits(B, N, V, dev, block_v)
     per_split = -(-V // S)
     chunk = -(-per_split // block_v) * block_v
     K_PAD = pow2(max(K, 1))
@@ -252,8 +275,10 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         B * N * NCH if sample else 1,
         B * N * NCH if sample else 1,
         B * N * G_PAD if sample else 1,
+        B * N if sample else 1,
     ]
-    n_i = [BNS, BNS * K_PAD if K else 1, B * N if sample else 1, B * N if sample else 1]
+    n_i = [BNS, BNS * K_PAD if K else 1] + [B * N if sample else 1] * 2
+    n_i.append(B * N * G_PAD if sample else 1)
     num_warps = 8 if (block_v >= 4096 or sample) and not interpreted() else 4
     common = dict(
         N_PAD=pow2(N),
@@ -275,10 +300,15 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         GROUP=group,
         G_PAD=G_PAD,
         CAP=CAP,
-        SUB=min(128, CAP),
+        SUB=min(32, CAP),
         num_warps=num_warps,
     )
-    return _Plan(S, chunk, NCH, n_f, n_i, B * N * CAP if sample else 1, common)
+    # pass 2 of sampling: one program per node, a few KB of the row each; 4 warps. The walk
+    # fused into it (the last node program of a request walks) doubles its registers: only
+    # when every node program is resident at once anyway (2 per SM), else a walker launch
+    common2 = dict(common, num_warps=4 if not interpreted() else num_warps)
+    fuse = dev.type != "cuda" or B * N <= 2 * _runtime.sm_count(dev)
+    return _Plan(S, chunk, NCH, n_f, n_i, B * N * CAP if sample else 1, common, common2, fuse)
 
 
 def accept_launch(
@@ -302,12 +332,13 @@ def accept_launch(
     cap: int | None = None,
     max_groups: int | None = None,
 ) -> Acceptance:
-    """Launch the acceptance kernel (greedy when ``uniforms`` is None). Inputs are assumed
+    """Launch the acceptance kernels (greedy when ``uniforms`` is None). Inputs are assumed
     validated by ``treeops.accept``.
 
-    ``phase``: 0 (default) runs one fused launch, whose last program per request walks the tree
-    after an arrival counter; 1 runs two launches (node statistics, then one walker program per
-    request), a fallback that needs no inter-program ordering. ``num_splits``/``block_v`` override
+    ``phase``: 0 (default) lets the last program per request walk the tree after an arrival
+    counter (greedy: one launch; sampling: two, or three for large B*N, see the module
+    docstring); 1 launches the walk separately (one program per request), a fallback that needs
+    no inter-program ordering. ``num_splits``/``block_v`` override
     the defaults (tests use small ones to exercise the split and block loops). ``workspace``:
     ``(float32, int32, counters)`` buffers to use instead of the per-device cached scratch and
     counters (``_scratch``, ``_counters``), for launches on concurrent streams.
@@ -355,7 +386,7 @@ def accept_launch(
         ws_f, ws_i, count = workspace
         w_cand = torch.empty(plan.n_cand, dtype=torch.int64, device=dev)
         views = _split_views(plan, (ws_f, ws_i, w_cand))
-    w_max, w_se, w_tkv, w_cs, w_cm, w_gm, w_arg, w_tki, w_thr, w_cut, w_cand = views
+    w_max, w_se, w_tkv, w_cs, w_cm, w_gm, w_z, w_arg, w_tki, w_thr, w_cut, w_sel, w_cand = views
     dummy_f = w_se
     s_sb = (stop_ids.stride(0) if stop_ids.dim() == 2 else 0) if has_stop else 0
     tk, tp = tree.tokens, tree.parents
@@ -387,6 +418,8 @@ def accept_launch(
         w_cm,
         w_gm,
         w_cand,
+        w_z,
+        w_sel,
         count,
         out.accepted,
         out.accept_len,
@@ -401,11 +434,22 @@ def accept_launch(
     ]
     assert tk.stride(1) == 1 and tp.stride(1) == 1, "tree fields are contiguous along N"
     S = plan.S
-    if phase == 0:
-        direct(_accept_kernel).launch((B * N * S,), *args, PHASE=0, **plan.common)
+    kern = direct(_accept_kernel)
+    if not sample:
+        if phase == 0:
+            kern.launch((B * N * S,), *args, PHASE=0, **plan.common)
+        else:
+            kern.launch((B * N * S,), *args, PHASE=1, **plan.common)
+            kern.launch((B,), *args, PHASE=2, **plan.common)
+        return out
+    # sampling: pass 1 (statistics over vocabulary splits), pass 2 (each node's kept set; with
+    # phase 0 the request's last node program walks, else a walker launch follows)
+    kern.launch((B * N * S,), *args, PHASE=1, **plan.common)
+    if phase == 0 and plan.fuse_walk:
+        kern.launch((B * N,), *args, PHASE=4, **plan.common2)
     else:
-        direct(_accept_kernel).launch((B * N * S,), *args, PHASE=1, **plan.common)
-        direct(_accept_kernel).launch((B,), *args, PHASE=2, **plan.common)
+        kern.launch((B * N,), *args, PHASE=5, **plan.common2)
+        kern.launch((B,), *args, PHASE=2, **plan.common)
     return out
 
 

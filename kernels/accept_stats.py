@@ -1,10 +1,10 @@
-"""Acceptance, per-node statistics (the first half of ``treeops.kernels.accept``'s launch).
+"""Acceptance, per-node statistics (pass 1 of ``treeops.kernels.accept``'s launches) and the
+kept-set helpers of pass 2 (``accept_thresh``).
 
-One program per (request, node, vocabulary split) streams its slice of the node's logits: the
-running max and its lowest id, the sum of ``exp((x - max) / T)``, optionally the k largest
-(value, id) pairs and, for sampling rows with top-k/top-p, the exact threshold of the kept set
-(``_fast_threshold``, or the multi-pivot search of ``_count_search``/``_tie_cut``). Results go to
-the launch's workspace, which the walker (``accept_walk``) merges.
+One program per (request, node, vocabulary split) streams its slice of the node's logits once:
+the running max and its lowest id, the sum of ``exp((x - max) / T)``, optionally the k largest
+(value, id) pairs and, for sampling, per-block masses and (top-k/top-p rows) group maxima.
+Results go to the launch's workspace, which pass 2 and the walker (``accept_walk``) merge.
 """
 
 from __future__ import annotations
@@ -151,9 +151,8 @@ def _unkey(k):
 
 
 @triton.jit
-def _fast_threshold(
-    p_row,
-    stride_v,
+def _lower_bound(
+    p_gm,
     V,
     m,
     T,
@@ -161,27 +160,16 @@ def _fast_threshold(
     k,
     top_p,
     use_k,
-    use_p,
-    p_gm,
-    p_cand,
-    p_cs,
-    p_cm,
-    NCH,
-    BLOCK_V: tl.constexpr,
-    NCH_PAD: tl.constexpr,
-    GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
-    CAP: tl.constexpr,
-    SUB: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
-    """Kept set of a top-k/top-p row in two passes when it is small: a lower bound L on the
-    threshold from the group maxima, every token >= L compacted into CAP slots, sorted in
-    registers by (logit desc, id asc). Returns (thr, idcut, Z, ok); ok = 0 if L was not found
-    or more than CAP tokens reach it (then the caller runs the exact search)."""
-    tl.debug_barrier()  # group maxima were stored by other threads of this program
+    """Lower bound L of a top-k/top-p row's threshold from its group maxima ``p_gm`` [G_PAD]
+    (the max of each GROUP tokens; -inf past the row): the k-th largest group maximum (top-k), or
+    the smallest group maximum at which the running mass of the sorted group maxima reaches
+    top_p * z_all (top-p only). Returns (L, ok); ok = 0 when no such bound exists."""
     o_g = tl.arange(0, G_PAD)
     n_g = (V + GROUP - 1) // GROUP
-    gm = tl.load(p_gm + o_g, mask=o_g < n_g, other=float("-inf"))
+    gm = tl.load(p_gm + o_g, mask=o_g < n_g, other=float("-inf"), volatile=True)
     gs = tl.sort(gm, descending=True)
     L = tl.full([], float("-inf"), tl.float32)
     ok = n_g > 0
@@ -196,65 +184,109 @@ def _fast_threshold(
         pos = tl.min(tl.where((cw >= top_p * z_all) & (o_g < n_g), o_g, G_PAD), axis=0)
         ok = pos < G_PAD
         L = tl.sum(tl.where(o_g == pos, gs, 0.0), axis=0)
-    ok = ok & (L > float("-inf"))
+    return L, ok & (L > float("-inf"))
+
+
+@triton.jit
+def _gather_candidates(p_row, stride_v, V, L, p_gm, p_sel, p_cand, GROUP: tl.constexpr,
+                       G_PAD: tl.constexpr, CAP: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+    """Store every token of the row with logit >= L into ``p_cand`` [CAP] as (key << 32 |
+    (2^31 - 1 - id)) int64 (the first CAP of them, in no particular order) and return how many
+    there are (possibly > CAP). Reads only the groups whose maximum (``p_gm`` [G_PAD]) reaches
+    L, 512 // GROUP of them (at least one) at a time; their ids go through ``p_sel`` [G_PAD]
+    int32. BLOCK_V is unused: the tile is kept small for the registers of a program per node."""
+    o_g = tl.arange(0, G_PAD)
+    n_g = (V + GROUP - 1) // GROUP
+    gm = tl.load(p_gm + o_g, mask=o_g < n_g, other=float("-inf"), volatile=True)
+    sel_g = (o_g < n_g) & (gm >= L)
+    pos = tl.cumsum(sel_g.to(tl.int32), 0) - 1
+    n_sel = tl.sum(sel_g.to(tl.int32), axis=0)
+    tl.store(p_sel + pos, o_g, mask=sel_g)
+    tl.debug_barrier()  # the group ids are read back by other threads of this program
+    R: tl.constexpr = 512 // GROUP if GROUP < 512 else 1
+    o_t = tl.arange(0, GROUP)
     count = tl.zeros([], dtype=tl.int32)
-    if ok:
-        for v0 in range(0, V, BLOCK_V):
-            o_v = v0 + tl.arange(0, BLOCK_V)
-            m_v = o_v < V
-            b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
-                tl.float32
-            )
-            sel = m_v & (b_x >= L)
-            slot = count + tl.cumsum(sel.to(tl.int32), 0) - 1
-            packed = (_key(b_x).to(tl.int64) << 32) | (2147483647 - o_v.to(tl.int64))
-            tl.store(p_cand + slot, packed, mask=sel & (slot < CAP))
-            count += tl.sum(sel.to(tl.int32), axis=0)
-        ok = count <= CAP
-    thr = tl.full([], INT32_MIN, tl.int32)
-    cut = tl.zeros([], dtype=tl.int32) + V
-    z = z_all
-    if ok:
-        tl.debug_barrier()
-        o_c = tl.arange(0, CAP)
-        cand = tl.load(p_cand + o_c, mask=o_c < count, other=-9223372036854775807 - 1)
-        srt = tl.sort(cand, descending=True)
-        k_s = (srt >> 32).to(tl.int32)
-        id_s = (2147483647 - (srt & 0xFFFFFFFF)).to(tl.int32)
-        x_s = _unkey(k_s)
-        valid = o_c < count
-        w_s = tl.where(valid, _weight(x_s, m, T), 0.0)
-        C = count
-        z_k = z_all
-        if use_k:
-            C = tl.minimum(C, k)
-            z_k = tl.sum(tl.where(o_c < k, w_s, 0.0), axis=0)
-        if use_p:
-            cum = tl.cumsum(w_s, 0)
-            c_p = tl.min(tl.where(valid & (cum >= top_p * z_k), o_c, CAP), axis=0) + 1
-            C = tl.minimum(C, c_p)
-        thr = tl.sum(tl.where(o_c == C - 1, k_s, 0), axis=0)
-        cut = tl.sum(tl.where(o_c == C - 1, id_s, 0), axis=0)
-        w_s = tl.where(o_c < C, w_s, 0.0)
-        z = tl.sum(w_s, axis=0)
-        # per-block kept mass for the walker, from the kept tokens (SUB of them at a time)
-        tl.store(p_cand + o_c, srt)
-        tl.debug_barrier()
-        o_b = tl.arange(0, NCH_PAD)
-        acc = tl.zeros([NCH_PAD], dtype=tl.float32)
-        for c0 in range(0, C, SUB):
-            o_s = c0 + tl.arange(0, SUB)
-            m_s = o_s < C
-            p_s = tl.load(p_cand + o_s, mask=m_s, other=0)
-            i_s = (2147483647 - (p_s & 0xFFFFFFFF)).to(tl.int32)
-            w = tl.where(m_s, _weight(_unkey((p_s >> 32).to(tl.int32)), m, T), 0.0)
-            blk = i_s // BLOCK_V
-            acc += tl.sum(
-                tl.where(m_s[:, None] & (blk[:, None] == o_b[None, :]), w[:, None], 0.0), axis=0
-            )
-        tl.store(p_cs + o_b, acc, mask=o_b < NCH)
-        tl.store(p_cm + o_b, m + tl.zeros([NCH_PAD], dtype=tl.float32), mask=o_b < NCH)
-    return thr, cut, z, ok
+    for r0 in range(0, n_sel, R):
+        o_r = r0 + tl.arange(0, R)
+        m_r = o_r < n_sel
+        gid = tl.load(p_sel + o_r, mask=m_r, other=0, volatile=True)
+        tid = gid[:, None] * GROUP + o_t[None, :]  # [R, GROUP] token ids
+        m_t = m_r[:, None] & (tid < V)
+        x = tl.load(p_row + tid.to(tl.int64) * stride_v, mask=m_t, other=float("-inf")).to(
+            tl.float32
+        )
+        sel = tl.reshape(m_t & (x >= L), [R * GROUP])
+        x1 = tl.reshape(x, [R * GROUP])
+        t1 = tl.reshape(tid, [R * GROUP])
+        slot = count + tl.cumsum(sel.to(tl.int32), 0) - 1
+        packed = (_key(x1).to(tl.int64) << 32) | (2147483647 - t1.to(tl.int64))
+        tl.store(p_cand + slot, packed, mask=sel & (slot < CAP))
+        count += tl.sum(sel.to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
+def _kept_set(
+    p_cand,
+    count,
+    m,
+    T,
+    z_all,
+    k,
+    top_p,
+    use_k,
+    use_p,
+    p_cs,
+    p_cm,
+    NCH,
+    BLOCK_V: tl.constexpr,
+    NCH_PAD: tl.constexpr,
+    CAP: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """Kept set of a top-k/top-p row from its ``count`` (<= CAP) candidates (every token above
+    a lower bound of the threshold, in any order), sorted in registers by (logit desc, id asc).
+    Returns (thr, idcut, Z) and stores the kept mass of each vocabulary block (relative to m)."""
+    o_c = tl.arange(0, CAP)
+    cand = tl.load(p_cand + o_c, mask=o_c < count, other=-9223372036854775807 - 1, volatile=True)
+    srt = tl.sort(cand, descending=True)
+    k_s = (srt >> 32).to(tl.int32)
+    id_s = (2147483647 - (srt & 0xFFFFFFFF)).to(tl.int32)
+    x_s = _unkey(k_s)
+    valid = o_c < count
+    w_s = tl.where(valid, _weight(x_s, m, T), 0.0)
+    C = count
+    z_k = z_all
+    if use_k:
+        C = tl.minimum(C, k)
+        z_k = tl.sum(tl.where(o_c < k, w_s, 0.0), axis=0)
+    if use_p:
+        cum = tl.cumsum(w_s, 0)
+        c_p = tl.min(tl.where(valid & (cum >= top_p * z_k), o_c, CAP), axis=0) + 1
+        C = tl.minimum(C, c_p)
+    thr = tl.sum(tl.where(o_c == C - 1, k_s, 0), axis=0)
+    cut = tl.sum(tl.where(o_c == C - 1, id_s, 0), axis=0)
+    w_s = tl.where(o_c < C, w_s, 0.0)
+    z = tl.sum(w_s, axis=0)
+    # per-block kept mass for the walker, from the kept tokens (SUB of them at a time)
+    tl.debug_barrier()  # every thread read the unsorted slots before they are overwritten
+    tl.store(p_cand + o_c, srt)
+    tl.debug_barrier()
+    o_b = tl.arange(0, NCH_PAD)
+    acc = tl.zeros([NCH_PAD], dtype=tl.float32)
+    for c0 in range(0, C, SUB):
+        o_s = c0 + tl.arange(0, SUB)
+        m_s = o_s < C
+        p_s = tl.load(p_cand + o_s, mask=m_s, other=0)
+        i_s = (2147483647 - (p_s & 0xFFFFFFFF)).to(tl.int32)
+        w = tl.where(m_s, _weight(_unkey((p_s >> 32).to(tl.int32)), m, T), 0.0)
+        blk = i_s // BLOCK_V
+        acc += tl.sum(
+            tl.where(m_s[:, None] & (blk[:, None] == o_b[None, :]), w[:, None], 0.0), axis=0
+        )
+    tl.store(p_cs + o_b, acc, mask=o_b < NCH)
+    tl.store(p_cm + o_b, m + tl.zeros([NCH_PAD], dtype=tl.float32), mask=o_b < NCH)
+    return thr, cut, z
 
 
 @triton.jit
@@ -273,30 +305,27 @@ def _node_stats(
     p_wse,
     p_wtkv,
     p_wtki,
-    p_wthr,
-    p_wcut,
     p_wcs,
     p_wcm,
     p_wgm,
-    p_wcand,
     N,
     V,
     CHUNK,
     S: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    NPIV: tl.constexpr,
     NCH,
-    NCH_PAD: tl.constexpr,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     SAMPLE: tl.constexpr,
     NEED_SE: tl.constexpr,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
-    CAP: tl.constexpr,
-    SUB: tl.constexpr,
 ):
+    """Pass 1 of program ``pid`` = (request, node, split): its split's max, lowest argmax and
+    sum of ``exp((x - max) / T)`` (NEED_SE), the top-K (value, id) pairs (K > 0) and, sampling,
+    each vocabulary block's mass (relative to the split's running max at that block) and, for
+    top-k/top-p rows, the group maxima (the input of ``_lower_bound``). Splits are CHUNK tokens,
+    a multiple of BLOCK_V, so blocks and groups never straddle two programs."""
     i_s = (pid % S).to(tl.int32)
     i_n = ((pid // S) % N).to(tl.int32)
     i_b = pid // (S * N)
@@ -307,8 +336,9 @@ def _node_stats(
         T_in = tl.load(p_temp + i_b).to(tl.float32)
         T = tl.where(T_in > 0, T_in, 1.0)
     p_row = p_logits + i_b * s_lb + i_n.to(tl.int64) * s_ln
-    p_cs = p_wcs + pid * NCH
-    p_cm = p_wcm + pid * NCH
+    node = pid // S
+    p_cs = p_wcs + node * NCH
+    p_cm = p_wcm + node * NCH
     v_start = i_s * CHUNK
     v_end = tl.minimum(v_start + CHUNK, V)
     trunc = False
@@ -318,7 +348,7 @@ def _node_stats(
         use_k = (k > 0) & (k < V)
         use_p = top_p < 1.0
         trunc = active & (T_in > 0) & (use_k | use_p)
-    p_gm = p_wgm + pid * G_PAD
+    p_gm = p_wgm + node * G_PAD
     m = tl.full([], float("-inf"), tl.float32)
     arg = tl.full([], BIG, tl.int32)
     se = tl.zeros([], dtype=tl.float32)
@@ -373,72 +403,6 @@ def _node_stats(
                     ci = tl.min(tl.where(m_v & ~taken & (b_x == cv), o_v, BIG), axis=0)
                     better = (ci < BIG) & ((cv > wv) | ((cv == wv) & (ci < wi)))
     o_w = pid.to(tl.int64)
-    if SAMPLE:
-        lo0 = tl.full([], INT32_MIN, tl.int32)
-        thr = lo0
-        cut = tl.zeros([], dtype=tl.int32) + V
-        if trunc:
-            hi = _key(m) + 1
-            thr, cut, z, fast = _fast_threshold(
-                p_row,
-                s_lv,
-                V,
-                m,
-                T,
-                se,
-                k,
-                top_p,
-                use_k,
-                use_p,
-                p_gm,
-                p_wcand + pid * CAP,
-                p_cs,
-                p_cm,
-                NCH,
-                BLOCK_V,
-                NCH_PAD,
-                GROUP,
-                G_PAD,
-                CAP,
-                SUB,
-            )
-            if fast:
-                se = z
-            else:
-                # exact multi-pivot search over the whole row (wide nucleus, k beyond CAP)
-                if use_k:
-                    thr, f_gt = _count_search(
-                        p_row,
-                        s_lv,
-                        V,
-                        m,
-                        T,
-                        lo0,
-                        cut,
-                        k.to(tl.float32),
-                        lo0,
-                        hi,
-                        False,
-                        BLOCK_T,
-                        NPIV,
-                    )
-                    cut = _tie_cut(
-                        p_row, s_lv, V, m, T, thr, lo0, cut, f_gt, k.to(tl.float32), False, BLOCK_T
-                    )
-                if use_p:
-                    # the mass top-p is relative to: all tokens (pass 1's sum) or the top-k set
-                    z_k = se
-                    if use_k:
-                        z_k = _mass(p_row, s_lv, V, m, T, thr, cut, p_cs, p_cm, BLOCK_T, False)
-                    goal = top_p * z_k
-                    thr_p, f_gt = _count_search(
-                        p_row, s_lv, V, m, T, thr, cut, goal, thr, hi, True, BLOCK_T, NPIV
-                    )
-                    cut = _tie_cut(p_row, s_lv, V, m, T, thr_p, thr, cut, f_gt, goal, True, BLOCK_T)
-                    thr = thr_p
-                se = _mass(p_row, s_lv, V, m, T, thr, cut, p_cs, p_cm, BLOCK_V, True)
-        tl.store(p_wthr + o_w, thr)
-        tl.store(p_wcut + o_w, cut)
     tl.store(p_wmax + o_w, m)
     tl.store(p_warg + o_w, arg)
     tl.store(p_wse + o_w, se)

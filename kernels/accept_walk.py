@@ -201,6 +201,7 @@ def _walk(
     p_wtki,
     p_wthr,
     p_wcut,
+    p_wz,
     p_wcs,
     p_wcm,
     p_acc,
@@ -244,10 +245,12 @@ def _walk(
     nm = tl.max(pm, axis=1)
     arg = tl.min(tl.where(pm == nm[:, None], pa, BIG), axis=1)
     sc = tl.where(pm == float("-inf"), 0.0, tl.exp((pm - nm[:, None]) / T))
-    nz = tl.sum(ps * sc, axis=1)  # Z of each node: sum of exp((x - max) / T) over its kept set
+    nz = tl.sum(ps * sc, axis=1)  # Z of each node: sum of exp((x - max) / T)
     if SAMPLE:
+        # the kept sets of pass 3 (``accept_thresh``): threshold, id cut, mass
         thr = tl.load(p_wthr + i_b * N + o, mask=valid, other=INT32_MIN, volatile=True)
         cutv = tl.load(p_wcut + i_b * N + o, mask=valid, other=0, volatile=True)
+        nz = tl.load(p_wz + i_b * N + o, mask=valid, other=0.0, volatile=True)
     # walk: path[d] = node at depth d; em[q] = (q+1)-th emitted token; lp[q] its log-prob
     if SAMPLE:
         if T_in > 0:

@@ -534,10 +534,11 @@ def near_boundary(tree, lg, T, k, p, u, stops, bud):
     block=st.sampled_from([16, 64]),
     phase=st.sampled_from([0, 1]),
     cap=st.sampled_from([2, None]),
+    splits=st.sampled_from([1, 2, 3]),
 )
-def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase, cap):
-    """cap=2 forces the exact multi-pivot search; the default takes the two-pass candidate path
-    wherever the group maxima bound the threshold."""
+def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase, cap, splits):
+    """cap=2 forces the exact multi-pivot search; the default takes the candidate path wherever
+    the group maxima bound the threshold. ``splits`` vocabulary splits per node in pass 1."""
     rng = random.Random(seed)
     tree, V = case.tree, case.vocab
     B = tree.batch_size
@@ -567,8 +568,60 @@ def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase, c
         block_v=block,
         phase=phase,
         cap=cap,
+        num_splits=splits,
     )
     assert_same(got, want, lp_tol=2e-4)
+
+
+@given(
+    V=st.integers(1, 70),
+    n=st.integers(1, 6),
+    seed=st.integers(0, 2**20),
+    spread=st.sampled_from([2, 5, 1000]),
+    block=st.sampled_from([8, 16]),
+    splits=st.sampled_from([1, 2, 3, 4]),
+    groups=st.sampled_from([None, 4, 1000]),
+    cap=st.sampled_from([None, 4]),
+    phase=st.sampled_from([0, 1]),
+)
+@settings(max_examples=20)
+def test_sample_splits_edge_cases(V, n, seed, spread, block, splits, groups, cap, phase):
+    """Kernel == reference at the edges of the split / group / candidate paths: tiny V, V not a
+    multiple of the block, splits past the end of the row, few distinct logits (ties at the
+    top-k and top-p cuts), top_k in {1, V - 1, V, > V}, top_p in {1, tiny, near 1}, one group
+    per token or very few groups (k above the group count: the exact search), few slots."""
+    rng = random.Random(seed)
+    tree = make_tree([parents_of("random", n, rng), parents_of("chain", n, rng)], 6, V, rng)
+    g = torch.Generator().manual_seed(seed)
+    lg = (torch.randint(0, spread, (2, 6, V), generator=g).float() * (8.0 / spread)).to(
+        torch.bfloat16
+    )
+    T = torch.tensor([rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.7])])
+    k = torch.tensor([rng.choice([0, 1, 2, max(V - 1, 1), V, V + 4]) for _ in range(2)])
+    p = torch.tensor([rng.choice([1.0, 0.5, 1e-3, 0.999]) for _ in range(2)])
+    u = torch.rand(2, 6, generator=g)
+    if near_boundary(tree, lg, T, k, p, u, None, None):
+        return
+    want = ref.accept_sample(tree, lg, T, k, p, u, return_logprobs=True, topk_ids=min(2, V))
+    got = accept_launch(
+        tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u, return_logprobs=True,
+        topk_ids=min(2, V), block_v=block, num_splits=splits, max_groups=groups, cap=cap,
+        phase=phase,
+    )  # fmt: skip
+    assert_same(got, want, lp_tol=2e-4)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_lossless_kernel_splits(splits):
+    """The interval rule stays exactly lossless with the row split over programs in pass 1."""
+    tree, lg = lossless_case("random", seed=3, V=20)
+
+    def run(tree, lg, T, k, p, u):
+        return accept_launch(
+            tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u, block_v=8, num_splits=splits
+        )
+
+    joint_check(tree, lg, 0.8, 4, 0.7, K=2, run=run)
 
 
 def test_sample_top_k_top_p_kept_set_matches_reference_probs():

@@ -1,8 +1,8 @@
 """Acceptance of a verified draft tree: greedy and lossless sampling (docs/design.md op 7).
 
-CUDA tensors run one fused Triton launch (``treeops.kernels.accept``) that reads the target's
-logits once per node (top-k/top-p sampling rows read them again for the threshold search), with
-the argmax / softmax statistics fused; CPU tensors run the PyTorch reference
+CUDA tensors run Triton launches (``treeops.kernels.accept``: one for greedy, two or three for
+sampling) that read the target's logits once per node (top-k/top-p sampling rows reread the few
+groups of tokens around their threshold), with the argmax / softmax statistics fused; CPU tensors run the PyTorch reference
 (``treeops.reference.accept``), which is the specification.
 
 Output, an ``Acceptance`` (a NamedTuple, so it unpacks):
