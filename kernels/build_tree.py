@@ -1,6 +1,10 @@
 """Tree build (docs/design.md op 3) and CAST selection (op 5): Triton kernels and their launchers.
 
-``expand`` — one launch per draft layer, one program per (request, frontier row):
+``expand`` — per draft layer, on the GPU two launches: ``_stream_kernel`` runs step 1 over
+(row, chunk of V) one-warp programs, about 32 per SM, writing each chunk's partial max, sum and
+top-K; ``_expand_kernel``, one program per (request, frontier row), merges its row's partials
+and runs steps 2-4 (so its registers no longer cap the streaming programs' occupancy). With one
+chunk per row (the interpreter's default) ``_expand_kernel`` streams the row itself:
   1. stream the row's logits once (``BLOCK_V`` at a time): online max/sum for the softmax and a
      running top-K kept as packed int64 keys ``(order-preserving bits of the logit) << 32 |
      (2^31 - 1 - token)`` — one max-reduction picks the larger logit and, on ties, the lower id.
@@ -178,6 +182,44 @@ def _combine_splits(
     return m_run, s_run, b_top
 
 
+@triton.jit
+def _stream_kernel(
+    p_logits,  # [B, W, V] draft logits (strides s_lb, s_lw; the vocabulary contiguous)
+    p_fscore,  # [B, W] f32 frontier path score (-1 = unused row)
+    p_active,  # [B] u8 active requests
+    p_part_m,  # [B * W * SPLIT] f32 out: each chunk's running max
+    p_part_s,  # [B * W * SPLIT] f32 out: each chunk's sum of exp(x - max)
+    p_part_k,  # [B * W * SPLIT, KP] i64 out: each chunk's top-K packed keys
+    V,
+    s_lb,
+    s_lw,
+    W: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SPLIT: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Step 1 of ``expand`` over (row, chunk) programs, ahead of the finishing launch: small
+    (one-warp) programs, enough of them to fill the GPU at B = 1, so that a block reduction is
+    warp shuffles only and the top-K merges' latency hides behind other programs' streaming."""
+    i_p = tl.program_id(0)
+    i_row = i_p // SPLIT
+    i_s = i_p % SPLIT
+    i_b64 = (i_row // W).to(tl.int64)
+    i_r = i_row % W
+    row_ok = (tl.load(p_fscore + i_b64 * W + i_r) >= 0) & (tl.load(p_active + i_b64) != 0)
+    p_row = p_logits + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
+    v_lo = i_s * CHUNK
+    m_run, s_run, b_top = _stream_row(
+        p_row, v_lo, tl.minimum(v_lo + CHUNK, V), V, row_ok, K, KP, BLOCK_V
+    )
+    o_part = i_p.to(tl.int64)
+    tl.store(p_part_m + o_part, m_run)
+    tl.store(p_part_s + o_part, s_run)
+    tl.store(p_part_k + o_part * KP + tl.arange(0, KP), b_top)
+
+
 @triton.jit(do_not_specialize=["B", "layer", "C1", "C2", "L", "M"])
 def _expand_kernel(
     p_logits,  # [B, W, V] draft logits (strides s_lb, s_lw; the vocabulary contiguous)
@@ -227,11 +269,16 @@ def _expand_kernel(
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
     CAST: tl.constexpr,  # CAST's width/depth decision; else EAGLE's fixed width
+    STREAMED: tl.constexpr,  # step 1 done by _stream_kernel: one program per row merges its parts
 ):
     C: tl.constexpr = W * K
     i_p = tl.program_id(0)
-    i_row = i_p // SPLIT
-    i_s = i_p % SPLIT
+    if STREAMED:
+        i_row = i_p
+        i_s = 0
+    else:
+        i_row = i_p // SPLIT
+        i_s = i_p % SPLIT
     i_b = i_row // W
     i_r = i_row % W
     i_b64 = i_b.to(tl.int64)
@@ -241,12 +288,17 @@ def _expand_kernel(
     b_act = tl.load(p_active + i_b64) != 0
     row_ok = (b_fs >= 0) & b_act
     p_row = p_logits + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
-    v_lo = i_s * CHUNK
-    m_run, s_run, b_top = _stream_row(
-        p_row, v_lo, tl.minimum(v_lo + CHUNK, V), V, row_ok, K, KP, BLOCK_V
-    )
     finish = True
-    if SPLIT > 1:
+    if STREAMED:
+        m_run, s_run, b_top = _combine_splits(
+            p_part_m, p_part_s, p_part_k, i_row.to(tl.int64), SPLIT, SP, K, KP
+        )
+    else:
+        v_lo = i_s * CHUNK
+        m_run, s_run, b_top = _stream_row(
+            p_row, v_lo, tl.minimum(v_lo + CHUNK, V), V, row_ok, K, KP, BLOCK_V
+        )
+    if SPLIT > 1 and not STREAMED:
         # the row's last chunk to finish merges the partials and carries on
         o_part = i_row.to(tl.int64) * SPLIT + i_s
         tl.store(p_part_m + o_part, m_run)
@@ -254,7 +306,7 @@ def _expand_kernel(
         tl.store(p_part_k + o_part * KP + tl.arange(0, KP), b_top)
         finish = _release_then_arrive(p_rctr + i_row, LANES, FENCE) == SPLIT - 1
     if finish:
-        if SPLIT > 1:
+        if SPLIT > 1 and not STREAMED:
             tl.store(p_rctr + i_row, 0)
             m_run, s_run, b_top = _combine_splits(
                 p_part_m, p_part_s, p_part_k, i_row.to(tl.int64), SPLIT, SP, K, KP
@@ -565,11 +617,13 @@ _RETIRED: list[torch.Tensor] = []  # split workspaces replaced by larger ones (s
 
 
 def _default_split(rows: int, V: int, block_v: int, device: torch.device) -> int:
-    """Programs per frontier row: enough rows x chunks for two programs per SM, at most 32, from
-    the SM count and V only (fixed for a CUDA graph); 1 off the GPU."""
+    """Chunks per frontier row for the one-warp streaming programs: about 32 programs per SM
+    (B = 1's ten rows fill the GPU), at least 2, at most 64, from the SM count and V only (fixed
+    for a CUDA graph); 1 off the GPU."""
     if device.type != "cuda":
         return 1
-    return max(1, min(cdiv(2 * _runtime.sm_count(device), rows), cdiv(V, block_v), 32))
+    want = cdiv(32 * _runtime.sm_count(device), rows)
+    return max(1, min(max(want, 2), cdiv(V, block_v), 64))
 
 
 def expand_tiling(
@@ -579,9 +633,8 @@ def expand_tiling(
     vocabulary tile and the programs per row, from shapes and the SM count only; ``block_v`` and
     ``split`` override the defaults (a split is rounded to whole tiles)."""
     if block_v is None:
-        # small CTAs, many per SM: a row's top-K merges are chains of block reductions (latency),
-        # which other resident rows' streaming hides; few rows get wider tiles
-        block_v = min(pow2(V), 256 if interpreted() else (2048 if rows >= 256 else 4096))
+        # one-warp streaming programs (split > 1): 16 logits per thread, two tiles in flight
+        block_v = min(pow2(V), 256 if interpreted() else 512)
     if split is None:
         split = _default_split(rows, V, block_v, device)
     chunk = cdiv(cdiv(V, split), block_v) * block_v  # ceil(V / split) in whole tiles
@@ -654,9 +707,33 @@ def expand(
     else:
         rctr = pm = ps = pk = workspace["counters"]  # never read (SPLIT = 1)
     costs = cast if cast is not None else _no_cast(u_hist)
-    warps = num_warps or (1 if interpreted() else (8 if block_v >= 4096 else 4))
+    # split > 1: step 1 in one-warp programs of its own launch, the rest one program per row
+    streamed = split > 1
+    if streamed:
+        direct(_stream_kernel).launch(
+            (B * W * split,),
+            logits,
+            frontier_scores,
+            active.view(torch.uint8),
+            pm,
+            ps,
+            pk,
+            V,
+            logits.stride(0),
+            logits.stride(1),
+            W=W,
+            K=K,
+            KP=KP,
+            BLOCK_V=block_v,
+            SPLIT=split,
+            CHUNK=chunk,
+            num_warps=num_warps or 1,
+        )
+        warps = 1 if interpreted() else 4
+    else:
+        warps = num_warps or (1 if interpreted() else (8 if block_v >= 4096 else 4))
     direct(_expand_kernel).launch(
-        (B * W * split,),
+        (B * W * (1 if streamed else split),),
         logits,
         frontier_scores,
         frontier,
@@ -704,6 +781,7 @@ def expand(
         LANES=32 * warps,
         FENCE=not interpreted(),
         CAST=cast is not None,
+        STREAMED=streamed,
         num_warps=warps,
     )
 

@@ -523,6 +523,19 @@ def test_kernels_match_reference(case):
     run_both(policy, logits, roots, seq, active, block_v=8, split=1 + logits.shape[-1] % 3)
 
 
+@given(
+    steps(max_batch=3, max_vocab=40, max_w=3, max_k=5, max_depth=2, max_n=12),
+    st.integers(2, 12),
+    st.sampled_from([4, 8, 16]),
+)
+def test_streamed_expand_any_split_matches_reference(case, split, block_v):
+    """The two-launch expand (one-warp chunk programs, then one program per row merging them) at
+    up to 12 chunks per row (rounded to whole blocks, so some chunks hold fewer than K logits or
+    none past V), tiles that rarely divide V, K up to V: the reference's states and tree."""
+    policy, logits, roots, seq, active = case
+    run_both(policy, logits, roots, seq, active, block_v=block_v, split=split)
+
+
 def test_kernels_named_large_case():
     # the issue's shape family at interpreter scale: W = K = 4, depth 4, N = 32, V spanning blocks
     g = torch.Generator().manual_seed(11)
