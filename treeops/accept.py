@@ -2,8 +2,8 @@
 
 CUDA tensors run Triton launches (``treeops.kernels.accept``: one for greedy, two or three for
 sampling) that read the target's logits once per node (top-k/top-p sampling rows reread the few
-groups of tokens around their threshold), with the argmax / softmax statistics fused; CPU tensors run the PyTorch reference
-(``treeops.reference.accept``), which is the specification.
+groups of tokens around their threshold), with the argmax / softmax statistics fused; CPU
+tensors run the PyTorch reference (``treeops.reference.accept``), which is the specification.
 
 Output, an ``Acceptance`` (a NamedTuple, so it unpacks):
 
