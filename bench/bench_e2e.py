@@ -591,6 +591,10 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, default=4, help="cost table context buckets M")
     ap.add_argument("--context-len", type=int, default=128, help="cost table bucket length L")
     ap.add_argument("--cache-dir", default=None, help="train_pair cache (/tmp/treeops-e2e-pair)")
+    ap.add_argument("--train-only", action="store_true",
+                    help="train (or load) the pair into its cache and stop: a later run in the "
+                    "same machine then starts at the cost table; the GPU tests may run beside "
+                    "the training, never beside the timings")  # fmt: skip
     ap.add_argument(
         "--train-seconds", default=None, help="T,D: training budgets (default: PairConfig.h200)"
     )
@@ -665,6 +669,8 @@ def main(argv=None) -> int:
         raise SystemExit("no held-out prompts")
     log(f"pair ready in {report['seconds_to_get']} s; {len(prompts)} prompts")
     write(args.out, doc)
+    if args.train_only:
+        return 0
 
     # 3. cost table
     n_max = max(args.budget, args.topk, args.cast_budget)  # CAST: n_max >= capacity, max width
