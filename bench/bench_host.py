@@ -14,9 +14,8 @@ Two measurements per op:
   lookup and call of the compiled kernel's launcher, here the stub's; with
   ``TREEOPS_DIRECT_LAUNCH=0``, Triton's binding, specialisation and cache lookup; not the C
   launch itself); ``launch_misses``: launches that went through ``JITFunction.run`` in the
-  timed rounds (0 when every launch was direct). Ops whose CUDA backend is PyTorch ops
-  (``prune``, ``PruneCheckpoints.check``) time those ops on the CPU too. Each the best of several
-  rounds of back-to-back calls, the two alternating.
+  timed rounds (0 when every launch was direct). Each the best of several rounds of
+  back-to-back calls, the two alternating.
 * CUDA, when a GPU is there: ``eager_us`` (``harness.eager_us``: a call and a device sync,
   perf_counter) minus ``replay_us`` (``harness.graph_us``: the same call replayed in a CUDA
   graph) = ``overhead_us``, the host time an eager call adds (the sync's latency included);

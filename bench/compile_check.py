@@ -25,8 +25,9 @@ how fast (the GPU tests, compute-sanitizer and the benchmarks do that on the H20
     python bench/compile_check.py [--arch 90] [--quick] [--out bench/results/compile_sm90.json]
 
 ``--quick`` compiles one case per kernel family (the CPU test suite runs it).
-``--attention-configs 64,128,256`` compiles every tree-attention tile configuration instead
-(registers, spills and shared memory of each: the candidates for a GPU sweep). Exit status 1 if
+``--attention-configs 64,128,256`` compiles every tree-attention sweep candidate instead
+(registers, spills and shared memory of each: what ``bench_tree_attention.py --sweep`` times);
+exit status 1 there if one breaks a limit or spills. Otherwise exit status 1 if
 any launch failed to compile or synced, or a kernel breaks a limit. Must run without
 ``TRITON_INTERPRET``.
 """
@@ -34,7 +35,6 @@ any launch failed to compile or synced, or a kernel breaks a limit. Must run wit
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import re
@@ -382,6 +382,24 @@ def graft(op, B, V, N=60, k=8):
     return f"graft {op} B={B} V={V} budget={N}", case
 
 
+def prune(B, N, keep_tensor=True):
+    def case():
+        from treeops.kernels import prune as kp
+
+        tree = _tree(B, N, N, 1000)
+        out = tuple(torch.empty_like(t) for t in tree.tensors())
+        keep = torch.randint(0, N, (B,), generator=G, dtype=torch.int32)
+        best, stop = torch.rand(B, generator=G), torch.empty(B, dtype=torch.bool)
+
+        def launch():
+            kp.prune(tree.tensors(), keep if keep_tensor else None, 24, out)
+            kp.checkpoint(keep, best, 24, 0.3, stop)
+
+        return launch
+
+    return f"prune B={B} N={N} keep_tensor={keep_tensor}", case
+
+
 def cast(B, M, K, dtype=torch.float32):
     def case():
         from treeops import cast as ops
@@ -452,6 +470,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             graft("retrieve_merge", 8, 32000),
             graft("retrieve", 8, 32000),
             graft("update", 8, 32000),
+            prune(8, 64),
             cast(8, 100, 10),
             cast_stats(8, 4, 20),
         ]
@@ -520,6 +539,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     for B, V in ((1, 32000), (64, 128256)):
         for op in ("retrieve_merge", "retrieve", "update"):
             out.append(graft(op, B, V))
+    out += [prune(1, 8, keep_tensor=False), prune(64, 256), prune(8, 2048)]  # 1-2 tiles
     # CAST's standalone ops: bench_cast's shapes (width: 100 candidates, K = 10; rerank: 800,
     # K = 64), a large batch, a tree capacity of 256 and the largest tile, 16-bit scores
     for B, M, K in ((1, 100, 10), (64, 100, 10), (64, 800, 64), (8, 2048, 256), (2, 4096, 2048)):
@@ -532,44 +552,45 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
 
 
 def attention_configs(head_dims: list[int]) -> list[dict]:
-    """Every tree-attention tile configuration (block_m, block_n, warps, stages, prefetch) at
-    B = 2, N = 64, 32/8 heads, ctx 2048, bf16, compiled for ``ARCH``: registers, spills and
-    shared memory per configuration (what a GPU sweep would then time)."""
+    """Every tree-attention sweep candidate (``CANDIDATES`` of the head dim, then the small-tree
+    path at N = 8 and 16) compiled for ``ARCH`` at B = 2, N = 64, 32/8 heads, ctx 2048 (small
+    tree: B = 1, ctx 512), bf16: registers, spills and shared memory of each (what the GPU sweep
+    times)."""
     from treeops.kernels import tree_attention as ta
 
     rows = []
     for d in head_dims:
-        B, N, hq, hkv, ctx, page = 2, 64, 32, 8, 2048, 16
-        pages = -(-(ctx + N) // page)
-        q = torch.randn(B, N, hq, d, dtype=torch.bfloat16, generator=G)
-        kc = torch.zeros(B * pages, page, hkv, d, dtype=torch.bfloat16)
-        vc = kc.clone()
-        bt = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
-        seq = torch.full((B,), ctx, dtype=torch.int32)
-        tree = _tree(B, N, N, 1000)
-        out, lse = torch.empty_like(q), torch.empty(B, N, hq)
-        default = ta.config_for(q, kc, bt)
-        for bm, bn, w, st, pf in itertools.product(
-            (64, 128), (32, 64), (4, 8), (1, 2, 3), (True, False)
-        ):
-            cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st, prefetch=pf)
+        cands = [(n, ov, 2, 64, 2048) for n, ov in ta.CANDIDATES[ta.head_dim_class(d)].items()]
+        cands += [("small", {"small_tree": True}, 1, n, 512) for n in (8, 16)]
+        for name, ov, B, N, ctx in cands:
+            hq, hkv, page = 32, 8, 16
+            pages = -(-(ctx + N) // page)
+            q = torch.randn(B, N, hq, d, dtype=torch.bfloat16, generator=G)
+            kc = torch.zeros(B * pages, page, hkv, d, dtype=torch.bfloat16)
+            bt = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
+            seq = torch.full((B,), ctx, dtype=torch.int32)
+            tree = _tree(B, N, N, 1000)
+            out, lse = torch.empty_like(q), torch.empty(B, N, hq)
+            cfg = ta.config_for(q, kc, bt, None, ov)
             start = len(_COMPILED)
             ta.tree_attention_fwd(
-                q, kc, vc, bt, seq, tree.num_nodes, tree.anc, None, None, d**-0.5, out, lse,
-                override=cfg,
+                q, kc, kc.clone(), bt, seq, tree.num_nodes, tree.anc, None, None, d**-0.5, out,
+                lse, override=ov,
             )  # fmt: skip
             kernel = next(k for n, k in _COMPILED[start:] if n == "_tree_attn_fwd")
-            is_default = (bm, bn, w, st, pf) == (
-                default.block_m, default.block_n, default.num_warps, default.num_stages,
-                default.prefetch,
+            rows.append(
+                {"D": d, "candidate": name, "B": B, "N": N, "ctx": ctx, "block_m": cfg.block_m,
+                 "block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                 "prefetch": cfg.prefetch, "pipe": cfg.pipe, "num_splits": cfg.num_splits,
+                 **resources(kernel)}
             )  # fmt: skip
-            rows.append({"D": d, **cfg, "default": is_default, **resources(kernel)})
             r = rows[-1]
             print(
-                f"D={d:<3} {bm:>3}x{bn:<2} {w} warps {st} stages prefetch={pf!s:<5} "
-                f"regs {r['regs']:>3} spill {r['spill_store_bytes']:>4}/{r['spill_load_bytes']:<4} "
+                f"D={d:<3} {name:<11} N={N:<3} {cfg.block_m:>3}x{cfg.block_n:<3} "
+                f"{cfg.num_warps} warps pipe={cfg.pipe} stages={cfg.num_stages} "
+                f"prefetch={cfg.prefetch!s:<5} splits={cfg.num_splits:<2} regs {r['regs']:>3} "
+                f"spill {r['spill_store_bytes']:>4}/{r['spill_load_bytes']:<4} "
                 f"shared {r['shared_bytes']:>6}"
-                + ("  (default)" if is_default else "")
                 + (f"  PROBLEM: {'; '.join(r['problems'])}" if r["problems"] else ""),
                 flush=True,
             )
@@ -585,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--attention-configs",
         metavar="D,D",
-        help="instead: compile every tree-attention tile configuration at these head dims",
+        help="instead: compile every tree-attention sweep candidate at these head dims",
     )
     args = ap.parse_args(argv)
     global ARCH
@@ -596,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"arch": ARCH, "commit": _commit(), "rows": rows}, f, indent=1)
-        return 1 if any(r["problems"] for r in rows) else 0
+        return 1 if any(r["problems"] or r["spill_store_bytes"] for r in rows) else 0
     rows, failures = [], []
     host_ops = 0  # torch ops the launchers ran on the host, each checked for a sync
     seen: dict[str, dict] = {}

@@ -233,3 +233,54 @@ def test_prune_and_checkpoints_on_device():
         stop_cpu = ck.check(step, best, keep_cpu)
         assert torch.equal(keep.cpu(), keep_cpu) and torch.equal(stop.cpu(), stop_cpu)
     same_tree(prune(tree.to(DEV), keep), prune(tree, keep_cpu))
+
+
+@pytest.mark.parametrize("N", [8, 64, 200])
+def test_prune_matches_reference(N):
+    """One launch per call (int and tensor keep); the reference on CPU; ``anc`` of 1-7 words."""
+    tree, _, rng = batch(9, N, 300, seed=N, keep=None)
+    keep = torch.tensor([rng.choice([0, 1, 7, 40, N, NO_PRUNE]) for _ in range(9)],
+                        dtype=torch.int32)  # fmt: skip
+    dev_tree = tree.to(DEV)
+    same_tree(prune(dev_tree, keep.to(DEV)), ref.prune(tree, keep))
+    for k in (0, 5, N - 1, NO_PRUNE):
+        same_tree(prune(dev_tree, k), ref.prune(tree, k))
+
+
+def test_prune_and_checkpoints_are_graph_capturable():
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need CUDA")
+    B, N = 8, 64
+    tree, _, _ = batch(B, N, 300, seed=11, keep=None)
+    src = tree.to(DEV)
+    ck = treeops.PruneCheckpoints(thresholds=(0.5, 0.25, 0.125))
+    keep, best = ck.start(B, DEV), torch.zeros(B, device=DEV)
+
+    def step():
+        stops = [ck.check(s, best, keep) for s in range(3)]
+        return stops, prune(src, keep)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up: compiles
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        stops, out = step()
+    gen = torch.Generator().manual_seed(3)
+    for seed in (12, 13):
+        t2, _, _ = batch(B, N, 300, seed=seed, keep=None)
+        for f in FIELDS:
+            getattr(src, f).copy_(getattr(t2, f))
+        b2 = torch.rand(B, generator=gen)
+        best.copy_(b2)
+        keep.fill_(NO_PRUNE)
+        g.replay()
+        torch.cuda.synchronize()
+        k_ref = ck.start(B)
+        want = [ck.check(s, b2, k_ref) for s in range(3)]
+        assert torch.equal(keep.cpu(), k_ref)
+        for got, w in zip(stops, want):
+            assert torch.equal(got.cpu(), w)
+        same_tree(out, ref.prune(t2, k_ref))

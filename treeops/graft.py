@@ -16,7 +16,8 @@ Per decoding step, for a batch of B requests:
 Each is a custom op ``torch.ops.treeops.*`` (``graft``, ``graft_merge``, ``prune``,
 ``prune_checkpoint``, ``adjacency_update``, ``adjacency_warm_start``, ``adjacency_retrieve``):
 CUDA tensors run the Triton kernels (``treeops.kernels.graft``; ``prune`` and the checkpoint
-rule a few torch ops), CPU tensors the references (``treeops.reference.graft``). Nothing here
+rule one launch each, ``treeops.kernels.prune``), CPU tensors the references
+(``treeops.reference.graft``). Nothing here
 syncs with the host unless ``validate=True``.
 
 Example (CPU):
@@ -54,6 +55,7 @@ from ._checks import (
 from ._graft_types import NO_PRUNE, RankTemplate, Retrieved
 from ._library import OUT_TREE, TREE, define
 from .kernels import graft as _k
+from .kernels import prune as _kp
 from .reference import graft as _ref
 from .tree import Tree, check_tree
 
@@ -228,8 +230,11 @@ _graft_op = define(
 
 
 def _prune_cuda(*args):
-    tree, keep, keep_int = Tree(*args[:8]), args[8], args[9]
-    return _prune_torch(tree, keep if keep is not None else keep_int).tensors()
+    tree, keep, keep_int = args[:8], args[8], args[9]
+    out = tuple(torch.empty_like(t) for t in tree)
+    with cuda_device(tree[1]):
+        _kp.prune(tree, keep, keep_int, out)
+    return out
 
 
 def _prune_cpu(*args):
@@ -250,16 +255,18 @@ _prune_op = define(
 )
 
 
-def _checkpoint_cuda(keep, best_score, keep_value, threshold):
-    keep.masked_fill_((keep >= NO_PRUNE) & (best_score < threshold), keep_value)
+def _checkpoint_cuda(keep, best_score, keep_value, threshold, stop):
+    with cuda_device(keep):
+        _kp.checkpoint(keep, best_score, keep_value, threshold, stop)
 
 
-def _checkpoint_cpu(keep, best_score, keep_value, threshold):
-    _ref.prune_checkpoint(keep, best_score, 0, (keep_value,), (threshold,))
+def _checkpoint_cpu(keep, best_score, keep_value, threshold, stop):
+    stop.copy_(_ref.prune_checkpoint(keep, best_score, 0, (keep_value,), (threshold,)))
 
 
 _checkpoint_op = define(
-    "prune_checkpoint(Tensor(a!) keep, Tensor best_score, int keep_value, float threshold) -> ()",
+    "prune_checkpoint(Tensor(a!) keep, Tensor best_score, int keep_value, float threshold, "
+    "Tensor(b!) stop) -> ()",
     cpu=_checkpoint_cpu,
     cuda=_checkpoint_cuda,
 )
@@ -718,7 +725,7 @@ def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tr
         check_tree(tree, validate=validate)
         B = tree.batch_size
         if isinstance(keep, torch.Tensor):
-            check_tensor("keep", keep, shape=(B,), dtype=torch.int32)
+            check_tensor("keep", keep, shape=(B,), dtype=torch.int32, unit_last=True)
             check_same_device(tree=tree.parents, keep=keep)
             if validate:
                 check_range("keep", keep, 0)
@@ -728,34 +735,6 @@ def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tr
             )
         _PASSED.put(key, True)
     return Tree(*_prune_op(*tree.tensors(), *_split(keep, 0)))
-
-
-def _prune_torch(tree: Tree, keep: torch.Tensor | int) -> Tree:
-    """Sync-free ``prune``: a handful of elementwise ops (also the CUDA path, where each is a
-    launch: as few as the rule needs)."""
-    N = tree.capacity
-    nn = tree.num_nodes
-    if isinstance(keep, torch.Tensor):
-        kp = keep.clamp(max=N - 1) + 1
-        num = torch.where(nn > 0, torch.minimum(nn, kp), nn)
-    else:  # keep >= 0, so the cap is >= 1 and leaves an inactive row (0) at 0
-        num = nn.clamp(max=min(keep, N - 1) + 1)
-    num_col = num[:, None]
-    valid = torch.arange(N, device=tree.device, dtype=torch.int32) < num_col
-
-    def link(x: torch.Tensor) -> torch.Tensor:
-        return torch.where(valid & (x < num_col), x, -1)
-
-    return Tree(
-        tokens=torch.where(valid, tree.tokens, 0),
-        parents=torch.where(valid, tree.parents, -1),
-        num_nodes=num,
-        depth=torch.where(valid, tree.depth, 0),
-        anc=torch.where(valid[:, :, None], tree.anc, 0),
-        first_child=link(tree.first_child),
-        next_sibling=link(tree.next_sibling),
-        scores=torch.where(valid, tree.scores, 0.0),
-    )
 
 
 @dataclass
@@ -800,19 +779,23 @@ class PruneCheckpoints:
 
     def check(self, step: int, best_score: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """After draft step ``step``: mark unmarked requests whose ``best_score`` [B] float32 is
-        under this checkpoint's threshold (in place on ``keep`` [B] int32); return ``stop`` [B]
-        bool, whether each request is marked (now or before). A step that is no checkpoint only
-        returns ``stop``. No host sync."""
+        under this checkpoint's threshold (in place on ``keep`` [B] int32; both unit-stride);
+        return ``stop`` [B] bool (a new tensor), whether each request is marked (now or before).
+        A step that is no checkpoint only returns ``stop``. One launch on CUDA, no host sync."""
         key = _key("checkpoint", (), (keep, best_score), ())
         if _PASSED.get(key) is None:
-            check_tensor("keep", keep, shape=("B",), dtype=torch.int32)
-            check_tensor("best_score", best_score, shape=keep.shape, dtype=torch.float32)
+            check_tensor("keep", keep, shape=("B",), dtype=torch.int32, unit_last=True)
+            check_tensor("best_score", best_score, shape=keep.shape, dtype=torch.float32,
+                         unit_last=True)  # fmt: skip
             check_same_device(keep=keep, best_score=best_score)
             _PASSED.put(key, True)
+        stop = torch.empty(keep.shape, dtype=torch.bool, device=keep.device)
         if step in self.steps:
             c = self.steps.index(step)
-            _checkpoint_op(keep, best_score, self.keeps[c], float(self.thresholds[c]))
-        return keep < NO_PRUNE
+            _checkpoint_op(keep, best_score, self.keeps[c], float(self.thresholds[c]), stop)
+        else:  # no checkpoint: a threshold of -inf marks nothing, the launch writes stop
+            _checkpoint_op(keep, best_score, 0, -math.inf, stop)
+        return stop
 
 
 def calibrate_thresholds(
