@@ -1,6 +1,7 @@
 """Tree-masked attention on the GPU: treeops against its peers and the physical floor.
 
-    python bench/bench_tree_attention.py --out DIR [--shapes bench|all] [--sweep] [--no-flex]
+    python bench/bench_tree_attention.py --out DIR [--shapes bench|all|layout] [--sweep
+        [--configs NAME,...] [--auto]] [--no-flex]
 
 For every shape, on the same tensors in one process: treeops (Triton); FlashInfer's custom-mask
 prefill through its paged wrapper and through its ragged wrapper; FlashInfer's causal prefill on
@@ -378,66 +379,91 @@ def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=Tru
     return row
 
 
-SWEEP = [
-    dict(block_m=128, block_n=64, num_warps=8, num_stages=1, prefetch=True),
-    dict(block_m=128, block_n=64, num_warps=8, num_stages=2, prefetch=True),
-    dict(block_m=128, block_n=128, num_warps=8, num_stages=1, prefetch=True),
-    dict(block_m=64, block_n=64, num_warps=4, num_stages=1, prefetch=True),
-    dict(block_m=64, block_n=128, num_warps=4, num_stages=1, prefetch=True),
-    dict(block_m=128, block_n=64, num_warps=8, num_stages=3, prefetch=False),
+SWEEP_SHAPES = [
+    (1, 1024, 64, HQ, HKV, D),
+    (1, 16384, 64, HQ, HKV, D),
+    (8, 4096, 64, HQ, HKV, D),
+    (32, 4096, 64, HQ, HKV, D),
+    (4, 4096, 127, HQ, HKV, D),
+    (32, 2048, 64, 16, 4, 256),
+    (32, 2048, 64, 32, 8, 64),
+    (1, 512, 8, HQ, HKV, D),
+    (1, 1024, 16, HQ, HKV, D),
 ]
-SWEEP_SHAPES = [(1, 1024, 64), (1, 16384, 64), (8, 4096, 64), (32, 4096, 64)]
+"""(B, ctx, n, H_q, H_kv, D) the sweep times every candidate on: the docs/benchmarks.md shapes that
+fit, the 127-node tree, D = 256 and D = 64, and two small trees (the small-tree path)."""
+
+
+def candidates(c: Case, names=None):
+    """(name, override) of every launch configuration the kernel offers for this case's head dim
+    (``CANDIDATES``), and the small-tree path where it applies; ``names`` keeps only those."""
+    from treeops.kernels import tree_attention as K
+
+    out = list(K.CANDIDATES[K.head_dim_class(c.d)].items())
+    cap = c.block_table.shape[1] * PAGE
+    if K.small_tree_applies(c.n, 1 << (c.hq // c.hkv - 1).bit_length(), c.d, cap):
+        out.append(("small", {"small_tree": True}))
+    return [(n, ov) for n, ov in out if names is None or n in names]
+
+
+def sweep(shapes, names=None):
+    """Time each candidate on each shape (default split counts; same process, same tensors,
+    each output checked against the fp32 reference first): (rows, best per shape)."""
+    rows, best = [], []
+    for B, ctx, n, hq, hkv, d in shapes:
+        c = Case(B, ctx, n, hq=hq, hkv=hkv, d=d)
+        ref = c.reference()
+        fl = floor_us(B, ctx, n, hq, hkv, d)[0]
+        shape = dict(B=B, ctx=ctx, n=n, hq=hq, hkv=hkv, d=d, floor_us=round(fl, 2))
+        for name, ov in candidates(c, names):
+            r = dict(shape, candidate=name, override=ov, config=config_of(c, ov or None))
+            try:
+                fn, _ = kernel_fn(c, ov or None)
+                err = rel_err(fn(), ref)
+                r["err"] = err
+                r["us"] = round(time_us(fn)[0], 2) if err <= TOL else None
+            except Exception as e:  # noqa: BLE001 - a failing config is a result
+                r["us"] = None
+                r["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        timed = [r for r in rows[-len(candidates(c, names)) :] if r.get("us") is not None]
+        if timed:
+            win = min(timed, key=lambda r: r["us"])
+            dflt = next((r["us"] for r in timed if r["candidate"] == "default"), None)
+            best.append(dict(shape, best=win["candidate"], best_us=win["us"], default_us=dflt))
+            print("sweep best:", json.dumps(best[-1]), flush=True)
+        del c
+        torch.cuda.empty_cache()
+    return rows, best
 
 
 def best_override(rows):
-    """The sweep config with the lowest geometric-mean time over the sweep shapes (default
-    splits only); None if any shape is missing for every config."""
-    score = {}
+    """Per head-dim class, the candidate (small-tree path apart) with the lowest geometric-mean
+    time over the sweep shapes of that class on which every such candidate was timed:
+    {D: name} (what ``TUNED`` takes), and whether the small-tree path won every shape it ran on
+    (what ``SMALL_TREE`` takes)."""
+    from treeops.kernels import tree_attention as K
+
+    choice = {}
+    for dc in K.CANDIDATES:
+        mine = [r for r in rows if K.head_dim_class(r["d"]) == dc and r["candidate"] != "small"]
+        shapes = {(r["B"], r["ctx"], r["n"], r["hq"]) for r in mine}
+        score = {}
+        for r in mine:
+            if r.get("us") is not None:
+                score.setdefault(r["candidate"], []).append(math.log(r["us"]))
+        full = {k: sum(v) for k, v in score.items() if len(v) == len(shapes)}
+        if full:
+            choice[dc] = min(full, key=full.get)
+    small = {}
     for r in rows:
-        if r.get("us") is None or not r.get("default_splits"):
-            continue
-        key = json.dumps({k: r[k] for k in SWEEP[0]}, sort_keys=True)
-        score.setdefault(key, []).append(math.log(r["us"]))
-    full = {k: sum(v) for k, v in score.items() if len(v) == len(SWEEP_SHAPES)}
-    return json.loads(min(full, key=full.get)) if full else None
-
-
-def sweep(shapes):
-    rows = []
-    for B, ctx, n in shapes:
-        c = Case(B, ctx, n)
-        ref = c.reference()
-        fl = floor_us(B, ctx, n)[0]
-        for ov in SWEEP:
-            for ns in (None, "x2", "half") if B == 1 else (None,):
-                from treeops.kernels import tree_attention as K
-
-                base = K.config_for(c.q, c.k_cache, c.block_table, None, ov).num_splits
-                splits = {None: None, "x2": min(32, base * 2), "half": max(1, base // 2)}[ns]
-                if ns is not None and splits == base:
-                    continue
-                r = dict(
-                    B=B,
-                    ctx=ctx,
-                    n=n,
-                    floor_us=round(fl, 2),
-                    **ov,
-                    splits=splits or base,
-                    default_splits=ns is None,
-                )
-                try:
-                    fn, _ = kernel_fn(c, ov, splits)
-                    err = rel_err(fn(), ref)
-                    r["err"] = err
-                    r["us"] = round(time_us(fn)[0], 2) if err <= TOL else None
-                except Exception as e:  # noqa: BLE001
-                    r["us"] = None
-                    r["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-        del c
-        torch.cuda.empty_cache()
-    return rows
+        key = (r["B"], r["ctx"], r["n"], r["hq"], r["d"])
+        if r.get("us") is not None:
+            small.setdefault(key, {})[r["candidate"]] = r["us"]
+    ran = [t for t in small.values() if "small" in t]
+    small_wins = bool(ran) and all(t["small"] <= min(t.values()) for t in ran)
+    return choice, small_wins
 
 
 def main(argv=None):
@@ -447,11 +473,18 @@ def main(argv=None):
                     help="bench: docs/benchmarks.md's five; all: those, the grid, the long "
                     "context and the other layouts (heads, head dims, tiny and 127-node trees); "
                     "layout: the other layouts only")  # fmt: skip
-    ap.add_argument("--sweep", action="store_true", help="also time tile/split variants")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="first time every launch-configuration candidate (kernels/tree_attention.py "
+        "CANDIDATES, the small-tree path) on SWEEP_SHAPES and record the fastest per shape",
+    )
+    ap.add_argument("--configs", help="with --sweep: only these candidates (comma list)")
     ap.add_argument(
         "--auto",
         action="store_true",
-        help="with --sweep: time every shape with the sweep's best config",
+        help="with --sweep: time every shape with the sweep's choice (TUNED per head dim, "
+        "SMALL_TREE if it won every shape it ran on)",
     )
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
@@ -465,13 +498,19 @@ def main(argv=None):
         floor=dict(bandwidth=H.HBM_BYTES_PER_S, flops=H.ATTENTION_FLOPS_PER_S),
         rows=[],
     )
-    override = None
     if args.sweep:
-        result["sweep"] = sweep(SWEEP_SHAPES)
+        names = set(args.configs.split(",")) if args.configs else None
+        result["sweep"], result["sweep_best"] = sweep(SWEEP_SHAPES, names)
+        choice, small = best_override(result["sweep"])
+        result["sweep_choice"] = dict(tuned=choice, small_tree=small)
+        print("sweep choice:", result["sweep_choice"], flush=True)
+        H.write_json(os.path.join(args.out, "tree_attention.json"), result)
         if args.auto:
-            override = best_override(result["sweep"])
-            result["sweep_choice"] = override
-            print("sweep choice:", override, flush=True)
+            from treeops.kernels import tree_attention as K
+
+            K.TUNED.update({dc: n for dc, n in choice.items() if n != "default"})
+            K.SMALL_TREE = small
+            K._PLANS.clear()
     default = {"bench": BENCH_SHAPES, "all": BENCH_SHAPES + GRID_SHAPES + LONG_SHAPES,
                "layout": []}[args.shapes]  # fmt: skip
     shapes = [(*s, HQ, HKV, D) for s in default]
@@ -485,7 +524,6 @@ def main(argv=None):
             n,
             not args.no_peers,
             flex=not args.no_flex and (B, ctx, n, hq, hkv, d) == (*FLEX_SHAPES[0], HQ, HKV, D),
-            override=override,
             hq=hq,
             hkv=hkv,
             d=d,

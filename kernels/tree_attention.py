@@ -154,6 +154,8 @@ def _tree_attn_fwd(
     WRITE_LSE: tl.constexpr,
     UPCAST: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PIPE: tl.constexpr = 0,
+    WARP_SPEC: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = G_PAD * BLOCK_Q
     i_t = tl.program_id(0)
@@ -219,7 +221,20 @@ def _tree_attn_fwd(
         # prefix: every key visible; full tiles carry no mask at all
         p_end = tl.minimum(end, seq)
         n_full = tl.maximum(p_end - start, 0) // BLOCK_N
-        if PREFETCH:
+        if PIPE > 0:
+            # Compiler pipeline: the loop body issues block table -> K/V -> dots and Triton's
+            # pipeliner issues the loads PIPE - 1 tiles ahead (cp.async into a ring of shared
+            # buffers on sm_80+, the block-table load one level of indirection earlier), so the
+            # K/V copies overlap the MMAs and softmax of earlier tiles without holding the next
+            # tile in registers as PREFETCH does.
+            for it in tl.range(0, n_full, num_stages=PIPE, warp_specialize=WARP_SPEC):
+                pos = start + it * BLOCK_N + o_n
+                page = _kv_page(p_bt, pos, None, PAGE_SIZE, False)
+                b_k, b_v = _load_kv(kv, page, pos, None, PAGE_SIZE, False)
+                b_acc, b_m, b_l = _attend(
+                    b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, None, False, UPCAST
+                )
+        elif PREFETCH:
             # Software pipeline by hand: the page ids of tile it+2 and the K/V of tile it+1 are
             # in flight while tile it is computed. Without it every tile waits on a serial chain
             # block table -> K/V -> dot (bench/attention_notes.md).
@@ -362,6 +377,8 @@ class AttnConfig:
     num_warps: int
     num_stages: int
     prefetch: bool = True
+    pipe: int = 0  # > 0: the prefix loop is a tl.range pipelined over this many stages
+    warp_spec: bool = False  # that loop warp-specialised (producer / consumer warps)
 
     @property
     def block_m(self) -> int:
@@ -382,6 +399,65 @@ MIN_SPLIT_CAPACITY = 4 * MIN_CHUNK
 the ``_merge_splits`` launch it adds (a decode step at short context pays it once per layer)."""
 
 
+_PIPED = dict(num_stages=1, prefetch=False)
+CANDIDATES: dict[int, dict[str, dict]] = {
+    64: {
+        "default": {},
+        "pipe2": dict(block_m=128, block_n=64, num_warps=8, pipe=2, **_PIPED),
+        "pipe3": dict(block_m=128, block_n=64, num_warps=8, pipe=3, **_PIPED),
+        "n128_pipe3": dict(block_m=128, block_n=128, num_warps=8, pipe=3, **_PIPED),
+        "m64_pipe3": dict(block_m=64, block_n=64, num_warps=4, pipe=3, **_PIPED),
+    },
+    128: {
+        "default": {},
+        "pipe2": dict(block_m=128, block_n=64, num_warps=8, pipe=2, **_PIPED),
+        "pipe3": dict(block_m=128, block_n=64, num_warps=8, pipe=3, **_PIPED),
+        "m64_pipe2": dict(block_m=64, block_n=64, num_warps=4, pipe=2, **_PIPED),
+        "m64_pipe3": dict(block_m=64, block_n=64, num_warps=4, pipe=3, **_PIPED),
+    },
+    256: {
+        "default": {},
+        "pipe2": dict(block_m=64, block_n=32, num_warps=8, pipe=2, **_PIPED),
+        "pipe3": dict(block_m=64, block_n=32, num_warps=8, pipe=3, **_PIPED),
+        "m128_pipe2": dict(block_m=128, block_n=32, num_warps=8, pipe=2, **_PIPED),
+    },
+}
+"""Launch configurations a GPU sweep times per head-dim class (64, 128, 256; bench/
+bench_tree_attention.py --sweep): ``pick_config`` overrides. Each compiles spill-free for sm_90
+(bench/compile_check.py --attention-configs). "default" is the built-in choice; "pipeN" runs the
+prefix loop as a ``tl.range(num_stages=N)`` instead of the hand prefetch; "m64" tiles (4 warps,
+~83 KiB shared, <= 255 registers) fit two programs per SM, so one program's softmax can overlap the
+other's MMAs. ``{"small_tree": True}`` (the small-tree path) is a candidate wherever it applies."""
+
+TUNED: dict[int, str] = {}
+"""Head-dim class -> the CANDIDATES entry launched when no override is given (empty: the built-in
+defaults), to be filled from a GPU sweep."""
+
+SMALL_TREE = False
+"""Launch the small-tree path by default wherever it applies (off until timed on the GPU)."""
+SMALL_TREE_MAX_N = 16
+SMALL_TREE_MAX_CAPACITY = 1024 + 64
+"""The small-tree path applies to N <= SMALL_TREE_MAX_N query rows and block tables of at most
+SMALL_TREE_MAX_CAPACITY slots: one program per (request, KV head) holds every node and query head
+of its group, walks all keys and writes the output itself (one launch, no split, no merge)."""
+
+
+def head_dim_class(D: int) -> int:
+    return 64 if D <= 64 else 128 if D <= 128 else 256
+
+
+def _small_rows(N: int, g_pad: int) -> int:
+    return g_pad * max(triton.next_power_of_2(N), triton.cdiv(16, g_pad))
+
+
+def small_tree_applies(N: int, g_pad: int, D: int, kv_capacity: int) -> bool:
+    """Whether the small-tree path takes (N nodes, padded group g_pad, head dim D, block-table
+    slots): few nodes, a short cache, and a tile that compiles spill-free on sm_90 (at D = 256
+    only up to 64 rows)."""
+    fits = D <= 128 or _small_rows(N, g_pad) <= 64
+    return N <= SMALL_TREE_MAX_N and kv_capacity <= SMALL_TREE_MAX_CAPACITY and fits
+
+
 def pick_config(
     B: int,
     N: int,
@@ -394,9 +470,19 @@ def pick_config(
     num_splits: int | None = None,
     override: dict | None = None,
 ) -> AttnConfig:
-    """Tile sizes and split count from capacities and the device only (never tensor values)."""
+    """Tile sizes and split count from capacities and the device only (never tensor values).
+
+    ``override`` (tests, the benchmark's sweep) replaces any of block_m, block_n, num_warps,
+    num_stages, prefetch, pipe, warp_specialize, programs_per_sm, min_chunk; ``small_tree: True``
+    takes the small-tree path where ``small_tree_applies`` (else it is ignored). Without an
+    override, ``SMALL_TREE`` and ``TUNED`` choose among the candidates (compiled runs only)."""
     g = H_q // H_kv
     g_pad = triton.next_power_of_2(g)
+    if override is None and not interpret:
+        if SMALL_TREE and small_tree_applies(N, g_pad, D, kv_capacity):
+            override = {"small_tree": True}
+        elif head_dim_class(D) in TUNED:
+            override = CANDIDATES[head_dim_class(D)][TUNED[head_dim_class(D)]]
     # 8 warps at every head dim: with 4, the D = 64 and D = 256 tiles spill on sm_90 (76 and
     # 532 bytes per thread; bench/attention_notes.md), with 8 none does (checked in CI,
     # tests/test_compile_check.py)
@@ -410,7 +496,17 @@ def pick_config(
     else:
         block_m, block_n, warps, stages = 64, 32, 8, 2
     prefetch = not interpret
+    pipe, warp_spec = 0, False
     ppsm, min_chunk = PROGRAMS_PER_SM, MIN_CHUNK
+    small = bool(override and override.get("small_tree"))
+    if small and small_tree_applies(N, g_pad, D, kv_capacity):
+        # every node of the tree in one query tile; the largest key tile and fewest warps that
+        # compile spill-free on sm_90 (D = 256: 8 warps, 16 keys below 64 rows)
+        block_m = _small_rows(N, g_pad)
+        block_n = 64 if D <= 128 else 32 if block_m >= 64 else 16
+        warps = 4 if block_m <= 64 and D <= 128 else 8
+        stages, prefetch, pipe = 1, False, 2
+        num_splits = 1 if num_splits is None else num_splits
     if override:
         prefetch = override.get("prefetch", prefetch)
         ppsm = override.get("programs_per_sm", ppsm)
@@ -419,6 +515,8 @@ def pick_config(
         block_n = override.get("block_n", block_n)
         warps = override.get("num_warps", warps)
         stages = override.get("num_stages", stages)
+        pipe = override.get("pipe", pipe)
+        warp_spec = override.get("warp_specialize", warp_spec)
     block_q = max(1, block_m // g_pad)
     block_q = min(block_q, triton.next_power_of_2(N))
     block_q = max(block_q, triton.cdiv(16, g_pad))  # tl.dot needs M >= 16
@@ -431,7 +529,9 @@ def pick_config(
             num_splits = min(
                 triton.cdiv(target, base), MAX_SPLITS, max(1, kv_capacity // min_chunk)
             )
-    return AttnConfig(block_q, g_pad, block_n, max(1, num_splits), warps, stages, prefetch)
+    return AttnConfig(
+        block_q, g_pad, block_n, max(1, num_splits), warps, stages, prefetch, pipe, warp_spec
+    )
 
 
 def workspace_numel(B: int, N: int, H_q: int, D: int, cfg: AttnConfig) -> int:
@@ -506,6 +606,8 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
             WRITE_LSE=has_lse,
             UPCAST=interpreted() or q.dtype == torch.float32,
             PREFETCH=cfg.prefetch,
+            PIPE=cfg.pipe,
+            WARP_SPEC=cfg.warp_spec,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         ),  # fmt: skip

@@ -488,3 +488,102 @@ def test_opcheck_tree_attention(with_lse):
         (s["q"], s["k_cache"], s["v_cache"], s["block_table"], s["seq_lens"],
          *s["tree"].tensors(), None, None, 0.125, out, lse, None),
     )  # fmt: skip
+
+
+_CANDIDATES = [(d, name) for d, c in K.CANDIDATES.items() for name in c] + [
+    (d, "small") for d in K.CANDIDATES
+]
+
+
+@settings(max_examples=20)
+@given(
+    cand=st.sampled_from(_CANDIDATES),
+    tc=trees(max_batch=2, capacities=(1, 8, 16, 32)),
+    data=st.data(),
+)
+def test_every_sweep_candidate_matches_reference(cand, tc, data):
+    """Each launch configuration the GPU sweep times (CANDIDATES and the small-tree path), forced
+    under the interpreter at its GPU tile sizes: the tl.range-pipelined prefix loop with 0, 1 and
+    several full tiles, ragged tails, query ranges, forced splits."""
+    D, name = cand
+    override = {"small_tree": True} if name == "small" else K.CANDIDATES[D][name]
+    rng = random.Random(data.draw(st.integers(0, 2**16)))
+    B, N = tc.tree.batch_size, tc.tree.capacity
+    group = data.draw(st.sampled_from([1, 4, 8]))
+    H_kv = data.draw(st.sampled_from([1, 2]))
+    dtype = data.draw(st.sampled_from([torch.float16, torch.float32]))
+    page = data.draw(st.sampled_from([1, 16, 64, None]))
+    seq = [data.draw(st.sampled_from([0, 5, 64, 130, 300])) for _ in range(B)]
+    kv = paged_kv([s + N for s in seq], page, H_kv, D, dtype, rng)
+    q = torch.randn(B, N, H_kv * group, D).to(dtype)
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    qs = ql = None
+    if data.draw(st.booleans()):
+        qs = torch.tensor([rng.randrange(N + 1) for _ in range(B)], dtype=torch.int32)
+        ql = torch.tensor([rng.randrange(N + 1) for _ in range(B)], dtype=torch.int32)
+    splits = data.draw(st.sampled_from([None, 1, 3]))
+    check_kernel(
+        q, kv, seq_lens, tc.tree, qs, ql, num_splits=splits, override=override,
+        what=f"D={D} {name} page={page} group={group} {dtype} splits={splits}",
+    )  # fmt: skip
+
+
+def test_candidates_pipeline_and_stay_off_by_default():
+    """The candidates run the tl.range loop (pipe > 0) or are the default; without TUNED or
+    SMALL_TREE the compiled default is the hand-prefetched configuration, unchanged."""
+    for d, cands in K.CANDIDATES.items():
+        assert cands["default"] == {}
+        for name, ov in cands.items():
+            cfg = K.pick_config(4, 64, 32, 8, d, 4096, 132, False, override=ov)
+            assert name == "default" or (cfg.pipe > 0 and not cfg.prefetch), (d, name)
+    assert K.TUNED == {} and K.SMALL_TREE is False
+    cfg = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False)
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (128, 64, 8, 1)
+    assert cfg.prefetch and cfg.pipe == 0 and cfg.num_splits > 1
+
+
+def test_small_tree_path_is_one_launch_from_capacities(monkeypatch):
+    """Few nodes and a short block table: one query tile holding every node and head of the
+    group, no split (so no merge launch); chosen from capacities only, ignored where it does not
+    apply; SMALL_TREE and TUNED route the default launch."""
+    small = {"small_tree": True}
+    cfg = K.pick_config(1, 8, 32, 8, 128, 528, 132, False, override=small)
+    assert cfg.num_splits == 1 and cfg.block_q >= 8 and cfg.pipe > 0
+    assert K.pick_config(1, 8, 32, 8, 128, 528, 132, False).num_splits > 1  # default: splits
+    big_n = K.pick_config(1, 64, 32, 8, 128, 528, 132, False, override=small)
+    assert big_n == K.pick_config(1, 64, 32, 8, 128, 528, 132, False, override={})
+    assert not K.small_tree_applies(8, 4, 128, 4096)  # long block table
+    assert not K.small_tree_applies(16, 8, 256, 512)  # 128 rows at D = 256 would spill
+    monkeypatch.setattr(K, "SMALL_TREE", True)
+    assert K.pick_config(1, 8, 32, 8, 128, 528, 132, False) == cfg
+    monkeypatch.setattr(K, "SMALL_TREE", False)
+    monkeypatch.setattr(K, "TUNED", {128: "m64_pipe2"})
+    tuned = K.pick_config(8, 64, 32, 8, 128, 4096, 132, False)
+    assert tuned == K.pick_config(
+        8, 64, 32, 8, 128, 4096, 132, False, override=K.CANDIDATES[128]["m64_pipe2"]
+    )
+    assert K.pick_config(8, 64, 32, 8, 128, 4096, 132, True).pipe == 0  # interpreter: its tiles
+
+
+def test_small_tree_path_through_the_launcher(monkeypatch):
+    """SMALL_TREE routes a default launch through the small-tree path: same result as the
+    reference, and no split workspace is needed."""
+    rng = random.Random(11)
+    N = 8
+    tree = make_tree([parents_of("random", 8, rng), parents_of("chain", 5, rng)], N, 64, rng)
+    seq = [500, 33]
+    kv = paged_kv([s + N for s in seq], 16, 2, 64, torch.float16, rng)
+    q = torch.randn(2, N, 8, 64).to(torch.float16)
+    monkeypatch.setattr(K, "SMALL_TREE", True)
+    monkeypatch.setattr(K, "interpreted", lambda: False)  # the compiled path's choice
+    monkeypatch.setattr(K._runtime, "sm_count", lambda device: 132)
+    K._PLANS.clear()
+    try:
+        cfg = K.config_for(q, kv.k_cache, kv.block_table)
+        assert cfg.num_splits == 1 and K.workspace_numel(2, N, 8, 64, cfg) == 0
+        monkeypatch.setattr(K, "interpreted", lambda: True)  # the kernels must upcast
+        check_kernel(
+            q, kv, torch.tensor(seq, dtype=torch.int32), tree, override={"small_tree": True}
+        )
+    finally:
+        K._PLANS.clear()
