@@ -288,3 +288,36 @@ def clear_all() -> None:
     """Forget every launcher's cached kernels (after a test swapped Triton's driver, say)."""
     for lau in LAUNCHERS:
         lau.clear()
+
+
+# ------------------------------------------------------------------------------ scratch buffers
+_SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
+MAX_SCRATCH = 64
+"""Scratch sets kept (all launchers together); the cache is emptied when full."""
+
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
+
+
+def scratch(key: tuple, device: torch.device, make: Callable[[], tuple]) -> tuple:
+    """A launch's scratch buffers: ``make()`` (fresh ``torch.empty``s), kept per ``key`` (the
+    launcher's sizes and dtypes), device and current stream for the next call.
+
+    Only for buffers that each launch writes before it reads them (no state between launches),
+    so two launches may share them exactly when they run one after the other, which is when the
+    caching allocator would have handed them the same block: same device, same stream (kernels
+    on one stream run in order). Inside a CUDA-graph capture the buffers are always fresh, from
+    the graph's pool and the graph's own: a cached set could be used by an eager call on
+    another stream while the graph replays."""
+    if device.type == "cuda":
+        if _capturing is not None and _capturing():
+            return make()
+        full = (key, _current_stream(device.index))  # (stream id, device index, type)
+    else:  # CPU (the interpreter, the host benchmark): launches are synchronous
+        full = (key, device)
+    bufs = _SCRATCH.get(full)
+    if bufs is None:
+        if len(_SCRATCH) >= MAX_SCRATCH:
+            _SCRATCH.clear()
+        bufs = _SCRATCH[full] = make()
+    return bufs

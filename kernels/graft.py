@@ -34,7 +34,7 @@ from treeops import _runtime
 from treeops._runtime import cdiv, interpreted, pow2
 from treeops.tree import Tree
 
-from ._launch import direct
+from ._launch import direct, scratch
 from .graft_update import _claim_kernel, _topk_partial_kernel, _update_write_kernel
 
 INT32_MAX = 2**31 - 1
@@ -448,12 +448,14 @@ def _contig(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+_is_contiguous = torch.Tensor.is_contiguous
+
+
 def _contig_fields(prefix: str, tensors: tuple[torch.Tensor, ...]) -> None:
     """``_contig`` of each of a tree's fields (``Tree.FIELDS`` order), the first bad one named."""
-    for t in tensors:
-        if not t.is_contiguous():
-            for f, u in zip(Tree.FIELDS, tensors):
-                _contig(f"{prefix}.{f}", u)
+    if not all(map(_is_contiguous, tensors)):  # the loop in C while all pass
+        for f, u in zip(Tree.FIELDS, tensors):
+            _contig(f"{prefix}.{f}", u)
 
 
 def graft_fused(
@@ -518,9 +520,14 @@ def graft_fused(
     TB = max(pow2(T), 2)
     WB = max(pow2(W), 2)
     level_block = min(32, max(2, pow2(level_width)))
-    ws_i = torch.empty(B * 5 * TB, dtype=torch.int32, device=dev)
-    ws_l = torch.empty(B * 2 * TB, dtype=torch.int64, device=dev)
-    ws_anc = torch.empty(B * TB * WB, dtype=torch.int32, device=dev)
+    ws_i, ws_l, ws_anc = scratch(
+        ("graft", B, TB, WB), dev,
+        lambda: (
+            torch.empty(B * 5 * TB, dtype=torch.int32, device=dev),
+            torch.empty(B * 2 * TB, dtype=torch.int64, device=dev),
+            torch.empty(B * TB * WB, dtype=torch.int32, device=dev),
+        ),
+    )  # fmt: skip
     direct(_graft_kernel).launch(
         (B,),
         tree.tokens,
@@ -587,8 +594,13 @@ def retrieve(
     count_t = isinstance(count, torch.Tensor)
     count_val = T - 1 if count is None or count_t else int(count)
     TB = max(pow2(T), 2)
-    ws_tok = torch.empty(B * TB, dtype=torch.int64, device=dev)
-    ws_pos = torch.empty(B * TB, dtype=torch.int32, device=dev)
+    ws_tok, ws_pos = scratch(
+        ("retrieve", B, TB), dev,
+        lambda: (
+            torch.empty(B * TB, dtype=torch.int64, device=dev),
+            torch.empty(B * TB, dtype=torch.int32, device=dev),
+        ),
+    )  # fmt: skip
     direct(_retrieve_kernel).launch(
         (B,),
         table,

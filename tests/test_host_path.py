@@ -523,3 +523,32 @@ def kk_rope_reference(x, pos):
     from treeops.reference import kv_append as ref
 
     return ref.rope(x, pos, 10000.0)
+
+
+def test_scratch_is_kept_per_key_device_and_stream_and_fresh_in_capture(monkeypatch):
+    """``_launch.scratch``: a launcher's scratch is reused by the next call with equal sizes on
+    the same device and stream (where the caching allocator would reuse the block), never
+    shared across streams, and always fresh inside a CUDA-graph capture."""
+    made = []
+
+    def make():
+        made.append(torch.empty(4))
+        return (made[-1],)
+
+    cpu = torch.device("cpu")
+    a = _launch.scratch(("test", 1), cpu, make)
+    assert _launch.scratch(("test", 1), cpu, make) is a and len(made) == 1
+    assert _launch.scratch(("test", 2), cpu, make) is not a and len(made) == 2
+    stream = [7]
+    monkeypatch.setattr(_launch, "_current_stream", lambda index: (stream[0], index, 1))
+    monkeypatch.setattr(_launch, "_capturing", lambda: False)
+    gpu = torch.device("cuda", 0)
+    b = _launch.scratch(("test", 1), gpu, make)
+    assert b is not a and _launch.scratch(("test", 1), gpu, make) is b
+    stream[0] = 8  # another stream: its own
+    assert _launch.scratch(("test", 1), gpu, make) is not b
+    monkeypatch.setattr(_launch, "_capturing", lambda: True)
+    n = len(made)
+    c1, c2 = _launch.scratch(("test", 1), gpu, make), _launch.scratch(("test", 1), gpu, make)
+    assert c1 is not c2 and len(made) == n + 2
+    _launch._SCRATCH.clear()
