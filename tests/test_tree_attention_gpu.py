@@ -32,7 +32,9 @@ def _trees(B, N, kinds, rng, sizes=None):
     return make_tree(rows, N, max(64, N), rng).to(DEV)
 
 
-def _check(q, kv, seq, tree, dtype, q_start=None, q_len=None, num_splits=None, what=""):
+def _check(
+    q, kv, seq, tree, dtype, q_start=None, q_len=None, num_splits=None, what="", override=None
+):
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device=DEV)
     K.tree_attention_fwd(
@@ -49,6 +51,7 @@ def _check(q, kv, seq, tree, dtype, q_start=None, q_len=None, num_splits=None, w
         out,
         lse,
         num_splits=num_splits,
+        override=override,
     )
     ref, ref_lse = RA.tree_attention(
         q, kv.k_cache, kv.v_cache, kv.block_table, seq, tree, q_start, q_len, return_lse=True
@@ -59,6 +62,32 @@ def _check(q, kv, seq, tree, dtype, q_start=None, q_len=None, num_splits=None, w
     )
     zero = torch.isinf(ref_lse)
     assert bool((out[zero] == 0).all()) and bool(torch.isinf(lse[zero]).all())
+
+
+_CANDIDATES = [(d, n) for d, c in K.CANDIDATES.items() for n in c] + [
+    (d, "small") for d in K.CANDIDATES
+]
+
+
+@pytest.mark.parametrize("D,name", _CANDIDATES, ids=lambda x: str(x))
+def test_sweep_candidates(D, name):
+    """Every launch configuration the sweep times, compiled: bf16, page 16, GQA 4, several full
+    prefix tiles, ragged lengths, a query range; the small-tree path at N = 16 and ctx <= 1000."""
+    rng = random.Random(D)
+    small = name == "small"
+    override = {"small_tree": True} if small else K.CANDIDATES[D][name]
+    B, N = (3, 16) if small else (3, 64)
+    lens = [900, 517, 0] if small else [2000, 1037, 0]
+    tree = _trees(B, N, ["random", "chain", "binary"], rng, sizes=[N, N - 3, 1])
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    kv = paged_kv([L + N for L in lens], 16, 8, D, torch.bfloat16, rng, device=DEV)
+    q = torch.randn(B, N, 32, D, device=DEV).to(torch.bfloat16)
+    if small:
+        assert K.config_for(q, kv.k_cache, kv.block_table, None, override).num_splits == 1
+    _check(q, kv, seq, tree, torch.bfloat16, override=override, what=f"D={D} {name}")
+    qs = torch.tensor([0, 2, 0], dtype=torch.int32, device=DEV)
+    ql = torch.tensor([5, 9, 1], dtype=torch.int32, device=DEV)
+    _check(q, kv, seq, tree, torch.bfloat16, qs, ql, override=override, what=f"{name} range")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
