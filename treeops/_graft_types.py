@@ -104,6 +104,9 @@ class RankTemplate:
         self, device: torch.device | str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(parents, ranks, depth)`` on ``device`` (copied once, then cached)."""
+        got = self._on.get(device)  # a torch.device as the ops pass it: no conversion
+        if got is not None:
+            return got
         dev = torch.device(device)
         if dev not in self._on:
             self._on[dev] = (self.parents.to(dev), self.ranks.to(dev), self.depth.to(dev))
