@@ -3,11 +3,13 @@
 # Usage (on the GPU machine, in the repo root): OUT=dir bash bench/run_h200.sh STAGE...
 # Stages: tests:<names>  memcheck:<names>  calibrate  bench_build  bench_cast  bench_accept
 #         bench_compact_kv  bench_kv_append  bench_graft  bench_attention  bench_host  bench_e2e
-#         pytest_bench
+#         pytest_bench  train_bg  wait_bg
 #         (<names>: comma list of op stems (tree_attention, build_tree, ...), decoder, or all). A stage may carry
 #         its own time limit: calibrate@240. pytest_bench: ``python -m pytest bench
 #         --benchmark-only`` (one benchmark per op at least; PYTEST_BENCH_K selects with -k), its
-#         results in $OUT/pytest_bench.json.
+#         results in $OUT/pytest_bench.json. train_bg trains (or loads) bench_e2e's pair in the
+#         background (bench_e2e --train-only) so GPU tests can run beside it; wait_bg waits for it
+#         (put it before any timed stage).
 # Tests run on XDIST workers (default 8) when pytest-xdist is importable (carry its wheel in
 # .whl/): the first use of every kernel configuration compiles, and compiling is CPU-bound.
 # Each stage runs under its own time limit (STAGE_LIMIT, seconds) so that one slow stage cannot
@@ -54,6 +56,13 @@ for spec in "$@"; do
     bench_host) cmd="python3 bench/bench_host.py --out $OUT/host.json ${HOST_ARGS:-}";;
     bench_e2e) cmd="python3 bench/bench_e2e.py --out $OUT ${E2E_ARGS:-}";;
     pytest_bench) cmd="python3 -m pytest bench --benchmark-only -p no:cacheprovider -q --benchmark-json=$OUT/pytest_bench.json ${PYTEST_BENCH_K:+-k '$PYTEST_BENCH_K'}";;
+    train_bg)  # the e2e pair trained in the background (into its /tmp cache) while tests run;
+      # never beside a timed stage: wait_bg first
+      mkdir -p "$OUT/train"
+      nohup python3 bench/bench_e2e.py --out "$OUT/train" --train-only >"$OUT/train/log.txt" 2>&1 &
+      echo $! >/tmp/treeops-train.pid
+      summary="$summary\n$(printf '%-34s started' "$stage")"; continue;;
+    wait_bg) cmd="while kill -0 \$(cat /tmp/treeops-train.pid) 2>/dev/null; do sleep 2; done; tail -n 3 $OUT/train/log.txt";;
     *) echo "unknown stage $stage"; continue;;
   esac
   echo "=== $stage: $cmd" | tee -a "$LOG"
