@@ -267,9 +267,9 @@ class _BatchState:
     graft_hits: float = 0.0  # decayed grafted nodes accepted
 
 
-COST_PRIOR_US = (200.0, 20.0, 50.0)
-"""Prior standard deviations (µs) of the learnt step-time corrections b (per draft layer),
-c (per verified node), e (per frontier row beyond the first, per layer)."""
+COST_PRIOR_US = (1e6, 200.0, 20.0, 50.0)
+"""Prior standard deviations (µs) of the learnt step-time corrections a (the step's fixed part),
+b (per draft layer), c (per verified node), e (per frontier row beyond the first, per layer)."""
 STEP_NOISE_US = 200.0
 """Assumed standard deviation of one step's measured time (µs): sets how many steps of data
 outweigh the prior."""
@@ -333,7 +333,7 @@ class CastPlanner:
     shapes its grid interpolates) shows in the measured step times: the planner keeps, per plan
     it ran, the mean of measured minus modelled time, and fits it per batch size as
     ``a + b (depth - 1) + c (verify - 1) + e (width - 1)(depth - 1)`` µs (a Gaussian prior
-    around 0 on b, c, e: ``COST_PRIOR_US``; a plan's steps weigh up to ``RESIDUAL_CAP``). The
+    around 0, ``COST_PRIOR_US``, flat on a; a plan's steps weigh up to ``RESIDUAL_CAP``). The
     rules add ``b + e (k - 1)`` to a layer of ``k`` rows and ``c`` per verified node; ``a``
     (the step's fixed part) changes no decision.
 
@@ -509,7 +509,7 @@ class CastPlanner:
         X = np.array([_features(p) for p in st.residuals])
         wr = np.array(list(st.residuals.values()))
         w, r = wr[:, 0], wr[:, 1]
-        prec = np.diag([1e-9] + [(STEP_NOISE_US / s) ** 2 for s in COST_PRIOR_US])
+        prec = np.diag([(STEP_NOISE_US / s) ** 2 for s in COST_PRIOR_US])
         A = X.T @ (w[:, None] * X) + prec
         return np.linalg.solve(A, X.T @ (w * r))
 
