@@ -807,6 +807,35 @@ def test_lambda_cast_step_graphs_on_gpu(gpu_pair, batch):
     assert all(len(t) == 6 for t in out.tokens)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["chain", "lambda-Cast", "lambda-CastGraft"])
+def test_launch_ahead_equals_one_step_at_a_time_on_gpu(pair, gpu_pair, policy):
+    """With CUDA graphs, steps launched ahead of their collection (two pinned result slots,
+    uploads staged from fresh pinned memory) give the same greedy tokens as one step at a time,
+    with stop ids and ragged budgets, and the same sampled tokens from the same generator (the
+    uniforms are drawn in step order either way)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = PROMPTS * 2
+    budgets = [NEW, 8, 5, 3, NEW, 1]
+    stop = _greedy_baseline(pair[0], PROMPTS[1], NEW)[3]
+    outs = []
+    for ahead in (True, False):
+        if policy.startswith("lambda-"):
+            dec = _lambda_decoder(gpu_pair, graft=policy.endswith("Graft"), cuda_graphs=True,
+                                  launch_ahead=ahead)  # fmt: skip
+        else:
+            dec = _decoder(gpu_pair, policy, cuda_graphs=True, step_graphs=True,
+                           launch_ahead=ahead)  # fmt: skip
+        greedy = dec.generate(prompts, budgets, stop_ids=[stop])
+        assert greedy.host_waits == greedy.steps
+        g = torch.Generator().manual_seed(5)
+        sampled = dec.generate(prompts, 6, sampling=SamplingParams(temperature=0.9), generator=g)
+        outs.append((greedy.tokens, sampled.tokens))
+    assert outs[0][0] == outs[1][0]
+    if policy == "chain":  # (λ-CAST's plans follow statistics one step older when ahead)
+        assert outs[0][1] == outs[1][1]
+
+
 def test_lambda_cast_plan_at_the_policys_maxima(pair):
     """A plan of the λ-CAST policy's own maxima (W, D, N) drafts that plan's fixed-shape tree:
     its buffers are not confused with the policy's own (same shape, no thresholds)."""
