@@ -752,6 +752,8 @@ def test_lambda_cast_graft_greedy_equals_autoregressive(pair):
     want = [_greedy_baseline(target, p, m, stop=(stop,)) for p, m in zip(PROMPTS, budgets)]
     assert res.tokens == want
     assert sum(res.grafted) > 0 and res.host_waits == res.steps
+    for added, plan in zip(res.grafted, res.plans):  # at most g new nodes per request
+        assert added <= len(PROMPTS) * plan[4]
     plans = dec.planner._state(3).measured or dec.planner._state(3).residuals
     assert any(p.graft > 0 for p in plans)
     assert all(p.graft <= p.verify // 2 for p in plans)

@@ -314,7 +314,7 @@ class EagerStep(StepBody):
         planner = self.dec.planner
         if planner is not None:  # the step's time: from the previous step's end
             now = time.perf_counter()
-            step_s, self.t_last = now - self.t_last, now
+            step_s, self.t_last = self.dec._step_time(now - self.t_last), now
             acc = [r[0] for r in rows if r[0] > 0]
             if acc:
                 self.ctx += max(acc)
@@ -602,7 +602,7 @@ class StaticStep(StepBody):
             sb.grafted.copy_(self.vin.num_nodes - pruned.num_nodes)
         elif pb.graft:  # λ-CAST with Graft: the plan's n - g best draft nodes, g retrieved
             tree = build_tree_emit(st, pol, out=pb.emit)
-            pruned = prune(tree, N - pb.graft)
+            pruned = prune(tree, N - 1 - pb.graft)  # keep counts the nodes below the root
             graft(pruned, dec.table, gp.template, budget=N, out=self.vin)
             sb.grafted.copy_(self.vin.num_nodes - pruned.num_nodes)
         else:
