@@ -51,6 +51,7 @@ from .policies import (
 )
 from .results import DecodeResult, SamplingParams, absorb, check_requests
 from .step import Carry, EagerStep, StaticStep, WholeStepBody
+from .tp import TPContext, check_cost_table, verified_tokens
 
 __all__ = [
     "POLICIES",
@@ -113,6 +114,17 @@ class Decoder:
         planner_options: keyword arguments of λ-CAST's ``CastPlanner`` (e.g. the measured
             ``layer_overhead_us``), kept per decoder: its λ̂, calibration and plans persist
             across ``generate`` calls.
+        tp_group: a ``torch.distributed`` process group to decode tensor-parallel over (one
+            process per rank, each constructing its decoder; ``tp.py``): ``target`` must be
+            sharded for it (``tp.shard_target(target, tp_group)``), the draft is replicated,
+            and a CAST cost table must have been measured at this TP degree (its
+            ``meta["tp"]``; a ``ValueError`` otherwise, as for a table of another degree
+            without a group). Each ``generate`` takes rank 0's arguments and generator state.
+            None (the default): one process, nothing of ``tp.py`` runs.
+        check_lockstep: with ``tp_group``, all-gather a digest of every step's results
+            (accepted lengths, bonus tokens, the verified tree's tokens) and raise a
+            ``RuntimeError`` naming the step and the ranks when they differ. It reads the
+            tree after each step, so whole steps are not launched ahead.
     """
 
     def __init__(
@@ -129,6 +141,8 @@ class Decoder:
         step_graphs: bool = False,
         launch_ahead: bool = True,
         planner_options: dict | None = None,
+        tp_group=None,
+        check_lockstep: bool = False,
     ):
         self.policy = as_policy(policy)
         self.name = policy_name(self.policy)
@@ -194,6 +208,16 @@ class Decoder:
                 "Invalid value of step_graphs: True needs cuda_graphs=True (or static_shapes=True "
                 "to run the whole-step body eagerly)"
             )
+        sharded = getattr(target, "tp_group", None)
+        if tp_group is None and sharded is not None:
+            raise ValueError("Invalid value of tp_group: None, but the target is sharded")
+        if tp_group is not None and sharded is not tp_group:
+            raise ValueError(
+                "Invalid value of target: not sharded for tp_group; use "
+                "treeops.decoder.tp.shard_target(target, tp_group)"
+            )
+        self.tp = None if tp_group is None else TPContext(tp_group, check_lockstep)
+        check_cost_table(getattr(tp, "cost_table", None), 1 if self.tp is None else self.tp.size)
         self.profile = bool(profile)
         self.check_buckets = bool(check_buckets)
         if dev.type == "cuda":
@@ -242,6 +266,11 @@ class Decoder:
         ``SamplingParams`` for the batch or one per request (temperature 0 rows are greedy);
         uniforms come from ``generator`` (CPU), one per tree node per step."""
         # Triton launches, events and graph captures use the current device: make it the model's
+        if self.tp is not None:  # every rank decodes rank 0's requests with its generator
+            prompts, max_new_tokens, stop_ids, sampling, generator = self.tp.sync_requests(
+                prompts, max_new_tokens, stop_ids, sampling, generator
+            )
+        lockstep = self.tp is not None and self.tp.check_lockstep
         with torch.cuda.device(self._dev) if self._dev.type == "cuda" else nullcontext():
             B, budget, per_req, greedy = check_requests(prompts, max_new_tokens, sampling)
             g = generator or torch.Generator().manual_seed(0)
@@ -257,10 +286,13 @@ class Decoder:
                 if self.graft is not None:
                     res.grafted.append(grafted)
                 step.record(res, launched) if launched else step.record(res)
+                if lockstep:
+                    ran = launched or getattr(step, "last", None)
+                    self.tp.check_step(res.steps, rows, verified_tokens(step, ran))
                 res.steps += 1
                 res.time_tree += step.clock() - t0
 
-            if isinstance(step, WholeStep) and self.launch_ahead:
+            if isinstance(step, WholeStep) and self.launch_ahead and not lockstep:
                 # step t + 1 is enqueued before step t's results are read, whenever some
                 # request is sure to outlive step t: the host's work overlaps the device's
                 cur = step.launch() if any(host_active) else None
@@ -366,6 +398,11 @@ class Decoder:
         return root, root_feat
 
     # ------------------------------------------------------- timing and host waits
+    def _step_time(self, seconds: float) -> float:
+        """The step time λ-CAST's planner observes: rank 0's under TP (the same plan on every
+        rank), else ``seconds``."""
+        return seconds if self.tp is None else self.tp.step_time(seconds)
+
     def _clock(self) -> float:
         """A timing boundary: ``perf_counter``, after a device sync under ``profile``."""
         if self.profile and self._dev.type == "cuda":

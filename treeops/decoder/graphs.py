@@ -558,6 +558,7 @@ class WholeStep:
             self.captures_seen = res.graphs_captured
             step_s = 0.0
         if planner is not None:
+            step_s = dec._step_time(step_s)  # under TP rank 0's: one plan on every rank
             acc = [r[0] for r in rows if r[0] > 0]
             if acc:
                 self.ctx += max(acc)
