@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, in the repo root): OUT=dir bash bench/run_h200.sh STAGE...
 # Stages: tests:<names>  memcheck:<names>  calibrate  bench_build  bench_cast  bench_accept
 #         bench_compact_kv  bench_kv_append  bench_graft  bench_attention  bench_host  bench_e2e
-#         pytest_bench  train_bg  wait_bg
+#         pytest_bench  train_bg  wait_bg  kernel_limits (ncu's counters per kernel, LIMITS_ARGS)
 #         (<names>: comma list of op stems (tree_attention, build_tree, ...), decoder, or all). A stage may carry
 #         its own time limit: calibrate@240. pytest_bench: ``python -m pytest bench
 #         --benchmark-only`` (one benchmark per op at least; PYTEST_BENCH_K selects with -k), its
@@ -55,6 +55,7 @@ for spec in "$@"; do
     bench_attention) cmd="python3 bench/bench_tree_attention.py --out $OUT ${ATT_ARGS:-}";;
     bench_host) cmd="python3 bench/bench_host.py --out $OUT/host.json ${HOST_ARGS:-}";;
     bench_e2e) cmd="python3 bench/bench_e2e.py --out $OUT ${E2E_ARGS:-}";;
+    kernel_limits) cmd="python3 bench/kernel_limits.py --out $OUT ${LIMITS_ARGS:-}";;
     pytest_bench) cmd="python3 -m pytest bench --benchmark-only -p no:cacheprovider -q --benchmark-json=$OUT/pytest_bench.json ${PYTEST_BENCH_K:+-k '$PYTEST_BENCH_K'}";;
     train_bg)  # the e2e pair trained in the background (into its /tmp cache) while tests run;
       # never beside a timed stage: wait_bg first
