@@ -74,8 +74,9 @@ def _build_layer(B: int, V: int) -> Callable[[], object]:
 
     pol = BT.make_policy("eagle", 64, BT.synthetic_table())
     st, _, _ = BT.fresh_state(pol, B, V, "cuda")
-    x = BT.logits_buffers(B, V, "cuda", count=1)[0]
-    return lambda: BT.expand_at(x, st, pol, 1)
+    x0, x1 = BT.logits_buffers(B, V, "cuda", count=2)
+    BT.expand_at(x0, st, pol, 0)  # layer 0 from the root: layer 1 then has a full frontier
+    return lambda: BT.expand_at(x1, st, pol, 1)
 
 
 def _graft_update(B: int, V: int) -> Callable[[], object]:
