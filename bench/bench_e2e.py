@@ -3,6 +3,7 @@ plain autoregressive decoding of the same target, with the same paged cache and 
 
     python bench/bench_e2e.py --out DIR [--quick] [--budget-s S]       # H200: trains the pair
     python bench/bench_e2e.py --out DIR --random-model --quick --no-graphs   # CPU smoke test
+    python bench/bench_e2e.py --out bench/results/h200x2 --tp 2 [...]   # 2 GPUs, NCCL (e2e_tp.py)
 
 On the H200 (treeops must be installed: ``pip install -e .``, as ``bench/run_h200.sh`` does):
 ``OUT=DIR E2E_ARGS="--quick --budget-s 500" bash bench/run_h200.sh bench_e2e@580``.
@@ -85,6 +86,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import e2e_tp  # noqa: E402
 import harness as H  # noqa: E402
 from e2e_cost_table import calibrate  # noqa: E402
 
@@ -92,6 +94,7 @@ from treeops import CostTable  # noqa: E402
 from treeops.decoder import Decoder, Draft, ModelConfig, Target, make_policy  # noqa: E402
 from treeops.decoder.engine import DecodeResult, synthetic_cost_table  # noqa: E402
 from treeops.decoder.model import reference_forward  # noqa: E402
+from treeops.decoder.tp import shard_target, with_tp_degree  # noqa: E402
 
 SPEC_POLICIES = ("chain", "EagleStatic", "Cast", "CastGraft")
 BATCHES = (1, 64, 8, 4, 16, 32, 2)  # priority order: the claims are about B = 1 and the largest
@@ -101,7 +104,8 @@ MAX_DIVERGENCES_CHECKED = 48  # per row: fp32 reference forwards are cheap but n
 
 
 def log(msg: str) -> None:
-    print(msg, flush=True)
+    if e2e_tp.rank() == 0:  # --tp: the ranks run in lockstep; rank 0 speaks for them
+        print(msg, flush=True)
 
 
 # ------------------------------------------------------------------------------------ models
@@ -227,6 +231,8 @@ def make_decoder(policy, target, draft, args, table, graphs, profile=False):
         kw["planner_options"] = {
             "layer_overhead_us": (lambda B: ov.get(B, max(ov.values()))) if ov else 0.0
         }
+    if getattr(target, "tp_group", None) is not None:  # --tp: the sharded target's group
+        kw["tp_group"] = target.tp_group
     return Decoder(target, draft if policy != "autoregressive" else None, pol,
                    cuda_graphs=graphs, profile=profile, **kw)  # fmt: skip
 
@@ -528,6 +534,12 @@ def table_text(rows) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: N ranks (one GPU each, NCCL; e2e_tp.py)",
+    )
     ap.add_argument("--quick", action="store_true", help="B in {1, 64, 8}, fewer cost points")
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget (s)")
     ap.add_argument("--random-model", action="store_true", help="tiny random pair, no training")
@@ -599,10 +611,14 @@ def main(argv=None) -> int:
         "--train-seconds", default=None, help="T,D: training budgets (default: PairConfig.h200)"
     )
     args = ap.parse_args(argv)
+    if args.tp > 1 and not e2e_tp.active() and "WORLD_SIZE" not in os.environ:
+        return e2e_tp.launch(sys.argv[1:] if argv is None else list(argv), args.tp)
     t_start = time.time()
+    if args.tp > 1:  # a rank (e2e_tp.py): rank 0 writes --out, the others a scratch directory
+        args.out = e2e_tp.init(args.out)
     os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
+    device = e2e_tp.device() if args.tp > 1 else torch.device("cuda" if cuda else "cpu")
     if not cuda and not args.random_model:
         ap.error("without CUDA only --random-model runs (the trained pair is the H200's)")
     graphs = cuda and not args.no_graphs
@@ -650,7 +666,9 @@ def main(argv=None) -> int:
         # not under DIR: hundreds of MB of fp32 weights must not travel back with the results
         cache = args.cache_dir or os.environ.get("TREEOPS_PAIR_CACHE", "/tmp/treeops-e2e-pair")
         log(f"training / loading the pair (cache {cache})")
-        target, draft, prompts, report = trained_pair(device, cache, args.train_seconds)
+        target, draft, prompts, report = e2e_tp.rank0_first(
+            lambda: trained_pair(device, cache, args.train_seconds)
+        )
     report = dict(report)
     report["seconds_to_get"] = round(time.time() - t0, 1)
     ref32 = copy.deepcopy(target).float().eval()
@@ -658,6 +676,9 @@ def main(argv=None) -> int:
         target = target.to(torch.bfloat16).eval()
         draft = draft.to(torch.bfloat16).eval()
     report["decode_dtype"] = str(target.model.embed_tokens.weight.dtype)
+    if args.tp > 1:  # heads and MLP split, the rest and the draft replicated; ref32 whole
+        target = shard_target(target, e2e_tp.group())
+        report["tp"] = args.tp
     layers = target.cfg.num_hidden_layers
     floor_us = weight_read_floor_us(target)
     report["target_layers"] = layers
@@ -675,6 +696,8 @@ def main(argv=None) -> int:
     # 3. cost table
     n_max = max(args.budget, args.topk, args.cast_budget)  # CAST: n_max >= capacity, max width
     cache = os.environ.get("TREEOPS_TABLE_CACHE", "/tmp/treeops-e2e-table.json")
+    if args.tp > 1:  # a table per TP degree
+        cache = cache.replace(".json", f"-tp{args.tp}.json")
     try:
         if args.table and os.path.exists(args.table):
             table = CostTable.load(args.table)
@@ -685,13 +708,15 @@ def main(argv=None) -> int:
             table = calibrate(target, draft, sorted(batches), n_max, args.context_len,
                               args.contexts, device, args.quick, topk=args.topk,
                               width=args.topk)  # fmt: skip
-            if cuda:
+            table = with_tp_degree(table, args.tp) if args.tp > 1 else table
+            if cuda and e2e_tp.rank() == 0:
                 table.save(cache)
         table.save(os.path.join(args.out, "e2e_cost_table.json"))
         doc["cost_table"] = {"file": "e2e_cost_table.json", **table.meta}
     except Exception as e:
         traceback.print_exc()
         table = synthetic_cost_table(n_max)
+        table = with_tp_degree(table, args.tp) if args.tp > 1 else table
         doc["cost_table"] = {"error": f"{type(e).__name__}: {e}"[:500], "used": "synthetic"}
         log("COST TABLE CALIBRATION FAILED: the synthetic table is used")
     write(args.out, doc)
@@ -717,7 +742,7 @@ def main(argv=None) -> int:
         groups = groups_of(prompts, B, n_groups * B)
         bprompts = [p for g in groups for p in g]  # every request of the row, group by group
         est = max(b_seconds, default=args.first_batch_s)
-        if est > 0 and time.time() - t_start + 1.2 * est > args.budget_s:
+        if e2e_tp.agree(est > 0 and time.time() - t_start + 1.2 * est > args.budget_s):
             stopped = f"budget: B={B} and later not run ({time.time() - t_start:.0f} s used)"
             log(stopped)
             break
@@ -735,7 +760,7 @@ def main(argv=None) -> int:
             keys = ("tokens_per_s", "speedup", "speedup_spread", "mean_accepted",
                     "mean_verified_nodes", "lambda", "kernels_per_layer", "error")  # fmt: skip
             log(f"B={B} {r['policy']}: " + json.dumps({k: r.get(k) for k in keys if k in r}))
-        if time.time() - t_start > args.budget_s:
+        if e2e_tp.agree(time.time() - t_start > args.budget_s):
             stopped = f"budget: stopped after B={B}"
             break
     doc["stopped"] = stopped
