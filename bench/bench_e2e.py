@@ -548,6 +548,10 @@ def main(argv=None) -> int:
                     help="autoregressive, chain and EagleStatic with Decoder(step_graphs=True): "
                     "one CUDA graph per whole decoding step (rows say step_graphs: true; the "
                     "autoregressive baseline of speedup too)")  # fmt: skip
+    ap.add_argument("--free-plans", action="store_true",
+                    help="λ-CAST's timed runs may move to plans the warm-up did not run "
+                    "(capturing their graphs there, the capture left out of tokens/s; default: "
+                    "only the warm-up's plans, as graphs captured at start-up)")  # fmt: skip
     ap.add_argument("--no-launch-ahead", action="store_true",
                     help="whole-step graphs one step at a time (launch, wait, read): the host's "
                     "per-step work not overlapped with the device's next step")  # fmt: skip
@@ -800,6 +804,10 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
                     decs[pol].generate(groups[g % len(groups)], args.new_tokens)
                     g += 1
                 sync()
+                if planner is not None and not args.free_plans:
+                    # as an engine with its graphs captured at start-up: the timed runs move
+                    # among the plans the warm-up ran (each captured), none is captured there
+                    planner.restrict(B, planner.plans_run(B))
         except Exception as e:
             traceback.print_exc()
             errors[pol] = f"{type(e).__name__}: {e}"[:500]

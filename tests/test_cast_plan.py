@@ -398,6 +398,38 @@ def test_planner_grafts_what_beats_the_draft_tail(q, grows):
         treeops.CastPlanner(pol, graft_sizes=[64])
 
 
+def test_planner_restricted_to_its_captured_plans():
+    """After ``restrict(B, plans)`` every decision picks one of ``plans`` (the nearest to what
+    the rules and measurements choose), so an engine with graphs captured for them never
+    captures another; a current plan outside them moves in; ``restrict(B, None)`` lifts it."""
+    pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=8, max_width=8, max_depth=8,
+                       capacity=64)  # fmt: skip
+    pl = treeops.CastPlanner(pol, interval=8)
+    rng = np.random.default_rng(1)
+    unit_s = pl.costs(1, 100)[2] * 1e-6
+    for _ in range(25):  # a short warm-up: the first plans it visits (the last one ran once)
+        plan = pl.plan(1)
+        pl.observe(1, _model_stats(pl, rng, 0.1), plan, tokens=3.0, step_s=1.5 * unit_s, ctx=100)
+    run = pl.plans_run(1)
+    assert pl.plan(1) in run and len(run) >= 2
+    with pytest.raises(ValueError, match="plans"):
+        pl.restrict(1, [])
+    pl.restrict(1, [p for p in run if p != pl.plan(1)])  # the current plan moves in at once
+    assert pl.plan(1) in run
+    pl.restrict(1, run)
+    for _ in range(400):
+        plan = pl.plan(1)
+        assert plan in run
+        pl.observe(1, _model_stats(pl, rng, 0.1), plan, tokens=3.0, step_s=1.5 * unit_s, ctx=100)
+    pl.restrict(1, None)
+    seen = set()
+    for _ in range(400):
+        plan = pl.plan(1)
+        seen.add(plan)
+        pl.observe(1, _model_stats(pl, rng, 0.1), plan, tokens=3.0, step_s=1.5 * unit_s, ctx=100)
+    assert seen - set(run)  # free again, it goes on to plans the warm-up had not reached
+
+
 # ------------------------------------------------------- the planner against brute force
 _Q = np.array([0.80, 0.10, 0.04, 0.02, 0.012, 0.008, 0.005, 0.004, 0.003, 0.002])
 

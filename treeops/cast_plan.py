@@ -263,6 +263,7 @@ class _BatchState:
     # per plan run: [steps timed (capped), mean and mean square of the step's measured η (tokens
     # per S_T(B, 1) of time, as λ̂), the step count when last run]
     measured: dict = field(default_factory=dict)
+    allowed: frozenset | None = None  # the plans it may move to (None: any)
     grafted: float = 0.0  # decayed grafted nodes verified (active requests)
     graft_hits: float = 0.0  # decayed grafted nodes accepted
 
@@ -577,6 +578,8 @@ class CastPlanner:
             curve = st.verify / st.window
             st.plan = replace(st.plan, graft=self._graft_for(st, curve, st.plan.verify, plan.graft))
         st.plan = self._measured_guard(st, plan, st.plan)
+        if st.allowed is not None and st.plan not in st.allowed:
+            st.plan = self._nearest_allowed(st, plan, st.plan)
         st.layers[:] = 0.0
         st.verify[:] = 0.0
         st.window = 0
@@ -600,6 +603,43 @@ class CastPlanner:
         most = 1 + self.K + (depth - 1) * width * self.K  # the most nodes the tree can hold
         verify = min(verify, _round_up(most, self.verify_sizes))
         return Plan(width=width, depth=depth, verify=verify), tuple(dirs)
+
+    def plans_run(self, B: int) -> list[Plan]:
+        """The plans that ran at batch size ``B`` (each has its whole-step graph in a decoder
+        with CUDA graphs)."""
+        return sorted(self._state(B).residuals | self._state(B).measured)
+
+    def restrict(self, B: int, plans: Sequence[Plan] | None) -> None:
+        """Let the plan at batch size ``B`` move only among ``plans`` (None lifts it), as an
+        engine does with graphs captured at start-up: the decisions then pick the allowed plan
+        nearest to what they would choose (bucket steps summed over the sizes; the current plan
+        on a tie), so a decision never captures a new graph; a current plan outside them moves
+        to the nearest at once. An empty ``plans`` is a ``ValueError``."""
+        st = self._state(B)
+        if plans is None:
+            st.allowed = None
+            return
+        allowed = frozenset(plans)
+        if not allowed:
+            raise ValueError("Invalid value of plans: expected at least one plan, got none")
+        st.allowed = allowed
+        if st.plan not in allowed:
+            st.plan = self._nearest_allowed(st, st.plan, st.plan)
+
+    def _nearest_allowed(self, st: _BatchState, cur: Plan, want: Plan) -> Plan:
+        lists = (
+            self.widths,
+            list(range(1, self.D + 1)),
+            self.verify_sizes,
+            self.graft_sizes or [0],
+        )
+
+        def dist(p: Plan) -> int:
+            return sum(abs(sz.index(a) - sz.index(b)) for sz, a, b in zip(
+                lists, (p.width, p.depth, p.verify, p.graft),
+                (want.width, want.depth, want.verify, want.graft)))  # fmt: skip
+
+        return min(sorted(st.allowed), key=lambda p: (dist(p), p != cur))
 
     def graft_rate(self, B: int) -> float:
         """The measured acceptance probability of a grafted node at batch size ``B`` (decayed
