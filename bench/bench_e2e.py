@@ -36,7 +36,8 @@ what it measured):
    (policy, B) row generates ``--min-tokens`` over its repeats; group g holds prompts
    ``(g * B + i) % len(prompts)``, the last ``--prompt-len`` tokens of each), greedy,
    ``--new-tokens`` each. One decoder per policy, warmed up on the first group (captures;
-   λ-CAST until its planner has seen ``--planner-warmup-steps`` steps at this B), then
+   λ-CAST until its planner has seen ``--planner-warmup-steps`` steps at this B and a group kept
+   its plan; its timed runs then move among the plans the warm-up ran), then
    ``--repeats`` rounds: in each, every policy decodes every group (autoregressive, chain,
    EagleStatic, Cast, CastGraft, the order rotated by one per round). A row merges its rounds:
    tokens/s = all generated tokens / the summed decode-loop wall times (prefill and captures
@@ -581,8 +582,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cast-budget", type=int, default=96, help="Cast's capacity")
     ap.add_argument("--planner-warmup-steps", type=int, default=200,
                     help="λ-CAST's warm-up decodes groups until its planner has seen this many "
-                    "steps at the batch size (at most 60 s): the timed runs see its settled "
-                    "plans, as an engine would after its first requests")  # fmt: skip
+                    "steps at the batch size and a whole group kept its plan (at most "
+                    "--planner-warmup-s): the timed runs see its settled plans, as an engine "
+                    "would after its first requests")  # fmt: skip
+    ap.add_argument("--planner-warmup-s", type=float, default=120.0,
+                    help="cap on λ-CAST's warm-up per batch size (each new plan's first capture "
+                    "compiles its kernels)")  # fmt: skip
     ap.add_argument(
         "--repeats",
         type=int,
@@ -795,12 +800,12 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
                 decs[pol].generate(groups[0], args.new_tokens)  # graphs captured, Triton compiled
                 sync()
                 planner = decs[pol].planner
-                g = 1
-                while (
-                    planner is not None
-                    and time.time() - t0 < 60
-                    and planner.describe(B)["steps"] < args.planner_warmup_steps
-                ):
+                g, last = 1, None
+                while planner is not None and time.time() - t0 < args.planner_warmup_s:
+                    d = planner.describe(B)
+                    if d["steps"] >= args.planner_warmup_steps and d["plan"] == last:
+                        break  # enough steps, and a whole group ran without a plan change
+                    last = d["plan"]
                     decs[pol].generate(groups[g % len(groups)], args.new_tokens)
                     g += 1
                 sync()
