@@ -220,7 +220,7 @@ def _stream_kernel(
     tl.store(p_part_k + o_part * KP + tl.arange(0, KP), b_top)
 
 
-@triton.jit(do_not_specialize=["B", "layer", "C1", "C2", "L", "M"])
+@triton.jit(do_not_specialize=["B", "layer", "C1", "C2", "L", "M", "D"])
 def _expand_kernel(
     p_logits,  # [B, W, V] draft logits (strides s_lb, s_lw; the vocabulary contiguous)
     p_fscore,  # [B, W] f32 frontier: path score (-1 = unused row); rewritten as the next frontier
@@ -252,7 +252,7 @@ def _expand_kernel(
     M,  # CAST: cost-table buckets
     W: tl.constexpr,  # frontier rows per request (the policy's max width)
     K: tl.constexpr,  # children kept per row (top-K)
-    D: tl.constexpr,  # draft layers (max depth)
+    D,  # draft layers (max depth): a runtime int, not a variant per depth
     R: tl.constexpr,  # CAST: length of the FIFO of utility ratios
     NMAX: tl.constexpr,  # cost-table columns
     CUMW: tl.constexpr,  # columns of p_cum
@@ -431,14 +431,14 @@ def _expand_kernel(
                 tl.store(p_dec + D + layer, flag.to(tl.int32))
 
 
-@triton.jit(do_not_specialize=["n_layers"])
+@triton.jit(do_not_specialize=["n_layers", "D"])
 def _select_kernel(
     p_cscore,
     p_sel,
     p_pos,
     p_cum,
     n_layers,
-    D: tl.constexpr,
+    D,  # layers of p_cscore: a runtime int (TP, its tile, is a power of two)
     C: tl.constexpr,
     N: tl.constexpr,
     CUMW: tl.constexpr,
@@ -467,7 +467,7 @@ def _select_kernel(
     tl.store(p_cum + i_b * CUMW, 1.0)
 
 
-@triton.jit(do_not_specialize=["B", "n_layers", "C3", "L", "M"])
+@triton.jit(do_not_specialize=["B", "n_layers", "C3", "L", "M", "D"])
 def _emit_kernel(
     p_ctok,
     p_cscore,
@@ -493,7 +493,7 @@ def _emit_kernel(
     C3,
     L,
     M,
-    D: tl.constexpr,
+    D,  # layers of the candidate arrays: a runtime int (LOG_D covers it)
     C: tl.constexpr,
     N: tl.constexpr,
     AW: tl.constexpr,

@@ -38,7 +38,7 @@ def _bin(s, NB: tl.constexpr):
     return tl.minimum(tl.maximum(x, 0.0), NB - 1).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["n_acc"])
+@triton.jit(do_not_specialize=["n_acc", "d"])
 def _stats_rows_kernel(
     p_cs,  # [B, d, C] f32 candidate path scores (< 0: none), contiguous
     p_ts,  # [B, n] tree scores
@@ -53,7 +53,7 @@ def _stats_rows_kernel(
     s_ts,
     s_td,
     s_acc,
-    d: tl.constexpr,  # drafted layers
+    d,  # drafted layers: a runtime int, not a variant per depth
     C: tl.constexpr,  # candidates per layer
     DP: tl.constexpr,  # pow2(d)
     CP: tl.constexpr,  # pow2(max(C, W))
@@ -66,7 +66,7 @@ def _stats_rows_kernel(
     NB: tl.constexpr,  # score bins
     NBP: tl.constexpr,  # pow2(NB)
     S: tl.constexpr,  # workspace row: D * W + N + 2 * NB
-    ZP: tl.constexpr,  # pow2((D - d) * W): the undrafted layers' columns
+    ZP: tl.constexpr,  # pow2(D * W) >= the undrafted layers' columns, (D - d) * W
 ):
     b = tl.program_id(0).to(tl.int64)
     act = tl.load(p_act + b) != 0
@@ -161,7 +161,7 @@ def step_stats_launch(
         (B,), cand_scores, ts, td, tree.num_nodes, accepted, accept_len, act, rates, part,
         accepted.shape[1], ts.stride(0), td.stride(0), accepted.stride(0),
         d=d, C=C, DP=DP, CP=CP, D=D, W=W, N=N, F=DP * CP, n=n, NP=max(2, pow2(n)),
-        NB=bins, NBP=pow2(bins), S=S, ZP=max(2, pow2((D - d) * W)),
+        NB=bins, NBP=pow2(bins), S=S, ZP=max(2, pow2(D * W)),
     )  # fmt: skip
     BS = 256
     direct(_stats_reduce_kernel).launch(
