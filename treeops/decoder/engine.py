@@ -285,26 +285,33 @@ class Decoder:
                 grafted = absorb(res, rows, n, stop_set, host_remaining, host_active)
                 if self.graft is not None:
                     res.grafted.append(grafted)
-                step.record(res, launched) if launched else step.record(res)
+                if launched is None:
+                    step.record(res)
+                else:
+                    step.record(res, launched)
                 if lockstep:
-                    ran = launched or getattr(step, "last", None)
-                    self.tp.check_step(res.steps, rows, verified_tokens(step, ran))
+                    self.tp.check_step(res.steps, rows, verified_tokens(step, launched))
                 res.steps += 1
                 res.time_tree += step.clock() - t0
 
-            if isinstance(step, WholeStep) and self.launch_ahead and not lockstep:
-                # step t + 1 is enqueued before step t's results are read, whenever some
-                # request is sure to outlive step t: the host's work overlaps the device's
+            if isinstance(step, WholeStep):
+                # with launch_ahead, step t + 1 is enqueued before step t's results are read
+                # whenever some request is sure to outlive step t: the host's work overlaps the
+                # device's (the lockstep check reads each step's tree first: one at a time)
+                ahead = self.launch_ahead and not lockstep
                 cur = step.launch() if any(host_active) else None
                 while cur is not None:
-                    sure = any(a and r > cur.emit for a, r in zip(host_active, host_remaining))
+                    sure = ahead and any(
+                        a and r > cur.emit for a, r in zip(host_active, host_remaining)
+                    )
                     nxt = step.launch() if sure else None
                     take(step.collect(cur), cur.n, cur)
                     if not any(host_active):
                         break  # (a step launched ahead of a stop-id ending is left uncollected)
                     cur = nxt or step.launch()
-            while any(host_active):
-                take(*step())
+            else:
+                while any(host_active):
+                    take(*step())
             if self.static and self._dev.type == "cuda":  # nor end with work still queued
                 torch.cuda.synchronize(self._dev)
             res.time_decode = time.perf_counter() - t_loop

@@ -323,6 +323,10 @@ class _StaticBatch:
         self.top_k = torch.zeros(B, dtype=torch.int32, device=dev)
         self.top_p = torch.ones(B, dtype=torch.float32, device=dev)
         self.u = torch.zeros(B, N, dtype=torch.float32, device=dev)
+        # the uniforms' host staging, one per result slot (a step launched ahead may still be
+        # waiting to copy the other)
+        pin = dev.type == "cuda"
+        self.u_hosts = [torch.zeros(B, N, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
         self.rows = torch.arange(B, device=dev)
         self.stops: dict[int, torch.Tensor] = {}
         planner = dec.planner
@@ -496,11 +500,6 @@ class WholeStep:
     def clock(self) -> float:
         return self.dec._clock()
 
-    def _staged(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` in fresh pinned memory on CUDA (the caching host allocator keeps it until the
-        asynchronous copy from it ran: a step launched ahead may still be waiting for it)."""
-        return x.pin_memory() if self.pin else x
-
     def launch(self) -> _Launched:
         """Enqueue one step; returns what ``collect`` needs (no host wait here)."""
         dec, sb, res = self.dec, self.sb, self.res
@@ -517,16 +516,19 @@ class WholeStep:
             version = planner.rates_version(B)
             if version != self.rates_version:  # a new calibration after a decision
                 self.rates_version = version
+                # fresh pinned memory (rare): the caching host allocator keeps it until the
+                # copy from it ran, which a step launched ahead may still be waiting for
                 rates = torch.tensor(planner.rates(B), dtype=torch.float32)
-                sb.rates.copy_(self._staged(rates), non_blocking=True)
+                sb.rates.copy_(rates.pin_memory() if self.pin else rates, non_blocking=True)
         n = dec.capacity if pb is None else pb.capacity
         t0 = self.clock()
-        if not self.greedy:  # the eager path's draw, in step order
-            u = torch.rand(B, dec.capacity, generator=self.g)
-            sb.u.copy_(self._staged(u), non_blocking=True)
-        dec._graphs.replay_step(sb, key, lambda pb=pb: self.make_body(pb), res)
-        # the results into this launch's pinned slot: the next launch writes the other one
+        # this launch's pinned slot (uniforms in, results out): the next launch uses the other,
+        # and the one after this launch's collection, when its copies have run
         slot, self.slot = self.slot, 1 - self.slot
+        if not self.greedy:  # the eager path's draw, in step order
+            u = torch.rand(B, dec.capacity, generator=self.g, out=sb.u_hosts[slot])
+            sb.u.copy_(u, non_blocking=True)
+        dec._graphs.replay_step(sb, key, lambda pb=pb: self.make_body(pb), res)
         w = 4 + path_cols(dec.graft is not None, pb, n)
         host_pack = sb.host_packs[slot][: B * w].view(B, w)
         host_pack.copy_(sb.pack[: B * w].view(B, w), non_blocking=True)
@@ -569,15 +571,8 @@ class WholeStep:
             res.plans.append([p.width, p.depth, p.verify, lam, p.graft])
         return rows
 
-    def __call__(self) -> tuple[list, int]:
-        """One step, launched and collected (no step in flight before or after)."""
-        launched = self.launch()
-        self.last = launched
-        return self.collect(launched), launched.n
-
-    def record(self, res: DecodeResult, launched: _Launched | None = None) -> None:
-        """The shapes the collected step ``launched`` (default the last ``__call__``'s) ran."""
-        launched = launched or self.last
+    def record(self, res: DecodeResult, launched: _Launched) -> None:
+        """The shapes the collected step ``launched`` ran."""
         pb, n = launched.pb, launched.n
         res.verify_buckets.append(n)
         if pb is not None:

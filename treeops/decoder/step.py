@@ -661,7 +661,7 @@ class WholeStepBody(StaticStep):
             if planner.graft_sizes:  # grafted nodes (the tree's last) verified and accepted
                 act = self.carry.active
                 first = (tree.num_nodes - sb.grafted)[:, None]
-                k = torch.arange(v.acc.accepted.shape[1], device=act.device)
+                k = sb.node_idx[: v.acc.accepted.shape[1]]
                 hit = (v.acc.accepted >= first) & (k < v.acc.accept_len[:, None]) & act[:, None]
                 added = torch.where(act, sb.grafted, 0).sum()
                 torch.stack([added.float(), hit.sum().float()], out=sb.stats[planner.base_size :])
