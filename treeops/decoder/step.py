@@ -632,7 +632,10 @@ class WholeStepBody(StaticStep):
         N = dec.capacity if pb is None else pb.capacity
         self.bodies = {("verify", N): sb.verify_body(N, self.vin)}
         if dec.draft is not None and pb is not None:
-            self.catchup_size = min(N, bucket_for(pb.depth + 1, dec.capacity))
+            # the longest path it can accept: the draft's depth + 1, or a grafted node's (the
+            # successor table's template reaches below the draft's depth)
+            deepest = pb.depth if dec.graft is None else max(pb.depth, dec.graft.template.max_depth)
+            self.catchup_size = min(N, bucket_for(deepest + 1, dec.capacity))
             self.bodies["catchup", self.catchup_size] = sb.catchup_body(self.catchup_size)
             for R in (1, pb.w):
                 self.bodies["draft", R] = sb.draft_body(R, pb)
