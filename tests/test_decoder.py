@@ -762,6 +762,34 @@ def test_lambda_cast_graft_greedy_equals_autoregressive(pair):
         _lambda_decoder(pair, graft=True, step_graphs=False)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_lambda_cast_graft_any_plan_sequence_is_lossless(pair, monkeypatch, seed):
+    """CastGraft over λ-CAST with the plan drawn at random every step (any width, depth 1 to
+    the policy's, verify bucket, graft count): grafted nodes reach the successor template's
+    depth, below a shallow plan's draft, so an accepted path can outgrow depth + 1 and the
+    catch-up must cover it; greedy output equals autoregressive decoding for every sequence."""
+    import random
+
+    from treeops.cast_plan import CastPlanner
+
+    target, _ = pair
+    rng = random.Random(seed)
+
+    def any_plan(self, B):
+        v = rng.choice(self.verify_sizes)
+        g = rng.choice([g for g in self.graft_sizes if g <= v // 2])
+        return Plan(rng.choice(self.widths), rng.randint(1, self.D), v, g)
+
+    monkeypatch.setattr(CastPlanner, "plan", any_plan)
+    dec = _lambda_decoder(pair, graft=True, static_shapes=True)
+    prompts = [[rng.randrange(128) for _ in range(rng.randint(2, 12))] for _ in range(3)]
+    budgets = [rng.randint(3, 40) for _ in range(3)]
+    res = dec.generate(prompts, budgets)
+    assert res.tokens == [_greedy_baseline(target, p, m) for p, m in zip(prompts, budgets)]
+    assert len({tuple(p) for p in res.plans}) > 5  # the plans moved
+    assert max(len(t) for t in res.tokens) > 0 and sum(res.grafted) > 0
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "step-body"])
 def test_lambda_cast_greedy_equals_autoregressive(pair, batch, static):
