@@ -47,13 +47,13 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 import treeops  # noqa: E402
 from treeops.cast_plan import SCORE_BINS, stats_size  # noqa: E402
 from treeops.decoder import fused  # noqa: E402
+from treeops.decoder.graphs import bucket_for  # noqa: E402
 from treeops.kernels.cast_plan import step_stats_launch  # noqa: E402
 
 # (hidden, q heads, kv heads, head dim, vocab, intermediate, target layers): train.PairConfig
 PAIRS = {"tiny": (64, 1, 1, 64, 512, 192, 4), "h200": (640, 10, 2, 64, 8192, 1728, 24)}
 K, W_MAX, D_MAX, N_MAX = 10, 10, 10, 96  # bench_e2e's Cast: topk 10, width 10, depth 10, 96
 PAGE, CTX, MAX_LEN = 16, 200, 1024
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96)  # graphs.token_buckets(96)
 BASE = (2, 6, 16)
 CHANGES = [(2, 7, 16), (2, 5, 16), (4, 6, 16), (10, 6, 16), (2, 6, 32), (2, 6, 48), (2, 6, 8)]
 PLANNER_SET = [(2, 4, 8), (2, 6, 16), (4, 6, 32), (4, 8, 48), (8, 8, 64), (10, 10, 96)]
@@ -81,11 +81,6 @@ def _record(self, key, signature, device, constexprs, options, attrs, warmup):
     _CUR.add((self.fn.__name__, key))
     self.device_caches[device][0][key] = kernel = _Stub()
     return kernel
-
-
-def _bucket(n: int, cap: int) -> int:
-    n = min(max(n, 1), cap)
-    return next(b for b in (*[b for b in TOKEN_BUCKETS if b < cap], cap) if b >= n)
 
 
 class Step:
@@ -193,7 +188,7 @@ class Step:
             bins=SCORE_BINS,
         )  # fmt: skip
         # catch-up over the accepted path: a chain of bucket(D + 1) nodes, capped at n
-        R = min(n, _bucket(D + 1, N_MAX))
+        R = min(n, bucket_for(D + 1, N_MAX))
         ch = treeops.Tree.empty(B, R, "cpu")
         ch.num_nodes = self.c_len
         self.draft(self.c_tok[:, :R].contiguous(), self.c_feat[:, :R], ch)
