@@ -877,7 +877,7 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
                 mean_width=round(sum(p[0] for p in res.plans) / len(res.plans), 3),
                 mean_depth=round(sum(p[1] for p in res.plans) / len(res.plans), 3),
                 mean_graft=round(sum(p[4] for p in res.plans) / len(res.plans), 3),
-                plans_seen=sorted({(*p[:3], p[4]) for p in res.plans}),
+                plans_seen=sorted({(*p[:3], *p[4:]) for p in res.plans}),
                 final_plan=d["plan"], rates=d["rates"],
                 cost_correction_us=d["cost_correction_us"],
                 plans_measured=d["plans_measured"], graft_rate=d["graft_rate"],

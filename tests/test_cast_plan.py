@@ -333,11 +333,11 @@ def _model_stats(pl, rng, noise):
 
 
 def test_planner_plans_are_stable_under_noise():
-    """Noisy steps of a fixed acceptance model: the plan moves one bucket per decision at most,
-    settles, and visits few distinct plans (each one CUDA graph in the decoder)."""
+    """Noisy steps of a fixed acceptance model: the rules' plan moves one bucket per decision
+    at most, settles, and visits few distinct plans (each one CUDA graph in the decoder)."""
     pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=8, max_width=8, max_depth=8,
                        capacity=64)  # fmt: skip
-    pl = treeops.CastPlanner(pol, interval=8)
+    pl = treeops.CastPlanner(pol, interval=8, chain_probes=False)
     rng = np.random.default_rng(0)
     seen, last = [], None
     unit_s = pl.costs(1, 100)[2] * 1e-6
@@ -373,7 +373,7 @@ def test_planner_grafts_what_beats_the_draft_tail(q, grows):
     entries (verified, accepted) are read."""
     pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=8, max_width=8, max_depth=8,
                        capacity=64)  # fmt: skip
-    pl = treeops.CastPlanner(pol, interval=8, graft_sizes=[2, 4, 8, 16])
+    pl = treeops.CastPlanner(pol, interval=8, graft_sizes=[2, 4, 8, 16], chain_probes=False)
     assert pl.graft_sizes == [0, 2, 4, 8, 16] and pl.size == pl.base_size + 2
     assert pl.plan(1).graft == 2  # grafting starts small, to be measured
     rng = np.random.default_rng(0)
@@ -439,8 +439,9 @@ def _layers_of(plan: Plan) -> list[np.ndarray]:
     parent; a layer's frontier is its ``width`` most probable nodes; each layer's candidates'
     acceptance probabilities, sorted."""
     out, front = [], np.array([1.0])
+    q = _Q[:1] if plan.is_chain else _Q  # a chain drafts the top-1 child only
     for _ in range(plan.depth):
-        c = np.sort((front[:, None] * _Q[None, :]).ravel())[::-1]
+        c = np.sort((front[:, None] * q[None, :]).ravel())[::-1]
         out.append(c)
         front = c[: plan.width]
     return out
@@ -493,6 +494,7 @@ def _run_step_model(B: int, hidden_us, learn_costs: bool = True, true_tokens=Non
         return x
 
     plans = [Plan(w, d, n) for w in pl.widths for d in range(1, 11) for n in pl.verify_sizes]
+    plans += [Plan.chain(d) for d in range(1, 11)]
     tokens = true_tokens or _tokens
     eta = {p: tokens(p) / step_us(p) for p in plans}
     best = max(eta.values())
@@ -559,8 +561,9 @@ def _shrunk_tokens(p: Plan, f: float = 0.8) -> float:
     """Tokens per step of the step model when a node at depth d is accepted f**d times as often
     as the curves (and so the calibration) say: a model that overrates depth."""
     out, front = [], np.array([1.0])
+    q = _Q[:1] if p.is_chain else _Q
     for d in range(p.depth):
-        c = np.sort((front[:, None] * _Q[None, :]).ravel())[::-1]
+        c = np.sort((front[:, None] * q[None, :]).ravel())[::-1]
         out.append(c * f**d)
         front = c[: p.width]
     return 1.0 + np.sort(np.concatenate(out))[::-1][: p.verify - 1].sum()
@@ -643,3 +646,54 @@ def test_lambda_rules_through_the_standalone_cast_ops(B, d, M, lam, seed):
     more = bool(treeops.cast_depth(u_hist, t(np.array(draft_cost[w - 1] + w * dT)), lam, R))
     if plan.depth >= d:  # every drafted layer kept: the rule's next decision is the predicted one
         assert more == (plan.depth > d)
+
+
+def test_chain_probes_find_the_chain_when_trees_cost_more():
+    """Trees cost 60 µs + 20 µs per layer more than the table says (what a top-K expand, the
+    selection and the statistics add per step at a large batch) and chains what it says: at
+    B = 64 the rules alone settle on a tree 8 % below the best plan, a chain; with chain probes
+    the measured η takes the planner to a chain within 5 % of it. At B = 1, where trees win,
+    the plan stays a tree. A chain is never sized by the rules (they see no siblings)."""
+    hidden = lambda p: 0.0 if p.is_chain else 60.0 + 20.0 * p.depth  # noqa: E731
+    r64, seen, pl = _run_step_model(64, hidden)
+    assert r64 >= 0.95 and pl.plan(64).is_chain
+    assert any(p.is_chain for p in seen) and any(not p.is_chain for p in seen)
+    assert any(row[7] == 1 and row[5] is None for row in pl.describe(64)["plans_measured"])
+    r1, _, pl1 = _run_step_model(1, hidden)
+    assert r1 >= 0.95 and not pl1.plan(1).is_chain
+
+    orig = treeops.CastPlanner.__init__
+
+    def no_probes(self, *a, **kw):
+        orig(self, *a, chain_probes=False, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(treeops.CastPlanner, "__init__", no_probes)
+        r64_rules, seen, _ = _run_step_model(64, hidden)
+    assert r64_rules < 0.93 and not any(p.is_chain for p in seen)
+
+
+def test_chain_probes_are_rare_and_respect_restrict():
+    """A probe runs one window every ``PROBE_EVERY`` decisions while a candidate's measurement
+    is missing or stale, so with nothing to gain the planner spends few steps on probes; under
+    ``restrict`` only the allowed plans are probed."""
+    import treeops.cast_plan as CP
+
+    hidden = lambda p: 0.0  # noqa: E731
+    _, seen, pl = _run_step_model(1, hidden)
+    probes = [p for p in pl._state(1).measured if p.is_chain]
+    steps = sum(pl._state(1).measured[p][0] for p in probes)
+    assert probes and steps <= 0.1 * pl._state(1).steps
+    pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=8, max_width=8, max_depth=8,
+                       capacity=64)  # fmt: skip
+    pl = treeops.CastPlanner(pol, interval=8)
+    allowed = [pl.plan(1), Plan.chain(4)]
+    pl.restrict(1, allowed)
+    rng = np.random.default_rng(2)
+    unit_s = pl.costs(1, 100)[2] * 1e-6
+    for _ in range(CP.PROBE_EVERY * 8 * 3):
+        plan = pl.plan(1)
+        assert plan in allowed
+        pl.observe(1, _model_stats(pl, rng, 0.1), plan, tokens=3.0, step_s=1.5 * unit_s, ctx=100)
+    assert Plan.chain(4) in pl._state(1).measured
+    assert Plan.chain(4).verify == 5 and pl.policy_for(Plan.chain(4)).topk == 1

@@ -59,13 +59,25 @@ __all__ = [
 class Plan:
     """A step's sizes: ``width`` frontier rows per draft layer after the first, ``depth`` draft
     layers, ``verify`` nodes sent to verification (root included), ``graft`` of them retrieved
-    from Graft's successor table (λ-CAST with grafting)."""
+    from Graft's successor table (λ-CAST with grafting), ``topk`` children per frontier row (0:
+    the policy's K; 1 with width 1 and verify depth + 1: a chain, ``Plan.chain(depth)``)."""
 
     width: int
     depth: int
     verify: int
     graft: int = 0  # of the verified nodes, how many Graft's successor table fills (the rest
     # are the draft tree's best ``verify - graft``)
+    topk: int = 0
+
+    @staticmethod
+    def chain(depth: int) -> Plan:
+        """A chain of ``depth`` drafted tokens: top-1 at every layer, all ``depth + 1`` nodes
+        verified."""
+        return Plan(width=1, depth=depth, verify=depth + 1, topk=1)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
 
 
 SCORE_BINS = 24
@@ -264,6 +276,10 @@ class _BatchState:
     # per S_T(B, 1) of time, as λ̂), the step count when last run]
     measured: dict = field(default_factory=dict)
     allowed: frozenset | None = None  # the plans it may move to (None: any)
+    decisions: int = 0
+    home: Plan | None = None  # while a probe runs: the plan it returns to unless it wins
+    probe_windows: int = 0
+    last_tree: Plan | None = None  # the last top-K plan run (where a chain's probe goes back)
     grafted: float = 0.0  # decayed grafted nodes verified (active requests)
     graft_hits: float = 0.0  # decayed grafted nodes accepted
 
@@ -288,6 +304,14 @@ GRAFT_DECAY = 0.98
 """Per-step decay of the grafted nodes' verified and accepted counts."""
 MEASURED_Z = 2.0
 """Standard errors by which one plan's measured η must beat another's to overrule the rules."""
+PROBE_EVERY = 8
+"""Decisions between probes: a plan outside the rules' reach (a chain next to a tree, a tree or
+a neighbouring depth next to a chain) runs until measured, then the better one stays."""
+PROBE_AGE = 512
+"""Steps after which a probed plan's measured η is stale and it may be probed again."""
+PROBE_MAX_WINDOWS = 3
+"""Windows a probe runs at most waiting for ``MEASURED_MIN_STEPS`` timed steps (a step that
+captured a graph is no measure)."""
 
 
 def _features(plan: Plan) -> np.ndarray:
@@ -318,6 +342,13 @@ class CastPlanner:
         initial: the first plan (default: width min(2, W), depth min(4, D), verify 8), rounded
             up to the buckets.
         learn_costs: correct the table's step model with the measured step times (below).
+        chain_probes: also measure chains (``Plan.chain(d)``, top-1: the cheapest draft there
+            is): every ``PROBE_EVERY`` decisions a chain (next to a tree: at the best measured
+            chain depth, else the tree's depth; next to a chain: one layer shallower or deeper,
+            and the last tree) whose measured η is missing or stale runs one window; a measured
+            plan that beats the current by ``MEASURED_Z`` standard errors is taken. The rules
+            size trees; on a chain they do not run (its statistics hold no siblings), the
+            measured η moves it. Needs ``learn_costs``.
         graft_sizes: with Graft: the numbers of verified nodes the successor table may fill
             (0 among them added). A plan's ``graft`` g replaces the draft's g lowest-ranked
             verified nodes with retrieved ones: each decision picks the g of these sizes (at
@@ -355,6 +386,7 @@ class CastPlanner:
         prior: float = 8.0,
         initial: Plan | None = None,
         learn_costs: bool = True,
+        chain_probes: bool = True,
         graft_sizes: Sequence[int] | None = None,
     ):
         if not isinstance(policy, Cast):
@@ -391,6 +423,7 @@ class CastPlanner:
             raise ValueError(f"Invalid value of prior: expected > 0, got {prior!r}")
         self.prior = prior
         self.learn_costs = learn_costs
+        self.chain_probes = chain_probes and learn_costs
         self.graft_sizes = sorted({0, *(int(g) for g in graft_sizes)}) if graft_sizes else []
         if self.graft_sizes and self.graft_sizes[-1] >= self.N:
             raise ValueError(
@@ -449,9 +482,10 @@ class CastPlanner:
         return np.clip(r, 0.0, 1.0).tolist()
 
     def policy_for(self, plan: Plan) -> EagleStatic:
-        """The fixed-shape tree a step of ``plan`` drafts: ``EagleStatic(depth, topk=K,
-        budget=verify, width=width)``."""
-        return EagleStatic(depth=plan.depth, topk=self.K, budget=plan.verify, width=plan.width)
+        """The fixed-shape tree a step of ``plan`` drafts: ``EagleStatic(depth, topk=plan's
+        topk or K, budget=verify, width=width)``."""
+        return EagleStatic(depth=plan.depth, topk=plan.topk or self.K, budget=plan.verify,
+                           width=plan.width)  # fmt: skip
 
     def costs(self, B: int, ctx: int) -> tuple[np.ndarray, np.ndarray, float]:
         """(target [N], draft [W] in ``S_T(B, 1)`` units at the buckets that run, the draft
@@ -535,7 +569,8 @@ class CastPlanner:
             eta = tokens / (step_s * 1e6 / unit_us)
             a = self.lam_smoothing if st.steps > 1 else 0.0
             st.lam = a * st.lam + (1 - a) * eta
-        if step_s > 0 and self.learn_costs:
+        if step_s > 0 and self.learn_costs and not plan.is_chain:
+            # (a chain's step is not the tree model's: no top-K expand, no selection)
             r = step_s * 1e6 - self.modelled_us(B, ctx, plan)
             ent = st.residuals.setdefault(plan, [0.0, 0.0])
             ent[0] = min(ent[0] + 1.0, RESIDUAL_CAP)
@@ -562,6 +597,12 @@ class CastPlanner:
         st.window += 1
         if st.window < self.interval:
             return st.plan
+        st.decisions += 1
+        if st.home is not None or plan.is_chain:  # a probe ended, or on a chain: measured only
+            st.plan = self._measured_move(st, plan)
+            self._end_window(st)
+            return st.plan
+        st.last_tree = plan
         target_cost, draft_cost, unit = self.costs(B, ctx)
         _, b, c, e = self.correction(B) / unit
         k = np.arange(self.N)
@@ -580,11 +621,86 @@ class CastPlanner:
         st.plan = self._measured_guard(st, plan, st.plan)
         if st.allowed is not None and st.plan not in st.allowed:
             st.plan = self._nearest_allowed(st, plan, st.plan)
+        st.plan = self._probe(st, st.plan)
+        self._end_window(st)
+        return st.plan
+
+    def _end_window(self, st: _BatchState) -> None:
         st.layers[:] = 0.0
         st.verify[:] = 0.0
         st.window = 0
         st.rates_version += 1
-        return st.plan
+
+    # ------------------------------------------------------- measured η: guard and probes
+    def _live(self, st: _BatchState) -> dict:
+        """The plans with a measured η: ``MEASURED_MIN_STEPS`` timed steps, the last within
+        ``MEASURED_MAX_AGE`` steps."""
+        return {
+            p: m for p, m in st.measured.items()
+            if m[0] >= MEASURED_MIN_STEPS and st.steps - m[3] <= MEASURED_MAX_AGE
+        }  # fmt: skip
+
+    @staticmethod
+    def _beats(live: dict, p: Plan, q: Plan) -> bool:
+        """Whether ``p``'s measured η exceeds ``q``'s by ``MEASURED_Z`` standard errors."""
+        (n1, m1, s1, _), (n2, m2, s2, _) = live[p], live[q]
+        se = np.sqrt(max(s1 - m1 * m1, 0.0) / n1 + max(s2 - m2 * m2, 0.0) / n2)
+        return m1 - m2 > MEASURED_Z * se
+
+    def _measured_move(self, st: _BatchState, plan: Plan) -> Plan:
+        """After a probe's window (back to the plan it left, unless the best measured plan
+        beats that one) or a chain's (to the best measured plan if it beats the chain), then
+        the next probe if one is due. A probe not yet measured runs on (at most
+        ``PROBE_MAX_WINDOWS`` windows)."""
+        if st.home is not None:
+            m = st.measured.get(plan)
+            st.probe_windows += 1
+            if (m is None or m[0] < MEASURED_MIN_STEPS) and st.probe_windows < PROBE_MAX_WINDOWS:
+                return plan
+            home, st.home, st.probe_windows = st.home, None, 0
+        else:
+            home = plan
+        live = self._live(st)
+        nxt = home
+        if home in live:
+            best = max(live, key=lambda p: live[p][1])
+            if best != home and self._beats(live, best, home):
+                nxt = best
+        if st.allowed is not None and nxt not in st.allowed:
+            nxt = home
+        return self._probe(st, nxt)
+
+    def _probe(self, st: _BatchState, cur: Plan) -> Plan:
+        """Every ``PROBE_EVERY`` decisions: the first plan of ``_probe_candidates`` that is
+        allowed and not measured within ``PROBE_AGE`` steps, to run one window (``st.home`` =
+        ``cur``, where it returns unless it wins); else ``cur``."""
+        if not self.chain_probes or st.decisions % PROBE_EVERY:
+            return cur
+        for p in self._probe_candidates(st, cur):
+            if st.allowed is not None and p not in st.allowed:
+                continue
+            m = st.measured.get(p)
+            if m is None or m[0] < MEASURED_MIN_STEPS or st.steps - m[3] > PROBE_AGE:
+                st.home, st.probe_windows = cur, 0
+                return p
+        return cur
+
+    def _probe_candidates(self, st: _BatchState, cur: Plan) -> list[Plan]:
+        """Next to a tree: the chain at the best measured chain depth (else the tree's depth),
+        then one layer shallower and deeper. Next to a chain: one layer shallower and deeper,
+        then the last tree run."""
+
+        def chain(d: int) -> list[Plan]:
+            return [Plan.chain(d)] if 1 <= d <= self.D and d + 1 <= self.N else []
+
+        if cur.is_chain:
+            d = cur.depth
+            tree = [] if st.last_tree is None else [st.last_tree]
+            return chain(d - 1) + chain(d + 1) + tree
+        live = self._live(st)
+        chains = [p for p in live if p.is_chain]
+        d = max(chains, key=lambda p: live[p][1]).depth if chains else cur.depth
+        return chain(d) + chain(d - 1) + chain(d + 1)
 
     def _toward(self, plan: Plan, raw: Plan, votes: tuple) -> tuple[Plan, tuple]:
         """``plan`` moved one bucket (one layer) towards ``raw`` in each size where this decision
@@ -635,6 +751,8 @@ class CastPlanner:
         )
 
         def dist(p: Plan) -> int:
+            if p.is_chain or want.is_chain:  # a chain is near chains only, by depth
+                return abs(p.depth - want.depth) + (0 if p.is_chain == want.is_chain else 1000)
             return sum(abs(sz.index(a) - sz.index(b)) for sz, a, b in zip(
                 lists, (p.width, p.depth, p.verify, p.graft),
                 (want.width, want.depth, want.verify, want.graft)))  # fmt: skip
@@ -669,31 +787,24 @@ class CastPlanner:
         """The rules propose, the measured throughput disposes: a plan run for
         ``MEASURED_MIN_STEPS`` timed steps within the last ``MEASURED_MAX_AGE`` has a measured η.
         If the best measured plan beats the current one by ``MEASURED_Z`` standard errors, the
-        plan moves one bucket per size towards it; else a proposed plan measured worse than the
-        current one by as much is not taken. The model's errors (costs the table and its learnt
-        correction do not see, a calibration off at depth) then cost a few windows, not the
-        run."""
+        plan moves one bucket per size towards it (to it at once if it is a chain); else a
+        proposed plan measured worse than the current one by as much is not taken. The model's
+        errors (costs the table and its learnt correction do not see, a calibration off at
+        depth) then cost a few windows, not the run."""
         if not self.learn_costs:
             return proposed
-        live = {
-            p: m for p, m in st.measured.items()
-            if m[0] >= MEASURED_MIN_STEPS and st.steps - m[3] <= MEASURED_MAX_AGE
-        }  # fmt: skip
+        live = self._live(st)
         if cur not in live:
             return proposed
-
-        def beats(p: Plan, q: Plan) -> bool:
-            (n1, m1, s1, _), (n2, m2, s2, _) = live[p], live[q]
-            se = np.sqrt(max(s1 - m1 * m1, 0.0) / n1 + max(s2 - m2 * m2, 0.0) / n2)
-            return m1 - m2 > MEASURED_Z * se
-
         best = max(live, key=lambda p: live[p][1])
-        if best != cur and beats(best, cur):
+        if best != cur and self._beats(live, best, cur):
+            if best.is_chain:
+                return best
             # (votes that agree with every direction: the move is not held for a second vote)
             sizes = zip((best.width, best.depth, best.verify), (cur.width, cur.depth, cur.verify))
             toward = self._toward(cur, best, tuple((a > b) - (a < b) for a, b in sizes))[0]
             return replace(toward, graft=min(best.graft, toward.verify // 2))
-        if proposed in live and beats(cur, proposed):
+        if proposed in live and self._beats(live, cur, proposed):
             return cur
         return proposed
 
@@ -709,20 +820,22 @@ class CastPlanner:
         st = self._state(B)
         return {
             "lambda": round(st.lam, 4),
-            "plan": [st.plan.width, st.plan.depth, st.plan.verify, st.plan.graft],
+            "plan": [st.plan.width, st.plan.depth, st.plan.verify, st.plan.graft, st.plan.topk],
             "cost_correction_us": [round(float(x), 2) for x in self.correction(B)],
-            # per plan run: [timed steps (capped), mean measured - modelled µs; measured η]
+            # per plan run: [width, depth, verify, graft, timed steps (capped), mean measured -
+            # modelled µs (None for a chain: not in the model), measured η, topk]
             "plans_measured": [
                 [
                     p.width,
                     p.depth,
                     p.verify,
                     p.graft,
-                    int(r[0]),
-                    round(r[1], 1),
+                    int((st.residuals.get(p) or st.measured[p])[0]),
+                    round(st.residuals[p][1], 1) if p in st.residuals else None,
                     round(st.measured[p][1], 4) if p in st.measured else None,
+                    p.topk,
                 ]
-                for p, r in st.residuals.items()
+                for p in self.plans_run(B)
             ],  # fmt: skip
             "rates": [round(g, 4) for g in self.rates(B)],
             "graft_rate": round(self.graft_rate(B), 4) if self.graft_sizes else None,

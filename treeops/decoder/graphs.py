@@ -568,7 +568,7 @@ class WholeStep:
                                 sum(acc) / len(acc), step_s, self.ctx)  # fmt: skip
             p = launched.plan
             lam = round(planner.lam(self.sb.B), 4)
-            res.plans.append([p.width, p.depth, p.verify, lam, p.graft])
+            res.plans.append([p.width, p.depth, p.verify, lam, p.graft, p.topk])
         return rows
 
     def record(self, res: DecodeResult, launched: _Launched) -> None:

@@ -56,7 +56,8 @@ class DecodeResult:
     # time_draft / time_tree / time_verify (those then hold only the host's bookkeeping)
     time_step: float = 0.0
     step_graphs: bool = False
-    # λ-CAST: per step, the plan that ran and λ̂ after it: [width, depth, verify, lambda, graft]
+    # λ-CAST: per step, the plan that ran and λ̂ after it: [width, depth, verify, lambda, graft,
+    # topk] (topk 0: the policy's K; 1: a chain)
     plans: list[list[float]] = field(default_factory=list)
 
     @property

@@ -322,7 +322,7 @@ class EagerStep(StepBody):
                                 step_s, self.ctx)  # fmt: skip
             p = self.plan
             lam = round(planner.lam(self.B), 4)
-            self.res.plans.append([p.width, p.depth, p.verify, lam, p.graft])
+            self.res.plans.append([p.width, p.depth, p.verify, lam, p.graft, p.topk])
         return rows
 
     def catch_up(self, v, rows, n):

@@ -1,0 +1,166 @@
+"""λ-CAST in the example decoder (tiny random models, CPU float32; the GPU-marked tests on the
+H200): the planner's plan per step (and Graft over it, and chains among its plans) keeps greedy
+output equal to autoregressive decoding, under whole-step bodies, launch-ahead and CUDA graphs.
+The pair, prompts and baseline are ``test_decoder``'s."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_decoder import (  # noqa: F401  (pair, gpu_pair, _one_thread: fixtures)
+    NEW,
+    PROMPTS,
+    _decoder,
+    _greedy_baseline,
+    _lambda_decoder,
+    _one_thread,
+    _steep_costs,
+    gpu_pair,
+    pair,
+)
+
+from treeops import Plan
+from treeops.cast_plan import CastPlanner
+from treeops.decoder import Decoder, SamplingParams, make_policy
+
+
+def test_lambda_cast_graft_greedy_equals_autoregressive(pair):  # noqa: F811
+    """CastGraft over λ-CAST (the whole-step body): the plan's n - g best draft nodes plus g
+    retrieved from the successor table are verified; greedy output equals autoregressive
+    decoding with stop ids and ragged budgets, grafted nodes are added (and counted for the
+    planner), and each plan's graft count is at most half its verify count."""
+    target, _ = pair
+    dec = _lambda_decoder(pair, graft=True, static_shapes=True)
+    assert dec.planner.graft_sizes == [0, 2, 4, 8]
+    stop = _greedy_baseline(target, PROMPTS[1], NEW)[3]
+    budgets = [NEW, 8, 5]
+    res = dec.generate(PROMPTS, budgets, stop_ids=[stop])
+    want = [_greedy_baseline(target, p, m, stop=(stop,)) for p, m in zip(PROMPTS, budgets)]
+    assert res.tokens == want
+    assert sum(res.grafted) > 0 and res.host_waits == res.steps
+    for added, plan in zip(res.grafted, res.plans):  # at most g new nodes per request
+        assert added <= len(PROMPTS) * plan[4]
+    plans = dec.planner._state(3).measured or dec.planner._state(3).residuals
+    assert any(p.graft > 0 for p in plans)
+    assert all(p.graft <= p.verify // 2 for p in plans)
+    assert dec.planner._state(3).grafted > 0  # the step's statistics reached the planner
+    with pytest.raises(ValueError, match="step_graphs"):
+        _lambda_decoder(pair, graft=True, step_graphs=False)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lambda_cast_graft_any_plan_sequence_is_lossless(pair, monkeypatch, seed):  # noqa: F811
+    """CastGraft over λ-CAST, a random plan every step (any width, depth, verify bucket, graft
+    count, or a chain): grafted nodes hang at the template's depth, below a shallow draft, so the
+    catch-up must cover paths past depth + 1; greedy output equals autoregressive decoding."""
+    target, _ = pair
+    rng = random.Random(seed)
+
+    def any_plan(self, B):
+        if rng.random() < 0.3:  # a chain (top-1, no graft) between the trees
+            return Plan.chain(rng.randint(1, self.D))
+        v = rng.choice(self.verify_sizes)
+        g = rng.choice([g for g in self.graft_sizes if g <= v // 2])
+        return Plan(rng.choice(self.widths), rng.randint(1, self.D), v, g)
+
+    monkeypatch.setattr(CastPlanner, "plan", any_plan)
+    dec = _lambda_decoder(pair, graft=True, static_shapes=True)
+    prompts = [[rng.randrange(128) for _ in range(rng.randint(2, 12))] for _ in range(3)]
+    budgets = [rng.randint(3, 40) for _ in range(3)]
+    res = dec.generate(prompts, budgets)
+    assert res.tokens == [_greedy_baseline(target, p, m) for p, m in zip(prompts, budgets)]
+    assert len({tuple(p) for p in res.plans}) > 5 and sum(res.grafted) > 0
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "step-body"])
+def test_lambda_cast_greedy_equals_autoregressive(pair, batch, static):  # noqa: F811
+    """λ-CAST (Cast without thresholds): each step runs the planner's plan (eagerly, or as the
+    whole-step body), greedy output equals autoregressive decoding with stop ids and ragged
+    budgets, every step records its plan and λ̂, and the planner's state persists across calls."""
+    target, draft = pair
+    pol = make_policy("Cast", depth=3, topk=3, budget=12, cast_depth=5, cast_budget=16,
+                      cost_table=_steep_costs())  # fmt: skip
+    dec = Decoder(target, draft, pol, static_shapes=static, step_graphs=static)
+    stop = _greedy_baseline(target, PROMPTS[1], NEW)[3]
+    budgets = [NEW, 8, 5][:batch]
+    res = dec.generate(PROMPTS[:batch], budgets, stop_ids=[stop])
+    want = [_greedy_baseline(target, p, m, stop=(stop,)) for p, m in zip(PROMPTS, budgets)]
+    assert res.tokens == want
+    assert len(res.plans) == res.steps and res.mean_accepted > 1.0
+    for (w, d, n, lam, g, k), row in zip(res.plans, res.verified):
+        assert 1 <= w <= 3 and 1 <= d <= 5 and 1 <= n <= 16 and lam > 0 and g == 0
+        assert k == 0 or (k == 1 and (w, n) == (1, d + 1))  # a tree, or a probed chain
+        assert max(row) <= n
+    if static:
+        assert res.host_waits == res.steps  # one wait per step
+        assert res.verify_buckets == [int(p[2]) for p in res.plans]
+    steps = dec.planner.describe(batch)["steps"]
+    again = dec.generate(PROMPTS[:batch], budgets, stop_ids=[stop])
+    assert again.tokens == want and dec.planner.describe(batch)["steps"] > steps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+def test_lambda_cast_step_graphs_on_gpu(gpu_pair, batch):  # noqa: F811
+    """λ-CAST with CUDA graphs (one whole-step graph per plan): greedy equals the tiny fp32
+    pair's autoregressive output, one host wait per step, sampling runs."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    target, draft = gpu_pair
+    prompts = (PROMPTS * 2)[:batch]
+    pol = make_policy("Cast", depth=3, topk=3, budget=12, cast_depth=5, cast_budget=16,
+                      cost_table=_steep_costs())  # fmt: skip
+    ar = Decoder(target, None, "autoregressive").generate(prompts, NEW)
+    dec = Decoder(target, draft, pol, cuda_graphs=True, step_graphs=True)
+    res = dec.generate(prompts, NEW)
+    assert res.tokens == ar.tokens and res.host_waits == res.steps
+    assert res.graphs_captured >= 1 and len(res.plans) == res.steps
+    g = torch.Generator().manual_seed(1)
+    out = dec.generate(prompts, 6, sampling=SamplingParams(temperature=1.0), generator=g)
+    assert all(len(t) == 6 for t in out.tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["chain", "lambda-Cast", "lambda-CastGraft"])
+def test_launch_ahead_equals_one_step_at_a_time_on_gpu(pair, gpu_pair, policy):  # noqa: F811
+    """With CUDA graphs, steps launched ahead of their collection (two pinned result slots,
+    uploads staged from fresh pinned memory) give the same greedy tokens as one step at a time,
+    with stop ids and ragged budgets, and the same sampled tokens from the same generator (the
+    uniforms are drawn in step order either way)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = PROMPTS * 2
+    budgets = [NEW, 8, 5, 3, NEW, 1]
+    stop = _greedy_baseline(pair[0], PROMPTS[1], NEW)[3]
+    outs = []
+    for ahead in (True, False):
+        if policy.startswith("lambda-"):
+            dec = _lambda_decoder(gpu_pair, graft=policy.endswith("Graft"), cuda_graphs=True,
+                                  launch_ahead=ahead)  # fmt: skip
+        else:
+            dec = _decoder(gpu_pair, policy, cuda_graphs=True, step_graphs=True,
+                           launch_ahead=ahead)  # fmt: skip
+        greedy = dec.generate(prompts, budgets, stop_ids=[stop])
+        assert greedy.host_waits == greedy.steps
+        g = torch.Generator().manual_seed(5)
+        sampled = dec.generate(prompts, 6, sampling=SamplingParams(temperature=0.9), generator=g)
+        outs.append((greedy.tokens, sampled.tokens))
+    assert outs[0][0] == outs[1][0]
+    if policy == "chain":  # (λ-CAST's plans follow statistics one step older when ahead)
+        assert outs[0][1] == outs[1][1]
+
+
+def test_lambda_cast_plan_at_the_policys_maxima(pair):  # noqa: F811
+    """A plan of the λ-CAST policy's own maxima (W, D, N) drafts that plan's fixed-shape tree:
+    its buffers are not confused with the policy's own (same shape, no thresholds)."""
+    target, draft = pair
+    pol = make_policy("Cast", depth=3, topk=3, budget=12, cast_depth=5, cast_budget=16,
+                      cost_table=_steep_costs())  # fmt: skip
+    dec = Decoder(target, draft, pol, static_shapes=True, step_graphs=True,
+                  planner_options={"interval": 10_000})  # fmt: skip
+    top = Plan(width=pol.max_width, depth=pol.max_depth, verify=pol.capacity)
+    dec.planner.initial = top
+    res = dec.generate(PROMPTS[:2], NEW)
+    assert res.tokens == [_greedy_baseline(target, p, NEW) for p in PROMPTS[:2]]
+    assert {tuple(p[:3]) for p in res.plans} == {(top.width, top.depth, top.verify)}
