@@ -112,7 +112,8 @@ class PairConfig:
     grad_clip: float = 1.0
     target_seconds: float = 45.0  # wall-clock budgets (compilation excluded)
     draft_seconds: float = 20.0
-    max_steps: int | None = None  # per model, stops earlier than the budget (tests)
+    max_steps: int | None = None  # per model: stops there (the learning-rate schedule then
+    # follows the step count, so two machines train the same pair) unless the budget ends first
     draft_reg_weight: float = 1.0  # feature regression beside the distillation loss
     draft_unroll: int = 1  # passes: 1 = target features only, 2 = + the draft's own features
     autocast: str = "none"  # "bf16": bf16 autocast on CUDA (fp32 master weights)
@@ -145,13 +146,17 @@ class PairConfig:
     @classmethod
     def h200(cls) -> PairConfig:
         """One H200: a 24-layer target, d = 640, 10 query / 2 KV heads of 64, SwiGLU 1728, vocab
-        8192, tied embeddings (~109M parameters), bf16 autocast + torch.compile, 120 s; the
-        one-layer draft 60 s. Data: 100 MB of source, the tokenizer trained on 40 MB of it."""
+        8192, tied embeddings (~109M parameters), bf16 autocast + torch.compile; it and the
+        one-layer draft train 1,500 steps each (~115 s and ~55 s on an H200; 240 s and 120 s
+        are safety caps). Step counts, not wall-clock budgets, so that every machine trains the
+        same pair and end-to-end rows from different device calls compare. Data: 100 MB of
+        source, the tokenizer trained on 40 MB of it."""
         return cls(
             name="h200", data_bytes=100_000_000, tokenizer_bytes=40_000_000, vocab_size=8192,
             hidden_size=640, intermediate_size=1728, num_hidden_layers=24, num_attention_heads=10,
             num_key_value_heads=2, seq_len=1024, batch_size=32, lr=1.5e-3, draft_lr=2e-3,
-            warmup_steps=100, target_seconds=120.0, draft_seconds=60.0, draft_unroll=2,
+            warmup_steps=100, target_seconds=240.0, draft_seconds=120.0, max_steps=1500,
+            draft_unroll=2,
             autocast="bf16", compile=True, eval_tokens=1_048_576, num_prompts=64, prompt_len=128,
         )  # fmt: skip
 
