@@ -50,13 +50,9 @@ def test_lambda_cast_graft_greedy_equals_autoregressive(pair):  # noqa: F811
         _lambda_decoder(pair, graft=True, step_graphs=False)
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_lambda_cast_graft_any_plan_sequence_is_lossless(pair, monkeypatch, seed):  # noqa: F811
-    """CastGraft over λ-CAST, a random plan every step (any width, depth, verify bucket, graft
-    count, or a chain): grafted nodes hang at the template's depth, below a shallow draft, so the
-    catch-up must cover paths past depth + 1; greedy output equals autoregressive decoding."""
-    target, _ = pair
-    rng = random.Random(seed)
+def _random_plans(monkeypatch, rng: random.Random) -> None:
+    """Every step's plan drawn at random: any width, depth, verify bucket and graft count, or
+    (three times in ten) a chain."""
 
     def any_plan(self, B):
         if rng.random() < 0.3:  # a chain (top-1, no graft) between the trees
@@ -66,12 +62,44 @@ def test_lambda_cast_graft_any_plan_sequence_is_lossless(pair, monkeypatch, seed
         return Plan(rng.choice(self.widths), rng.randint(1, self.D), v, g)
 
     monkeypatch.setattr(CastPlanner, "plan", any_plan)
+
+
+def _random_requests(rng: random.Random, n: int = 3):
+    prompts = [[rng.randrange(128) for _ in range(rng.randint(2, 12))] for _ in range(n)]
+    return prompts, [rng.randint(3, 40) for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lambda_cast_graft_any_plan_sequence_is_lossless(pair, monkeypatch, seed):  # noqa: F811
+    """CastGraft over λ-CAST, a random plan every step (any width, depth, verify bucket, graft
+    count, or a chain): grafted nodes hang at the template's depth, below a shallow draft, so the
+    catch-up must cover paths past depth + 1; greedy output equals autoregressive decoding."""
+    target, _ = pair
+    rng = random.Random(seed)
+    _random_plans(monkeypatch, rng)
     dec = _lambda_decoder(pair, graft=True, static_shapes=True)
-    prompts = [[rng.randrange(128) for _ in range(rng.randint(2, 12))] for _ in range(3)]
-    budgets = [rng.randint(3, 40) for _ in range(3)]
+    prompts, budgets = _random_requests(rng)
     res = dec.generate(prompts, budgets)
     assert res.tokens == [_greedy_baseline(target, p, m) for p, m in zip(prompts, budgets)]
     assert len({tuple(p) for p in res.plans}) > 5 and sum(res.grafted) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [7, 8, 11])
+def test_lambda_cast_graft_any_plan_sequence_on_gpu(gpu_pair, monkeypatch, seed):  # noqa: F811
+    """The same on the GPU with one CUDA graph per plan (chains among them: top-1 expands and
+    the step statistics over one candidate per layer), launched ahead: greedy equals the tiny
+    fp32 pair's autoregressive output."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    target, _ = gpu_pair
+    rng = random.Random(seed)
+    _random_plans(monkeypatch, rng)
+    dec = _lambda_decoder(gpu_pair, graft=True, static_shapes=True, cuda_graphs=True)
+    prompts, budgets = _random_requests(rng, 4)
+    ar = Decoder(target, None, "autoregressive").generate(prompts, budgets)
+    res = dec.generate(prompts, budgets)
+    assert res.tokens == ar.tokens and res.graphs_captured > 5
+    assert any(p[5] == 1 for p in res.plans) and any(p[5] == 0 for p in res.plans)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
