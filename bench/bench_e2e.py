@@ -92,7 +92,7 @@ import e2e_tp  # noqa: E402
 import harness as H  # noqa: E402
 from e2e_cost_table import calibrate  # noqa: E402
 
-from treeops import CostTable  # noqa: E402
+from treeops import CostTable, RankTemplate  # noqa: E402
 from treeops.decoder import Decoder, Draft, ModelConfig, Target, make_policy  # noqa: E402
 from treeops.decoder.engine import DecodeResult, synthetic_cost_table  # noqa: E402
 from treeops.decoder.model import reference_forward  # noqa: E402
@@ -216,11 +216,19 @@ def lambda_cast(args) -> bool:
     return args.C1 is None and args.C2 is None and args.C3 is None
 
 
+ABLATION_POLICIES = ("CastPrune",)
+"""Graft's ablation beside Cast and CastGraft: ``CastPrune`` is CastGraft whose successor
+template is the root alone, so it prunes (at the checkpoints with thresholds; under λ-CAST, the
+g slots its plans free) and grafts nothing."""
+
+
 def make_decoder(policy, target, draft, args, table, graphs, profile=False):
-    lam = policy in ("Cast", "CastGraft") and lambda_cast(args)
-    pol = make_policy(policy, depth=args.depth, topk=args.topk, budget=args.budget,
-                      cost_table=table, C1=args.C1, C2=args.C2, C3=args.C3,
+    lam = policy in ("Cast", "CastGraft", "CastPrune") and lambda_cast(args)
+    prune_only = policy == "CastPrune"
+    pol = make_policy("CastGraft" if prune_only else policy, depth=args.depth, topk=args.topk,
+                      budget=args.budget, cost_table=table, C1=args.C1, C2=args.C2, C3=args.C3,
                       cast_depth=args.cast_depth, cast_budget=args.cast_budget,
+                      template=RankTemplate([-1], [-1]) if prune_only else None,
                       lambda_graft=lam)  # fmt: skip
     kw = dict(page_size=16)
     if (getattr(args, "step_graphs", False) and policy in STEP_GRAPH_POLICIES) or lam:
@@ -475,7 +483,7 @@ def plot(out_dir, rows) -> str | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     flagged = False
-    for pol in SPEC_POLICIES:
+    for pol in SPEC_POLICIES + ABLATION_POLICIES:
         pts = sorted(
             (r["B"], r["speedup"], min(r.get("speedup_repeats") or [r["speedup"]]),
              max(r.get("speedup_repeats") or [r["speedup"]]), r.get("valid", True))
@@ -564,7 +572,11 @@ def main(argv=None) -> int:
                     help="graphs vs eager on a random pair before training (a capture error "
                     "later falls back to eager anyway)")  # fmt: skip
     ap.add_argument("--batches", default=None, help="comma list (default: by --quick)")
-    ap.add_argument("--policies", default=",".join(SPEC_POLICIES))
+    ap.add_argument(
+        "--policies",
+        default=",".join(SPEC_POLICIES),
+        help="comma list of " + ", ".join(SPEC_POLICIES + ABLATION_POLICIES),
+    )
     ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (CPU: 16)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 96 (CPU: 8)")
     ap.add_argument("--min-requests", type=int, default=8,
@@ -870,6 +882,8 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
             speedup_spread=round((max(ratios) - min(ratios)) / mean, 4) if mean else None,
             warmup_s=warm[pol],
         )
+        if res.grafted and res.steps:  # Graft's rows: nodes the table added per step (batch)
+            row["grafted_per_step"] = round(sum(res.grafted) / res.steps, 3)
         dec = decs[pol]
         if dec.planner is not None and res.plans:
             d = dec.planner.describe(B)

@@ -117,3 +117,20 @@ def test_bench_e2e_step_graphs_rows(tmp_path):
     cast = rows["Cast"]
     assert cast["lambda_hat"] > 0 and 1 <= cast["mean_depth"] <= 4
     assert 1 <= cast["mean_width"] <= 3 and cast["mean_verified_nodes"] <= 16
+
+
+def test_bench_e2e_graft_ablation_rows(tmp_path):
+    """Graft's ablation with thresholds: Cast, CastPrune (pruned at the checkpoints, nothing
+    grafted: a root-only template) and CastGraft each get a lossless row; CastPrune's grafted
+    count is 0."""
+    argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs", "--batches", "2",
+            "--new-tokens", "4", "--prompt-len", "8", "--min-requests", "2",
+            "--policies", "Cast,CastPrune,CastGraft", "--C1", "0.3", "--cast-depth", "4",
+            "--cast-budget", "16"]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "e2e.json").read_text())["rows"]}
+    assert set(rows) == {"autoregressive", "Cast", "CastPrune", "CastGraft"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["policy"] == "autoregressive" or r["divergence"]["mismatch"] == 0
+    assert rows["CastPrune"]["grafted_per_step"] == 0 and "grafted_per_step" not in rows["Cast"]
