@@ -280,6 +280,8 @@ class _BatchState:
     home: Plan | None = None  # while a probe runs: the plan it returns to unless it wins
     probe_windows: int = 0
     last_tree: Plan | None = None  # the last top-K plan run (where a chain's probe goes back)
+    chain_depth: int = 0  # the chain depth the last tree window's curves favour (0: none yet)
+    backoff: int = 1  # probes wait this many times longer after each that lost (up to 8)
     grafted: float = 0.0  # decayed grafted nodes verified (active requests)
     graft_hits: float = 0.0  # decayed grafted nodes accepted
 
@@ -309,6 +311,10 @@ PROBE_EVERY = 8
 a neighbouring depth next to a chain) runs until measured, then the better one stays."""
 PROBE_AGE = 512
 """Steps after which a probed plan's measured η is stale and it may be probed again."""
+PROBE_BACKOFF_MAX = 8
+"""Each probe that loses doubles the wait before the next (``PROBE_EVERY`` decisions and
+``PROBE_AGE`` steps), up to this factor; one that wins resets it: where chains lose (small
+batches) they cost few steps, where they win the search stays quick."""
 PROBE_MAX_WINDOWS = 3
 """Windows a probe runs at most waiting for ``MEASURED_MIN_STEPS`` timed steps (a step that
 captured a graph is no measure)."""
@@ -609,6 +615,7 @@ class CastPlanner:
         target_cost = np.maximum(target_cost + c * k, 0.25 * target_cost)
         k = np.arange(self.W)
         draft_cost = np.maximum(draft_cost + b + e * k, 0.25 * draft_cost)
+        st.chain_depth = self._chain_depth(st, plan, target_cost, draft_cost, B, ctx)
         raw = lambda_rules(
             st.layers / st.window, st.verify / st.window, plan.depth, st.lam, target_cost,
             draft_cost, R=self.policy.R, max_depth=self.D,
@@ -657,9 +664,9 @@ class CastPlanner:
             st.probe_windows += 1
             if (m is None or m[0] < MEASURED_MIN_STEPS) and st.probe_windows < PROBE_MAX_WINDOWS:
                 return plan
-            home, st.home, st.probe_windows = st.home, None, 0
+            home, probed, st.home, st.probe_windows = st.home, plan, None, 0
         else:
-            home = plan
+            home, probed = plan, None
         live = self._live(st)
         nxt = home
         if home in live:
@@ -668,27 +675,41 @@ class CastPlanner:
                 nxt = best
         if st.allowed is not None and nxt not in st.allowed:
             nxt = home
+        if probed is not None:
+            st.backoff = 1 if nxt == probed else min(2 * st.backoff, PROBE_BACKOFF_MAX)
         return self._probe(st, nxt)
 
     def _probe(self, st: _BatchState, cur: Plan) -> Plan:
-        """Every ``PROBE_EVERY`` decisions: the first plan of ``_probe_candidates`` that is
-        allowed and not measured within ``PROBE_AGE`` steps, to run one window (``st.home`` =
-        ``cur``, where it returns unless it wins); else ``cur``."""
-        if not self.chain_probes or st.decisions % PROBE_EVERY:
+        """Every ``PROBE_EVERY`` decisions (times the backoff): the first plan of
+        ``_probe_candidates`` that is allowed and not measured within ``PROBE_AGE`` steps (times
+        the backoff), to run one window (``st.home`` = ``cur``, where it returns unless it
+        wins); else ``cur``."""
+        if not self.chain_probes or st.decisions % (PROBE_EVERY * st.backoff):
             return cur
         for p in self._probe_candidates(st, cur):
             if st.allowed is not None and p not in st.allowed:
                 continue
             m = st.measured.get(p)
-            if m is None or m[0] < MEASURED_MIN_STEPS or st.steps - m[3] > PROBE_AGE:
+            if m is None or m[0] < MEASURED_MIN_STEPS or st.steps - m[3] > PROBE_AGE * st.backoff:
                 st.home, st.probe_windows = cur, 0
                 return p
         return cur
 
+    def _chain_depth(self, st, plan, target_cost, draft_cost, B: int, ctx: int) -> int:
+        """The chain depth the window's curves and the costs favour: a chain of depth d emits
+        1 + the sum of the best candidate's calibrated acceptance over layers 1..d (column 0 of
+        the layer curves, within the tree's depth) and costs the verification of d + 1 nodes,
+        d one-row layers and the catch-up."""
+        best = st.layers[: plan.depth, 0] / max(st.window, 1)
+        catch = self.catchup_costs(B, ctx)
+        d = np.arange(1, min(plan.depth, self.N - 1) + 1)
+        eta = (1.0 + np.cumsum(best)[d - 1]) / (target_cost[d] + d * draft_cost[0] + catch[d])
+        return int(d[np.argmax(eta)])
+
     def _probe_candidates(self, st: _BatchState, cur: Plan) -> list[Plan]:
-        """Next to a tree: the chain at the best measured chain depth (else the tree's depth),
-        then one layer shallower and deeper. Next to a chain: one layer shallower and deeper,
-        then the last tree run."""
+        """Next to a tree: the chain at the best measured chain depth (else at the depth the
+        curves favour, ``_chain_depth``), then one layer shallower and deeper. Next to a chain:
+        one layer shallower and deeper, then the last tree run."""
 
         def chain(d: int) -> list[Plan]:
             return [Plan.chain(d)] if 1 <= d <= self.D and d + 1 <= self.N else []
@@ -699,7 +720,7 @@ class CastPlanner:
             return chain(d - 1) + chain(d + 1) + tree
         live = self._live(st)
         chains = [p for p in live if p.is_chain]
-        d = max(chains, key=lambda p: live[p][1]).depth if chains else cur.depth
+        d = max(chains, key=lambda p: live[p][1]).depth if chains else st.chain_depth or cur.depth
         return chain(d) + chain(d - 1) + chain(d + 1)
 
     def _toward(self, plan: Plan, raw: Plan, votes: tuple) -> tuple[Plan, tuple]:
