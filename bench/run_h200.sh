@@ -4,6 +4,7 @@
 # Stages: tests:<names>  memcheck:<names>  calibrate  bench_build  bench_cast  bench_accept
 #         bench_compact_kv  bench_kv_append  bench_graft  bench_attention  bench_host  bench_e2e
 #         pytest_bench  train_bg  wait_bg  kernel_limits (ncu's counters per kernel, LIMITS_ARGS)
+#         cache_save
 #         (<names>: comma list of op stems (tree_attention, build_tree, ...), decoder, or all). A stage may carry
 #         its own time limit: calibrate@240. pytest_bench: ``python -m pytest bench
 #         --benchmark-only`` (one benchmark per op at least; PYTEST_BENCH_K selects with -k), its
@@ -14,6 +15,9 @@
 # .whl/): the first use of every kernel configuration compiles, and compiling is CPU-bound.
 # Each stage runs under its own time limit (STAGE_LIMIT, seconds) so that one slow stage cannot
 # take the others' results with it; a log per call and the JSON files land in $OUT.
+# Compile caches: Triton's kernels and Inductor's (the pair's training) are kept under
+# /tmp/treeops-cc; a carried .carry/compile_cache.tgz (what cache_save wrote into $OUT last time,
+# at most 15 MB) seeds them, so a fresh machine skips the compiles an earlier one did.
 set -u
 OUT=${OUT:-/tmp/treeops-out}
 mkdir -p "$OUT"
@@ -30,6 +34,12 @@ elif ls .whl/*.whl >/dev/null 2>&1; then
 fi
 [ -z "${SKIP_INSTALL:-}" ] && { python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || echo "install failed" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee -a "$LOG"
+CC=/tmp/treeops-cc
+if [ ! -d $CC ] && [ -f .carry/compile_cache.tgz ]; then
+  mkdir -p $CC && tar xzf .carry/compile_cache.tgz -C $CC && echo "compile cache: $(du -sh $CC | cut -f1) seeded" | tee -a "$LOG"
+fi
+mkdir -p $CC/triton $CC/inductor
+export TRITON_CACHE_DIR=$CC/triton TORCHINDUCTOR_CACHE_DIR=$CC/inductor
 # tests:<names> runs tests/test_<name>_gpu.py, or the gpu-marked tests of tests/test_<name>.py
 files() { local f=""; [ "$1" = all ] && { echo tests; return; }; for n in ${1//,/ }; do
   if [ -f "tests/test_${n}_gpu.py" ]; then f="$f tests/test_${n}_gpu.py"; else f="$f tests/test_${n}.py"; fi
@@ -64,6 +74,8 @@ for spec in "$@"; do
       echo $! >/tmp/treeops-train.pid
       summary="$summary\n$(printf '%-34s started' "$stage")"; continue;;
     wait_bg) cmd="while kill -0 \$(cat /tmp/treeops-train.pid) 2>/dev/null; do sleep 2; done; tail -n 3 $OUT/train/log.txt";;
+    cache_save)  # both caches if they pack into 15 MB, else Triton's alone, else none
+      cmd="tar czf $OUT/compile_cache.tgz -C $CC triton inductor; [ \$(stat -c %s $OUT/compile_cache.tgz) -le 15000000 ] || tar czf $OUT/compile_cache.tgz -C $CC triton; [ \$(stat -c %s $OUT/compile_cache.tgz) -le 15000000 ] || rm $OUT/compile_cache.tgz; ls -l $OUT/compile_cache.tgz";;
     *) echo "unknown stage $stage"; continue;;
   esac
   echo "=== $stage: $cmd" | tee -a "$LOG"
