@@ -91,18 +91,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import e2e_tp  # noqa: E402
 import harness as H  # noqa: E402
 from e2e_cost_table import calibrate  # noqa: E402
+from e2e_divergence import MAX_DIVERGENCES_CHECKED, NEAR_TIE_REL, divergences  # noqa: E402
 
 from treeops import CostTable, RankTemplate  # noqa: E402
 from treeops.decoder import Decoder, Draft, ModelConfig, Target, make_policy  # noqa: E402
 from treeops.decoder.engine import DecodeResult, synthetic_cost_table  # noqa: E402
-from treeops.decoder.model import reference_forward  # noqa: E402
 from treeops.decoder.tp import shard_target, with_tp_degree  # noqa: E402
 
 SPEC_POLICIES = ("chain", "EagleStatic", "Cast", "CastGraft")
 BATCHES = (1, 64, 8, 4, 16, 32, 2)  # priority order: the claims are about B = 1 and the largest
 QUICK_BATCHES = (1, 64, 8)
-NEAR_TIE_REL = 0.05  # near-tie: |l[a] - l[p]| < NEAR_TIE_REL * std(logits row)
-MAX_DIVERGENCES_CHECKED = 48  # per row: fp32 reference forwards are cheap but not free
 
 
 def log(msg: str) -> None:
@@ -148,61 +146,6 @@ def trained_pair(device: torch.device, cache_dir: str, train_seconds: str | None
     prompts = getattr(pair, "heldout_prompts", None) or pair.prompts
     report = dict(pair.report)
     return pair.target, pair.draft, prompts, report
-
-
-# ---------------------------------------------------------------------------- cost table
-# ------------------------------------------------------------------------------ divergences
-def ref_logits(ref32: Target, ctx: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [V] after ``ctx``: the model's causal training forward (PyTorch SDPA, no
-    treeops) where the model has one, else ``reference_forward`` on the CPU."""
-    if hasattr(ref32, "forward_train"):
-        return ref32.forward_train(ctx[None])[0][0, -1].float()
-    cpu = copy.deepcopy(ref32).cpu()
-    return reference_forward(cpu, ctx.cpu())[-1].float()
-
-
-@torch.no_grad()
-def divergences(ref32: Target, prompts, ar_tokens, pol_tokens, limit: int) -> dict:
-    """First divergence of each request from the autoregressive output, classified with the
-    fp32 target's logits at that position (module docstring)."""
-    near, mismatch, unchecked, details = 0, 0, 0, []
-    prev = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        for b, (a, p) in enumerate(zip(ar_tokens, pol_tokens)):
-            k = next((i for i, (x, y) in enumerate(zip(a, p)) if x != y), None)
-            if k is None:
-                if len(a) != len(p):
-                    mismatch += 1  # one stopped early: not a tie question
-                    details.append({"request": b, "kind": "length", "ar": len(a), "pol": len(p)})
-                continue
-            if near + mismatch >= limit:
-                unchecked += 1
-                continue
-            dev = ref32.model.embed_tokens.weight.device
-            ctx = torch.tensor(list(prompts[b]) + list(a[:k]), device=dev)
-            row = ref_logits(ref32, ctx)
-            top2 = torch.topk(row, 2).values
-            gap = abs(float(row[a[k]] - row[p[k]]))
-            scale = float(row.std())
-            tie = gap < NEAR_TIE_REL * scale
-            near += int(tie)
-            mismatch += int(not tie)
-            details.append({
-                "request": b, "position": k, "ar_token": a[k], "policy_token": p[k],
-                "gap": round(gap, 5), "top2_gap": round(float(top2[0] - top2[1]), 5),
-                "scale": round(scale, 4), "near_tie": bool(tie),
-            })  # fmt: skip
-    finally:
-        torch.set_float32_matmul_precision(prev)
-    return {
-        "requests": len(ar_tokens),
-        "diverged": near + mismatch + unchecked,
-        "near_tie": near,
-        "mismatch": mismatch,
-        "unchecked": unchecked,
-        "details": details[:8],
-    }
 
 
 # ----------------------------------------------------------------------------------- rows
