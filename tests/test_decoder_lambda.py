@@ -85,7 +85,7 @@ def test_lambda_cast_graft_any_plan_sequence_is_lossless(pair, monkeypatch, seed
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seed", [7, 8, 11])
+@pytest.mark.parametrize("seed", [7])
 def test_lambda_cast_graft_any_plan_sequence_on_gpu(gpu_pair, monkeypatch, seed):  # noqa: F811
     """The same on the GPU with one CUDA graph per plan (chains among them: top-1 expands and
     the step statistics over one candidate per layer), launched ahead: greedy equals the tiny
