@@ -696,3 +696,45 @@ def test_chain_probes_are_rare_and_respect_restrict():
         pl.observe(1, _model_stats(pl, rng, 0.1), plan, tokens=3.0, step_s=1.5 * unit_s, ctx=100)
     assert Plan.chain(4) in pl._state(1).measured
     assert Plan.chain(4).verify == 5 and pl.policy_for(Plan.chain(4)).topk == 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), graft=st.booleans(), restrict=st.booleans(),
+       chain_gain=st.floats(0.5, 2.0))  # fmt: skip
+def test_planner_plans_stay_valid_with_chain_probes(seed, graft, restrict, chain_gain):
+    """Whatever the measurements say (chains measured ``chain_gain`` times a tree's η, noisy
+    times and tokens, optionally restricted to a few plans), every plan the planner hands out
+    is one the engine can run: a tree within the buckets and the tree's capacity, its graft at
+    most half its verify count, or a chain (width 1, all d + 1 nodes, no graft) within the
+    maxima; under ``restrict`` always an allowed plan."""
+    pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=8, max_width=8, max_depth=8,
+                       capacity=64)  # fmt: skip
+    pl = treeops.CastPlanner(pol, interval=4, graft_sizes=[2, 4, 8] if graft else None)
+    rng = np.random.default_rng(seed)
+    allowed = None
+    if restrict:
+        allowed = [pl.plan(2), Plan.chain(3), Plan.chain(5), Plan(2, 6, 16)]
+        pl.restrict(2, allowed)
+    unit_s = pl.costs(2, 100)[2] * 1e-6
+    chains = 0
+    for _ in range(300):
+        p = pl.plan(2)
+        chains += p.is_chain
+        if p.is_chain:
+            assert (p.width, p.verify, p.graft) == (1, p.depth + 1, 0) and 1 <= p.depth <= pl.D
+        else:
+            assert p.topk == 0 and p.width in pl.widths and p.verify in pl.verify_sizes
+            assert 1 <= p.depth <= pl.D and p.graft <= p.verify // 2
+        assert allowed is None or p in allowed
+        x = _model_stats(pl, rng, 0.2)
+        if graft:
+            x[pl.layout["graft"]] = [p.graft, 0.1 * p.graft]
+        gain = chain_gain if p.is_chain else 1.0
+        tok = 3.0 * gain * (1 + 0.2 * rng.standard_normal())
+        pl.observe(2, x, p, tokens=max(tok, 0.1), step_s=1.5 * unit_s, ctx=100)
+    d = pl.describe(2)
+    assert all(len(row) == 8 for row in d["plans_measured"]) and len(d["plan"]) == 5
+    assert chains > 0  # probed; kept where clearly better, left where clearly worse
+    if not restrict:
+        assert chain_gain < 1.2 or chains > 200
+        assert chain_gain > 0.8 or chains <= 60
