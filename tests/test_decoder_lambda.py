@@ -82,6 +82,8 @@ def test_lambda_cast_graft_any_plan_sequence_is_lossless(pair, monkeypatch, seed
     res = dec.generate(prompts, budgets)
     assert res.tokens == [_greedy_baseline(target, p, m) for p, m in zip(prompts, budgets)]
     assert len({tuple(p) for p in res.plans}) > 5 and sum(res.grafted) > 0
+    # the catch-up each step ran (recorded) covers every path it accepted
+    assert all(rc >= max(em) for rc, em in zip(res.catchup_buckets, res.emitted, strict=True))
 
 
 @pytest.mark.gpu

@@ -102,8 +102,9 @@ class Decoder:
             many of the verified nodes Graft's successor table fills, ``GRAFT_SIZES``); CAST
             with thresholds decides sizes on the host during the step, so it and ``CastGraft``
             over it raise a ``ValueError`` naming ``step_graphs``. The
-            catch-up runs at the bucket of the longest possible accepted path (depth + 1 nodes)
-            instead of the longest accepted one. Host waits: one per step.
+            catch-up runs at the bucket of the longest possible accepted path (depth + 1 nodes,
+            deeper where Graft's template reaches below the draft) instead of the longest
+            accepted one. Host waits: one per step.
         launch_ahead: with ``step_graphs``, enqueue step t + 1 before reading step t's results
             whenever some request is sure to outlive step t (its remaining budget exceeds the
             most tokens step t can emit), so the host's per-step work (reading the results,

@@ -58,6 +58,15 @@ def path_cols(grafting: bool, pb: PlanBuffers | None, n: int) -> int:
     return n if grafting or pb is None else min(n, pb.depth + 1)
 
 
+def catchup_bucket(dec, pb: PlanBuffers) -> int:
+    """The rows of a whole step's catch-up forward for tree shape ``pb``: the bucket of the
+    longest path the step can accept (the draft's depth + 1; with Graft 1 + the successor
+    template's depth where that is deeper, grafted nodes hanging at their template depth),
+    capped at the shape's capacity."""
+    deepest = pb.depth if dec.graft is None else max(pb.depth, dec.graft.template.max_depth)
+    return min(pb.capacity, bucket_for(deepest + 1, dec.capacity))
+
+
 def bucket_for(n: int, capacity: int) -> int:
     """The smallest bucket of ``token_buckets(capacity)`` holding ``n`` tokens (``n`` is clamped
     to ``[1, capacity]``): never smaller than ``n`` while ``n <= capacity``."""
@@ -579,7 +588,7 @@ class WholeStep:
             res.draft_buckets.append([1] + [pb.w] * (pb.depth - 1))
         catchup = 0
         if self.dec.draft is not None and pb is not None:
-            catchup = min(n, bucket_for(pb.depth + 1, self.dec.capacity))
+            catchup = catchup_bucket(self.dec, pb)
         res.catchup_buckets.append(catchup)
 
 

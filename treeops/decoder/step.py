@@ -56,7 +56,7 @@ from ..cast_plan import cast_step_stats
 from ..compact_kv import compact_kv
 from ..graft import graft, prune
 from ..tree import Tree
-from .graphs import PlanBuffers, _StaticBatch, bucket_for, path_cols
+from .graphs import PlanBuffers, _StaticBatch, bucket_for, catchup_bucket, path_cols
 from .model import PagedKV, chain_tree
 from .results import DecodeResult
 
@@ -632,10 +632,7 @@ class WholeStepBody(StaticStep):
         N = dec.capacity if pb is None else pb.capacity
         self.bodies = {("verify", N): sb.verify_body(N, self.vin)}
         if dec.draft is not None and pb is not None:
-            # the longest path it can accept: the draft's depth + 1, or a grafted node's (the
-            # successor table's template reaches below the draft's depth)
-            deepest = pb.depth if dec.graft is None else max(pb.depth, dec.graft.template.max_depth)
-            self.catchup_size = min(N, bucket_for(deepest + 1, dec.capacity))
+            self.catchup_size = catchup_bucket(dec, pb)
             self.bodies["catchup", self.catchup_size] = sb.catchup_body(self.catchup_size)
             for R in (1, pb.w):
                 self.bodies["draft", R] = sb.draft_body(R, pb)
