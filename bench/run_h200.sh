@@ -34,12 +34,13 @@ elif ls .whl/*.whl >/dev/null 2>&1; then
 fi
 [ -z "${SKIP_INSTALL:-}" ] && { python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || echo "install failed" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee -a "$LOG"
-CC=/tmp/treeops-cc
-if [ ! -d $CC ] && [ -f .carry/compile_cache.tgz ]; then
-  mkdir -p $CC && tar xzf .carry/compile_cache.tgz -C $CC && echo "compile cache: $(du -sh $CC | cut -f1) seeded" | tee -a "$LOG"
+# not CC: the GPU machine exports CC (the C compiler Triton runs), and assigning it would replace it
+CACHE_ROOT=/tmp/treeops-cc
+if [ ! -d $CACHE_ROOT ] && [ -f .carry/compile_cache.tgz ]; then
+  mkdir -p $CACHE_ROOT && tar xzf .carry/compile_cache.tgz -C $CACHE_ROOT && echo "compile cache: $(du -sh $CACHE_ROOT | cut -f1) seeded" | tee -a "$LOG"
 fi
-mkdir -p $CC/triton $CC/inductor
-export TRITON_CACHE_DIR=$CC/triton TORCHINDUCTOR_CACHE_DIR=$CC/inductor
+mkdir -p $CACHE_ROOT/triton $CACHE_ROOT/inductor
+export TRITON_CACHE_DIR=$CACHE_ROOT/triton TORCHINDUCTOR_CACHE_DIR=$CACHE_ROOT/inductor
 # tests:<names> runs tests/test_<name>_gpu.py, or the gpu-marked tests of tests/test_<name>.py
 files() { local f=""; [ "$1" = all ] && { echo tests; return; }; for n in ${1//,/ }; do
   if [ -f "tests/test_${n}_gpu.py" ]; then f="$f tests/test_${n}_gpu.py"; else f="$f tests/test_${n}.py"; fi
@@ -75,7 +76,7 @@ for spec in "$@"; do
       summary="$summary\n$(printf '%-34s started' "$stage")"; continue;;
     wait_bg) cmd="while kill -0 \$(cat /tmp/treeops-train.pid) 2>/dev/null; do sleep 2; done; tail -n 3 $OUT/train/log.txt";;
     cache_save)  # both caches if they pack into 15 MB, else Triton's alone, else none
-      cmd="tar czf $OUT/compile_cache.tgz -C $CC triton inductor; [ \$(stat -c %s $OUT/compile_cache.tgz) -le 15000000 ] || tar czf $OUT/compile_cache.tgz -C $CC triton; [ \$(stat -c %s $OUT/compile_cache.tgz) -le 15000000 ] || rm $OUT/compile_cache.tgz; ls -l $OUT/compile_cache.tgz";;
+      cmd="tar czf $OUT/compile_cache.tgz -C $CACHE_ROOT triton inductor; [ \$(stat -c %s $OUT/compile_cache.tgz) -le 15000000 ] || tar czf $OUT/compile_cache.tgz -C $CACHE_ROOT triton; [ \$(stat -c %s $OUT/compile_cache.tgz) -le 15000000 ] || rm $OUT/compile_cache.tgz; ls -l $OUT/compile_cache.tgz";;
     *) echo "unknown stage $stage"; continue;;
   esac
   echo "=== $stage: $cmd" | tee -a "$LOG"
