@@ -24,6 +24,7 @@ from test_decoder import (  # noqa: F401  (pair, gpu_pair, _one_thread: fixtures
 from treeops import Plan
 from treeops.cast_plan import CastPlanner
 from treeops.decoder import Decoder, SamplingParams, make_policy
+from treeops.decoder.graphs import planner_tokens
 
 
 def test_lambda_cast_graft_greedy_equals_autoregressive(pair):  # noqa: F811
@@ -104,6 +105,53 @@ def test_lambda_cast_graft_any_plan_sequence_on_gpu(gpu_pair, monkeypatch, seed)
     assert any(p[5] == 1 for p in res.plans) and any(p[5] == 0 for p in res.plans)
 
 
+def _fixed_graft_plan(monkeypatch) -> None:
+    """Every step runs one plan that grafts (the widest, deepest tree at the largest verify
+    count, half of it grafted): steps depend on the table alone, not on the planner's state."""
+
+    def fixed(self, B):
+        v = max(self.verify_sizes)
+        return Plan(max(self.widths), self.D, v, max(g for g in self.graft_sizes if g <= v // 2))
+
+    monkeypatch.setattr(CastPlanner, "plan", fixed)
+
+
+def _graft_trace(res) -> tuple:
+    return res.tokens, res.emitted, res.verified, res.grafted
+
+
+def test_graft_table_lives_with_the_decoder(pair, monkeypatch):  # noqa: F811
+    """The successor table is the decoder's (a captured step graph holds its address) and each
+    batch starts from it emptied in place: a batch after a junk-filled table decodes exactly as
+    a fresh decoder does."""
+    _fixed_graft_plan(monkeypatch)
+    dec = _lambda_decoder(pair, graft=True, static_shapes=True)
+    want = _graft_trace(dec.generate(PROMPTS, NEW))
+    table, ptr = dec.table, dec.table.table.data_ptr()
+    assert sum(want[3]) > 0
+    table.table.fill_(5)  # junk successors: a table carried over would graft them
+    got = _graft_trace(dec.generate(PROMPTS, NEW))
+    assert dec.table is table and table.table.data_ptr() == ptr
+    assert got == want
+
+
+@pytest.mark.gpu
+def test_graft_table_under_step_graphs_on_gpu(gpu_pair, monkeypatch):  # noqa: F811
+    """With whole-step CUDA graphs (captured in the first batch, replayed in the later ones) a
+    batch decodes exactly as the same batch did first, after another batch in between: the
+    graphs read and update the table the prefill warmed."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _fixed_graft_plan(monkeypatch)
+    dec = _lambda_decoder(gpu_pair, graft=True, static_shapes=True, cuda_graphs=True)
+    rng = random.Random(3)
+    first, budgets = _random_requests(rng, 4)
+    other, _ = _random_requests(rng, 4)
+    want = _graft_trace(dec.generate(first, budgets))
+    dec.generate(other, budgets)
+    again = dec.generate(first, budgets)
+    assert _graft_trace(again) == want and again.graphs_captured == 0 and sum(want[3]) > 0
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "step-body"])
 def test_lambda_cast_greedy_equals_autoregressive(pair, batch, static):  # noqa: F811
@@ -130,6 +178,29 @@ def test_lambda_cast_greedy_equals_autoregressive(pair, batch, static):  # noqa:
     steps = dec.planner.describe(batch)["steps"]
     again = dec.generate(PROMPTS[:batch], budgets, stop_ids=[stop])
     assert again.tokens == want and dec.planner.describe(batch)["steps"] > steps
+
+
+def test_planner_tokens_count_steps_no_budget_cut():
+    """A plan is measured by the steps no budget cut short: the mean accept length over the
+    requests with more than the step's most emitted tokens left (0 when none had)."""
+    rows = [[5, 0], [2, 0], [0, 0], [7, 0]]
+    assert planner_tokens(rows, [20, 3, 0, 9], emit=8) == 6.0
+    assert planner_tokens(rows, [8, 8, 8, 8], emit=8) == 0.0
+    assert planner_tokens(rows, None, emit=8) == pytest.approx(14 / 3)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "step-body"])
+def test_planner_measures_no_step_a_budget_cut(pair, static):  # noqa: F811
+    """Budgets shorter than any plan's steps: the steps run, the calibration learns, but no
+    plan gets a measured η (each step's tokens were its budget's, not its plan's)."""
+    pol = make_policy("Cast", depth=3, topk=3, budget=12, cast_depth=5, cast_budget=16,
+                      cost_table=_steep_costs())  # fmt: skip
+    dec = Decoder(pair[0], pair[1], pol, static_shapes=static, step_graphs=static)
+    dec.generate(PROMPTS, [2, 2, 1])
+    st = dec.planner._state(3)
+    assert st.steps > 0 and not st.measured
+    dec.generate(PROMPTS, [40, 40, 40])
+    assert st.measured
 
 
 @pytest.mark.gpu

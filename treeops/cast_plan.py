@@ -282,6 +282,8 @@ class _BatchState:
     last_tree: Plan | None = None  # the last top-K plan run (where a chain's probe goes back)
     chain_depth: int = 0  # the chain depth the last tree window's curves favour (0: none yet)
     backoff: int = 1  # probes wait this many times longer after each that lost (up to 8)
+    last_probe: int = 0  # the decision at which the last probe started
+    settled: int = 0  # decisions in a row that kept the tree's plan
     grafted: float = 0.0  # decayed grafted nodes verified (active requests)
     graft_hits: float = 0.0  # decayed grafted nodes accepted
 
@@ -315,6 +317,11 @@ PROBE_BACKOFF_MAX = 8
 """Each probe that loses doubles the wait before the next (``PROBE_EVERY`` decisions and
 ``PROBE_AGE`` steps), up to this factor; one that wins resets it: where chains lose (small
 batches) they cost few steps, where they win the search stays quick."""
+PROBE_SETTLE = 3
+"""Decisions in a row that keep a tree's plan before a chain is probed next to it: the chain is
+compared with the tree the rules settled on, not with one still growing (at a small batch the
+rules grow a tree over many decisions, and a chain measured beside a half-grown one can win
+and stop the growth: the rules do not run on a chain)."""
 PROBE_MAX_WINDOWS = 3
 """Windows a probe runs at most waiting for ``MEASURED_MIN_STEPS`` timed steps (a step that
 captured a graph is no measure)."""
@@ -628,6 +635,7 @@ class CastPlanner:
         st.plan = self._measured_guard(st, plan, st.plan)
         if st.allowed is not None and st.plan not in st.allowed:
             st.plan = self._nearest_allowed(st, plan, st.plan)
+        st.settled = st.settled + 1 if st.plan == plan else 0
         st.plan = self._probe(st, st.plan)
         self._end_window(st)
         return st.plan
@@ -680,18 +688,21 @@ class CastPlanner:
         return self._probe(st, nxt)
 
     def _probe(self, st: _BatchState, cur: Plan) -> Plan:
-        """Every ``PROBE_EVERY`` decisions (times the backoff): the first plan of
+        """``PROBE_EVERY`` decisions (times the backoff) after the last probe, and next to a tree
+        once it kept its plan ``PROBE_SETTLE`` decisions: the first plan of
         ``_probe_candidates`` that is allowed and not measured within ``PROBE_AGE`` steps (times
         the backoff), to run one window (``st.home`` = ``cur``, where it returns unless it
         wins); else ``cur``."""
-        if not self.chain_probes or st.decisions % (PROBE_EVERY * st.backoff):
+        if not self.chain_probes or st.decisions - st.last_probe < PROBE_EVERY * st.backoff:
+            return cur
+        if not cur.is_chain and st.settled < PROBE_SETTLE:
             return cur
         for p in self._probe_candidates(st, cur):
             if st.allowed is not None and p not in st.allowed:
                 continue
             m = st.measured.get(p)
             if m is None or m[0] < MEASURED_MIN_STEPS or st.steps - m[3] > PROBE_AGE * st.backoff:
-                st.home, st.probe_windows = cur, 0
+                st.home, st.probe_windows, st.last_probe = cur, 0, st.decisions
                 return p
         return cur
 

@@ -278,6 +278,8 @@ class Decoder:
             step, res = self._start(prompts, budget, per_req, greedy, stop_ids, g)
             stop_set = set(int(x) for x in stop_ids or ())
             host_remaining = list(budget)
+            if isinstance(step, (WholeStep, EagerStep)):  # the planner's measure reads them
+                step.remaining = host_remaining
             host_active = [m > 0 for m in budget]
             t_loop = time.perf_counter()
 
@@ -383,8 +385,14 @@ class Decoder:
             B, tgt.cfg.hidden_size, dtype=tgt.model.embed_tokens.weight.dtype, device=dev
         )
         if self.graft is not None:
-            k = self.graft.adjacency_k
-            self.table = AdjacencyTable(tgt.cfg.vocab_size, k=k, device=dev)
+            # one table per decoder, emptied in place for each batch: a captured step graph
+            # holds its address (a new table per batch left the graphs reading and writing
+            # the freed one)
+            if self.table is None or self.table.device != dev:
+                k = self.graft.adjacency_k
+                self.table = AdjacencyTable(tgt.cfg.vocab_size, k=k, device=dev)
+            else:
+                self.table.reset()
         P = max(len(p) for p in prompts) - 1
         if P > 0:
             ptok = torch.zeros(B, P, dtype=torch.int64, device=dev)

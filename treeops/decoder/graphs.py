@@ -67,6 +67,20 @@ def catchup_bucket(dec, pb: PlanBuffers) -> int:
     return min(pb.capacity, bucket_for(deepest + 1, dec.capacity))
 
 
+def planner_tokens(rows: list, remaining: list[int] | None, emit: int) -> float:
+    """The tokens per request of one step that λ-CAST's planner measures a plan by: the mean
+    accept length (``rows[b][0]``) over the requests that had more than ``emit`` tokens (the most
+    the step can emit) left before it, so that no budget cut the step short (a request's last
+    step emits what its budget allows, and steps near a batch's end would rate whatever plan ran
+    them low); 0 when none had (such a step is no measure of its plan). ``remaining``: the
+    host's budgets before the step (None: every active request counts)."""
+    if remaining is None:
+        acc = [r[0] for r in rows if r[0] > 0]
+    else:
+        acc = [r[0] for r, m in zip(rows, remaining, strict=True) if r[0] > 0 and m > emit]
+    return sum(acc) / len(acc) if acc else 0.0
+
+
 def bucket_for(n: int, capacity: int) -> int:
     """The smallest bucket of ``token_buckets(capacity)`` holding ``n`` tokens (``n`` is clamped
     to ``[1, capacity]``): never smaller than ``n`` while ``n <= capacity``."""
@@ -503,6 +517,7 @@ class WholeStep:
         self.captures_seen = res.graphs_captured
         self.plans: dict = {}  # plan -> (its buffers, its graph key)
         self.rates_version = -1
+        self.remaining: list[int] | None = None  # the host's budgets (``planner_tokens``)
         self.slot = 0
         self.pin = sb.seq_lens.device.type == "cuda"
 
@@ -573,8 +588,9 @@ class WholeStep:
             acc = [r[0] for r in rows if r[0] > 0]
             if acc:
                 self.ctx += max(acc)
-                planner.observe(self.sb.B, launched.host_stats.numpy(), launched.plan,
-                                sum(acc) / len(acc), step_s, self.ctx)  # fmt: skip
+                tokens = planner_tokens(rows, self.remaining, launched.emit)
+                planner.observe(self.sb.B, launched.host_stats.numpy(), launched.plan, tokens,
+                                step_s, self.ctx)  # fmt: skip
             p = launched.plan
             lam = round(planner.lam(self.sb.B), 4)
             res.plans.append([p.width, p.depth, p.verify, lam, p.graft, p.topk])

@@ -56,7 +56,14 @@ from ..cast_plan import cast_step_stats
 from ..compact_kv import compact_kv
 from ..graft import graft, prune
 from ..tree import Tree
-from .graphs import PlanBuffers, _StaticBatch, bucket_for, catchup_bucket, path_cols
+from .graphs import (
+    PlanBuffers,
+    _StaticBatch,
+    bucket_for,
+    catchup_bucket,
+    path_cols,
+    planner_tokens,
+)
 from .model import PagedKV, chain_tree
 from .results import DecodeResult
 
@@ -272,6 +279,7 @@ class EagerStep(StepBody):
         self.state: DraftState | None = None
         self.tree: Tree | None = None
         self.t_last = time.perf_counter()
+        self.remaining: list[int] | None = None  # the host's budgets (``planner_tokens``)
         self.ctx = int(carry.seq_lens.max()) + 1 if self.B else 0
         self.grafted = torch.zeros(self.B, dtype=torch.int32, device=carry.rows.device)
 
@@ -318,8 +326,10 @@ class EagerStep(StepBody):
             acc = [r[0] for r in rows if r[0] > 0]
             if acc:
                 self.ctx += max(acc)
-                planner.observe(self.B, self.stats.tolist(), self.plan, sum(acc) / len(acc),
-                                step_s, self.ctx)  # fmt: skip
+                p = self.plan
+                emit = p.verify if self.dec.graft is not None else p.depth + 1
+                tokens = planner_tokens(rows, self.remaining, emit)
+                planner.observe(self.B, self.stats.tolist(), p, tokens, step_s, self.ctx)
             p = self.plan
             lam = round(planner.lam(self.B), 4)
             self.res.plans.append([p.width, p.depth, p.verify, lam, p.graft, p.topk])
