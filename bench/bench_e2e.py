@@ -306,6 +306,9 @@ def row_of(policy, B, res, prof, ar_tps, div, graphs=None, groups=1, kernels=Non
         "speedup": round(tps / ar_tps, 3) if ar_tps else None,
         "mean_accepted": round(res.mean_accepted, 3),
         "steps": res.steps,
+        # the share of (request row, step) slots with an active request: a static batch runs
+        # until its last request ends, the finished rows idle (deeper plans finish less evenly)
+        "slot_use": round(st["tokens"] / max(res.mean_accepted * res.steps * B, 1e-9), 3),
         "tokens": st["tokens"],
         "decode_s": round(res.time_decode, 4),
         "host_wait_s": round(res.time_host_wait, 4),

@@ -6,7 +6,13 @@ The pair has the trained pair's shapes (``PairConfig.h200()``) and random weight
 step graph costs the same whatever the weights, and no training is needed. Used to find what the
 λ-CAST planner's cost model misses (the residual's intercept and its slope per draft layer).
 
+``--chains D`` instead times one chain of depth D three ways (``chain_steps``): the chain
+policy's step, and λ-CAST's and CastGraft's (over λ-CAST) steps confined to ``Plan.chain(D)``,
+which draft the same tree; what the λ steps cost beyond the chain policy's is what the planner's
+statistics, Graft's table and the λ buffers add, per kernel name at ``--profile-batch``.
+
     python bench/profile_step.py --table bench/results/h200/e2e_cost_table.json --out DIR
+    python bench/profile_step.py --table bench/results/h200/e2e_cost_table.json --out DIR --chains 6
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from treeops import EagleStatic  # noqa: E402
+from treeops import EagleStatic, Plan  # noqa: E402
 from treeops.cost_table import CostTable  # noqa: E402
 from treeops.decoder import Decoder  # noqa: E402
 from treeops.decoder.graphs import bucket_for  # noqa: E402
@@ -67,6 +73,45 @@ def kernel_mix(dec, prompts, new_tokens) -> dict:
     }
 
 
+CHAIN_DECODERS = ("chain", "Cast", "CastGraft")
+"""The decoders ``chain_steps`` compares: the chain policy, λ-CAST, Graft over λ-CAST."""
+
+
+def chain_steps(target, draft, table: CostTable, B: int, depth: int, prompts, new_tokens: int,
+                graphs: bool, mix: bool = False) -> list[dict]:  # fmt: skip
+    """One chain of ``depth`` drafted tokens, decoded by each of ``CHAIN_DECODERS`` (the λ ones
+    confined to ``Plan.chain(depth)`` by ``CastPlanner.restrict``; whole-step graphs with
+    ``graphs``): a row per decoder with its step time, the tokens it emitted (equal across the
+    three: same draft, same tree) and, with ``mix``, its kernels per step by name."""
+    from argparse import Namespace
+
+    from bench_e2e import make_decoder
+
+    args = Namespace(depth=depth, topk=10, budget=60, C1=None, C2=None, C3=None, cast_depth=10,
+                     cast_budget=96, step_graphs=True, no_launch_ahead=False)  # fmt: skip
+    rows = []
+    for name in CHAIN_DECODERS:
+        dec = make_decoder(name, target, draft, args, table, graphs)
+        if dec.planner is not None:
+            dec.planner.restrict(B, [Plan.chain(depth)])
+        dec.generate(prompts, 8)  # captures
+        if graphs:
+            torch.cuda.synchronize()
+        res = dec.generate(prompts, new_tokens)
+        row = {"decoder": name, "B": B, "depth": depth, "steps": res.steps,
+               "step_us": round(1e6 * res.time_decode / max(1, res.steps), 1),
+               "mean_accepted": round(res.mean_accepted, 3), "captures": res.graphs_captured,
+               "plans": sorted({tuple(p[:3]) + (p[5],) for p in res.plans}),
+               "tokens": res.tokens}  # fmt: skip
+        if mix:
+            row["kernel_mix"] = kernel_mix(dec, prompts, 16)
+        rows.append(row)
+        del dec
+        if graphs:
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--table", required=True)
@@ -74,6 +119,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--chains", type=int, default=0,
+                    help="time a chain of this depth three ways instead (chain_steps)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     table = CostTable.load(args.table)
@@ -85,6 +132,14 @@ def main() -> int:
     rows, mixes = [], {}
     for B in [int(x) for x in args.batches.split(",")]:
         prompts = [torch.randint(1, cfg.vocab_size, (128,), generator=g).tolist() for _ in range(B)]
+        if args.chains:
+            got = chain_steps(target, draft, table, B, args.chains, prompts, args.new_tokens,
+                              graphs=True, mix=B == args.profile_batch)  # fmt: skip
+            for r in got:
+                r.pop("tokens")
+                print(json.dumps({k: v for k, v in r.items() if k != "kernel_mix"}), flush=True)
+            rows += got
+            continue
         for w, d, n in PLANS:
             pol = EagleStatic(depth=d, topk=10, budget=n, width=w)
             dec = Decoder(target, draft, pol, cuda_graphs=True, step_graphs=True,
@@ -115,6 +170,10 @@ def main() -> int:
     with open(os.path.join(args.out, "profile_step.json"), "w") as f:
         json.dump(out, f, indent=1)
     for r in rows:
+        if "decoder" in r:
+            print(f"B={r['B']:3d} {r['decoder']:10s} chain d={r['depth']} step={r['step_us']:8.1f}"
+                  f" kernels={r.get('kernel_mix', {}).get('kernels_per_step', '-')}")  # fmt: skip
+            continue
         print(
             f"B={r['B']:3d} plan={r['plan']} step={r['step_us']:8.1f}"
             f" pred={r['predicted_us']:8.1f} resid={r['residual_us']:7.1f}"

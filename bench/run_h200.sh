@@ -4,6 +4,7 @@
 # Stages: tests:<names>  memcheck:<names>  calibrate  bench_build  bench_cast  bench_accept
 #         bench_compact_kv  bench_kv_append  bench_graft  bench_attention  bench_host  bench_e2e
 #         pytest_bench  train_bg  wait_bg  kernel_limits (ncu's counters per kernel, LIMITS_ARGS)
+#         profile_step (a step's time per plan or, PROFILE_ARGS="--chains 6", one chain three ways)
 #         cache_save
 #         (<names>: comma list of op stems (tree_attention, build_tree, ...), decoder, or all). A stage may carry
 #         its own time limit: calibrate@240. pytest_bench: ``python -m pytest bench
@@ -17,7 +18,7 @@
 # take the others' results with it; a log per call and the JSON files land in $OUT.
 # Compile caches: Triton's kernels and Inductor's (the pair's training) are kept under
 # /tmp/treeops-cc; a carried .carry/compile_cache.tgz (what cache_save wrote into $OUT last time,
-# at most 15 MB) seeds them, so a fresh machine skips the compiles an earlier one did.
+# at most 15 MB: a file coming back from a device call is at most 16 MiB) seeds them, so a fresh machine skips the compiles an earlier one did.
 set -u
 OUT=${OUT:-/tmp/treeops-out}
 mkdir -p "$OUT"
@@ -67,6 +68,7 @@ for spec in "$@"; do
     bench_host) cmd="python3 bench/bench_host.py --out $OUT/host.json ${HOST_ARGS:-}";;
     bench_e2e) cmd="python3 bench/bench_e2e.py --out $OUT ${E2E_ARGS:-}";;
     kernel_limits) cmd="python3 bench/kernel_limits.py --out $OUT ${LIMITS_ARGS:-}";;
+    profile_step) cmd="python3 bench/profile_step.py --table ${TABLE:-bench/results/h200/e2e_cost_table.json} --out $OUT ${PROFILE_ARGS:-}";;
     pytest_bench) cmd="python3 -m pytest bench --benchmark-only -p no:cacheprovider -q --benchmark-json=$OUT/pytest_bench.json ${PYTEST_BENCH_K:+-k '$PYTEST_BENCH_K'}";;
     train_bg)  # the e2e pair trained in the background (into its /tmp cache) while tests run;
       # never beside a timed stage: wait_bg first
