@@ -119,8 +119,12 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--profile-batch", type=int, default=64)
-    ap.add_argument("--chains", type=int, default=0,
-                    help="time a chain of this depth three ways instead (chain_steps)")
+    ap.add_argument(
+        "--chains",
+        type=int,
+        default=0,
+        help="time a chain of this depth three ways instead (chain_steps)",
+    )
     args = ap.parse_args()
     dev = torch.device("cuda")
     table = CostTable.load(args.table)
