@@ -282,8 +282,10 @@ def sync():
 
 
 def tokens_per_s(res) -> float:
+    """Generated tokens per second of decoding: captures and the prefills of refilled rows
+    (``--continuous``) excluded, as the first prefill is."""
     ntok = sum(len(t) for t in res.tokens)
-    t = max(res.time_decode - res.time_capture, 1e-9)
+    t = max(res.time_decode - res.time_capture - res.time_refill, 1e-9)
     return ntok / t
 
 
@@ -316,6 +318,7 @@ def row_of(policy, B, res, prof, ar_tps, div, graphs=None, groups=1, kernels=Non
         # host time blocked per decision wait in the timed run: mostly the GPU work it waits for
         "host_blocked_us_per_wait": round(st["host_wait_us_per_wait"], 1),
         "captures_in_timed_run": res.graphs_captured,
+        "refill_s": round(res.time_refill, 4),
         "undersized": res.undersized,
         "mean_verify_bucket": round(sum(res.verify_buckets) / max(1, len(res.verify_buckets)), 2),
         "mean_verified_nodes": round(
@@ -327,7 +330,12 @@ def row_of(policy, B, res, prof, ar_tps, div, graphs=None, groups=1, kernels=Non
             sum(len(x) for x in res.draft_buckets) / max(1, res.steps), 2
         ),
         # decode-loop time per step (an autoregressive step: one target forward)
-        "step_us": round(1e6 * max(res.time_decode - res.time_capture, 0.0) / max(1, res.steps), 1),
+        "step_us": round(
+            1e6
+            * max(res.time_decode - res.time_capture - res.time_refill, 0.0)
+            / max(1, res.steps),
+            1,
+        ),
         "target_layers": layers,
         "weight_read_floor_us": None if floor_us is None else round(floor_us, 2),
         "kernels_per_step": None,
@@ -512,6 +520,9 @@ def main(argv=None) -> int:
                     help="whole-step graphs one step at a time (launch, wait, read): the host's "
                     "per-step work not overlapped with the device's next step")  # fmt: skip
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled (split) runs")
+    ap.add_argument("--continuous", action="store_true",
+                    help="timed runs as continuous batching: all of a row's requests in one "
+                         "generate(max_batch=B), a finished request's row refilled")  # fmt: skip
     ap.add_argument("--no-kernel-count", action="store_true",
                     help="skip the torch.profiler kernel count per step (CUDA)")  # fmt: skip
     ap.add_argument("--preflight", action="store_true",
@@ -742,6 +753,22 @@ def main(argv=None) -> int:
     return 0
 
 
+def timed_run(dec, groups, args) -> DecodeResult:
+    """Every request of ``groups`` decoded once: group after group (a static batch each), or with
+    ``--continuous`` all in one ``generate`` of ``max_batch`` = the group size, a finished
+    request's row taking the next waiting one (as an engine's continuous batching)."""
+    if getattr(args, "continuous", False):
+        res = dec.generate([p for g in groups for p in g], args.new_tokens,
+                           max_batch=len(groups[0]))  # fmt: skip
+        sync()
+        return res
+    out = []
+    for g in groups:
+        out.append(dec.generate(g, args.new_tokens))
+        sync()
+    return merge_results(out)
+
+
 def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, graphs, floor_us,
               layers, doc) -> list[dict]:  # fmt: skip
     """The rows of one batch size: decoders built and warmed up (graphs captured), then
@@ -782,11 +809,7 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
     for r in range(max(1, args.repeats)):
         k = r % len(live)
         for pol in live[k:] + live[:k]:
-            out = []
-            for g in groups:
-                out.append(decs[pol].generate(g, args.new_tokens))
-                sync()
-            rounds[pol].append(merge_results(out))
+            rounds[pol].append(timed_run(decs[pol], groups, args))
     rows = []
     if "autoregressive" not in rounds:
         return [{"policy": p, "B": B, "error": e} for p, e in errors.items()]
@@ -807,7 +830,7 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
         prof = None
         if cuda and not args.no_profile:
             decs[pol].profile = True
-            prof = merge_results([decs[pol].generate(g, args.new_tokens) for g in groups])
+            prof = timed_run(decs[pol], groups, args)
             decs[pol].profile = False
         div = None
         if pol != "autoregressive":

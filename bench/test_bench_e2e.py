@@ -119,6 +119,24 @@ def test_bench_e2e_step_graphs_rows(tmp_path):
     assert 1 <= cast["mean_width"] <= 3 and cast["mean_verified_nodes"] <= 16
 
 
+def test_bench_e2e_continuous_rows(tmp_path):
+    """``--continuous``: a row's requests in one generate of max_batch = B (refilled rows): one
+    step covers B rows, tokens stay exact (fp32) and the refills' time is recorded and left out
+    of tokens/s."""
+    argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs", "--batches", "2",
+            "--new-tokens", "6", "--prompt-len", "8", "--min-requests", "6", "--step-graphs",
+            "--policies", "chain,Cast", "--repeats", "1", "--cast-depth", "4",
+            "--cast-budget", "16", "--continuous"]  # fmt: skip
+    assert bench.main(argv) == 0
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    assert doc["settings"]["continuous"] is True
+    for r in doc["rows"]:
+        assert "error" not in r, r
+        assert r["requests"] == 6 and r["tokens"] == 6 * 6 and r["refill_s"] > 0
+        if r["policy"] != "autoregressive":
+            assert r["divergence"]["mismatch"] == 0
+
+
 def test_bench_e2e_graft_ablation_rows(tmp_path):
     """Graft's ablation with thresholds: Cast, CastPrune (pruned at the checkpoints, nothing
     grafted: a root-only template) and CastGraft each get a lossless row; CastPrune's grafted

@@ -100,6 +100,17 @@ def _cases(group) -> dict:
         dec = Decoder(sharded, draft, _policy(name, extra, WORLD), tp_group=group,
                       check_lockstep=True, **kw)  # fmt: skip
         out[case] = {"single": single, "tp": _run(dec)}
+    # continuous batching: three requests through two rows, a refill on every rank alike (rank
+    # 1 passes another max_batch: rank 0's rules, as for every generate argument)
+    name, extra, kw = CASES["lambda-Cast"]
+    single = Decoder(target, draft, _policy(name, extra, 1), **kw).generate(
+        PROMPTS, [NEW, 7, NEW], stop_ids=[STOP], max_batch=2
+    )
+    dec = Decoder(sharded, draft, _policy(name, extra, WORLD), tp_group=group,
+                  check_lockstep=True, **kw)  # fmt: skip
+    mb = 2 if dist.get_rank(group) == 0 else 3
+    tp = dec.generate(PROMPTS, [NEW, 7, NEW], stop_ids=[STOP], max_batch=mb)
+    out["continuous"] = {"single": single.tokens, "tp": tp.tokens, "rows": len(tp.emitted[0])}
     # a table measured at TP = 1 is refused at TP = 2
     try:
         Decoder(sharded, draft, _policy("Cast", {}, 1), tp_group=group,
@@ -211,3 +222,11 @@ def test_single_process_refuses_tp2_table():
     with pytest.raises(ValueError, match="policy.cost_table"):
         Decoder(target, draft, _policy("Cast", {"C1": 0.1}, 2))
     check_cost_table(_costs(1), 1)  # absent meta["tp"] counts as 1
+
+
+def test_tp_continuous_batching(ranks):
+    """Three requests through two rows at TP = 2 (rank 1 asked for three rows: rank 0's
+    arguments rule): each rank's tokens equal the single-process decoder's with refills."""
+    for r in ranks:
+        c = r["continuous"]
+        assert c["tp"] == c["single"] and c["rows"] == 2

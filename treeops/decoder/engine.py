@@ -28,6 +28,7 @@ from contextlib import nullcontext
 
 import torch
 
+from .._checks import check_positive_int
 from ..build_tree import Cast
 from ..cast_plan import CastPlanner
 from ..graft import AdjacencyTable
@@ -261,31 +262,63 @@ class Decoder:
         stop_ids: list[int] | None = None,
         sampling: SamplingParams | list[SamplingParams] | None = None,
         generator: torch.Generator | None = None,
+        max_batch: int | None = None,
     ) -> DecodeResult:
         """Decode every prompt (a list of token ids, length >= 1) until ``max_new_tokens`` (an
         int or one per request) or a stop id (kept in the output). ``sampling``: one
         ``SamplingParams`` for the batch or one per request (temperature 0 rows are greedy);
-        uniforms come from ``generator`` (CPU), one per tree node per step."""
+        uniforms come from ``generator`` (CPU), one per tree node per step.
+
+        ``max_batch``: decode at most this many requests at once (the batch size of the steps;
+        None: all of them). The first ``max_batch`` start together; when one ends, the next
+        waiting request takes its row between two steps (its prompt prefilled into that row's
+        caches), as an engine's continuous batching does, so no row idles while requests wait.
+        A refill is queued behind the step already launched ahead, which then runs with the row
+        idle; ``DecodeResult.time_refill`` holds the refills' device time (inside
+        ``time_decode``). Results stay per request, in the order given."""
         # Triton launches, events and graph captures use the current device: make it the model's
         if self.tp is not None:  # every rank decodes rank 0's requests with its generator
-            prompts, max_new_tokens, stop_ids, sampling, generator = self.tp.sync_requests(
-                prompts, max_new_tokens, stop_ids, sampling, generator
+            prompts, max_new_tokens, stop_ids, sampling, generator, max_batch = (
+                self.tp.sync_requests(
+                    prompts, max_new_tokens, stop_ids, sampling, generator, max_batch
+                )
             )
         lockstep = self.tp is not None and self.tp.check_lockstep
         with torch.cuda.device(self._dev) if self._dev.type == "cuda" else nullcontext():
-            B, budget, per_req, greedy = check_requests(prompts, max_new_tokens, sampling)
+            R, budget, per_req, greedy = check_requests(prompts, max_new_tokens, sampling)
+            if max_batch is not None:
+                check_positive_int("max_batch", max_batch)
+            B = R if max_batch is None else min(R, max_batch)
             g = generator or torch.Generator().manual_seed(0)
-            step, res = self._start(prompts, budget, per_req, greedy, stop_ids, g)
+            step, res, refill = self._start(prompts, budget, per_req, greedy, stop_ids, g, B)
             stop_set = set(int(x) for x in stop_ids or ())
-            host_remaining = list(budget)
+            host_remaining = budget[:B]
             if isinstance(step, (WholeStep, EagerStep)):  # the planner's measure reads them
                 step.remaining = host_remaining
-            host_active = [m > 0 for m in budget]
+            host_active = [m > 0 for m in host_remaining]
+            req_of = list(range(B))  # the request each row decodes
+            waiting = [r for r in range(R - 1, B - 1, -1) if budget[r] > 0]  # popped from the end
+            row_len = [len(p) for p in prompts[:B]]  # each row's context (the planner's ctx)
             t_loop = time.perf_counter()
+
+            def refill_rows() -> None:
+                """The rows whose request ended take the next waiting requests."""
+                rows = [b for b in range(B) if not host_active[b]][: len(waiting)]
+                if not rows:
+                    return
+                reqs = [waiting.pop() for _ in rows]
+                refill(rows, reqs)
+                for b, r in zip(rows, reqs):
+                    req_of[b], host_remaining[b], host_active[b] = r, budget[r], True
+                    row_len[b] = len(prompts[r])
 
             def take(rows, n, launched=None):
                 t0 = step.clock()
-                grafted = absorb(res, rows, n, stop_set, host_remaining, host_active)
+                grafted = absorb(res, rows, n, stop_set, host_remaining, host_active, req_of)
+                for b, e in enumerate(res.emitted[-1]):
+                    row_len[b] += e
+                if hasattr(step, "ctx"):  # the longest context among the rows (refills shrink it)
+                    step.ctx = max(row_len)
                 if self.graft is not None:
                     res.grafted.append(grafted)
                 if launched is None:
@@ -302,6 +335,7 @@ class Decoder:
                 # whenever some request is sure to outlive step t: the host's work overlaps the
                 # device's (the lockstep check reads each step's tree first: one at a time)
                 ahead = self.launch_ahead and not lockstep
+                refill_rows()
                 cur = step.launch() if any(host_active) else None
                 while cur is not None:
                     sure = ahead and any(
@@ -309,24 +343,29 @@ class Decoder:
                     )
                     nxt = step.launch() if sure else None
                     take(step.collect(cur), cur.n, cur)
+                    refill_rows()
                     if not any(host_active):
                         break  # (a step launched ahead of a stop-id ending is left uncollected)
                     cur = nxt or step.launch()
             else:
+                refill_rows()
                 while any(host_active):
                     take(*step())
+                    refill_rows()
             if self.static and self._dev.type == "cuda":  # nor end with work still queued
                 torch.cuda.synchronize(self._dev)
             res.time_decode = time.perf_counter() - t_loop
+            res.time_refill = refill.seconds()
             return res
 
-    def _start(self, prompts, budget, per_req, greedy, stop_ids, g):
-        """Buffers for this batch, the prefill, and the step of this decoder's path; returns
-        (step, result)."""
-        dev, B = self._dev, len(prompts)
+    def _start(self, prompts, budget, per_req, greedy, stop_ids, g, B: int):
+        """Buffers for a batch of ``B`` rows (caches long enough for any of the requests), the
+        first ``B`` requests' prefill, and the step of this decoder's path; returns (step,
+        result, the ``_Refill`` that puts a waiting request into a row)."""
+        dev = self._dev
         tgt = self.target
         N, Nd = self.capacity, self.draft_capacity
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
+        lens = torch.tensor([len(p) for p in prompts[:B]], dtype=torch.int32, device=dev)
         max_len = max(len(p) for p in prompts) + max(budget) + N + Nd + 1
         stops = None
         if self.static:
@@ -347,43 +386,13 @@ class Decoder:
         if stop_ids and stops is None:
             stops = torch.tensor(stop_ids, dtype=torch.int64, device=dev)
         res = DecodeResult(
-            tokens=[[] for _ in range(B)], profiled=self.profile and self.static,
+            tokens=[[] for _ in prompts], profiled=self.profile and self.static,
             step_graphs=self.step_graphs,
         )  # fmt: skip
 
         # prefill prompt[:-1] as a chain (eager on every path); the last prompt token is the
         # first root
         t0 = clock()
-        carry.seq_lens.copy_(lens - 1)
-        root, root_feat = self._prefill(prompts, carry.seq_lens, tkv, dkv)
-        carry.start(root, root_feat, budget, per_req)
-        if self.static:
-            if dev.type == "cuda":  # the loop's clock must not start with prefill still queued
-                torch.cuda.synchronize(dev)
-        res.time_prefill = clock() - t0
-
-        if not self.static:
-            return EagerStep(self, carry, tkv, dkv, res, greedy, stops, g), res
-        if self.step_graphs:
-
-            def make_body(pb) -> WholeStepBody:
-                return WholeStepBody(self, sb, greedy, stops, pb)
-
-            ctx = max(len(p) for p in prompts)
-            return WholeStep(self, sb, res, greedy, stops, g, make_body, ctx), res
-        return StaticStep(self, sb, res, greedy, stops, g), res
-
-    def _prefill(self, prompts, seq_lens, tkv, dkv) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every request's ``prompt[:-1]`` through the target (and the draft) as a chain at
-        ``seq_lens`` [B] (= prompt lengths - 1); warms Graft's table. Returns the first roots
-        (the last prompt tokens) [B] int64 and their features [B, H] (the target's hidden state
-        at the token before; 0 for a one-token prompt)."""
-        tgt, dft = self.target, self.draft
-        dev, B = seq_lens.device, len(prompts)
-        root = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=dev)
-        root_feat = torch.zeros(
-            B, tgt.cfg.hidden_size, dtype=tgt.model.embed_tokens.weight.dtype, device=dev
-        )
         if self.graft is not None:
             # one table per decoder, emptied in place for each batch: a captured step graph
             # holds its address (a new table per batch left the graphs reading and writing
@@ -393,11 +402,46 @@ class Decoder:
                 self.table = AdjacencyTable(tgt.cfg.vocab_size, k=k, device=dev)
             else:
                 self.table.reset()
+        carry.seq_lens.copy_(lens - 1)
+        root, root_feat = self._prefill(prompts[:B], carry.seq_lens, tkv, dkv)
+        carry.start(root, root_feat, budget[:B], per_req[:B])
+        if self.static:
+            if dev.type == "cuda":  # the loop's clock must not start with prefill still queued
+                torch.cuda.synchronize(dev)
+        res.time_prefill = clock() - t0
+
+        refill = _Refill(self, carry, tkv, dkv, prompts, budget, per_req)
+        if not self.static:
+            return EagerStep(self, carry, tkv, dkv, res, greedy, stops, g), res, refill
+        if self.step_graphs:
+
+            def make_body(pb) -> WholeStepBody:
+                return WholeStepBody(self, sb, greedy, stops, pb)
+
+            ctx = max(len(p) for p in prompts[:B])
+            return WholeStep(self, sb, res, greedy, stops, g, make_body, ctx), res, refill
+        return StaticStep(self, sb, res, greedy, stops, g), res, refill
+
+    def _prefill(self, prompts, seq_lens, tkv, dkv) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every request's ``prompt[:-1]`` through the target (and the draft) as a chain at
+        ``seq_lens`` [B] (= prompt lengths - 1); warms Graft's table. Returns the first roots
+        (the last prompt tokens) [B] int64 and their features [B, H] (the target's hidden state
+        at the token before; 0 for a one-token prompt)."""
+        tgt, dft = self.target, self.draft
+        dev, B = seq_lens.device, len(prompts)
         P = max(len(p) for p in prompts) - 1
+        # the tokens in one host tensor, one copy (pinned, asynchronous: a refill must not wait
+        # for the step launched ahead of it): column 0 the roots, then prompt[:-1] padded
+        host = torch.zeros(B, 1 + P, dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            host[b, : len(p)] = torch.tensor(p[-1:] + p[:-1], dtype=torch.int64)
+        toks = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+        root = toks[:, 0]
+        root_feat = torch.zeros(
+            B, tgt.cfg.hidden_size, dtype=tgt.model.embed_tokens.weight.dtype, device=dev
+        )
         if P > 0:
-            ptok = torch.zeros(B, P, dtype=torch.int64, device=dev)
-            for b, p in enumerate(prompts):
-                ptok[b, : len(p) - 1] = torch.tensor(p[:-1], dtype=torch.int64)
+            ptok = toks[:, 1:].contiguous()
             plen = seq_lens.clone()
             chain = chain_tree(ptok, plen)
             zero = torch.zeros(B, dtype=torch.int32, device=dev)
@@ -432,3 +476,60 @@ class Decoder:
         res.time_host_wait += time.perf_counter() - t0
         res.host_waits += 1
         return out
+
+
+class _Refill:
+    """Puts waiting requests into rows of a running batch (``generate``'s ``max_batch``): their
+    prompts prefilled into those rows' caches (``PagedKV.rows``: the rows' pages, the same pools),
+    the rows' carried state set, Graft's table warmed. Everything is queued on the current
+    stream behind the step launched before it, with no host sync; its device time is kept with
+    CUDA events and read once, at the end (``seconds``)."""
+
+    def __init__(self, dec: Decoder, carry: Carry, tkv, dkv, prompts, budget, per_req):
+        self.dec, self.carry, self.tkv, self.dkv = dec, carry, tkv, dkv
+        self.prompts, self.budget, self.per_req = prompts, budget, per_req
+        self.events: list = []
+        self.host_s = 0.0
+
+    def __call__(self, rows: list[int], reqs: list[int]) -> None:
+        """Row ``rows[i]`` (whose request ended) starts request ``reqs[i]``."""
+        c, dev = self.carry, self.carry.rows.device
+        t0 = time.perf_counter()
+        cuda = dev.type == "cuda"
+        if cuda:
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+        ps = [self.prompts[r] for r in reqs]
+        sp = [self.per_req[r] for r in reqs]
+        # the rows' new state in one host tensor, one asynchronous copy (as in _prefill)
+        # a row per field (each a contiguous [R] tensor on the device)
+        host = torch.tensor(
+            [rows, [len(p) - 1 for p in ps], [self.budget[r] for r in reqs], [s.top_k for s in sp]],
+            dtype=torch.int64,
+        )
+        hf = torch.tensor([[max(0.0, s.temperature) for s in sp], [s.top_p for s in sp]])
+        if cuda:
+            host, hf = host.pin_memory(), hf.pin_memory()
+        st = host.to(dev, non_blocking=cuda)
+        fl = hf.to(dev, non_blocking=cuda)
+        idx, lens = st[0], st[1].to(torch.int32)
+        dkv = None if self.dkv is None else self.dkv.rows(idx)
+        root, feat = self.dec._prefill(ps, lens, self.tkv.rows(idx), dkv)
+        c.seq_lens.index_copy_(0, idx, lens)
+        c.root.index_copy_(0, idx, root)
+        c.root_feat.index_copy_(0, idx, feat)
+        c.remaining.index_copy_(0, idx, st[2])
+        c.active.index_fill_(0, idx, True)
+        c.top_k.index_copy_(0, idx, st[3].to(torch.int32))
+        c.temperature.index_copy_(0, idx, fl[0])
+        c.top_p.index_copy_(0, idx, fl[1])
+        if cuda:
+            ev[1].record()
+            self.events.append(ev)
+        self.host_s += time.perf_counter() - t0
+
+    def seconds(self) -> float:
+        """The refills' time: device time on CUDA (call after the stream finished), else host."""
+        if not self.events:
+            return self.host_s
+        return sum(a.elapsed_time(b) for a, b in self.events) / 1e3

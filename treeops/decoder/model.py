@@ -108,6 +108,14 @@ class PagedKV:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = pages * page_size
 
+    def rows(self, idx: torch.Tensor) -> PagedKV:
+        """The cache of requests ``idx`` [R] (int64, on its device): their block-table rows over
+        the same page pools (a prefill through it writes those requests' pages)."""
+        view = PagedKV.__new__(PagedKV)
+        view.block_table = self.block_table.index_select(0, idx)
+        view.k, view.v, view.capacity = self.k, self.v, self.capacity
+        return view
+
 
 def chain_tree(tokens: torch.Tensor, lengths: torch.Tensor) -> Tree:
     """A chain (prompt-as-tree): node i's parent is i-1; ``lengths[b]`` valid nodes."""

@@ -43,8 +43,11 @@ class DecodeResult:
     # static / graph paths).
     time_host_wait: float = 0.0  # s: blocked on decision events (static/graph path only)
     host_waits: int = 0  # event waits (decision points) taken
-    time_decode: float = 0.0  # s: wall time of the decoding loop (prefill excluded)
+    time_decode: float = 0.0  # s: wall time of the decoding loop (the first prefill excluded)
     time_capture: float = 0.0  # s: CUDA-graph warm-up + capture (included in time_decode)
+    # s: prefills of requests that took a finished request's row (``max_batch``; included in
+    # time_decode; device time on CUDA)
+    time_refill: float = 0.0
     graphs_captured: int = 0
     verify_buckets: list[int] = field(default_factory=list)  # per step (static path)
     draft_buckets: list[list[int]] = field(default_factory=list)  # per step, per draft forward
@@ -92,6 +95,7 @@ class DecodeResult:
             "host_waits": self.host_waits,
             "host_wait_us_per_wait": 1e6 * self.time_host_wait / max(1, self.host_waits),
             "time_capture_s": self.time_capture,
+            "time_refill_s": self.time_refill,
             "time_step_s": self.time_step,
             "step_graphs": self.step_graphs,
             "graphs_captured": self.graphs_captured,
@@ -116,12 +120,13 @@ def check_requests(prompts, max_new_tokens, sampling) -> tuple[int, list[int], l
     return B, budget, per_req, all(sp.temperature <= 0 for sp in per_req)
 
 
-def absorb(res: DecodeResult, rows, cap: int, stop_set, remaining, active) -> int:
+def absorb(res: DecodeResult, rows, cap: int, stop_set, remaining, active, req_of=None) -> int:
     """One step's results, read back from the device, into ``res``. Each row is ``[accept_len,
     bonus, verified nodes, grafted nodes] + accepted path tokens`` (the path's root first).
-    Appends the emitted tokens (the path minus its root, then the bonus), updates the host's
-    per-request budgets ``remaining`` and flags ``active``, counts trees of more than ``cap``
-    nodes as undersized; returns the grafted nodes of the batch."""
+    Appends the emitted tokens (the path minus its root, then the bonus) to the row's request
+    (``req_of[b]``; default the row itself), updates the host's per-row budgets ``remaining``
+    and flags ``active``, counts trees of more than ``cap`` nodes as undersized; returns the
+    grafted nodes of the batch."""
     emitted, verified, grafted = [], [], 0
     for b, row in enumerate(rows):
         a, bonus, nv = row[0], row[1], row[2]
@@ -132,7 +137,7 @@ def absorb(res: DecodeResult, rows, cap: int, stop_set, remaining, active) -> in
             res.undersized += 1
         if a == 0:
             continue
-        res.tokens[b].extend(row[5 : 4 + a] + [bonus])
+        res.tokens[b if req_of is None else req_of[b]].extend(row[5 : 4 + a] + [bonus])
         remaining[b] -= a
         if remaining[b] <= 0 or bonus in stop_set:
             active[b] = False

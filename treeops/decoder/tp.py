@@ -177,17 +177,17 @@ class TPContext:
             self.cpu_group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
         self.check_lockstep = bool(check_lockstep)
 
-    def sync_requests(self, prompts, max_new_tokens, stop_ids, sampling, generator):
+    def sync_requests(self, prompts, max_new_tokens, stop_ids, sampling, generator, max_batch):
         """Rank 0's ``generate`` arguments on every rank, and its generator's state in this
         rank's generator (a new one where this rank passed none); returns them."""
         state = None if generator is None else generator.get_state()
-        box = [prompts, max_new_tokens, stop_ids, sampling, state]
+        box = [prompts, max_new_tokens, stop_ids, sampling, state, max_batch]
         dist.broadcast_object_list(box, src=self.src, group=self.cpu_group)
-        prompts, max_new_tokens, stop_ids, sampling, state = box
+        prompts, max_new_tokens, stop_ids, sampling, state, max_batch = box
         if state is not None:
             generator = generator or torch.Generator()
             generator.set_state(state)
-        return prompts, max_new_tokens, stop_ids, sampling, generator
+        return prompts, max_new_tokens, stop_ids, sampling, generator, max_batch
 
     def step_time(self, seconds: float) -> float:
         """Rank 0's measured step time, on every rank (what λ-CAST's planner observes)."""
