@@ -36,8 +36,9 @@ what it measured):
    (policy, B) row generates ``--min-tokens`` over its repeats; group g holds prompts
    ``(g * B + i) % len(prompts)``, the last ``--prompt-len`` tokens of each), greedy,
    ``--new-tokens`` each. One decoder per policy, warmed up on the first group (captures;
-   λ-CAST until its planner has seen ``--planner-warmup-steps`` steps at this B and a group kept
-   its plan; its timed runs then move among the plans the warm-up ran), then
+   λ-CAST until its planner has seen ``--planner-warmup-steps`` steps at this B, measured a
+   chain and a group kept its plan; its timed runs then move among the plans the warm-up ran),
+   then
    ``--repeats`` rounds: in each, every policy decodes every group (autoregressive, chain,
    EagleStatic, Cast, CastGraft, the order rotated by one per round). A row merges its rounds:
    tokens/s = all generated tokens / the summed decode-loop wall times (prefill and captures
@@ -789,8 +790,13 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
                 g, last = 1, None
                 while planner is not None and time.time() - t0 < args.planner_warmup_s:
                     d = planner.describe(B)
-                    if d["steps"] >= args.planner_warmup_steps and d["plan"] == last:
-                        break  # enough steps, and a whole group ran without a plan change
+                    # a chain measured too where the planner probes them: the timed runs keep
+                    # to the plans the warm-up ran
+                    probed = not planner.chain_probes or any(
+                        row[7] == 1 for row in d["plans_measured"]
+                    )
+                    if d["steps"] >= args.planner_warmup_steps and d["plan"] == last and probed:
+                        break  # enough steps, a chain measured, a whole group kept its plan
                     last = d["plan"]
                     decs[pol].generate(groups[g % len(groups)], args.new_tokens)
                     g += 1

@@ -60,10 +60,12 @@ def path_cols(grafting: bool, pb: PlanBuffers | None, n: int) -> int:
 
 def catchup_bucket(dec, pb: PlanBuffers) -> int:
     """The rows of a whole step's catch-up forward for tree shape ``pb``: the bucket of the
-    longest path the step can accept (the draft's depth + 1; with Graft 1 + the successor
-    template's depth where that is deeper, grafted nodes hanging at their template depth),
-    capped at the shape's capacity."""
-    deepest = pb.depth if dec.graft is None else max(pb.depth, dec.graft.template.max_depth)
+    longest path the step can accept (the draft's depth + 1; where the shape grafts, 1 + the
+    successor template's depth if that is deeper, grafted nodes hanging at their template
+    depth), capped at the shape's capacity."""
+    deepest = pb.depth
+    if dec.graft is not None and pb.graft:
+        deepest = max(deepest, dec.graft.template.max_depth)
     return min(pb.capacity, bucket_for(deepest + 1, dec.capacity))
 
 
@@ -564,7 +566,8 @@ class WholeStep:
         if event is not None:
             event.record()
         res.time_step += self.clock() - t0
-        emit = n if dec.graft is not None or pb is None else pb.depth + 1
+        # the most tokens a request can emit: the draft's depth + 1, or n where nodes are grafted
+        emit = n if pb is None or (dec.graft is not None and pb.graft) else pb.depth + 1
         return _Launched(plan, pb, n, emit, host_pack, host_stats, event)
 
     def collect(self, launched: _Launched) -> list:

@@ -327,7 +327,7 @@ class EagerStep(StepBody):
             if acc:
                 self.ctx += max(acc)
                 p = self.plan
-                emit = p.verify if self.dec.graft is not None else p.depth + 1
+                emit = p.verify if self.dec.graft is not None and p.graft else p.depth + 1
                 tokens = planner_tokens(rows, self.remaining, emit)
                 planner.observe(self.B, self.stats.tolist(), p, tokens, step_s, self.ctx)
             p = self.plan
