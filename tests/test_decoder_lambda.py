@@ -135,6 +135,29 @@ def test_graft_table_lives_with_the_decoder(pair, monkeypatch):  # noqa: F811
     assert got == want
 
 
+def test_graft_plans_fill_the_likeliest_template_nodes(pair, monkeypatch):  # noqa: F811
+    """A plan grafting g nodes retrieves through the g + 1 most probable nodes of the policy's
+    template (the default's rank-0 chain first), not the first g of its breadth-first fill."""
+    import treeops.decoder.step as step_mod
+
+    sizes = []
+    real = step_mod.graft
+
+    def spy(tree, table, template, *args, **kwargs):
+        sizes.append(template.size)
+        return real(tree, table, template, *args, **kwargs)
+
+    monkeypatch.setattr(step_mod, "graft", spy)
+    _fixed_graft_plan(monkeypatch)
+    dec = _lambda_decoder(pair, graft=True, static_shapes=True)
+    dec.generate(PROMPTS, NEW)
+    g = dec.planner.plan(3).graft
+    assert g > 0 and sizes and set(sizes) == {g + 1}
+    t = dec.graft_template(g)
+    assert t is dec.graft_template(g)  # one object per g (the step graphs hold its copy)
+    assert t.ranks.tolist() == dec.graft.template.most_probable(g + 1).ranks.tolist()
+
+
 @pytest.mark.gpu
 def test_graft_table_under_step_graphs_on_gpu(gpu_pair, monkeypatch):  # noqa: F811
     """With whole-step CUDA graphs (captured in the first batch, replayed in the later ones) a

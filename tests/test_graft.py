@@ -13,7 +13,7 @@ from unittest.mock import patch
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treeops
@@ -173,6 +173,44 @@ def test_from_rank_probs_takes_most_probable_paths():
     cutoff = sorted((prob(p) for p in every), reverse=True)[11]
     assert all(prob(p) >= cutoff for p in paths)
     assert len(set(paths)) == 12
+
+
+def _paths(t: RankTemplate) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for j in range(1, t.size):
+        out.append(out[int(t.parents[j])] + (int(t.ranks[j]),))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(template=templates(max_rank=9, max_size=40), n=st.integers(1, 45))
+def test_most_probable_is_the_likeliest_subtree(template, n):
+    """``most_probable(n)``: min(n, size) of the template's own paths, the root among them,
+    every prefix present (a subtree the merge can fill), and none left out more probable than
+    one kept (ranks past the probability list priced at its last value)."""
+    probs = (0.6, 0.12, 0.06, 0.035, 0.02, 0.015, 0.01, 0.008)
+
+    def prob(p):
+        out = 1.0
+        for r in p:
+            out *= probs[min(r, len(probs) - 1)]
+        return out
+
+    got = template.most_probable(n, probs)
+    kept, every = set(_paths(got)), set(_paths(template))
+    assert got.size == min(n, template.size) and () in kept and kept <= every
+    assert all(p[:-1] in kept for p in kept if p)
+    if kept != every:
+        assert min(prob(p) for p in kept) >= max(prob(p) for p in every - kept)
+
+
+def test_most_probable_of_the_default_fills_the_rank0_chain_first():
+    t = RankTemplate.default()
+    assert _paths(t.most_probable(5)) == [(), (0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]
+    assert (1,) in _paths(t.most_probable(6))  # 0.12 after 0.6**4 = 0.13
+    assert RankTemplate([-1], [-1]).most_probable(9).size == 1  # a root-only template stays
+    with pytest.raises(ValueError, match="n"):
+        t.most_probable(0)
 
 
 @pytest.mark.parametrize(

@@ -173,6 +173,24 @@ class RankTemplate:
             paths += level
         return RankTemplate.from_paths(paths)
 
+    def most_probable(self, n: int, probs: Sequence[float] = DEFAULT_RANK_PROBS) -> RankTemplate:
+        """The root and this template's ``n`` - 1 most probable other nodes (at most ``size``),
+        when rank r is right with probability ``probs[r]`` (ranks past the list: its last value)
+        independently at every step; ties: shorter, then lexicographic. A child is less probable
+        than its parent, so the nodes form a subtree: the template a budget of ``n`` nodes should
+        fill (for the default, the rank-0 chain first: 0.6, 0.36, 0.22, 0.13, then rank 1)."""
+        check_positive_int("n", n)
+        if not probs or any(not 0.0 < p < 1.0 for p in probs):
+            raise ValueError(f"Invalid value of probs: expected numbers in (0, 1), got {probs!r}")
+        par, rk = self.parents.tolist(), self.ranks.tolist()
+        paths: list[tuple[int, ...]] = [()]
+        prob = [1.0]
+        for j in range(1, self.size):
+            paths.append(paths[par[j]] + (rk[j],))
+            prob.append(prob[par[j]] * probs[min(rk[j], len(probs) - 1)])
+        best = sorted(range(self.size), key=lambda j: (-prob[j], len(paths[j]), paths[j]))[:n]
+        return RankTemplate.from_paths([paths[j] for j in best])
+
     @staticmethod
     def chain(depth: int) -> RankTemplate:
         """The rank-0 chain of ``depth`` nodes below the root (greedy continuation)."""

@@ -29,6 +29,7 @@ from contextlib import nullcontext
 import torch
 
 from .._checks import check_positive_int
+from .._graft_types import RankTemplate
 from ..build_tree import Cast
 from ..cast_plan import CastPlanner
 from ..graft import AdjacencyTable
@@ -156,6 +157,7 @@ class Decoder:
         self.draft = None if self.tree_policy is None else draft  # AR needs no draft pass
         self.page_size = page_size
         self.table: AdjacencyTable | None = None
+        self._graft_templates: dict[int, RankTemplate] = {}
         self.cuda_graphs = bool(cuda_graphs)
         dev = target.model.embed_tokens.weight.device
         if self.cuda_graphs:
@@ -456,6 +458,18 @@ class Decoder:
             if self.table is not None:
                 self.table.warm_start(ptok, logits.contiguous(), plen)
         return root, root_feat
+
+    def graft_template(self, g: int) -> RankTemplate:
+        """The successor template of a λ-CAST plan that grafts ``g`` nodes: the policy
+        template's ``g`` + 1 most probable nodes (``RankTemplate.most_probable``; the default's
+        rank-0 chain first), so a budget of g slots gets the likeliest successors rather than
+        the first g of a breadth-first fill. One object per g for the decoder's life (the step
+        graphs hold its device copy)."""
+        t = self._graft_templates.get(g)
+        if t is None:
+            assert self.graft is not None
+            t = self._graft_templates[g] = self.graft.template.most_probable(g + 1)
+        return t
 
     # ------------------------------------------------------- timing and host waits
     def _step_time(self, seconds: float) -> float:

@@ -613,7 +613,7 @@ class StaticStep(StepBody):
         elif pb.graft:  # λ-CAST with Graft: the plan's n - g best draft nodes, g retrieved
             tree = build_tree_emit(st, pol, out=pb.emit)
             pruned = prune(tree, N - 1 - pb.graft)  # keep counts the nodes below the root
-            graft(pruned, dec.table, gp.template, budget=N, out=self.vin)
+            graft(pruned, dec.table, dec.graft_template(pb.graft), budget=N, out=self.vin)
             sb.grafted.copy_(self.vin.num_nodes - pruned.num_nodes)
         else:
             build_tree_emit(st, pol, out=self.vin)
