@@ -19,6 +19,7 @@ from test_decoder import (  # noqa: F401  (pair, gpu_pair, _one_thread: fixtures
 )
 
 from treeops.decoder import POLICIES, Decoder, SamplingParams
+from treeops.testing import NoHostSync
 
 
 def _requests(seed: int, n: int, vocab: int = 128):
@@ -80,6 +81,32 @@ def test_refills_keep_per_request_sampling(pair):  # noqa: F811
     res = dec.generate(prompts, budgets, sampling=sp, max_batch=2)
     assert res.tokens[4] == _greedy_baseline(target, prompts[4], budgets[4])
     assert [len(t) for t in res.tokens] == budgets
+
+
+def test_refill_device_work_reads_nothing_back(pair, monkeypatch):  # noqa: F811
+    """What a refill queues (the prompts' prefill through the rows' cache view, the draft's, the
+    rows' carried state, Graft's table warmed) reads nothing back to the host, so on a GPU it
+    waits behind the step launched ahead instead of for it (the table's warm start is its CPU
+    reference here, opaque to the check: the GPU runs a kernel there)."""
+    import treeops.decoder.engine as engine_mod
+
+    dec = _lambda_decoder(pair, graft=True, static_shapes=True)
+    checked = []
+    apply = engine_mod._Refill.apply
+
+    def apply_checked(self, toks, st, fl):
+        check = NoHostSync()
+        table = self.dec.table
+        monkeypatch.setattr(table, "warm_start", check.opaque(table.warm_start))
+        with check:
+            apply(self, toks, st, fl)
+        checked.append(check.ops_checked)
+
+    monkeypatch.setattr(engine_mod._Refill, "apply", apply_checked)
+    prompts, budgets = _requests(4, 6)
+    res = dec.generate(prompts, [max(b, 2) for b in budgets], max_batch=2)
+    assert res.tokens == _baseline(pair[0], prompts, [max(b, 2) for b in budgets])
+    assert checked and min(checked) > 0
 
 
 def test_max_batch_is_checked(pair):  # noqa: F811

@@ -429,15 +429,13 @@ class Decoder:
         ``seq_lens`` [B] (= prompt lengths - 1); warms Graft's table. Returns the first roots
         (the last prompt tokens) [B] int64 and their features [B, H] (the target's hidden state
         at the token before; 0 for a one-token prompt)."""
+        return self._prefill_tokens(_prompt_tokens(prompts, seq_lens.device), seq_lens, tkv, dkv)
+
+    def _prefill_tokens(self, toks, seq_lens, tkv, dkv) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_prefill`` from the prompts on the device (``_prompt_tokens``): device work only,
+        no host read (a refill queues it behind the step launched ahead)."""
         tgt, dft = self.target, self.draft
-        dev, B = seq_lens.device, len(prompts)
-        P = max(len(p) for p in prompts) - 1
-        # the tokens in one host tensor, one copy (pinned, asynchronous: a refill must not wait
-        # for the step launched ahead of it): column 0 the roots, then prompt[:-1] padded
-        host = torch.zeros(B, 1 + P, dtype=torch.int64)
-        for b, p in enumerate(prompts):
-            host[b, : len(p)] = torch.tensor(p[-1:] + p[:-1], dtype=torch.int64)
-        toks = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+        dev, B, P = seq_lens.device, toks.shape[0], toks.shape[1] - 1
         root = toks[:, 0]
         root_feat = torch.zeros(
             B, tgt.cfg.hidden_size, dtype=tgt.model.embed_tokens.weight.dtype, device=dev
@@ -492,6 +490,24 @@ class Decoder:
         return out
 
 
+def _upload(host: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``host`` on ``dev``: through pinned memory, asynchronously on CUDA (a copy from pageable
+    memory would wait for every step queued before it)."""
+    if dev.type != "cuda":
+        return host.to(dev)
+    return host.pin_memory().to(dev, non_blocking=True)
+
+
+def _prompt_tokens(prompts: list[list[int]], dev: torch.device) -> torch.Tensor:
+    """[B, P] int64 on ``dev`` (P = the longest prompt's length): column 0 each prompt's last
+    token (the first root), then its other tokens, zero-padded; one upload."""
+    P = max(len(p) for p in prompts)
+    host = torch.zeros(len(prompts), P, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        host[b, : len(p)] = torch.tensor(p[-1:] + p[:-1], dtype=torch.int64)
+    return _upload(host, dev)
+
+
 class _Refill:
     """Puts waiting requests into rows of a running batch (``generate``'s ``max_batch``): their
     prompts prefilled into those rows' caches (``PagedKV.rows``: the rows' pages, the same pools),
@@ -507,7 +523,7 @@ class _Refill:
 
     def __call__(self, rows: list[int], reqs: list[int]) -> None:
         """Row ``rows[i]`` (whose request ended) starts request ``reqs[i]``."""
-        c, dev = self.carry, self.carry.rows.device
+        dev = self.carry.rows.device
         t0 = time.perf_counter()
         cuda = dev.type == "cuda"
         if cuda:
@@ -515,20 +531,28 @@ class _Refill:
             ev[0].record()
         ps = [self.prompts[r] for r in reqs]
         sp = [self.per_req[r] for r in reqs]
-        # the rows' new state in one host tensor, one asynchronous copy (as in _prefill)
-        # a row per field (each a contiguous [R] tensor on the device)
-        host = torch.tensor(
+        # the rows' new state: a row per field, each a contiguous [R] tensor on the device
+        st = _upload(torch.tensor(
             [rows, [len(p) - 1 for p in ps], [self.budget[r] for r in reqs], [s.top_k for s in sp]],
             dtype=torch.int64,
+        ), dev)  # fmt: skip
+        fl = _upload(
+            torch.tensor([[max(0.0, s.temperature) for s in sp], [s.top_p for s in sp]]), dev
         )
-        hf = torch.tensor([[max(0.0, s.temperature) for s in sp], [s.top_p for s in sp]])
+        self.apply(_prompt_tokens(ps, dev), st, fl)
         if cuda:
-            host, hf = host.pin_memory(), hf.pin_memory()
-        st = host.to(dev, non_blocking=cuda)
-        fl = hf.to(dev, non_blocking=cuda)
+            ev[1].record()
+            self.events.append(ev)
+        self.host_s += time.perf_counter() - t0
+
+    def apply(self, toks: torch.Tensor, st: torch.Tensor, fl: torch.Tensor) -> None:
+        """The refill's device work, no host read: ``toks`` the prompts (``_prompt_tokens``),
+        ``st`` [4, R] int64 (rows, prompt lengths - 1, budgets, top-k), ``fl`` [2, R] float32
+        (temperatures, top-p)."""
+        c = self.carry
         idx, lens = st[0], st[1].to(torch.int32)
         dkv = None if self.dkv is None else self.dkv.rows(idx)
-        root, feat = self.dec._prefill(ps, lens, self.tkv.rows(idx), dkv)
+        root, feat = self.dec._prefill_tokens(toks, lens, self.tkv.rows(idx), dkv)
         c.seq_lens.index_copy_(0, idx, lens)
         c.root.index_copy_(0, idx, root)
         c.root_feat.index_copy_(0, idx, feat)
@@ -537,10 +561,6 @@ class _Refill:
         c.top_k.index_copy_(0, idx, st[3].to(torch.int32))
         c.temperature.index_copy_(0, idx, fl[0])
         c.top_p.index_copy_(0, idx, fl[1])
-        if cuda:
-            ev[1].record()
-            self.events.append(ev)
-        self.host_s += time.perf_counter() - t0
 
     def seconds(self) -> float:
         """The refills' time: device time on CUDA (call after the stream finished), else host."""
