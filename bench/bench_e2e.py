@@ -784,7 +784,12 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
         try:
             decs[pol] = make_decoder(pol, target, draft, args, table, graphs)
             if cuda:
-                decs[pol].generate(groups[0], args.new_tokens)  # graphs captured, Triton compiled
+                # graphs captured, Triton compiled (continuous: over every request, so the
+                # static batch is sized for the longest, as in the timed runs)
+                if getattr(args, "continuous", False):
+                    timed_run(decs[pol], groups, args)
+                else:
+                    decs[pol].generate(groups[0], args.new_tokens)
                 sync()
                 planner = decs[pol].planner
                 g, last = 1, None

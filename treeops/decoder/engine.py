@@ -563,7 +563,8 @@ class _Refill:
         c.top_p.index_copy_(0, idx, fl[1])
 
     def seconds(self) -> float:
-        """The refills' time: device time on CUDA (call after the stream finished), else host."""
+        """The refills' time: device time on CUDA (waits for the last refill), else host."""
         if not self.events:
             return self.host_s
+        self.events[-1][1].synchronize()  # (the last refill's end: every one before it ran)
         return sum(a.elapsed_time(b) for a, b in self.events) / 1e3
