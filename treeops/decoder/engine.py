@@ -319,8 +319,9 @@ class Decoder:
                 grafted = absorb(res, rows, n, stop_set, host_remaining, host_active, req_of)
                 for b, e in enumerate(res.emitted[-1]):
                     row_len[b] += e
-                if hasattr(step, "ctx"):  # the longest context among the rows (refills shrink it)
-                    step.ctx = max(row_len)
+                live = [n for n, a in zip(row_len, host_active) if a]
+                if live and hasattr(step, "ctx"):  # the longest live context (refills shrink it)
+                    step.ctx = max(live)
                 if self.graft is not None:
                     res.grafted.append(grafted)
                 if launched is None:
