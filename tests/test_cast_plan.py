@@ -698,6 +698,33 @@ def test_chain_probes_are_rare_and_respect_restrict():
     assert Plan.chain(4).verify == 5 and pl.policy_for(Plan.chain(4)).topk == 1
 
 
+def test_an_unsettled_tree_still_gets_its_chain_probe(monkeypatch):
+    """Chains are probed next to a settled tree; a tree the rules keep moving between two
+    neighbours (never settled) still gets its probe after ``PROBE_SETTLE_WAIT`` times the usual
+    wait, and without that bound it would not."""
+    import treeops.cast_plan as CP
+
+    pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=8, max_width=8, max_depth=8,
+                       capacity=64)  # fmt: skip
+    a, b = Plan(2, 4, 16), Plan(2, 5, 16)
+    monkeypatch.setattr(CP.CastPlanner, "_toward", lambda self, p, raw, v: (b if p == a else a, v))
+
+    steps = 4 * 2 * CP.PROBE_SETTLE_WAIT * CP.PROBE_EVERY  # twice the bound (4 steps a decision)
+
+    def probed() -> bool:
+        pl = treeops.CastPlanner(pol, interval=4)
+        rng = np.random.default_rng(0)
+        unit_s = pl.costs(2, 100)[2] * 1e-6
+        for _ in range(steps):
+            p = pl.plan(2)
+            pl.observe(2, _model_stats(pl, rng, 0.1), p, tokens=3.0, step_s=1.5 * unit_s, ctx=100)
+        return any(p.is_chain for p in pl._state(2).measured)
+
+    assert probed()
+    monkeypatch.setattr(CP, "PROBE_SETTLE_WAIT", 10**6)
+    assert not probed()
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), graft=st.booleans(), restrict=st.booleans(),
        chain_gain=st.floats(0.5, 2.0))  # fmt: skip

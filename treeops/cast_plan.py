@@ -322,6 +322,9 @@ PROBE_SETTLE = 3
 compared with the tree the rules settled on, not with one still growing (at a small batch the
 rules grow a tree over many decisions, and a chain measured beside a half-grown one can win
 and stop the growth: the rules do not run on a chain)."""
+PROBE_SETTLE_WAIT = 4
+"""A tree that never settles (the rules oscillating between neighbours) still gets its chain
+probe, after this many times the usual wait."""
 PROBE_MAX_WINDOWS = 3
 """Windows a probe runs at most waiting for ``MEASURED_MIN_STEPS`` timed steps (a step that
 captured a graph is no measure)."""
@@ -689,13 +692,15 @@ class CastPlanner:
 
     def _probe(self, st: _BatchState, cur: Plan) -> Plan:
         """``PROBE_EVERY`` decisions (times the backoff) after the last probe, and next to a tree
-        once it kept its plan ``PROBE_SETTLE`` decisions: the first plan of
+        once it kept its plan ``PROBE_SETTLE`` decisions (or ``PROBE_SETTLE_WAIT`` times that
+        long after the last probe): the first plan of
         ``_probe_candidates`` that is allowed and not measured within ``PROBE_AGE`` steps (times
         the backoff), to run one window (``st.home`` = ``cur``, where it returns unless it
         wins); else ``cur``."""
         if not self.chain_probes or st.decisions - st.last_probe < PROBE_EVERY * st.backoff:
             return cur
-        if not cur.is_chain and st.settled < PROBE_SETTLE:
+        waited = st.decisions - st.last_probe >= PROBE_SETTLE_WAIT * PROBE_EVERY * st.backoff
+        if not cur.is_chain and st.settled < PROBE_SETTLE and not waited:
             return cur
         for p in self._probe_candidates(st, cur):
             if st.allowed is not None and p not in st.allowed:
