@@ -550,18 +550,10 @@ class _Refill:
         """The refill's device work, no host read: ``toks`` the prompts (``_prompt_tokens``),
         ``st`` [4, R] int64 (rows, prompt lengths - 1, budgets, top-k), ``fl`` [2, R] float32
         (temperatures, top-p)."""
-        c = self.carry
         idx, lens = st[0], st[1].to(torch.int32)
         dkv = None if self.dkv is None else self.dkv.rows(idx)
         root, feat = self.dec._prefill_tokens(toks, lens, self.tkv.rows(idx), dkv)
-        c.seq_lens.index_copy_(0, idx, lens)
-        c.root.index_copy_(0, idx, root)
-        c.root_feat.index_copy_(0, idx, feat)
-        c.remaining.index_copy_(0, idx, st[2])
-        c.active.index_fill_(0, idx, True)
-        c.top_k.index_copy_(0, idx, st[3].to(torch.int32))
-        c.temperature.index_copy_(0, idx, fl[0])
-        c.top_p.index_copy_(0, idx, fl[1])
+        self.carry.start_rows(idx, lens, root, feat, st[2], st[3], fl[0], fl[1])
 
     def seconds(self) -> float:
         """The refills' time: device time on CUDA (waits for the last refill), else host."""

@@ -125,6 +125,19 @@ class Carry:
         self.top_k.copy_(torch.tensor([sp.top_k for sp in per_req], dtype=torch.int32))
         self.top_p.copy_(torch.tensor([sp.top_p for sp in per_req], dtype=torch.float32))
 
+    def start_rows(self, idx, seq_lens, root, root_feat, budget, top_k, temperature, top_p):
+        """Rows ``idx`` [R] (int64) start new requests (continuous batching), from device
+        tensors in ``idx``'s order, with no host read: their prefilled lengths, roots and
+        features, budgets, and sampling parameters; each becomes active."""
+        self.seq_lens.index_copy_(0, idx, seq_lens.to(self.seq_lens.dtype))
+        self.root.index_copy_(0, idx, root)
+        self.root_feat.index_copy_(0, idx, root_feat)
+        self.remaining.index_copy_(0, idx, budget.to(self.remaining.dtype))
+        self.active.index_fill_(0, idx, True)
+        self.top_k.index_copy_(0, idx, top_k.to(self.top_k.dtype))
+        self.temperature.index_copy_(0, idx, temperature.to(self.temperature.dtype))
+        self.top_p.index_copy_(0, idx, top_p.to(self.top_p.dtype))
+
 
 @dataclass
 class Verified:
