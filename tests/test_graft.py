@@ -211,6 +211,11 @@ def test_most_probable_of_the_default_fills_the_rank0_chain_first():
     assert RankTemplate([-1], [-1]).most_probable(9).size == 1  # a root-only template stays
     with pytest.raises(ValueError, match="n"):
         t.most_probable(0)
+    for bad in ((), (0.5, 1.0), (0.0,)):  # both constructors from probabilities check them
+        with pytest.raises(ValueError, match=r"probs: expected numbers in \(0, 1\)"):
+            t.most_probable(3, bad)
+        with pytest.raises(ValueError, match=r"probs: expected numbers in \(0, 1\)"):
+            RankTemplate.from_rank_probs(bad, size=4)
 
 
 @pytest.mark.parametrize(

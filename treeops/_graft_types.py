@@ -26,6 +26,11 @@ DEFAULT_RANK_PROBS = (0.6, 0.12, 0.06, 0.035, 0.02, 0.015, 0.01, 0.008)
 choose the default template; rank-0 dominates, as the target's top-1 does in real text."""
 
 
+def _check_probs(probs: Sequence[float]) -> None:
+    if not probs or any(not 0.0 < p < 1.0 for p in probs):
+        raise ValueError(f"Invalid value of probs: expected numbers in (0, 1), got {probs!r}")
+
+
 class RankTemplate:
     """A static rank-path tree: node j (j >= 1) stands for "the ``ranks[j]``-th successor of the
     token at node ``parents[j]``"; node 0 is the root (the tree's root token).
@@ -145,8 +150,7 @@ class RankTemplate:
         """The ``size`` most probable rank paths (root included) of depth <= ``max_depth`` when
         rank r is right with probability ``probs[r]`` (ties: shorter, then lexicographic)."""
         check_positive_int("size", size)
-        if not probs or any(not 0.0 < p < 1.0 for p in probs):
-            raise ValueError(f"Invalid value of probs: expected numbers in (0, 1), got {probs!r}")
+        _check_probs(probs)
         heap: list[tuple[float, int, tuple[int, ...]]] = [(-1.0, 0, ())]
         paths: list[tuple[int, ...]] = []
         while heap and len(paths) < size:
@@ -180,8 +184,7 @@ class RankTemplate:
         than its parent, so the nodes form a subtree: the template a budget of ``n`` nodes should
         fill (for the default, the rank-0 chain first: 0.6, 0.36, 0.22, 0.13, then rank 1)."""
         check_positive_int("n", n)
-        if not probs or any(not 0.0 < p < 1.0 for p in probs):
-            raise ValueError(f"Invalid value of probs: expected numbers in (0, 1), got {probs!r}")
+        _check_probs(probs)
         par, rk = self.parents.tolist(), self.ranks.tolist()
         paths: list[tuple[int, ...]] = [()]
         prob = [1.0]
