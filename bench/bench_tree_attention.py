@@ -2,6 +2,7 @@
 
     python bench/bench_tree_attention.py --out DIR [--shapes bench|all|layout] [--sweep
         [--configs NAME,...] [--auto]] [--no-flex]
+    python bench/bench_tree_attention.py --out DIR --splits
 
 For every shape, on the same tensors in one process: treeops (Triton); FlashInfer's custom-mask
 prefill through its paged wrapper and through its ragged wrapper; FlashInfer's causal prefill on
@@ -74,12 +75,14 @@ def random_tree(B: int, n: int, rng: random.Random, dev) -> treeops.Tree:
 class Case:
     """Random bf16 tensors of one shape: paged caches (pages shuffled), trees, queries."""
 
-    def __init__(self, B, ctx, n, seed=0, dev="cuda", hq=HQ, hkv=HKV, d=D):
+    def __init__(self, B, ctx, n, seed=0, dev="cuda", hq=HQ, hkv=HKV, d=D, capacity=0):
         rng = random.Random(seed)
         self.B, self.ctx, self.n = B, ctx, n
         self.hq, self.hkv, self.d = hq, hkv, d
         L = ctx + n
-        self.pages_per = -(-L // PAGE)
+        # a block table of ``capacity`` slots per request when larger (an engine's, sized for
+        # long contexts) than the ctx + n the case uses
+        self.pages_per = -(-max(L, capacity) // PAGE)
         P = B * self.pages_per
         perm = torch.randperm(P, generator=torch.Generator().manual_seed(seed))
         self.block_table = perm.view(B, self.pages_per).to(torch.int32).to(dev)
@@ -438,6 +441,60 @@ def sweep(shapes, names=None):
     return rows, best
 
 
+# the split study: the trained pair's heads (10 query / 2 KV, D = 64) and the default layout, at
+# decode batch sizes and verify widths, over a block table of SPLIT_CAPACITY slots per request
+SPLIT_LAYOUTS = [(10, 2, 64), (HQ, HKV, D)]
+SPLIT_SHAPES = [(b, c, n) for b in (1, 8, 16, 64) for c in (300, 1000, 4000) for n in (8, 64)]
+SPLIT_CAPACITY = 8192
+SPLIT_COUNTS = (1, 2, 3, 4, 8, 16)
+
+
+def split_study():
+    """Per shape, on the same tensors: the automatic launch (its split count a cap each request
+    lowers from its own length), the same count splitting every request (what a capacity-only
+    rule runs: ``split_min_len = 0``), and each forced count of SPLIT_COUNTS; every output
+    checked against the fp32 reference before it is timed. Rows: µs per variant."""
+    from treeops.kernels import tree_attention as K
+
+    rows = []
+    for hq, hkv, d in SPLIT_LAYOUTS:
+        for B, ctx, n in SPLIT_SHAPES:
+            c = Case(B, ctx, n, hq=hq, hkv=hkv, d=d, capacity=SPLIT_CAPACITY)
+            ref = c.reference()
+            auto = K.config_for(c.q, c.k_cache, c.block_table)
+            fl = floor_us(B, ctx, n, hq, hkv, d)[0]
+            row = dict(B=B, ctx=ctx, n=n, hq=hq, hkv=hkv, d=d, capacity=SPLIT_CAPACITY,
+                       auto_splits=auto.num_splits, floor_us=round(fl, 2))  # fmt: skip
+            variants = [("auto", None, None), ("auto_every_request", None, {"split_min_len": 0})]
+            variants += [(f"s{k}", k, None) for k in SPLIT_COUNTS]
+            for name, k, ov in variants:
+                try:
+                    fn, _ = kernel_fn(c, ov, num_splits=k)
+                    err = rel_err(fn(), ref)
+                    row[name] = round(time_us(fn)[0], 2) if err <= TOL else f"err {err:.3g}"
+                except Exception as e:  # noqa: BLE001 - a failing variant is a result
+                    row[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del c
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_split_table(rows):
+    names = ["auto", "auto_every_request"] + [f"s{k}" for k in SPLIT_COUNTS]
+    print(
+        f"{'layout':>9} {'B':>3} {'ctx':>5} {'n':>3} {'S':>3} "
+        + " ".join(f"{x[:9]:>9}" for x in names)
+    )
+    for r in rows:
+        cells = " ".join(
+            f"{r[x]:9.1f}" if isinstance(r.get(x), float) else f"{'-':>9}" for x in names
+        )
+        lay = f"{r['hq']}/{r['hkv']}/{r['d']}"
+        print(f"{lay:>9} {r['B']:3d} {r['ctx']:5d} {r['n']:3d} {r['auto_splits']:3d} {cells}")
+
+
 def best_override(rows):
     """Per head-dim class, the candidate (small-tree path apart) with the lowest geometric-mean
     time over the sweep shapes of that class on which every such candidate was timed:
@@ -486,6 +543,12 @@ def main(argv=None):
         help="with --sweep: time every shape with the sweep's choice (TUNED per head dim, "
         "SMALL_TREE if it won every shape it ran on)",
     )
+    ap.add_argument(
+        "--splits",
+        action="store_true",
+        help="only the split study: automatic vs forced split counts at decode shapes over a "
+        "block table sized for long contexts (SPLIT_SHAPES); writes DIR/attention_splits.json",
+    )
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--commit", default=None)
@@ -498,6 +561,11 @@ def main(argv=None):
         floor=dict(bandwidth=H.HBM_BYTES_PER_S, flops=H.ATTENTION_FLOPS_PER_S),
         rows=[],
     )
+    if args.splits:
+        result["splits"] = split_study()
+        H.write_json(os.path.join(args.out, "attention_splits.json"), result)
+        print_split_table(result["splits"])
+        return
     if args.sweep:
         names = set(args.configs.split(",")) if args.configs else None
         result["sweep"], result["sweep_best"] = sweep(SWEEP_SHAPES, names)

@@ -8,7 +8,10 @@ mask, then one tail tile with a length mask) followed by the tree nodes (the onl
 ``anc``). With ``NUM_SPLITS > 1`` the chunks write normalised partial outputs and their LSE to a
 workspace and ``_merge_splits`` combines them. ``NUM_SPLITS`` comes from (B, H_kv, node capacity,
 block-table capacity, SM count) only, so the grid never depends on tensor values and both launches
-can be captured in a CUDA graph.
+can be captured in a CUDA graph. How many of those chunks a request uses is decided on the device
+from its own key count (``_splits_used``): a request with few keys is not split at all — its first
+chunk's program writes the output and the merge skips it — so a cache sized for long contexts costs
+nothing while the contexts are short.
 
 Query tiles are counted from ``q_start[b]`` (tile t holds nodes ``q_start + t·BLOCK_Q ...``), so a
 drafting step that queries a handful of frontier nodes runs one tile, not ``N / BLOCK_Q``; rows
@@ -102,6 +105,16 @@ def _load_kv(kv, page, pos, m_k, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
     return b_k, b_v
 
 
+@triton.jit
+def _splits_used(
+    kv_len, NUM_SPLITS: tl.constexpr, SPLIT_MIN_LEN: tl.constexpr, SPLIT_CHUNK: tl.constexpr
+):
+    """Chunks a request of ``kv_len`` keys is split into: 1 below ``SPLIT_MIN_LEN`` keys, else as
+    many chunks of at least ``SPLIT_CHUNK`` keys as fit, at most ``NUM_SPLITS``."""
+    used = tl.minimum(tl.maximum(kv_len // SPLIT_CHUNK, 1), NUM_SPLITS)
+    return tl.where(kv_len < SPLIT_MIN_LEN, 1, used)
+
+
 @triton.jit(do_not_specialize=["N", "H_KV", "qk_scale"])
 def _tree_attn_fwd(
     Q,
@@ -149,6 +162,8 @@ def _tree_attn_fwd(
     D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SPLIT_MIN_LEN: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     HAS_QS: tl.constexpr,
     HAS_QL: tl.constexpr,
     WRITE_LSE: tl.constexpr,
@@ -186,8 +201,13 @@ def _tree_attn_fwd(
     o_h = (i_kvh * G + o_g).to(tl.int64)  # [BLOCK_M] query head
     m_g = o_g < G
 
+    kv_len = seq + nn
     if NUM_SPLITS == 1:
-        # rows of the absolute tile i_t outside the query range: 0 and LSE = -inf
+        used = 1
+    else:
+        used = _splits_used(kv_len, NUM_SPLITS, SPLIT_MIN_LEN, SPLIT_CHUNK)
+    if used == 1 and i_s == 0:
+        # unsplit: rows of the absolute tile i_t outside the query range are 0 and LSE = -inf
         r_abs = (i_t * BLOCK_Q + o_r).to(tl.int64)
         m_zero = (r_abs < N) & m_g & ((r_abs < qs) | (r_abs >= q_end))
         p_o = O + i_b * s_ob + r_abs[:, None] * s_on + o_h[:, None] * s_oh + o_d[None, :] * s_od
@@ -196,7 +216,7 @@ def _tree_attn_fwd(
             p_l = L + i_b * s_lb + r_abs * s_ln + o_h * s_lh
             tl.store(p_l, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_zero)
 
-    if qs + i_t * BLOCK_Q < q_end:
+    if (qs + i_t * BLOCK_Q < q_end) and (i_s < used):
         o_t = i_t * BLOCK_Q + o_r  # [BLOCK_M] query row relative to q_start
         o_q = (qs + o_t).to(tl.int64)  # [BLOCK_M] query node
         m_row = (o_q < q_end) & (o_q >= 0) & m_g
@@ -205,8 +225,7 @@ def _tree_attn_fwd(
         if UPCAST:
             b_q = b_q.to(tl.float32)
 
-        kv_len = seq + nn
-        chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(kv_len, used), BLOCK_N) * BLOCK_N
         start = i_s * chunk
         end = tl.minimum(start + chunk, kv_len)
         p_bt = BT + i_b * s_btb
@@ -291,7 +310,7 @@ def _tree_attn_fwd(
         b_lse = tl.where(
             seen, (b_m + tl.math.log2(tl.where(seen, b_l, 1.0))) * 0.6931471805599453, float("-inf")
         )
-        if NUM_SPLITS == 1:
+        if used == 1:
             p_o = O + i_b * s_ob + o_q[:, None] * s_on + o_h[:, None] * s_oh + o_d[None, :] * s_od
             tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None])
             if WRITE_LSE:
@@ -307,6 +326,7 @@ def _tree_attn_fwd(
 def _merge_splits(
     WO,
     WL,
+    SEQ,
     NN,
     QS,
     QL,
@@ -322,6 +342,8 @@ def _merge_splits(
     s_ln,
     s_lh,
     NUM_SPLITS: tl.constexpr,
+    SPLIT_MIN_LEN: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     S_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
@@ -329,7 +351,8 @@ def _merge_splits(
     HAS_QL: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
-    """out[b, row, heads] = Σ_s w_s o_s / Σ_s w_s, w_s = exp(lse_s - max lse); inactive rows 0."""
+    """out[b, row, heads] = Σ_s w_s o_s / Σ_s w_s, w_s = exp(lse_s - max lse) over the request's
+    used chunks; inactive rows 0. Requests the forward kernel did not split are left as written."""
     i_bn = tl.program_id(0).to(tl.int64)
     i_b = i_bn // N
     row = i_bn % N
@@ -337,6 +360,7 @@ def _merge_splits(
     o_s = tl.arange(0, S_PAD)
     o_d = tl.arange(0, D).to(tl.int64)
     nn = tl.minimum(tl.load(NN + i_b), N)
+    used = _splits_used(tl.load(SEQ + i_b) + nn, NUM_SPLITS, SPLIT_MIN_LEN, SPLIT_CHUNK)
     if HAS_QS:
         qs = tl.load(QS + i_b)
     else:
@@ -348,7 +372,7 @@ def _merge_splits(
     active = (row >= qs) & (row < qs + ql) & (row < nn)
     qs = tl.maximum(qs, 0)  # relative row = row - max(qs, 0), as the forward kernel writes it
     m_h = o_h < H_Q
-    m_hs = (m_h[:, None] & (o_s[None, :] < NUM_SPLITS)) & active  # [BLOCK_H, S_PAD]
+    m_hs = (m_h[:, None] & (o_s[None, :] < used)) & (active & (used > 1))  # [BLOCK_H, S_PAD]
     w_row = ((i_b * N + (row - qs)) * H_Q + o_h[:, None]) * NUM_SPLITS + o_s[None, :]
     b_lse = tl.load(WL + w_row, mask=m_hs, other=float("-inf"))  # [BLOCK_H, S_PAD]
     b_max = tl.max(b_lse, 1)
@@ -359,13 +383,14 @@ def _merge_splits(
         WO + w_row[:, :, None] * D + o_d[None, None, :], mask=m_hs[:, :, None], other=0.0
     )  # [BLOCK_H, S_PAD, D]
     b_o = tl.sum(b_w[:, :, None] * b_part, 1) / tl.where(b_tot > 0.0, b_tot, 1.0)[:, None]
+    m_out = m_h & (used > 1)
     p_o = O + i_b * s_ob + row * s_on + o_h[:, None] * s_oh + o_d[None, :] * s_od
-    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_h[:, None])
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_out[:, None])
     if WRITE_LSE:
         b_out = tl.where(
             b_tot > 0.0, b_max + tl.log(tl.where(b_tot > 0.0, b_tot, 1.0)), float("-inf")
         )
-        tl.store(L + i_b * s_lb + row * s_ln + o_h * s_lh, b_out, mask=m_h)
+        tl.store(L + i_b * s_lb + row * s_ln + o_h * s_lh, b_out, mask=m_out)
 
 
 @dataclass(frozen=True)
@@ -379,6 +404,10 @@ class AttnConfig:
     prefetch: bool = True
     pipe: int = 0  # > 0: the prefix loop is a tl.range pipelined over this many stages
     warp_spec: bool = False  # that loop warp-specialised (producer / consumer warps)
+    # a request with fewer keys (prefix + nodes) than split_min_len is not split; else it uses
+    # at most num_splits chunks of at least split_chunk keys (``_splits_used``, on the device)
+    split_min_len: int = 0
+    split_chunk: int = 1
 
     @property
     def block_m(self) -> int:
@@ -397,6 +426,11 @@ MAX_SPLITS = 16
 MIN_SPLIT_CAPACITY = 4 * MIN_CHUNK
 """Below this many cache slots per request no split: a split of a few hundred keys saves less than
 the ``_merge_splits`` launch it adds (a decode step at short context pays it once per layer)."""
+MIN_SPLIT_LEN = MIN_SPLIT_CAPACITY
+"""The same bound on a request's actual keys, applied on the device: a cache sized for long
+contexts (an engine's block table) holding short ones splits nothing. Without it, at B = 64 on the
+H200 the trained pair's decoder (prefixes under 450 keys, 2 KV heads) ran its attention 1.5x slower
+split in 3 than unsplit (bench/results/h200/logs/2026-12-02_s10_3_profile_step.json)."""
 
 
 _PIPED = dict(num_stages=1, prefetch=False)
@@ -473,8 +507,11 @@ def pick_config(
     """Tile sizes and split count from capacities and the device only (never tensor values).
 
     ``override`` (tests, the benchmark's sweep) replaces any of block_m, block_n, num_warps,
-    num_stages, prefetch, pipe, warp_specialize, programs_per_sm, min_chunk; ``small_tree: True``
-    takes the small-tree path where ``small_tree_applies`` (else it is ignored). Without an
+    num_stages, prefetch, pipe, warp_specialize, programs_per_sm, min_chunk, split_min_len;
+    ``small_tree: True`` takes the small-tree path where ``small_tree_applies`` (else it is
+    ignored). An explicit ``num_splits`` splits every request into that many chunks (as far as
+    it has keys); the automatic count is a cap each request lowers on the device from its own
+    key count (``MIN_SPLIT_LEN``, ``min_chunk``). Without an
     override, ``SMALL_TREE`` and ``TUNED`` choose among the candidates (compiled runs only)."""
     g = H_q // H_kv
     g_pad = triton.next_power_of_2(g)
@@ -498,6 +535,8 @@ def pick_config(
     prefetch = not interpret
     pipe, warp_spec = 0, False
     ppsm, min_chunk = PROGRAMS_PER_SM, MIN_CHUNK
+    # an explicit split count splits every request that has the keys for it
+    split_min_len = MIN_SPLIT_LEN if num_splits is None else 0
     small = bool(override and override.get("small_tree"))
     if small and small_tree_applies(N, g_pad, D, kv_capacity):
         # every node of the tree in one query tile; the largest key tile and fewest warps that
@@ -511,6 +550,7 @@ def pick_config(
         prefetch = override.get("prefetch", prefetch)
         ppsm = override.get("programs_per_sm", ppsm)
         min_chunk = override.get("min_chunk", min_chunk)
+        split_min_len = override.get("split_min_len", split_min_len)
         block_m = override.get("block_m", block_m)
         block_n = override.get("block_n", block_n)
         warps = override.get("num_warps", warps)
@@ -529,9 +569,16 @@ def pick_config(
             num_splits = min(
                 triton.cdiv(target, base), MAX_SPLITS, max(1, kv_capacity // min_chunk)
             )
+    num_splits = max(1, num_splits)
+    # the device-side rule (_splits_used): no bound and 1-key chunks leave an explicit count as
+    # asked; unsplit launches carry neutral values (one compiled variant)
+    split_chunk = 1 if split_min_len == 0 or num_splits == 1 else min_chunk
+    if num_splits == 1:
+        split_min_len = 0
     return AttnConfig(
-        block_q, g_pad, block_n, max(1, num_splits), warps, stages, prefetch, pipe, warp_spec
-    )
+        block_q, g_pad, block_n, num_splits, warps, stages, prefetch, pipe, warp_spec,
+        split_min_len, split_chunk,
+    )  # fmt: skip
 
 
 def workspace_numel(B: int, N: int, H_q: int, D: int, cfg: AttnConfig) -> int:
@@ -601,6 +648,8 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
             D=D,
             PAGE_SIZE=page_size,
             NUM_SPLITS=S,
+            SPLIT_MIN_LEN=cfg.split_min_len,
+            SPLIT_CHUNK=cfg.split_chunk,
             HAS_QS=has_qs,
             HAS_QL=has_ql,
             WRITE_LSE=has_lse,
@@ -614,6 +663,8 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
         merge_grid=(B * N, triton.cdiv(H_q, block_h)),
         merge_consts=dict(
             NUM_SPLITS=S,
+            SPLIT_MIN_LEN=cfg.split_min_len,
+            SPLIT_CHUNK=cfg.split_chunk,
             S_PAD=s_pad,
             BLOCK_H=block_h,
             D=D,
@@ -682,7 +733,7 @@ def tree_attention_fwd(
     if split:
         direct(_merge_splits).launch(
             plan.merge_grid,
-            wo, wl, num_nodes, qs, ql, out, lse_t, q.shape[1], q.shape[2], *out.stride(),
+            wo, wl, seq_lens, num_nodes, qs, ql, out, lse_t, q.shape[1], q.shape[2], *out.stride(),
             *lse_strides, **plan.merge_consts,
         )  # fmt: skip
 

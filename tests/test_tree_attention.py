@@ -219,6 +219,41 @@ def test_kernel_one_larger_case_with_splits_and_workspace():
     assert bool((ws != 0).any()), "the caller's workspace was not used"
 
 
+def test_requests_below_the_split_length_are_not_split():
+    """One launch where a request splits or not by its own key count (``_splits_used``): 16 and
+    36 keys stay whole (below split_min_len = 64: the forward writes them, the merge must leave
+    them), 76 keys split in 2 (chunks of >= 32), 166 and 416 in 4 (the cap). The output is
+    poisoned first (conftest), so a row neither kernel writes fails, as does a merge of unwritten
+    partials over a whole request."""
+    rng = random.Random(21)
+    N = 16
+    seq = [0, 20, 60, 150, 400]
+    tree = make_tree([parents_of("random", N, rng) for _ in seq], N, 64, rng)
+    kv = paged_kv([s + N for s in seq], 16, 1, 64, torch.float32, rng)
+    q = torch.randn(len(seq), N, 2, 64)
+    ov = {"split_min_len": 64, "min_chunk": 32}
+    cfg = K.pick_config(len(seq), N, 2, 1, 64, kv.block_table.shape[1] * 16, 4, True, 4, ov)
+    assert (cfg.num_splits, cfg.split_min_len, cfg.split_chunk) == (4, 64, 32)
+    ws = torch.full((K.workspace_numel(len(seq), N, 2, 64, cfg),), float("nan"))
+    seq_t = torch.tensor(seq, dtype=torch.int32)
+    check_kernel(q, kv, seq_t, tree, num_splits=4, override=ov, workspace=ws)
+    qs = torch.tensor([0, 3, 1, 0, 5], dtype=torch.int32)
+    ql = torch.tensor([16, 4, 7, 1, 9], dtype=torch.int32)
+    check_kernel(q, kv, seq_t, tree, qs, ql, num_splits=4, override=ov, workspace=ws)
+
+
+def test_auto_split_count_is_a_cap_lowered_by_each_request():
+    """The automatic count carries the device-side bound (MIN_SPLIT_LEN keys, chunks of at least
+    MIN_CHUNK); an explicit count splits as asked; an unsplit launch carries neutral values."""
+    auto = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False)
+    assert auto.num_splits > 1
+    assert (auto.split_min_len, auto.split_chunk) == (K.MIN_SPLIT_LEN, K.MIN_CHUNK)
+    forced = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False, num_splits=4)
+    assert (forced.num_splits, forced.split_min_len, forced.split_chunk) == (4, 0, 1)
+    whole = K.pick_config(64, 64, 32, 8, 128, 4096, 132, False)
+    assert (whole.num_splits, whole.split_min_len, whole.split_chunk) == (1, 0, 1)
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_rows_that_see_nothing_are_exact_zero(splits):
     """Inactive request, empty query range, padding nodes and q_start past num_nodes."""

@@ -372,8 +372,14 @@ class _StaticBatch:
         return self.stops[n]
 
     def step_state(self) -> list[torch.Tensor]:
-        """What a step updates for the next one (restored after each capture warm-up run)."""
-        return [self.seq_lens, self.root, self.root_feat, self.remaining, self.active]
+        """What a step updates for the next one (restored after each capture warm-up run): the
+        carried state and, under Graft, the successor table, which every step's update changes
+        (unrestored, a batch that captures would decode over a table two steps ahead of the one
+        a batch replaying the same graphs sees)."""
+        state = [self.seq_lens, self.root, self.root_feat, self.remaining, self.active]
+        if self.dec.table is not None:
+            state.append(self.dec.table.table)
+        return state
 
 
 class GraphRunner:
@@ -448,9 +454,10 @@ class GraphRunner:
         ent = sb.graphs.get(key)
         if ent is None:
             t0 = time.perf_counter()
-            # The step updates its own inputs (seq_lens, root, ...): the warm-up runs start from
-            # a snapshot, restored after each; what they write beyond seq_lens (verify K/V,
-            # compaction, catch-up, drafting scratch) is rewritten identically by the replay.
+            # The step updates its own inputs (seq_lens, root, ..., Graft's table): the warm-up
+            # runs start from a snapshot, restored after each; what they write beyond seq_lens
+            # (verify K/V, compaction, catch-up, drafting scratch) is rewritten identically by
+            # the replay.
             state = sb.step_state()
             saved = [t.clone() for t in state]
             cur = torch.cuda.current_stream(self.dec._dev)
