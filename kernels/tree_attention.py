@@ -414,13 +414,16 @@ class AttnConfig:
         return self.block_q * self.g_pad
 
 
-# Split-KV: aim for this many programs per SM, never fewer than MIN_CHUNK keys per split, at
-# most MAX_SPLITS: more splits cost more in the merge than they win in occupancy, fewer leave SMs
-# idle at small batches. H200 (bench/attention_notes.md; tree_attention.json): with 4 query
-# tiles (B = 1, H_kv = 8, n = 64) the program target picks 9 splits, near the sweep's best (8
-# beat 16 and 4); with one tile (n = 16) 16 splits ran 69.6 / 15.9 µs at ctx 32768 / 4096 where
-# a cap of 8 left half the SMs idle (125.1 / 27.8 µs).
-PROGRAMS_PER_SM = 2
+# Split-KV: as many splits as fit the unsplit programs into one program per SM (rounded down),
+# never fewer than MIN_CHUNK keys per split, at most MAX_SPLITS. H200, bf16, a block table of
+# 8,192 slots, 48 decode shapes (B 1-64, ctx 300-4000, 8 or 64 nodes, heads 10/2 D 64 and 32/8
+# D 128; bench_tree_attention.py --splits, bench/results/h200/attention_splits.json): at every
+# ctx = 4000 shape the fastest forced count was the largest that keeps the grid within one
+# program per SM (2 unsplit programs: 16 splits; 16: 8; 64: 2; 128 or more: 1), the count this
+# rule picks; the former target of two programs per SM,
+# rounded up, split grids already a full wave (B = 16, 4000 keys, 64 nodes: 118 µs in 3 splits,
+# 86 µs unsplit), 1.19x the fastest count in geometric mean over the shapes, this rule ~1.03x.
+PROGRAMS_PER_SM = 1
 MIN_CHUNK = 128
 MAX_SPLITS = 16
 MIN_SPLIT_CAPACITY = 4 * MIN_CHUNK
@@ -428,9 +431,10 @@ MIN_SPLIT_CAPACITY = 4 * MIN_CHUNK
 the ``_merge_splits`` launch it adds (a decode step at short context pays it once per layer)."""
 MIN_SPLIT_LEN = MIN_SPLIT_CAPACITY
 """The same bound on a request's actual keys, applied on the device: a cache sized for long
-contexts (an engine's block table) holding short ones splits nothing. Without it, at B = 64 on the
-H200 the trained pair's decoder (prefixes under 450 keys, 2 KV heads) ran its attention 1.5x slower
-split in 3 than unsplit (bench/results/h200/logs/2026-12-02_s10_3_profile_step.json)."""
+contexts (an engine's block table) holding short ones splits nothing. H200, the split study: B = 64,
+300 keys, 8 nodes, heads 10/2: 20.4 µs unsplit, 32.6 split 3 ways, 23.8 with this bound (the
+merge launch remains); in the trained pair's decoder at B = 64 (prefixes under 450 keys) the
+attention took 1.5x its unsplit time before it (bench/results/h200/logs/2026-12-02_s10_*)."""
 
 
 _PIPED = dict(num_stages=1, prefetch=False)
@@ -566,9 +570,7 @@ def pick_config(
         target = ppsm * sms
         num_splits = 1
         if base < target and kv_capacity >= MIN_SPLIT_CAPACITY:
-            num_splits = min(
-                triton.cdiv(target, base), MAX_SPLITS, max(1, kv_capacity // min_chunk)
-            )
+            num_splits = min(target // base, MAX_SPLITS, max(1, kv_capacity // min_chunk))
     num_splits = max(1, num_splits)
     # the device-side rule (_splits_used): no bound and 1-key chunks leave an explicit count as
     # asked; unsplit launches carry neutral values (one compiled variant)
