@@ -102,6 +102,10 @@ from treeops.decoder.tp import shard_target, with_tp_degree  # noqa: E402
 SPEC_POLICIES = ("chain", "EagleStatic", "Cast", "CastGraft")
 BATCHES = (1, 64, 8, 4, 16, 32, 2)  # priority order: the claims are about B = 1 and the largest
 QUICK_BATCHES = (1, 64, 8)
+CONTINUOUS_MIN_GROUPS = 4
+"""With ``--continuous`` at least this many groups of B requests per timed run: the first B fill
+the rows and 3 B wait, so every row is refilled (with a single group, as ``--min-tokens`` gives
+from B = 22 on at 256 new tokens, nothing would wait and the run is a static batch)."""
 
 
 def log(msg: str) -> None:
@@ -522,8 +526,9 @@ def main(argv=None) -> int:
                     "per-step work not overlapped with the device's next step")  # fmt: skip
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled (split) runs")
     ap.add_argument("--continuous", action="store_true",
-                    help="timed runs as continuous batching: all of a row's requests in one "
-                         "generate(max_batch=B), a finished request's row refilled")  # fmt: skip
+                    help="timed runs as continuous batching: all of a row's requests (at least "
+                         "CONTINUOUS_MIN_GROUPS x B) in one generate(max_batch=B), a finished "
+                         "request's row refilled")  # fmt: skip
     ap.add_argument("--no-kernel-count", action="store_true",
                     help="skip the torch.profiler kernel count per step (CUDA)")  # fmt: skip
     ap.add_argument("--preflight", action="store_true",
@@ -719,6 +724,8 @@ def main(argv=None) -> int:
     for B in batches:
         per_group = B * args.new_tokens * max(1, args.repeats)
         n_groups = max(-(-args.min_requests // B), -(-args.min_tokens // per_group))
+        if args.continuous:
+            n_groups = max(n_groups, CONTINUOUS_MIN_GROUPS)
         groups = groups_of(prompts, B, n_groups * B)
         bprompts = [p for g in groups for p in g]  # every request of the row, group by group
         est = b_seconds[-1] if b_seconds else args.first_batch_s

@@ -122,9 +122,10 @@ def test_bench_e2e_step_graphs_rows(tmp_path):
 def test_bench_e2e_continuous_rows(tmp_path):
     """``--continuous``: a row's requests in one generate of max_batch = B (refilled rows): one
     step covers B rows, tokens stay exact (fp32) and the refills' time is recorded and left out
-    of tokens/s."""
+    of tokens/s. One group's worth of requests asked for, CONTINUOUS_MIN_GROUPS groups run (else
+    no row would be refilled)."""
     argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs", "--batches", "2",
-            "--new-tokens", "6", "--prompt-len", "8", "--min-requests", "6", "--step-graphs",
+            "--new-tokens", "6", "--prompt-len", "8", "--min-requests", "2", "--step-graphs",
             "--policies", "chain,Cast", "--repeats", "1", "--cast-depth", "4",
             "--cast-budget", "16", "--continuous"]  # fmt: skip
     assert bench.main(argv) == 0
@@ -132,7 +133,8 @@ def test_bench_e2e_continuous_rows(tmp_path):
     assert doc["settings"]["continuous"] is True
     for r in doc["rows"]:
         assert "error" not in r, r
-        assert r["requests"] == 6 and r["tokens"] == 6 * 6 and r["refill_s"] > 0
+        n = 2 * bench.CONTINUOUS_MIN_GROUPS
+        assert r["requests"] == n and r["tokens"] == n * 6 and r["refill_s"] > 0
         if r["policy"] != "autoregressive":
             assert r["divergence"]["mismatch"] == 0
 
