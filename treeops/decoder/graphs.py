@@ -186,7 +186,9 @@ class _StaticBatch:
         self.pack_event = torch.cuda.Event() if pin else None
         # the whole-step path's two result slots (a step launched while the last is collected)
         self.host_packs = [self.host_pack, torch.zeros_like(self.host_pack, pin_memory=pin)]
-        self.pack_events = [self.pack_event, torch.cuda.Event() if pin else None]
+        self.pack_events = [torch.cuda.Event(enable_timing=True) if pin else None for _ in "ab"]
+        # each slot's step start: a whole step's device time is start -> its pack event
+        self.step_starts = [torch.cuda.Event(enable_timing=True) if pin else None for _ in "ab"]
         self.step_ready = False
         if dft is None:
             return
@@ -508,8 +510,9 @@ class WholeStep:
     overlaps the device running step t + 1, as an engine's overlapped scheduler does.
 
     Under λ-CAST (``dec.planner``) each step runs the planner's current plan (one graph per plan,
-    captured on first use); at its collection, the step's statistics, its measured time (from
-    the previous collection: the device's step period when steps are launched ahead; 0 when a
+    captured on first use); at its collection, the step's statistics, its measured time (on
+    CUDA the step's device time between two events around it, so refills queued between steps
+    and host stalls are left out; elsewhere the time since the previous collection; 0 when a
     capture ran in between) and its emitted tokens update the planner, so a plan lags the
     statistics it follows by the steps in flight; the calibration goes to the device at a launch
     whenever the planner changed it."""
@@ -561,6 +564,9 @@ class WholeStep:
         if not self.greedy:  # the eager path's draw, in step order
             u = torch.rand(B, dec.capacity, generator=self.g, out=sb.u_hosts[slot])
             sb.u.copy_(u, non_blocking=True)
+        start = sb.step_starts[slot]
+        if start is not None:
+            start.record()
         dec._graphs.replay_step(sb, key, lambda pb=pb: self.make_body(pb), res)
         w = 4 + path_cols(dec.graft is not None, pb, n)
         host_pack = sb.host_packs[slot][: B * w].view(B, w)
@@ -575,7 +581,7 @@ class WholeStep:
         res.time_step += self.clock() - t0
         # the most tokens a request can emit: the draft's depth + 1, or n where nodes are grafted
         emit = n if pb is None or (dec.graft is not None and pb.graft) else pb.depth + 1
-        return _Launched(plan, pb, n, emit, host_pack, host_stats, event)
+        return _Launched(plan, pb, n, emit, host_pack, host_stats, event, start)
 
     def collect(self, launched: _Launched) -> list:
         """Wait for ``launched`` and read its results: a row per request (``absorb``'s)."""
@@ -590,6 +596,10 @@ class WholeStep:
         rows = dec._wait(res, read)
         now = time.perf_counter()
         step_s, self.t_last = now - self.t_last, now
+        if launched.start is not None and launched.event is not None:
+            # the step's own device time: a refill queued between two steps, or a host stall
+            # (a compile for a refill's new prompt length), is no part of any plan's cost
+            step_s = launched.start.elapsed_time(launched.event) / 1e3
         if res.graphs_captured != self.captures_seen:  # a capture is no step time
             self.captures_seen = res.graphs_captured
             step_s = 0.0
@@ -620,7 +630,8 @@ class WholeStep:
 
 class _Launched(NamedTuple):
     """A launched whole step: its plan (λ-CAST) and tree shape, the verified bucket n, the most
-    tokens it can emit per request, its pinned results (and statistics) and their event."""
+    tokens it can emit per request, its pinned results (and statistics), their event and the
+    event recorded before the step (CUDA; the two time it)."""
 
     plan: Any
     pb: PlanBuffers | None
@@ -629,3 +640,4 @@ class _Launched(NamedTuple):
     host_pack: torch.Tensor
     host_stats: torch.Tensor | None
     event: Any
+    start: Any = None
