@@ -279,6 +279,26 @@ def test_planner_calibrates_and_tracks_lambda():
     assert pl.describe(2)["lambda"] == pytest.approx(1.5)
 
 
+def test_planner_leaves_out_stalled_steps():
+    """A step measured at more than STALL_FACTOR times its plan's typical step (a compile, a
+    refill in its period) changes neither λ̂, nor the learnt cost correction, nor the plan's
+    measured η; one just under it counts."""
+    from treeops.cast_plan import STALL_FACTOR
+
+    pl = _planner(interval=64, lam_smoothing=0.5, prior=1e-6)
+    x = np.zeros(pl.size)
+    x[pl.layout["active"]] = 2
+    plan = pl.plan(2)
+    step_s = 0.37e-3  # any scale: the steps' own, not the table's
+    for _ in range(8):
+        pl.observe(2, x, plan, tokens=3.0, step_s=step_s, ctx=100)
+    before = (pl.lam(2), pl.correction(2).tolist(), pl.describe(2)["plans_measured"])
+    pl.observe(2, x, plan, tokens=3.0, step_s=1.01 * STALL_FACTOR * step_s, ctx=100)
+    assert (pl.lam(2), pl.correction(2).tolist(), pl.describe(2)["plans_measured"]) == before
+    pl.observe(2, x, plan, tokens=3.0, step_s=0.99 * STALL_FACTOR * step_s, ctx=100)
+    assert pl.lam(2) < before[0] and pl.correction(2).tolist() != before[1]
+
+
 def test_planner_rates_follow_the_data():
     """With a weak prior the rate of a bin is its accepted fraction."""
     pl = _planner(interval=1, prior=1e-6)

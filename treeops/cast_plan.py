@@ -276,6 +276,7 @@ class _BatchState:
     # per S_T(B, 1) of time, as λ̂), the step count when last run]
     measured: dict = field(default_factory=dict)
     allowed: frozenset | None = None  # the plans it may move to (None: any)
+    recent: dict = field(default_factory=dict)  # per plan: its last timed steps (s), for stalls
     decisions: int = 0
     home: Plan | None = None  # while a probe runs: the plan it returns to unless it wins
     probe_windows: int = 0
@@ -306,6 +307,12 @@ GRAFT_PRIOR = (4.0, 0.05)
 """Pseudo-count and acceptance probability of a grafted node before any was verified."""
 GRAFT_DECAY = 0.98
 """Per-step decay of the grafted nodes' verified and accepted counts."""
+STALL_FACTOR = 4.0
+"""A step measured at more than this many times its plan's typical step (the median of its last
+STALL_WINDOW timed steps) is a stall (a compile, a host hiccup, work queued in its period), not
+the plan's cost: λ̂, the residuals and the measured η leave it out. Relative to the plan's own
+steps, not to the cost table, which may come from another machine."""
+STALL_WINDOW = 8
 MEASURED_Z = 2.0
 """Standard errors by which one plan's measured η must beat another's to overrule the rules."""
 PROBE_EVERY = 8
@@ -580,6 +587,14 @@ class CastPlanner:
         if x[lay["active"]][0] < 1:  # no active request: nothing learnt
             return st.plan
         st.steps += 1
+        if step_s > 0:
+            recent = st.recent.setdefault(plan, [])
+            typical = float(np.median(recent)) if len(recent) >= STALL_WINDOW // 2 else None
+            if typical is not None and step_s > STALL_FACTOR * typical:
+                step_s = 0.0
+            else:
+                recent.append(step_s)
+                del recent[:-STALL_WINDOW]
         if step_s > 0 and tokens > 0:
             _, _, unit_us = self.costs(B, ctx)
             eta = tokens / (step_s * 1e6 / unit_us)
