@@ -11,7 +11,7 @@ block-table capacity, SM count) only, so the grid never depends on tensor values
 can be captured in a CUDA graph. How many of those chunks a request uses is decided on the device
 from its own key count (``_splits_used``): a request with few keys is not split at all — its first
 chunk's program writes the output and the merge skips it — so a cache sized for long contexts costs
-nothing while the contexts are short.
+only the merge launch while the contexts are short.
 
 Query tiles are counted from ``q_start[b]`` (tile t holds nodes ``q_start + t·BLOCK_Q ...``), so a
 drafting step that queries a handful of frontier nodes runs one tile, not ``N / BLOCK_Q``; rows
@@ -420,9 +420,9 @@ class AttnConfig:
 # D 128; bench_tree_attention.py --splits, bench/results/h200/attention_splits.json): at every
 # ctx = 4000 shape the fastest forced count was the largest that keeps the grid within one
 # program per SM (2 unsplit programs: 16 splits; 16: 8; 64: 2; 128 or more: 1), the count this
-# rule picks; the former target of two programs per SM,
-# rounded up, split grids already a full wave (B = 16, 4000 keys, 64 nodes: 118 µs in 3 splits,
-# 86 µs unsplit), 1.19x the fastest count in geometric mean over the shapes, this rule ~1.03x.
+# rule picks. The former target of two programs per SM, rounded up, split grids that were
+# already a full wave (B = 16, 4000 keys, 64 nodes: 118 µs in 3 splits, 86 µs unsplit): 1.19x
+# the fastest count in geometric mean over the shapes, this rule ~1.03x.
 PROGRAMS_PER_SM = 1
 MIN_CHUNK = 128
 MAX_SPLITS = 16
@@ -515,8 +515,8 @@ def pick_config(
     ``small_tree: True`` takes the small-tree path where ``small_tree_applies`` (else it is
     ignored). An explicit ``num_splits`` splits every request into that many chunks (as far as
     it has keys); the automatic count is a cap each request lowers on the device from its own
-    key count (``MIN_SPLIT_LEN``, ``min_chunk``). Without an
-    override, ``SMALL_TREE`` and ``TUNED`` choose among the candidates (compiled runs only)."""
+    key count (``MIN_SPLIT_LEN``, ``min_chunk``). Without an override, ``SMALL_TREE`` and
+    ``TUNED`` choose among the candidates (compiled runs only)."""
     g = H_q // H_kv
     g_pad = triton.next_power_of_2(g)
     if override is None and not interpret:
