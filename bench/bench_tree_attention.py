@@ -452,7 +452,8 @@ SPLIT_COUNTS = (1, 2, 3, 4, 8, 16)
 def split_study():
     """Per shape, on the same tensors: the automatic launch (its split count a cap each request
     lowers from its own length), the same count splitting every request (what a capacity-only
-    rule runs: ``split_min_len = 0``), and each forced count of SPLIT_COUNTS; every output
+    rule runs: ``split_min_len = 0``), the automatic launch with the merge fused into the
+    forward kernel (``fused_merge``), and each forced count of SPLIT_COUNTS; every output
     checked against the fp32 reference before it is timed. Rows: µs per variant."""
     from treeops.kernels import tree_attention as K
 
@@ -465,7 +466,8 @@ def split_study():
             fl = floor_us(B, ctx, n, hq, hkv, d)[0]
             row = dict(B=B, ctx=ctx, n=n, hq=hq, hkv=hkv, d=d, capacity=SPLIT_CAPACITY,
                        auto_splits=auto.num_splits, floor_us=round(fl, 2))  # fmt: skip
-            variants = [("auto", None, None), ("auto_every_request", None, {"split_min_len": 0})]
+            variants = [("auto", None, None), ("auto_every_request", None, {"split_min_len": 0}),
+                        ("auto_fused", None, {"fused_merge": True})]  # fmt: skip
             variants += [(f"s{k}", k, None) for k in SPLIT_COUNTS]
             for name, k, ov in variants:
                 try:
@@ -482,7 +484,7 @@ def split_study():
 
 
 def print_split_table(rows):
-    names = ["auto", "auto_every_request"] + [f"s{k}" for k in SPLIT_COUNTS]
+    names = ["auto", "auto_every_request", "auto_fused"] + [f"s{k}" for k in SPLIT_COUNTS]
     print(
         f"{'layout':>9} {'B':>3} {'ctx':>5} {'n':>3} {'S':>3} "
         + " ".join(f"{x[:9]:>9}" for x in names)

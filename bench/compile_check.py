@@ -195,7 +195,8 @@ def _tree(B: int, N: int, n: int, V: int):
     return treeops.Tree.from_parents(par, torch.full((B,), n, dtype=torch.int32), tok, scores)
 
 
-def attention(B, N, hq, hkv, d, ctx, page, dtype=torch.bfloat16, lse=True, qrange=False):
+def attention(B, N, hq, hkv, d, ctx, page, dtype=torch.bfloat16, lse=True, qrange=False,
+              override=None):  # fmt: skip
     def case():
         from treeops.kernels import tree_attention as ta
 
@@ -212,11 +213,12 @@ def attention(B, N, hq, hkv, d, ctx, page, dtype=torch.bfloat16, lse=True, qrang
         vc = kc.clone()
         # the public op's CUDA branch (on CPU tensors it would run the reference)
         return lambda: ta.tree_attention_fwd(
-            q, kc, vc, bt, seq, tree.num_nodes, tree.anc, qs, ql, d**-0.5, out, lse_t
-        )
+            q, kc, vc, bt, seq, tree.num_nodes, tree.anc, qs, ql, d**-0.5, out, lse_t,
+            override=override,
+        )  # fmt: skip
 
     return f"tree_attention B={B} N={N} {hq}/{hkv} D={d} ctx={ctx} page={page} {dtype} " + (
-        f"lse={lse} qrange={qrange}"
+        f"lse={lse} qrange={qrange}" + (f" {override}" if override else "")
     ), case
 
 
@@ -495,6 +497,10 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
         attention(2, 64, 32, 8, 128, 4096, 16, dtype=fp),
         attention(2, 64, 32, 8, 128, 4096, 16, lse=False),
         attention(2, 10, 32, 8, 128, 4096, 16, qrange=True),
+        *(
+            attention(1, 64, 32, 8, d, 4096, 16, override={"fused_merge": True})
+            for d in (64, 128, 256)
+        ),
         attention(1, 10, 32, 8, 256, 65536, 16, dtype=fp, qrange=True),
     ]
     for d in (64, 128, 256):

@@ -43,6 +43,7 @@ from treeops._accept_inputs import Acceptance
 from treeops._runtime import interpreted, pow2, refuse_in_capture
 from treeops.tree import Tree
 
+from ._counters import arrival_counters
 from ._launch import direct
 from .accept_stats import _node_stats
 from .accept_thresh import _finish_node
@@ -164,26 +165,9 @@ def _accept_kernel(
                 tl.store(p_count + i_b, 0)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-# every counter buffer ever handed out stays alive: a CUDA graph captured with an older, smaller
-# one keeps replaying atomics into it after a larger batch made a new one
+# every scratch buffer ever handed out stays alive: a CUDA graph captured with an older, smaller
+# one keeps using it after a larger launch made a new one
 _RETIRED: list[torch.Tensor] = []
-
-
-def _counters(device: torch.device, B: int) -> torch.Tensor:
-    """Per-request arrival counters, zero between launches (the last arriver resets its own).
-    Cached per device so that a launch allocates nothing and needs no memset. Built by an eager
-    call (a miss during CUDA-graph capture raises): a graph captured on another stream than its
-    warm-up's still finds them. Launches that run concurrently on different streams must not
-    share them: one stream per device, or ``workspace`` (kernel-level ``accept_launch``)."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < B:
-        refuse_in_capture("accept's arrival counters (per device, up to the largest batch)")
-        if c is not None:
-            _RETIRED.append(c)
-        c = torch.zeros(max(B, 64), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
-    return c
 
 
 def default_splits(B: int, N: int, V: int, device: torch.device, block_v: int) -> int:
@@ -205,10 +189,10 @@ _VIEWS: dict[tuple, tuple] = {}  # plan key -> (the scratch they view, its parts
 
 def _scratch(device: torch.device, n_f: int, n_i: int, n_c: int) -> tuple:
     """The per-device scratch workspace (float32, int32 and int64 parts of at least these sizes),
-    as ``_counters``: cached so that an eager launch allocates none, grown to the largest launch
-    seen, built by an eager call (a miss during CUDA-graph capture raises), a replaced one kept
-    alive for the graphs captured with it; launches on concurrent streams must not share it
-    (``workspace``)."""
+    as the arrival counters (``arrival_counters``): cached so that an eager launch allocates none,
+    grown to the largest launch seen, built by an eager call (a miss during CUDA-graph capture
+    raises), a replaced one kept alive for the graphs captured with it; launches on concurrent
+    streams must not share it (``workspace``)."""
     cur = _SCRATCH.get(device)
     if cur is None or cur[0].numel() < n_f or cur[1].numel() < n_i or cur[2].numel() < n_c:
         refuse_in_capture("accept's scratch workspace (per device, up to the largest launch)")
@@ -341,7 +325,7 @@ def accept_launch(
     no inter-program ordering. ``num_splits``/``block_v`` override
     the defaults (tests use small ones to exercise the split and block loops). ``workspace``:
     ``(float32, int32, counters)`` buffers to use instead of the per-device cached scratch and
-    counters (``_scratch``, ``_counters``), for launches on concurrent streams.
+    counters (``_scratch``, ``arrival_counters``), for launches on concurrent streams.
 
     Sizes, tiles and constexprs depend on shapes, flags and the device only and are computed once
     per such key."""
@@ -372,7 +356,7 @@ def accept_launch(
             torch.empty(B, N, K, dtype=torch.int32, device=dev) if K else None,
         )
     if workspace is None:
-        count = _counters(dev, B)
+        count = arrival_counters(dev, B)
         ws = _scratch(dev, sum(plan.n_f), sum(plan.n_i), plan.n_cand)
         hit = _VIEWS.get(key)
         if hit is not None and hit[0] is ws:

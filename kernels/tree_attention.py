@@ -11,7 +11,9 @@ block-table capacity, SM count) only, so the grid never depends on tensor values
 can be captured in a CUDA graph. How many of those chunks a request uses is decided on the device
 from its own key count (``_splits_used``): a request with few keys is not split at all — its first
 chunk's program writes the output and the merge skips it — so a cache sized for long contexts costs
-only the merge launch while the contexts are short.
+only the merge launch while the contexts are short. With ``fused_merge`` (``FUSED_MERGE``, off until
+timed) there is no merge launch: the last of a tile's chunk programs to finish (an arrival counter
+per tile) merges the tile's partials itself.
 
 Query tiles are counted from ``q_start[b]`` (tile t holds nodes ``q_start + t·BLOCK_Q ...``), so a
 drafting step that queries a handful of frontier nodes runs one tile, not ``N / BLOCK_Q``; rows
@@ -30,6 +32,7 @@ import triton.language as tl
 from treeops import _runtime
 from treeops._runtime import interpreted
 
+from ._counters import arrival_counters
 from ._launch import direct
 
 _LN2 = 0.6931471805599453
@@ -115,6 +118,34 @@ def _splits_used(
     return tl.where(kv_len < SPLIT_MIN_LEN, 1, used)
 
 
+@triton.jit
+def _merge_tile(WO, WL, O, L, w_row, o_q, o_h, o_d, m_row, used, s_ob, s_on, s_oh, s_od, s_lb,
+                s_ln, s_lh, i_b, BLOCK_M: tl.constexpr, D: tl.constexpr,
+                WRITE_LSE: tl.constexpr):  # fmt: skip
+    """One query tile's output from its ``used`` partials (rows ``w_row + s`` of the workspace),
+    weighted by exp(lse_s - max lse) as ``_merge_splits`` does, accumulated online."""
+    b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_M], tl.float32)
+    b_acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for s in range(0, used):
+        lse = tl.load(WL + w_row + s, mask=m_row, other=float("-inf"))
+        part = tl.load(WO + (w_row + s)[:, None] * D + o_d[None, :], mask=m_row[:, None], other=0.0)
+        m_new = tl.maximum(b_m, lse)
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        keep = tl.exp(b_m - base)
+        w = tl.exp(lse - base)
+        b_acc = b_acc * keep[:, None] + w[:, None] * part
+        b_l = b_l * keep + w
+        b_m = m_new
+    seen = b_l > 0.0
+    b_o = b_acc / tl.where(seen, b_l, 1.0)[:, None]
+    p_o = O + i_b * s_ob + o_q[:, None] * s_on + o_h[:, None] * s_oh + o_d[None, :] * s_od
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None])
+    if WRITE_LSE:
+        b_lse = tl.where(seen, b_m + tl.log(tl.where(seen, b_l, 1.0)), float("-inf"))
+        tl.store(L + i_b * s_lb + o_q * s_ln + o_h * s_lh, b_lse, mask=m_row)
+
+
 @triton.jit(do_not_specialize=["N", "H_KV", "qk_scale"])
 def _tree_attn_fwd(
     Q,
@@ -130,6 +161,7 @@ def _tree_attn_fwd(
     L,
     WO,
     WL,
+    CNT,
     qk_scale,
     N,
     H_KV,
@@ -171,6 +203,7 @@ def _tree_attn_fwd(
     PREFETCH: tl.constexpr,
     PIPE: tl.constexpr = 0,
     WARP_SPEC: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = G_PAD * BLOCK_Q
     i_t = tl.program_id(0)
@@ -206,8 +239,9 @@ def _tree_attn_fwd(
         used = 1
     else:
         used = _splits_used(kv_len, NUM_SPLITS, SPLIT_MIN_LEN, SPLIT_CHUNK)
-    if used == 1 and i_s == 0:
-        # unsplit: rows of the absolute tile i_t outside the query range are 0 and LSE = -inf
+    if (used == 1 or FUSED_MERGE) and i_s == 0:
+        # rows of the absolute tile i_t outside the query range are 0 and LSE = -inf (split
+        # requests: the merge kernel writes them, unless the merge is fused here)
         r_abs = (i_t * BLOCK_Q + o_r).to(tl.int64)
         m_zero = (r_abs < N) & m_g & ((r_abs < qs) | (r_abs >= q_end))
         p_o = O + i_b * s_ob + r_abs[:, None] * s_on + o_h[:, None] * s_oh + o_d[None, :] * s_od
@@ -317,9 +351,22 @@ def _tree_attn_fwd(
                 tl.store(L + i_b * s_lb + o_q * s_ln + o_h * s_lh, b_lse, mask=m_row)
         else:
             # workspace [B, N, H_q, NUM_SPLITS, D] (+ [B, N, H_q, NUM_SPLITS] LSE), by relative row
-            w_row = ((i_b * N + o_t.to(tl.int64)) * H_Q + o_h) * NUM_SPLITS + i_s  # [BLOCK_M]
-            tl.store(WO + w_row[:, None] * D + o_d[None, :], b_o, mask=m_row[:, None])
-            tl.store(WL + w_row, b_lse, mask=m_row)
+            w_row = ((i_b * N + o_t.to(tl.int64)) * H_Q + o_h) * NUM_SPLITS  # [BLOCK_M]
+            tl.store(WO + (w_row + i_s)[:, None] * D + o_d[None, :], b_o, mask=m_row[:, None])
+            tl.store(WL + w_row + i_s, b_lse, mask=m_row)
+            if FUSED_MERGE:
+                # the last of the tile's chunks to finish merges them: every thread's partial
+                # stores are ordered before the counter's release (barrier, then a gpu-scope
+                # acq_rel atomic), and the last program's loads after its acquire
+                tl.debug_barrier()
+                p_cnt = CNT + i_bh * tl.num_programs(0) + i_t
+                done = tl.atomic_add(p_cnt, 1, sem="acq_rel", scope="gpu")
+                if done == used - 1:
+                    _merge_tile(
+                        WO, WL, O, L, w_row, o_q, o_h, o_d, m_row, used, s_ob, s_on, s_oh, s_od,
+                        s_lb, s_ln, s_lh, i_b, BLOCK_M, D, WRITE_LSE,
+                    )  # fmt: skip
+                    tl.atomic_xchg(p_cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
 @triton.jit(do_not_specialize=["N", "H_Q"])
@@ -408,6 +455,7 @@ class AttnConfig:
     # at most num_splits chunks of at least split_chunk keys (``_splits_used``, on the device)
     split_min_len: int = 0
     split_chunk: int = 1
+    fused_merge: bool = False  # split tiles merged by their last chunk's program (no merge launch)
 
     @property
     def block_m(self) -> int:
@@ -473,6 +521,11 @@ defaults), to be filled from a GPU sweep."""
 
 SMALL_TREE = False
 """Launch the small-tree path by default wherever it applies (off until timed on the GPU)."""
+FUSED_MERGE = False
+"""Merge a split tile in the forward kernel, by the last of its chunks' programs to finish
+(``arrival_counters``), instead of in a ``_merge_splits`` launch (off until timed on the GPU;
+``{"fused_merge": True}`` turns it on per launch). Launches sharing the counters must not run
+concurrently on different streams."""
 SMALL_TREE_MAX_N = 16
 SMALL_TREE_MAX_CAPACITY = 1024 + 64
 """The small-tree path applies to N <= SMALL_TREE_MAX_N query rows and block tables of at most
@@ -511,12 +564,12 @@ def pick_config(
     """Tile sizes and split count from capacities and the device only (never tensor values).
 
     ``override`` (tests, the benchmark's sweep) replaces any of block_m, block_n, num_warps,
-    num_stages, prefetch, pipe, warp_specialize, programs_per_sm, min_chunk, split_min_len;
-    ``small_tree: True`` takes the small-tree path where ``small_tree_applies`` (else it is
-    ignored). An explicit ``num_splits`` splits every request into that many chunks (as far as
-    it has keys); the automatic count is a cap each request lowers on the device from its own
-    key count (``MIN_SPLIT_LEN``, ``min_chunk``). Without an override, ``SMALL_TREE`` and
-    ``TUNED`` choose among the candidates (compiled runs only)."""
+    num_stages, prefetch, pipe, warp_specialize, programs_per_sm, min_chunk, split_min_len,
+    fused_merge; ``small_tree: True`` takes the small-tree path where ``small_tree_applies``
+    (else it is ignored). An explicit ``num_splits`` splits every request into that many chunks
+    (as far as it has keys); the automatic count is a cap each request lowers on the device from
+    its own key count (``MIN_SPLIT_LEN``, ``min_chunk``). Without an override, ``SMALL_TREE``,
+    ``FUSED_MERGE`` and ``TUNED`` choose among the candidates (compiled runs only)."""
     g = H_q // H_kv
     g_pad = triton.next_power_of_2(g)
     if override is None and not interpret:
@@ -541,6 +594,7 @@ def pick_config(
     ppsm, min_chunk = PROGRAMS_PER_SM, MIN_CHUNK
     # an explicit split count splits every request that has the keys for it
     split_min_len = MIN_SPLIT_LEN if num_splits is None else 0
+    fused = FUSED_MERGE and not interpret
     small = bool(override and override.get("small_tree"))
     if small and small_tree_applies(N, g_pad, D, kv_capacity):
         # every node of the tree in one query tile; the largest key tile and fewest warps that
@@ -555,6 +609,7 @@ def pick_config(
         ppsm = override.get("programs_per_sm", ppsm)
         min_chunk = override.get("min_chunk", min_chunk)
         split_min_len = override.get("split_min_len", split_min_len)
+        fused = override.get("fused_merge", fused)
         block_m = override.get("block_m", block_m)
         block_n = override.get("block_n", block_n)
         warps = override.get("num_warps", warps)
@@ -579,7 +634,7 @@ def pick_config(
         split_min_len = 0
     return AttnConfig(
         block_q, g_pad, block_n, num_splits, warps, stages, prefetch, pipe, warp_spec,
-        split_min_len, split_chunk,
+        split_min_len, split_chunk, bool(fused) and num_splits > 1,
     )  # fmt: skip
 
 
@@ -659,6 +714,7 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
             PREFETCH=cfg.prefetch,
             PIPE=cfg.pipe,
             WARP_SPEC=cfg.warp_spec,
+            FUSED_MERGE=cfg.fused_merge,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         ),  # fmt: skip
@@ -721,6 +777,8 @@ def tree_attention_fwd(
         wl = workspace[plan.wo_numel : need]
     else:
         wo = wl = out  # never touched
+    # one slot per (request, KV head, query tile) of a fused merge; else never touched
+    cnt = arrival_counters(q.device, plan.grid[0] * plan.grid[1]) if plan.cfg.fused_merge else wo
     lse_t = lse if has_lse else out
     lse_strides = lse.stride() if has_lse else (0, 0, 0)
     qs = q_start if has_qs else seq_lens
@@ -728,11 +786,11 @@ def tree_attention_fwd(
     direct(_tree_attn_fwd).launch(
         plan.grid,
         q, k_cache, v_cache, block_table, seq_lens, num_nodes, anc, qs, ql, out, lse_t, wo, wl,
-        sm_scale * _LOG2E, q.shape[1], k_cache.shape[2], *q.stride(), *k_cache.stride(),
+        cnt, sm_scale * _LOG2E, q.shape[1], k_cache.shape[2], *q.stride(), *k_cache.stride(),
         *v_cache.stride(), block_table.stride(0), anc.stride(0), anc.stride(1), *out.stride(),
         *lse_strides, **plan.consts,
     )  # fmt: skip
-    if split:
+    if split and not plan.cfg.fused_merge:
         direct(_merge_splits).launch(
             plan.merge_grid,
             wo, wl, seq_lens, num_nodes, qs, ql, out, lse_t, q.shape[1], q.shape[2], *out.stride(),

@@ -242,6 +242,30 @@ def test_requests_below_the_split_length_are_not_split():
     check_kernel(q, kv, seq_t, tree, qs, ql, num_splits=4, override=ov, workspace=ws)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 4])
+def test_fused_merge_matches_reference(splits):
+    """``fused_merge``: each split tile is merged by the last of its chunks' programs (arrival
+    counters) instead of by ``_merge_splits``. Mixed lengths (split and unsplit requests), a
+    query range with rows that see nothing, a negative q_start, a request with no nodes; output
+    and LSE against the reference, and every counter back at zero."""
+    from treeops.kernels import _counters as kc
+
+    rng = random.Random(30 + splits)
+    N = 16
+    seq = [0, 20, 60, 150, 400, 7]
+    rows = [parents_of("random", N, rng) for _ in seq[:-1]] + [[]]
+    tree = make_tree(rows, N, 64, rng)
+    kv = paged_kv([s + N for s in seq], 16, 1, 64, torch.float32, rng)
+    q = torch.randn(len(seq), N, 2, 64)
+    ov = {"split_min_len": 64, "min_chunk": 32, "fused_merge": True}
+    seq_t = torch.tensor(seq, dtype=torch.int32)
+    check_kernel(q, kv, seq_t, tree, num_splits=splits, override=ov)
+    qs = torch.tensor([0, 3, -2, 0, 5, 0], dtype=torch.int32)
+    ql = torch.tensor([16, 4, 7, 1, 9, 3], dtype=torch.int32)
+    check_kernel(q, kv, seq_t, tree, qs, ql, num_splits=splits, override=ov)
+    assert all(int(c.abs().sum()) == 0 for c in kc._COUNTERS.values())
+
+
 def test_auto_split_count_is_a_cap_lowered_by_each_request():
     """The automatic count carries the device-side bound (MIN_SPLIT_LEN keys, chunks of at least
     MIN_CHUNK); an explicit count splits as asked; an unsplit launch carries neutral values."""

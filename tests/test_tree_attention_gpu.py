@@ -138,6 +138,53 @@ def test_cache_sized_for_long_contexts_holding_short_ones(page):
         _check(q, kv, seq, tree, torch.bfloat16, qs, ql, what="query range")
 
 
+@pytest.mark.parametrize("H_q,H_kv,D", [(10, 2, 64), (32, 8, 128), (16, 4, 256)])
+def test_fused_merge_on_gpu(H_q, H_kv, D):
+    """``fused_merge`` (split tiles merged by their last chunk's program through the arrival
+    counters): automatic and forced split counts over ragged lengths (unsplit and split requests
+    in one launch) and a query range, against the reference; then the launch captured in a CUDA
+    graph and replayed three times (the counters must be back at zero after every replay)."""
+    from treeops.kernels import _counters as kc
+
+    rng = random.Random(D)
+    N = 16
+    lens = [0, 300, K.MIN_SPLIT_LEN, 1500, 4000, 77]
+    tree = _trees(len(lens), N, ["random", "chain", "binary"], rng, sizes=[N, 9, 1, N])
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    kv = paged_kv([8192] * len(lens), 16, H_kv, D, torch.bfloat16, rng, device=DEV)
+    q = torch.randn(len(lens), N, H_q, D, device=DEV).to(torch.bfloat16)
+    ov = {"fused_merge": True}
+    assert K.config_for(q, kv.k_cache, kv.block_table, None, ov).fused_merge
+    _check(q, kv, seq, tree, torch.bfloat16, override=ov, what=f"fused {H_q}/{H_kv}/{D}")
+    qs = torch.tensor([b % 3 for b in range(len(lens))], dtype=torch.int32, device=DEV)
+    ql = torch.tensor([2 + b for b in range(len(lens))], dtype=torch.int32, device=DEV)
+    _check(q, kv, seq, tree, torch.bfloat16, qs, ql, num_splits=5, override=ov, what="forced")
+    out = torch.empty_like(q)
+    ws = torch.empty(
+        K.workspace_numel(len(lens), N, H_q, D, K.config_for(q, kv.k_cache, kv.block_table)),
+        dtype=torch.float32, device=DEV,
+    )  # fmt: skip
+
+    def call():
+        K.tree_attention_fwd(
+            q, kv.k_cache, kv.v_cache, kv.block_table, seq, tree.num_nodes, tree.anc, None, None,
+            D**-0.5, out, None, ws, override=ov,
+        )  # fmt: skip
+
+    call()
+    torch.cuda.synchronize()
+    want = out.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call()
+    for _ in range(3):
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    assert all(int(c.abs().sum()) == 0 for c in kc._COUNTERS.values())
+
+
 def test_public_ops_dispatch_to_kernels():
     rng = random.Random(1)
     B, N, H_q, H_kv, D = 2, 32, 8, 2, 128
