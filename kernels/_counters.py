@@ -13,6 +13,8 @@ concurrently on different streams must not share it.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from treeops._runtime import refuse_in_capture
 
@@ -30,3 +32,17 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
         c = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
         _COUNTERS[device] = c
     return c
+
+
+@triton.jit
+def arrive(p_count, FENCE: tl.constexpr):
+    """Count this program's arrival at ``p_count`` (an int32 slot); returns how many arrived
+    before it. Every thread's earlier global stores are ordered before the count's release (with
+    ``FENCE``, compiled runs: a gpu-scope fence per thread, then the block barrier), so the
+    program that sees the last count reads every arrival's stores after its acquire."""
+    if FENCE:
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+    tl.debug_barrier()
+    return tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu")

@@ -43,7 +43,7 @@ from treeops._accept_inputs import Acceptance
 from treeops._runtime import interpreted, pow2, refuse_in_capture
 from treeops.tree import Tree
 
-from ._counters import arrival_counters
+from ._counters import arrival_counters, arrive
 from ._launch import direct
 from .accept_stats import _node_stats
 from .accept_thresh import _finish_node
@@ -144,13 +144,7 @@ def _accept_kernel(
         else:
             i_b = pid // N
             arrivals = N
-        if FENCE:
-            # every thread's workspace stores are ordered before the release below
-            tl.inline_asm_elementwise(
-                "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-            )
-        tl.debug_barrier()
-        count = tl.atomic_add(p_count + i_b, 1, sem="acq_rel", scope="gpu")
+        count = arrive(p_count + i_b, FENCE)  # the workspace stores above, then the count
         last = count == arrivals - 1
     if (PHASE == 0) or (PHASE == 2) or (PHASE == 4):
         if last:

@@ -32,7 +32,7 @@ import triton.language as tl
 from treeops import _runtime
 from treeops._runtime import interpreted
 
-from ._counters import arrival_counters
+from ._counters import arrival_counters, arrive
 from ._launch import direct
 
 _LN2 = 0.6931471805599453
@@ -204,6 +204,7 @@ def _tree_attn_fwd(
     PIPE: tl.constexpr = 0,
     WARP_SPEC: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False,
+    FENCE: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = G_PAD * BLOCK_Q
     i_t = tl.program_id(0)
@@ -355,12 +356,10 @@ def _tree_attn_fwd(
             tl.store(WO + (w_row + i_s)[:, None] * D + o_d[None, :], b_o, mask=m_row[:, None])
             tl.store(WL + w_row + i_s, b_lse, mask=m_row)
             if FUSED_MERGE:
-                # the last of the tile's chunks to finish merges them: every thread's partial
-                # stores are ordered before the counter's release (barrier, then a gpu-scope
-                # acq_rel atomic), and the last program's loads after its acquire
-                tl.debug_barrier()
+                # the last of the tile's chunks to finish merges them (its loads after the
+                # count's acquire see every chunk's partial stores)
                 p_cnt = CNT + i_bh * tl.num_programs(0) + i_t
-                done = tl.atomic_add(p_cnt, 1, sem="acq_rel", scope="gpu")
+                done = arrive(p_cnt, FENCE)
                 if done == used - 1:
                     _merge_tile(
                         WO, WL, O, L, w_row, o_q, o_h, o_d, m_row, used, s_ob, s_on, s_oh, s_od,
@@ -715,6 +714,7 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
             PIPE=cfg.pipe,
             WARP_SPEC=cfg.warp_spec,
             FUSED_MERGE=cfg.fused_merge,
+            FENCE=cfg.fused_merge and not interpreted(),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         ),  # fmt: skip
