@@ -8,7 +8,7 @@ import torch
 
 import treeops
 from treeops.build_tree import _launch_expand as launch_expand
-from treeops.kernels import accept as kacc
+from treeops.kernels import _counters as kcount
 from treeops.kernels import build_tree as kb
 from treeops.kernels import compact_kv as kc
 from treeops.kernels import graft as kg
@@ -25,7 +25,7 @@ def capturing(monkeypatch):
 def test_cached_buffers_are_not_built_during_capture(capturing):
     cpu = torch.device("cpu")
     with pytest.raises(RuntimeError, match="arrival counters.*outside CUDA-graph capture"):
-        kacc._counters(cpu, 10**7)  # larger than any cached buffer: a miss
+        kcount.arrival_counters(cpu, 10**7)  # larger than any cached buffer: a miss
     with pytest.raises(RuntimeError, match="RoPE frequency table"):
         kk.inv_freq(6, 1234.5, cpu)
     with pytest.raises(RuntimeError, match="table of layer addresses"):
@@ -34,11 +34,11 @@ def test_cached_buffers_are_not_built_during_capture(capturing):
 
 def test_cache_hits_are_fine_during_capture(monkeypatch):
     cpu = torch.device("cpu")
-    c = kacc._counters(cpu, 8)  # built eagerly, as the warm-up call does
+    c = kcount.arrival_counters(cpu, 8)  # built eagerly, as the warm-up call does
     f = kk.inv_freq(8, 500.0, cpu)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert kacc._counters(cpu, 8) is c
+    assert kcount.arrival_counters(cpu, 8) is c
     assert kk.inv_freq(8, 500.0, cpu) is f
 
 
