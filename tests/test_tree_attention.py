@@ -513,7 +513,9 @@ def test_split_count_depends_on_capacities_only():
     data=st.data(),
 )
 def test_kernel_matches_reference_full_trees(tc, data):
-    """Capacity 64 (two anc words), longer prefixes, GQA 8, forced splits and both loops."""
+    """Capacity 64 (two anc words), longer prefixes, GQA 8, forced splits and both loops; each
+    request split or not by its own length (a drawn split_min_len), merged by ``_merge_splits``
+    or by the tile's last chunk (``fused_merge``)."""
     rng = random.Random(data.draw(st.integers(0, 2**16)))
     B, N = tc.tree.batch_size, tc.tree.capacity
     seq = [data.draw(st.integers(0, 300)) for _ in range(B)]
@@ -532,7 +534,13 @@ def test_kernel_matches_reference_full_trees(tc, data):
         torch.tensor(seq, dtype=torch.int32),
         tc.tree,
         num_splits=data.draw(st.sampled_from([1, 2, 5])),
-        override={"prefetch": data.draw(st.booleans()), "block_n": 64},
+        override={
+            "prefetch": data.draw(st.booleans()),
+            "block_n": 64,
+            "split_min_len": data.draw(st.sampled_from([0, 100, 250])),
+            "min_chunk": 32,
+            "fused_merge": data.draw(st.booleans()),
+        },
     )
 
 
