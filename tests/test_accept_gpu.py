@@ -143,8 +143,8 @@ def test_cuda_graph_capture_and_replay():
     seq = torch.full((B,), 100, device=DEV, dtype=torch.int32)
     pages = -(-(100 + N) // ps)
     bt = torch.arange(B * pages, device=DEV, dtype=torch.int32).reshape(B, pages)
-    kc = torch.empty(L, B * pages, ps, H, D, device=DEV, dtype=torch.bfloat16)
-    vc = torch.empty_like(kc)
+    k_cache = torch.empty(L, B * pages, ps, H, D, device=DEV, dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
 
     def fill(seed):
         g = torch.Generator(device=DEV).manual_seed(seed)
@@ -155,12 +155,12 @@ def test_cuda_graph_capture_and_replay():
             ).to(DEV)
         )
         u.copy_(torch.rand(B, N, device=DEV, generator=g))
-        kc.copy_(torch.randn(kc.shape, device=DEV, generator=g).to(kc.dtype))
-        vc.copy_(torch.randn(vc.shape, device=DEV, generator=g).to(vc.dtype))
+        k_cache.copy_(torch.randn(k_cache.shape, device=DEV, generator=g).to(k_cache.dtype))
+        v_cache.copy_(torch.randn(v_cache.shape, device=DEV, generator=g).to(v_cache.dtype))
 
     def step():
         g = treeops.accept_greedy(tree, lg, return_logprobs=True, topk_ids=4)
-        new = treeops.compact_kv(kc, vc, bt, seq, tree, g.accepted, g.accept_len)
+        new = treeops.compact_kv(k_cache, v_cache, bt, seq, tree, g.accepted, g.accept_len)
         s = treeops.accept_sample(tree, lg, T, k, p, u, return_logprobs=True)
         return g, new, s
 
@@ -172,12 +172,12 @@ def test_cuda_graph_capture_and_replay():
         static = step()
     for seed in (1, 2, 3):
         fill(seed)
-        k0, v0 = kc.clone(), vc.clone()
+        k0, v0 = k_cache.clone(), v_cache.clone()
         graph.replay()
         torch.cuda.synchronize()
-        got_k, got_v = kc.clone(), vc.clone()
-        kc.copy_(k0)
-        vc.copy_(v0)
+        got_k, got_v = k_cache.clone(), v_cache.clone()
+        k_cache.copy_(k0)
+        v_cache.copy_(v0)
         eager = step()
         torch.cuda.synchronize()
         for a, b in zip(static[0], eager[0]):
@@ -187,7 +187,7 @@ def test_cuda_graph_capture_and_replay():
         for a, b in zip(static[2], eager[2]):
             if a is not None:
                 assert torch.equal(a, b)
-        assert torch.equal(got_k, kc) and torch.equal(got_v, vc)
+        assert torch.equal(got_k, k_cache) and torch.equal(got_v, v_cache)
         assert int(static[0].accept_len.float().mean()) >= 1
     assert all(int(c.abs().sum()) == 0 for c in kc._COUNTERS.values())
 

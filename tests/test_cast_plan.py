@@ -299,6 +299,26 @@ def test_planner_leaves_out_stalled_steps():
     assert pl.lam(2) < before[0] and pl.correction(2).tolist() != before[1]
 
 
+def test_planner_leaves_out_a_new_plans_stalled_first_step():
+    """A plan's first steps, before it has typical steps of its own, are judged against the batch
+    size's recent steps of any plan: a new plan's first step measured at over STALL_FACTOR times
+    those (its capture in it) moves nothing; its next ordinary step counts."""
+    from treeops.cast_plan import STALL_FACTOR
+
+    pl = _planner(interval=64, lam_smoothing=0.5, prior=1e-6)
+    x = np.zeros(pl.size)
+    x[pl.layout["active"]] = 2
+    step_s = 0.41e-3
+    for _ in range(8):
+        pl.observe(2, x, pl.plan(2), tokens=3.0, step_s=step_s, ctx=100)
+    new = Plan(width=pl.plan(2).width, depth=pl.plan(2).depth - 1, verify=pl.plan(2).verify)
+    before = (pl.lam(2), pl.correction(2).tolist(), pl.describe(2)["plans_measured"])
+    pl.observe(2, x, new, tokens=3.0, step_s=1.01 * STALL_FACTOR * step_s, ctx=100)
+    assert (pl.lam(2), pl.correction(2).tolist(), pl.describe(2)["plans_measured"]) == before
+    pl.observe(2, x, new, tokens=3.0, step_s=1.2 * step_s, ctx=100)
+    assert pl.lam(2) < before[0] and new in pl.plans_run(2)
+
+
 def test_planner_rates_follow_the_data():
     """With a weak prior the rate of a bin is its accepted fraction."""
     pl = _planner(interval=1, prior=1e-6)

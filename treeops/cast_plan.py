@@ -276,7 +276,7 @@ class _BatchState:
     # per S_T(B, 1) of time, as λ̂), the step count when last run]
     measured: dict = field(default_factory=dict)
     allowed: frozenset | None = None  # the plans it may move to (None: any)
-    recent: dict = field(default_factory=dict)  # per plan: its last timed steps (s), for stalls
+    recent: dict = field(default_factory=dict)  # per plan (None: any plan): last timed steps (s)
     decisions: int = 0
     home: Plan | None = None  # while a probe runs: the plan it returns to unless it wins
     probe_windows: int = 0
@@ -309,9 +309,11 @@ GRAFT_DECAY = 0.98
 """Per-step decay of the grafted nodes' verified and accepted counts."""
 STALL_FACTOR = 4.0
 """A step measured at more than this many times its plan's typical step (the median of its last
-STALL_WINDOW timed steps) is a stall (a compile, a host hiccup, work queued in its period), not
-the plan's cost: λ̂, the residuals and the measured η leave it out. Relative to the plan's own
-steps, not to the cost table, which may come from another machine."""
+STALL_WINDOW timed steps; for a plan with fewer than half that many, of the batch size's last
+STALL_WINDOW timed steps of any plan) is a stall (a compile, a host hiccup, work queued in its
+period), not the plan's cost: λ̂, the residuals and the measured η leave it out. Relative to
+measured steps, not to the cost table, which may come from another machine; any two plans'
+steps differ by less than this factor (a 60-node tree's step is under 2x a chain's at B = 64)."""
 STALL_WINDOW = 8
 MEASURED_Z = 2.0
 """Standard errors by which one plan's measured η must beat another's to overrule the rules."""
@@ -589,12 +591,17 @@ class CastPlanner:
         st.steps += 1
         if step_s > 0:
             recent = st.recent.setdefault(plan, [])
-            typical = float(np.median(recent)) if len(recent) >= STALL_WINDOW // 2 else None
+            pooled = st.recent.setdefault(None, [])
+            # a plan's first steps are judged against the batch's recent steps of any plan:
+            # a new plan's first step is where a stall is likeliest (its capture, its compiles)
+            judge = recent if len(recent) >= STALL_WINDOW // 2 else pooled
+            typical = float(np.median(judge)) if len(judge) >= STALL_WINDOW // 2 else None
             if typical is not None and step_s > STALL_FACTOR * typical:
                 step_s = 0.0
             else:
-                recent.append(step_s)
-                del recent[:-STALL_WINDOW]
+                for steps in (recent, pooled):
+                    steps.append(step_s)
+                    del steps[:-STALL_WINDOW]
         if step_s > 0 and tokens > 0:
             _, _, unit_us = self.costs(B, ctx)
             eta = tokens / (step_s * 1e6 / unit_us)

@@ -512,10 +512,10 @@ class WholeStep:
     Under λ-CAST (``dec.planner``) each step runs the planner's current plan (one graph per plan,
     captured on first use); at its collection, the step's statistics, its measured time (on
     CUDA the step's device time between two events around it, so refills queued between steps
-    and host stalls are left out; elsewhere the time since the previous collection; 0 when a
-    capture ran in between) and its emitted tokens update the planner, so a plan lags the
-    statistics it follows by the steps in flight; the calibration goes to the device at a launch
-    whenever the planner changed it."""
+    and host stalls are left out, 0 for the step whose launch captured its graph; elsewhere the
+    time since the previous collection, 0 when a capture ran in between) and its emitted tokens
+    update the planner, so a plan lags the statistics it follows by the steps in flight; the
+    calibration goes to the device at a launch whenever the planner changed it."""
 
     def __init__(self, dec: Decoder, sb: _StaticBatch, res: DecodeResult, greedy: bool, stops,
                  generator: torch.Generator, make_body: Callable[..., Callable],
@@ -567,7 +567,9 @@ class WholeStep:
         start = sb.step_starts[slot]
         if start is not None:
             start.record()
+        captures = res.graphs_captured
         dec._graphs.replay_step(sb, key, lambda pb=pb: self.make_body(pb), res)
+        captured = res.graphs_captured != captures
         w = 4 + path_cols(dec.graft is not None, pb, n)
         host_pack = sb.host_packs[slot][: B * w].view(B, w)
         host_pack.copy_(sb.pack[: B * w].view(B, w), non_blocking=True)
@@ -581,7 +583,7 @@ class WholeStep:
         res.time_step += self.clock() - t0
         # the most tokens a request can emit: the draft's depth + 1, or n where nodes are grafted
         emit = n if pb is None or (dec.graft is not None and pb.graft) else pb.depth + 1
-        return _Launched(plan, pb, n, emit, host_pack, host_stats, event, start)
+        return _Launched(plan, pb, n, emit, host_pack, host_stats, event, start, captured)
 
     def collect(self, launched: _Launched) -> list:
         """Wait for ``launched`` and read its results: a row per request (``absorb``'s)."""
@@ -598,11 +600,15 @@ class WholeStep:
         step_s, self.t_last = now - self.t_last, now
         if launched.start is not None and launched.event is not None:
             # the step's own device time: a refill queued between two steps, or a host stall
-            # (a compile for a refill's new prompt length), is no part of any plan's cost
-            step_s = launched.start.elapsed_time(launched.event) / 1e3
-        if res.graphs_captured != self.captures_seen:  # a capture is no step time
-            self.captures_seen = res.graphs_captured
+            # (a compile for a refill's new prompt length), is no part of any plan's cost. Its
+            # events hold the capture (warm-ups, compiles, the device idle meanwhile) of the
+            # graph it is the first replay of: no step time then
+            step_s = 0.0 if launched.captured else launched.start.elapsed_time(launched.event) / 1e3
+        elif res.graphs_captured != self.captures_seen:
+            # host time since the previous collection, which held the launch of this step and
+            # of the one launched after it: a capture in either is no step time
             step_s = 0.0
+        self.captures_seen = res.graphs_captured
         if planner is not None:
             step_s = dec._step_time(step_s)  # under TP rank 0's: one plan on every rank
             acc = [r[0] for r in rows if r[0] > 0]
@@ -631,7 +637,8 @@ class WholeStep:
 class _Launched(NamedTuple):
     """A launched whole step: its plan (λ-CAST) and tree shape, the verified bucket n, the most
     tokens it can emit per request, its pinned results (and statistics), their event and the
-    event recorded before the step (CUDA; the two time it)."""
+    event recorded before the step (CUDA; the two time it) and whether its launch captured
+    the step's graph (its events then time the capture, not the step)."""
 
     plan: Any
     pb: PlanBuffers | None
@@ -641,3 +648,4 @@ class _Launched(NamedTuple):
     host_stats: torch.Tensor | None
     event: Any
     start: Any = None
+    captured: bool = False
