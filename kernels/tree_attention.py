@@ -469,19 +469,21 @@ class AttnConfig:
 # program per SM (2 unsplit programs: 16 splits; 16: 8; 64: 2; 128 or more: 1), the count this
 # rule picks. The former target of two programs per SM, rounded up, split grids that were
 # already a full wave (B = 16, 4000 keys, 64 nodes: 118 µs in 3 splits, 86 µs unsplit): 1.19x
-# the fastest count in geometric mean over the shapes, this rule ~1.03x.
+# the fastest count in geometric mean over the shapes, this rule 1.004x (with MIN_SPLIT_LEN = 0).
 PROGRAMS_PER_SM = 1
 MIN_CHUNK = 128
 MAX_SPLITS = 16
 MIN_SPLIT_CAPACITY = 4 * MIN_CHUNK
-"""Below this many cache slots per request no split: a split of a few hundred keys saves less than
-the ``_merge_splits`` launch it adds (a decode step at short context pays it once per layer)."""
-MIN_SPLIT_LEN = MIN_SPLIT_CAPACITY
-"""The same bound on a request's actual keys, applied on the device: a cache sized for long
-contexts (an engine's block table) holding short ones splits nothing. H200, the split study: B = 64,
-300 keys, 8 nodes, heads 10/2: 20.4 µs unsplit, 32.6 split 3 ways, 23.8 with this bound (the
-merge launch remains); in the trained pair's decoder at B = 64 (prefixes under 450 keys) the
-attention took 1.5x its unsplit time before it (bench/results/h200/logs/2026-12-02_s10_*)."""
+"""Below this many cache slots per request no split. Not measured against splitting (the split
+study's block tables hold 8,192 slots), where a 300-key request at B <= 16 ran faster split."""
+MIN_SPLIT_LEN = 0
+"""A device-side bound on a request's keys below which it is not split (0: none; the override
+``split_min_len`` sets one, chunks then of at least ``min_chunk`` keys). None by default: in the
+split study (bench_tree_attention.py --splits, H200, 48 shapes over an 8,192-slot block table,
+bench/results/h200/attention_splits.json) the count this file's rule picks, splitting
+every request, ran at 1.004x the fastest forced count (geometric mean) and a bound of 512 keys at
+1.044x: a 300-key request at B <= 16 runs faster split (B = 1, heads 32/8 D 128, 8 nodes: 15.7 µs
+split 16 ways, 20.8 unsplit, 23.3 bounded: unsplit plus the merge launch)."""
 
 
 _PIPED = dict(num_stages=1, prefetch=False)
@@ -522,9 +524,11 @@ SMALL_TREE = False
 """Launch the small-tree path by default wherever it applies (off until timed on the GPU)."""
 FUSED_MERGE = False
 """Merge a split tile in the forward kernel, by the last of its chunks' programs to finish
-(``arrival_counters``), instead of in a ``_merge_splits`` launch (off until timed on the GPU;
-``{"fused_merge": True}`` turns it on per launch). Launches sharing the counters must not run
-concurrently on different streams."""
+(``arrival_counters``), instead of in a ``_merge_splits`` launch (``{"fused_merge": True}`` turns
+it on per launch). Off: in the split study it ran at 1.027x the separate merge (geometric mean,
+48 shapes), up to 1.4x slower where 16 chunks of a long context finish together (B = 1, 4,000
+keys, 64 nodes, heads 10/2: 35.5 µs against 25.9), its last arriver merging alone.
+Launches sharing the counters must not run concurrently on different streams."""
 SMALL_TREE_MAX_N = 16
 SMALL_TREE_MAX_CAPACITY = 1024 + 64
 """The small-tree path applies to N <= SMALL_TREE_MAX_N query rows and block tables of at most

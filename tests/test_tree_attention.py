@@ -267,11 +267,15 @@ def test_fused_merge_matches_reference(splits):
 
 
 def test_auto_split_count_is_a_cap_lowered_by_each_request():
-    """The automatic count carries the device-side bound (MIN_SPLIT_LEN keys, chunks of at least
-    MIN_CHUNK); an explicit count splits as asked; an unsplit launch carries neutral values."""
+    """The automatic count carries the device-side bound (none by default; with a
+    ``split_min_len`` override, chunks of at least MIN_CHUNK); an explicit count splits as asked;
+    an unsplit launch carries neutral values."""
     auto = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False)
     assert auto.num_splits > 1
-    assert (auto.split_min_len, auto.split_chunk) == (K.MIN_SPLIT_LEN, K.MIN_CHUNK)
+    assert (auto.split_min_len, auto.split_chunk) == (K.MIN_SPLIT_LEN, 1) == (0, 1)
+    ov = {"split_min_len": 512}
+    bounded = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False, override=ov)
+    assert (bounded.split_min_len, bounded.split_chunk) == (512, K.MIN_CHUNK)
     forced = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False, num_splits=4)
     assert (forced.num_splits, forced.split_min_len, forced.split_chunk) == (4, 0, 1)
     whole = K.pick_config(64, 64, 32, 8, 128, 4096, 132, False)

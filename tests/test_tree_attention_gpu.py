@@ -120,22 +120,26 @@ def test_realistic(dtype, B, ctx, N, H_q, H_kv, D, page):
 @pytest.mark.parametrize("page", [16, 1])
 def test_cache_sized_for_long_contexts_holding_short_ones(page):
     """An engine's block table covers 8,192 slots while the prefixes are 0 to 3,000 keys: the
-    automatic split count is a cap; requests under MIN_SPLIT_LEN keys are written unsplit by the
-    forward kernel and left by the merge, the rest split by their own length. bf16, the trained
-    pair's heads (10 query, 2 KV, D = 64) and a GQA-4 D = 128 layout; the output is NaN-filled."""
+    automatic split count is a cap, each request's keys split into at most that many chunks;
+    with a device-side bound (``split_min_len``), requests under it are written unsplit by the
+    forward kernel and left by the merge. bf16, the trained pair's heads (10 query, 2 KV,
+    D = 64) and a GQA-4 D = 128 layout; the output is NaN-filled."""
     rng = random.Random(page)
     N = 16
-    lens = [0, 100, 400, K.MIN_SPLIT_LEN - N - 1, K.MIN_SPLIT_LEN - N, 700, 3000, 250]
+    bound = 512
+    lens = [0, 100, 400, bound - N - 1, bound - N, 700, 3000, 250]
     for H_q, H_kv, D in ((10, 2, 64), (32, 8, 128)):
         tree = _trees(len(lens), N, ["random", "chain", "binary"], rng, sizes=[N, 7, 1, N])
         seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
         kv = paged_kv([8192] * len(lens), page, H_kv, D, torch.bfloat16, rng, device=DEV)
         q = torch.randn(len(lens), N, H_q, D, device=DEV).to(torch.bfloat16)
         assert K.config_for(q, kv.k_cache, kv.block_table).num_splits > 1
-        _check(q, kv, seq, tree, torch.bfloat16, what=f"{H_q}/{H_kv}/{D} page {page}")
         qs = torch.tensor([b % 3 for b in range(len(lens))], dtype=torch.int32, device=DEV)
         ql = torch.tensor([1 + b for b in range(len(lens))], dtype=torch.int32, device=DEV)
-        _check(q, kv, seq, tree, torch.bfloat16, qs, ql, what="query range")
+        for ov in (None, {"split_min_len": bound}):
+            what = f"{H_q}/{H_kv}/{D} page {page} {ov}"
+            _check(q, kv, seq, tree, torch.bfloat16, override=ov, what=what)
+            _check(q, kv, seq, tree, torch.bfloat16, qs, ql, override=ov, what="query range")
 
 
 @pytest.mark.parametrize("H_q,H_kv,D", [(10, 2, 64), (32, 8, 128), (16, 4, 256)])
@@ -148,7 +152,7 @@ def test_fused_merge_on_gpu(H_q, H_kv, D):
 
     rng = random.Random(D)
     N = 16
-    lens = [0, 300, K.MIN_SPLIT_LEN, 1500, 4000, 77]
+    lens = [0, 300, 512, 1500, 4000, 77]
     tree = _trees(len(lens), N, ["random", "chain", "binary"], rng, sizes=[N, 9, 1, N])
     seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
     kv = paged_kv([8192] * len(lens), 16, H_kv, D, torch.bfloat16, rng, device=DEV)
