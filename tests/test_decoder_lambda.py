@@ -307,6 +307,36 @@ def test_launch_ahead_equals_one_step_at_a_time_on_gpu(pair, gpu_pair, policy): 
         assert outs[0][1] == outs[1][1]
 
 
+def test_a_plans_draft_attends_over_its_own_tree(pair, monkeypatch):  # noqa: F811
+    """λ-CAST confined to a chain drafts with the chain policy's attention shapes: each plan has
+    its own working tree (a depth-4 chain: 4 query rows per draft forward), not the widest
+    tree's, and the same tokens come out."""
+    import treeops.decoder.model as model
+
+    shapes: list = []
+    attend = model.tree_attention
+
+    def spy(q, *args, **kw):
+        if len(args) > 5 and args[5] is not None:  # a draft forward (frontier rows)
+            shapes.append(tuple(q.shape))
+        return attend(q, *args, **kw)
+
+    monkeypatch.setattr(model, "tree_attention", spy)
+    seen = {}
+    for name in ("chain", "lambda"):
+        if name == "chain":
+            dec = Decoder(pair[0], pair[1], make_policy("chain", depth=4), static_shapes=True,
+                          step_graphs=True)  # fmt: skip
+        else:
+            dec = _lambda_decoder(pair, static_shapes=True)
+            dec.planner.restrict(len(PROMPTS), [Plan.chain(4)])
+        shapes.clear()
+        res = dec.generate(PROMPTS, NEW)
+        seen[name] = (set(shapes), res.tokens)
+    assert seen["lambda"] == seen["chain"]
+    assert {s[1] for s in seen["chain"][0]} == {4}
+
+
 def test_lambda_cast_plan_at_the_policys_maxima(pair):  # noqa: F811
     """A plan of the λ-CAST policy's own maxima (W, D, N) drafts that plan's fixed-shape tree:
     its buffers are not confused with the policy's own (same shape, no thresholds)."""

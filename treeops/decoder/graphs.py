@@ -114,17 +114,24 @@ class PlanBuffers:
     """The buffers of one tree shape (``policy``: its frontier rows w, top-k K, depth D, capacity
     n; ``graft``: of the n verified nodes, how many Graft's successor table fills) over a static
     batch: the ``DraftState``, the candidate -> working-tree-node table, the draft forwards'
-    per-layer [B] metadata and the verification tree ``vin`` (capacity n).
+    per-layer [B] metadata, the draft's working tree ``dtree`` and the verification tree ``vin``
+    (capacity n).
 
-    The working tree keeps the decoder's frontier spacing W (the frontier of layer l >= 1 at
-    nodes ``1 + (l-1) W ..``) whatever w is; rows past w are never valid."""
+    The working tree is the shape's own: the frontier of layer l >= 1 at nodes
+    ``1 + (l-1) w .. l w``, capacity ``1 + max(D - 1, 1) w``, so a narrow plan's draft attention
+    runs over its own nodes, not the decoder's widest tree (a chain of depth 6 attends over 6
+    query rows, not 91). Its num_nodes is ``sb``'s shared [B] metadata row."""
 
     def __init__(self, sb: _StaticBatch, policy, vin: Tree | None = None, graft: int = 0):
-        dev, B, W = sb.seq_lens.device, sb.B, sb.W
+        dev, B = sb.seq_lens.device, sb.B
         self.policy = policy
         self.graft = graft
         w, K, D = policy.max_width, policy.topk, policy.max_depth
         self.w, self.depth, self.capacity = w, D, policy.capacity
+        W = w  # the working tree's frontier spacing
+        self.dtree = Tree.empty(B, 1 + max(D - 1, 1) * w, dev)
+        self.dtree.anc[:, 0, 0] = 1
+        self.dtree.num_nodes = sb.d_meta[0]
         # cand_node[c]: the working-tree node of candidate c's frontier row (candidate c of
         # layer l >= 1 is a child of frontier row (c - l C) // K of layer l, node 1 + (l-1) W +
         # that row; layer 0's candidates are the root's children); the last entry, which a
@@ -194,10 +201,10 @@ class _StaticBatch:
             return
         pol = dec.tree_policy
         assert pol is not None
-        W = self.W = pol.max_width
+        W = pol.max_width
         self.dkv = dft.make_cache(B, max_len, page_size=dec.page_size, seed=2)
-        self.dtree = Tree.empty(B, Nd, dev)
-        self.dtree.anc[:, 0, 0] = 1
+        # working-tree scratch shared by every tree shape (each PlanBuffers has its own tree, at
+        # most Nd nodes): a node's own ancestor bit, the draft's hidden state per node
         self.self_bits = torch.zeros(Nd, anc_words(Nd), dtype=torch.int32, device=dev)
         for k in range(Nd):
             self.self_bits[k, k // 32] = bit_value(k)
@@ -206,7 +213,6 @@ class _StaticBatch:
         # The draft forward's per-layer [B] inputs share one buffer (one copy per layer): the
         # working tree's num_nodes, q_start and q_len (``PlanBuffers.layer_meta``)
         self.d_meta = torch.zeros(3, B, dtype=torch.int32, device=dev)
-        self.dtree.num_nodes = self.d_meta[0]
         self.d_qs, self.d_qlen = self.d_meta[1], self.d_meta[2]
         self.d_logits = torch.zeros(B, W, V, dtype=torch.float32, device=dev)
         self.d_h = torch.zeros(B, W, H, dtype=wdtype, device=dev)
@@ -268,11 +274,11 @@ class _StaticBatch:
 
     def frontier_inputs(self, pb: PlanBuffers, frontier: torch.Tensor, i: int) -> int:
         """The draft forward's inputs for the frontier of layer ``i >= 1`` (rows ``q_start ..
-        q_start + w - 1`` of ``dtree``, w = the plan's frontier rows): depth and anc from each
-        row's parent node, the parent's target feature, and the layer's [B] metadata. Returns
-        q_start."""
-        dt, B, w = self.dtree, self.B, pb.w
-        qs = 1 + (i - 1) * self.W
+        q_start + w - 1`` of ``pb.dtree``, w = the plan's frontier rows): depth and anc from
+        each row's parent node, the parent's target feature, and the layer's [B] metadata.
+        Returns q_start."""
+        dt, B, w = pb.dtree, self.B, pb.w
+        qs = 1 + (i - 1) * w
         # [B, w] int64: each frontier row's parent node, looked up by its candidate index (-1, an
         # unused row, reads the table's last entry: the root)
         pnode = pb.cand_node[frontier]
@@ -280,26 +286,27 @@ class _StaticBatch:
         new = slice(qs, qs + w)
         torch.add(dt.depth.gather(1, pnode), 1, out=dt.depth[:, new])
         pa = dt.anc.gather(1, pnode[:, :, None].expand(B, w, Wd))
-        torch.bitwise_or(pa, self.self_bits[new], out=dt.anc[:, new])
+        torch.bitwise_or(pa, self.self_bits[new, :Wd], out=dt.anc[:, new])
         self.d_feat[:, :w] = torch.gather(self.hid, 1, pnode[:, :, None].expand(B, w, H))
         self.d_meta.copy_(pb.layer_meta[i])  # num_nodes, q_start, q_len (EAGLE: w rows)
         return qs
 
     def draft_body(self, R: int, pb: PlanBuffers | None = None):
-        """Draft forward of frontier rows ``d_qs .. d_qs + R - 1`` of ``dtree`` (the frontier of
-        ``pb``'s state, default the decoder's own shape): logits and hidden into rows ``:R`` of
+        """Draft forward of frontier rows ``d_qs .. d_qs + R - 1`` of ``pb.dtree`` (the frontier
+        of ``pb``'s state, default the decoder's own shape): logits and hidden into rows ``:R`` of
         ``d_logits``/``d_h`` (rows past R are stale: invalid frontier rows, ignored by
         ``build_tree_expand``)."""
         dec = self.dec
         dft = dec.draft
         assert dft is not None
-        tok = (pb or self.default).state.frontier_tokens
+        pb = pb or self.default
+        tok = pb.state.frontier_tokens
 
         def body():
             # the frontier's tokens are the draft state's own buffer (the root at layer 0)
             logits, h = dft(
                 dec.target, tok[:, :R], self.d_feat[:, :R], self.dkv, self.seq_lens,
-                self.dtree, self.d_qs, self.d_qlen,
+                pb.dtree, self.d_qs, self.d_qlen,
             )  # fmt: skip
             self.d_logits[:, :R].copy_(logits)
             self.d_h[:, :R].copy_(h)

@@ -32,8 +32,9 @@ A step over a batch of B requests (each with its own tree, length and stop condi
   next step's graph.
 
 The draft's working tree during a step: node 0 = root, the frontier of draft layer ``l >= 1`` at
-nodes ``1 + (l-1)W .. lW`` (W = frontier capacity; unused rows hang off the root with token 0 and
-are ignored). Each draft forward computes only the frontier rows (``q_start``/``q_len``). Draft
+nodes ``1 + (l-1)W .. lW`` (W = the tree shape's frontier capacity: on the static path each
+shape, each λ-CAST plan, has its own working tree; unused rows hang off the root with token 0
+and are ignored). Each draft forward computes only the frontier rows (``q_start``/``q_len``). Draft
 input at a node = (embedding of its token, feature of its parent): the target's final hidden
 state at the last accepted position for the root, the draft's own output hidden for deeper
 nodes. The draft's KV cache is recomputed, not compacted: after each verification the draft runs
@@ -548,7 +549,7 @@ class StaticStep(StepBody):
 
     def _draft_tree(self, root: torch.Tensor) -> int:
         """Draft one step's tree into ``self.vin``; returns the verify bucket. The draft's
-        working tree ``sb.dtree`` is updated in place layer by layer (depth, anc, num_nodes: what
+        working tree ``pb.dtree`` is updated in place layer by layer (depth, anc, num_nodes: what
         the forwards read; its parents, tokens and sibling links are not kept)."""
         dec, sb, res, clock = self.dec, self.sb, self.res, self.clock
         pb, gp = self.pb, dec.graft
