@@ -505,14 +505,21 @@ def _h200_like_table() -> treeops.CostTable:
 
 
 def _run_step_model(
-    B: int, hidden_us, learn_costs: bool = True, true_tokens=None, chain_probes: bool = True
+    B: int,
+    hidden_us,
+    learn_costs: bool = True,
+    true_tokens=None,
+    chain_probes: bool = True,
+    first_step_stall_s: float = 0.0,
 ):
     """The planner on a step model where every plan's tokens per step and time are known (the
     time: what the table says plus ``hidden_us(plan)``, which the table does not see), fed each
     step's curves and measured time. ``true_tokens(plan)``: the tokens a step really emits where
     they differ from what the curves fed to the planner imply (default: they agree; else with
-    per-step noise of 15 % / sqrt(B)). Returns (η of its final plan ÷ the brute-force best η over
-    every plan of the graph buckets, the plans it visited, the planner)."""
+    per-step noise of 15 % / sqrt(B)). ``first_step_stall_s``: added to the first measured step
+    of every plan (a capture or compile the step's time held). Returns (η of its final plan ÷
+    the brute-force best η over every plan of the graph buckets, the plans it visited, the
+    planner)."""
     table = _h200_like_table()
     pol = treeops.Cast(cost_table=table, topk=10, max_width=10, max_depth=10, capacity=96)
     pl = treeops.CastPlanner(pol, layer_overhead_us=25.0, learn_costs=learn_costs,
@@ -542,11 +549,14 @@ def _run_step_model(
     eta = {p: tokens(p) / step_us(p) for p in plans}
     best = max(eta.values())
     rng = np.random.default_rng(B)
-    seen = set()
+    seen, timed = set(), set()
     for _ in range(1500):
         p = pl.plan(B)
         seen.add(p)
         noisy = step_us(p) * 1e-6 * (1 + 0.05 * rng.standard_normal())
+        if p not in timed:
+            timed.add(p)
+            noisy += first_step_stall_s
         tok = tokens(p)
         if true_tokens is not None:
             tok *= 1 + 0.15 * rng.standard_normal() / np.sqrt(B)
@@ -582,6 +592,21 @@ def test_planner_learns_what_the_table_misses(B):
     ratio, seen, pl = _run_step_model(B, hidden)
     assert ratio >= 0.97 and len(seen) <= 14
     assert pl.correction(B)[1] > 0.25 * per_layer
+
+
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_planner_ignores_each_new_plans_stalled_first_step(B):
+    """The hidden costs of the previous test, and every plan's first timed step 0.5 s longer (a
+    capture, a compile): the planner judges a plan's first steps against the batch's recent
+    steps of any plan, leaves those out and settles as well as without them."""
+    per_layer = 60.0 + 2.0 * B
+
+    def hidden(p: Plan) -> float:
+        return 80.0 + per_layer * (p.depth - 1) + (0.05 * B) * (p.verify - 1)
+
+    ratio, seen, pl = _run_step_model(B, hidden, first_step_stall_s=0.5)
+    assert ratio >= 0.97 and len(seen) <= 14
+    assert all(abs(r[5]) < 2000 for r in pl.describe(B)["plans_measured"] if r[5] is not None)
 
 
 def test_planner_without_learning_overbuilds():

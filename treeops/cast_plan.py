@@ -267,6 +267,7 @@ class _BatchState:
     layers: np.ndarray  # the window's summed layer curves [D, W]
     verify: np.ndarray  # the window's summed verify curves [N]
     steps: int = 0
+    timed: int = 0  # steps that updated λ̂ (the first sets it)
     window: int = 0  # steps in the current window (all of them ran ``plan``)
     rates_version: int = 0
     votes: tuple = (0, 0, 0)  # the last decision's direction per size (width, depth, verify)
@@ -312,8 +313,10 @@ STALL_FACTOR = 4.0
 STALL_WINDOW timed steps; for a plan with fewer than half that many, of the batch size's last
 STALL_WINDOW timed steps of any plan) is a stall (a compile, a host hiccup, work queued in its
 period), not the plan's cost: λ̂, the residuals and the measured η leave it out. Relative to
-measured steps, not to the cost table, which may come from another machine; any two plans'
-steps differ by less than this factor (a 60-node tree's step is under 2x a chain's at B = 64)."""
+measured steps where there are some (the cost table may come from another machine; any two
+plans' steps differ by less than this factor: a 60-node tree's step is under 2x a chain's at
+B = 64); a batch size's first STALL_WINDOW / 2 timed steps, with none to be judged by, are
+judged by the table's time of their plan (and enter the medians either way)."""
 STALL_WINDOW = 8
 MEASURED_Z = 2.0
 """Standard errors by which one plan's measured η must beat another's to overrule the rules."""
@@ -596,17 +599,20 @@ class CastPlanner:
             # a new plan's first step is where a stall is likeliest (its capture, its compiles)
             judge = recent if len(recent) >= STALL_WINDOW // 2 else pooled
             typical = float(np.median(judge)) if len(judge) >= STALL_WINDOW // 2 else None
-            if typical is not None and step_s > STALL_FACTOR * typical:
-                step_s = 0.0
-            else:
+            if typical is None or step_s <= STALL_FACTOR * typical:
                 for steps in (recent, pooled):
                     steps.append(step_s)
                     del steps[:-STALL_WINDOW]
+            if typical is None:  # a batch size's first steps: judged by the table's time
+                typical = self.modelled_us(B, ctx, plan) * 1e-6
+            if step_s > STALL_FACTOR * typical:
+                step_s = 0.0
         if step_s > 0 and tokens > 0:
             _, _, unit_us = self.costs(B, ctx)
             eta = tokens / (step_s * 1e6 / unit_us)
-            a = self.lam_smoothing if st.steps > 1 else 0.0
+            a = self.lam_smoothing if st.timed else 0.0
             st.lam = a * st.lam + (1 - a) * eta
+            st.timed += 1
         if step_s > 0 and self.learn_costs and not plan.is_chain:
             # (a chain's step is not the tree model's: no top-K expand, no selection)
             r = step_s * 1e6 - self.modelled_us(B, ctx, plan)
