@@ -433,7 +433,7 @@ def cast(B, M, K, dtype=torch.float32):
 
 def cast_stats(B, d, C, D=10, W=10, N=96):
     def case():
-        from treeops.cast_plan import SCORE_BINS, stats_size
+        from treeops.cast_stats import SCORE_BINS, stats_size
         from treeops.kernels.cast_plan import step_stats_launch
 
         n = N

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import treeops  # noqa: E402
-from treeops.cast_plan import SCORE_BINS, stats_size  # noqa: E402
+from treeops.cast_stats import SCORE_BINS, stats_size  # noqa: E402
 from treeops.decoder import fused  # noqa: E402
 from treeops.decoder.graphs import bucket_for  # noqa: E402
 from treeops.kernels.cast_plan import step_stats_launch  # noqa: E402

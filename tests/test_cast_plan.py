@@ -1,5 +1,6 @@
-"""λ-CAST (treeops/cast_plan.py): the λ rules against brute force on step models where the best
-plan is known, the device statistics against a slow reference, and the planner's state."""
+"""λ-CAST (treeops/cast_plan.py, treeops/cast_stats.py): the λ rules against brute force on step
+models where the best plan is known, the device statistics against a slow reference, and the
+planner's state."""
 
 from __future__ import annotations
 
@@ -10,15 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treeops
-from treeops.cast_plan import (
-    SCORE_BINS,
-    Plan,
-    _layout,
-    cast_step_stats,
-    lambda_rules,
-    score_bin,
-    stats_size,
-)
+from treeops.cast_plan import Plan, lambda_rules
+from treeops.cast_stats import SCORE_BINS, cast_step_stats, score_bin, stats_layout, stats_size
 from treeops.decoder.policies import synthetic_cost_table
 from treeops.kernels.cast_plan import step_stats_launch
 from treeops.tree import Tree
@@ -131,7 +125,7 @@ def _stats_reference(cand_scores, tree, accepted, accept_len, active, rates, D, 
     """``cast_step_stats`` written with loops over requests and nodes."""
     B, d, C = cand_scores.shape
     out = np.zeros(stats_size(D, W, N))
-    lay = _layout(D, W, N)
+    lay = stats_layout(D, W, N)
     acts = [b for b in range(B) if bool(active[b])]
     n_act = max(1, len(acts))
 

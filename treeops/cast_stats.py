@@ -1,0 +1,124 @@
+"""The statistics of one decoding step that λ-CAST's planner reads (``cast_step_stats``): the
+batch-mean layer and verify curves of calibrated acceptance probabilities, and the calibration
+counts per path-score bin. Computed on the device (two Triton launches on CUDA, torch ops
+elsewhere), no host sync, capturable; the host reads them with the step's results."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .kernels import cast_plan as _kstats
+from .tree import Tree
+
+__all__ = ["SCORE_BINS", "bin_prior", "cast_step_stats", "score_bin", "stats_size", "stats_layout"]
+
+
+SCORE_BINS = 24
+"""Calibration bins of a path score s: bin ``min(floor(-2 log2 s), 23)`` (half-octaves from 1
+down to 2^-11.5; smaller scores and 0 share the last)."""
+
+
+def score_bin(s: torch.Tensor) -> torch.Tensor:
+    """The calibration bin of each score (``SCORE_BINS``), int64."""
+    x = torch.floor(-2.0 * torch.log2(s.float().clamp(min=1e-30)))
+    return x.clamp(0, SCORE_BINS - 1).long()
+
+
+def bin_prior() -> np.ndarray:
+    """Each bin's geometric-mean score: the acceptance probability assumed before data."""
+    return 2.0 ** (-(np.arange(SCORE_BINS) + 0.5) / 2.0)
+
+
+def stats_size(max_depth: int, max_width: int, capacity: int) -> int:
+    """Length of ``cast_step_stats``'s output for a policy's maxima D, W, N:
+    ``D * W + N + 2 * SCORE_BINS + 1``."""
+    return max_depth * max_width + capacity + 2 * SCORE_BINS + 1
+
+
+def stats_layout(D: int, W: int, N: int) -> dict[str, slice]:
+    """Where each statistic lies in ``cast_step_stats``'s output (see its Layout)."""
+    o = 0
+    out = {}
+    for name, n in (("layers", D * W), ("verify", N), ("seen", SCORE_BINS),
+                    ("hits", SCORE_BINS), ("active", 1)):  # fmt: skip
+        out[name] = slice(o, o + n)
+        o += n
+    return out
+
+
+def cast_step_stats(
+    cand_scores: torch.Tensor,
+    tree: Tree,
+    accepted: torch.Tensor,
+    accept_len: torch.Tensor,
+    active: torch.Tensor,
+    rates: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    max_depth: int,
+    max_width: int,
+    capacity: int,
+) -> None:
+    """One step's statistics for the planner, written into ``out`` (float32, length
+    ``stats_size(max_depth, max_width, capacity)``); no host sync, capturable. On CUDA two Triton
+    launches (``kernels/cast_plan.py``), elsewhere (and under ``torch.compile``) torch ops.
+
+    Args:
+        cand_scores: [B, d, C] float32, the step's candidate path scores (``DraftState``; < 0 = no
+            candidate), d <= max_depth drafted layers.
+        tree: the verified tree (its ``scores``, ``depth``, ``num_nodes``), capacity n.
+        accepted: [B, n] int32, the accepted path's nodes (``accept_*``), the first
+            ``accept_len[b]`` valid (the root first).
+        accept_len: [B] int32.
+        active: [B] bool.
+        rates: [SCORE_BINS] float32, the calibrated acceptance probability of a candidate per
+            score bin (``CastPlanner.rates``).
+
+    Layout (``stats_layout``; D = max_depth, W = max_width, N = capacity): ``layers`` [D, W]:
+    row i = batch mean over active requests of the cumulative sum of layer i's k best calibrated
+    probabilities, k = 1..W (rows >= d zero); ``verify`` [N]: batch mean of 1 + the k - 1 best
+    calibrated probabilities of the step; ``seen`` / ``hits`` [SCORE_BINS]: the verified
+    non-root nodes of active requests per score bin, and those of them accepted; ``active``:
+    the number of active requests.
+    """
+    B, d, C = cand_scores.shape
+    D, W, N = max_depth, max_width, capacity
+    if out.is_cuda and not torch.compiler.is_compiling():  # two launches (kernels/cast_plan.py)
+        _kstats.step_stats_launch(
+            cand_scores.float().contiguous(), tree, accepted, accept_len, active, rates, out,
+            max_depth=D, max_width=W, capacity=N, bins=SCORE_BINS,
+        )  # fmt: skip
+        return
+    lay = stats_layout(D, W, N)
+    act = active.to(torch.float32)
+    n_act = act.sum().clamp(min=1.0)
+    s = cand_scores.float()
+    cal = torch.where(s >= 0, rates[score_bin(s)], 0.0)  # [B, d, C]
+    out.zero_()
+    k = min(W, C)
+    top = torch.topk(cal, k, dim=2).values.cumsum(2)  # [B, d, k]
+    layers = (top * act.view(B, 1, 1)).sum(0) / n_act  # [d, k]
+    if k < W:  # the curve is flat past the candidates that exist
+        layers = torch.cat([layers, layers[:, -1:].expand(d, W - k)], 1)
+    out[lay["layers"]].view(D, W)[:d].copy_(layers)
+    flat = cal.reshape(B, d * C)
+    kv = min(N - 1, d * C)
+    curve = torch.cat(
+        [torch.ones(B, 1, device=s.device), 1.0 + torch.topk(flat, kv, dim=1).values.cumsum(1)], 1
+    )  # [B, 1 + kv]
+    vc = (curve * act.view(B, 1)).sum(0) / n_act
+    if 1 + kv < N:
+        vc = torch.cat([vc, vc[-1:].expand(N - 1 - kv)])
+    out[lay["verify"]].copy_(vc)
+    n = tree.capacity
+    node = torch.arange(n, device=s.device).view(1, n)
+    ok = (node < tree.num_nodes.view(B, 1)) & active.view(B, 1) & (tree.depth >= 1)
+    # hit[b, j]: node j is on request b's accepted path (entries past accept_len point nowhere)
+    on = (node[:, : accepted.shape[1]] < accept_len.view(B, 1)).to(torch.float32)
+    hit = torch.zeros(B, n, device=s.device).scatter_add_(1, accepted.long().clamp(min=0), on)
+    bins = score_bin(tree.scores).reshape(-1)
+    okf = ok.to(torch.float32)
+    out[lay["seen"]].scatter_add_(0, bins, okf.reshape(-1))
+    out[lay["hits"]].scatter_add_(0, bins, (okf * (hit > 0)).reshape(-1))
+    out[lay["active"]].copy_(act.sum().view(1))
