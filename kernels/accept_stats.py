@@ -389,8 +389,9 @@ def _node_stats(
                 taken = o_v < 0
                 wv = tl.min(tkv, axis=0)
                 wi = tl.max(tl.where(tkv == wv, tki, -1), axis=0)
-                cv = tl.max(tl.where(m_v & ~taken, b_x, float("-inf")), axis=0)
-                ci = tl.min(tl.where(m_v & ~taken & (b_x == cv), o_v, BIG), axis=0)
+                # the block's best untaken element: with nothing taken yet, its max and argmax
+                cv = b_m
+                ci = b_a
                 better = (ci < BIG) & ((cv > wv) | ((cv == wv) & (ci < wi)))
                 while better:
                     lane = (tkv == wv) & (tki == wi)
