@@ -9,11 +9,12 @@ mask, then one tail tile with a length mask) followed by the tree nodes (the onl
 workspace and ``_merge_splits`` combines them. ``NUM_SPLITS`` comes from (B, H_kv, node capacity,
 block-table capacity, SM count) only, so the grid never depends on tensor values and both launches
 can be captured in a CUDA graph. How many of those chunks a request uses is decided on the device
-from its own key count (``_splits_used``): a request with few keys is not split at all — its first
-chunk's program writes the output and the merge skips it — so a cache sized for long contexts costs
-only the merge launch while the contexts are short. With ``fused_merge`` (``FUSED_MERGE``, off until
-timed) there is no merge launch: the last of a tile's chunk programs to finish (an arrival counter
-per tile) merges the tile's partials itself.
+from its own key count (``_splits_used``): chunks are whole key tiles, so a short request uses
+fewer; with a ``split_min_len`` bound (off by default, ``MIN_SPLIT_LEN``) a request under it is not
+split at all — its first chunk's program writes the output and the merge skips it. With
+``fused_merge`` (``FUSED_MERGE``, off: slower where many long chunks finish together) there is no
+merge launch: the last of a tile's chunk programs to finish (an arrival counter per tile) merges
+the tile's partials itself.
 
 Query tiles are counted from ``q_start[b]`` (tile t holds nodes ``q_start + t·BLOCK_Q ...``), so a
 drafting step that queries a handful of frontier nodes runs one tile, not ``N / BLOCK_Q``; rows
