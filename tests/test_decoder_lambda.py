@@ -337,6 +337,48 @@ def test_a_plans_draft_attends_over_its_own_tree(pair, monkeypatch):  # noqa: F8
     assert {s[1] for s in seen["chain"][0]} == {4}
 
 
+def test_a_chain_plans_step_copies_as_the_chain_policys(pair):  # noqa: F811
+    """λ-CAST confined to a chain copies what the chain policy's step copies, each copy as
+    contiguous (a memcpy on the GPU, not a strided elementwise kernel): its frontier and
+    catch-up buffers are views at the plan's row counts, not column slices of buffers sized
+    for the widest tree (on the H200 those slices cost 20 strided copies per step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.kinds: dict = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.copy_:
+                dst, src = args[0], args[1]
+                k = (dst.is_contiguous(), src.is_contiguous(), tuple(dst.shape[1:]))
+                self.kinds[k] = self.kinds.get(k, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    seen = {}
+    for name in ("chain", "lambda"):
+        if name == "chain":
+            dec = Decoder(pair[0], pair[1], make_policy("chain", depth=4), static_shapes=True,
+                          step_graphs=True)  # fmt: skip
+        else:
+            dec = _lambda_decoder(pair, static_shapes=True)
+            dec.planner.restrict(len(PROMPTS), [Plan.chain(4)])
+        dec.generate(PROMPTS, 4)  # buffers allocated
+        mode = Copies()
+        with mode:
+            res = dec.generate(PROMPTS, NEW)
+        seen[name] = ({k: v / res.steps for k, v in mode.kinds.items()}, res.tokens)
+    chain, lam = seen["chain"][0], seen["lambda"][0]
+    assert seen["lambda"][1] == seen["chain"][1]
+    strided = {k: v for k, v in lam.items() if not (k[0] and k[1])}
+    assert strided == {k: v for k, v in chain.items() if not (k[0] and k[1])}, (lam, chain)
+    # the frontier's logits [B, 1, V] and features [B, 1, H]: one contiguous copy per layer
+    V, H = pair[0].cfg.vocab_size, pair[0].cfg.hidden_size
+    assert lam.get((True, True, (1, V)), 0) == chain.get((True, True, (1, V)), 0) > 0
+    assert lam.get((True, True, (1, H)), 0) == chain.get((True, True, (1, H)), 0) > 0
+
+
 def test_lambda_cast_plan_at_the_policys_maxima(pair):  # noqa: F811
     """A plan of the λ-CAST policy's own maxima (W, D, N) drafts that plan's fixed-shape tree:
     its buffers are not confused with the policy's own (same shape, no thresholds)."""

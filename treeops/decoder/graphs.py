@@ -43,6 +43,17 @@ __all__ = [
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
+def rows_view(store: torch.Tensor, B: int, rows: int, *tail: int) -> torch.Tensor:
+    """A contiguous [B, rows, *tail] view of the flat ``store``'s first elements: buffers whose
+    row count depends on the plan or bucket share one store, and a forward's whole input or
+    output is then one contiguous block (a [B, r] column slice of a [B, R_max] buffer is
+    strided, and a copy into it an elementwise kernel instead of a memcpy)."""
+    n = B * rows
+    for t in tail:
+        n *= t
+    return store[:n].view(B, rows, *tail)
+
+
 def token_buckets(capacity: int) -> list[int]:
     """Token counts a forward of at most ``capacity`` tokens per request is padded up to: the
     members of ``TOKEN_BUCKETS`` below ``capacity``, then ``capacity`` itself."""
@@ -115,7 +126,10 @@ class PlanBuffers:
     n; ``graft``: of the n verified nodes, how many Graft's successor table fills) over a static
     batch: the ``DraftState``, the candidate -> working-tree-node table, the draft forwards'
     per-layer [B] metadata, the draft's working tree ``dtree`` and the verification tree ``vin``
-    (capacity n).
+    (capacity n), and, as contiguous views of ``sb``'s stores shaped by w, the frontier's input
+    features ``d_feat`` [B, w, H], the draft forward's outputs ``d_logits`` [B, w, V] (the
+    expand's input) and ``d_h`` [B, w, H], and the draft's hidden state per working-tree node
+    ``hid``.
 
     The working tree is the shape's own: the frontier of layer l >= 1 at nodes
     ``1 + (l-1) w .. l w``, capacity ``1 + max(D - 1, 1) w``, so a narrow plan's draft attention
@@ -129,9 +143,15 @@ class PlanBuffers:
         w, K, D = policy.max_width, policy.topk, policy.max_depth
         self.w, self.depth, self.capacity = w, D, policy.capacity
         W = w  # the working tree's frontier spacing
-        self.dtree = Tree.empty(B, 1 + max(D - 1, 1) * w, dev)
+        nd = 1 + max(D - 1, 1) * w
+        self.dtree = Tree.empty(B, nd, dev)
         self.dtree.anc[:, 0, 0] = 1
         self.dtree.num_nodes = sb.d_meta[0]
+        H, V = sb.hidden_size, sb.vocab_size
+        self.d_feat = rows_view(sb.feat_store, B, w, H)
+        self.d_logits = rows_view(sb.logits_store, B, w, V)
+        self.d_h = rows_view(sb.h_store, B, w, H)
+        self.hid = rows_view(sb.hid_store, B, nd, H)
         # cand_node[c]: the working-tree node of candidate c's frontier row (candidate c of
         # layer l >= 1 is a child of frontier row (c - l C) // K of layer l, node 1 + (l-1) W +
         # that row; layer 0's candidates are the root's children); the last entry, which a
@@ -161,10 +181,6 @@ class PlanBuffers:
         # successor table's nodes merged in, into ``vin``
         self.emit = Tree.empty(B, policy.capacity, dev) if graft else None
 
-    def logits(self, sb: _StaticBatch) -> torch.Tensor:
-        """The draft logits the expand reads: the first w rows of ``sb.d_logits``."""
-        return sb.d_logits[:, : self.w]
-
 
 class _StaticBatch:
     """Static buffers of one batch size for the graph path: caches, seq_lens, the verification
@@ -179,6 +195,7 @@ class _StaticBatch:
         H, V = tgt.cfg.hidden_size, tgt.cfg.vocab_size
         N, Nd = dec.capacity, dec.draft_capacity
         self.dec, self.B, self.max_len = dec, B, max_len
+        self.hidden_size, self.vocab_size = H, V
         self.graphs: dict[tuple, tuple[Any, Any]] = {}
         self.tkv: PagedKV = tgt.make_cache(B, max_len, page_size=dec.page_size, seed=1)
         self.dkv: PagedKV | None = None
@@ -204,20 +221,23 @@ class _StaticBatch:
         W = pol.max_width
         self.dkv = dft.make_cache(B, max_len, page_size=dec.page_size, seed=2)
         # working-tree scratch shared by every tree shape (each PlanBuffers has its own tree, at
-        # most Nd nodes): a node's own ancestor bit, the draft's hidden state per node
+        # most Nd nodes): a node's own ancestor bit; the stores of the draft's hidden state per
+        # node and of the frontier's inputs and outputs, which each shape views at its own row
+        # count (``rows_view``; one shape runs at a time)
         self.self_bits = torch.zeros(Nd, anc_words(Nd), dtype=torch.int32, device=dev)
         for k in range(Nd):
             self.self_bits[k, k // 32] = bit_value(k)
-        self.hid = torch.zeros(B, Nd, H, dtype=wdtype, device=dev)
-        self.d_feat = torch.zeros(B, W, H, dtype=wdtype, device=dev)
+        self.hid_store = torch.zeros(B * Nd * H, dtype=wdtype, device=dev)
+        self.feat_store = torch.zeros(B * W * H, dtype=wdtype, device=dev)
         # The draft forward's per-layer [B] inputs share one buffer (one copy per layer): the
         # working tree's num_nodes, q_start and q_len (``PlanBuffers.layer_meta``)
         self.d_meta = torch.zeros(3, B, dtype=torch.int32, device=dev)
         self.d_qs, self.d_qlen = self.d_meta[1], self.d_meta[2]
-        self.d_logits = torch.zeros(B, W, V, dtype=torch.float32, device=dev)
-        self.d_h = torch.zeros(B, W, H, dtype=wdtype, device=dev)
-        self.c_tok = torch.zeros(B, N, dtype=torch.int64, device=dev)
-        self.c_feat = torch.zeros(B, N, H, dtype=wdtype, device=dev)
+        self.logits_store = torch.zeros(B * W * V, dtype=torch.float32, device=dev)
+        self.h_store = torch.zeros(B * W * H, dtype=wdtype, device=dev)
+        # the catch-up's inputs, viewed [B, R] and [B, R, H] at its bucket R (``catchup_rows``)
+        self.c_tok_store = torch.zeros(B * N, dtype=torch.int64, device=dev)
+        self.c_feat_store = torch.zeros(B * N * H, dtype=wdtype, device=dev)
         self.c_len = torch.zeros(B, dtype=torch.int32, device=dev)
         self.chains: dict[int, Tree] = {}
         self.emit_buf = Tree.empty(B, N, dev)
@@ -236,6 +256,12 @@ class _StaticBatch:
             own = policy is self.dec.tree_policy
             pb = self.plans[key] = PlanBuffers(self, policy, self.vin if own else None, graft)
         return pb
+
+    def catchup_rows(self, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The catch-up forward's inputs at bucket ``R``: tokens [B, R] int64 and features
+        [B, R, H], contiguous views of the catch-up stores."""
+        B, H = self.B, self.hidden_size
+        return rows_view(self.c_tok_store, B, R), rows_view(self.c_feat_store, B, R, H)
 
     def read_pack(self, host_pack: torch.Tensor) -> list:
         """The step's results from the pinned copy, after the one event wait (CUDA)."""
@@ -282,20 +308,20 @@ class _StaticBatch:
         # [B, w] int64: each frontier row's parent node, looked up by its candidate index (-1, an
         # unused row, reads the table's last entry: the root)
         pnode = pb.cand_node[frontier]
-        Wd, H = dt.anc.shape[2], self.hid.shape[2]
+        Wd, H = dt.anc.shape[2], self.hidden_size
         new = slice(qs, qs + w)
         torch.add(dt.depth.gather(1, pnode), 1, out=dt.depth[:, new])
         pa = dt.anc.gather(1, pnode[:, :, None].expand(B, w, Wd))
         torch.bitwise_or(pa, self.self_bits[new, :Wd], out=dt.anc[:, new])
-        self.d_feat[:, :w] = torch.gather(self.hid, 1, pnode[:, :, None].expand(B, w, H))
+        torch.gather(pb.hid, 1, pnode[:, :, None].expand(B, w, H), out=pb.d_feat)
         self.d_meta.copy_(pb.layer_meta[i])  # num_nodes, q_start, q_len (EAGLE: w rows)
         return qs
 
     def draft_body(self, R: int, pb: PlanBuffers | None = None):
         """Draft forward of frontier rows ``d_qs .. d_qs + R - 1`` of ``pb.dtree`` (the frontier
         of ``pb``'s state, default the decoder's own shape): logits and hidden into rows ``:R`` of
-        ``d_logits``/``d_h`` (rows past R are stale: invalid frontier rows, ignored by
-        ``build_tree_expand``)."""
+        ``pb.d_logits``/``pb.d_h`` (rows past R are stale: invalid frontier rows, ignored by
+        ``build_tree_expand``; at R = w, every layer after the first, one contiguous copy each)."""
         dec = self.dec
         dft = dec.draft
         assert dft is not None
@@ -305,11 +331,11 @@ class _StaticBatch:
         def body():
             # the frontier's tokens are the draft state's own buffer (the root at layer 0)
             logits, h = dft(
-                dec.target, tok[:, :R], self.d_feat[:, :R], self.dkv, self.seq_lens,
+                dec.target, tok[:, :R], pb.d_feat[:, :R], self.dkv, self.seq_lens,
                 pb.dtree, self.d_qs, self.d_qlen,
             )  # fmt: skip
-            self.d_logits[:, :R].copy_(logits)
-            self.d_h[:, :R].copy_(h)
+            pb.d_logits[:, :R].copy_(logits)
+            pb.d_h[:, :R].copy_(h)
 
         return body
 
@@ -319,16 +345,16 @@ class _StaticBatch:
         dft = dec.draft
         assert dft is not None
         if R not in self.chains:
-            dev = self.c_tok.device
+            dev = self.c_tok_store.device
             full = torch.full((self.B,), R, dtype=torch.int32, device=dev)
             ch = chain_tree(torch.zeros(self.B, R, dtype=torch.int64, device=dev), full)
             ch.num_nodes = self.c_len  # the static lengths: nodes past them are masked out
             self.chains[R] = ch
         ch = self.chains[R]
+        tok, feat = self.catchup_rows(R)
 
         def body():
-            tok = self.c_tok[:, :R].contiguous()
-            dft(dec.target, tok, self.c_feat[:, :R], self.dkv, self.seq_lens, ch)
+            dft(dec.target, tok, feat, self.dkv, self.seq_lens, ch)
 
         return body
 

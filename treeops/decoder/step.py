@@ -530,21 +530,25 @@ class StaticStep(StepBody):
         if dec.draft is not None and amax > 0:
             t0 = self.clock()
             rc = bucket_for(amax, dec.capacity)
-            self.catchup_inputs(v, n)
+            self.catchup_inputs(v, n, rc)
             self.run("catchup", rc)
             res.catchup_buckets.append(rc)
             res.time_draft += self.clock() - t0
         else:
             res.catchup_buckets.append(0)
 
-    def catchup_inputs(self, v: Verified, n: int) -> None:
-        """The accepted path into the catch-up buffers, at the old seq_lens: its tokens (0 past
-        the path), the features (the root's, then the target's at each path node), lengths."""
+    def catchup_inputs(self, v: Verified, n: int, R: int) -> None:
+        """The accepted path into the catch-up buffers of bucket ``R`` (``sb.catchup_rows``; R
+        at least the longest accepted path), at the old seq_lens: its tokens (0 past the path;
+        columns past n stale, masked by the lengths), the features (the root's, then the
+        target's at each path node), lengths."""
         sb = self.sb
-        on_path = sb.node_idx[None, :n] < v.alen[:, None]
-        torch.mul(v.path_tok, on_path, out=sb.c_tok[:, :n])  # 0 past the path
-        sb.c_feat[:, 0] = self.carry.root_feat
-        sb.c_feat[:, 1:n] = v.path_h[:, : n - 1]
+        tok, feat = sb.catchup_rows(R)
+        k = min(n, R)
+        on_path = sb.node_idx[None, :k] < v.alen[:, None]
+        torch.mul(v.path_tok[:, :k], on_path, out=tok[:, :k])  # 0 past the path
+        feat[:, 0] = self.carry.root_feat
+        feat[:, 1:k] = v.path_h[:, : k - 1]
         sb.c_len.copy_(v.acc.accept_len)
 
     def _draft_tree(self, root: torch.Tensor) -> int:
@@ -565,7 +569,7 @@ class StaticStep(StepBody):
         act = active.to(torch.int32)
         torch.addcmul(pb.meta_base, pb.meta_coef, act, out=pb.layer_meta)
         sb.d_meta.copy_(pb.layer_meta[0])
-        sb.d_feat[:, 0] = self.carry.root_feat
+        pb.d_feat[:, 0] = self.carry.root_feat
         # thresholded CAST prunes at Graft's checkpoints; λ-CAST's plan sets its graft count
         keep = None
         if gp is not None and dec.planner is None:
@@ -575,7 +579,7 @@ class StaticStep(StepBody):
         R = 1
         res.time_tree += clock() - t0
         buckets = []
-        logits = pb.logits(sb)
+        logits = pb.d_logits
         while True:
             i = st.layer
             t0 = clock()
@@ -588,7 +592,7 @@ class StaticStep(StepBody):
             t1 = clock()
             buckets.append(R)
             self.run("draft", R)
-            sb.hid[:, qs : qs + R] = sb.d_h[:, :R]
+            pb.hid[:, qs : qs + R] = pb.d_h[:, :R]
             t2 = clock()
             waited = res.time_host_wait
             build_tree_expand(logits, st, pol)
@@ -700,5 +704,5 @@ class WholeStepBody(StaticStep):
     def catch_up(self, v, rows, n):
         """Over the accepted path at ``catchup_size`` (padding beyond ``accept_len`` masked)."""
         if self.dec.draft is not None:
-            self.catchup_inputs(v, n)
+            self.catchup_inputs(v, n, self.catchup_size)
             self.run("catchup", self.catchup_size)
