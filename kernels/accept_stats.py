@@ -14,6 +14,7 @@ import triton.language as tl
 
 BIG = tl.constexpr(2147483647)
 INT32_MIN = tl.constexpr(-2147483648)
+KEY_NONE = tl.constexpr(-9223372036854775808)  # below every ``_pair_key``
 
 
 @triton.jit
@@ -148,6 +149,13 @@ def _mass(p_row, stride_v, V, m, T, thr, cut, p_cs, p_cm, BLOCK: tl.constexpr, S
 def _unkey(k):
     bits = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pair_key(x, ids):
+    """(fp32 value, int32 id >= 0) as one int64, ordered by value, then by lower id (the
+    greedy argmax's tie rule): ``_key(x)`` in the high half, ``2^31 - 1 - id`` in the low."""
+    return (_key(x).to(tl.int64) << 32) | (2147483647 - ids).to(tl.int64)
 
 
 @triton.jit
@@ -353,8 +361,11 @@ def _node_stats(
     arg = tl.full([], BIG, tl.int32)
     se = tl.zeros([], dtype=tl.float32)
     o_k = tl.arange(0, K_PAD)
-    tkv = tl.where(o_k < K, float("-inf"), float("inf"))
-    tki = V + o_k
+    # top-K (K > 0) as (value, id) keys, ``_pair_key``: ordered by value, then by lower id, and
+    # distinct, so one max-reduction finds a block's best element not yet taken and one
+    # min-reduction the buffer's worst. Empty slots are (-inf, V + j), padding slots (+inf,
+    # V + j): below (above) every real element, never confused with one.
+    tk = _pair_key(tl.where(o_k < K, float("-inf"), float("inf")), V + o_k)
     if active:
         for v0 in range(v_start, v_end, BLOCK_V):
             o_v = v0 + tl.arange(0, BLOCK_V)
@@ -363,8 +374,14 @@ def _node_stats(
             b_x = tl.load(p_row + o_v.to(tl.int64) * s_lv, mask=m_v, other=float("-inf")).to(
                 tl.float32
             )
-            b_m = tl.max(b_x, axis=0)
-            b_a = tl.min(tl.where(m_v & (b_x == b_m), o_v, BIG), axis=0)
+            if K > 0:
+                b_k = tl.where(m_v, _pair_key(b_x, o_v), KEY_NONE)
+                c = tl.max(b_k, axis=0)  # the block's max and its lowest argmax, in one
+                b_m = _unkey((c >> 32).to(tl.int32))
+                b_a = (2147483647 - (c & 0xFFFFFFFF)).to(tl.int32)
+            else:
+                b_m = tl.max(b_x, axis=0)
+                b_a = tl.min(tl.where(m_v & (b_x == b_m), o_v, BIG), axis=0)
             arg = tl.where((b_m > m) | ((b_m == m) & (b_a < arg)), b_a, arg)
             new_m = tl.maximum(m, b_m)
             if NEED_SE:
@@ -384,29 +401,17 @@ def _node_stats(
                         tl.store(p_gm + o_g, b_g, mask=o_g < G_PAD)
             m = new_m
             if K > 0:
-                # insert the block's better elements into the unsorted top-K buffer; after the
-                # first blocks most blocks insert nothing (one max-reduction each)
-                taken = o_v < 0
-                wv = tl.min(tkv, axis=0)
-                wi = tl.max(tl.where(tkv == wv, tki, -1), axis=0)
-                # the block's best untaken element: with nothing taken yet, its max and argmax
-                cv = b_m
-                ci = b_a
-                better = (ci < BIG) & ((cv > wv) | ((cv == wv) & (ci < wi)))
-                while better:
-                    lane = (tkv == wv) & (tki == wi)
-                    tkv = tl.where(lane, cv, tkv)
-                    tki = tl.where(lane, ci, tki)
-                    taken = taken | (o_v == ci)
-                    wv = tl.min(tkv, axis=0)
-                    wi = tl.max(tl.where(tkv == wv, tki, -1), axis=0)
-                    cv = tl.max(tl.where(m_v & ~taken, b_x, float("-inf")), axis=0)
-                    ci = tl.min(tl.where(m_v & ~taken & (b_x == cv), o_v, BIG), axis=0)
-                    better = (ci < BIG) & ((cv > wv) | ((cv == wv) & (ci < wi)))
+                # insert the block's better elements, best first, into the unsorted buffer
+                # (after the first blocks most blocks insert nothing: the one max above)
+                worst = tl.min(tk, axis=0)
+                while c > worst:
+                    tk = tl.where(tk == worst, c, tk)
+                    worst = tl.min(tk, axis=0)
+                    c = tl.max(tl.where(b_k < c, b_k, KEY_NONE), axis=0)
     o_w = pid.to(tl.int64)
     tl.store(p_wmax + o_w, m)
     tl.store(p_warg + o_w, arg)
     tl.store(p_wse + o_w, se)
     if K > 0:
-        tl.store(p_wtkv + o_w * K_PAD + o_k, tkv)
-        tl.store(p_wtki + o_w * K_PAD + o_k, tki)
+        tl.store(p_wtkv + o_w * K_PAD + o_k, _unkey((tk >> 32).to(tl.int32)))
+        tl.store(p_wtki + o_w * K_PAD + o_k, (2147483647 - (tk & 0xFFFFFFFF)).to(tl.int32))

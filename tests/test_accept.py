@@ -177,6 +177,26 @@ def test_greedy_dtypes_and_strides(dtype):
     assert_same(got, want, lp_tol=1e-4)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_topk_ids_with_masked_vocab_and_ties(seed):
+    """The fused top-K of greedy acceptance where splits hold fewer than K finite logits (most
+    of the vocabulary -inf, rounded logits tying): ids equal the reference's, ties to the lower
+    id, -inf entries ranked like any value, every split and block size."""
+    rng = random.Random(seed)
+    for _ in range(8):
+        B, N, V = rng.randint(1, 3), rng.choice([1, 3, 5]), rng.choice([5, 9, 24, 40])
+        parents = [[-1] + [rng.randrange(i) for i in range(1, rng.randint(1, N))] for _ in range(B)]
+        tree = make_tree(parents, N, V, rng, ties=True)
+        g = torch.Generator().manual_seed(rng.randrange(2**31))
+        lg = torch.randn(B, N, V, generator=g).round()
+        lg[torch.rand(B, N, V, generator=g) < rng.choice([0.0, 0.5, 0.9, 1.0])] = float("-inf")
+        K = rng.randint(1, min(8, V))
+        want = ref.accept_greedy(tree, lg, topk_ids=K)
+        got = run_kernel(tree, lg, topk_ids=K, num_splits=rng.choice([1, 2, 3, 4]),
+                         block_v=rng.choice([2, 4, 8, 16]))  # fmt: skip
+        assert_same(want, got)
+
+
 def test_greedy_large_vocab_named_case():
     """One larger case: V = 4099 (not a power of two), several blocks and splits."""
     rng = random.Random(5)
