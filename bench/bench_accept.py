@@ -2,6 +2,7 @@
 
     python bench/bench_accept.py --out DIR          # writes DIR/accept.json, prints a table
     python -m pytest bench/bench_accept.py --benchmark-only     # one row per op, pytest-benchmark
+    python bench/bench_accept.py --out DIR --topk   # the fused top-K ids: DIR/accept_topk.json
 
 Rows: greedy and sampling acceptance, B in {1, 8, 64}, N = 64, V in {32000, 128256}, bf16 logits,
 against the usual two-step pipeline -- torch argmax (or softmax / top-k / top-p over the whole
@@ -47,9 +48,8 @@ def rotation(nbytes: int) -> tuple[int, int]:
 def bench_tree(B: int, N: int, V: int, seed: int) -> treeops.Tree:
     """EAGLE-like draft trees of N = 64 nodes over 8 levels (depth 7), in rank order: each
     node's parent is in the previous level, biased towards its best-ranked nodes; distinct
-    sibling tokens."""
-    assert N == 64
-    widths = [1, 4, 8, 12, 14, 12, 8, 5]
+    sibling tokens. Any other N: a chain of N nodes."""
+    widths = [1, 4, 8, 12, 14, 12, 8, 5] if N == 64 else [1] * N
     rng = random.Random(seed)
     par = torch.full((B, N), -1, dtype=torch.int32)
     tok = torch.zeros(B, N, dtype=torch.int64)
@@ -401,6 +401,49 @@ def bench_accept_row(
     return row
 
 
+def topk_rows(empty_us: float, Bs, Vs, Ns, K: int = 8) -> list[dict]:
+    """Greedy acceptance with the target's top-``K`` ids of every node (``topk_ids``, what
+    Graft's successor table learns from) next to greedy alone over the same logits, and the
+    torch peer (``torch.topk`` over the logits, then the greedy op): what the fused top-K costs
+    on top of the acceptance. ids checked against the reference first."""
+    rows = []
+    for V in Vs:
+        for N in Ns:
+            for B in Bs:
+                seed = B * 131 + V + N
+                tree = bench_tree(B, N, V, seed)
+                nbytes = B * N * V * 2
+                copies, reps = rotation(nbytes)
+                lgs = [bench_logits(tree, V, seed + c, 4.0) for c in range(copies)]
+                got = treeops.accept_greedy(tree, lgs[0], topk_ids=K)
+                cpu = subset(tree, min(B, 4))
+                want = ref.accept_greedy(cpu, lgs[0][: cpu.parents.shape[0]].cpu(), topk_ids=K)
+                ok = torch.equal(got.topk[: cpu.parents.shape[0]].cpu(), want.topk)
+                row = dict(op="greedy_topk", B=B, N=N, V=V, K=K, dtype="bfloat16", copies=copies,
+                           reps=reps, correct=ok, empty_kernel_us=empty_us,
+                           floor_us=H.floor_us(nbytes, empty_us=empty_us))  # fmt: skip
+                if ok:
+                    row["treeops_us"] = graph_time_us(
+                        [lambda x=x, t=tree: treeops.accept_greedy(t, x, topk_ids=K) for x in lgs],
+                        reps,
+                    )
+                    row["greedy_alone_us"] = graph_time_us(
+                        [lambda x=x, t=tree: treeops.accept_greedy(t, x) for x in lgs], reps
+                    )
+                    row["torch_us"] = graph_time_us(
+                        [
+                            lambda x=x, t=tree: (treeops.accept_greedy(t, x), torch.topk(x, K, -1))
+                            for x in lgs
+                        ],
+                        reps,
+                    )
+                rows.append(row)
+                del lgs
+                if DEV == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
 def sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
     """Greedy (and temperature-only sampling) over launch configurations: vocabulary splits per
     node and block sizes; each configuration's outputs must equal the default launch's."""
@@ -478,6 +521,12 @@ def main() -> None:
         help="only time launch configurations (block size, splits): accept_sweep.json",
     )
     ap.add_argument(
+        "--topk",
+        action="store_true",
+        help="only greedy with the fused top-8 ids (Graft's table input) against greedy alone "
+        "and torch.topk, V = 8192 and 32000, N = 7 and 64: accept_topk.json",
+    )
+    ap.add_argument(
         "--budget-s",
         type=float,
         default=240.0,
@@ -510,6 +559,17 @@ def main() -> None:
     Vs = [32000] if args.quick else [32000, 128256]
     if args.cpu_dry_run:
         Bs, Vs = [1, 2], [300]
+    if args.topk:
+        Vt = [300] if args.cpu_dry_run else [8192, 32000]
+        rows = topk_rows(empty_us, Bs, Vt, [7, 64])
+        doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)
+        H.write_json(os.path.join(args.out, "accept_topk.json"), doc)
+        for r in rows:
+            print(f"greedy top-{r['K']} B={r['B']} N={r['N']} V={r['V']}: correct={r['correct']} "
+                  f"treeops {r.get('treeops_us', float('nan')):.1f} us, greedy alone "
+                  f"{r.get('greedy_alone_us', float('nan')):.1f}, greedy + torch.topk "
+                  f"{r.get('torch_us', float('nan')):.1f}, floor {r['floor_us']:.1f}")  # fmt: skip
+        return
     if args.sweep:
         rows = sweep_rows(empty_us, Bs, Vs)
         doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)

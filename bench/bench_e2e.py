@@ -70,6 +70,9 @@ prints a table last. ``--budget-s`` (wall clock from the start, training include
 rows once the next B would not fit: 1.2 × the last batch size's time (``--first-batch-s``
 before the first; the first B pays most of the kernel compiles, so the longest overstates the
 rest: on the H200 B = 1 took 243 s, then B = 64 60 s). Each B's rows are written as it ends.
+Within a B the same budget ends λ-CAST's warm-up early and starts no round that would end
+after it (a row's ``repeats`` says how many ran), so a batch that outgrew its estimate keeps
+rows instead of being killed by the caller's limit.
 """
 
 from __future__ import annotations
@@ -735,8 +738,9 @@ def main(argv=None) -> int:
             break
         t_b = time.time()
         try:
+            deadline = t_start + args.budget_s if args.budget_s else None
             rows = run_batch(order, B, groups, bprompts, target, draft, ref32, args, table,
-                             graphs, floor_us, layers, doc)  # fmt: skip
+                             graphs, floor_us, layers, doc, deadline)  # fmt: skip
         except Exception as e:
             traceback.print_exc()
             rows = [{"policy": "autoregressive", "B": B, "error": f"{type(e).__name__}: {e}"[:500]}]
@@ -778,12 +782,14 @@ def timed_run(dec, groups, args) -> DecodeResult:
 
 
 def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, graphs, floor_us,
-              layers, doc) -> list[dict]:  # fmt: skip
+              layers, doc, deadline: float | None = None) -> list[dict]:  # fmt: skip
     """The rows of one batch size: decoders built and warmed up (graphs captured), then
     ``args.repeats`` rounds of every policy over ``groups`` (the order rotated per round), then
     per policy its row (results merged over the rounds; ``speedup`` = the mean over rounds of
     tokens/s ÷ the same round's autoregressive tokens/s, with ``speedup_repeats`` and
-    ``speedup_spread`` = (max - min) / mean). A policy that fails is an error row."""
+    ``speedup_spread`` = (max - min) / mean). A policy that fails is an error row. Before
+    ``deadline`` (``time.time()``; None: none) λ-CAST's warm-up ends early, from a third of the
+    time left, and a round that would end after it is not started (at least one runs)."""
     cuda = torch.cuda.is_available()
     decs, warm, errors = {}, {}, {}
     for pol in order:
@@ -800,7 +806,10 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
                 sync()
                 planner = decs[pol].planner
                 g, last = 1, None
-                while planner is not None and time.time() - t0 < args.planner_warmup_s:
+                cap = args.planner_warmup_s
+                if deadline is not None:  # the rounds need the rest
+                    cap = min(cap, max(0.0, (deadline - time.time()) / 3))
+                while planner is not None and time.time() - t0 < cap:
                     d = planner.describe(B)
                     # a chain measured too where the planner probes them: the timed runs keep
                     # to the plans the warm-up ran
@@ -824,7 +833,14 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
         warm[pol] = round(time.time() - t0, 1)
     rounds: dict[str, list[DecodeResult]] = {p: [] for p in decs}
     live = [p for p in order if p in decs]
+    t_rounds = time.time()
     for r in range(max(1, args.repeats)):
+        # a round that would not end before the deadline is not started: the row keeps the
+        # rounds it has (``repeats`` says how many), where a kill would lose the batch
+        per_round = (time.time() - t_rounds) / r if r else 0.0
+        if r and deadline is not None and e2e_tp.agree(time.time() + 1.2 * per_round > deadline):
+            log(f"B={B}: deadline: {r} of {args.repeats} rounds run")
+            break
         k = r % len(live)
         for pol in live[k:] + live[:k]:
             rounds[pol].append(timed_run(decs[pol], groups, args))
