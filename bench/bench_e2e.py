@@ -503,7 +503,8 @@ def table_text(rows) -> str:
 
 
 # ------------------------------------------------------------------------------------ main
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (``--help``)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument(
@@ -598,6 +599,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--train-seconds", default=None, help="T,D: training budgets (default: PairConfig.h200)"
     )
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.tp > 1 and not e2e_tp.active() and "WORLD_SIZE" not in os.environ:
         return e2e_tp.launch(sys.argv[1:] if argv is None else list(argv), args.tp)

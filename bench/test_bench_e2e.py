@@ -93,6 +93,26 @@ def test_bench_e2e_budget_stops_adding_rows(tmp_path):
     assert doc["stopped"] and doc["rows"] == []
 
 
+def test_bench_e2e_deadline_ends_rounds(pair):
+    """Within a batch size a passed deadline starts no round after the first: the rows keep
+    the round they have (``repeats`` 1 of 3), where the caller's limit would lose them all."""
+    import copy
+    import time
+
+    target, draft = pair
+    args = bench.parser().parse_args(["--out", "unused", "--repeats", "3", "--new-tokens", "4",
+                                      "--no-profile"])  # fmt: skip
+    groups = bench.groups_of(bench.random_prompts(target.cfg.vocab_size, 4, 8), 2, 4)
+    prompts = [p for g in groups for p in g]
+    ref32 = copy.deepcopy(target).float().eval()
+    for deadline, repeats in ((None, 3), (time.time() - 1.0, 1)):
+        rows = bench.run_batch(["autoregressive", "chain"], 2, groups, prompts, target, draft,
+                               ref32, args, None, False, None, None, {}, deadline)  # fmt: skip
+        assert [(r["policy"], r["repeats"]) for r in rows] == [
+            ("autoregressive", repeats), ("chain", repeats)
+        ]
+
+
 def test_bench_e2e_step_graphs_rows(tmp_path):
     """``--step-graphs`` (on the CPU: the whole-step body eagerly) marks the fixed-shape rows
     ``step_graphs: true`` (λ-CAST always runs whole steps); tokens stay exact (fp32); two
