@@ -109,7 +109,8 @@ def test_bench_e2e_deadline_ends_rounds(pair):
         rows = bench.run_batch(["autoregressive", "chain"], 2, groups, prompts, target, draft,
                                ref32, args, None, False, None, None, {}, deadline)  # fmt: skip
         assert [(r["policy"], r["repeats"]) for r in rows] == [
-            ("autoregressive", repeats), ("chain", repeats)
+            ("autoregressive", repeats),
+            ("chain", repeats),
         ]
 
 
