@@ -431,7 +431,7 @@ def cast(B, M, K, dtype=torch.float32):
     return f"cast_ops B={B} M={M} K={K} {dtype}", case
 
 
-def cast_stats(B, d, C, D=10, W=10, N=96):
+def cast_stats(B, d, C, D=10, W=10, N=96, graft=False):
     def case():
         from treeops.cast_stats import SCORE_BINS, stats_size
         from treeops.kernels.cast_plan import step_stats_launch
@@ -443,15 +443,17 @@ def cast_stats(B, d, C, D=10, W=10, N=96):
         alen = torch.ones(B, dtype=torch.int32)
         active = torch.ones(B, dtype=torch.bool)
         rates = torch.rand(SCORE_BINS, generator=G)
-        out = torch.zeros(stats_size(D, W, N))
+        out = torch.zeros(stats_size(D, W, N, graft=graft))
+        grafted = torch.ones(B, dtype=torch.int32) if graft else None
 
         def launch():
             step_stats_launch(scores, tree, acc, alen, active, rates, out, max_depth=D,
-                              max_width=W, capacity=N, bins=SCORE_BINS)  # fmt: skip
+                              max_width=W, capacity=N, bins=SCORE_BINS,
+                              grafted=grafted)  # fmt: skip
 
         return launch
 
-    return f"cast_step_stats B={B} d={d} C={C} D={D} W={W} N={N}", case
+    return f"cast_step_stats B={B} d={d} C={C} D={D} W={W} N={N} graft={graft}", case
 
 
 def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
@@ -553,7 +555,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     out.append(cast(8, 800, 64, dtype=torch.bfloat16))
     # λ-CAST's step statistics: the planner's largest plan (depth 10 of 10 rows of 10) and a
     # chain-like one
-    out += [cast_stats(64, 10, 100), cast_stats(1, 6, 10)]
+    out += [cast_stats(64, 10, 100), cast_stats(1, 6, 10), cast_stats(64, 10, 100, graft=True)]
     return out
 
 

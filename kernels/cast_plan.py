@@ -9,9 +9,13 @@ of the ~50 small PyTorch kernels of the reference path (``treeops.cast_plan``), 
   nodes and of those on its accepted path; all zero for an inactive request. Written to a
   ``[B, S]`` float32 workspace.
 
+  With Graft, two more columns: its grafted nodes (the tree's last ``grafted[b]``) and those on
+  its accepted path.
+
 ``_stats_reduce_kernel`` — the batch sum of the workspace per column, in request order (so the
   result does not depend on scheduling), divided by the active requests (at least 1) for the
-  curves; the counts as they are; the number of active requests last.
+  curves; the counts as they are; the number of active requests after the bin counts (then the
+  two graft counts).
 
 Precision: float32 as the reference; the sums run in another order (sort-and-cumsum per request,
 then requests in order), so results agree to float32 rounding. The score bin is
@@ -49,6 +53,7 @@ def _stats_rows_kernel(
     p_act,  # [B] active (uint8)
     p_rates,  # [NB] f32 calibrated acceptance per score bin
     p_part,  # [B, S] f32 workspace
+    p_graft,  # [B] grafted nodes per request (int32; HAS_GRAFT)
     n_acc,
     s_ts,
     s_td,
@@ -65,8 +70,9 @@ def _stats_rows_kernel(
     NP: tl.constexpr,  # pow2(n)
     NB: tl.constexpr,  # score bins
     NBP: tl.constexpr,  # pow2(NB)
-    S: tl.constexpr,  # workspace row: D * W + N + 2 * NB
+    S: tl.constexpr,  # workspace row: D * W + N + 2 * NB (+ 2 with HAS_GRAFT)
     ZP: tl.constexpr,  # pow2(D * W) >= the undrafted layers' columns, (D - d) * W
+    HAS_GRAFT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     act = tl.load(p_act + b) != 0
@@ -112,6 +118,11 @@ def _stats_rows_kernel(
     hits = tl.sum((is_bin & (ok & on)[:, None]).to(tl.float32), 0)
     tl.store(v + N + o_k, seen, mask=o_k < NB)
     tl.store(v + N + NB + o_k, hits, mask=o_k < NB)
+    if HAS_GRAFT:  # the tree's last g nodes came from the successor table
+        g = tl.where(act, tl.load(p_graft + b), 0)
+        g_hits = tl.sum((on & (o_j >= num - g) & (o_j < num)).to(tl.float32), 0)
+        tl.store(v + N + 2 * NB, g.to(tl.float32))
+        tl.store(v + N + 2 * NB + 1, tl.where(act, g_hits, 0.0))
 
 
 @triton.jit(do_not_specialize=["B"])
@@ -121,6 +132,7 @@ def _stats_reduce_kernel(
     p_out,  # [S + 1] f32
     B,
     CURVES: tl.constexpr,  # the first D * W + N columns: means over the active requests
+    SB: tl.constexpr,  # D * W + N + 2 * NB: the active count's slot; columns from it move one on
     S: tl.constexpr,
     BP: tl.constexpr,  # pow2 tile over the batch for the active count
     BS: tl.constexpr,  # columns per program
@@ -135,22 +147,23 @@ def _stats_reduce_kernel(
     for b in range(0, B):
         acc += tl.load(p_part + b * S + o, mask=m, other=0.0)
     div = tl.maximum(n_act, 1).to(tl.float32)
-    tl.store(p_out + o, tl.where(o < CURVES, acc / div, acc), mask=m)
+    tl.store(p_out + tl.where(o < SB, o, o + 1), tl.where(o < CURVES, acc / div, acc), mask=m)
     if tl.program_id(0) == 0:
-        tl.store(p_out + S, n_act.to(tl.float32))
+        tl.store(p_out + SB, n_act.to(tl.float32))
 
 
 def step_stats_launch(
     cand_scores, tree, accepted, accept_len, active, rates, out, *, max_depth: int,
-    max_width: int, capacity: int, bins: int,
+    max_width: int, capacity: int, bins: int, grafted: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Write ``treeops.cast_step_stats``'s output into ``out`` ([D * W + N + 2 * bins + 1]
-    float32) with two launches; inputs as there (checked by the caller), ``cand_scores``
-    contiguous float32, ``active`` bool. No host sync: capturable."""
+    float32, 2 more with ``grafted``) with two launches; inputs as there (checked by the
+    caller), ``cand_scores`` contiguous float32, ``active`` bool. No host sync: capturable."""
     B, d, C = cand_scores.shape
     D, W, N = max_depth, max_width, capacity
     n = tree.capacity
-    S = D * W + N + 2 * bins
+    SB = D * W + N + 2 * bins
+    S = SB + (2 if grafted is not None else 0)
     part = torch.empty(B, S, dtype=torch.float32, device=out.device)  # every entry written
     DP, CP = pow2(d), max(2, pow2(max(C, W)))
     act = active.view(torch.uint8)
@@ -159,12 +172,13 @@ def step_stats_launch(
     accepted = accepted if accepted.stride(1) == 1 else accepted.contiguous()
     direct(_stats_rows_kernel).launch(
         (B,), cand_scores, ts, td, tree.num_nodes, accepted, accept_len, act, rates, part,
-        accepted.shape[1], ts.stride(0), td.stride(0), accepted.stride(0),
-        d=d, C=C, DP=DP, CP=CP, D=D, W=W, N=N, F=DP * CP, n=n, NP=max(2, pow2(n)),
-        NB=bins, NBP=pow2(bins), S=S, ZP=max(2, pow2(D * W)),
+        act if grafted is None else grafted, accepted.shape[1], ts.stride(0), td.stride(0),
+        accepted.stride(0), d=d, C=C, DP=DP, CP=CP, D=D, W=W, N=N, F=DP * CP, n=n,
+        NP=max(2, pow2(n)), NB=bins, NBP=pow2(bins), S=S, ZP=max(2, pow2(D * W)),
+        HAS_GRAFT=grafted is not None,
     )  # fmt: skip
     BS = 256
     direct(_stats_reduce_kernel).launch(
         (triton.cdiv(S, BS),), part, act, out, B,
-        CURVES=D * W + N, S=S, BP=min(pow2(B), 1024), BS=BS,
+        CURVES=D * W + N, SB=SB, S=S, BP=min(pow2(B), 1024), BS=BS,
     )  # fmt: skip

@@ -121,11 +121,12 @@ def test_depth_grows_one_layer_past_the_drafted_depth():
     assert lambda_rules(weak, verify, 3, 0.5, cT, np.array([0.1]), max_depth=4).depth == 1
 
 
-def _stats_reference(cand_scores, tree, accepted, accept_len, active, rates, D, W, N):
+def _stats_reference(cand_scores, tree, accepted, accept_len, active, rates, D, W, N,
+                     grafted=None):  # fmt: skip
     """``cast_step_stats`` written with loops over requests and nodes."""
     B, d, C = cand_scores.shape
-    out = np.zeros(stats_size(D, W, N))
-    lay = stats_layout(D, W, N)
+    out = np.zeros(stats_size(D, W, N, graft=grafted is not None))
+    lay = stats_layout(D, W, N, graft=grafted is not None)
     acts = [b for b in range(B) if bool(active[b])]
     n_act = max(1, len(acts))
 
@@ -152,28 +153,43 @@ def _stats_reference(cand_scores, tree, accepted, accept_len, active, rates, D, 
                 out[lay["seen"].start + k] += 1
                 out[lay["hits"].start + k] += j in path
     out[lay["active"]] = len(acts)
+    if grafted is not None:  # each active request's last grafted[b] nodes, and those accepted
+        for b in acts:
+            num, g = int(tree.num_nodes[b]), int(grafted[b])
+            path = set(int(j) for j in accepted[b, : int(accept_len[b])].tolist())
+            out[lay["graft"].start] += g
+            out[lay["graft"].start + 1] += sum(1 for j in range(num - g, num) if j in path)
     return out
 
 
 @pytest.mark.parametrize("path", ["torch", "kernel"])
 @settings(max_examples=30, deadline=None)
 @given(B=st.integers(1, 5), d=st.integers(1, 4), w=st.integers(1, 3), K=st.integers(1, 4),
-       seed=st.integers(0, 10**6))  # fmt: skip
-def test_step_stats_equal_reference(path, B, d, w, K, seed):
+       seed=st.integers(0, 10**6), graft=st.booleans())  # fmt: skip
+def test_step_stats_equal_reference(path, B, d, w, K, seed, graft):
     """The torch path (CPU, torch.compile) and the Triton kernels (CUDA; here the interpreter)
     against the loop reference: ragged trees, inactive requests, layers with fewer candidates
-    than the width and steps with fewer candidates than the verify capacity."""
+    than the width and steps with fewer candidates than the verify capacity; with Graft, the
+    grafted nodes (each tree's last few) and those accepted."""
     D, W, N = 5, 4, 12
     s, tree, accepted, alen, active, rates = _stats_inputs(B, d, w * K, seed)
-    out = torch.zeros(stats_size(D, W, N))
+    grafted = _grafted(tree, seed) if graft else None
+    out = torch.zeros(stats_size(D, W, N, graft=graft))
     if path == "torch":
         cast_step_stats(s, tree, accepted, alen, active, rates, out, max_depth=D, max_width=W,
-                        capacity=N)  # fmt: skip
+                        capacity=N, grafted=grafted)  # fmt: skip
     else:
         step_stats_launch(s, tree, accepted, alen, active, rates, out, max_depth=D,
-                          max_width=W, capacity=N, bins=SCORE_BINS)  # fmt: skip
-    want = _stats_reference(s, tree, accepted, alen, active, rates, D, W, N)
+                          max_width=W, capacity=N, bins=SCORE_BINS, grafted=grafted)  # fmt: skip
+    want = _stats_reference(s, tree, accepted, alen, active, rates, D, W, N, grafted)
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def _grafted(tree: Tree, seed: int) -> torch.Tensor:
+    """[B] int32: how many of each request's last tree nodes (below the root) were grafted."""
+    g = torch.Generator().manual_seed(seed + 1)
+    top = (tree.num_nodes - 1).clamp(min=0)
+    return (torch.rand(top.shape, generator=g) * (top + 1)).floor().to(torch.int32)
 
 
 def _stats_inputs(B: int, d: int, C: int, seed: int):
@@ -206,22 +222,25 @@ def _stats_inputs(B: int, d: int, C: int, seed: int):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graft", [False, True])
 @pytest.mark.parametrize(("B", "d", "C"), [(1, 1, 1), (3, 4, 12), (64, 10, 100), (8, 6, 30)])
-def test_step_stats_kernels_on_gpu(B, d, C):
+def test_step_stats_kernels_on_gpu(B, d, C, graft):
     """On CUDA ``cast_step_stats`` runs the two Triton launches: equal to the torch path on the
     CPU (float32 sums in another order), and the same when replayed from a CUDA graph."""
     D, W, N = 10, 10, 96
     ins = _stats_inputs(B, d, C, seed=B * 100 + d)
-    want = torch.zeros(stats_size(D, W, N))
-    cast_step_stats(*ins, want, max_depth=D, max_width=W, capacity=N)
+    g = _grafted(ins[1], B) if graft else None
+    want = torch.zeros(stats_size(D, W, N, graft=graft))
+    cast_step_stats(*ins, want, max_depth=D, max_width=W, capacity=N, grafted=g)
     dev = [x.cuda() if isinstance(x, torch.Tensor) else x.to("cuda") for x in ins]
-    out = torch.zeros(stats_size(D, W, N), device="cuda")
-    cast_step_stats(*dev, out, max_depth=D, max_width=W, capacity=N)
+    g = None if g is None else g.cuda()
+    out = torch.zeros(stats_size(D, W, N, graft=graft), device="cuda")
+    cast_step_stats(*dev, out, max_depth=D, max_width=W, capacity=N, grafted=g)
     torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
     out.zero_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cast_step_stats(*dev, out, max_depth=D, max_width=W, capacity=N)
+        cast_step_stats(*dev, out, max_depth=D, max_width=W, capacity=N, grafted=g)
     graph.replay()
     torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
 
@@ -408,7 +427,7 @@ def test_planner_grafts_what_beats_the_draft_tail(q, grows):
     pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=8, max_width=8, max_depth=8,
                        capacity=64)  # fmt: skip
     pl = treeops.CastPlanner(pol, interval=8, graft_sizes=[2, 4, 8, 16], chain_probes=False)
-    assert pl.graft_sizes == [0, 2, 4, 8, 16] and pl.size == pl.base_size + 2
+    assert pl.graft_sizes == [0, 2, 4, 8, 16] and pl.size == stats_size(pl.D, pl.W, pl.N) + 2
     assert pl.plan(1).graft == 2  # grafting starts small, to be measured
     rng = np.random.default_rng(0)
     unit_s = pl.costs(1, 100)[2] * 1e-6

@@ -273,7 +273,7 @@ class CastPlanner:
             calibrated mass, q being the measured acceptance of grafted nodes (decayed counts
             and a prior, ``GRAFT_PRIOR``), and moves one size towards it. The statistics then
             end with two more entries (grafted nodes verified, and accepted, over the active
-            requests) that the caller writes after ``cast_step_stats``'s.
+            requests): ``cast_step_stats`` with its ``grafted`` input.
 
     Costs that run. The step the rules price is the verification forward at its bucket, the
     draft's root layer and ``depth - 1`` layers of ``width`` rows (each with
@@ -357,12 +357,10 @@ class CastPlanner:
         # per batch size and context bucket: (target, draft, unit) and the catch-up costs
         self._costs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]] = {}
         self._catchup: dict[tuple[int, int], np.ndarray] = {}
-        self.layout = stats_layout(self.D, self.W, self.N)
-        # cast_step_stats's entries, then (with Graft) grafted nodes verified and accepted
-        self.base_size = stats_size(self.D, self.W, self.N)
-        self.size = self.base_size + (2 if self.graft_sizes else 0)
-        if self.graft_sizes:
-            self.layout["graft"] = slice(self.base_size, self.size)
+        # cast_step_stats's entries (with Graft: its grafted nodes verified and accepted too)
+        graft = bool(self.graft_sizes)
+        self.layout = stats_layout(self.D, self.W, self.N, graft=graft)
+        self.size = stats_size(self.D, self.W, self.N, graft=graft)
 
     # ------------------------------------------------------------------ state
     def _state(self, B: int) -> _BatchState:

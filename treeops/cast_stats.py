@@ -30,19 +30,20 @@ def bin_prior() -> np.ndarray:
     return 2.0 ** (-(np.arange(SCORE_BINS) + 0.5) / 2.0)
 
 
-def stats_size(max_depth: int, max_width: int, capacity: int) -> int:
+def stats_size(max_depth: int, max_width: int, capacity: int, graft: bool = False) -> int:
     """Length of ``cast_step_stats``'s output for a policy's maxima D, W, N:
-    ``D * W + N + 2 * SCORE_BINS + 1``."""
-    return max_depth * max_width + capacity + 2 * SCORE_BINS + 1
+    ``D * W + N + 2 * SCORE_BINS + 1``, and 2 more with ``graft`` (its ``grafted`` input)."""
+    return max_depth * max_width + capacity + 2 * SCORE_BINS + 1 + (2 if graft else 0)
 
 
-def stats_layout(D: int, W: int, N: int) -> dict[str, slice]:
+def stats_layout(D: int, W: int, N: int, graft: bool = False) -> dict[str, slice]:
     """Where each statistic lies in ``cast_step_stats``'s output (see its Layout)."""
     o = 0
     out = {}
     for name, n in (("layers", D * W), ("verify", N), ("seen", SCORE_BINS),
-                    ("hits", SCORE_BINS), ("active", 1)):  # fmt: skip
-        out[name] = slice(o, o + n)
+                    ("hits", SCORE_BINS), ("active", 1), ("graft", 2 if graft else 0)):  # fmt: skip
+        if n:
+            out[name] = slice(o, o + n)
         o += n
     return out
 
@@ -59,9 +60,11 @@ def cast_step_stats(
     max_depth: int,
     max_width: int,
     capacity: int,
+    grafted: torch.Tensor | None = None,
 ) -> None:
     """One step's statistics for the planner, written into ``out`` (float32, length
-    ``stats_size(max_depth, max_width, capacity)``); no host sync, capturable. On CUDA two Triton
+    ``stats_size(max_depth, max_width, capacity, graft=grafted is not None)``); no host sync,
+    capturable. On CUDA two Triton
     launches (``kernels/cast_plan.py``), elsewhere (and under ``torch.compile``) torch ops.
 
     Args:
@@ -74,23 +77,26 @@ def cast_step_stats(
         active: [B] bool.
         rates: [SCORE_BINS] float32, the calibrated acceptance probability of a candidate per
             score bin (``CastPlanner.rates``).
+        grafted: optional [B] int32, the nodes Graft's successor table put at the end of each
+            request's tree (its last ``grafted[b]`` nodes).
 
     Layout (``stats_layout``; D = max_depth, W = max_width, N = capacity): ``layers`` [D, W]:
     row i = batch mean over active requests of the cumulative sum of layer i's k best calibrated
     probabilities, k = 1..W (rows >= d zero); ``verify`` [N]: batch mean of 1 + the k - 1 best
     calibrated probabilities of the step; ``seen`` / ``hits`` [SCORE_BINS]: the verified
     non-root nodes of active requests per score bin, and those of them accepted; ``active``:
-    the number of active requests.
+    the number of active requests; ``graft`` (with ``grafted``): the grafted nodes of active
+    requests, and those of them on the accepted path.
     """
     B, d, C = cand_scores.shape
     D, W, N = max_depth, max_width, capacity
     if out.is_cuda and not torch.compiler.is_compiling():  # two launches (kernels/cast_plan.py)
         _kstats.step_stats_launch(
             cand_scores.float().contiguous(), tree, accepted, accept_len, active, rates, out,
-            max_depth=D, max_width=W, capacity=N, bins=SCORE_BINS,
+            max_depth=D, max_width=W, capacity=N, bins=SCORE_BINS, grafted=grafted,
         )  # fmt: skip
         return
-    lay = stats_layout(D, W, N)
+    lay = stats_layout(D, W, N, graft=grafted is not None)
     act = active.to(torch.float32)
     n_act = act.sum().clamp(min=1.0)
     s = cand_scores.float()
@@ -122,3 +128,9 @@ def cast_step_stats(
     out[lay["seen"]].scatter_add_(0, bins, okf.reshape(-1))
     out[lay["hits"]].scatter_add_(0, bins, (okf * (hit > 0)).reshape(-1))
     out[lay["active"]].copy_(act.sum().view(1))
+    if grafted is not None:  # the tree's last grafted[b] nodes
+        first = (tree.num_nodes - grafted)[:, None]
+        k = node[:, : accepted.shape[1]]
+        g_hit = (accepted >= first) & (k < accept_len.view(B, 1)) & active.view(B, 1)
+        added = torch.where(active, grafted, 0).sum()
+        torch.stack([added.float(), g_hit.sum().float()], out=out[lay["graft"]])

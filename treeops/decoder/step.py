@@ -683,16 +683,9 @@ class WholeStepBody(StaticStep):
         if planner is not None and self.pb is not None:
             cast_step_stats(
                 self.pb.state.cand_scores, tree, v.acc.accepted, v.acc.accept_len,
-                self.carry.active, sb.rates, sb.stats[: planner.base_size],
-                max_depth=planner.D, max_width=planner.W, capacity=planner.N,
+                self.carry.active, sb.rates, sb.stats, max_depth=planner.D, max_width=planner.W,
+                capacity=planner.N, grafted=sb.grafted if planner.graft_sizes else None,
             )  # fmt: skip
-            if planner.graft_sizes:  # grafted nodes (the tree's last) verified and accepted
-                act = self.carry.active
-                first = (tree.num_nodes - sb.grafted)[:, None]
-                k = sb.node_idx[: v.acc.accepted.shape[1]]
-                hit = (v.acc.accepted >= first) & (k < v.acc.accept_len[:, None]) & act[:, None]
-                added = torch.where(act, sb.grafted, 0).sum()
-                torch.stack([added.float(), hit.sum().float()], out=sb.stats[planner.base_size :])
         return v
 
     def send(self, pack):
