@@ -297,6 +297,27 @@ def tokens_per_s(res) -> float:
     return ntok / t
 
 
+def plan_steps(plans: list) -> list[list]:
+    """Per plan a λ-CAST row's timed steps ran (``DecodeResult.plans``): [width, depth, verify,
+    graft, topk, steps, mean measured step µs, mean tokens per request, their ratio in tokens
+    per ms], over the steps with a measure (step time and tokens > 0) for the last three: what
+    each plan delivered in the timed runs, next to what the planner believed."""
+    acc: dict[tuple, list[float]] = {}
+    for p in plans:
+        a = acc.setdefault((*p[:3], *p[4:6]), [0, 0, 0.0, 0.0])
+        a[0] += 1
+        if len(p) > 7 and p[6] > 0 and p[7] > 0:
+            a[1] += 1
+            a[2] += p[6]
+            a[3] += p[7]
+    out = []
+    for k, (n, m, t, tok) in sorted(acc.items()):
+        us = 1e6 * t / m if m else None
+        out.append([*k, n, us and round(us, 1), round(tok / m, 3) if m else None,
+                    round(tok / t / 1e3, 4) if m else None])  # fmt: skip
+    return out
+
+
 def row_of(policy, B, res, prof, ar_tps, div, graphs=None, groups=1, kernels=None,
            floor_us=None, layers=None) -> dict:  # fmt: skip
     """One row from the results merged over its ``groups`` groups of B requests; ``kernels``
@@ -901,7 +922,8 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
                 mean_width=round(sum(p[0] for p in res.plans) / len(res.plans), 3),
                 mean_depth=round(sum(p[1] for p in res.plans) / len(res.plans), 3),
                 mean_graft=round(sum(p[4] for p in res.plans) / len(res.plans), 3),
-                plans_seen=sorted({(*p[:3], *p[4:]) for p in res.plans}),
+                plans_seen=sorted({(*p[:3], *p[4:6]) for p in res.plans}),
+                plan_steps=plan_steps(res.plans),
                 final_plan=d["plan"], rates=d["rates"],
                 cost_correction_us=d["cost_correction_us"],
                 plans_measured=d["plans_measured"], graft_rate=d["graft_rate"],

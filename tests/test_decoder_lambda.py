@@ -83,7 +83,7 @@ def test_lambda_cast_graft_any_plan_sequence_is_lossless(pair, monkeypatch, seed
     prompts, budgets = _random_requests(rng)
     res = dec.generate(prompts, budgets)
     assert res.tokens == [_greedy_baseline(target, p, m) for p, m in zip(prompts, budgets)]
-    assert len({tuple(p) for p in res.plans}) > 5 and sum(res.grafted) > 0
+    assert len({(*p[:3], *p[4:6]) for p in res.plans}) > 5 and sum(res.grafted) > 0
     # the catch-up each step ran (recorded) covers every path it accepted
     assert all(rc >= max(em) for rc, em in zip(res.catchup_buckets, res.emitted, strict=True))
 
@@ -192,7 +192,7 @@ def test_lambda_cast_greedy_equals_autoregressive(pair, batch, static):  # noqa:
     want = [_greedy_baseline(target, p, m, stop=(stop,)) for p, m in zip(PROMPTS, budgets)]
     assert res.tokens == want
     assert len(res.plans) == res.steps and res.mean_accepted > 1.0
-    for (w, d, n, lam, g, k), row in zip(res.plans, res.verified):
+    for (w, d, n, lam, g, k, *_), row in zip(res.plans, res.verified):
         assert 1 <= w <= 3 and 1 <= d <= 5 and 1 <= n <= 16 and lam > 0 and g == 0
         assert k == 0 or (k == 1 and (w, n) == (1, d + 1))  # a tree, or a probed chain
         assert max(row) <= n

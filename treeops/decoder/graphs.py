@@ -645,6 +645,7 @@ class WholeStep:
         if planner is not None:
             step_s = dec._step_time(step_s)  # under TP rank 0's: one plan on every rank
             acc = [r[0] for r in rows if r[0] > 0]
+            tokens = 0.0
             if acc:
                 self.ctx += max(acc)
                 tokens = planner_tokens(rows, self.remaining, launched.emit)
@@ -652,7 +653,7 @@ class WholeStep:
                                 step_s, self.ctx)  # fmt: skip
             p = launched.plan
             lam = round(planner.lam(self.sb.B), 4)
-            res.plans.append([p.width, p.depth, p.verify, lam, p.graft, p.topk])
+            res.plans.append([p.width, p.depth, p.verify, lam, p.graft, p.topk, step_s, tokens])
         return rows
 
     def record(self, res: DecodeResult, launched: _Launched) -> None:

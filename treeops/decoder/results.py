@@ -60,7 +60,8 @@ class DecodeResult:
     time_step: float = 0.0
     step_graphs: bool = False
     # λ-CAST: per step, the plan that ran and λ̂ after it: [width, depth, verify, lambda, graft,
-    # topk] (topk 0: the policy's K; 1: a chain)
+    # topk, step_s, tokens] (topk 0: the policy's K; 1: a chain; step_s and tokens: what the
+    # planner was handed, the step's measured seconds (0: no measure) and tokens per request)
     plans: list[list[float]] = field(default_factory=list)
 
     @property

@@ -338,6 +338,7 @@ class EagerStep(StepBody):
             now = time.perf_counter()
             step_s, self.t_last = self.dec._step_time(now - self.t_last), now
             acc = [r[0] for r in rows if r[0] > 0]
+            tokens = 0.0
             if acc:
                 self.ctx += max(acc)
                 p = self.plan
@@ -346,7 +347,8 @@ class EagerStep(StepBody):
                 planner.observe(self.B, self.stats.tolist(), p, tokens, step_s, self.ctx)
             p = self.plan
             lam = round(planner.lam(self.B), 4)
-            self.res.plans.append([p.width, p.depth, p.verify, lam, p.graft, p.topk])
+            row = [p.width, p.depth, p.verify, lam, p.graft, p.topk, step_s, tokens]
+            self.res.plans.append(row)
         return rows
 
     def catch_up(self, v, rows, n):
