@@ -44,6 +44,8 @@ what it measured):
    tokens/s = all generated tokens / the summed decode-loop wall times (prefill and captures
    excluded); ``speedup`` = the mean over rounds of its tokens/s ÷ the same round's
    autoregressive tokens/s, ``speedup_repeats`` and ``speedup_spread`` ((max - min) / mean);
+   with ``--continuous`` also ``steady_tokens_per_s`` and ``steady_speedup``, the same over
+   the full-batch window (``steady_tokens_per_s``: before the request list drains);
    λ-CAST rows add ``lambda_hat``, ``mean_width``, ``mean_depth``, the plans seen, the
    calibrated acceptance rates and the learnt step-time correction (a, b, c, e µs). Without
    ``--no-profile`` each policy is decoded once more with ``profile=True`` (a device sync at
@@ -295,6 +297,16 @@ def tokens_per_s(res) -> float:
     ntok = sum(len(t) for t in res.tokens)
     t = max(res.time_decode - res.time_capture - res.time_refill, 1e-9)
     return ntok / t
+
+
+def steady_tokens_per_s(res) -> float | None:
+    """Generated tokens per second of the full-batch window (``DecodeResult.steps_full``: until
+    a row first idles with no request waiting; captures and refills excluded as in
+    ``tokens_per_s``): the throughput of a batch kept full, as an engine under steady load keeps
+    it, without the drain of a finite request list, where rows idle while the last requests
+    finish (more so for plans whose tokens per step vary more). None without such a window."""
+    t = res.time_full - res.capture_full - res.time_refill
+    return res.tokens_full / t if res.tokens_full and t > 0 else None
 
 
 def plan_steps(plans: list) -> list[list]:
@@ -658,7 +670,11 @@ def main(argv=None) -> int:
                 "logits row) at a request's first divergence (a: AR token, p: policy token)",
                 "tokens_per_s_rule": "generated tokens / decode-loop wall time (prefill and "
                 "graph captures excluded), summed over the row's groups of B requests, run "
-                "one after another by one decoder warmed up on the first group"})  # fmt: skip
+                "one after another by one decoder warmed up on the first group",
+                "steady_rule": "with --continuous: the same over the full-batch window, the "
+                "steps before a row first idles with no request waiting (steady_step_share of "
+                "the steps); steady_speedup against the autoregressive row's, per round",
+            })  # fmt: skip
 
     # 1. preflight
     if graphs and args.preflight:
@@ -904,6 +920,16 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
         tps_r = [tokens_per_s(x) for x in rounds[pol]]
         ratios = [t / a for t, a in zip(tps_r, ar_r)]
         mean = sum(ratios) / len(ratios)
+        steady = [steady_tokens_per_s(x) for x in rounds[pol]]
+        steady_ar = [steady_tokens_per_s(x) for x in rounds["autoregressive"]]
+        if all(steady) and all(steady_ar):
+            sr = [t / a for t, a in zip(steady, steady_ar)]
+            row.update(
+                steady_tokens_per_s=round(steady_tokens_per_s(res) or 0.0, 1),
+                steady_speedup=round(sum(sr) / len(sr), 3),
+                steady_speedup_repeats=[round(x, 3) for x in sr],
+                steady_step_share=round(res.steps_full / max(res.steps, 1), 3),
+            )
         row.update(
             repeats=len(ratios),
             tokens_per_s_repeats=[round(t, 1) for t in tps_r],

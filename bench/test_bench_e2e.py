@@ -105,6 +105,7 @@ def test_bench_e2e_deadline_ends_rounds(pair):
     groups = bench.groups_of(bench.random_prompts(target.cfg.vocab_size, 4, 8), 2, 4)
     prompts = [p for g in groups for p in g]
     ref32 = copy.deepcopy(target).float().eval()
+    args.continuous = True
     for deadline, repeats in ((None, 3), (time.time() - 1.0, 1)):
         rows = bench.run_batch(["autoregressive", "chain"], 2, groups, prompts, target, draft,
                                ref32, args, None, False, None, None, {}, deadline)  # fmt: skip
@@ -112,6 +113,10 @@ def test_bench_e2e_deadline_ends_rounds(pair):
             ("autoregressive", repeats),
             ("chain", repeats),
         ]
+        # continuous batching: the full-batch window ends before the list drains
+        ar, chain = rows
+        assert ar["steady_speedup"] == 1.0 and 0 < chain["steady_step_share"] <= 1.0
+        assert chain["steady_tokens_per_s"] > 0 and len(chain["steady_speedup_repeats"]) == repeats
 
 
 def test_bench_e2e_step_graphs_rows(tmp_path):

@@ -56,6 +56,27 @@ def test_refilled_rows_decode_every_request_as_autoregressive(pair, policy, path
     assert res.tokens == one.tokens
 
 
+@pytest.mark.parametrize("path", ["eager", "step-body"])
+def test_full_batch_window_ends_when_the_list_drains(pair, path):  # noqa: F811
+    """``steps_full``: the steps before a row first idled with no request waiting (one step at
+    a time, every row of them ran a request; launched ahead, a refilled row idles the one step
+    already launched), and its tokens are those steps'. Autoregressive decoding of equal
+    budgets never idles a row early: its window is the whole loop."""
+    target, _ = pair
+    prompts = _requests(5, 7)[0]
+    kw = {} if path == "eager" else {"static_shapes": True, "step_graphs": True}
+    res = _decoder(pair, "chain", **kw).generate(prompts, [9, 30, 3, 17, 9, 30, 17], max_batch=3)
+    k = res.steps_full
+    assert 0 < k < res.steps
+    if path == "eager":
+        assert all(all(e > 0 for e in row) for row in res.emitted[:k])
+    assert any(e == 0 for e in res.emitted[k])  # (the next step ran with a row idle)
+    assert res.tokens_full == sum(map(sum, res.emitted[:k]))
+    assert 0 < res.time_full <= res.time_decode
+    ar = _decoder(pair, "autoregressive").generate(prompts[:6], 5, max_batch=3)
+    assert (ar.steps_full, ar.tokens_full) == (ar.steps, 30)
+
+
 @pytest.mark.parametrize("graft", [False, True], ids=["lambda-Cast", "lambda-CastGraft"])
 def test_refilled_rows_under_lambda_cast(pair, graft):  # noqa: F811
     """λ-CAST (and Graft over it) as whole steps launched ahead, with refills: greedy output

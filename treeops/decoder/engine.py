@@ -303,16 +303,27 @@ class Decoder:
             row_len = [len(p) for p in prompts[:B]]  # each row's context (the planner's ctx)
             t_loop = time.perf_counter()
 
+            def end_full() -> None:
+                """Closes the full-batch window (``DecodeResult.steps_full``) once a row idles
+                with no request waiting, or at the loop's end."""
+                if full_open[0] and not waiting and not all(host_active):
+                    full_open[0] = False
+                    res.steps_full = res.steps
+                    res.time_full = time.perf_counter() - t_loop
+                    res.capture_full = res.time_capture
+
+            full_open = [True]
+
             def refill_rows() -> None:
                 """The rows whose request ended take the next waiting requests."""
                 rows = [b for b in range(B) if not host_active[b]][: len(waiting)]
-                if not rows:
-                    return
-                reqs = [waiting.pop() for _ in rows]
-                refill(rows, reqs)
-                for b, r in zip(rows, reqs):
-                    req_of[b], host_remaining[b], host_active[b] = r, budget[r], True
-                    row_len[b] = len(prompts[r])
+                if rows:
+                    reqs = [waiting.pop() for _ in rows]
+                    refill(rows, reqs)
+                    for b, r in zip(rows, reqs):
+                        req_of[b], host_remaining[b], host_active[b] = r, budget[r], True
+                        row_len[b] = len(prompts[r])
+                end_full()
 
             def take(rows, n, launched=None):
                 t0 = step.clock()
@@ -359,6 +370,10 @@ class Decoder:
                 torch.cuda.synchronize(self._dev)
             res.time_decode = time.perf_counter() - t_loop
             res.time_refill = refill.seconds()
+            if full_open[0]:  # no row idled while requests waited: the whole loop is full
+                res.steps_full, res.time_full = res.steps, res.time_decode
+                res.capture_full = res.time_capture
+            res.tokens_full = sum(sum(e) for e in res.emitted[: res.steps_full])
             return res
 
     def _start(self, prompts, budget, per_req, greedy, stop_ids, g, B: int):

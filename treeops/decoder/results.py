@@ -48,6 +48,14 @@ class DecodeResult:
     # s: prefills of requests that took a finished request's row (``max_batch``; included in
     # time_decode; device time on CUDA)
     time_refill: float = 0.0
+    # the full-batch window (``max_batch``): the steps before the first row idled with no
+    # request waiting (every step when none did), the loop's wall time and the capture time up
+    # to its end, and the tokens it emitted; after it the request list drains, which an engine
+    # under steady load never does
+    steps_full: int = 0
+    time_full: float = 0.0
+    capture_full: float = 0.0
+    tokens_full: int = 0
     graphs_captured: int = 0
     verify_buckets: list[int] = field(default_factory=list)  # per step (static path)
     draft_buckets: list[list[int]] = field(default_factory=list)  # per step, per draft forward
