@@ -512,7 +512,8 @@ def plot(out_dir, rows) -> str | None:
 
 def table_text(rows) -> str:
     lines = [f"{'policy':<15}{'B':>4}{'req':>5}{'tok/s':>10}{'AR tok/s':>10}{'speedup':>9}"
-             f"{'acc/step':>9}{'blk us':>9}{'diverged':>9}{'mismatch':>9}{'step us':>9}"
+             f"{'steady':>8}{'acc/step':>9}{'blk us':>9}{'diverged':>9}{'mismatch':>9}"
+             f"{'step us':>9}"
              f"{'floor us':>9}{'kern/step':>10}{'kern/L':>8}"]  # fmt: skip
 
     def num(x, w, f=".1f"):
@@ -526,7 +527,8 @@ def table_text(rows) -> str:
         lines.append(
             f"{r['policy']:<15}{r['B']:>4}{r.get('requests', r['B']):>5}"
             f"{r['tokens_per_s']:>10.1f}{r['ar_tokens_per_s']:>10.1f}"
-            f"{r['speedup'] or 0:>9.2f}{r['mean_accepted']:>9.2f}"
+            f"{r['speedup'] or 0:>9.2f}{num(r.get('steady_speedup'), 8, '.2f')}"
+            f"{r['mean_accepted']:>9.2f}"
             f"{r['host_blocked_us_per_wait']:>9.1f}{d.get('diverged', 0):>9}"
             f"{d.get('mismatch', 0):>9}{num(r.get('step_us'), 9)}"
             f"{num(r.get('weight_read_floor_us'), 9)}{num(r.get('kernels_per_step'), 10)}"
