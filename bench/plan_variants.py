@@ -7,8 +7,9 @@ through the public ops' CUDA launchers on CPU tensors (``bench_host.launchers_on
 path, ``treeops._library.DIRECT = 2``) and the decoder's fused kernels (``decoder/fused.py``):
 
 * draft forwards of 1 row, then w rows per further layer (``tree_index``, ``embed_cat``,
-  ``add_rmsnorm``, ``kv_append`` with q, ``tree_attention`` over the draft's working tree of
-  capacity 1 + (D_max - 1) W_max, ``swiglu``);
+  ``add_rmsnorm``, ``kv_append`` with q, ``tree_attention`` over the plan's own working tree of
+  capacity 1 + max(D - 1, 1) w, ``swiglu``), inputs and outputs as the decoder's views at the
+  plan's width (``graphs.rows_view``);
 * ``build_tree_expand`` per layer and ``build_tree_emit`` for ``EagleStatic(depth=D, topk=K,
   budget=n, width=w)`` (the planner's ``policy_for``);
 * the verification forward at n nodes, ``accept_greedy``, ``compact_kv``;
@@ -47,7 +48,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 import treeops  # noqa: E402
 from treeops.cast_stats import SCORE_BINS, stats_size  # noqa: E402
 from treeops.decoder import fused  # noqa: E402
-from treeops.decoder.graphs import bucket_for  # noqa: E402
+from treeops.decoder.graphs import bucket_for, rows_view  # noqa: E402
 from treeops.kernels.cast_plan import step_stats_launch  # noqa: E402
 
 # (hidden, q heads, kv heads, head dim, vocab, intermediate, target layers): train.PairConfig
@@ -102,14 +103,12 @@ class Step:
         self.seq = torch.full((B,), CTX, dtype=torch.int32)
         self.embed = torch.zeros(V, H, dtype=bf)
         self.norm_w = torch.ones(H, dtype=bf)
-        self.Nd = 1 + (D_MAX - 1) * W_MAX
-        self.dtree = treeops.Tree.empty(B, self.Nd, "cpu")
         self.d_meta = torch.zeros(3, B, dtype=torch.int32)
-        self.dtree.num_nodes = self.d_meta[0]
-        self.d_feat = torch.zeros(B, W_MAX, H, dtype=bf)
-        self.d_logits = torch.zeros(B, W_MAX, V)
-        self.c_tok = torch.zeros(B, N_MAX, dtype=torch.int64)
-        self.c_feat = torch.zeros(B, N_MAX, H, dtype=bf)
+        # the stores each plan views at its own row count (``_StaticBatch``)
+        self.feat_store = torch.zeros(B * W_MAX * H, dtype=bf)
+        self.logits_store = torch.zeros(B * W_MAX * V)
+        self.c_tok_store = torch.zeros(B * N_MAX, dtype=torch.int64)
+        self.c_feat_store = torch.zeros(B * N_MAX * H, dtype=bf)
         self.c_len = torch.zeros(B, dtype=torch.int32)
         self.stops = torch.tensor([0], dtype=torch.int64)
         self.remaining = torch.full((B,), 100, dtype=torch.int64)
@@ -166,11 +165,14 @@ class Step:
         st = treeops.DraftState.new(pol, torch.zeros(B, dtype=torch.int64), self.seq,
                                     self.active)  # fmt: skip
         vin = treeops.Tree.empty(B, n, "cpu")
-        logits = self.d_logits[:, :w]  # PlanBuffers.logits
+        dtree = treeops.Tree.empty(B, 1 + max(D - 1, 1) * w, "cpu")  # PlanBuffers.dtree
+        dtree.num_nodes = self.d_meta[0]
+        feat = rows_view(self.feat_store, B, w, self.H)  # PlanBuffers.d_feat
+        logits = rows_view(self.logits_store, B, w, self.V)  # PlanBuffers.d_logits
         tok = st.frontier_tokens
         for i in range(D):
             R = 1 if i == 0 else w
-            self.draft(tok[:, :R], self.d_feat[:, :R], self.dtree, self.d_meta[1], self.d_meta[2])
+            self.draft(tok[:, :R], feat[:, :R], dtree, self.d_meta[1], self.d_meta[2])
             st.layer = i
             treeops.build_tree_expand(logits, st, pol)
         st.layer = D
@@ -191,7 +193,9 @@ class Step:
         R = min(n, bucket_for(D + 1, N_MAX))
         ch = treeops.Tree.empty(B, R, "cpu")
         ch.num_nodes = self.c_len
-        self.draft(self.c_tok[:, :R].contiguous(), self.c_feat[:, :R], ch)
+        c_tok = rows_view(self.c_tok_store, B, R)  # _StaticBatch.catchup_rows
+        c_feat = rows_view(self.c_feat_store, B, R, self.H)
+        self.draft(c_tok, c_feat, ch)
 
 
 def variants(step: Step, plan: tuple[int, int, int]) -> set[Key]:
