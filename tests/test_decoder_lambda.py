@@ -307,6 +307,16 @@ def test_launch_ahead_equals_one_step_at_a_time_on_gpu(pair, gpu_pair, policy): 
         assert outs[0][1] == outs[1][1]
 
 
+def _chain_decoders(pair, depth: int = 4) -> dict:  # noqa: F811
+    """The chain policy's decoder and λ-CAST's confined to ``Plan.chain(depth)``, both with
+    whole-step bodies: the same tree drafted two ways."""
+    lam = _lambda_decoder(pair, static_shapes=True)
+    lam.planner.restrict(len(PROMPTS), [Plan.chain(depth)])
+    chain = Decoder(pair[0], pair[1], make_policy("chain", depth=depth), static_shapes=True,
+                    step_graphs=True)  # fmt: skip
+    return {"chain": chain, "lambda": lam}
+
+
 def test_a_plans_draft_attends_over_its_own_tree(pair, monkeypatch):  # noqa: F811
     """λ-CAST confined to a chain drafts with the chain policy's attention shapes: each plan has
     its own working tree (a depth-4 chain: 4 query rows per draft forward), not the widest
@@ -323,13 +333,7 @@ def test_a_plans_draft_attends_over_its_own_tree(pair, monkeypatch):  # noqa: F8
 
     monkeypatch.setattr(model, "tree_attention", spy)
     seen = {}
-    for name in ("chain", "lambda"):
-        if name == "chain":
-            dec = Decoder(pair[0], pair[1], make_policy("chain", depth=4), static_shapes=True,
-                          step_graphs=True)  # fmt: skip
-        else:
-            dec = _lambda_decoder(pair, static_shapes=True)
-            dec.planner.restrict(len(PROMPTS), [Plan.chain(4)])
+    for name, dec in _chain_decoders(pair).items():
         shapes.clear()
         res = dec.generate(PROMPTS, NEW)
         seen[name] = (set(shapes), res.tokens)
@@ -357,13 +361,7 @@ def test_a_chain_plans_step_copies_as_the_chain_policys(pair):  # noqa: F811
             return func(*args, **(kwargs or {}))
 
     seen = {}
-    for name in ("chain", "lambda"):
-        if name == "chain":
-            dec = Decoder(pair[0], pair[1], make_policy("chain", depth=4), static_shapes=True,
-                          step_graphs=True)  # fmt: skip
-        else:
-            dec = _lambda_decoder(pair, static_shapes=True)
-            dec.planner.restrict(len(PROMPTS), [Plan.chain(4)])
+    for name, dec in _chain_decoders(pair).items():
         dec.generate(PROMPTS, 4)  # buffers allocated
         mode = Copies()
         with mode:
