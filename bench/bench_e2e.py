@@ -924,7 +924,7 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
         mean = sum(ratios) / len(ratios)
         steady = [steady_tokens_per_s(x) for x in rounds[pol]]
         steady_ar = [steady_tokens_per_s(x) for x in rounds["autoregressive"]]
-        if all(steady) and all(steady_ar):
+        if getattr(args, "continuous", False) and all(steady) and all(steady_ar):
             sr = [t / a for t, a in zip(steady, steady_ar)]
             row.update(
                 steady_tokens_per_s=round(steady_tokens_per_s(res) or 0.0, 1),

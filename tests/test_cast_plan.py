@@ -259,6 +259,36 @@ def test_step_stats_never_sync():
         cast_step_stats(*args, max_depth=D, max_width=W, capacity=N)
 
 
+def test_step_stats_bad_input_is_a_value_error():
+    """A wrong ``out`` length (the kernels would write past it), a grafted count of another
+    batch or dtype, a mismatched batch: ``ValueError`` naming the argument."""
+    B, D, W, N = 3, 4, 3, 10
+    tree = Tree.from_parents(torch.tensor([[-1, 0, 1]] * B, dtype=torch.int32),
+                             torch.full((B,), 3, dtype=torch.int32))  # fmt: skip
+    acc = torch.tensor([[0, 1, -1]] * B, dtype=torch.int32)
+    ins = dict(cand_scores=torch.rand(B, 2, 6), tree=tree, accepted=acc,
+               accept_len=torch.full((B,), 2, dtype=torch.int32),
+               active=torch.ones(B, dtype=torch.bool), rates=torch.ones(SCORE_BINS),
+               out=torch.zeros(stats_size(D, W, N)))  # fmt: skip
+    g = torch.zeros(B, dtype=torch.int32)
+    cases = [
+        ({}, {"grafted": g}, "Invalid shape of out"),  # the graft entries do not fit
+        ({"out": torch.zeros(stats_size(D, W, N, graft=True))}, {"grafted": g[:2]},
+         "Invalid shape of grafted"),
+        ({"out": torch.zeros(stats_size(D, W, N, graft=True))}, {"grafted": g.long()},
+         "Invalid dtype of grafted"),
+        ({"accept_len": torch.full((B + 1,), 2, dtype=torch.int32)}, {}, "accept_len"),
+        ({"active": torch.ones(B, dtype=torch.int32)}, {}, "Invalid dtype of active"),
+        ({"rates": torch.ones(SCORE_BINS - 1)}, {}, "Invalid shape of rates"),
+        ({"cand_scores": torch.rand(B + 1, 2, 6)}, {}, "accepted"),
+    ]  # fmt: skip
+    for change, extra, msg in cases:
+        args = {**ins, **change}
+        with pytest.raises(ValueError, match=msg):
+            cast_step_stats(*args.values(), max_depth=D, max_width=W, capacity=N, **extra)
+    cast_step_stats(*ins.values(), max_depth=D, max_width=W, capacity=N)  # the good call
+
+
 def _planner(**kw):
     pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=4, max_width=4, max_depth=6,
                        capacity=32)  # fmt: skip

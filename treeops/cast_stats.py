@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ._checks import Memo, check_same_device, check_tensor, signature
 from .kernels import cast_plan as _kstats
-from .tree import Tree
+from .tree import Tree, check_tree
 
 __all__ = ["SCORE_BINS", "bin_prior", "cast_step_stats", "score_bin", "stats_size", "stats_layout"]
 
@@ -62,10 +63,11 @@ def cast_step_stats(
     capacity: int,
     grafted: torch.Tensor | None = None,
 ) -> None:
-    """One step's statistics for the planner, written into ``out`` (float32, length
+    """One step's statistics for the planner, written into ``out`` (float32, contiguous, length
     ``stats_size(max_depth, max_width, capacity, graft=grafted is not None)``); no host sync,
-    capturable. On CUDA two Triton
-    launches (``kernels/cast_plan.py``), elsewhere (and under ``torch.compile``) torch ops.
+    capturable. On CUDA two Triton launches (``kernels/cast_plan.py``), elsewhere (and under
+    ``torch.compile``) torch ops. Shapes, dtypes and devices are checked (``ValueError`` naming
+    the argument); values are the caller's.
 
     Args:
         cand_scores: [B, d, C] float32, the step's candidate path scores (``DraftState``; < 0 = no
@@ -88,8 +90,10 @@ def cast_step_stats(
     the number of active requests; ``graft`` (with ``grafted``): the grafted nodes of active
     requests, and those of them on the accepted path.
     """
-    B, d, C = cand_scores.shape
     D, W, N = max_depth, max_width, capacity
+    _check_stats_inputs(cand_scores, tree, accepted, accept_len, active, rates, out, D, W, N,
+                        grafted)  # fmt: skip
+    B, d, C = cand_scores.shape
     if out.is_cuda and not torch.compiler.is_compiling():  # two launches (kernels/cast_plan.py)
         _kstats.step_stats_launch(
             cand_scores.float().contiguous(), tree, accepted, accept_len, active, rates, out,
@@ -134,3 +138,37 @@ def cast_step_stats(
         g_hit = (accepted >= first) & (k < accept_len.view(B, 1)) & active.view(B, 1)
         added = torch.where(active, grafted, 0).sum()
         torch.stack([added.float(), g_hit.sum().float()], out=out[lay["graft"]])
+
+
+_PASSED = Memo()
+
+
+def _check_stats_inputs(cand_scores, tree, accepted, accept_len, active, rates, out, D, W, N,
+                        grafted) -> None:  # fmt: skip
+    """``cast_step_stats``'s metadata checks (skipped for a signature that passed before): a
+    wrong ``out`` length would let the kernels write past it."""
+    tensors = (cand_scores, accepted, accept_len, active, rates, out, grafted,
+               *(tree.tensors() if isinstance(tree, Tree) else ()))  # fmt: skip
+    key = signature(tensors, (D, W, N))
+    if _PASSED.get(key) is not None:
+        return
+    sizes: dict[str, int] = {}
+    check_tensor("cand_scores", cand_scores, shape=("B", None, None),
+                 dtype=(torch.float32, torch.bfloat16, torch.float16), sizes=sizes)  # fmt: skip
+    check_tree(tree, name="tree")
+    check_tensor("accepted", accepted, shape=("B", None), dtype=torch.int32, sizes=sizes)
+    check_tensor("accept_len", accept_len, shape=("B",), dtype=torch.int32, sizes=sizes)
+    check_tensor("active", active, shape=("B",), dtype=torch.bool, sizes=sizes)
+    check_tensor("rates", rates, shape=(SCORE_BINS,), dtype=torch.float32)
+    if tree.batch_size != sizes["B"]:
+        raise ValueError(
+            f"Invalid shape of tree: expected batch size {sizes['B']}, got {tree.batch_size}"
+        )
+    if grafted is not None:
+        check_tensor("grafted", grafted, shape=("B",), dtype=torch.int32, sizes=sizes)
+    size = stats_size(D, W, N, graft=grafted is not None)
+    check_tensor("out", out, shape=(size,), dtype=torch.float32, contiguous=True)
+    check_same_device(cand_scores=cand_scores, tree=tree.parents, accepted=accepted,
+                      accept_len=accept_len, active=active, rates=rates, out=out,
+                      grafted=grafted)  # fmt: skip
+    _PASSED.put(key, True)

@@ -303,16 +303,16 @@ class Decoder:
             row_len = [len(p) for p in prompts[:B]]  # each row's context (the planner's ctx)
             t_loop = time.perf_counter()
 
+            full_open = True  # the full-batch window (``DecodeResult.steps_full``)
+
             def end_full() -> None:
-                """Closes the full-batch window (``DecodeResult.steps_full``) once a row idles
-                with no request waiting, or at the loop's end."""
-                if full_open[0] and not waiting and not all(host_active):
-                    full_open[0] = False
+                """Closes the full-batch window once a row idles with no request waiting."""
+                nonlocal full_open
+                if full_open and not waiting and not all(host_active):
+                    full_open = False
                     res.steps_full = res.steps
                     res.time_full = time.perf_counter() - t_loop
                     res.capture_full = res.time_capture
-
-            full_open = [True]
 
             def refill_rows() -> None:
                 """The rows whose request ended take the next waiting requests."""
@@ -370,7 +370,7 @@ class Decoder:
                 torch.cuda.synchronize(self._dev)
             res.time_decode = time.perf_counter() - t_loop
             res.time_refill = refill.seconds()
-            if full_open[0]:  # no row idled while requests waited: the whole loop is full
+            if full_open:  # no row idled while requests waited: the whole loop is full
                 res.steps_full, res.time_full = res.steps, res.time_decode
                 res.capture_full = res.time_capture
             res.tokens_full = sum(sum(e) for e in res.emitted[: res.steps_full])
