@@ -330,6 +330,17 @@ def plan_steps(plans: list) -> list[list]:
     return out
 
 
+def host_split(res: DecodeResult) -> dict:
+    """``row_of``'s host time per step (µs): ``busy`` = loop wall time less captures and host
+    waits; ``launch`` (enqueueing whole steps), ``absorb`` (reading and absorbing results),
+    ``planner`` (λ-CAST's observe), ``refill`` (enqueueing refills) are parts of it."""
+    n = max(1, res.steps)
+    busy = res.time_decode - res.time_capture - res.time_host_wait
+    parts = {"busy": busy, "launch": res.time_step, "absorb": res.time_tree,
+             "planner": res.time_plan, "refill": res.time_refill_host}  # fmt: skip
+    return {k: round(1e6 * v / n, 1) for k, v in parts.items()}
+
+
 def row_of(policy, B, res, prof, ar_tps, div, graphs=None, groups=1, kernels=None,
            floor_us=None, layers=None) -> dict:  # fmt: skip
     """One row from the results merged over its ``groups`` groups of B requests; ``kernels``
@@ -360,6 +371,10 @@ def row_of(policy, B, res, prof, ar_tps, div, graphs=None, groups=1, kernels=Non
         "host_blocked_us_per_wait": round(st["host_wait_us_per_wait"], 1),
         "captures_in_timed_run": res.graphs_captured,
         "refill_s": round(res.time_refill, 4),
+        # the host's work per step, µs (wall minus the waits: with launch-ahead the device
+        # idles only where this exceeds its step), and its parts: enqueueing the step,
+        # reading and absorbing its results, λ-CAST's planner, enqueueing refills
+        "host_us_per_step": host_split(res),
         "undersized": res.undersized,
         "mean_verify_bucket": round(sum(res.verify_buckets) / max(1, len(res.verify_buckets)), 2),
         "mean_verified_nodes": round(

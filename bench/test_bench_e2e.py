@@ -161,6 +161,9 @@ def test_bench_e2e_continuous_rows(tmp_path):
         assert "error" not in r, r
         n = 2 * bench.CONTINUOUS_MIN_GROUPS
         assert r["requests"] == n and r["tokens"] == n * 6 and r["refill_s"] > 0
+        host = r["host_us_per_step"]  # its parts are host times within the busy time
+        assert host["refill"] > 0 and (host["planner"] > 0) == (r["policy"] == "Cast")
+        assert host["launch"] + host["absorb"] + host["planner"] + host["refill"] <= host["busy"]
         if r["policy"] != "autoregressive":
             assert r["divergence"]["mismatch"] == 0
 

@@ -873,3 +873,43 @@ def test_planner_plans_stay_valid_with_chain_probes(seed, graft, restrict, chain
     if not restrict:
         assert chain_gain < 1.2 or chains > 200
         assert chain_gain > 0.8 or chains <= 60
+
+
+def test_measured_best_is_taken_under_restrict():
+    """Two captured plans, the rules' favourite measured 30 % below the other: the planner goes
+    to the measured best at its next decision and stays there, although every move the rules
+    propose (and a one-bucket step towards the best) maps back to the favourite. A plan's
+    measured η is fresh data: a plan re-run after its measurement went stale starts a new one."""
+    import treeops.cast_plan as CP
+
+    pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=8, max_width=8, max_depth=8,
+                       capacity=64)  # fmt: skip
+    pl = treeops.CastPlanner(pol, interval=8, chain_probes=False)
+    big, small = Plan(4, 6, 32), Plan(2, 3, 8)
+    rng = np.random.default_rng(3)
+    unit_s = pl.costs(8, 100)[2] * 1e-6
+
+    def run(steps: int) -> list[Plan]:
+        out = []
+        for _ in range(steps):
+            p = pl.plan(8)
+            out.append(p)
+            tok = (3.9 if p == small else 3.0) * (1 + 0.1 * rng.standard_normal())
+            pl.observe(8, _model_stats(pl, rng, 0.1), p, tokens=tok, step_s=1.5 * unit_s,
+                       ctx=100)  # fmt: skip
+        return out
+
+    pl.restrict(8, [small])
+    run(3 * 8)
+    pl.restrict(8, [big])
+    run(3 * 8)
+    pl.restrict(8, [big, small])
+    ran = run(40 * 8)
+    assert ran[:8] == [big] * 8  # the window in progress ends first
+    assert ran[8:].count(small) == len(ran) - 8, ran.count(small)
+    # a measurement gone stale is dropped when the plan runs again, not averaged with the new
+    st = pl._state(8)
+    st.measured[big][3] = st.steps - CP.MEASURED_MAX_AGE - 1
+    pl.restrict(8, [big])
+    run(8)
+    assert st.measured[big][0] == 8

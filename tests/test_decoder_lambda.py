@@ -191,7 +191,7 @@ def test_lambda_cast_greedy_equals_autoregressive(pair, batch, static):  # noqa:
     res = dec.generate(PROMPTS[:batch], budgets, stop_ids=[stop])
     want = [_greedy_baseline(target, p, m, stop=(stop,)) for p, m in zip(PROMPTS, budgets)]
     assert res.tokens == want
-    assert len(res.plans) == res.steps and res.mean_accepted > 1.0
+    assert len(res.plans) == res.steps and res.mean_accepted > 1.0 and res.time_plan > 0
     for (w, d, n, lam, g, k, *_), row in zip(res.plans, res.verified):
         assert 1 <= w <= 3 and 1 <= d <= 5 and 1 <= n <= 16 and lam > 0 and g == 0
         assert k == 0 or (k == 1 and (w, n) == (1, d + 1))  # a tree, or a probed chain

@@ -510,6 +510,8 @@ class CastPlanner:
             _, _, unit_us = self.costs(B, ctx)
             eta = tokens / (step_s * 1e6 / unit_us)
             m = st.measured.setdefault(plan, [0.0, 0.0, 0.0, 0])
+            if st.steps - m[3] > MEASURED_MAX_AGE:  # stale: a new measurement, not a blend
+                m[:] = [0.0, 0.0, 0.0, 0]
             m[0] = min(m[0] + 1.0, RESIDUAL_CAP)
             m[1] += (eta - m[1]) / m[0]
             m[2] += (eta * eta - m[2]) / m[0]
@@ -739,8 +741,8 @@ class CastPlanner:
         """The rules propose, the measured throughput disposes: a plan run for
         ``MEASURED_MIN_STEPS`` timed steps within the last ``MEASURED_MAX_AGE`` has a measured η.
         If the best measured plan beats the current one by ``MEASURED_Z`` standard errors, the
-        plan moves one bucket per size towards it (to it at once if it is a chain); else a
-        proposed plan measured worse than the current one by as much is not taken. The model's
+        plan moves to it; else a proposed plan measured worse than the current one by as much
+        is not taken. The model's
         errors (costs the table and its learnt correction do not see, a calibration off at
         depth) then cost a few windows, not the run."""
         if not self.learn_costs:
@@ -750,12 +752,10 @@ class CastPlanner:
             return proposed
         best = max(live, key=lambda p: live[p][1])
         if best != cur and self._beats(live, best, cur):
-            if best.is_chain:
-                return best
-            # (votes that agree with every direction: the move is not held for a second vote)
-            sizes = zip((best.width, best.depth, best.verify), (cur.width, cur.depth, cur.verify))
-            toward = self._toward(cur, best, tuple((a > b) - (a < b) for a, b in sizes))[0]
-            return replace(toward, graft=min(best.graft, toward.verify // 2))
+            # to the best itself: it ran (its graph exists), and a step towards it can be a
+            # plan the engine does not run (under ``restrict`` the nearest allowed plan to
+            # that step can be the current one: the better plan would never be reached)
+            return best
         if proposed in live and self._beats(live, cur, proposed):
             return cur
         return proposed

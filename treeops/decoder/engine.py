@@ -370,6 +370,7 @@ class Decoder:
                 torch.cuda.synchronize(self._dev)
             res.time_decode = time.perf_counter() - t_loop
             res.time_refill = refill.seconds()
+            res.time_refill_host = refill.host_s
             if full_open:  # no row idled while requests waited: the whole loop is full
                 res.steps_full, res.time_full = res.steps, res.time_decode
                 res.capture_full = res.time_capture

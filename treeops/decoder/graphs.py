@@ -643,6 +643,7 @@ class WholeStep:
             step_s = 0.0
         self.captures_seen = res.graphs_captured
         if planner is not None:
+            t_plan = time.perf_counter()
             step_s = dec._step_time(step_s)  # under TP rank 0's: one plan on every rank
             acc = [r[0] for r in rows if r[0] > 0]
             tokens = 0.0
@@ -654,6 +655,7 @@ class WholeStep:
             p = launched.plan
             lam = round(planner.lam(self.sb.B), 4)
             res.plans.append([p.width, p.depth, p.verify, lam, p.graft, p.topk, step_s, tokens])
+            res.time_plan += time.perf_counter() - t_plan
         return rows
 
     def record(self, res: DecodeResult, launched: _Launched) -> None:

@@ -48,6 +48,8 @@ class DecodeResult:
     # s: prefills of requests that took a finished request's row (``max_batch``; included in
     # time_decode; device time on CUDA)
     time_refill: float = 0.0
+    time_refill_host: float = 0.0  # s: the host's share of the refills (enqueueing them)
+    time_plan: float = 0.0  # s: λ-CAST's host bookkeeping per step (the planner's observe)
     # the full-batch window (``max_batch``): the steps before the first row idled with no
     # request waiting (every step when none did), the loop's wall time and the capture time up
     # to its end, and the tokens it emitted; after it the request list drains, which an engine
@@ -105,6 +107,8 @@ class DecodeResult:
             "host_wait_us_per_wait": 1e6 * self.time_host_wait / max(1, self.host_waits),
             "time_capture_s": self.time_capture,
             "time_refill_s": self.time_refill,
+            "time_refill_host_s": self.time_refill_host,
+            "time_plan_s": self.time_plan,
             "time_step_s": self.time_step,
             "step_graphs": self.step_graphs,
             "graphs_captured": self.graphs_captured,

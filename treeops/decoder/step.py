@@ -349,6 +349,7 @@ class EagerStep(StepBody):
             lam = round(planner.lam(self.B), 4)
             row = [p.width, p.depth, p.verify, lam, p.graft, p.topk, step_s, tokens]
             self.res.plans.append(row)
+            self.res.time_plan += time.perf_counter() - now
         return rows
 
     def catch_up(self, v, rows, n):
