@@ -37,7 +37,8 @@ what it measured):
    ``(g * B + i) % len(prompts)``, the last ``--prompt-len`` tokens of each), greedy,
    ``--new-tokens`` each. One decoder per policy, warmed up on the first group (captures;
    λ-CAST until its planner has seen ``--planner-warmup-steps`` steps at this B, measured a
-   chain and a group kept its plan; its timed runs then move among the plans the warm-up ran),
+   chain and the chains its probes compare next to its plan (``CastPlanner.unprobed``), and a
+   group kept its plan; its timed runs then move among the plans the warm-up ran),
    then
    ``--repeats`` rounds: in each, every policy decodes every group (autoregressive, chain,
    EagleStatic, Cast, CastGraft, the order rotated by one per round). A row merges its rounds:
@@ -876,8 +877,12 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
                     probed = not planner.chain_probes or any(
                         row[7] == 1 for row in d["plans_measured"]
                     )
-                    if d["steps"] >= args.planner_warmup_steps and d["plan"] == last and probed:
-                        break  # enough steps, a chain measured, a whole group kept its plan
+                    if (d["steps"] >= args.planner_warmup_steps and d["plan"] == last and probed
+                            and not planner.unprobed(B)):  # fmt: skip
+                        # enough steps, a chain measured, a whole group kept its plan and the
+                        # chains next to it (depth ± 1) measured: the timed runs, restricted to
+                        # the warm-up's plans, can still move to a deeper or shallower chain
+                        break
                     last = d["plan"]
                     decs[pol].generate(groups[g % len(groups)], args.new_tokens)
                     g += 1

@@ -913,3 +913,28 @@ def test_measured_best_is_taken_under_restrict():
     pl.restrict(8, [big])
     run(8)
     assert st.measured[big][0] == 8
+
+
+def test_unprobed_lists_the_chains_a_probe_compares_until_measured():
+    """Next to a chain of depth d, ``unprobed`` lists the chains of depth d - 1 and d + 1 (and
+    the last tree) while they have no measured η; once the probes ran them it is empty. Under
+    ``restrict`` only allowed plans are listed; without chain probes nothing is."""
+    pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=8, max_width=8, max_depth=8,
+                       capacity=64)  # fmt: skip
+    pl = treeops.CastPlanner(pol, interval=4)
+    pl.restrict(2, [Plan.chain(4)])  # (the plan moves onto the chain; then free again)
+    pl.restrict(2, None)
+    assert pl.plan(2) == Plan.chain(4)
+    assert set(pl.unprobed(2)) == {Plan.chain(3), Plan.chain(5)}
+    rng = np.random.default_rng(0)
+    unit_s = pl.costs(2, 100)[2] * 1e-6
+    for _ in range(4 * 8 * 40):
+        p = pl.plan(2)
+        pl.observe(2, _model_stats(pl, rng, 0.1), p, tokens=3.0, step_s=1.5 * unit_s, ctx=100)
+        if not pl.unprobed(2):
+            break
+    assert not pl.unprobed(2)
+    assert {Plan.chain(3), Plan.chain(5)} <= set(pl._state(2).measured)
+    pl.restrict(2, [pl.plan(2)])
+    assert pl.unprobed(2) == []
+    assert treeops.CastPlanner(pol, chain_probes=False).unprobed(2) == []

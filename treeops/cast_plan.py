@@ -658,6 +658,21 @@ class CastPlanner:
         d = max(chains, key=lambda p: live[p][1]).depth if chains else st.chain_depth or cur.depth
         return chain(d) + chain(d - 1) + chain(d + 1)
 
+    def unprobed(self, B: int) -> list[Plan]:
+        """The plans a probe would measure next to the current plan at batch size ``B`` (the
+        chains of ``_probe_candidates``; next to a chain also the last tree) that have no
+        measured η yet: empty once the neighbourhood the probes compare is measured (a warm-up
+        that ends before leaves the timed runs, restricted to its plans, without them)."""
+        if not self.chain_probes:
+            return []
+        st = self._state(B)
+        out = []
+        for p in self._probe_candidates(st, st.plan):
+            m = st.measured.get(p)
+            if (st.allowed is None or p in st.allowed) and (m is None or m[0] < MEASURED_MIN_STEPS):
+                out.append(p)
+        return out
+
     def _toward(self, plan: Plan, raw: Plan, votes: tuple) -> tuple[Plan, tuple]:
         """``plan`` moved one bucket (one layer) towards ``raw`` in each size where this decision
         and the previous one (``votes``) point the same way: a single noisy window moves
