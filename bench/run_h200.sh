@@ -28,7 +28,13 @@ export PYTHONUNBUFFERED=1
 # the commit the JSON files name: the device's copy of .git can lag the working tree, so write it
 # here before a call (git rev-parse HEAD > .treeops_commit; git-ignored) and it travels with it
 [ -f .treeops_commit ] && export TREEOPS_COMMIT=${TREEOPS_COMMIT:-$(cat .treeops_commit)}
-if [ -n "${SKIP_INSTALL:-}" ]; then :  # a caller already installed (two GPUs, two runs at once)
+# SKIP_INSTALL: a caller already installed (two GPUs, two runs at once; or an earlier call on
+# this machine). A fresh machine has nothing installed whatever the caller thought: install then.
+if [ -n "${SKIP_INSTALL:-}" ] && ! python3 -c "import treeops.kernels" 2>/dev/null; then
+  echo "SKIP_INSTALL ignored: treeops is not installed on this machine" | tee -a "$LOG"
+  unset SKIP_INSTALL
+fi
+if [ -n "${SKIP_INSTALL:-}" ]; then :
 elif ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
