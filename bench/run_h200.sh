@@ -17,8 +17,9 @@
 # Each stage runs under its own time limit (STAGE_LIMIT, seconds) so that one slow stage cannot
 # take the others' results with it; a log per call and the JSON files land in $OUT.
 # Compile caches: Triton's kernels and Inductor's (the pair's training) are kept under
-# /tmp/treeops-cc; a carried .carry/compile_cache.tgz (what cache_save wrote into $OUT last time,
-# at most 15 MB: a file coming back from a device call is at most 16 MiB) seeds them, so a fresh machine skips the compiles an earlier one did.
+# /tmp/treeops-cc; a carried .carry/compile_cache.tgz.part-* (what cache_save wrote into $OUT last
+# time: copy the parts into .carry/ and carry it) seeds them, so a fresh machine skips the compiles
+# an earlier one did.
 set -u
 OUT=${OUT:-/tmp/treeops-out}
 mkdir -p "$OUT"
@@ -43,9 +44,22 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee -a "$LOG"
 # not CC: the GPU machine exports CC (the C compiler Triton runs), and assigning it would replace it
 CACHE_ROOT=/tmp/treeops-cc
-if [ ! -d $CACHE_ROOT ] && [ -f .carry/compile_cache.tgz ]; then
-  mkdir -p $CACHE_ROOT && tar xzf .carry/compile_cache.tgz -C $CACHE_ROOT && echo "compile cache: $(du -sh $CACHE_ROOT | cut -f1) seeded" | tee -a "$LOG"
+if [ ! -d $CACHE_ROOT ] && ls .carry/compile_cache.tgz* >/dev/null 2>&1; then
+  # one file, or the parts cache_save split it into (cat in name order rebuilds it)
+  mkdir -p $CACHE_ROOT && cat .carry/compile_cache.tgz* | tar xz -C $CACHE_ROOT && echo "compile cache: $(du -sh $CACHE_ROOT | cut -f1) seeded" | tee -a "$LOG"
 fi
+# cache_save: both caches packed if they fit CACHE_MAX bytes, else Triton's alone, else none;
+# in 15 MB parts (a file coming back from a device call is at most 16 MiB; everything carried
+# into a call, the wheels included, at most 64 MiB)
+cache_save() {
+  local max=${CACHE_MAX:-36000000} f=/tmp/compile_cache.tgz
+  tar czf $f -C $CACHE_ROOT triton inductor; echo "both caches: $(stat -c %s $f) bytes"
+  [ "$(stat -c %s $f)" -le "$max" ] || { tar czf $f -C $CACHE_ROOT triton; echo "triton's: $(stat -c %s $f) bytes"; }
+  [ "$(stat -c %s $f)" -le "$max" ] || { echo "too large to carry: none saved"; rm -f $f; return 1; }
+  split -b 15000000 -d $f "$OUT/compile_cache.tgz.part-" && rm -f $f && ls -l "$OUT"/compile_cache.tgz.part-*
+}
+export -f cache_save  # the stages run in bash -c
+export CACHE_ROOT OUT
 mkdir -p $CACHE_ROOT/triton $CACHE_ROOT/inductor
 export TRITON_CACHE_DIR=$CACHE_ROOT/triton TORCHINDUCTOR_CACHE_DIR=$CACHE_ROOT/inductor
 # tests:<names> runs tests/test_<name>_gpu.py, or the gpu-marked tests of tests/test_<name>.py
@@ -83,8 +97,7 @@ for spec in "$@"; do
       echo $! >/tmp/treeops-train.pid
       summary="$summary\n$(printf '%-34s started' "$stage")"; continue;;
     wait_bg) cmd="while kill -0 \$(cat /tmp/treeops-train.pid) 2>/dev/null; do sleep 2; done; tail -n 3 $OUT/train/log.txt";;
-    cache_save)  # both caches if they pack into 15 MB, else Triton's alone, else none
-      cmd="tar czf $OUT/compile_cache.tgz -C $CACHE_ROOT triton inductor; [ \$(stat -c %s $OUT/compile_cache.tgz) -le 15000000 ] || tar czf $OUT/compile_cache.tgz -C $CACHE_ROOT triton; [ \$(stat -c %s $OUT/compile_cache.tgz) -le 15000000 ] || rm $OUT/compile_cache.tgz; ls -l $OUT/compile_cache.tgz";;
+    cache_save) cmd="cache_save";;
     *) echo "unknown stage $stage"; continue;;
   esac
   echo "=== $stage: $cmd" | tee -a "$LOG"
