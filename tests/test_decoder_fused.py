@@ -22,6 +22,7 @@ from treeops import Tree
 from treeops.decoder import Decoder, Draft, ModelConfig, Target, fused, make_policy
 from treeops.decoder.model import chain_tree
 from treeops.testing import NoHostSync
+from treeops.tree import anc_words, bit_value
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -108,6 +109,85 @@ def test_tree_index(seq_dtype, N, R):
     want = fused.tree_index_torch(seq, depth, q_start, R)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def _frontier_case(B, w, K, D, H, dtype, dev="cpu", strided=False):
+    """A plan's draft buffers as ``PlanBuffers`` shapes them (working tree of 1 + max(D - 1, 1) w
+    nodes inside a decoder scratch of more, its candidate -> node table, per-layer [3, B]
+    metadata) with random contents: depth, every bit of anc, features with NaN/inf/-0. Strided:
+    the tree and feature tensors are column slices of wider ones."""
+    g = torch.Generator().manual_seed(B * 1000 + w * 100 + K * 10 + D)
+    nd = 1 + max(D - 1, 1) * w
+    Nd = nd + 5  # the decoder's widest working tree
+    Wd = anc_words(nd)
+    C = w * K
+    c = torch.arange(D * C)
+    lay = c // C
+    row = torch.where(lay > 0, 1 + (lay - 1) * w + (c - lay * C) // K, 0)
+    cand_node = torch.cat([row, row.new_zeros(1)])
+    self_bits = torch.zeros(Nd, anc_words(Nd), dtype=torch.int32)
+    for k in range(Nd):
+        self_bits[k, k // 32] = bit_value(k)
+    s = 2 if strided else 1
+    depth = torch.randint(0, 50, (B, nd * s), generator=g, dtype=torch.int32)[:, ::s]
+    anc = torch.randint(-(2**31), 2**31, (B, nd * s, Wd), generator=g, dtype=torch.int32)[:, ::s]
+    hid = torch.randn(B, nd, H * s, generator=g)[:, :, ::s]
+    hid[0, 0, :3] = torch.tensor([float("nan"), float("-inf"), -0.0])
+    hid = hid.to(dtype)
+    feat = torch.randn(B, w * s, H, generator=g).to(dtype)[:, ::s]
+    meta = torch.randint(0, 99, (D, 3, B), generator=g, dtype=torch.int32)
+    meta_out = torch.full((3, B), -7, dtype=torch.int32)
+    ts = [cand_node, depth, anc, self_bits, hid, feat, meta, meta_out]
+    return [t.to(dev) for t in ts], C
+
+
+def _check_frontier_inputs(B, w, K, D, H, dtype, dev, strided):
+    """Every layer i >= 1 of a draft, in order, by the kernel and by the PyTorch ops on copies of
+    the same buffers: equal bit for bit after each layer, rows outside the frontier untouched."""
+    (cand_node, depth, anc, bits, hid, feat, meta, meta_out), C = _frontier_case(
+        B, w, K, D, H, dtype, dev, strided
+    )
+    ref = [t.clone() for t in (depth, anc, feat, meta_out)]
+    g = torch.Generator().manual_seed(7)
+    for i in range(1, D):
+        # candidates of layers < i (nodes before q_start) or -1 (unused: the root)
+        frontier = torch.randint(-1, i * C, (B, w), generator=g, dtype=torch.int32)
+        frontier[0, -1] = -1
+        frontier = frontier.to(dev)
+        qs = 1 + (i - 1) * w
+        before = depth.clone(), anc.clone()
+        fused.frontier_inputs(frontier, cand_node, qs, depth, anc, bits, hid, feat, meta[i],
+                              meta_out)  # fmt: skip
+        fused.frontier_inputs_torch(frontier, cand_node, qs, ref[0], ref[1], bits, hid, ref[2],
+                                    meta[i], ref[3])  # fmt: skip
+        assert torch.equal(depth, ref[0]) and torch.equal(anc, ref[1])
+        assert torch.equal(meta_out, meta[i]) and torch.equal(meta_out, ref[3])
+        # a copy: bit for bit, -0 and NaN payloads too (PyTorch's CPU gather of bf16 rewrites a
+        # NaN's bits: NaN there, the same bits elsewhere)
+        ib = {torch.float32: torch.int32}.get(dtype, torch.int16)
+        p = cand_node[frontier.long()]
+        hb = hid.view(ib).gather(1, p[:, :, None].expand(B, w, H))
+        assert torch.equal(feat.view(ib), hb)
+        nan = ref[2].isnan()
+        assert torch.equal(feat.isnan(), nan) and nan[0, -1, 0]  # (the root's, row -1 reads)
+        assert torch.equal(feat.view(ib)[~nan], ref[2].view(ib)[~nan])
+        out = torch.ones(depth.shape[1], dtype=torch.bool, device=dev)
+        out[qs : qs + w] = False
+        assert torch.equal(depth[:, out], before[0][:, out])
+        assert torch.equal(anc[:, out], before[1][:, out])
+        assert torch.equal(depth[:, qs : qs + w], before[0].gather(1, p) + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("B", "w", "K", "D", "H"),
+                         [(1, 1, 1, 2, 8), (3, 4, 3, 5, 40), (2, 8, 2, 6, 96),
+                          (2, 16, 4, 4, 33), (1, 3, 2, 2, 3000)])  # fmt: skip
+@pytest.mark.parametrize("strided", [False, True])
+def test_frontier_inputs(B, w, K, D, H, dtype, strided):
+    """The draft's per-layer frontier inputs in one kernel equal the PyTorch ops exactly (the
+    feature copy moves bits: bf16 too, in the interpreter); Wd = 1 and 2 words, H over one
+    block (3000)."""
+    _check_frontier_inputs(B, w, K, D, H, dtype, "cpu", strided)
 
 
 # ------------------------------------------------------------------------------ the models
@@ -415,6 +495,15 @@ def test_kernels_compiled_match_torch(dtype):
                          fused.tree_index_torch(seq, depth, qs, 10)):  # fmt: skip
         assert torch.equal(got, want)
     assert torch.equal(fused.tree_index(seq, depth)[0], fused.tree_index_torch(seq, depth)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_frontier_inputs_compiled(dtype, strided):
+    """The compiled frontier-inputs kernel against the PyTorch ops on CUDA (H = 640: the trained
+    H200 pair's; Wd = 2)."""
+    _check_frontier_inputs(4, 8, 4, 6, 640, dtype, "cuda", strided)
 
 
 GPU_CFG = ModelConfig(vocab_size=512, hidden_size=640, intermediate_size=1728,

@@ -1,5 +1,5 @@
 """Fused dense parts of the example decoder's forwards: Triton kernels and their launchers,
-private to ``treeops.decoder.model``.
+private to ``treeops.decoder`` (``model``'s forwards, ``graphs``' draft glue).
 
 What an inference engine fuses around the treeops ops, written by hand (deterministic: one
 program per row, a fixed reduction order, tile sizes from shapes only):
@@ -11,16 +11,19 @@ program per row, a fixed reduction order, tile sizes from shapes only):
   GEMM;
 * ``embed_cat``: the draft's fc input ``[embed(token), feature]`` in one pass;
 * ``tree_index``: a forward's per-row index math, once per forward (RoPE positions; for a draft
-  frontier also the rows' node index, K/V base and relative depths).
+  frontier also the rows' node index, K/V base and relative depths);
+* ``frontier_inputs``: the draft's per-layer glue before a frontier forward (each frontier row's
+  parent node, its depth and ancestor bits, its feature row, the layer's [B] metadata).
 
-Every kernel upcasts after each load and computes in fp32, rounding where the unfused PyTorch
-code rounds (RMSNorm: ``x.float()`` -> normalise -> x's dtype -> times the weight; SwiGLU:
-``silu(gate)`` rounded to the dtype before the product), so results match the unfused forward
-up to the reduction order of the norm and the approximate ``rsqrt``/``exp`` of the GPU. None of
+Every arithmetic kernel upcasts after each load and computes in fp32, rounding where the unfused
+PyTorch code rounds (RMSNorm: ``x.float()`` -> normalise -> x's dtype -> times the weight;
+SwiGLU: ``silu(gate)`` rounded to the dtype before the product), so results match the unfused
+forward up to the reduction order of the norm and the approximate ``rsqrt``/``exp`` of the GPU
+(``frontier_inputs`` only does integer math and copies features bit for bit: exact). None of
 them syncs with the host or sizes its launch from tensor values: they run inside the decoder's
 CUDA graphs.
 
-The model calls these only where ``use_kernels`` says so (CUDA tensors; ``on_cpu()`` forces
+The decoder calls these only where ``use_kernels`` says so (CUDA tensors; ``on_cpu()`` forces
 them onto CPU tensors, which the Triton interpreter runs: tests). Otherwise it runs the same
 math as PyTorch ops (``*_torch`` here and in ``model.py``).
 """
@@ -45,6 +48,8 @@ __all__ = [
     "embed_cat_torch",
     "tree_index",
     "tree_index_torch",
+    "frontier_inputs",
+    "frontier_inputs_torch",
 ]
 
 _FORCE = [False]
@@ -357,3 +362,131 @@ def tree_index(
         num_warps=1,
     )  # fmt: skip
     return pos, idx, base, rel
+
+
+# ----------------------------------------------------------- the draft's frontier inputs
+@triton.jit(do_not_specialize=["qs"])
+def _frontier_inputs(
+    FR,
+    CAND,
+    DEP,
+    ANC,
+    BITS,
+    HID,
+    FEAT,
+    META,
+    META_OUT,
+    qs,
+    last,
+    s_fb,
+    s_fj,
+    s_c,
+    s_db,
+    s_dn,
+    s_ab,
+    s_an,
+    s_ak,
+    s_bn,
+    s_bk,
+    s_hb,
+    s_hn,
+    s_hh,
+    s_eb,
+    s_ej,
+    s_eh,
+    s_mr,
+    s_mb,
+    s_or,
+    s_ob,
+    WD: tl.constexpr,
+    H: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_WD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    """Frontier row (b, j), node n = qs + j, parent p = CAND[FR[b, j]] (CAND[last] where FR < 0):
+    DEP[b, n] = DEP[b, p] + 1, ANC[b, n, :WD] = ANC[b, p, :WD] | BITS[n, :WD], FEAT[b, j] =
+    HID[b, p] (as bits); j == 0 also copies META[:, b] to META_OUT[:, b]."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)
+    f = tl.load(FR + b * s_fb + j * s_fj).to(tl.int64)
+    c = tl.where(f >= 0, f, last)
+    p = tl.load(CAND + c * s_c).to(tl.int64)
+    n = qs + j
+    dep = tl.load(DEP + b * s_db + p * s_dn)
+    tl.store(DEP + b * s_db + n * s_dn, dep + 1)
+    k = tl.arange(0, BLOCK_WD)
+    mk = k < WD
+    a = tl.load(ANC + b * s_ab + p * s_an + k * s_ak, mask=mk, other=0)
+    bits = tl.load(BITS + n * s_bn + k * s_bk, mask=mk, other=0)
+    tl.store(ANC + b * s_ab + n * s_an + k * s_ak, a | bits, mask=mk)
+    for h0 in range(0, H, BLOCK_H):
+        o = h0 + tl.arange(0, BLOCK_H)
+        mh = o < H
+        x = tl.load(HID + b * s_hb + p * s_hn + o * s_hh, mask=mh, other=0)
+        tl.store(FEAT + b * s_eb + j * s_ej + o * s_eh, x, mask=mh)
+    if j == 0:
+        r = tl.arange(0, BLOCK_ROWS)
+        mr = r < ROWS
+        m = tl.load(META + r * s_mr + b * s_mb, mask=mr, other=0)
+        tl.store(META_OUT + r * s_or + b * s_ob, m, mask=mr)
+
+
+def frontier_inputs_torch(
+    frontier: torch.Tensor, cand_node: torch.Tensor, q_start: int, depth: torch.Tensor,
+    anc: torch.Tensor, self_bits: torch.Tensor, hid: torch.Tensor, feat: torch.Tensor,
+    meta: torch.Tensor, meta_out: torch.Tensor,
+) -> None:  # fmt: skip
+    """``frontier_inputs`` in PyTorch ops."""
+    B, w = frontier.shape
+    Wd, H = anc.shape[2], hid.shape[2]
+    # -1 (an unused row) indexes the table's last entry: the root
+    pnode = cand_node[frontier]
+    new = slice(q_start, q_start + w)
+    torch.add(depth.gather(1, pnode), 1, out=depth[:, new])
+    pa = anc.gather(1, pnode[:, :, None].expand(B, w, Wd))
+    torch.bitwise_or(pa, self_bits[new, :Wd], out=anc[:, new])
+    torch.gather(hid, 1, pnode[:, :, None].expand(B, w, H), out=feat)
+    meta_out.copy_(meta)
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def frontier_inputs(
+    frontier: torch.Tensor, cand_node: torch.Tensor, q_start: int, depth: torch.Tensor,
+    anc: torch.Tensor, self_bits: torch.Tensor, hid: torch.Tensor, feat: torch.Tensor,
+    meta: torch.Tensor, meta_out: torch.Tensor,
+) -> None:  # fmt: skip
+    """The draft's inputs for a frontier of w rows at working-tree nodes ``q_start .. q_start +
+    w - 1``, in place, one launch.
+
+    ``frontier`` [B, w] (int): each row's candidate index, -1 for an unused row; ``cand_node``
+    [C + 1] (int): a candidate's working-tree node, the last entry (the root) read for -1. Row j's
+    parent p = ``cand_node[frontier[b, j]]`` must be a node before ``q_start``. Writes, at node
+    n = ``q_start + j``: ``depth`` [B, Nd] int32 ``depth[b, n] = depth[b, p] + 1``; ``anc`` [B, Nd,
+    Wd] int32 ``anc[b, n] = anc[b, p] | self_bits[n, :Wd]`` (``self_bits`` [>= Nd, >= Wd] int32:
+    a node's own bit); ``feat`` [B, w, H] ``= hid[b, p]`` (``hid`` [B, Nd, H] of feat's dtype,
+    copied bit for bit); and ``meta_out`` [R, B] ``= meta`` [R, B] (int32). Any strides; other rows
+    untouched. ``q_start`` is a runtime argument: one compiled kernel serves every layer."""
+    B, w = frontier.shape
+    Wd, H = anc.shape[2], hid.shape[2]
+    assert depth.shape == anc.shape[:2] and depth.shape[0] == B and q_start + w <= depth.shape[1]
+    assert self_bits.shape[0] >= q_start + w and self_bits.shape[1] >= Wd
+    assert hid.shape[0] == B and feat.shape == (B, w, H) and feat.dtype == hid.dtype
+    assert meta.shape == meta_out.shape and meta.shape[1] == B
+    if B * w == 0:
+        return
+    bits = _BITS[hid.element_size()]  # the copy moves bits: any float dtype, NaNs kept
+    hb, fb = hid.view(bits), feat.view(bits)
+    rows = meta.shape[0]
+    block = min(triton.next_power_of_2(H), 2048)
+    _frontier_inputs[(B, w)](
+        frontier, cand_node, depth, anc, self_bits, hb, fb, meta, meta_out,
+        q_start, cand_node.shape[0] - 1, *frontier.stride(), cand_node.stride(0),
+        *depth.stride(), *anc.stride(), *self_bits.stride(), *hb.stride(), *fb.stride(),
+        *meta.stride(), *meta_out.stride(),
+        WD=Wd, H=H, ROWS=rows, BLOCK_WD=triton.next_power_of_2(Wd), BLOCK_H=block,
+        BLOCK_ROWS=triton.next_power_of_2(rows), num_warps=_warps(block),
+    )  # fmt: skip

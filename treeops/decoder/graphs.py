@@ -25,6 +25,7 @@ import torch
 
 from .._draft_state import DraftState
 from ..tree import Tree, anc_words, bit_value
+from . import fused
 from .model import PagedKV, chain_tree
 from .results import DecodeResult
 
@@ -303,18 +304,12 @@ class _StaticBatch:
         q_start + w - 1`` of ``pb.dtree``, w = the plan's frontier rows): depth and anc from
         each row's parent node, the parent's target feature, and the layer's [B] metadata.
         Returns q_start."""
-        dt, B, w = pb.dtree, self.B, pb.w
-        qs = 1 + (i - 1) * w
-        # [B, w] int64: each frontier row's parent node, looked up by its candidate index (-1, an
-        # unused row, reads the table's last entry: the root)
-        pnode = pb.cand_node[frontier]
-        Wd, H = dt.anc.shape[2], self.hidden_size
-        new = slice(qs, qs + w)
-        torch.add(dt.depth.gather(1, pnode), 1, out=dt.depth[:, new])
-        pa = dt.anc.gather(1, pnode[:, :, None].expand(B, w, Wd))
-        torch.bitwise_or(pa, self.self_bits[new, :Wd], out=dt.anc[:, new])
-        torch.gather(pb.hid, 1, pnode[:, :, None].expand(B, w, H), out=pb.d_feat)
-        self.d_meta.copy_(pb.layer_meta[i])  # num_nodes, q_start, q_len (EAGLE: w rows)
+        qs = 1 + (i - 1) * pb.w
+        dt = pb.dtree
+        # num_nodes, q_start, q_len (EAGLE: w rows) into the draft forward's [3, B] metadata
+        run = fused.frontier_inputs if fused.use_kernels(frontier) else fused.frontier_inputs_torch
+        run(frontier, pb.cand_node, qs, dt.depth, dt.anc, self.self_bits, pb.hid, pb.d_feat,
+            pb.layer_meta[i], self.d_meta)  # fmt: skip
         return qs
 
     def draft_body(self, R: int, pb: PlanBuffers | None = None):
