@@ -187,8 +187,11 @@ STEP_NOISE_US = 200.0
 """Assumed standard deviation of one step's measured time (µs): sets how many steps of data
 outweigh the prior."""
 RESIDUAL_CAP = 64
-"""Steps a plan's mean residual (and its measured η) weighs at most (older steps do not outvote
-the recent)."""
+"""Steps a plan's mean residual weighs at most (older steps do not outvote the recent)."""
+MEASURED_CAP = 256
+"""Steps a plan's measured η weighs at most. More than the residual's: a step's tokens are far
+noisier than its time (at B = 1 one request's accept length, ±40 %), and telling plans a few
+percent apart takes a few hundred steps there."""
 MEASURED_MIN_STEPS = 8
 """Timed steps of a plan before its measured η may overrule the rules (one window)."""
 MEASURED_MAX_AGE = 1024
@@ -230,6 +233,11 @@ probe, after this many times the usual wait."""
 PROBE_MAX_WINDOWS = 3
 """Windows a probe runs at most waiting for ``MEASURED_MIN_STEPS`` timed steps (a step that
 captured a graph is no measure)."""
+PROBE_EXTEND_WINDOWS = 32
+"""Windows a probe runs at most while neither it nor the plan it left beats the other by
+``MEASURED_Z`` standard errors (at a small batch, where a step's tokens are noisy, one window
+never decides between neighbouring plans; a plan clearly worse is left at once). Still undecided
+at the end, the probe is kept if it measures the higher."""
 
 
 def _features(plan: Plan) -> np.ndarray:
@@ -514,7 +522,7 @@ class CastPlanner:
             m = st.measured.setdefault(plan, [0.0, 0.0, 0.0, 0])
             if st.steps - m[3] > MEASURED_MAX_AGE:  # stale: a new measurement, not a blend
                 m[:] = [0.0, 0.0, 0.0, 0]
-            m[0] = min(m[0] + 1.0, RESIDUAL_CAP)
+            m[0] = min(m[0] + 1.0, MEASURED_CAP)
             m[1] += (eta - m[1]) / m[0]
             m[2] += (eta * eta - m[2]) / m[0]
             m[3] = st.steps
@@ -588,18 +596,25 @@ class CastPlanner:
         """After a probe's window (back to the plan it left, unless the best measured plan
         beats that one) or a chain's (to the best measured plan if it beats the chain), then
         the next probe if one is due. A probe not yet measured runs on (at most
-        ``PROBE_MAX_WINDOWS`` windows)."""
+        ``PROBE_MAX_WINDOWS`` windows), and so does one neither better nor worse than the plan it
+        left by ``MEASURED_Z`` standard errors yet (at most ``PROBE_EXTEND_WINDOWS``)."""
         if st.home is not None:
             m = st.measured.get(plan)
             st.probe_windows += 1
             if (m is None or m[0] < MEASURED_MIN_STEPS) and st.probe_windows < PROBE_MAX_WINDOWS:
                 return plan
+            undecided, lead = self._undecided(st, plan, st.home)
+            if st.probe_windows < PROBE_EXTEND_WINDOWS and undecided:
+                return plan
+            # a probe still undecided after all its windows is taken if it leads: the two are
+            # within the noise of as many steps as a probe may run
+            held = undecided and lead
             home, probed, st.home, st.probe_windows = st.home, plan, None, 0
         else:
-            home, probed = plan, None
+            home, probed, held = plan, None, False
         live = self._live(st)
-        nxt = home
-        if home in live:
+        nxt = probed if held else home
+        if home in live and not held:
             best = max(live, key=lambda p: live[p][1])
             if best != home and self._beats(live, best, home):
                 nxt = best
@@ -608,6 +623,15 @@ class CastPlanner:
         if probed is not None:
             st.backoff = 1 if nxt == probed else min(2 * st.backoff, PROBE_BACKOFF_MAX)
         return self._probe(st, nxt)
+
+    def _undecided(self, st: _BatchState, p: Plan, q: Plan) -> tuple[bool, bool]:
+        """(whether neither of ``p`` and ``q``, both live, beats the other by ``MEASURED_Z``
+        standard errors, whether ``p`` measures the higher)."""
+        live = self._live(st)
+        if p not in live or q not in live:
+            return False, False
+        undecided = not self._beats(live, p, q) and not self._beats(live, q, p)
+        return undecided, live[p][1] > live[q][1]
 
     def _probe(self, st: _BatchState, cur: Plan) -> Plan:
         """``PROBE_EVERY`` decisions (times the backoff) after the last probe, and next to a tree
