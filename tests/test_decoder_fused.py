@@ -340,12 +340,53 @@ class _Sites(TorchDispatchMode):
         return call
 
 
+@pytest.mark.parametrize("frontier", [True, False])
+def test_draft_cache_only_forward_writes_the_same_cache(models, frontier):
+    """``outputs=False`` (a catch-up or prefill: nobody reads the logits or hidden states)
+    appends the same K and V as the whole forward and returns None, on the CPU path exactly and
+    on the fused path (one k/v GEMM over the concatenated weight's rows) to rounding; with
+    ``logits_out`` the logits land in the given (strided) buffer, equal to the returned ones."""
+    target, draft = models
+    tree = _tree()
+    B = 2
+    seq = torch.tensor([5, 9], dtype=torch.int32)
+    R, qs, ql = 7, None, None
+    if frontier:
+        R, qs, ql = (
+            3,
+            torch.tensor([1, 4], dtype=torch.int32),
+            torch.tensor([3, 1], dtype=torch.int32),
+        )
+    tok = tree.tokens[:, :R]
+    feats = torch.randn(B, R, CFG.hidden_size)
+
+    def run(**kw):
+        kv = _cache(draft, B, 2, torch.float32)
+        return draft.forward(target, tok, feats, kv, seq, tree, qs, ql, **kw), kv
+
+    (logits, _), full = run()
+    none, kv_only = run(outputs=False)
+    assert none is None
+    assert torch.equal(kv_only.k, full.k) and torch.equal(kv_only.v, full.v)
+    store = torch.full((B, R + 2, CFG.vocab_size), float("nan"))
+    (out, _), _ = run(logits_out=store[:, 1 : R + 1])
+    assert out.data_ptr() == store[:, 1].data_ptr() and torch.equal(out, logits)
+    assert store[:, 0].isnan().all() and store[:, R + 1].isnan().all()
+    with fused.on_cpu():
+        (_, _), full = run()
+        none, kv_only = run(outputs=False)
+    assert none is None
+    torch.testing.assert_close(kv_only.k, full.k, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kv_only.v, full.v, atol=1e-6, rtol=1e-6)
+
+
 def test_fused_forward_launch_sites(models, monkeypatch):
     """Per target layer: 2 add+RMSNorm, 4 GEMMs (q/k/v, o, gate/up, down), SwiGLU, kv_append
     (which rotates q too), tree_attention and nothing else (no cast, no elementwise op); per
     forward the final norm and the LM head. The draft's frontier forward: its index math, its fc
     input (one kernel) and GEMM, its layer, the scatter/gather around attention, its norm and
-    head."""
+    head; its cache-only forward (a catch-up): the fc input and GEMM, the input norm, one k/v
+    GEMM and kv_append."""
     target, draft = models
     # the unpoisoned allocator (tests/conftest.py fills torch.empty's memory: a fill_ to ignore)
     monkeypatch.setattr(torch, "empty", torch._C._VariableFunctions.empty)
@@ -377,6 +418,12 @@ def test_fused_forward_launch_sites(models, monkeypatch):
         # fc input and GEMM, the final norm, the head, the index math, scatter/gather
         want.update({"embed_cat": 1, "mm": 2, "add_rmsnorm": 1, "tree_index": 1, "scatter_": 1,
                      "gather": 1})  # fmt: skip
+        assert Counter(s.ops) == want, s.ops
+        s.ops.clear()
+        feats = torch.randn(2, 7, CFG.hidden_size)
+        with s:  # a catch-up: K and V only (fc input and GEMM, the input norm, one k/v GEMM)
+            draft(target, tree.tokens, feats, dkv, seq, tree, outputs=False)
+        want = Counter({"embed_cat": 1, "mm": 2, "add_rmsnorm": 1, "kv_append": 1})
         assert Counter(s.ops) == want, s.ops
 
 

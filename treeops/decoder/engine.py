@@ -465,7 +465,7 @@ class Decoder:
             logits, h = tgt(ptok, tkv, zero, chain)
             if dft is not None:
                 feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
-                dft(tgt, ptok, feats, dkv, zero, chain)
+                dft(tgt, ptok, feats, dkv, zero, chain, outputs=False)
             last = (plen.long() - 1).clamp(min=0)
             root_feat = torch.where(
                 (plen > 0)[:, None], h[torch.arange(B, device=dev), last], root_feat

@@ -324,12 +324,12 @@ class _StaticBatch:
         tok = pb.state.frontier_tokens
 
         def body():
-            # the frontier's tokens are the draft state's own buffer (the root at layer 0)
-            logits, h = dft(
+            # the frontier's tokens are the draft state's own buffer (the root at layer 0); the
+            # logits go straight into the expand's input (the head's one converting copy)
+            _, h = dft(
                 dec.target, tok[:, :R], pb.d_feat[:, :R], self.dkv, self.seq_lens,
-                pb.dtree, self.d_qs, self.d_qlen,
+                pb.dtree, self.d_qs, self.d_qlen, logits_out=pb.d_logits[:, :R],
             )  # fmt: skip
-            pb.d_logits[:, :R].copy_(logits)
             pb.d_h[:, :R].copy_(h)
 
         return body
@@ -349,7 +349,7 @@ class _StaticBatch:
         tok, feat = self.catchup_rows(R)
 
         def body():
-            dft(dec.target, tok, feat, self.dkv, self.seq_lens, ch)
+            dft(dec.target, tok, feat, self.dkv, self.seq_lens, ch, outputs=False)
 
         return body
 

@@ -194,14 +194,34 @@ class Attention(nn.Module):
         """The inference weight ``cat([q_proj, k_proj, v_proj])`` [(H_q + 2 H_kv) D, H]."""
         return _concat(self, "_wqkv", (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
 
-    def forward_fused(self, h: torch.Tensor, f: _Fwd, kv: PagedKV, layer: int) -> torch.Tensor:
+    def forward_fused(
+        self, h: torch.Tensor, f: _Fwd, kv: PagedKV, layer: int, kv_only: bool = False
+    ) -> torch.Tensor | None:
         """``forward`` of the normed input ``h`` [B, R, H] with the forward's shared index math
         ``f``: on the fused path one GEMM for q/k/v (strided views of its output feed the
         treeops ops; ``kv_append`` rotates the q view in place), otherwise the three
-        projections as ``forward``. Returns o_proj's output (the residual's delta)."""
+        projections as ``forward``. Returns o_proj's output (the residual's delta); with
+        ``kv_only`` only K and V are computed and appended (no q, no attention) and it returns
+        None."""
         cfg = self.cfg
         B, R, _ = h.shape
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        kc, vc, bt = kv.k[layer], kv.v[layer], kv.block_table
+        theta, tree = cfg.rope_theta, f.tree
+        if kv_only:
+            if f.kernels:  # the k/v rows of the concatenated weight: one GEMM
+                kv_ = nn.functional.linear(h, self.wqkv()[Hq * D :])
+                k = kv_[..., : Hkv * D].unflatten(-1, (Hkv, D))
+                v = kv_[..., Hkv * D :].unflatten(-1, (Hkv, D))
+            else:
+                k = self.k_proj(h).view(B, R, Hkv, D)
+                v = self.v_proj(h).view(B, R, Hkv, D)
+            if f.q_start is None:
+                kv_append(k, v, kc, vc, bt, f.seq_lens, tree.num_nodes, tree.depth,
+                          rope_theta=theta)  # fmt: skip
+            else:
+                kv_append(k, v, kc, vc, bt, f.base, f.q_len, f.rel, rope_theta=theta)
+            return None
         if f.kernels:
             qkv = nn.functional.linear(h, self.wqkv())
             q = qkv[..., : Hq * D].unflatten(-1, (Hq, D))
@@ -211,8 +231,6 @@ class Attention(nn.Module):
             q = self.q_proj(h).view(B, R, Hq, D)
             k = self.k_proj(h).view(B, R, Hkv, D)
             v = self.v_proj(h).view(B, R, Hkv, D)
-        kc, vc, bt = kv.k[layer], kv.v[layer], kv.block_table
-        theta, tree = cfg.rope_theta, f.tree
         # q rotated in place by kv_append at K's positions (see ``forward``)
         if f.q_start is None:
             kv_append(k, v, kc, vc, bt, f.seq_lens, tree.num_nodes, tree.depth, q=q,
@@ -298,11 +316,14 @@ class Layer(nn.Module):
         x = x + self.self_attn.forward_causal(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, x, h, f: _Fwd, kv: PagedKV, layer: int):
+    def forward_fused(self, x, h, f: _Fwd, kv: PagedKV, layer: int, kv_only: bool = False):
         """The layer with its residual adds folded into the norms: ``x`` [B, R, H] is the
         residual stream, ``h`` its ``input_layernorm``; returns ``(x', delta)`` with the layer's
         output ``x' + delta`` left to the caller's next ``f.norm`` (the next layer's input norm,
-        or the final one)."""
+        or the final one). ``kv_only``: only the layer's K and V appended to ``kv`` (what a
+        forward whose outputs nobody reads must do); returns None."""
+        if kv_only:
+            return self.self_attn.forward_fused(h, f, kv, layer, kv_only=True)
         delta = self.self_attn.forward_fused(h, f, kv, layer)
         x, h = f.norm(x, delta, self.post_attention_layernorm)
         return x, self.mlp.forward_fused(h, f)
@@ -417,9 +438,14 @@ class Target(nn.Module):
         )
         _init(self, seed, std)
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
+    def head(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [.., V] float32 of hidden states ``h`` [.., H]; with ``out`` (float32, h's
+        leading shape, any strides) written there by the GEMM's one converting copy instead of
+        a cast to new memory (one kernel and one float32 write fewer), and ``out`` returned."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (h @ w.t()).float()
+        if out is None:
+            return (h @ w.t()).float()
+        return out.copy_(h @ w.t())
 
     def forward(self, tokens, kv: PagedKV, seq_lens, tree: Tree):
         """The tree forward (class docstring). On CUDA the fused path: per layer one add +
@@ -551,22 +577,30 @@ class Draft(nn.Module):
         _init(self, seed, std)
 
     def forward(
-        self, target: Target, tokens, feats, kv: PagedKV, seq_lens, tree, q_start=None, q_len=None
-    ):
+        self, target: Target, tokens, feats, kv: PagedKV, seq_lens, tree, q_start=None, q_len=None,
+        logits_out: torch.Tensor | None = None, outputs: bool = True,
+    ):  # fmt: skip
         """tokens [B, N], feats [B, N, H] (the parent position's feature of each node) ->
         (logits [B, N, V] float32, hidden [B, N, H]). With ``q_start``/``q_len`` the R rows of
         ``tokens``/``feats`` are the nodes ``q_start[b] + j`` (a frontier; written to the cache
-        and attended; rows ``j >= q_len[b]`` are ignored). On CUDA the fused path (as
-        ``Target.forward``; the fc input gathered and concatenated by one kernel, the frontier's
-        index math one kernel per forward); on the CPU PyTorch ops, as ``forward_unfused``."""
+        and attended; rows ``j >= q_len[b]`` are ignored). ``logits_out`` ([B, N, V] float32):
+        the logits are written there (``Target.head``'s ``out``) and it is returned.
+        ``outputs=False``: only the cache is written (a catch-up or a prefill, whose logits and
+        hidden states nobody reads): the layer's K and V, no attention, MLP, final norm or LM
+        head; returns None. On CUDA the
+        fused path (as ``Target.forward``; the fc input gathered and concatenated by one kernel,
+        the frontier's index math one kernel per forward); on the CPU PyTorch ops, as
+        ``forward_unfused``."""
         kern = fused.use_kernels(tokens)
         f = _Fwd(self.cfg, seq_lens, tree, tokens.shape[1], q_start, q_len, kernels=kern)
         cat = fused.embed_cat if kern else fused.embed_cat_torch
         x = self.fc(cat(tokens, feats, target.model.embed_tokens.weight, self.fc.weight.dtype))
         x, h = f.norm(x, None, self.layer.input_layernorm)
+        if not outputs:
+            return self.layer.forward_fused(x, h, f, kv, 0, kv_only=True)
         x, delta = self.layer.forward_fused(x, h, f, kv, 0)
         x, h = f.norm(x, delta, self.norm)
-        return target.head(h), x
+        return target.head(h, out=logits_out), x
 
     def forward_unfused(
         self, target: Target, tokens, feats, kv: PagedKV, seq_lens, tree, q_start=None, q_len=None

@@ -363,7 +363,7 @@ class EagerStep(StepBody):
         feats = torch.cat([c.root_feat[:, None], v.path_h[:, :-1]], 1)
         ctok = torch.where(on_path, v.path_tok, 0)
         chain = chain_tree(ctok, v.alen.to(torch.int32))
-        dft(dec.target, ctok, feats, self.dkv, c.seq_lens, chain)
+        dft(dec.target, ctok, feats, self.dkv, c.seq_lens, chain, outputs=False)
         self.res.time_draft += time.perf_counter() - t0
 
     def _draft_tree(self, root: torch.Tensor, pol) -> Tree:
