@@ -456,6 +456,49 @@ def cast_stats(B, d, C, D=10, W=10, N=96, graft=False):
     return f"cast_step_stats B={B} d={d} C={C} D={D} W={W} N={N} graft={graft}", case
 
 
+def decoder_fused(B, R, H, I, V, w=10, D=10, dtype=torch.bfloat16):
+    """The example decoder's fused kernels (``treeops.decoder.fused``) at one forward's shapes:
+    the residual add + RMSNorm (with a delta, without, gathering the embedding), SwiGLU, the
+    draft's fc input, the index math (a whole tree and a frontier of ``w`` rows) and the draft's
+    frontier inputs over a working tree of ``1 + (D - 1) w`` nodes."""
+
+    def case():
+        from treeops.decoder import fused
+        from treeops.tree import anc_words
+
+        x = torch.randn(B, R, H, generator=G).to(dtype)
+        weight = torch.ones(H, dtype=dtype)
+        table = torch.randn(V, H, generator=G).to(dtype)
+        tokens = torch.randint(0, V, (B, R), generator=G)
+        gu = torch.randn(B, R, 2 * I, generator=G).to(dtype)
+        seq = torch.full((B,), 300, dtype=torch.int32)
+        nd = 1 + (D - 1) * w
+        depth = torch.zeros(B, nd, dtype=torch.int32)
+        anc = torch.zeros(B, nd, anc_words(nd), dtype=torch.int32)
+        bits = torch.zeros(nd, anc_words(nd), dtype=torch.int32)
+        hid = torch.randn(B, nd, H, generator=G).to(dtype)
+        feat = torch.empty(B, w, H, dtype=dtype)
+        frontier = torch.randint(-1, w * 10, (B, w), generator=G, dtype=torch.int32)
+        cand = torch.zeros(D * w * 10 + 1, dtype=torch.int64)
+        meta = torch.zeros(3, B, dtype=torch.int32)
+        q_start = torch.ones(B, dtype=torch.int32)
+
+        def launch():
+            fused.add_rmsnorm(x, x, weight, 1e-6)
+            fused.add_rmsnorm(x, None, weight, 1e-6)
+            fused.add_rmsnorm(table, None, weight, 1e-6, tokens=tokens)
+            fused.swiglu(gu)
+            fused.embed_cat(tokens, x, table, dtype)
+            fused.tree_index(seq, depth)
+            fused.tree_index(seq, depth, q_start, w)
+            fused.frontier_inputs(frontier, cand, 1, depth, anc, bits, hid, feat, meta,
+                                  meta.clone())  # fmt: skip
+
+        return launch
+
+    return f"decoder_fused B={B} R={R} H={H} I={I} V={V} w={w} {dtype}", case
+
+
 def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     bf, fp = torch.bfloat16, torch.float16
     if quick:
@@ -477,6 +520,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             prune(8, 64),
             cast(8, 100, 10),
             cast_stats(8, 4, 20),
+            decoder_fused(8, 10, 640, 1728, 8192),
         ]
     out = []
     # tree attention: docs/benchmarks.md's shapes and its grid's corners, every head dim, GQA
@@ -556,6 +600,11 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     # λ-CAST's step statistics: the planner's largest plan (depth 10 of 10 rows of 10) and a
     # chain-like one
     out += [cast_stats(64, 10, 100), cast_stats(1, 6, 10), cast_stats(64, 10, 100, graft=True)]
+    # the example decoder's fused kernels: the trained pair's shapes (d = 640, a 96-node
+    # verification), an 8B-class layer, fp32 features
+    out += [decoder_fused(64, 96, 640, 1728, 8192), decoder_fused(1, 1, 640, 1728, 8192, w=1),
+            decoder_fused(8, 64, 4096, 14336, 128256),
+            decoder_fused(4, 10, 640, 1728, 8192, dtype=torch.float32)]  # fmt: skip
     return out
 
 
