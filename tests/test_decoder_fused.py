@@ -246,6 +246,28 @@ def test_target_fused_equals_unfused(dtype, chain):
     torch.testing.assert_close(got[2].v, ref[2].v, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_target_logits_native_and_none(dtype):
+    """``logits="native"``: the head's output in the weights' dtype, whose float32 cast is the
+    default's logits exactly; ``"none"``: no head, the same hidden states and cache writes; any
+    other value a ValueError naming the argument."""
+    target = Target(CFG, seed=0).to(dtype)
+    tree = _tree()
+    seq = torch.tensor([5, 9], dtype=torch.int32)
+    for ctx in (fused.on_cpu(), torch.no_grad()):
+        with ctx:
+            ref = _target_run(target, target.forward, tree, seq, dtype)
+            native = _target_run(target, lambda *a: target.forward(*a, logits="native"), tree,
+                                 seq, dtype)  # fmt: skip
+            none = _target_run(target, lambda *a: target.forward(*a, logits="none"), tree, seq,
+                               dtype)  # fmt: skip
+        assert native[0].dtype == dtype and torch.equal(native[0].float(), ref[0])
+        assert none[0] is None and torch.equal(none[1], ref[1])
+        assert torch.equal(none[2].k, ref[2].k) and torch.equal(none[2].v, ref[2].v)
+    with pytest.raises(ValueError, match="logits"):
+        target.forward(tree.tokens, _cache(target, 2, 1, dtype), seq, tree, logits="bf16")
+
+
 @pytest.mark.parametrize("frontier", [True, False])
 def test_draft_fused_equals_unfused(models, frontier):
     """The draft's frontier forward (rows q_start .. q_start + q_len - 1; the rest ignored) and

@@ -462,7 +462,9 @@ class Decoder:
             plen = seq_lens.clone()
             chain = chain_tree(ptok, plen)
             zero = torch.zeros(B, dtype=torch.int32, device=dev)
-            logits, h = tgt(ptok, tkv, zero, chain)
+            # the logits only warm Graft's table: without one, no LM head over the prompts
+            want = "none" if self.table is None else "float32"
+            logits, h = tgt(ptok, tkv, zero, chain, logits=want)
             if dft is not None:
                 feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
                 dft(tgt, ptok, feats, dkv, zero, chain, outputs=False)

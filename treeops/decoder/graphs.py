@@ -294,7 +294,7 @@ class _StaticBatch:
                 next_sibling=link(vin.next_sibling),
                 scores=vin.scores[:, :n].contiguous(),
             )
-            logits, h = tgt(t.tokens, tkv, seq_lens, t)
+            logits, h = tgt(t.tokens, tkv, seq_lens, t, logits="native")  # accept upcasts
             return t, logits, h
 
         return body

@@ -447,12 +447,20 @@ class Target(nn.Module):
             return (h @ w.t()).float()
         return out.copy_(h @ w.t())
 
-    def forward(self, tokens, kv: PagedKV, seq_lens, tree: Tree):
+    def forward(self, tokens, kv: PagedKV, seq_lens, tree: Tree, logits: str = "float32"):
         """The tree forward (class docstring). On CUDA the fused path: per layer one add +
         RMSNorm kernel, the q/k/v GEMM, kv_append (K, V and q), tree_attention, o_proj, add +
         RMSNorm, the gate/up GEMM, SwiGLU, down_proj (the embedding gathers inside the first
         norm). On the CPU the same math in PyTorch ops, as
-        ``forward_unfused``."""
+        ``forward_unfused``. ``logits``: ``"float32"`` (the head's output cast), ``"native"``
+        (the head's output in the weights' dtype: what a consumer that upcasts after each load,
+        as treeops' acceptance does, reads at half the bytes, with no cast kernel; the values
+        are the same) or ``"none"`` (no LM head: a prefill whose logits nobody reads; the
+        first result is then None)."""
+        if logits not in ("float32", "native", "none"):
+            raise ValueError(
+                f"Invalid value of logits: expected 'float32', 'native' or 'none', got {logits!r}"
+            )
         f = _Fwd(self.cfg, seq_lens, tree, tokens.shape[1], kernels=fused.use_kernels(tokens))
         layers = self.model.layers
         norms = [layer.input_layernorm for layer in layers] + [self.model.norm]
@@ -460,6 +468,11 @@ class Target(nn.Module):
         for i, layer in enumerate(layers):
             x, delta = layer.forward_fused(x, h, f, kv, i)
             x, h = f.norm(x, delta, norms[i + 1])
+        if logits == "none":
+            return None, h
+        if logits == "native":
+            w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            return h @ w.t(), h
         return self.head(h), h
 
     def forward_unfused(self, tokens, kv: PagedKV, seq_lens, tree: Tree):

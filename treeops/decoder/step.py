@@ -328,7 +328,8 @@ class EagerStep(StepBody):
     def verify(self, n):
         tree = self.tree
         assert tree is not None
-        logits, h = self.dec.target(tree.tokens, self.tkv, self.carry.seq_lens, tree)
+        logits, h = self.dec.target(tree.tokens, self.tkv, self.carry.seq_lens, tree,
+                                    logits="native")  # fmt: skip
         return tree, logits, h
 
     def receive(self, pack):
