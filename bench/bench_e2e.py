@@ -842,6 +842,31 @@ def timed_run(dec, groups, args) -> DecodeResult:
     return merge_results(out)
 
 
+def warm_up_planner(dec, B: int, groups: list, args, until: float) -> int:
+    """λ-CAST's warm-up at batch size ``B``: ``dec`` decodes one group after another (from the
+    second) until its planner has seen ``args.planner_warmup_steps`` steps, measured a chain
+    (where it probes them) and the chains its probes compare next to its plan
+    (``CastPlanner.unprobed``), and a whole group kept its plan, or ``time.time()`` passes
+    ``until``. Returns the groups decoded."""
+    planner = dec.planner
+    g, last = 1, None
+    while time.time() < until:
+        d = planner.describe(B)
+        # a chain measured too where the planner probes them: the timed runs keep to the plans
+        # the warm-up ran
+        probed = not planner.chain_probes or any(row[7] == 1 for row in d["plans_measured"])
+        if (d["steps"] >= args.planner_warmup_steps and d["plan"] == last and probed
+                and not planner.unprobed(B)):  # fmt: skip
+            # enough steps, a chain measured, a whole group kept its plan and the chains next
+            # to it (depth ± 1) measured: the timed runs, restricted to the warm-up's plans, can
+            # still move to a deeper or shallower chain
+            break
+        last = d["plan"]
+        dec.generate(groups[g % len(groups)], args.new_tokens)
+        g += 1
+    return g - 1
+
+
 def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, graphs, floor_us,
               layers, doc, deadline: float | None = None) -> list[dict]:  # fmt: skip
     """The rows of one batch size: decoders built and warmed up (graphs captured), then
@@ -866,26 +891,11 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
                     decs[pol].generate(groups[0], args.new_tokens)
                 sync()
                 planner = decs[pol].planner
-                g, last = 1, None
                 cap = args.planner_warmup_s
                 if deadline is not None:  # the rounds need the rest
                     cap = min(cap, max(0.0, (deadline - time.time()) / 3))
-                while planner is not None and time.time() - t0 < cap:
-                    d = planner.describe(B)
-                    # a chain measured too where the planner probes them: the timed runs keep
-                    # to the plans the warm-up ran
-                    probed = not planner.chain_probes or any(
-                        row[7] == 1 for row in d["plans_measured"]
-                    )
-                    if (d["steps"] >= args.planner_warmup_steps and d["plan"] == last and probed
-                            and not planner.unprobed(B)):  # fmt: skip
-                        # enough steps, a chain measured, a whole group kept its plan and the
-                        # chains next to it (depth ± 1) measured: the timed runs, restricted to
-                        # the warm-up's plans, can still move to a deeper or shallower chain
-                        break
-                    last = d["plan"]
-                    decs[pol].generate(groups[g % len(groups)], args.new_tokens)
-                    g += 1
+                if planner is not None:
+                    warm_up_planner(decs[pol], B, groups, args, t0 + cap)
                 sync()
                 if planner is not None and not args.free_plans:
                     # as an engine with its graphs captured at start-up: the timed runs move

@@ -183,3 +183,24 @@ def test_bench_e2e_graft_ablation_rows(tmp_path):
         assert "error" not in r, r
         assert r["policy"] == "autoregressive" or r["divergence"]["mismatch"] == 0
     assert rows["CastPrune"]["grafted_per_step"] == 0 and "grafted_per_step" not in rows["Cast"]
+
+
+def test_warm_up_planner_runs_until_the_neighbouring_chains_are_measured(pair):
+    """λ-CAST's warm-up (the GPU path of run_batch) decodes groups until its planner has the
+    steps asked for, a measured chain, no unprobed neighbouring chain and a group that kept its
+    plan; with no time left it decodes none."""
+    import time
+
+    target, draft = pair
+    args = bench.parser().parse_args(["--out", "unused", "--new-tokens", "16", "--cast-depth",
+                                      "4", "--cast-budget", "16", "--planner-warmup-steps",
+                                      "40"])  # fmt: skip
+    table = bench.synthetic_cost_table(64)
+    groups = bench.groups_of(bench.random_prompts(target.cfg.vocab_size, 4, 8), 2, 8)
+    dec = bench.make_decoder("Cast", target, draft, args, table, False)
+    assert bench.warm_up_planner(dec, 2, groups, args, time.time() - 1.0) == 0
+    n = bench.warm_up_planner(dec, 2, groups, args, time.time() + 120.0)
+    pl = dec.planner
+    d = pl.describe(2)
+    assert n >= 1 and d["steps"] >= 40 and not pl.unprobed(2)
+    assert any(row[7] == 1 for row in d["plans_measured"])
