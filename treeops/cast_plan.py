@@ -190,7 +190,7 @@ RESIDUAL_CAP = 64
 """Steps a plan's mean residual weighs at most (older steps do not outvote the recent)."""
 MEASURED_CAP = 256
 """Steps a plan's measured η weighs at most. More than the residual's: a step's tokens are far
-noisier than its time (at B = 1 one request's accept length, ±40 %), and telling plans a few
+noisier than its time (at B = 1 one request's accept length, about ±35 %), and telling plans a few
 percent apart takes a few hundred steps there."""
 MEASURED_MIN_STEPS = 8
 """Timed steps of a plan before its measured η may overrule the rules (one window)."""
@@ -783,9 +783,8 @@ class CastPlanner:
         ``MEASURED_MIN_STEPS`` timed steps within the last ``MEASURED_MAX_AGE`` has a measured η.
         If the best measured plan beats the current one by ``MEASURED_Z`` standard errors, the
         plan moves to it; else a proposed plan measured worse than the current one by as much
-        is not taken. The model's
-        errors (costs the table and its learnt correction do not see, a calibration off at
-        depth) then cost a few windows, not the run."""
+        is not taken. The model's errors (costs the table and its learnt correction do not see,
+        a calibration off at depth) then cost a few windows, not the run."""
         if not self.learn_costs:
             return proposed
         live = self._live(st)
