@@ -539,6 +539,9 @@ def main(argv=None):
     )
     ap.add_argument("--commit", default=None)
     ap.add_argument(
+        "--batches", default=None, help="comma-separated batch sizes, a subset of the grid's"
+    )
+    ap.add_argument(
         "--budget-s", type=float, default=0.0, help="start no row after this many seconds (0: none)"
     )
     args = ap.parse_args(argv)
@@ -554,6 +557,11 @@ def main(argv=None):
         Bs, Vs, Ns = (1, 8, 32, 64), (32000, 128256), (32, 64, 128)
         if args.quick:
             Bs, Vs, Ns = (1, 64), (32000,), (64,)
+    if args.batches:
+        want = [int(b) for b in args.batches.split(",")]
+        if any(b not in Bs for b in want):
+            raise ValueError(f"Invalid value of --batches: expected a subset of {Bs}, got {want}")
+        Bs = tuple(want)
     table = treeops.CostTable.load(args.table) if args.table else synthetic_table()
     ops = set(args.ops.split(","))
     empty_us = H.empty_kernel_us(dev)
