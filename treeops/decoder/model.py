@@ -438,11 +438,16 @@ class Target(nn.Module):
         )
         _init(self, seed, std)
 
-    def head(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def head(
+        self, h: torch.Tensor, out: torch.Tensor | None = None, native: bool = False
+    ) -> torch.Tensor:
         """Logits [.., V] float32 of hidden states ``h`` [.., H]; with ``out`` (float32, h's
         leading shape, any strides) written there by the GEMM's one converting copy instead of
-        a cast to new memory (one kernel and one float32 write fewer), and ``out`` returned."""
+        a cast to new memory (one kernel and one float32 write fewer), and ``out`` returned;
+        ``native``: the GEMM's output as it is, in the weights' dtype."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if native:
+            return h @ w.t()
         if out is None:
             return (h @ w.t()).float()
         return out.copy_(h @ w.t())
@@ -470,10 +475,7 @@ class Target(nn.Module):
             x, h = f.norm(x, delta, norms[i + 1])
         if logits == "none":
             return None, h
-        if logits == "native":
-            w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            return h @ w.t(), h
-        return self.head(h), h
+        return self.head(h, native=logits == "native"), h
 
     def forward_unfused(self, tokens, kv: PagedKV, seq_lens, tree: Tree):
         """``forward`` through the per-layer modules (``Layer.forward``: separate GEMMs, norms
