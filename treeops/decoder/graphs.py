@@ -306,7 +306,7 @@ class _StaticBatch:
         Returns q_start."""
         qs = 1 + (i - 1) * pb.w
         dt = pb.dtree
-        # num_nodes, q_start, q_len (EAGLE: w rows) into the draft forward's [3, B] metadata
+        # one launch on CUDA; the layer's metadata (num_nodes, q_start, q_len) lands in d_meta
         run = fused.frontier_inputs if fused.use_kernels(frontier) else fused.frontier_inputs_torch
         run(frontier, pb.cand_node, qs, dt.depth, dt.anc, self.self_bits, pb.hid, pb.d_feat,
             pb.layer_meta[i], self.d_meta)  # fmt: skip

@@ -602,10 +602,9 @@ class Draft(nn.Module):
         the logits are written there (``Target.head``'s ``out``) and it is returned.
         ``outputs=False``: only the cache is written (a catch-up or a prefill, whose logits and
         hidden states nobody reads): the layer's K and V, no attention, MLP, final norm or LM
-        head; returns None. On CUDA the
-        fused path (as ``Target.forward``; the fc input gathered and concatenated by one kernel,
-        the frontier's index math one kernel per forward); on the CPU PyTorch ops, as
-        ``forward_unfused``."""
+        head; returns None. On CUDA the fused path (as ``Target.forward``; the fc input gathered
+        and concatenated by one kernel, the frontier's index math one kernel per forward); on
+        the CPU PyTorch ops, as ``forward_unfused``."""
         kern = fused.use_kernels(tokens)
         f = _Fwd(self.cfg, seq_lens, tree, tokens.shape[1], q_start, q_len, kernels=kern)
         cat = fused.embed_cat if kern else fused.embed_cat_torch
