@@ -352,7 +352,9 @@ def row_layer(kind, B, V, table, dev, empty_us, quick, time_treeops=None):
 
 
 def row_sweep(B, V, table, dev, empty_us):
-    """The expand kernel's tile and warp count on one shape (defaults are set from this)."""
+    """The expand launch's tiling on one shape (the defaults are set from this): the vocabulary
+    tile, the programs per row (``split``; None: the default rule, ``expand_tiling``) and the
+    warps of the streaming programs (split > 1; with split = 1, of the one program per row)."""
     from treeops.build_tree import _launch_expand  # the CUDA branch with the launcher's tuning
 
     pol = make_policy("eagle", 64, table)
@@ -369,7 +371,9 @@ def row_sweep(B, V, table, dev, empty_us):
         floor_us=round(H.floor_us(B * W * V * 2, empty_us=empty_us), 2),
         configs={},
     )
-    for bv, nw, sp in itertools.product((1024, 2048, 4096, 8192), (4, 8, 16), (None, 1, 4)):
+    for bv, nw, sp in itertools.product((256, 512, 1024), (1, 2, 4), (None, 1, 2, 4, 16)):
+        if sp == 1 and nw < 4:
+            continue  # one program per row streams the whole row: one or two warps starve it
         name = f"block_v={bv},warps={nw},split={sp or 'auto'}"
         tune = dict(block_v=bv, num_warps=nw, split=sp)
         try:
