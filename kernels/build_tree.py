@@ -1,15 +1,19 @@
 """Tree build (docs/design.md op 3) and CAST selection (op 5): Triton kernels and their launchers.
 
-``expand`` — per draft layer, on the GPU two launches: ``_stream_kernel`` runs step 1 over
-(row, chunk of V) one-warp programs, about 32 per SM, writing each chunk's partial max, sum and
-top-K; ``_expand_kernel``, one program per (request, frontier row), merges its row's partials
-and runs steps 2-4 (so its registers no longer cap the streaming programs' occupancy). With one
-chunk per row (the interpreter's default) ``_expand_kernel`` streams the row itself:
-  1. stream the row's logits once (``BLOCK_V`` at a time): online max/sum for the softmax and a
-     running top-K kept as packed int64 keys ``(order-preserving bits of the logit) << 32 |
-     (2^31 - 1 - token)`` — one max-reduction picks the larger logit and, on ties, the lower id.
-     A block is merged only when its max beats the current K-th key, so after the first blocks
-     the top-K costs nothing beyond the max the softmax needs; no [B, W, V] probability is stored;
+``expand`` — per draft layer, on the GPU two launches: ``_stream_kernel`` streams the logits over
+(row, chunk of V) one-warp programs, about 32 per SM, writing each chunk's partial max and sum and
+each tile's max; ``_expand_kernel``, one program per (request, frontier row), merges its row's
+partials and runs steps 1b-4. With one chunk per row (the interpreter's default) ``_expand_kernel``
+streams the row itself:
+  1. stream the row's logits once (``BLOCK_V`` at a time): online max/sum for the softmax. The
+     row's top-K is kept as packed int64 keys ``(order-preserving bits of the logit) << 32 |
+     (2^31 - 1 - token)``: one max-reduction picks the larger logit and, on ties, the lower id.
+     Unsplit, a running top-K merges a block only when its max beats the current K-th key.
+     Split, the streaming programs do no top-K work at all: (1b) the K tiles with the largest
+     maxima hold every top-K element (a tile holding one has its max at or above the K-th key,
+     and at most K tiles do), so only those are read again, best first, each skipped once its
+     max cannot beat the K-th key found: about K tiles of reads instead of rounds over every
+     tile. No [B, W, V] probability is stored;
   2. write the row's K candidates (path score = parent score x probability);
   3. the last row of a request to finish (an arrival counter) ranks the request's W*K
      candidates and writes the next frontier and the prefix sums of its best scores;
@@ -147,19 +151,44 @@ def _stream_row(
 
 
 @triton.jit
-def _combine_splits(
-    p_part_m,
-    p_part_s,
-    p_part_k,
-    o_row,
-    SPLIT: tl.constexpr,
-    SP: tl.constexpr,
-    K: tl.constexpr,
-    KP: tl.constexpr,
-):
-    """Merge the SPLIT partial (max, sum, top-K keys) of one row (written by other programs)."""
+def _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_tmax, BLOCK_V: tl.constexpr):
+    """Online max/sum of logits ``[v_lo, v_hi)`` of one row (whole tiles of ``BLOCK_V``), and each
+    tile's max as its order-preserving int32 (``_ordered``) at ``p_tmax[v0 // BLOCK_V]``: all the
+    top-K pass needs to know which tiles to read (``_top_of_tiles``)."""
+    m_run = tl.sum(tl.zeros([2], tl.float32)) - float("inf")  # fp32 scalars (loop-carried)
+    s_run = tl.sum(tl.zeros([2], tl.float32))
+    if row_ok:
+        # two tiles in flight ahead of the one being reduced, as in _stream_row
+        o_b = tl.arange(0, BLOCK_V)
+        b_n1 = tl.load(
+            p_row + v_lo + o_b, mask=(v_lo + o_b < V) & (v_lo < v_hi), other=-float("inf")
+        )
+        b_n2 = tl.load(
+            p_row + v_lo + BLOCK_V + o_b,
+            mask=(v_lo + BLOCK_V + o_b < V) & (v_lo + BLOCK_V < v_hi),
+            other=-float("inf"),
+        )
+        for v0 in range(v_lo, v_hi, BLOCK_V):
+            b_raw = b_n1
+            b_n1 = b_n2
+            v2 = v0 + 2 * BLOCK_V
+            b_n2 = tl.load(p_row + v2 + o_b, mask=(v2 + o_b < V) & (v2 < v_hi), other=-float("inf"))
+            b_x = b_raw.to(tl.float32) + 0.0  # (+ 0.0: -0.0 to 0.0, as _ordered needs)
+            # one integer max serves both: the tile's rank key and the softmax's max
+            o_max = tl.max(_ordered(b_x))
+            tl.store(p_tmax + v0 // BLOCK_V, o_max)
+            b_max = _unordered(o_max)
+            m_new = tl.maximum(m_run, b_max)
+            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: no NaN
+            s_run = s_run * tl.exp(m_run - m_use) + tl.sum(tl.exp(b_x - m_use))
+            m_run = m_new
+    return m_run, s_run
+
+
+@triton.jit
+def _combine_softmax(p_part_m, p_part_s, o_row, SPLIT: tl.constexpr, SP: tl.constexpr):
+    """Merge the SPLIT partial (max, sum) of one row (written by other programs)."""
     o_s = tl.arange(0, SP)
-    o_k = tl.arange(0, KP)
     m_s = o_s < SPLIT
     b_pm = tl.load(
         p_part_m + o_row * SPLIT + o_s, mask=m_s, other=-float("inf"), cache_modifier=".cg"
@@ -168,18 +197,58 @@ def _combine_splits(
     m_run = tl.max(b_pm)
     m_use = tl.where(m_run == -float("inf"), 0.0, m_run)
     s_run = tl.sum(tl.where(m_s, b_ps * tl.exp(b_pm - m_use), 0.0))
-    b_keys = tl.load(
-        p_part_k + (o_row * SPLIT + o_s)[:, None] * KP + o_k[None, :],
-        mask=m_s[:, None] & (o_k < K)[None, :],
-        other=-9223372036854775807 - 1,
-        cache_modifier=".cg",
-    )  # [SP, KP]
-    b_top = tl.full([KP], 9223372036854775807, tl.int64)
-    for j in tl.static_range(K):
-        b_best = tl.max(tl.max(b_keys, axis=1), axis=0)
-        b_top = tl.where(o_k == j, b_best, b_top)
-        b_keys = tl.where(b_keys == b_best, -9223372036854775807 - 1, b_keys)
-    return m_run, s_run, b_top
+    return m_run, s_run
+
+
+@triton.jit
+def _top_of_tiles(
+    p_row,
+    p_tmax,
+    V,
+    row_ok,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    NT: tl.constexpr,
+    NTP: tl.constexpr,
+):
+    """The row's top-K packed keys, reading only the tiles that can hold them.
+
+    Tiles rank by their max, the lower tile first on ties (tiles are contiguous token ranges,
+    so this is the order of each tile's best packed key). A tile holding one of the row's top-K
+    elements has its best key at or above the K-th key, and at most K tiles do: they are the K
+    best-ranked tiles. Those are read in rank order, each merged like ``_stream_row``'s blocks;
+    a tile whose best possible key (its max, its first token) is below the K-th key found so far
+    is skipped unread, and then so is every tile after it."""
+    o_t = tl.arange(0, NTP)
+    m_t = o_t < NT
+    b_tm = tl.load(p_tmax + o_t, mask=m_t, other=0, cache_modifier=".cg")  # (unused if not row_ok)
+    t_key = (b_tm.to(tl.int64) << 32) | (0x7FFFFFFF - o_t).to(tl.int64)
+    t_key = tl.where(m_t, t_key, -9223372036854775807 - 1)
+    o_k = tl.arange(0, KP)
+    key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+    b_top = tl.where(o_k < K, key_min + 1 + o_k, 9223372036854775807)  # as in _stream_row
+    b_thr = tl.min(b_top)
+    if row_ok:
+        o_b = tl.arange(0, BLOCK_V)
+        for _ in tl.static_range(K):
+            t_best = tl.max(t_key)
+            t_key = tl.where(t_key == t_best, -9223372036854775807 - 1, t_key)
+            v0 = (0x7FFFFFFF - (t_best & 0xFFFFFFFF)).to(tl.int32) * BLOCK_V
+            bound = ((t_best >> 32) << 32) | (0x7FFFFFFF - v0).to(tl.int64)
+            if (t_best > -9223372036854775807 - 1) & (bound > b_thr):
+                o_v = v0 + o_b
+                m_v = o_v < V
+                b_x = tl.load(p_row + o_v, mask=m_v, other=-float("inf")).to(tl.float32) + 0.0
+                b_key = (_ordered(b_x).to(tl.int64) << 32) | (0x7FFFFFFF - o_v).to(tl.int64)
+                b_key = tl.where(m_v, b_key, -9223372036854775807 - 1)
+                b_best = tl.max(b_key)
+                while b_best > b_thr:  # at most K rounds per tile
+                    b_top = tl.where(b_top == b_thr, b_best, b_top)
+                    b_key = tl.where(b_key == b_best, -9223372036854775807 - 1, b_key)
+                    b_thr = tl.min(b_top)
+                    b_best = tl.max(b_key)
+    return b_top
 
 
 @triton.jit
@@ -189,20 +258,19 @@ def _stream_kernel(
     p_active,  # [B] u8 active requests
     p_part_m,  # [B * W * SPLIT] f32 out: each chunk's running max
     p_part_s,  # [B * W * SPLIT] f32 out: each chunk's sum of exp(x - max)
-    p_part_k,  # [B * W * SPLIT, KP] i64 out: each chunk's top-K packed keys
+    p_part_t,  # [B * W, NT] i32 out: each tile's max (``_ordered``)
     V,
     s_lb,
     s_lw,
     W: tl.constexpr,
-    K: tl.constexpr,
-    KP: tl.constexpr,
     BLOCK_V: tl.constexpr,
     SPLIT: tl.constexpr,
     CHUNK: tl.constexpr,
+    NT: tl.constexpr,
 ):
     """Step 1 of ``expand`` over (row, chunk) programs, ahead of the finishing launch: small
-    (one-warp) programs, enough of them to fill the GPU at B = 1, so that a block reduction is
-    warp shuffles only and the top-K merges' latency hides behind other programs' streaming."""
+    (one-warp) programs, enough of them to fill the GPU at B = 1, each a pure stream (max, sum and
+    a max per tile; no top-K work, which ``_top_of_tiles`` does on the few tiles that matter)."""
     i_p = tl.program_id(0)
     i_row = i_p // SPLIT
     i_s = i_p % SPLIT
@@ -211,13 +279,13 @@ def _stream_kernel(
     row_ok = (tl.load(p_fscore + i_b64 * W + i_r) >= 0) & (tl.load(p_active + i_b64) != 0)
     p_row = p_logits + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
     v_lo = i_s * CHUNK
-    m_run, s_run, b_top = _stream_row(
-        p_row, v_lo, tl.minimum(v_lo + CHUNK, V), V, row_ok, K, KP, BLOCK_V
-    )
+    m_run, s_run = _stream_tiles(
+        p_row, v_lo, tl.minimum(v_lo + CHUNK, V), V, row_ok, p_part_t + i_row.to(tl.int64) * NT,
+        BLOCK_V,
+    )  # fmt: skip
     o_part = i_p.to(tl.int64)
     tl.store(p_part_m + o_part, m_run)
     tl.store(p_part_s + o_part, s_run)
-    tl.store(p_part_k + o_part * KP + tl.arange(0, KP), b_top)
 
 
 @triton.jit(do_not_specialize=["B", "layer", "C1", "C2", "L", "M", "D"])
@@ -237,10 +305,9 @@ def _expand_kernel(
     p_cum,  # [B, CUMW] f32 per request: score sum of the candidates ranked at or above each
     p_tab_t,  # [M, NMAX] f32 CAST: target times per context bucket and node count
     p_tab_d,  # [M, NMAX] f32 CAST: draft times per context bucket and width
-    p_rctr,  # [B * W] i32 split > 1: per-row arrival counters
     p_part_m,  # [B * W * SPLIT] f32 split > 1: each chunk's running max
     p_part_s,  # [B * W * SPLIT] f32 split > 1: each chunk's sum of exp(x - max)
-    p_part_k,  # [B * W * SPLIT, KP] i64 split > 1: each chunk's top-K packed keys
+    p_part_t,  # [B * W, NT] i32 split > 1: each tile's max (``_ordered``)
     B,  # requests
     V,  # vocabulary
     layer,  # the draft layer being expanded
@@ -262,173 +329,149 @@ def _expand_kernel(
     BP: tl.constexpr,
     DP: tl.constexpr,
     BLOCK_V: tl.constexpr,  # vocabulary tile
-    SPLIT: tl.constexpr,  # programs per row, each streaming CHUNK logits (SP: padded)
+    SPLIT: tl.constexpr,  # split > 1: chunks per row streamed by _stream_kernel (SP: padded)
     SP: tl.constexpr,
-    CHUNK: tl.constexpr,
+    NT: tl.constexpr,  # split > 1: tiles per row (NTP: padded)
+    NTP: tl.constexpr,
     JB: tl.constexpr,  # candidates compared per step of the rank
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
     CAST: tl.constexpr,  # CAST's width/depth decision; else EAGLE's fixed width
-    STREAMED: tl.constexpr,  # step 1 done by _stream_kernel: one program per row merges its parts
 ):
     C: tl.constexpr = W * K
-    i_p = tl.program_id(0)
-    if STREAMED:
-        i_row = i_p
-        i_s = 0
-    else:
-        i_row = i_p // SPLIT
-        i_s = i_p % SPLIT
+    i_row = tl.program_id(0)
     i_b = i_row // W
     i_r = i_row % W
     i_b64 = i_b.to(tl.int64)
 
-    # ---- 1. one pass over (a chunk of) the row: online softmax + running top-K of packed keys
+    # ---- 1. the row's softmax and top-K: streamed here, or merged from _stream_kernel's parts
     b_fs = tl.load(p_fscore + i_b64 * W + i_r)
     b_act = tl.load(p_active + i_b64) != 0
     row_ok = (b_fs >= 0) & b_act
     p_row = p_logits + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
-    finish = True
-    if STREAMED:
-        m_run, s_run, b_top = _combine_splits(
-            p_part_m, p_part_s, p_part_k, i_row.to(tl.int64), SPLIT, SP, K, KP
+    if SPLIT > 1:
+        m_run, s_run = _combine_softmax(p_part_m, p_part_s, i_row.to(tl.int64), SPLIT, SP)
+        b_top = _top_of_tiles(
+            p_row, p_part_t + i_row.to(tl.int64) * NT, V, row_ok, K, KP, BLOCK_V, NT, NTP
         )
     else:
-        v_lo = i_s * CHUNK
-        m_run, s_run, b_top = _stream_row(
-            p_row, v_lo, tl.minimum(v_lo + CHUNK, V), V, row_ok, K, KP, BLOCK_V
+        m_run, s_run, b_top = _stream_row(p_row, 0, V, V, row_ok, K, KP, BLOCK_V)
+    o_k = tl.arange(0, KP)
+    key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+
+    # ---- 2. the row's candidates in rank order (logit desc, id asc)
+    b_kv = tl.where(o_k < K, b_top, key_min)
+    b_rank = tl.sum((b_kv[None, :] > b_kv[:, None]).to(tl.int32), axis=1)  # [KP], keys distinct
+    b_tok = (0x7FFFFFFF - (b_kv & 0xFFFFFFFF)).to(tl.int64)
+    b_logit = _unordered((b_kv >> 32).to(tl.int32))
+    m_fin = tl.where(m_run == -float("inf"), 0.0, m_run)
+    b_p = tl.exp(b_logit - m_fin) / s_run
+    b_score = b_fs * b_p
+    b_par = tl.load(p_fcand + i_b64 * W + i_r)
+    o_slot = i_b64 * (D * C) + layer * C + i_r * K
+    m_k = o_k < K
+    o_dst = o_slot + tl.where(row_ok, b_rank, o_k)
+    tl.store(p_cscore + o_dst, tl.where(row_ok, b_score, -1.0), mask=m_k)
+    tl.store(p_ctok + o_dst, tl.where(row_ok, b_tok, 0), mask=m_k)
+    tl.store(p_cpar + o_dst, tl.where(row_ok, tl.zeros([KP], tl.int32) + b_par, -1), mask=m_k)
+
+    # ---- 3. last row of the request: rank its W*K candidates, write the next frontier
+    if _release_then_arrive(p_ctr + i_b64, LANES, FENCE) == W - 1:
+        tl.store(p_ctr + i_b64, 0)
+        o_c = tl.arange(0, CPAD)
+        m_c = o_c < C
+        p_cs = p_cscore + i_b64 * (D * C) + layer * C
+        b_s = tl.load(p_cs + o_c, mask=m_c, other=-1.0, cache_modifier=".cg")
+        ok_c = b_s >= 0
+        c_key = _cand_key(b_s, o_c, C, CPAD)
+        # rank (how many outrank each) and the score sum of those at or above it, against
+        # chunks of JB candidates: a [CPAD, CPAD] compare at once would set the register
+        # budget of the whole kernel (and so its occupancy)
+        c_rank = tl.zeros([CPAD], tl.int32)
+        c_cum = tl.where(ok_c, b_s, 0.0)
+        for j0 in tl.static_range(0, CPAD, JB):
+            o_j = j0 + tl.arange(0, JB)
+            s_j = tl.load(p_cs + o_j, mask=o_j < C, other=-1.0, cache_modifier=".cg")
+            gt = _cand_key(s_j, o_j, C, CPAD)[None, :] > c_key[:, None]  # [CPAD, JB]
+            c_rank += tl.sum(gt.to(tl.int32), axis=1)
+            c_cum += tl.sum(tl.where(gt, tl.maximum(s_j, 0.0)[None, :], 0.0), axis=1)
+        sel = m_c & (c_rank < W)
+        c_tok = tl.load(
+            p_ctok + i_b64 * (D * C) + layer * C + o_c,
+            mask=sel & ok_c,
+            other=0,
+            cache_modifier=".cg",
         )
-    if SPLIT > 1 and not STREAMED:
-        # the row's last chunk to finish merges the partials and carries on
-        o_part = i_row.to(tl.int64) * SPLIT + i_s
-        tl.store(p_part_m + o_part, m_run)
-        tl.store(p_part_s + o_part, s_run)
-        tl.store(p_part_k + o_part * KP + tl.arange(0, KP), b_top)
-        finish = _release_then_arrive(p_rctr + i_row, LANES, FENCE) == SPLIT - 1
-    if finish:
-        if SPLIT > 1 and not STREAMED:
-            tl.store(p_rctr + i_row, 0)
-            m_run, s_run, b_top = _combine_splits(
-                p_part_m, p_part_s, p_part_k, i_row.to(tl.int64), SPLIT, SP, K, KP
-            )
-        o_k = tl.arange(0, KP)
-        key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+        o_f = i_b64 * W + c_rank
+        tl.store(p_fscore + o_f, tl.where(ok_c, b_s, -1.0), mask=sel)
+        tl.store(p_fcand + o_f, tl.where(ok_c, layer * C + o_c, -1), mask=sel)
+        tl.store(p_ftok + o_f, tl.where(ok_c, c_tok, 0), mask=sel)
+        tl.store(p_cum + i_b64 * CUMW + c_rank, c_cum, mask=sel)
 
-        # ---- 2. the row's candidates in rank order (logit desc, id asc)
-        b_kv = tl.where(o_k < K, b_top, key_min)
-        b_rank = tl.sum((b_kv[None, :] > b_kv[:, None]).to(tl.int32), axis=1)  # [KP], keys distinct
-        b_tok = (0x7FFFFFFF - (b_kv & 0xFFFFFFFF)).to(tl.int64)
-        b_logit = _unordered((b_kv >> 32).to(tl.int32))
-        m_fin = tl.where(m_run == -float("inf"), 0.0, m_run)
-        b_p = tl.exp(b_logit - m_fin) / s_run
-        b_score = b_fs * b_p
-        b_par = tl.load(p_fcand + i_b64 * W + i_r)
-        o_slot = i_b64 * (D * C) + layer * C + i_r * K
-        m_k = o_k < K
-        o_dst = o_slot + tl.where(row_ok, b_rank, o_k)
-        tl.store(p_cscore + o_dst, tl.where(row_ok, b_score, -1.0), mask=m_k)
-        tl.store(p_ctok + o_dst, tl.where(row_ok, b_tok, 0), mask=m_k)
-        tl.store(p_cpar + o_dst, tl.where(row_ok, tl.zeros([KP], tl.int32) + b_par, -1), mask=m_k)
-
-        # ---- 3. last row of the request: rank its W*K candidates, write the next frontier
-        if _release_then_arrive(p_ctr + i_b64, LANES, FENCE) == W - 1:
-            tl.store(p_ctr + i_b64, 0)
-            o_c = tl.arange(0, CPAD)
-            m_c = o_c < C
-            p_cs = p_cscore + i_b64 * (D * C) + layer * C
-            b_s = tl.load(p_cs + o_c, mask=m_c, other=-1.0, cache_modifier=".cg")
-            ok_c = b_s >= 0
-            c_key = _cand_key(b_s, o_c, C, CPAD)
-            # rank (how many outrank each) and the score sum of those at or above it, against
-            # chunks of JB candidates: a [CPAD, CPAD] compare at once would set the register
-            # budget of the whole kernel (and so its occupancy)
-            c_rank = tl.zeros([CPAD], tl.int32)
-            c_cum = tl.where(ok_c, b_s, 0.0)
-            for j0 in tl.static_range(0, CPAD, JB):
-                o_j = j0 + tl.arange(0, JB)
-                s_j = tl.load(p_cs + o_j, mask=o_j < C, other=-1.0, cache_modifier=".cg")
-                gt = _cand_key(s_j, o_j, C, CPAD)[None, :] > c_key[:, None]  # [CPAD, JB]
-                c_rank += tl.sum(gt.to(tl.int32), axis=1)
-                c_cum += tl.sum(tl.where(gt, tl.maximum(s_j, 0.0)[None, :], 0.0), axis=1)
-            sel = m_c & (c_rank < W)
-            c_tok = tl.load(
-                p_ctok + i_b64 * (D * C) + layer * C + o_c,
-                mask=sel & ok_c,
-                other=0,
-                cache_modifier=".cg",
-            )
-            o_f = i_b64 * W + c_rank
-            tl.store(p_fscore + o_f, tl.where(ok_c, b_s, -1.0), mask=sel)
-            tl.store(p_fcand + o_f, tl.where(ok_c, layer * C + o_c, -1), mask=sel)
-            tl.store(p_ftok + o_f, tl.where(ok_c, c_tok, 0), mask=sel)
-            tl.store(p_cum + i_b64 * CUMW + c_rank, c_cum, mask=sel)
-
-            # ---- 4. last request: the batch-level decision
-            if _release_then_arrive(p_ctr + B, LANES, FENCE) == B - 1:
-                tl.store(p_ctr + B, 0)
-                o_w = tl.arange(0, WP)
-                m_w = o_w < W
-                if CAST:
-                    o_b = tl.arange(0, BP)
-                    m_b = o_b < B
-                    b_a = tl.load(p_active + o_b, mask=m_b, other=0) != 0
-                    b_seq = tl.load(p_seq + o_b, mask=m_b & b_a, other=0)
-                    o_d = tl.arange(0, DP)
-                    b_wid = tl.load(p_dec + o_d, mask=o_d < layer, other=0)
-                    ctx = tl.maximum(tl.max(b_seq) + tl.sum(b_wid).to(tl.int64), 0)  # bucket >= 0
-                    bucket = tl.minimum(ctx // L, M - 1)
-                    b_cum = tl.load(
-                        p_cum + o_b[:, None] * CUMW + o_w[None, :],
-                        mask=(m_b & b_a)[:, None] & m_w[None, :],
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )  # [BP, WP]
-                    # Algorithm 1 on the sums U_k with threshold C1 * n_act: the batch mean's
-                    # maximisers without its rounding (U / 3 breaks dyadic ties; the reference
-                    # agrees)
-                    n_act = tl.maximum(tl.sum(b_a.to(tl.int32)), 1).to(tl.float32)
-                    b_U = tl.sum(b_cum, axis=0)  # [WP]
-                    t1 = tl.load(p_tab_t + bucket * NMAX)
-                    b_c = tl.load(p_tab_d + bucket * NMAX + o_w, mask=m_w, other=0.0) / t1
-                    # k capped at the most valid next-frontier rows of an active request (written
-                    # above by each request's last program, before its arrival): past it U is flat,
-                    # and on a plateau of costs the largest k would name rows no request has
-                    b_fv = tl.load(
-                        p_fscore + o_b.to(tl.int64)[:, None] * W + o_w[None, :],
-                        mask=(m_b & b_a)[:, None] & m_w[None, :],
-                        other=-1.0,
-                        cache_modifier=".cg",
-                    )  # [BP, WP]
-                    cap = tl.maximum(tl.max(tl.sum((b_fv >= 0).to(tl.int32), axis=1)), 1)
-                    b_obj = tl.where(m_w & (o_w < cap), b_U - (C1 * n_act) * b_c, -float("inf"))
-                    n = tl.max(tl.where(b_obj == tl.max(b_obj), o_w + 1, 0))
-                    u_n = tl.sum(tl.where(o_w + 1 == n, b_U, 0.0)) / n_act
-                    c_n = tl.sum(tl.where(o_w + 1 == n, b_c, 0.0))
-                    tl.store(p_uhist + layer, u_n)
-                    # FIFO [1, phi_0, .., phi_{i-1}], phi_j = u_{j+1} / u_j; its last R entries
-                    u_j = tl.where(
-                        o_d == layer, u_n, tl.load(p_uhist + o_d, mask=o_d < layer, other=0.0)
-                    )
-                    u_jm1 = tl.load(p_uhist + o_d - 1, mask=(o_d >= 1) & (o_d <= layer), other=0.0)
-                    phi = tl.where(u_jm1 > 0, u_j / tl.where(u_jm1 > 0, u_jm1, 1.0), 0.0)
-                    e = tl.where(o_d == 0, 1.0, phi)
-                    in_fifo = (o_d <= layer) & (o_d >= layer + 1 - R)
-                    alpha = tl.sum(tl.where(in_fifo, e, 0.0)) / tl.minimum(layer + 1, R).to(
-                        tl.float32
-                    )
-                    flag = (alpha * u_n / c_n >= C2) & (layer + 1 < D)
-                    # trim every request's frontier to the batch width
-                    o_b64 = o_b.to(tl.int64)
-                    cut = m_b[:, None] & m_w[None, :] & (o_w[None, :] >= n)
-                    o_fw = o_b64[:, None] * W + o_w[None, :]
-                    tl.store(p_fscore + o_fw, tl.full([BP, WP], -1.0, tl.float32), mask=cut)
-                    tl.store(p_fcand + o_fw, tl.full([BP, WP], -1, tl.int32), mask=cut)
-                    tl.store(p_ftok + o_fw, tl.zeros([BP, WP], tl.int64), mask=cut)
-                else:
-                    n = W
-                    flag = layer + 1 < D
-                tl.store(p_dec + layer, n)
-                tl.store(p_dec + D + layer, flag.to(tl.int32))
+        # ---- 4. last request: the batch-level decision
+        if _release_then_arrive(p_ctr + B, LANES, FENCE) == B - 1:
+            tl.store(p_ctr + B, 0)
+            o_w = tl.arange(0, WP)
+            m_w = o_w < W
+            if CAST:
+                o_b = tl.arange(0, BP)
+                m_b = o_b < B
+                b_a = tl.load(p_active + o_b, mask=m_b, other=0) != 0
+                b_seq = tl.load(p_seq + o_b, mask=m_b & b_a, other=0)
+                o_d = tl.arange(0, DP)
+                b_wid = tl.load(p_dec + o_d, mask=o_d < layer, other=0)
+                ctx = tl.maximum(tl.max(b_seq) + tl.sum(b_wid).to(tl.int64), 0)  # bucket >= 0
+                bucket = tl.minimum(ctx // L, M - 1)
+                b_cum = tl.load(
+                    p_cum + o_b[:, None] * CUMW + o_w[None, :],
+                    mask=(m_b & b_a)[:, None] & m_w[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )  # [BP, WP]
+                # Algorithm 1 on the sums U_k with threshold C1 * n_act: the batch mean's
+                # maximisers without its rounding (U / 3 breaks dyadic ties; the reference
+                # agrees)
+                n_act = tl.maximum(tl.sum(b_a.to(tl.int32)), 1).to(tl.float32)
+                b_U = tl.sum(b_cum, axis=0)  # [WP]
+                t1 = tl.load(p_tab_t + bucket * NMAX)
+                b_c = tl.load(p_tab_d + bucket * NMAX + o_w, mask=m_w, other=0.0) / t1
+                # k capped at the most valid next-frontier rows of an active request (written
+                # above by each request's last program, before its arrival): past it U is flat,
+                # and on a plateau of costs the largest k would name rows no request has
+                b_fv = tl.load(
+                    p_fscore + o_b.to(tl.int64)[:, None] * W + o_w[None, :],
+                    mask=(m_b & b_a)[:, None] & m_w[None, :],
+                    other=-1.0,
+                    cache_modifier=".cg",
+                )  # [BP, WP]
+                cap = tl.maximum(tl.max(tl.sum((b_fv >= 0).to(tl.int32), axis=1)), 1)
+                b_obj = tl.where(m_w & (o_w < cap), b_U - (C1 * n_act) * b_c, -float("inf"))
+                n = tl.max(tl.where(b_obj == tl.max(b_obj), o_w + 1, 0))
+                u_n = tl.sum(tl.where(o_w + 1 == n, b_U, 0.0)) / n_act
+                c_n = tl.sum(tl.where(o_w + 1 == n, b_c, 0.0))
+                tl.store(p_uhist + layer, u_n)
+                # FIFO [1, phi_0, .., phi_{i-1}], phi_j = u_{j+1} / u_j; its last R entries
+                u_j = tl.where(
+                    o_d == layer, u_n, tl.load(p_uhist + o_d, mask=o_d < layer, other=0.0)
+                )
+                u_jm1 = tl.load(p_uhist + o_d - 1, mask=(o_d >= 1) & (o_d <= layer), other=0.0)
+                phi = tl.where(u_jm1 > 0, u_j / tl.where(u_jm1 > 0, u_jm1, 1.0), 0.0)
+                e = tl.where(o_d == 0, 1.0, phi)
+                in_fifo = (o_d <= layer) & (o_d >= layer + 1 - R)
+                alpha = tl.sum(tl.where(in_fifo, e, 0.0)) / tl.minimum(layer + 1, R).to(tl.float32)
+                flag = (alpha * u_n / c_n >= C2) & (layer + 1 < D)
+                # trim every request's frontier to the batch width
+                o_b64 = o_b.to(tl.int64)
+                cut = m_b[:, None] & m_w[None, :] & (o_w[None, :] >= n)
+                o_fw = o_b64[:, None] * W + o_w[None, :]
+                tl.store(p_fscore + o_fw, tl.full([BP, WP], -1.0, tl.float32), mask=cut)
+                tl.store(p_fcand + o_fw, tl.full([BP, WP], -1, tl.int32), mask=cut)
+                tl.store(p_ftok + o_fw, tl.zeros([BP, WP], tl.int64), mask=cut)
+            else:
+                n = W
+                flag = layer + 1 < D
+            tl.store(p_dec + layer, n)
+            tl.store(p_dec + D + layer, flag.to(tl.int32))
 
 
 @triton.jit(do_not_specialize=["n_layers", "D"])
@@ -642,26 +685,25 @@ def expand_tiling(
 
 
 def split_workspace(
-    ws: dict[str, torch.Tensor], rows: int, split: int, K: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The split expand's buffers in ``ws`` (a ``DraftState``'s workspace): per-row arrival
-    counters and each (row, split)'s partial max, sum and top-K; made or grown on a first call of
-    a larger shape (never inside a CUDA-graph capture)."""
-    need, KP = rows * split, pow2(K)
+    ws: dict[str, torch.Tensor], rows: int, split: int, n_tiles: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split expand's buffers in ``ws`` (a ``DraftState``'s workspace): each (row, chunk)'s
+    partial max and sum, and each (row, tile)'s max; made or grown on a first call of a larger
+    shape (never inside a CUDA-graph capture)."""
+    need = rows * split
     if (
         "part_m" not in ws
         or ws["part_m"].numel() < need
-        or ws["part_k"].shape[1] != KP
-        or ws["row_counters"].numel() < rows
+        or ws["part_t"].shape[1] != n_tiles
+        or ws["part_t"].shape[0] < rows
     ):
         refuse_in_capture("build_tree_expand's split workspace (per draft state and V)")
         # replaced buffers stay alive: a graph captured with them keeps replaying into them
-        _RETIRED.extend(ws[k] for k in ("row_counters", "part_m", "part_s", "part_k") if k in ws)
-        ws["row_counters"] = torch.zeros(rows, dtype=torch.int32, device=device)
+        _RETIRED.extend(ws[k] for k in ("part_m", "part_s", "part_t") if k in ws)
         ws["part_m"] = torch.zeros(need, dtype=torch.float32, device=device)
         ws["part_s"] = torch.zeros(need, dtype=torch.float32, device=device)
-        ws["part_k"] = torch.zeros(need, KP, dtype=torch.int64, device=device)
-    return ws["row_counters"], ws["part_m"], ws["part_s"], ws["part_k"]
+        ws["part_t"] = torch.zeros(rows, n_tiles, dtype=torch.int32, device=device)
+    return ws["part_m"], ws["part_s"], ws["part_t"]
 
 
 def expand(
@@ -685,31 +727,29 @@ def expand(
     num_warps: int | None = None,
     split: int | None = None,
 ) -> None:
-    """Expand draft layer ``layer``: one launch of ``_expand_kernel`` over ``logits`` [B, W, V].
+    """Expand draft layer ``layer`` over ``logits`` [B, W, V]: with a split > 1, ``_stream_kernel``
+    over (row, chunk) programs then ``_expand_kernel`` per row; else ``_expand_kernel`` alone.
 
     The tensors are a ``DraftState``'s fields of the same names (shapes in its docstring; D is
     ``cand_scores.shape[1]``), ``workspace`` its workspace dict (``counters``, ``cum``; a split > 1
     adds its buffers there on the first call: make that call before capturing a CUDA graph).
     ``topk`` is K, ``cast`` CAST's inputs or None for EAGLE's fixed width.
 
-    ``block_v`` (vocabulary tile, a power of two), ``num_warps`` and ``split`` (programs per row,
-    each streaming one chunk of V; default: enough rows x chunks for two programs per SM, from
-    the SM count and V only) override the defaults."""
+    ``block_v`` (vocabulary tile, a power of two), ``num_warps`` (of the streaming programs when
+    split > 1, else of the one program per row) and ``split`` (streaming programs per row, each
+    one chunk of V; default ``expand_tiling``'s, from the SM count and V only) override the
+    defaults."""
     B, W, V = logits.shape
     K, D = topk, cand_scores.shape[1]
     C = W * K
     block_v, split = expand_tiling(B * W, V, logits.device, block_v, split)
     chunk = cdiv(cdiv(V, split), block_v) * block_v
+    n_tiles = cdiv(V, block_v)
     KP = pow2(K)
     ws = workspace
     if split > 1:
-        rctr, pm, ps, pk = split_workspace(workspace, B * W, split, K, logits.device)
-    else:
-        rctr = pm = ps = pk = workspace["counters"]  # never read (SPLIT = 1)
-    costs = cast if cast is not None else _no_cast(u_hist)
-    # split > 1: step 1 in one-warp programs of its own launch, the rest one program per row
-    streamed = split > 1
-    if streamed:
+        pm, ps, pt = split_workspace(workspace, B * W, split, n_tiles, logits.device)
+        # step 1 in one-warp programs of its own launch, the rest one program per row
         direct(_stream_kernel).launch(
             (B * W * split,),
             logits,
@@ -717,23 +757,24 @@ def expand(
             active.view(torch.uint8),
             pm,
             ps,
-            pk,
+            pt,
             V,
             logits.stride(0),
             logits.stride(1),
             W=W,
-            K=K,
-            KP=KP,
             BLOCK_V=block_v,
             SPLIT=split,
             CHUNK=chunk,
+            NT=n_tiles,
             num_warps=num_warps or 1,
         )
         warps = 1 if interpreted() else 4
     else:
+        pm = ps = pt = workspace["counters"]  # never read (SPLIT = 1)
         warps = num_warps or (1 if interpreted() else (8 if block_v >= 4096 else 4))
+    costs = cast if cast is not None else _no_cast(u_hist)
     direct(_expand_kernel).launch(
-        (B * W * (1 if streamed else split),),
+        (B * W,),
         logits,
         frontier_scores,
         frontier,
@@ -749,10 +790,9 @@ def expand(
         ws["cum"],
         costs.target_times,
         costs.draft_times,
-        rctr,
         pm,
         ps,
-        pk,
+        pt,
         B,
         V,
         layer,
@@ -776,12 +816,12 @@ def expand(
         BLOCK_V=block_v,
         SPLIT=split,
         SP=pow2(split),
-        CHUNK=chunk,
+        NT=n_tiles if split > 1 else 1,
+        NTP=pow2(n_tiles) if split > 1 else 1,
         JB=min(16, pow2(C)),
         LANES=32 * warps,
         FENCE=not interpreted(),
         CAST=cast is not None,
-        STREAMED=streamed,
         num_warps=warps,
     )
 

@@ -782,7 +782,7 @@ def _expand_args(logits, st_, pol):
     return (
         logits, st_.layer, pol.topk, st_.active, st_.seq_lens, st_.frontier, st_.frontier_tokens,
         st_.frontier_scores, st_.cand_tokens, st_.cand_scores, st_.cand_parents, st_.decisions,
-        st_.u_hist, ws["counters"], ws["cum"], None, None, None, None, *cast,
+        st_.u_hist, ws["counters"], ws["cum"], None, None, None, *cast,
     )  # fmt: skip
 
 
@@ -842,15 +842,16 @@ def test_expand_op_split_workspace_is_the_launchers(monkeypatch):
     pol = treeops.EagleStatic(depth=2, topk=3, budget=6)
     logits = torch.randn(2, 3, 600)  # 3 chunks of 256 (the interpreter's tile)
     a, b = start(pol, [1, 2], [3, 4], [True, True]), start(pol, [1, 2], [3, 4], [True, True])
-    got = tb._split_workspace(logits, a, pol.topk)
+    got = tb._split_workspace(logits, a)
     tb._launch_expand(logits, b, pol)
     assert b.workspace["part_m"].numel() == 2 * 3 * 3  # B x W x split
-    for name, t in zip(("row_counters", "part_m", "part_s", "part_k"), got, strict=True):
+    for name, t in zip(("part_m", "part_s", "part_t"), got, strict=True):
         assert t is a.workspace[name] and t.shape == b.workspace[name].shape, name
-    assert tb._split_workspace(logits, a, pol.topk)[1] is got[1]  # reused, not rebuilt
+    assert b.workspace["part_t"].shape == (2 * 3, 3)  # B x W rows, 3 tiles of 256
+    assert tb._split_workspace(logits, a)[1] is got[1]  # reused, not rebuilt
     # the op takes them (the CPU backend, the reference, leaves them alone)
     args = list(_expand_args(logits, a, pol))
-    args[15:19] = got
+    args[15:18] = got
     res = torch.library.opcheck(torch.ops.treeops.build_tree_expand.default, tuple(args))
     assert set(res.values()) == {"SUCCESS"}, res
     c = start(pol, [1, 2], [3, 4], [True, True])
@@ -858,3 +859,20 @@ def test_expand_op_split_workspace_is_the_launchers(monkeypatch):
     ref.build_tree_expand(logits, c, pol)
     for f in ("frontier", "frontier_tokens", "cand_tokens", "cand_parents", "decisions"):
         assert torch.equal(getattr(a, f), getattr(c, f)), f
+
+
+@pytest.mark.parametrize("split, block_v", [(1, 4), (3, 4), (5, 8), (12, 4)])
+def test_streamed_expand_masked_vocab_matches_reference(split, block_v):
+    """Draft logits masked to -inf outside a few tokens (a vocabulary restricted by the engine),
+    fewer finite logits than K in some rows, equal finite values in different tiles: the tiles
+    the top-K pass reads (the K with the largest maxima, the lower tile on ties) still hold
+    every top-K element, -inf ones included, and the result is the reference's."""
+    g = torch.Generator().manual_seed(5)
+    pol = treeops.EagleStatic(depth=2, topk=4, budget=10)
+    D, B, W, V = 2, 3, pol.max_width, 37
+    logits = torch.full((D, B, W, V), float("-inf"))
+    keep = torch.rand(D, B, W, V, generator=g) < 0.08
+    logits[keep] = torch.randint(-2, 2, (int(keep.sum()),), generator=g).float()
+    logits[0, 0, :, 33] = 1.0  # the same best value in the first and last tiles
+    logits[0, 0, :, 2] = 1.0
+    run_both(pol, logits, [1, 2, 3], [5, 6, 7], [True, True, True], block_v=block_v, split=split)

@@ -104,13 +104,13 @@ def test_attention_batch_beyond_the_grid_is_refused():
 
 
 def test_expand_split_workspace_replaced_when_rows_grow():
-    """More frontier rows (layer 1: W = 2) with no more partials than before: the row counters
-    alone are too small, and the workspace is replaced."""
+    """More frontier rows (layer 1: W = 2) with no more partials than before: the tile maxima
+    (one row of them per frontier row) are too small, and the workspace is replaced."""
     pol, st, logits = _state(V=4096)
     launch_expand(logits, st, pol, split=8, block_v=256)  # 2 rows x 8 splits = 16 partials
-    counters = st.workspace["row_counters"]
+    tiles = st.workspace["part_t"]
     st.layer = 1
-    launch_expand(torch.randn(2, 2, 1024), st, pol, split=2, block_v=256)  # 4 rows x 2 = 8 partials
-    assert st.workspace["row_counters"].numel() >= 4
-    assert st.workspace["row_counters"] is not counters
-    assert any(t is counters for t in kb._RETIRED)
+    launch_expand(torch.randn(2, 2, 4096), st, pol, split=2, block_v=256)  # 4 rows x 2 = 8 partials
+    assert st.workspace["part_t"].shape == (4, 16)
+    assert st.workspace["part_t"] is not tiles
+    assert any(t is tiles for t in kb._RETIRED)

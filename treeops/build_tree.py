@@ -299,25 +299,26 @@ def _ref_policy(topk, W, D, N, target_times, draft_times, c1, c2, c3, fifo, buck
     )  # fmt: skip
 
 
-def _split_workspace(logits: torch.Tensor, state: DraftState, K: int) -> tuple:
-    """(row_counters, part_m, part_s, part_k): the split-V expand's buffers on CUDA, kept in
+def _split_workspace(logits: torch.Tensor, state: DraftState) -> tuple:
+    """(part_m, part_s, part_t): the split-V expand's buffers on CUDA, kept in
     ``state.workspace`` and sized by the launcher's own rules, or Nones when the launch has one
     program per row (always off the GPU)."""
     B, W, V = logits.shape
-    _, split = _kernels.expand_tiling(B * W, V, logits.device)
+    block_v, split = _kernels.expand_tiling(B * W, V, logits.device)
     if split <= 1:
-        return None, None, None, None
-    return _kernels.split_workspace(state.workspace, B * W, split, K, logits.device)
+        return None, None, None
+    n_tiles = -(-V // block_v)
+    return _kernels.split_workspace(state.workspace, B * W, split, n_tiles, logits.device)
 
 
 def _expand_cuda(
     logits, layer, topk, active, seq_lens, frontier, frontier_tokens, frontier_scores,
-    cand_tokens, cand_scores, cand_parents, decisions, u_hist, counters, cum, row_counters,
-    part_m, part_s, part_k, target_times, draft_times, c1, c2, fifo, bucket_len,
+    cand_tokens, cand_scores, cand_parents, decisions, u_hist, counters, cum, part_m, part_s,
+    part_t, target_times, draft_times, c1, c2, fifo, bucket_len,
 ):  # fmt: skip
     ws = {"counters": counters, "cum": cum}
     if part_m is not None:
-        ws.update(row_counters=row_counters, part_m=part_m, part_s=part_s, part_k=part_k)
+        ws.update(part_m=part_m, part_s=part_s, part_t=part_t)
     with cuda_device(logits):
         _kernels.expand(
             logits, layer=layer, topk=topk, active=active, seq_lens=seq_lens, frontier=frontier,
@@ -330,8 +331,8 @@ def _expand_cuda(
 
 def _expand_cpu(
     logits, layer, topk, active, seq_lens, frontier, frontier_tokens, frontier_scores,
-    cand_tokens, cand_scores, cand_parents, decisions, u_hist, counters, cum, row_counters,
-    part_m, part_s, part_k, target_times, draft_times, c1, c2, fifo, bucket_len,
+    cand_tokens, cand_scores, cand_parents, decisions, u_hist, counters, cum, part_m, part_s,
+    part_t, target_times, draft_times, c1, c2, fifo, bucket_len,
 ):  # fmt: skip
     W, D = logits.shape[1], cand_scores.shape[1]
     state = DraftState(
@@ -349,7 +350,7 @@ _expand_op = define(
     "Tensor(a!) frontier, Tensor(b!) frontier_tokens, Tensor(c!) frontier_scores, "
     "Tensor(d!) cand_tokens, Tensor(e!) cand_scores, Tensor(f!) cand_parents, "
     "Tensor(g!) decisions, Tensor(h!) u_hist, Tensor(i!) counters, Tensor(j!) cum, "
-    "Tensor(k!)? row_counters, Tensor(l!)? part_m, Tensor(m!)? part_s, Tensor(n!)? part_k, "
+    "Tensor(k!)? part_m, Tensor(l!)? part_s, Tensor(m!)? part_t, "
     "Tensor? target_times, Tensor? draft_times, float c1, float c2, int fifo, int bucket_len"
     ") -> ()",
     cpu=_expand_cpu,
@@ -470,7 +471,7 @@ def build_tree_expand(
             logits, state.layer, policy.topk, state.active, state.seq_lens, state.frontier,
             state.frontier_tokens, state.frontier_scores, state.cand_tokens, state.cand_scores,
             state.cand_parents, state.decisions, state.u_hist, state.workspace["counters"],
-            state.workspace["cum"], *_split_workspace(logits, state, policy.topk), target, draft,
+            state.workspace["cum"], *_split_workspace(logits, state), target, draft,
             c1, c2, fifo, bucket_len,
         )  # fmt: skip
         state.layer += 1
