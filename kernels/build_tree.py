@@ -201,6 +201,19 @@ def _combine_softmax(p_part_m, p_part_s, o_row, SPLIT: tl.constexpr, SP: tl.cons
 
 
 @triton.jit
+def _next_tile(t_key, BLOCK_V: tl.constexpr):
+    """The best-ranked tile left in ``t_key`` (then removed from it): its first token and the
+    best packed key it can hold (its max with its first token; the smallest key when no tile
+    is left: below every threshold)."""
+    t_best = tl.max(t_key)
+    t_key = tl.where(t_key == t_best, -9223372036854775807 - 1, t_key)
+    v0 = (0x7FFFFFFF - (t_best & 0xFFFFFFFF)).to(tl.int32) * BLOCK_V
+    bound = ((t_best >> 32) << 32) | (0x7FFFFFFF - v0).to(tl.int64)
+    bound = tl.where(t_best > -9223372036854775807 - 1, bound, -9223372036854775807 - 1)
+    return t_key, v0, bound
+
+
+@triton.jit
 def _top_of_tiles(
     p_row,
     p_tmax,
@@ -231,17 +244,22 @@ def _top_of_tiles(
     b_thr = tl.min(b_top)
     if row_ok:
         o_b = tl.arange(0, BLOCK_V)
+        t_key, v_nxt, bound_nxt = _next_tile(t_key, BLOCK_V)
+        # a tile not to read starts at V: its load is masked off entirely
+        v_ld = tl.where(bound_nxt > b_thr, v_nxt, V)
+        b_nxt = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
         for _ in tl.static_range(K):
-            t_best = tl.max(t_key)
-            t_key = tl.where(t_key == t_best, -9223372036854775807 - 1, t_key)
-            v0 = (0x7FFFFFFF - (t_best & 0xFFFFFFFF)).to(tl.int32) * BLOCK_V
-            bound = ((t_best >> 32) << 32) | (0x7FFFFFFF - v0).to(tl.int64)
-            if (t_best > -9223372036854775807 - 1) & (bound > b_thr):
+            b_raw, v0, bound = b_nxt, v_nxt, bound_nxt
+            # the next tile's read is issued before this one is merged (its latency hidden);
+            # the K-th key only rises, so a tile skipped by the bound now stays skipped
+            t_key, v_nxt, bound_nxt = _next_tile(t_key, BLOCK_V)
+            v_ld = tl.where(bound_nxt > b_thr, v_nxt, V)
+            b_nxt = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
+            if bound > b_thr:
                 o_v = v0 + o_b
-                m_v = o_v < V
-                b_x = tl.load(p_row + o_v, mask=m_v, other=-float("inf")).to(tl.float32) + 0.0
+                b_x = b_raw.to(tl.float32) + 0.0
                 b_key = (_ordered(b_x).to(tl.int64) << 32) | (0x7FFFFFFF - o_v).to(tl.int64)
-                b_key = tl.where(m_v, b_key, -9223372036854775807 - 1)
+                b_key = tl.where(o_v < V, b_key, -9223372036854775807 - 1)
                 b_best = tl.max(b_key)
                 while b_best > b_thr:  # at most K rounds per tile
                     b_top = tl.where(b_top == b_thr, b_best, b_top)
