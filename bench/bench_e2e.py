@@ -846,11 +846,20 @@ def timed_run(dec, groups, args) -> DecodeResult:
     return merge_results(out)
 
 
+WARMUP_CONTINUOUS_GROUPS = 2
+"""With ``--continuous``, the groups of requests one warm-up decode takes, continuously batched
+as the timed runs are: each row decodes two requests, the second from a refill, so the planner
+measures its plans on mixed contexts and refilled rows (a static group's rows all start
+together, with the shortest contexts: trees measure relatively cheaper there than in the runs
+they are chosen for)."""
+
+
 def warm_up_planner(dec, B: int, groups: list, args, until: float) -> int:
     """λ-CAST's warm-up at batch size ``B``: ``dec`` decodes one group after another (from the
-    second) until its planner has seen ``args.planner_warmup_steps`` steps, measured a chain
-    (where it probes them) and the chains its probes compare next to its plan
-    (``CastPlanner.unprobed``), and a whole group kept its plan, or ``time.time()`` passes
+    second; with ``--continuous``, ``WARMUP_CONTINUOUS_GROUPS`` groups at a time in one
+    ``generate(max_batch=B)``) until its planner has seen ``args.planner_warmup_steps`` steps,
+    measured a chain (where it probes them) and the chains its probes compare next to its plan
+    (``CastPlanner.unprobed``), and a whole decode kept its plan, or ``time.time()`` passes
     ``until``. Returns the groups decoded."""
     planner = dec.planner
     g, last = 1, None
@@ -866,8 +875,13 @@ def warm_up_planner(dec, B: int, groups: list, args, until: float) -> int:
             # still move to a deeper or shallower chain
             break
         last = d["plan"]
-        dec.generate(groups[g % len(groups)], args.new_tokens)
-        g += 1
+        if getattr(args, "continuous", False):
+            take = [groups[(g + i) % len(groups)] for i in range(WARMUP_CONTINUOUS_GROUPS)]
+            dec.generate([p for grp in take for p in grp], args.new_tokens, max_batch=B)
+            g += WARMUP_CONTINUOUS_GROUPS
+        else:
+            dec.generate(groups[g % len(groups)], args.new_tokens)
+            g += 1
     return g - 1
 
 

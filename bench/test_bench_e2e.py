@@ -204,3 +204,29 @@ def test_warm_up_planner_runs_until_the_neighbouring_chains_are_measured(pair):
     d = pl.describe(2)
     assert n >= 1 and d["steps"] >= 40 and not pl.unprobed(2)
     assert any(row[7] == 1 for row in d["plans_measured"])
+
+
+def test_continuous_warm_up_decodes_as_the_timed_runs(pair, monkeypatch):
+    """With ``--continuous`` the warm-up decodes WARMUP_CONTINUOUS_GROUPS groups per generate,
+    continuously batched at B (rows refilled), as the timed runs do."""
+    import time
+
+    target, draft = pair
+    args = bench.parser().parse_args(["--out", "unused", "--new-tokens", "16", "--cast-depth",
+                                      "4", "--cast-budget", "16", "--planner-warmup-steps",
+                                      "40", "--continuous"])  # fmt: skip
+    table = bench.synthetic_cost_table(64)
+    groups = bench.groups_of(bench.random_prompts(target.cfg.vocab_size, 4, 8), 2, 8)
+    dec = bench.make_decoder("Cast", target, draft, args, table, False)
+    calls = []
+    real = dec.generate
+
+    def spy(prompts, *a, **kw):
+        calls.append((len(prompts), kw.get("max_batch")))
+        return real(prompts, *a, **kw)
+
+    monkeypatch.setattr(dec, "generate", spy)
+    n = bench.warm_up_planner(dec, 2, groups, args, time.time() + 120.0)
+    want = bench.WARMUP_CONTINUOUS_GROUPS
+    assert n >= want and n % want == 0
+    assert calls and all(c == (2 * want, 2) for c in calls)
