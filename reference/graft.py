@@ -11,6 +11,7 @@ against. Every function has the signature of its public counterpart in ``treeops
   token in the prompt (highest ``b*L + t``) wins, since it is the most recent context.
 - ``adjacency_retrieve``: walk a rank-path template breadth-first from each root token.
 - ``graft_merge``: trie-insert the retrieved paths into the (pruned) tree up to the budget.
+- ``graft_tail``: extend each request's best leaf with the table's rank-0 successor chain.
 - ``prune`` and ``prune_checkpoint``: keep the top draft nodes when confidence is low.
 """
 
@@ -196,6 +197,45 @@ def graft(
 ) -> Tree:
     """Retrieve from each request's root token, then merge: ``graft_merge(tree, retrieve(...))``."""
     return graft_merge(tree, adjacency_retrieve(table, tree.tokens[:, 0], template, count), budget)
+
+
+def graft_tail(
+    tree: Tree, table: torch.Tensor, count: torch.Tensor | int, budget: torch.Tensor | int
+) -> Tree:
+    """Hang a chain of up to ``count[b]`` nodes below each request's best leaf: the leaf (a node
+    without children) of the highest score, the lowest index on ties, and under it
+    ``table[token, 0]`` of the node above, repeated. The chain stops at an empty entry (-1), a
+    token outside ``[0, V)`` or when the request holds ``min(budget[b], N)`` nodes; a request
+    with more nodes than that, or none, is left as it is. New nodes score 0."""
+    B, N = tree.parents.shape
+    V = table.shape[0]
+    t = tree.to("cpu")
+    tab = table.to("cpu")
+    par = t.parents.clone()
+    tok = t.tokens.clone()
+    sc = t.scores.clone()
+    num = t.num_nodes.clone()
+    for b in range(B):
+        n = int(num[b])
+        cap = max(0, min(budget if isinstance(budget, int) else int(budget[b]), N))
+        want = count if isinstance(count, int) else int(count[b])
+        if n == 0 or n > cap:
+            continue
+        parents = {int(par[b, i]) for i in range(1, n)}
+        leaves = [i for i in range(n) if i not in parents]
+        a = max(leaves, key=lambda i: (float(sc[b, i]), -i))
+        for _ in range(max(0, want)):
+            if n >= cap:
+                break
+            prev = int(tok[b, a])
+            nxt = int(tab[prev, 0]) if 0 <= prev < V else -1
+            if not 0 <= nxt < V:
+                break
+            par[b, n], tok[b, n], sc[b, n] = a, nxt, 0.0
+            a, n = n, n + 1
+        num[b] = n
+    dev = tree.device
+    return Tree.from_parents(par.to(dev), num.to(dev), tok.to(dev), sc.to(dev))
 
 
 def prune(tree: Tree, keep: torch.Tensor | int) -> Tree:

@@ -888,8 +888,9 @@ def test_opcheck_adjacency_ops():
 
 
 def test_opcheck_graft_and_prune_ops():
-    """``graft``, ``graft_merge``, ``prune`` (int and tensor budget / keep / count) and
-    ``prune_checkpoint``; the out tree is a fresh buffer, as the public functions allocate."""
+    """``graft``, ``graft_merge``, ``graft_tail``, ``prune`` (int and tensor budget / keep /
+    count) and ``prune_checkpoint``; the out tree is a fresh buffer, as the public functions
+    allocate."""
     ops = torch.ops.treeops
     rng, V, tree, tab = _opcheck_inputs()
     B, N = tree.parents.shape
@@ -909,6 +910,10 @@ def test_opcheck_graft_and_prune_ops():
             _opcheck(ops.graft.default, (*pruned.tensors(), tab, par, rank, dep, tpl.max_depth,
                                          tpl.max_width, budget, budget_int, count, count_int,
                                          *out.tensors()))  # fmt: skip
+        for count, count_int in ((None, 3), (torch.tensor([2, 9], dtype=torch.int32), 0)):
+            out = treeops.Tree.empty(B, N)
+            _opcheck(ops.graft_tail.default, (*pruned.tensors(), tab, count, count_int, budget,
+                                              budget_int, 9, *out.tensors()))  # fmt: skip
         r = ref.adjacency_retrieve(tab, pruned.tokens[:, 0], tpl)
         out = treeops.Tree.empty(B, N)
         _opcheck(ops.graft_merge.default, (*pruned.tensors(), r.tokens, r.parents, r.depth,
@@ -920,6 +925,8 @@ def test_opcheck_graft_and_prune_ops():
     # the public functions run the ops: the reference's trees
     assert_same_tree(graft(pruned, table_of(tab), tpl, 12), ref.graft(pruned, tab, tpl, 12))
     assert_same_tree(prune(tree, 3), ref.prune(tree, 3))
+    assert_same_tree(treeops.graft_tail(pruned, table_of(tab), 3, 12),
+                     ref.graft_tail(pruned, tab, 3, 12))  # fmt: skip
 
 
 def test_update_op_workspace_key_is_the_launchers():
@@ -937,3 +944,115 @@ def test_update_op_workspace_key_is_the_launchers():
     for V in (65537, 128256, 300000):  # bf16 order keys hold a split's ids in 16 bits
         S = kern.update_workspace_key(1, V, 8, torch.device("cpu"))[1]
         assert kern._chunk(V, S, kern._update_block_v()) <= 1 << 16
+
+
+# ----------------------------------------------------------------------------- graft_tail
+
+
+def brute_tail(tree: treeops.Tree, tab: torch.Tensor, count: list[int], budget: list[int]):
+    """graft_tail by its definition, on token paths: the best leaf's path, extended."""
+    out = []
+    V = tab.shape[0]
+    for b in range(tree.batch_size):
+        n = int(tree.num_nodes[b])
+        toks, pars = tree.tokens[b].tolist(), tree.parents[b].tolist()
+        paths = set(token_paths(toks, pars, n))
+        cap = max(0, min(budget[b], tree.capacity))
+        if n == 0 or n > cap:
+            out.append((paths, None))
+            continue
+        kids = {pars[i] for i in range(1, n)}
+        scores = tree.scores[b].tolist()
+        a = max((i for i in range(n) if i not in kids), key=lambda i: (scores[i], -i))
+        path, i = [], a  # (token_paths' form: the root's token left out)
+        while i > 0:
+            path.append(toks[i])
+            i = pars[i]
+        path, last = path[::-1], toks[a]
+        for _ in range(min(count[b], cap - n)):
+            nxt = int(tab[last, 0]) if 0 <= last < V else -1
+            if not 0 <= nxt < V:
+                break
+            path, last = path + [nxt], nxt
+            paths.add(tuple(path))
+        out.append((paths, tuple(path)))
+    return out
+
+
+@given(
+    trees(max_batch=3, capacities=(1, 8, 16, 64), vocab=12),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["int", "tensor"]),
+    st.sampled_from(["int", "tensor"]),
+)
+def test_graft_tail_kernel_matches_reference_and_definition(case, seed, count_kind, budget_kind):
+    """The kernel (interpreter) equals the reference field for field, the result is a valid tree
+    holding the input's nodes unchanged, and its token paths are the input's plus the best
+    leaf's path extended one table successor at a time (brute force on paths)."""
+    rng = random.Random(seed)
+    tree = case.tree
+    B, N = tree.parents.shape
+    keep = torch.tensor([rng.choice([0, 2, 8, NO_PRUNE]) for _ in range(B)], dtype=torch.int32)
+    pruned = prune(tree, keep)
+    tab = random_table(case.vocab, 3, rng, empty=0.15)
+    counts = [rng.randrange(0, 6) for _ in range(B)]
+    budgets = [rng.randrange(-1, N + 3) for _ in range(B)]
+    if count_kind == "tensor":
+        count, max_count = torch.tensor(counts, dtype=torch.int32), 6
+    else:
+        counts = [counts[0]] * B
+        count, max_count = counts[0], counts[0]
+    if budget_kind == "tensor":
+        budget = torch.tensor(budgets, dtype=torch.int32)
+    else:
+        budgets = [max(1, budgets[0])] * B
+        budget = budgets[0]
+    want = ref.graft_tail(pruned, tab, count, budget)
+    got = treeops.Tree(*kern.graft_tail(pruned, tab, count, budget, max_count))
+    assert_same_tree(got, want)
+    want.validate()
+    n0 = pruned.num_nodes.tolist()
+    for b in range(B):
+        n = n0[b]
+        for f in ("tokens", "parents", "depth", "scores"):
+            assert torch.equal(getattr(got, f)[b, :n], getattr(pruned, f)[b, :n]), f
+    for b, (paths, _) in enumerate(brute_tail(pruned, tab, counts, budgets)):
+        n = int(got.num_nodes[b])
+        assert set(token_paths(got.tokens[b].tolist(), got.parents[b].tolist(), n)) == paths
+
+
+def test_graft_tail_extends_the_best_leaf():
+    """A root with a deep branch (scores 0.9, 0.8) and a shallow one (0.3): the chain hangs
+    below the deep branch's leaf, follows rank-0 successors, and stops at an empty entry."""
+    tree = tree_from_lists([[-1, 0, 1, 0]], tokens=[[5, 6, 7, 9]], scores=[[1.0, 0.9, 0.8, 0.3]],
+                           capacity=8)  # fmt: skip
+    tab = torch.full((12, 2), -1, dtype=torch.int32)
+    tab[7, 0], tab[10, 0], tab[11, 0] = 10, 11, -1
+    tab[7, 1] = 3  # rank 1: never followed
+    out = treeops.graft_tail(tree, table_of(tab), 4, budget=8, validate=True)
+    assert out.num_nodes.tolist() == [6]
+    assert out.tokens[0, :6].tolist() == [5, 6, 7, 9, 10, 11]
+    assert out.parents[0, :6].tolist() == [-1, 0, 1, 0, 2, 4]
+    assert out.depth[0, :6].tolist() == [0, 1, 2, 1, 3, 4]
+    assert out.scores[0, 4:6].tolist() == [0.0, 0.0]
+    out.validate()
+    # the budget caps it (root included), and a full tree is left as it is
+    assert treeops.graft_tail(tree, table_of(tab), 4, budget=5).num_nodes.tolist() == [5]
+    assert treeops.graft_tail(tree, table_of(tab), 4, budget=3).num_nodes.tolist() == [4]
+
+
+def test_graft_tail_bad_input_is_a_value_error():
+    tree = tree_from_lists([[-1, 0]], tokens=[[1, 2]], capacity=4)
+    table = table_of(torch.zeros(4, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="count"):
+        treeops.graft_tail(tree, table, -1, budget=4)
+    with pytest.raises(ValueError, match="count"):
+        treeops.graft_tail(tree, table, None, budget=4)
+    with pytest.raises(ValueError, match="budget"):
+        treeops.graft_tail(tree, table, 2, budget=0)
+    with pytest.raises(ValueError, match="max_count"):
+        treeops.graft_tail(tree, table, 3, budget=4, max_count=2)
+    with pytest.raises(ValueError, match="table"):
+        treeops.graft_tail(tree, torch.zeros(4, 2, dtype=torch.int32), 2, budget=4)
+    with pytest.raises(ValueError, match="out"):
+        treeops.graft_tail(tree, table, 2, budget=4, out=tree)

@@ -96,6 +96,26 @@ def test_graft_matches_reference(B, N, V, tpl):
         same_tree(graft_merge(tree.to(DEV), r, b_dev), ref.graft_merge(tree, r_want, budget))
 
 
+@pytest.mark.parametrize("B,N,V", [(1, 64, 32000), (8, 64, 200), (64, 64, 32000), (3, 128, 1000),
+                                   (2, 1, 10), (5, 33, 50)])  # fmt: skip
+def test_graft_tail_matches_reference(B, N, V):
+    """The chain below each request's best leaf, int and tensor count and budget (some budgets
+    under a request's node count, some chains cut by empty entries), as the reference."""
+    tree, tab, rng = batch(B, N, V, seed=B * 7 + N)
+    table = AdjacencyTable(V, 8, device=DEV)
+    table.table.copy_(tab)
+    budgets = (60, torch.tensor([rng.randrange(0, N + 2) for _ in range(B)], dtype=torch.int32))
+    counts = (4, torch.tensor([rng.randrange(0, 9) for _ in range(B)], dtype=torch.int32))
+    for budget in budgets:
+        for count in counts:
+            want = ref.graft_tail(tree, tab, count, budget)
+            b_dev = budget.to(DEV) if isinstance(budget, torch.Tensor) else budget
+            c_dev = count.to(DEV) if isinstance(count, torch.Tensor) else count
+            got = treeops.graft_tail(tree.to(DEV), table, c_dev, b_dev, max_count=8)
+            same_tree(got, want)
+            want.validate()
+
+
 def test_graft_is_graph_capturable():
     if DEV != "cuda":
         pytest.skip("CUDA graphs need CUDA")
