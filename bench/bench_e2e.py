@@ -174,20 +174,24 @@ def lambda_cast(args) -> bool:
     return args.C1 is None and args.C2 is None and args.C3 is None
 
 
-ABLATION_POLICIES = ("CastPrune",)
-"""Graft's ablation beside Cast and CastGraft: ``CastPrune`` is CastGraft whose successor
+ABLATION_POLICIES = ("CastPrune", "CastTail")
+"""Graft's variants beside Cast and CastGraft: ``CastPrune`` is CastGraft whose successor
 template is the root alone, so it prunes (at the checkpoints with thresholds; under λ-CAST, the
-g slots its plans free) and grafts nothing."""
+g slots its plans free) and grafts nothing; ``CastTail`` is CastGraft grafting below the best
+leaf (``anchor="leaf"``: the g slots hold a chain of table successors extending the path most
+likely accepted whole)."""
 
 
 def make_decoder(policy, target, draft, args, table, graphs, profile=False):
-    lam = policy in ("Cast", "CastGraft", "CastPrune") and lambda_cast(args)
+    lam = policy in ("Cast", "CastGraft") + ABLATION_POLICIES and lambda_cast(args)
     prune_only = policy == "CastPrune"
-    pol = make_policy("CastGraft" if prune_only else policy, depth=args.depth, topk=args.topk,
-                      budget=args.budget, cost_table=table, C1=args.C1, C2=args.C2, C3=args.C3,
-                      cast_depth=args.cast_depth, cast_budget=args.cast_budget,
+    pol = make_policy("CastGraft" if policy in ABLATION_POLICIES else policy, depth=args.depth,
+                      topk=args.topk, budget=args.budget, cost_table=table, C1=args.C1,
+                      C2=args.C2, C3=args.C3, cast_depth=args.cast_depth,
+                      cast_budget=args.cast_budget,
                       template=RankTemplate([-1], [-1]) if prune_only else None,
-                      lambda_graft=lam)  # fmt: skip
+                      lambda_graft=lam,
+                      anchor="leaf" if policy == "CastTail" else "root")  # fmt: skip
     kw = dict(page_size=16)
     if (getattr(args, "step_graphs", False) and policy in STEP_GRAPH_POLICIES) or lam:
         # one graph per whole step (eager step body, static shapes, without graphs)

@@ -101,7 +101,7 @@ def _steep_costs() -> CostTable:
     )
 
 
-def _policy(policy: str):
+def _policy(policy: str, **kw):
     return make_policy(
         policy,
         depth=3,
@@ -113,12 +113,24 @@ def _policy(policy: str):
         C3=0.05,
         # prune early and hard so that Graft fills slots every step
         checkpoints=PruneCheckpoints(steps=(0, 1), keeps=(2, 4), thresholds=(0.99, 0.99)),
+        **kw,
     )
 
 
 def _decoder(pair, policy: str, **kw) -> Decoder:
     target, draft = pair
     return Decoder(target, draft, _policy(policy), page_size=16, **kw)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_leaf_anchored_graft_greedy_equals_autoregressive(pair, baseline, static):
+    """Thresholded CastGraft grafting below the best leaf (``anchor="leaf"``), eager and on the
+    static path: chains are added and greedy output equals autoregressive decoding."""
+    target, draft = pair
+    pol = _policy("CastGraft", anchor="leaf")
+    res = Decoder(target, draft, pol, page_size=16, static_shapes=static).generate(PROMPTS, NEW)
+    assert res.tokens == baseline
+    assert sum(res.grafted) > 0
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -726,13 +738,13 @@ def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graph
 
 
 # ---------------------------------------------------------------------------------- λ-CAST
-def _lambda_decoder(pair, graft: bool = False, **kw) -> Decoder:
-    """λ-CAST (max depth 5, capacity 16) as whole steps; with ``graft`` CastGraft over it,
-    starting from a plan that grafts 4 of 8 verified nodes."""
+def _lambda_decoder(pair, graft: bool = False, anchor: str = "root", **kw) -> Decoder:
+    """λ-CAST (max depth 5, capacity 16) as whole steps; with ``graft`` CastGraft over it
+    (grafting at ``anchor``), starting from a plan that grafts 4 of 8 verified nodes."""
     target, draft = pair
     pol = make_policy("CastGraft" if graft else "Cast", depth=3, topk=3, budget=12,
                       cast_depth=5, cast_budget=16, cost_table=_steep_costs(),
-                      lambda_graft=graft)  # fmt: skip
+                      lambda_graft=graft, anchor=anchor)  # fmt: skip
     opts = {"initial": Plan(width=2, depth=3, verify=8, graft=4)} if graft else None
     kw.setdefault("step_graphs", True)
     return Decoder(target, draft, pol, planner_options=opts, **kw)

@@ -71,15 +71,17 @@ def _random_requests(rng: random.Random, n: int = 3):
     return prompts, [rng.randint(3, 40) for _ in range(n)]
 
 
+@pytest.mark.parametrize("anchor", ["root", "leaf"])
 @pytest.mark.parametrize("seed", range(12))
-def test_lambda_cast_graft_any_plan_sequence_is_lossless(pair, monkeypatch, seed):  # noqa: F811
+def test_lambda_cast_graft_any_plan_sequence_is_lossless(pair, monkeypatch, seed, anchor):  # noqa: F811
     """CastGraft over λ-CAST, a random plan every step (any width, depth, verify bucket, graft
-    count, or a chain): grafted nodes hang at the template's depth, below a shallow draft, so the
-    catch-up must cover paths past depth + 1; greedy output equals autoregressive decoding."""
+    count, or a chain): grafted nodes hang at the template's depth below a shallow draft (root
+    anchor) or as a chain below the draft's best leaf (leaf anchor), so the catch-up must cover
+    paths past depth + 1; greedy output equals autoregressive decoding."""
     target, _ = pair
     rng = random.Random(seed)
     _random_plans(monkeypatch, rng)
-    dec = _lambda_decoder(pair, graft=True, static_shapes=True)
+    dec = _lambda_decoder(pair, graft=True, anchor=anchor, static_shapes=True)
     prompts, budgets = _random_requests(rng)
     res = dec.generate(prompts, budgets)
     assert res.tokens == [_greedy_baseline(target, p, m) for p, m in zip(prompts, budgets)]
@@ -89,8 +91,9 @@ def test_lambda_cast_graft_any_plan_sequence_is_lossless(pair, monkeypatch, seed
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("anchor", ["root", "leaf"])
 @pytest.mark.parametrize("seed", [7])
-def test_lambda_cast_graft_any_plan_sequence_on_gpu(gpu_pair, monkeypatch, seed):  # noqa: F811
+def test_lambda_cast_graft_any_plan_sequence_on_gpu(gpu_pair, monkeypatch, seed, anchor):  # noqa: F811
     """The same on the GPU with one CUDA graph per plan (chains among them: top-1 expands and
     the step statistics over one candidate per layer), launched ahead: greedy equals the tiny
     fp32 pair's autoregressive output."""
@@ -98,7 +101,8 @@ def test_lambda_cast_graft_any_plan_sequence_on_gpu(gpu_pair, monkeypatch, seed)
     target, _ = gpu_pair
     rng = random.Random(seed)
     _random_plans(monkeypatch, rng)
-    dec = _lambda_decoder(gpu_pair, graft=True, static_shapes=True, cuda_graphs=True)
+    dec = _lambda_decoder(gpu_pair, graft=True, anchor=anchor, static_shapes=True,
+                          cuda_graphs=True)  # fmt: skip
     prompts, budgets = _random_requests(rng, 4)
     ar = Decoder(target, None, "autoregressive").generate(prompts, budgets)
     res = dec.generate(prompts, budgets)

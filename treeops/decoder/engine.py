@@ -32,7 +32,8 @@ from .._checks import check_positive_int
 from .._graft_types import RankTemplate
 from ..build_tree import Cast
 from ..cast_plan import CastPlanner
-from ..graft import AdjacencyTable
+from ..graft import AdjacencyTable, graft, graft_tail
+from ..tree import Tree
 from .graphs import (
     TOKEN_BUCKETS,
     GraphRunner,
@@ -475,6 +476,17 @@ class Decoder:
             if self.table is not None:
                 self.table.warm_start(ptok, logits.contiguous(), plen)
         return root, root_feat
+
+    def refill(self, pruned: Tree, budget, template: RankTemplate, out: Tree | None = None) -> Tree:
+        """Graft's refill of a pruned tree, up to ``budget`` nodes (root included), by the
+        policy's ``anchor``: ``template``'s successors from the root (``graft``), or a chain of
+        as many first successors as ``template`` has nodes past its root below the best leaf
+        (``graft_tail``). Into ``out`` when given."""
+        assert self.graft is not None and self.table is not None
+        if self.graft.anchor == "leaf":
+            n = template.size - 1
+            return graft_tail(pruned, self.table, n, budget, max_count=n, out=out)
+        return graft(pruned, self.table, template, budget=budget, out=out)
 
     def graft_template(self, g: int) -> RankTemplate:
         """The successor template of a λ-CAST plan that grafts ``g`` nodes: the policy

@@ -72,12 +72,16 @@ def path_cols(grafting: bool, pb: PlanBuffers | None, n: int) -> int:
 
 def catchup_bucket(dec, pb: PlanBuffers) -> int:
     """The rows of a whole step's catch-up forward for tree shape ``pb``: the bucket of the
-    longest path the step can accept (the draft's depth + 1; where the shape grafts, 1 + its
-    successor template's depth if that is deeper, grafted nodes hanging at their template
-    depth), capped at the shape's capacity."""
+    longest path the step can accept (the draft's depth + 1; where the shape grafts from the
+    root, 1 + its successor template's depth if that is deeper, grafted nodes hanging at their
+    template depth; from the best leaf, 1 + the draft's depth + the graft count), capped at the
+    shape's capacity."""
     deepest = pb.depth
     if dec.graft is not None and pb.graft:
-        deepest = max(deepest, dec.graft_template(pb.graft).max_depth)
+        if dec.graft.anchor == "leaf":
+            deepest = pb.depth + pb.graft
+        else:
+            deepest = max(deepest, dec.graft_template(pb.graft).max_depth)
     return min(pb.capacity, bucket_for(deepest + 1, dec.capacity))
 
 

@@ -11,7 +11,7 @@ A policy is an object; ``POLICIES`` lists their names:
   depth and verification count are decided on the device during the step; without them
   (λ-CAST, ``make_policy``'s default) a ``treeops.CastPlanner`` sizes each step between steps
   from the measured throughput λ̂, the calibrated draft scores and the cost table.
-* ``CastGraft(cast, checkpoints, template, adjacency_k)`` (``"CastGraft"``): CAST's tree, pruned
+* ``CastGraft(cast, checkpoints, template, adjacency_k, anchor)`` (``"CastGraft"``): CAST's tree, pruned
   at Graft's checkpoints and refilled from the successor table (docs/design.md op 6).
 
 ``make_policy(name, depth=, topk=, budget=, ...)`` builds one from its name and sizes (the
@@ -73,12 +73,18 @@ class CastGraft:
     threshold keeps only its best draft nodes; a lone request stops drafting) and refilled, up to
     the emitted tree's size, with the successors that ``template`` (a ``RankTemplate``) walks in
     an ``AdjacencyTable`` of ``adjacency_k`` successors per token, learnt from the prompts and
-    every verified tree."""
+    every verified tree.
+
+    ``anchor``: where the refill goes. ``"root"``: the template's successors from the root token,
+    trie-merged into the tree (``graft``). ``"leaf"``: a chain of first successors below the best
+    leaf (``graft_tail``), as long as the template has nodes beyond its root (under λ-CAST:
+    the plan's graft count), extending the path most likely accepted whole."""
 
     cast: Cast
     checkpoints: PruneCheckpoints = field(default_factory=PruneCheckpoints)
     template: RankTemplate = field(default_factory=RankTemplate.default)
     adjacency_k: int = 8
+    anchor: str = "root"
 
     name: ClassVar[str] = "CastGraft"
 
@@ -95,6 +101,10 @@ class CastGraft:
                     f"got {type(v).__name__}"
                 )
         check_positive_int("adjacency_k", self.adjacency_k)
+        if self.anchor not in ("root", "leaf"):
+            raise ValueError(
+                f"Invalid value of anchor: expected 'root' or 'leaf', got {self.anchor!r}"
+            )
 
 
 Policy = Autoregressive | Chain | EagleStatic | Cast | CastGraft
@@ -134,6 +144,7 @@ def make_policy(
     template: RankTemplate | None = None,
     adjacency_k: int = 8,
     lambda_graft: bool = False,
+    anchor: str = "root",
 ) -> Policy:
     """The policy ``name`` (one of ``POLICIES``) from EAGLE-style sizes; arguments that do not
     apply to it are ignored.
@@ -146,7 +157,7 @@ def make_policy(
     (the decoder plans its sizes between steps); once one threshold is given the others default
     to CAST's (C1, C2, C3 = 0.3, 0.2, 0.1), as they always do for ``CastGraft``, which adds
     ``checkpoints`` (default ``PruneCheckpoints()``), ``template``
-    (default ``RankTemplate.default()``) and ``adjacency_k``; with ``lambda_graft`` (and no
+    (default ``RankTemplate.default()``), ``adjacency_k`` and ``anchor``; with ``lambda_graft`` (and no
     threshold given) ``CastGraft`` grafts onto λ-CAST instead, its plans choosing how many
     verified nodes the table fills. A name outside ``POLICIES`` is a ``ValueError``."""
     if name not in POLICIES:
@@ -176,6 +187,7 @@ def make_policy(
         checkpoints=checkpoints or PruneCheckpoints(),
         template=template or RankTemplate.default(),
         adjacency_k=adjacency_k,
+        anchor=anchor,
     )
 
 

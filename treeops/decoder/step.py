@@ -55,7 +55,7 @@ from ..accept import accept_greedy, accept_sample
 from ..build_tree import build_tree_emit, build_tree_expand
 from ..cast_plan import cast_step_stats
 from ..compact_kv import compact_kv
-from ..graft import graft, prune
+from ..graft import prune
 from ..tree import Tree
 from .graphs import (
     PlanBuffers,
@@ -445,7 +445,7 @@ class EagerStep(StepBody):
         if keep is not None:
             verify = tree.num_nodes.clone()
             pruned = prune(tree, keep)
-            tree = graft(pruned, dec.table, gp.template, budget=verify)
+            tree = dec.refill(pruned, verify, gp.template)
             self.grafted = tree.num_nodes - pruned.num_nodes
         res.time_tree += time.perf_counter() - t0
         return tree
@@ -630,12 +630,12 @@ class StaticStep(StepBody):
             tree = build_tree_emit(st, pol, out=sb.emit_buf)
             verify = tree.num_nodes.clone()
             pruned = prune(tree, keep)
-            graft(pruned, dec.table, gp.template, budget=verify, out=self.vin)
+            dec.refill(pruned, verify, gp.template, out=self.vin)
             sb.grafted.copy_(self.vin.num_nodes - pruned.num_nodes)
         elif pb.graft:  # λ-CAST with Graft: the plan's n - g best draft nodes, g retrieved
             tree = build_tree_emit(st, pol, out=pb.emit)
             pruned = prune(tree, N - 1 - pb.graft)  # keep counts the nodes below the root
-            graft(pruned, dec.table, dec.graft_template(pb.graft), budget=N, out=self.vin)
+            dec.refill(pruned, N, dec.graft_template(pb.graft), out=self.vin)
             sb.grafted.copy_(self.vin.num_nodes - pruned.num_nodes)
         else:
             build_tree_emit(st, pol, out=self.vin)
