@@ -11,8 +11,9 @@ A policy is an object; ``POLICIES`` lists their names:
   depth and verification count are decided on the device during the step; without them
   (λ-CAST, ``make_policy``'s default) a ``treeops.CastPlanner`` sizes each step between steps
   from the measured throughput λ̂, the calibrated draft scores and the cost table.
-* ``CastGraft(cast, checkpoints, template, adjacency_k, anchor)`` (``"CastGraft"``): CAST's tree, pruned
-  at Graft's checkpoints and refilled from the successor table (docs/design.md op 6).
+* ``CastGraft(cast, checkpoints, template, adjacency_k, anchor)`` (``"CastGraft"``): CAST's
+  tree, pruned at Graft's checkpoints and refilled from the successor table (docs/design.md
+  op 6), at its root or below its best leaf.
 
 ``make_policy(name, depth=, topk=, budget=, ...)`` builds one from its name and sizes (the
 command line and the benchmarks); ``Decoder`` also accepts a name, mapped with the defaults.
@@ -157,9 +158,10 @@ def make_policy(
     (the decoder plans its sizes between steps); once one threshold is given the others default
     to CAST's (C1, C2, C3 = 0.3, 0.2, 0.1), as they always do for ``CastGraft``, which adds
     ``checkpoints`` (default ``PruneCheckpoints()``), ``template``
-    (default ``RankTemplate.default()``), ``adjacency_k`` and ``anchor``; with ``lambda_graft`` (and no
-    threshold given) ``CastGraft`` grafts onto λ-CAST instead, its plans choosing how many
-    verified nodes the table fills. A name outside ``POLICIES`` is a ``ValueError``."""
+    (default ``RankTemplate.default()``), ``adjacency_k`` and ``anchor``; with
+    ``lambda_graft`` (and no threshold given) ``CastGraft`` grafts onto λ-CAST instead, its
+    plans choosing how many verified nodes the table fills. A name outside ``POLICIES`` is a
+    ``ValueError``."""
     if name not in POLICIES:
         raise ValueError(f"Invalid policy: expected one of {POLICIES}, got {name!r}")
     if name == "autoregressive":
