@@ -32,7 +32,7 @@ import harness as H
 import pytest
 import torch
 
-from treeops import AdjacencyTable, RankTemplate, Tree, graft, prune
+from treeops import AdjacencyTable, RankTemplate, Tree, graft, graft_tail, prune
 from treeops.reference import graft as ref
 
 INT32_MAX = 2**31 - 1
@@ -445,7 +445,69 @@ def row_update_ids(c: dict, empty_us: float, time_treeops=None) -> dict:
     return row
 
 
-ROWS = {"retrieve_merge": row_retrieve_merge, "update": row_update, "update_ids": row_update_ids}
+TAIL = 8
+"""Chain nodes a ``tail`` row grafts below each request's best leaf."""
+
+
+def torch_tail(tree: Tree, table: torch.Tensor, count: int, budget: int) -> Tree:
+    """``graft_tail`` in PyTorch ops: the best leaf by a masked argmax, the chain by ``count``
+    gathers, the tree rebuilt by ``Tree.from_parents`` (the peer an engine would write)."""
+    B, N = tree.parents.shape
+    V = table.shape[0]
+    ar = torch.arange(N, device=tree.parents.device)
+    n = tree.num_nodes.long()
+    leaf = (ar[None] < n[:, None]) & (tree.first_child < 0)
+    key = torch.where(leaf, tree.scores, float("-inf"))
+    # the highest score, the lowest index on ties: argmax of (score, -index) via a stable sort
+    a = torch.sort(key, dim=1, descending=True, stable=True).indices[:, 0]
+    par, tok, sc = tree.parents.clone(), tree.tokens.clone(), tree.scores.clone()
+    rows = torch.arange(B, device=par.device)
+    cap = min(budget, N)
+    alive = (n > 0) & (n <= cap)
+    above, above_tok, got = a, tok[rows, a], torch.zeros_like(n)
+    for i in range(count):
+        ok_tok = (above_tok >= 0) & (above_tok < V)
+        nt = table[above_tok.clamp(0, V - 1), 0].long()
+        alive = alive & (n + i < cap) & ok_tok & (nt >= 0) & (nt < V)
+        idx = (n + i).clamp(max=N - 1)
+        par[rows, idx] = torch.where(alive, above.int(), par[rows, idx])
+        tok[rows, idx] = torch.where(alive, nt, tok[rows, idx])
+        sc[rows, idx] = torch.where(alive, 0.0, sc[rows, idx])
+        got += alive.long()
+        above = torch.where(alive, idx, above)
+        above_tok = torch.where(alive, nt, above_tok)
+    return Tree.from_parents(par, (n + got).int(), tok, sc)
+
+
+def row_tail(c: dict, empty_us: float, time_treeops=None) -> dict:
+    """``graft_tail`` (a ``TAIL``-node chain below the best leaf, budget 60) against the
+    reference (exact), then timed against ``torch_tail``."""
+    timer = _timer(c["dev"])
+    time_treeops = time_treeops or timer
+    pruned, table, budget = c["pruned"], c["table"], c["budget"]
+    B, N = c["B"], c["N"]
+    want = ref.graft_tail(pruned.to("cpu"), c["tab_cpu"], TAIL, budget)
+    ok = tree_equal(graft_tail(pruned, table, TAIL, budget), want)
+    ok_torch = tree_equal(torch_tail(pruned, table.table, TAIL, budget), want)
+    W = c["tree"].anc.shape[2]
+    nbytes = 2 * (B * N * (8 + 4 * 6 + 4 * W) + B * 4) + B * TAIL * 4
+    row = _row("tail", c, floor_us=H.floor_us(nbytes, empty_us=empty_us), bytes=nbytes,
+               match=ok, torch_match=ok_torch)  # fmt: skip
+    row["treeops_us"] = (
+        time_treeops([lambda: graft_tail(pruned, table, TAIL, budget)] * 16) if ok else None
+    )
+    if ok:
+        row["treeops_eager_us"] = H.eager_us(
+            lambda: graft_tail(pruned, table, TAIL, budget), device=c["dev"]
+        )
+    row["torch_us"] = (
+        timer([lambda: torch_tail(pruned, table.table, TAIL, budget)] * 4) if ok_torch else None
+    )
+    return row
+
+
+ROWS = {"retrieve_merge": row_retrieve_merge, "tail": row_tail, "update": row_update,
+        "update_ids": row_update_ids}  # fmt: skip
 
 
 def main(argv=None) -> dict | None:
