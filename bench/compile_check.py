@@ -368,6 +368,9 @@ def graft(op, B, V, N=60, k=8):
         elif op == "retrieve":
             roots = torch.randint(0, V, (B,), generator=G)
             return lambda: kg.retrieve(table, roots, par, rank, dep, tpl.max_depth, None)
+        elif op == "tail":
+            tree = _tree(B, N, 24, V)
+            return lambda: kg.graft_tail(tree, table, 8, N, 8)
         # update from logits, and from acceptance's top-k ids
         owner = torch.full((V,), kg.INT32_MAX, dtype=torch.int32)
         tree = _tree(B, N, N, V)
@@ -516,6 +519,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             compact(8, 4, 8, 128, 16),
             graft("retrieve_merge", 8, 32000),
             graft("retrieve", 8, 32000),
+            graft("tail", 8, 32000),
             graft("update", 8, 32000),
             prune(8, 64),
             cast(8, 100, 10),
@@ -589,7 +593,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
         out.append(compact(8, 32, 8, d, 16))
     out += [compact(8, 32, 8, 128, 16, stacked=False), compact(1, 4, 8, 128, 1)]
     for B, V in ((1, 32000), (64, 128256)):
-        for op in ("retrieve_merge", "retrieve", "update"):
+        for op in ("retrieve_merge", "retrieve", "tail", "update"):
             out.append(graft(op, B, V))
     out += [prune(1, 8, keep_tensor=False), prune(64, 256), prune(8, 2048)]  # 1-2 tiles
     # CAST's standalone ops: bench_cast's shapes (width: 100 candidates, K = 10; rerank: 800,

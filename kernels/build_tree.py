@@ -248,7 +248,7 @@ def _top_of_tiles(
         # a tile not to read starts at V: its load is masked off entirely
         v_ld = tl.where(bound_nxt > b_thr, v_nxt, V)
         b_nxt = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
-        for _ in tl.static_range(K):
+        for _ in range(K):
             b_raw, v0, bound = b_nxt, v_nxt, bound_nxt
             # the next tile's read is issued before this one is merged (its latency hidden);
             # the K-th key only rises, so a tile skipped by the bound now stays skipped

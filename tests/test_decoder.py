@@ -682,7 +682,14 @@ def test_step_graphs_equal_per_forward_graphs(gpu_pair, policy, batch):
     [(p, False) for p in POLICIES]
     + [
         (p, True)
-        for p in ("autoregressive", "chain", "EagleStatic", "lambda-Cast", "lambda-CastGraft")
+        for p in (
+            "autoregressive",
+            "chain",
+            "EagleStatic",
+            "lambda-Cast",
+            "lambda-CastGraft",
+            "lambda-CastTail",
+        )
     ],
 )
 def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graphs):
@@ -691,6 +698,7 @@ def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graph
     on any host sync, data-dependent shape or host data copied in; greedy with stop ids and
     ragged budgets, then sampling, B = 3. The treeops ops run their CPU references here, not the
     GPU launchers (``bench/compile_check.py`` checks those the same way), so they are opaque."""
+    import treeops.decoder.engine as E
     import treeops.decoder.graphs as G
     import treeops.decoder.model as M
     import treeops.decoder.step as S
@@ -699,7 +707,8 @@ def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graph
     check = NoHostSync(only_regions=True)
     for mod, names in (
         (S, ["accept_greedy", "accept_sample", "build_tree_emit", "build_tree_expand",
-             "compact_kv", "graft", "prune"]),
+             "compact_kv", "prune"]),
+        (E, ["graft", "graft_tail"]),  # (Graft's refill, ``Decoder.refill``)
         (M, ["kv_append", "tree_attention"]),
     ):  # fmt: skip
         for name in names:
@@ -721,7 +730,8 @@ def test_graph_bodies_never_sync(pair, baseline, monkeypatch, policy, step_graph
     )
 
     if policy.startswith("lambda-"):  # λ-CAST: a plan per step, its statistics on device
-        dec = _lambda_decoder(pair, graft=policy.endswith("Graft"), static_shapes=True)
+        dec = _lambda_decoder(pair, graft=policy != "lambda-Cast", static_shapes=True,
+                              anchor="leaf" if policy.endswith("Tail") else "root")  # fmt: skip
     else:
         dec = _decoder(pair, policy, static_shapes=True, step_graphs=step_graphs)
     stop = baseline[1][3]
@@ -752,8 +762,10 @@ def _lambda_decoder(pair, graft: bool = False, anchor: str = "root", **kw) -> De
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "policy", ["chain", "EagleStatic", "Cast", "CastGraft", "lambda-Cast", "lambda-CastGraft"]
-)
+    "policy",
+    ["chain", "EagleStatic", "Cast", "CastGraft", "lambda-Cast", "lambda-CastGraft",
+     "lambda-CastTail"],
+)  # fmt: skip
 def test_fp32_greedy_equals_autoregressive_at_batch_64(gpu_pair, policy):
     """Lossless at B = 64 in fp32 (tiny pair, tf32 off): every policy's greedy output equals
     autoregressive decoding token for token, on its fastest graph mode (whole-step graphs where
@@ -765,7 +777,8 @@ def test_fp32_greedy_equals_autoregressive_at_batch_64(gpu_pair, policy):
     prompts = [torch.randint(1, V, (3 + i % 9,), generator=g).tolist() for i in range(64)]
     ar = Decoder(target, None, "autoregressive", cuda_graphs=True).generate(prompts, NEW)
     if policy.startswith("lambda-"):
-        dec = _lambda_decoder(gpu_pair, graft=policy.endswith("Graft"), cuda_graphs=True)
+        dec = _lambda_decoder(gpu_pair, graft=policy != "lambda-Cast", cuda_graphs=True,
+                              anchor="leaf" if policy.endswith("Tail") else "root")  # fmt: skip
     else:
         whole = policy in ("chain", "EagleStatic")
         dec = _decoder(gpu_pair, policy, cuda_graphs=True, step_graphs=whole)

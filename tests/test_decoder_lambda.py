@@ -143,16 +143,16 @@ def test_graft_table_lives_with_the_decoder(pair, monkeypatch):  # noqa: F811
 def test_graft_plans_fill_the_likeliest_template_nodes(pair, monkeypatch):  # noqa: F811
     """A plan grafting g nodes retrieves through the g + 1 most probable nodes of the policy's
     template (the default's rank-0 chain first), not the first g of its breadth-first fill."""
-    import treeops.decoder.step as step_mod
+    import treeops.decoder.engine as engine_mod
 
     sizes = []
-    real = step_mod.graft
+    real = engine_mod.graft
 
     def spy(tree, table, template, *args, **kwargs):
         sizes.append(template.size)
         return real(tree, table, template, *args, **kwargs)
 
-    monkeypatch.setattr(step_mod, "graft", spy)
+    monkeypatch.setattr(engine_mod, "graft", spy)
     _fixed_graft_plan(monkeypatch)
     dec = _lambda_decoder(pair, graft=True, static_shapes=True)
     dec.generate(PROMPTS, NEW)

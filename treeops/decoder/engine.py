@@ -477,16 +477,18 @@ class Decoder:
                 self.table.warm_start(ptok, logits.contiguous(), plen)
         return root, root_feat
 
-    def refill(self, pruned: Tree, budget, template: RankTemplate, out: Tree | None = None) -> Tree:
+    def refill(self, pruned: Tree, budget, g: int | None = None, out: Tree | None = None) -> Tree:
         """Graft's refill of a pruned tree, up to ``budget`` nodes (root included), by the
-        policy's ``anchor``: ``template``'s successors from the root (``graft``), or a chain of
-        as many first successors as ``template`` has nodes past its root below the best leaf
-        (``graft_tail``). Into ``out`` when given."""
+        policy's ``anchor``: successors from the root (``graft``: the policy's template, or
+        ``graft_template(g)`` for a λ-CAST plan grafting ``g``), or a chain below the best
+        leaf (``graft_tail``: as long as the policy's template has nodes past its root, or
+        ``g``). Into ``out`` when given."""
         assert self.graft is not None and self.table is not None
         if self.graft.anchor == "leaf":
-            n = template.size - 1
+            n = self.graft.template.size - 1 if g is None else g
             return graft_tail(pruned, self.table, n, budget, max_count=n, out=out)
-        return graft(pruned, self.table, template, budget=budget, out=out)
+        tpl = self.graft.template if g is None else self.graft_template(g)
+        return graft(pruned, self.table, tpl, budget=budget, out=out)
 
     def graft_template(self, g: int) -> RankTemplate:
         """The successor template of a λ-CAST plan that grafts ``g`` nodes: the policy

@@ -445,7 +445,7 @@ class EagerStep(StepBody):
         if keep is not None:
             verify = tree.num_nodes.clone()
             pruned = prune(tree, keep)
-            tree = dec.refill(pruned, verify, gp.template)
+            tree = dec.refill(pruned, verify)
             self.grafted = tree.num_nodes - pruned.num_nodes
         res.time_tree += time.perf_counter() - t0
         return tree
@@ -630,12 +630,12 @@ class StaticStep(StepBody):
             tree = build_tree_emit(st, pol, out=sb.emit_buf)
             verify = tree.num_nodes.clone()
             pruned = prune(tree, keep)
-            dec.refill(pruned, verify, gp.template, out=self.vin)
+            dec.refill(pruned, verify, out=self.vin)
             sb.grafted.copy_(self.vin.num_nodes - pruned.num_nodes)
         elif pb.graft:  # λ-CAST with Graft: the plan's n - g best draft nodes, g retrieved
             tree = build_tree_emit(st, pol, out=pb.emit)
             pruned = prune(tree, N - 1 - pb.graft)  # keep counts the nodes below the root
-            dec.refill(pruned, N, dec.graft_template(pb.graft), out=self.vin)
+            dec.refill(pruned, N, pb.graft, out=self.vin)
             sb.grafted.copy_(self.vin.num_nodes - pruned.num_nodes)
         else:
             build_tree_emit(st, pol, out=self.vin)
