@@ -371,7 +371,7 @@ def row_sweep(B, V, table, dev, empty_us):
         floor_us=round(H.floor_us(B * W * V * 2, empty_us=empty_us), 2),
         configs={},
     )
-    for bv, nw, sp in itertools.product((256, 512, 1024), (1, 2, 4), (None, 1, 2, 4, 16)):
+    for bv, nw, sp in itertools.product((256, 512), (1, 2, 4), (None, 1, 2, 4, 16)):
         if sp == 1 and nw < 4:
             continue  # one program per row streams the whole row: one or two warps starve it
         name = f"block_v={bv},warps={nw},split={sp or 'auto'}"
