@@ -369,8 +369,10 @@ def graft(op, B, V, N=60, k=8):
             roots = torch.randint(0, V, (B,), generator=G)
             return lambda: kg.retrieve(table, roots, par, rank, dep, tpl.max_depth, None)
         elif op == "tail":
+            from treeops.kernels import graft_tail as kt
+
             tree = _tree(B, N, 24, V)
-            return lambda: kg.graft_tail(tree, table, 8, N, 8)
+            return lambda: kt.graft_tail(tree, table, 8, N, 8)
         # update from logits, and from acceptance's top-k ids
         owner = torch.full((V,), kg.INT32_MAX, dtype=torch.int32)
         tree = _tree(B, N, N, V)

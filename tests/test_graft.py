@@ -600,6 +600,7 @@ def test_bad_input_messages():
 # ----------------------------------------------------------------------------- kernels
 
 from treeops.kernels import graft as kern  # noqa: E402
+from treeops.kernels import graft_tail as kern_tail  # noqa: E402
 
 TREE_FIELDS = (
     "tokens",
@@ -1008,7 +1009,7 @@ def test_graft_tail_kernel_matches_reference_and_definition(case, seed, count_ki
         budgets = [max(1, budgets[0])] * B
         budget = budgets[0]
     want = ref.graft_tail(pruned, tab, count, budget)
-    got = treeops.Tree(*kern.graft_tail(pruned, tab, count, budget, max_count))
+    got = treeops.Tree(*kern_tail.graft_tail(pruned, tab, count, budget, max_count))
     assert_same_tree(got, want)
     want.validate()
     n0 = pruned.num_nodes.tolist()

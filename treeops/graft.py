@@ -10,12 +10,12 @@ Per decoding step, for a batch of B requests:
    token through the ``AdjacencyTable`` and a ``RankTemplate``, trie-merges them into the pruned
    tree up to ``budget`` nodes (root included) and rebuilds depth, ``anc`` and the links: one
    fused launch on CUDA. ``AdjacencyTable.retrieve`` + ``graft_merge`` do the same in two steps.
-   ``graft_tail(tree, table, count, budget)`` grows the tree at its deep end instead: below
-   each request's best leaf, a chain of the table's first successors (one launch on CUDA).
+   ``graft_tail(tree, table, count, budget)`` (``treeops.graft_tail``) grows the tree at its
+   deep end instead: below each request's best leaf, a chain of the table's first successors.
 3. Verify with the target, accept, then ``table.update(tree, target_logits)`` (or the
    ``topk_ids`` acceptance returns) so that the table learns the target's successors.
 
-Each is a custom op ``torch.ops.treeops.*`` (``graft``, ``graft_merge``, ``graft_tail``, ``prune``,
+Each is a custom op ``torch.ops.treeops.*`` (``graft``, ``graft_merge``, ``prune``,
 ``prune_checkpoint``, ``adjacency_update``, ``adjacency_warm_start``, ``adjacency_retrieve``):
 CUDA tensors run the Triton kernels (``treeops.kernels.graft``; ``prune`` and the checkpoint
 rule one launch each, ``treeops.kernels.prune``), CPU tensors the references
@@ -70,7 +70,6 @@ __all__ = [
     "calibrate_thresholds",
     "graft",
     "graft_merge",
-    "graft_tail",
     "prune",
 ]
 
@@ -229,34 +228,6 @@ _graft_op = define(
     f"int count_int, {OUT_TREE}) -> ()",
     cpu=_graft_cpu,
     cuda=_graft_cuda,
-)
-
-
-def _graft_tail_cuda(*args):
-    tree, rest, out = Tree(*args[:8]), args[8:-8], args[-8:]
-    table, count, count_int, budget, budget_int, max_count = rest
-    with cuda_device(table):
-        _k.graft_tail(
-            tree, table, count if count is not None else count_int,
-            budget if budget is not None else budget_int, max_count, out=out,
-        )  # fmt: skip
-
-
-def _graft_tail_cpu(*args):
-    tree, rest, out = Tree(*args[:8]), args[8:-8], args[-8:]
-    table, count, count_int, budget, budget_int, _max_count = rest
-    res = _ref.graft_tail(
-        tree, table, count if count is not None else count_int,
-        budget if budget is not None else budget_int,
-    )  # fmt: skip
-    _copy_into(res, out)
-
-
-_graft_tail_op = define(
-    f"graft_tail({TREE}, Tensor table, Tensor? count, int count_int, Tensor? budget, "
-    f"int budget_int, int max_count, {OUT_TREE}) -> ()",
-    cpu=_graft_tail_cpu,
-    cuda=_graft_tail_cuda,
 )
 
 
@@ -718,77 +689,6 @@ def graft(
     _graft_op(
         *tree.tensors(), table.table, par, rank, dep, template.max_depth, template.max_width,
         *_split(budget, 0), *_split(count, template.size - 1), *out.tensors(),
-    )  # fmt: skip
-    return out
-
-
-def graft_tail(
-    tree: Tree,
-    table: AdjacencyTable,
-    count: torch.Tensor | int,
-    budget: torch.Tensor | int,
-    *,
-    max_count: int | None = None,
-    out: Tree | None = None,
-    validate: bool = False,
-) -> Tree:
-    """Extend each request's most probable path past the draft: below its best leaf (the node
-    without children of the highest score, the lowest index on ties) a chain of up to
-    ``count[b]`` nodes, each the table's first successor (``table.table[token, 0]``) of the node
-    above, while the request holds fewer than ``min(budget[b], N)`` nodes (root included).
-
-    Where ``graft`` refills the tree near its root, this grows it at its deep end: when the
-    whole drafted path is accepted, the chain's tokens can be accepted after it, for the price
-    of verifying them (no draft forward). The chain stops at an empty entry or a token outside
-    ``[0, V)``; a request with no node, or more than ``budget`` of them, is left as it is. New
-    nodes score 0.
-
-    Args:
-        tree: the (pruned) draft tree, [B, N].
-        table: an ``AdjacencyTable`` on the tree's device.
-        count: chain nodes per request, an int >= 0 or a [B] int32 tensor.
-        budget: nodes per request at most, an int >= 1 or a [B] int32 tensor.
-        max_count: a bound of ``count`` (the kernel's unrolled loop; default ``count`` for an
-            int, N for a tensor).
-        out: a ``Tree`` of the tree's shape to write into (not the tree's memory).
-    Returns the extended tree (``out`` when given). No host sync unless ``validate=True``.
-    """
-    key = None
-    if not validate and isinstance(table, AdjacencyTable):
-        key = _key("graft_tail", (tree, out), (table.table, budget, count), (table.k, max_count))
-    if _PASSED.get(key) is None:
-        check_tree(tree, validate=validate)
-        if not isinstance(table, AdjacencyTable):
-            raise ValueError(
-                "Invalid type of table: expected treeops.AdjacencyTable, got "
-                f"{type(table).__name__}"
-            )
-        B, N = tree.batch_size, tree.capacity
-        check_same_device(tree=tree.parents, table=table.table)
-        _check_budget(budget, B, tree.device, N)
-        if count is None:
-            raise ValueError("Invalid value of count: expected an int >= 0 or a [B] int32 tensor")
-        _check_count(count, B, tree.device)
-        if max_count is not None and (
-            not isinstance(max_count, int) or isinstance(max_count, bool) or max_count < 0
-        ):
-            raise ValueError(f"Invalid value of max_count: expected an int >= 0, got {max_count!r}")
-        if isinstance(count, int) and max_count is not None and count > max_count:
-            raise ValueError(
-                f"Invalid value of count: expected at most max_count = {max_count}, got {count}"
-            )
-        if validate and isinstance(budget, torch.Tensor):
-            _check_budget_values(budget, tree)
-        _check_out(out, tree)
-        _PASSED.put(key, True)
-    elif out is not None:
-        _check_out_memory(out, tree)
-    if max_count is None:
-        max_count = count if isinstance(count, int) else tree.capacity
-    out = _empty_tree(tree) if out is None else out
-    _graft_tail_op(
-        *tree.tensors(), table.table, *_split(count, 0), *_split(budget, 0), max_count,
-        *out.tensors(),
     )  # fmt: skip
     return out
 

@@ -32,7 +32,8 @@ from .._checks import check_positive_int
 from .._graft_types import RankTemplate
 from ..build_tree import Cast
 from ..cast_plan import CastPlanner
-from ..graft import AdjacencyTable, graft, graft_tail
+from ..graft import AdjacencyTable, graft
+from ..graft_tail import graft_tail
 from ..tree import Tree
 from .graphs import (
     TOKEN_BUCKETS,

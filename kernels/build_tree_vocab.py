@@ -1,0 +1,240 @@
+"""The draft layer expand's pass over the vocabulary (``treeops.kernels.build_tree.expand``).
+
+Packed keys: ``(order-preserving bits of the logit) << 32 | (2^31 - 1 - token)``, so that one
+max-reduction picks the larger logit and, on ties, the lower id.
+
+- ``_stream_row``: one program's pass over (a chunk of) a row, online max/sum and a running
+  top-K that merges a block only when its max beats the current K-th key (the unsplit expand).
+- ``_stream_kernel`` (``_stream_tiles``): the split expand's first launch, one-warp programs
+  over (row, chunk of V) writing each chunk's max and sum and each tile's max, no top-K work.
+- ``_combine_softmax`` and ``_top_of_tiles``: what the per-row program of the second launch
+  makes of them: the row's softmax, and its exact top-K from the K tiles with the largest
+  maxima (a tile holding a top-K element has its max at or above the K-th key, and at most K
+  tiles do), read best first, a tile skipped once its best possible key is below the K-th
+  found.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _ordered(x):
+    """float32 -> int32 whose signed order is the float order (-0.0 must be normalised first)."""
+    xb = x.to(tl.int32, bitcast=True)
+    return xb ^ ((xb >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _unordered(o):
+    """Inverse of ``_ordered`` (the map is an involution)."""
+    return (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _stream_row(
+    p_row, v_lo, v_hi, V, row_ok, K: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    """Online max/sum and running top-K keys of logits ``[v_lo, v_hi)`` of one row."""
+    o_k = tl.arange(0, KP)
+    key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+    # distinct sentinels so that "the worst slot" is unique; any real key beats them
+    b_top = tl.where(o_k < K, key_min + 1 + o_k, 9223372036854775807)
+    b_thr = tl.min(b_top)
+    m_run = tl.sum(tl.zeros([KP], tl.float32)) - float("inf")  # fp32 scalars (loop-carried)
+    s_run = tl.sum(tl.zeros([KP], tl.float32))
+    if row_ok:
+        # two tiles in flight ahead of the one being reduced (a tile's registers are raw
+        # 16-bit values: cheap), so each HBM round trip overlaps two tiles of work. Masks
+        # combine "< V" (V is specialised: the loads vectorise) with a uniform chunk bound.
+        o_b = tl.arange(0, BLOCK_V)
+        b_n1 = tl.load(
+            p_row + v_lo + o_b, mask=(v_lo + o_b < V) & (v_lo < v_hi), other=-float("inf")
+        )
+        b_n2 = tl.load(
+            p_row + v_lo + BLOCK_V + o_b,
+            mask=(v_lo + BLOCK_V + o_b < V) & (v_lo + BLOCK_V < v_hi),
+            other=-float("inf"),
+        )
+        for v0 in range(v_lo, v_hi, BLOCK_V):
+            o_v = v0 + o_b
+            m_v = o_v < V
+            b_raw = b_n1
+            b_n1 = b_n2
+            v2 = v0 + 2 * BLOCK_V
+            b_n2 = tl.load(p_row + v2 + o_b, mask=(v2 + o_b < V) & (v2 < v_hi), other=-float("inf"))
+            b_x = b_raw.to(tl.float32) + 0.0
+            b_max = tl.max(b_x)
+            m_new = tl.maximum(m_run, b_max)
+            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: no NaN
+            s_run = s_run * tl.exp(m_run - m_use) + tl.sum(tl.exp(b_x - m_use))
+            m_run = m_new
+            # a block element with the K-th best value loses the tie (larger id): strict >
+            if _ordered(b_max) > (b_thr >> 32).to(tl.int32):
+                b_key = (_ordered(b_x).to(tl.int64) << 32) | (0x7FFFFFFF - o_v).to(tl.int64)
+                b_key = tl.where(m_v, b_key, -9223372036854775807 - 1)  # [BLOCK_V]
+                b_best = tl.max(b_key)
+                while b_best > b_thr:  # at most K rounds per block
+                    b_top = tl.where(b_top == b_thr, b_best, b_top)
+                    b_key = tl.where(b_key == b_best, -9223372036854775807 - 1, b_key)
+                    b_thr = tl.min(b_top)
+                    b_best = tl.max(b_key)
+    return m_run, s_run, b_top
+
+
+@triton.jit
+def _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_tmax, BLOCK_V: tl.constexpr):
+    """Online max/sum of logits ``[v_lo, v_hi)`` of one row (whole tiles of ``BLOCK_V``), and each
+    tile's max as its order-preserving int32 (``_ordered``) at ``p_tmax[v0 // BLOCK_V]``: all the
+    top-K pass needs to know which tiles to read (``_top_of_tiles``)."""
+    m_run = tl.sum(tl.zeros([2], tl.float32)) - float("inf")  # fp32 scalars (loop-carried)
+    s_run = tl.sum(tl.zeros([2], tl.float32))
+    if row_ok:
+        # two tiles in flight ahead of the one being reduced, as in _stream_row
+        o_b = tl.arange(0, BLOCK_V)
+        b_n1 = tl.load(
+            p_row + v_lo + o_b, mask=(v_lo + o_b < V) & (v_lo < v_hi), other=-float("inf")
+        )
+        b_n2 = tl.load(
+            p_row + v_lo + BLOCK_V + o_b,
+            mask=(v_lo + BLOCK_V + o_b < V) & (v_lo + BLOCK_V < v_hi),
+            other=-float("inf"),
+        )
+        for v0 in range(v_lo, v_hi, BLOCK_V):
+            b_raw = b_n1
+            b_n1 = b_n2
+            v2 = v0 + 2 * BLOCK_V
+            b_n2 = tl.load(p_row + v2 + o_b, mask=(v2 + o_b < V) & (v2 < v_hi), other=-float("inf"))
+            b_x = b_raw.to(tl.float32) + 0.0  # (+ 0.0: -0.0 to 0.0, as _ordered needs)
+            # one integer max serves both: the tile's rank key and the softmax's max
+            o_max = tl.max(_ordered(b_x))
+            tl.store(p_tmax + v0 // BLOCK_V, o_max)
+            b_max = _unordered(o_max)
+            m_new = tl.maximum(m_run, b_max)
+            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: no NaN
+            s_run = s_run * tl.exp(m_run - m_use) + tl.sum(tl.exp(b_x - m_use))
+            m_run = m_new
+    return m_run, s_run
+
+
+@triton.jit
+def _combine_softmax(p_part_m, p_part_s, o_row, SPLIT: tl.constexpr, SP: tl.constexpr):
+    """Merge the SPLIT partial (max, sum) of one row (written by other programs)."""
+    o_s = tl.arange(0, SP)
+    m_s = o_s < SPLIT
+    b_pm = tl.load(
+        p_part_m + o_row * SPLIT + o_s, mask=m_s, other=-float("inf"), cache_modifier=".cg"
+    )
+    b_ps = tl.load(p_part_s + o_row * SPLIT + o_s, mask=m_s, other=0.0, cache_modifier=".cg")
+    m_run = tl.max(b_pm)
+    m_use = tl.where(m_run == -float("inf"), 0.0, m_run)
+    s_run = tl.sum(tl.where(m_s, b_ps * tl.exp(b_pm - m_use), 0.0))
+    return m_run, s_run
+
+
+@triton.jit
+def _next_tile(t_key, BLOCK_V: tl.constexpr):
+    """The best-ranked tile left in ``t_key`` (then removed from it): its first token and the
+    best packed key it can hold (its max with its first token; the smallest key when no tile
+    is left: below every threshold)."""
+    t_best = tl.max(t_key)
+    t_key = tl.where(t_key == t_best, -9223372036854775807 - 1, t_key)
+    v0 = (0x7FFFFFFF - (t_best & 0xFFFFFFFF)).to(tl.int32) * BLOCK_V
+    bound = ((t_best >> 32) << 32) | (0x7FFFFFFF - v0).to(tl.int64)
+    bound = tl.where(t_best > -9223372036854775807 - 1, bound, -9223372036854775807 - 1)
+    return t_key, v0, bound
+
+
+@triton.jit
+def _top_of_tiles(
+    p_row,
+    p_tmax,
+    V,
+    row_ok,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    NT: tl.constexpr,
+    NTP: tl.constexpr,
+):
+    """The row's top-K packed keys, reading only the tiles that can hold them.
+
+    Tiles rank by their max, the lower tile first on ties (tiles are contiguous token ranges,
+    so this is the order of each tile's best packed key). A tile holding one of the row's top-K
+    elements has its best key at or above the K-th key, and at most K tiles do: they are the K
+    best-ranked tiles. Those are read in rank order, each merged like ``_stream_row``'s blocks;
+    a tile whose best possible key (its max, its first token) is below the K-th key found so far
+    is skipped unread, and then so is every tile after it."""
+    o_t = tl.arange(0, NTP)
+    m_t = o_t < NT
+    b_tm = tl.load(p_tmax + o_t, mask=m_t, other=0, cache_modifier=".cg")  # (unused if not row_ok)
+    t_key = (b_tm.to(tl.int64) << 32) | (0x7FFFFFFF - o_t).to(tl.int64)
+    t_key = tl.where(m_t, t_key, -9223372036854775807 - 1)
+    o_k = tl.arange(0, KP)
+    key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+    b_top = tl.where(o_k < K, key_min + 1 + o_k, 9223372036854775807)  # as in _stream_row
+    b_thr = tl.min(b_top)
+    if row_ok:
+        o_b = tl.arange(0, BLOCK_V)
+        t_key, v_nxt, bound_nxt = _next_tile(t_key, BLOCK_V)
+        # a tile not to read starts at V: its load is masked off entirely
+        v_ld = tl.where(bound_nxt > b_thr, v_nxt, V)
+        b_nxt = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
+        for _ in range(K):
+            b_raw, v0, bound = b_nxt, v_nxt, bound_nxt
+            # the next tile's read is issued before this one is merged (its latency hidden);
+            # the K-th key only rises, so a tile skipped by the bound now stays skipped
+            t_key, v_nxt, bound_nxt = _next_tile(t_key, BLOCK_V)
+            v_ld = tl.where(bound_nxt > b_thr, v_nxt, V)
+            b_nxt = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
+            if bound > b_thr:
+                o_v = v0 + o_b
+                b_x = b_raw.to(tl.float32) + 0.0
+                b_key = (_ordered(b_x).to(tl.int64) << 32) | (0x7FFFFFFF - o_v).to(tl.int64)
+                b_key = tl.where(o_v < V, b_key, -9223372036854775807 - 1)
+                b_best = tl.max(b_key)
+                while b_best > b_thr:  # at most K rounds per tile
+                    b_top = tl.where(b_top == b_thr, b_best, b_top)
+                    b_key = tl.where(b_key == b_best, -9223372036854775807 - 1, b_key)
+                    b_thr = tl.min(b_top)
+                    b_best = tl.max(b_key)
+    return b_top
+
+
+@triton.jit
+def _stream_kernel(
+    p_logits,  # [B, W, V] draft logits (strides s_lb, s_lw; the vocabulary contiguous)
+    p_fscore,  # [B, W] f32 frontier path score (-1 = unused row)
+    p_active,  # [B] u8 active requests
+    p_part_m,  # [B * W * SPLIT] f32 out: each chunk's running max
+    p_part_s,  # [B * W * SPLIT] f32 out: each chunk's sum of exp(x - max)
+    p_part_t,  # [B * W, NT] i32 out: each tile's max (``_ordered``)
+    V,
+    s_lb,
+    s_lw,
+    W: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SPLIT: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NT: tl.constexpr,
+):
+    """Step 1 of ``expand`` over (row, chunk) programs, ahead of the finishing launch: small
+    (one-warp) programs, enough of them to fill the GPU at B = 1, each a pure stream (max, sum and
+    a max per tile; no top-K work, which ``_top_of_tiles`` does on the few tiles that matter)."""
+    i_p = tl.program_id(0)
+    i_row = i_p // SPLIT
+    i_s = i_p % SPLIT
+    i_b64 = (i_row // W).to(tl.int64)
+    i_r = i_row % W
+    row_ok = (tl.load(p_fscore + i_b64 * W + i_r) >= 0) & (tl.load(p_active + i_b64) != 0)
+    p_row = p_logits + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
+    v_lo = i_s * CHUNK
+    m_run, s_run = _stream_tiles(
+        p_row, v_lo, tl.minimum(v_lo + CHUNK, V), V, row_ok, p_part_t + i_row.to(tl.int64) * NT,
+        BLOCK_V,
+    )  # fmt: skip
+    o_part = i_p.to(tl.int64)
+    tl.store(p_part_m + o_part, m_run)
+    tl.store(p_part_s + o_part, s_run)
