@@ -89,6 +89,7 @@ OPS = (
     "adjacency_retrieve",
     "graft",
     "graft_merge",
+    "graft_tail",
     "prune",
     "prune_checkpoint",
 )
@@ -160,6 +161,7 @@ def cases(dev: torch.device) -> dict[str, Call]:
         "adjacency_retrieve": lambda: table.retrieve(tree.tokens[:, 0], template),
         "graft": lambda: treeops.graft(tree, table, template, N),
         "graft_merge": lambda: treeops.graft_merge(tree, retrieved, N),
+        "graft_tail": lambda: treeops.graft_tail(tree, table, 4, N),
         "prune": lambda: treeops.prune(tree, 4),
         "prune_checkpoint": lambda: ckpt.check(0, best, keep),
     }
