@@ -54,7 +54,8 @@ from bench_graft import walk_lengths  # noqa: E402  (the same walk as the byte-l
 from treeops import NO_PRUNE, AdjacencyTable, RankTemplate
 from treeops._graft_types import DEFAULT_RANK_PROBS  # the default template's probabilities
 from treeops.decoder import Decoder, make_policy
-from treeops.decoder import step as _engine  # the decoder calls prune, graft, accept_greedy here
+from treeops.decoder import engine as _engine  # the decoder's refill calls graft here
+from treeops.decoder import step as _step  # and its steps prune and accept_greedy here
 from treeops.decoder.train import (
     PairConfig,
     TrainedPair,
@@ -115,7 +116,7 @@ def load_data(
 def _graft_log(log: list[dict[str, list[int]]]):
     """Wrap the decoder's prune / graft / accept_greedy: per step and request, the draft and
     pruned tree sizes, the grafted nodes and the accepted nodes that were grafted."""
-    prune0, graft0, accept0 = _engine.prune, _engine.graft, _engine.accept_greedy
+    prune0, graft0, accept0 = _step.prune, _engine.graft, _step.accept_greedy
     step: dict[str, Any] = {}
 
     def prune(tree, keep, **kw):
@@ -145,11 +146,11 @@ def _graft_log(log: list[dict[str, list[int]]]):
         step.clear()
         return acc
 
-    _engine.prune, _engine.graft, _engine.accept_greedy = prune, graft, accept_greedy
+    _step.prune, _engine.graft, _step.accept_greedy = prune, graft, accept_greedy
     try:
         yield
     finally:
-        _engine.prune, _engine.graft, _engine.accept_greedy = prune0, graft0, accept0
+        _step.prune, _engine.graft, _step.accept_greedy = prune0, graft0, accept0
 
 
 def decode(
