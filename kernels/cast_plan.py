@@ -10,7 +10,7 @@ of the ~50 small PyTorch kernels of the reference path (``treeops.cast_plan``), 
   ``[B, S]`` float32 workspace.
 
   With Graft, two more columns: its grafted nodes (the tree's last ``grafted[b]``) and those on
-  its accepted path.
+  its accepted path; grafted nodes (score 0, no draft score) stay out of the per-bin counts.
 
 ``_stats_reduce_kernel`` — the batch sum of the workspace per column, in request order (so the
   result does not depend on scheduling), divided by the active requests (at least 1) for the
@@ -113,16 +113,20 @@ def _stats_rows_kernel(
     for p in range(0, alen):
         on = on | (o_j == tl.load(p_acc + b * s_acc + p))
     o_k = tl.arange(0, NBP)
+    if HAS_GRAFT:
+        # the tree's last g nodes came from the successor table: no draft score, so no part of
+        # the draft scores' calibration (counted apart)
+        g = tl.where(act, tl.load(p_graft + b), 0)
+        m_g = (o_j >= num - g) & (o_j < num)
+        g_hits = tl.sum((on & m_g).to(tl.float32), 0)
+        tl.store(v + N + 2 * NB, g.to(tl.float32))
+        tl.store(v + N + 2 * NB + 1, tl.where(act, g_hits, 0.0))
+        ok = ok & ~m_g
     is_bin = bins[:, None] == o_k[None, :]  # [NP, NBP]
     seen = tl.sum((is_bin & ok[:, None]).to(tl.float32), 0)
     hits = tl.sum((is_bin & (ok & on)[:, None]).to(tl.float32), 0)
     tl.store(v + N + o_k, seen, mask=o_k < NB)
     tl.store(v + N + NB + o_k, hits, mask=o_k < NB)
-    if HAS_GRAFT:  # the tree's last g nodes came from the successor table
-        g = tl.where(act, tl.load(p_graft + b), 0)
-        g_hits = tl.sum((on & (o_j >= num - g) & (o_j < num)).to(tl.float32), 0)
-        tl.store(v + N + 2 * NB, g.to(tl.float32))
-        tl.store(v + N + 2 * NB + 1, tl.where(act, g_hits, 0.0))
 
 
 @triton.jit(do_not_specialize=["B"])

@@ -147,7 +147,9 @@ def _stats_reference(cand_scores, tree, accepted, accept_len, active, rates, D, 
     out[lay["verify"]] = vc / n_act
     for b in acts:
         path = set(int(j) for j in accepted[b, : int(accept_len[b])].tolist())
-        for j in range(int(tree.num_nodes[b])):
+        # grafted nodes (the last grafted[b]) have no draft score: not in the score bins
+        drafted = int(tree.num_nodes[b]) - (0 if grafted is None else int(grafted[b]))
+        for j in range(drafted):
             if int(tree.depth[b, j]) >= 1:
                 k = int(score_bin(tree.scores[b, j : j + 1])[0])
                 out[lay["seen"].start + k] += 1

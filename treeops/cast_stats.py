@@ -86,7 +86,8 @@ def cast_step_stats(
     row i = batch mean over active requests of the cumulative sum of layer i's k best calibrated
     probabilities, k = 1..W (rows >= d zero); ``verify`` [N]: batch mean of 1 + the k - 1 best
     calibrated probabilities of the step; ``seen`` / ``hits`` [SCORE_BINS]: the verified
-    non-root nodes of active requests per score bin, and those of them accepted; ``active``:
+    non-root draft nodes of active requests per score bin (grafted nodes, with no draft score,
+    left out), and those of them accepted; ``active``:
     the number of active requests; ``graft`` (with ``grafted``): the grafted nodes of active
     requests, and those of them on the accepted path.
     """
@@ -124,6 +125,8 @@ def cast_step_stats(
     n = tree.capacity
     node = torch.arange(n, device=s.device).view(1, n)
     ok = (node < tree.num_nodes.view(B, 1)) & active.view(B, 1) & (tree.depth >= 1)
+    if grafted is not None:  # grafted nodes have no draft score: not the scores' calibration
+        ok = ok & (node < (tree.num_nodes - grafted).view(B, 1))
     # hit[b, j]: node j is on request b's accepted path (entries past accept_len point nowhere)
     on = (node[:, : accepted.shape[1]] < accept_len.view(B, 1)).to(torch.float32)
     hit = torch.zeros(B, n, device=s.device).scatter_add_(1, accepted.long().clamp(min=0), on)
