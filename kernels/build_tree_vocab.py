@@ -164,9 +164,9 @@ def _top_of_tiles(
     Tiles rank by their max, the lower tile first on ties (tiles are contiguous token ranges,
     so this is the order of each tile's best packed key). A tile holding one of the row's top-K
     elements has its best key at or above the K-th key, and at most K tiles do: they are the K
-    best-ranked tiles. Those are read in rank order, each merged like ``_stream_row``'s blocks;
-    a tile whose best possible key (its max, its first token) is below the K-th key found so far
-    is skipped unread, and then so is every tile after it."""
+    best-ranked tiles. Those are read in rank order, three ahead of the one merged, each merged
+    like ``_stream_row``'s blocks; a tile whose best possible key (its max, its first token) is
+    below the K-th key found so far is skipped unread, and then so is every tile after it."""
     o_t = tl.arange(0, NTP)
     m_t = o_t < NT
     b_tm = tl.load(p_tmax + o_t, mask=m_t, other=0, cache_modifier=".cg")  # (unused if not row_ok)
@@ -178,17 +178,26 @@ def _top_of_tiles(
     b_thr = tl.min(b_top)
     if row_ok:
         o_b = tl.arange(0, BLOCK_V)
-        t_key, v_nxt, bound_nxt = _next_tile(t_key, BLOCK_V)
-        # a tile not to read starts at V: its load is masked off entirely
-        v_ld = tl.where(bound_nxt > b_thr, v_nxt, V)
-        b_nxt = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
+        # three tiles in flight ahead of the one being merged (a tile is BLOCK_V / 128 raw
+        # 16-bit values per thread: cheap), so the row's ~K reads cost ~K / 3 round trips, not
+        # K. A tile not to read starts at V: its load is masked off entirely. The K-th key only
+        # rises, so a tile the bound skips when its read is issued stays skipped.
+        t_key, v_1, bound_1 = _next_tile(t_key, BLOCK_V)
+        v_ld = tl.where(bound_1 > b_thr, v_1, V)
+        b_1 = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
+        t_key, v_2, bound_2 = _next_tile(t_key, BLOCK_V)
+        v_ld = tl.where(bound_2 > b_thr, v_2, V)
+        b_2 = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
+        t_key, v_3, bound_3 = _next_tile(t_key, BLOCK_V)
+        v_ld = tl.where(bound_3 > b_thr, v_3, V)
+        b_3 = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
         for _ in range(K):
-            b_raw, v0, bound = b_nxt, v_nxt, bound_nxt
-            # the next tile's read is issued before this one is merged (its latency hidden);
-            # the K-th key only rises, so a tile skipped by the bound now stays skipped
-            t_key, v_nxt, bound_nxt = _next_tile(t_key, BLOCK_V)
-            v_ld = tl.where(bound_nxt > b_thr, v_nxt, V)
-            b_nxt = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
+            b_raw, v0, bound = b_1, v_1, bound_1
+            b_1, v_1, bound_1 = b_2, v_2, bound_2
+            b_2, v_2, bound_2 = b_3, v_3, bound_3
+            t_key, v_3, bound_3 = _next_tile(t_key, BLOCK_V)
+            v_ld = tl.where(bound_3 > b_thr, v_3, V)
+            b_3 = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
             if bound > b_thr:
                 o_v = v0 + o_b
                 b_x = b_raw.to(tl.float32) + 0.0
