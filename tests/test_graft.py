@@ -1042,6 +1042,18 @@ def test_graft_tail_extends_the_best_leaf():
     assert treeops.graft_tail(tree, table_of(tab), 4, budget=3).num_nodes.tolist() == [4]
 
 
+def test_graft_tail_counts_above_max_count_act_as_it():
+    """A [B] count above ``max_count``: the op (the reference on CPU) and the kernel both cut
+    each chain at ``max_count`` nodes."""
+    tree = tree_from_lists([[-1, 0], [-1]], tokens=[[1, 2], [3]], capacity=8)
+    tab = torch.tensor([[1, -1], [2, -1], [3, -1], [0, -1]], dtype=torch.int32)
+    count = torch.tensor([5, 1], dtype=torch.int32)
+    got = treeops.graft_tail(tree, table_of(tab), count, 8, max_count=2)
+    assert got.num_nodes.tolist() == [4, 2]
+    kern_got = treeops.Tree(*kern_tail.graft_tail(tree, tab, count, 8, 2))
+    assert_same_tree(kern_got, got)
+
+
 def test_graft_tail_bad_input_is_a_value_error():
     tree = tree_from_lists([[-1, 0]], tokens=[[1, 2]], capacity=4)
     table = table_of(torch.zeros(4, 2, dtype=torch.int32))

@@ -46,11 +46,10 @@ def _graft_tail_cuda(*args):
 
 def _graft_tail_cpu(*args):
     tree, rest, out = Tree(*args[:8]), args[8:-8], args[-8:]
-    table, count, count_int, budget, budget_int, _max_count = rest
-    res = _ref.graft_tail(
-        tree, table, count if count is not None else count_int,
-        budget if budget is not None else budget_int,
-    )  # fmt: skip
+    table, count, count_int, budget, budget_int, max_count = rest
+    # counts above max_count act as it, as in the kernel's loop of max_count steps
+    count = count.clamp(max=max_count) if count is not None else min(count_int, max_count)
+    res = _ref.graft_tail(tree, table, count, budget if budget is not None else budget_int)
     _copy_into(res, out)
 
 
@@ -88,8 +87,8 @@ def graft_tail(
         table: an ``AdjacencyTable`` on the tree's device.
         count: chain nodes per request, an int >= 0 or a [B] int32 tensor.
         budget: nodes per request at most, an int >= 1 or a [B] int32 tensor.
-        max_count: a bound of ``count`` (the kernel's unrolled loop; default ``count`` for an
-            int, N for a tensor).
+        max_count: the most chain nodes per request, counts above it acting as it (it sizes
+            the kernel's loop; default ``count`` for an int, N for a tensor).
         out: a ``Tree`` of the tree's shape to write into (not the tree's memory).
     Returns the extended tree (``out`` when given). No host sync unless ``validate=True``.
     """
