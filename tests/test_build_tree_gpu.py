@@ -58,7 +58,9 @@ def _host_frontier(cand_scores_layer, W):
     return order, s.gather(1, order)
 
 
-def _run(policy, B, V, dtype, seed, active=None, seq=None):
+def _run(policy, B, V, dtype, seed, active=None, seq=None, logits_of=None):
+    """Drafts ``policy``'s tree layer by layer on random logits (``logits_of(B, W, V, g)``,
+    default N(0, 3)), checking each layer and the emitted tree against the reference."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     roots = torch.randint(0, V, (B,), device=DEV, generator=g)
     seq = torch.randint(0, 20000, (B,), device=DEV, generator=g) if seq is None else seq
@@ -67,7 +69,10 @@ def _run(policy, B, V, dtype, seed, active=None, seq=None):
     C = W * K
     i = 0
     while st.wants_next_layer():
-        logits = (torch.randn(B, W, V, device=DEV, generator=g) * 3).to(dtype)
+        if logits_of is None:
+            logits = (torch.randn(B, W, V, device=DEV, generator=g) * 3).to(dtype)
+        else:
+            logits = logits_of(B, W, V, g).to(dtype)
         before = _cpu_state(st)
         treeops.build_tree_expand(logits, st, policy)
         # reference applied to the kernel's state before this layer
@@ -114,6 +119,21 @@ def _run(policy, B, V, dtype, seed, active=None, seq=None):
 )
 def test_realistic(kind, B, V, dtype):
     _run(_policy(kind, B=B), B, V, dtype, seed=B * 31 + V)
+
+
+def _ties_and_masks(B, W, V, g):
+    """Logits of four values (equal maxima in many tiles: the top-K pass's tile order and the
+    lower id decide) with about half the vocabulary masked to -inf."""
+    x = torch.randint(0, 4, (B, W, V), device=DEV, generator=g).float()
+    return torch.where(torch.rand(B, W, V, device=DEV, generator=g) < 0.5, float("-inf"), x)
+
+
+@pytest.mark.parametrize("B,V", [(1, 32000), (64, 32000), (8, 128256)])
+def test_ties_across_tiles_and_masked_vocabulary(B, V):
+    """The split expand (default tiling) where the top-K is a choice among equal logits spread
+    over many tiles: tokens exact against the reference (the lower id wins). EAGLE's fixed
+    width: CAST's width rule on exactly tied sums would test float rounding, not the top-K."""
+    _run(_policy("eagle", B=B), B, V, torch.bfloat16, seed=B + V, logits_of=_ties_and_masks)
 
 
 def test_inactive_rows_and_small_widths():
