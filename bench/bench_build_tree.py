@@ -601,9 +601,6 @@ def main(argv=None):
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
-    if "sweep" in ops:
-        for B, V in ((Bs[-1], Vs[0]), (Bs[0], Vs[-1])):
-            run(row_sweep, B, V, table, dev, empty_us)
     for B in Bs:
         if "layer" in ops:
             for V in Vs:
@@ -617,6 +614,9 @@ def main(argv=None):
             for V in Vs:
                 for N in Ns:
                     run(row_step, B, N, V, table, dev, empty_us, args.quick, N == Ns[0])
+    if "sweep" in ops:  # last: the longest (a compile per configuration), the rows above first
+        for B, V in ((Bs[-1], Vs[0]), (Bs[0], Vs[-1])):
+            run(row_sweep, B, V, table, dev, empty_us)
     H.write_json(path, result)
     print_table(rows, empty_us)
     return result
