@@ -34,6 +34,15 @@ def _unordered(o):
 
 
 @triton.jit
+def _tile(p_row, v0, v_hi, V, BLOCK_V: tl.constexpr):
+    """Logits ``[v0, v0 + BLOCK_V)`` of a row as loaded (raw 16-bit values where the logits are:
+    cheap registers for a tile in flight); -inf past V or from ``v_hi`` on (a uniform bound: the
+    "< V" part, V specialised, keeps the load vectorised)."""
+    o_b = tl.arange(0, BLOCK_V)
+    return tl.load(p_row + v0 + o_b, mask=(v0 + o_b < V) & (v0 < v_hi), other=-float("inf"))
+
+
+@triton.jit
 def _stream_row(
     p_row, v_lo, v_hi, V, row_ok, K: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr
 ):
@@ -46,25 +55,16 @@ def _stream_row(
     m_run = tl.sum(tl.zeros([KP], tl.float32)) - float("inf")  # fp32 scalars (loop-carried)
     s_run = tl.sum(tl.zeros([KP], tl.float32))
     if row_ok:
-        # two tiles in flight ahead of the one being reduced (a tile's registers are raw
-        # 16-bit values: cheap), so each HBM round trip overlaps two tiles of work. Masks
-        # combine "< V" (V is specialised: the loads vectorise) with a uniform chunk bound.
+        # two tiles in flight ahead of the one being reduced, so each HBM round trip overlaps
+        # two tiles of work
         o_b = tl.arange(0, BLOCK_V)
-        b_n1 = tl.load(
-            p_row + v_lo + o_b, mask=(v_lo + o_b < V) & (v_lo < v_hi), other=-float("inf")
-        )
-        b_n2 = tl.load(
-            p_row + v_lo + BLOCK_V + o_b,
-            mask=(v_lo + BLOCK_V + o_b < V) & (v_lo + BLOCK_V < v_hi),
-            other=-float("inf"),
-        )
+        b_n1 = _tile(p_row, v_lo, v_hi, V, BLOCK_V)
+        b_n2 = _tile(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V)
         for v0 in range(v_lo, v_hi, BLOCK_V):
             o_v = v0 + o_b
             m_v = o_v < V
-            b_raw = b_n1
-            b_n1 = b_n2
-            v2 = v0 + 2 * BLOCK_V
-            b_n2 = tl.load(p_row + v2 + o_b, mask=(v2 + o_b < V) & (v2 < v_hi), other=-float("inf"))
+            b_raw, b_n1 = b_n1, b_n2
+            b_n2 = _tile(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V)
             b_x = b_raw.to(tl.float32) + 0.0
             b_max = tl.max(b_x)
             m_new = tl.maximum(m_run, b_max)
@@ -93,20 +93,11 @@ def _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_tmax, BLOCK_V: tl.constexpr):
     s_run = tl.sum(tl.zeros([2], tl.float32))
     if row_ok:
         # two tiles in flight ahead of the one being reduced, as in _stream_row
-        o_b = tl.arange(0, BLOCK_V)
-        b_n1 = tl.load(
-            p_row + v_lo + o_b, mask=(v_lo + o_b < V) & (v_lo < v_hi), other=-float("inf")
-        )
-        b_n2 = tl.load(
-            p_row + v_lo + BLOCK_V + o_b,
-            mask=(v_lo + BLOCK_V + o_b < V) & (v_lo + BLOCK_V < v_hi),
-            other=-float("inf"),
-        )
+        b_n1 = _tile(p_row, v_lo, v_hi, V, BLOCK_V)
+        b_n2 = _tile(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V)
         for v0 in range(v_lo, v_hi, BLOCK_V):
-            b_raw = b_n1
-            b_n1 = b_n2
-            v2 = v0 + 2 * BLOCK_V
-            b_n2 = tl.load(p_row + v2 + o_b, mask=(v2 + o_b < V) & (v2 < v_hi), other=-float("inf"))
+            b_raw, b_n1 = b_n1, b_n2
+            b_n2 = _tile(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V)
             b_x = b_raw.to(tl.float32) + 0.0  # (+ 0.0: -0.0 to 0.0, as _ordered needs)
             # one integer max serves both: the tile's rank key and the softmax's max
             o_max = tl.max(_ordered(b_x))
@@ -183,21 +174,17 @@ def _top_of_tiles(
         # K. A tile not to read starts at V: its load is masked off entirely. The K-th key only
         # rises, so a tile the bound skips when its read is issued stays skipped.
         t_key, v_1, bound_1 = _next_tile(t_key, BLOCK_V)
-        v_ld = tl.where(bound_1 > b_thr, v_1, V)
-        b_1 = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
+        b_1 = _tile(p_row, tl.where(bound_1 > b_thr, v_1, V), V, V, BLOCK_V)
         t_key, v_2, bound_2 = _next_tile(t_key, BLOCK_V)
-        v_ld = tl.where(bound_2 > b_thr, v_2, V)
-        b_2 = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
+        b_2 = _tile(p_row, tl.where(bound_2 > b_thr, v_2, V), V, V, BLOCK_V)
         t_key, v_3, bound_3 = _next_tile(t_key, BLOCK_V)
-        v_ld = tl.where(bound_3 > b_thr, v_3, V)
-        b_3 = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
+        b_3 = _tile(p_row, tl.where(bound_3 > b_thr, v_3, V), V, V, BLOCK_V)
         for _ in range(K):
             b_raw, v0, bound = b_1, v_1, bound_1
             b_1, v_1, bound_1 = b_2, v_2, bound_2
             b_2, v_2, bound_2 = b_3, v_3, bound_3
             t_key, v_3, bound_3 = _next_tile(t_key, BLOCK_V)
-            v_ld = tl.where(bound_3 > b_thr, v_3, V)
-            b_3 = tl.load(p_row + v_ld + o_b, mask=v_ld + o_b < V, other=-float("inf"))
+            b_3 = _tile(p_row, tl.where(bound_3 > b_thr, v_3, V), V, V, BLOCK_V)
             if bound > b_thr:
                 o_v = v0 + o_b
                 b_x = b_raw.to(tl.float32) + 0.0

@@ -667,15 +667,9 @@ def graft(
             (table.k, template.max_rank if isinstance(template, RankTemplate) else template),
         )  # fmt: skip
     if _PASSED.get(key) is None:
-        check_tree(tree, validate=validate)
-        if not isinstance(table, AdjacencyTable):
-            raise ValueError(
-                "Invalid type of table: expected treeops.AdjacencyTable, got "
-                f"{type(table).__name__}"
-            )
+        _check_tree_and_table(tree, table, validate)
         table._check_template(template)
         B, N = tree.batch_size, tree.capacity
-        check_same_device(tree=tree.parents, table=table.table)
         _check_budget(budget, B, tree.device, N)
         _check_count(count, B, tree.device)
         if validate and isinstance(budget, torch.Tensor):
@@ -691,6 +685,17 @@ def graft(
         *_split(budget, 0), *_split(count, template.size - 1), *out.tensors(),
     )  # fmt: skip
     return out
+
+
+def _check_tree_and_table(tree: Tree, table: object, validate: bool) -> None:
+    """``tree`` a valid ``Tree`` (its values too with ``validate``), ``table`` an
+    ``AdjacencyTable`` on its device."""
+    check_tree(tree, validate=validate)
+    if not isinstance(table, AdjacencyTable):
+        raise ValueError(
+            f"Invalid type of table: expected treeops.AdjacencyTable, got {type(table).__name__}"
+        )
+    check_same_device(tree=tree.parents, table=table.table)
 
 
 def _check_out(out: Tree | None, tree: Tree) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_same_device, cuda_device
+from ._checks import cuda_device
 from ._library import OUT_TREE, TREE, define
 from .graft import (
     _PASSED,
@@ -22,6 +22,7 @@ from .graft import (
     _check_count,
     _check_out,
     _check_out_memory,
+    _check_tree_and_table,
     _copy_into,
     _empty_tree,
     _key,
@@ -29,7 +30,7 @@ from .graft import (
 )
 from .kernels import graft_tail as _kt
 from .reference import graft as _ref
-from .tree import Tree, check_tree
+from .tree import Tree
 
 __all__ = ["graft_tail"]
 
@@ -96,14 +97,8 @@ def graft_tail(
     if not validate and isinstance(table, AdjacencyTable):
         key = _key("graft_tail", (tree, out), (table.table, budget, count), (table.k, max_count))
     if _PASSED.get(key) is None:
-        check_tree(tree, validate=validate)
-        if not isinstance(table, AdjacencyTable):
-            raise ValueError(
-                "Invalid type of table: expected treeops.AdjacencyTable, got "
-                f"{type(table).__name__}"
-            )
+        _check_tree_and_table(tree, table, validate)
         B, N = tree.batch_size, tree.capacity
-        check_same_device(tree=tree.parents, table=table.table)
         _check_budget(budget, B, tree.device, N)
         if count is None:
             raise ValueError("Invalid value of count: expected an int >= 0 or a [B] int32 tensor")
