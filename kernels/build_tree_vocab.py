@@ -43,6 +43,22 @@ def _tile(p_row, v0, v_hi, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _merge_keys(b_x, o_v, V, b_top, b_thr):
+    """The running top-K packed keys ``b_top`` (its K-th, the smallest, ``b_thr``) with the
+    logits ``b_x`` (float32, -0.0 normalised) of tokens ``o_v`` merged in, those past V left
+    out: at most K rounds, each taking the block's best key while it beats the K-th."""
+    b_key = (_ordered(b_x).to(tl.int64) << 32) | (0x7FFFFFFF - o_v).to(tl.int64)
+    b_key = tl.where(o_v < V, b_key, -9223372036854775807 - 1)
+    b_best = tl.max(b_key)
+    while b_best > b_thr:
+        b_top = tl.where(b_top == b_thr, b_best, b_top)
+        b_key = tl.where(b_key == b_best, -9223372036854775807 - 1, b_key)
+        b_thr = tl.min(b_top)
+        b_best = tl.max(b_key)
+    return b_top, b_thr
+
+
+@triton.jit
 def _stream_row(
     p_row, v_lo, v_hi, V, row_ok, K: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr
 ):
@@ -62,7 +78,6 @@ def _stream_row(
         b_n2 = _tile(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V)
         for v0 in range(v_lo, v_hi, BLOCK_V):
             o_v = v0 + o_b
-            m_v = o_v < V
             b_raw, b_n1 = b_n1, b_n2
             b_n2 = _tile(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V)
             b_x = b_raw.to(tl.float32) + 0.0
@@ -73,14 +88,7 @@ def _stream_row(
             m_run = m_new
             # a block element with the K-th best value loses the tie (larger id): strict >
             if _ordered(b_max) > (b_thr >> 32).to(tl.int32):
-                b_key = (_ordered(b_x).to(tl.int64) << 32) | (0x7FFFFFFF - o_v).to(tl.int64)
-                b_key = tl.where(m_v, b_key, -9223372036854775807 - 1)  # [BLOCK_V]
-                b_best = tl.max(b_key)
-                while b_best > b_thr:  # at most K rounds per block
-                    b_top = tl.where(b_top == b_thr, b_best, b_top)
-                    b_key = tl.where(b_key == b_best, -9223372036854775807 - 1, b_key)
-                    b_thr = tl.min(b_top)
-                    b_best = tl.max(b_key)
+                b_top, b_thr = _merge_keys(b_x, o_v, V, b_top, b_thr)
     return m_run, s_run, b_top
 
 
@@ -186,16 +194,7 @@ def _top_of_tiles(
             t_key, v_3, bound_3 = _next_tile(t_key, BLOCK_V)
             b_3 = _tile(p_row, tl.where(bound_3 > b_thr, v_3, V), V, V, BLOCK_V)
             if bound > b_thr:
-                o_v = v0 + o_b
-                b_x = b_raw.to(tl.float32) + 0.0
-                b_key = (_ordered(b_x).to(tl.int64) << 32) | (0x7FFFFFFF - o_v).to(tl.int64)
-                b_key = tl.where(o_v < V, b_key, -9223372036854775807 - 1)
-                b_best = tl.max(b_key)
-                while b_best > b_thr:  # at most K rounds per tile
-                    b_top = tl.where(b_top == b_thr, b_best, b_top)
-                    b_key = tl.where(b_key == b_best, -9223372036854775807 - 1, b_key)
-                    b_thr = tl.min(b_top)
-                    b_best = tl.max(b_key)
+                b_top, b_thr = _merge_keys(b_raw.to(tl.float32) + 0.0, v0 + o_b, V, b_top, b_thr)
     return b_top
 
 

@@ -288,6 +288,8 @@ def test_bad_policy(pair):
         CastGraft(EagleStatic(depth=2, topk=2, budget=4))
     with pytest.raises(ValueError, match="adjacency_k"):
         CastGraft(make_policy("Cast"), adjacency_k=0)
+    with pytest.raises(ValueError, match="Invalid value of anchor: expected 'root' or 'leaf'"):
+        CastGraft(make_policy("Cast"), anchor="tail")
 
 
 def test_policy_objects():

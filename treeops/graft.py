@@ -667,14 +667,8 @@ def graft(
             (table.k, template.max_rank if isinstance(template, RankTemplate) else template),
         )  # fmt: skip
     if _PASSED.get(key) is None:
-        _check_tree_and_table(tree, table, validate)
+        _check_graft_args(tree, table, budget, count, out, validate)
         table._check_template(template)
-        B, N = tree.batch_size, tree.capacity
-        _check_budget(budget, B, tree.device, N)
-        _check_count(count, B, tree.device)
-        if validate and isinstance(budget, torch.Tensor):
-            _check_budget_values(budget, tree)
-        _check_out(out, tree)
         _PASSED.put(key, True)
     elif out is not None:
         _check_out_memory(out, tree)
@@ -687,15 +681,22 @@ def graft(
     return out
 
 
-def _check_tree_and_table(tree: Tree, table: object, validate: bool) -> None:
-    """``tree`` a valid ``Tree`` (its values too with ``validate``), ``table`` an
-    ``AdjacencyTable`` on its device."""
+def _check_graft_args(tree: Tree, table: object, budget, count, out, validate: bool) -> None:
+    """The arguments ``graft`` and ``graft_tail`` share: ``tree`` a valid ``Tree`` (its values
+    too with ``validate``), ``table`` an ``AdjacencyTable`` on its device, ``budget`` and
+    ``count`` ints or [B] int32 tensors there (``budget`` values too with ``validate``), ``out``
+    None or a tree of ``tree``'s shape."""
     check_tree(tree, validate=validate)
     if not isinstance(table, AdjacencyTable):
         raise ValueError(
             f"Invalid type of table: expected treeops.AdjacencyTable, got {type(table).__name__}"
         )
     check_same_device(tree=tree.parents, table=table.table)
+    _check_budget(budget, tree.batch_size, tree.device, tree.capacity)
+    _check_count(count, tree.batch_size, tree.device)
+    if validate and isinstance(budget, torch.Tensor):
+        _check_budget_values(budget, tree)
+    _check_out(out, tree)
 
 
 def _check_out(out: Tree | None, tree: Tree) -> None:

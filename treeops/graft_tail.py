@@ -17,12 +17,8 @@ from ._library import OUT_TREE, TREE, define
 from .graft import (
     _PASSED,
     AdjacencyTable,
-    _check_budget,
-    _check_budget_values,
-    _check_count,
-    _check_out,
+    _check_graft_args,
     _check_out_memory,
-    _check_tree_and_table,
     _copy_into,
     _empty_tree,
     _key,
@@ -97,12 +93,9 @@ def graft_tail(
     if not validate and isinstance(table, AdjacencyTable):
         key = _key("graft_tail", (tree, out), (table.table, budget, count), (table.k, max_count))
     if _PASSED.get(key) is None:
-        _check_tree_and_table(tree, table, validate)
-        B, N = tree.batch_size, tree.capacity
-        _check_budget(budget, B, tree.device, N)
         if count is None:
             raise ValueError("Invalid value of count: expected an int >= 0 or a [B] int32 tensor")
-        _check_count(count, B, tree.device)
+        _check_graft_args(tree, table, budget, count, out, validate)
         if max_count is not None and (
             not isinstance(max_count, int) or isinstance(max_count, bool) or max_count < 0
         ):
@@ -111,9 +104,6 @@ def graft_tail(
             raise ValueError(
                 f"Invalid value of count: expected at most max_count = {max_count}, got {count}"
             )
-        if validate and isinstance(budget, torch.Tensor):
-            _check_budget_values(budget, tree)
-        _check_out(out, tree)
         _PASSED.put(key, True)
     elif out is not None:
         _check_out_memory(out, tree)
