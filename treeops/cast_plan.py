@@ -170,6 +170,10 @@ class _BatchState:
     recent: dict = field(default_factory=dict)  # per plan (None: any plan): last timed steps (s)
     decisions: int = 0
     home: Plan | None = None  # while a probe runs: the plan it returns to unless it wins
+    probe: Plan | None = None  # while a probe runs: the plan it measures against ``home``
+    # while a probe runs: per plan (``home``, ``probe``), [steps timed, mean η, mean square η]
+    # over the probe's steps only, the two plans alternating step by step
+    pair: dict = field(default_factory=dict)
     probe_windows: int = 0
     last_tree: Plan | None = None  # the last top-K plan run (where a chain's probe goes back)
     chain_depth: int = 0  # the chain depth the last tree window's curves favour (0: none yet)
@@ -231,13 +235,20 @@ PROBE_SETTLE_WAIT = 4
 """A tree that never settles (the rules oscillating between neighbours) still gets its chain
 probe, after this many times the usual wait."""
 PROBE_MAX_WINDOWS = 3
-"""Windows a probe runs at most waiting for ``MEASURED_MIN_STEPS`` timed steps (a step that
-captured a graph is no measure)."""
+"""Windows a probe runs at most waiting for ``MEASURED_MIN_STEPS`` timed steps of each plan (a
+step that captured a graph is no measure)."""
 PROBE_EXTEND_WINDOWS = 32
 """Windows a probe runs at most while neither it nor the plan it left beats the other by
 ``MEASURED_Z`` standard errors (at a small batch, where a step's tokens are noisy, one window
 never decides between neighbouring plans; a plan clearly worse is left at once). Still undecided
-at the end, the probe is kept if it measures the higher."""
+at the end, the probe is kept if it measures the higher.
+
+A probe is a paired comparison: its plan and the plan it left alternate step by step (a window
+is ``2 * interval`` steps, half of each) and only those steps are compared. Measurements taken
+at other times are not comparable: the batch's contexts, its mix of new and old requests and
+the calibration move during a run, and at B = 32 on the H200 a chain measured in a 16-step
+probe read 16 % below the tree it was probed next to, against 1 % above it when both ran side
+by side in the timed run."""
 
 
 def _features(plan: Plan) -> np.ndarray:
@@ -271,10 +282,11 @@ class CastPlanner:
         chain_probes: also measure chains (``Plan.chain(d)``, top-1: the cheapest draft there
             is): every ``PROBE_EVERY`` decisions a chain (next to a tree: at the best measured
             chain depth, else the tree's depth; next to a chain: one layer shallower or deeper,
-            and the last tree) whose measured η is missing or stale runs one window; a measured
-            plan that beats the current by ``MEASURED_Z`` standard errors is taken. The rules
-            size trees; on a chain they do not run (its statistics hold no siblings), the
-            measured η moves it. Needs ``learn_costs``.
+            and the last tree) whose measured η is missing or stale is probed: it and the
+            current plan alternate step by step until one beats the other by ``MEASURED_Z``
+            standard errors over those steps (``PROBE_EXTEND_WINDOWS``), and the winner stays.
+            The rules size trees; on a chain they do not run (its statistics hold no siblings),
+            probes move it. Needs ``learn_costs``.
         graft_sizes: with Graft: the numbers of verified nodes the successor table may fill
             (0 among them added). A plan's ``graft`` g replaces the draft's g lowest-ranked
             verified nodes with retrieved ones: each decision picks the g of these sizes (at
@@ -504,6 +516,7 @@ class CastPlanner:
                 typical = self.modelled_us(B, ctx, plan) * 1e-6
             if step_s > STALL_FACTOR * typical:
                 step_s = 0.0
+        eta = 0.0
         if step_s > 0 and tokens > 0:
             _, _, unit_us = self.costs(B, ctx)
             eta = tokens / (step_s * 1e6 / unit_us)
@@ -517,8 +530,6 @@ class CastPlanner:
             ent[0] = min(ent[0] + 1.0, RESIDUAL_CAP)
             ent[1] += (r - ent[1]) / ent[0]
         if step_s > 0 and tokens > 0 and self.learn_costs:
-            _, _, unit_us = self.costs(B, ctx)
-            eta = tokens / (step_s * 1e6 / unit_us)
             m = st.measured.setdefault(plan, [0.0, 0.0, 0.0, 0])
             if st.steps - m[3] > MEASURED_MAX_AGE:  # stale: a new measurement, not a blend
                 m[:] = [0.0, 0.0, 0.0, 0]
@@ -533,6 +544,8 @@ class CastPlanner:
             added, hits = x[lay["graft"]]
             st.grafted = GRAFT_DECAY * st.grafted + added
             st.graft_hits = GRAFT_DECAY * st.graft_hits + hits
+        if st.home is not None:  # a probe: measured only, the two plans alternating
+            return self._probe_step(st, plan, eta if step_s > 0 and tokens > 0 else None)
         if plan != st.plan:  # a step of an older plan: its curves are another shape's
             return st.plan
         st.layers += x[lay["layers"]].reshape(self.D, self.W)
@@ -541,8 +554,8 @@ class CastPlanner:
         if st.window < self.interval:
             return st.plan
         st.decisions += 1
-        if st.home is not None or plan.is_chain:  # a probe ended, or on a chain: measured only
-            st.plan = self._measured_move(st, plan)
+        if plan.is_chain:  # on a chain the rules do not run: only a probe moves it
+            st.plan = self._probe(st, plan)
             self._end_window(st)
             return st.plan
         st.last_tree = plan
@@ -586,60 +599,63 @@ class CastPlanner:
         }  # fmt: skip
 
     @staticmethod
-    def _beats(live: dict, p: Plan, q: Plan) -> bool:
-        """Whether ``p``'s measured η exceeds ``q``'s by ``MEASURED_Z`` standard errors."""
-        (n1, m1, s1, _), (n2, m2, s2, _) = live[p], live[q]
+    def _beats(a: Sequence[float], b: Sequence[float]) -> bool:
+        """Whether measurement ``a``'s mean η exceeds ``b``'s by ``MEASURED_Z`` standard errors
+        (each ``[steps, mean, mean square, ...]``)."""
+        (n1, m1, s1), (n2, m2, s2) = a[:3], b[:3]
         se = np.sqrt(max(s1 - m1 * m1, 0.0) / n1 + max(s2 - m2 * m2, 0.0) / n2)
         return m1 - m2 > MEASURED_Z * se
 
-    def _measured_move(self, st: _BatchState, plan: Plan) -> Plan:
-        """After a probe's window (back to the plan it left, unless the best measured plan
-        beats that one) or a chain's (to the best measured plan if it beats the chain), then
-        the next probe if one is due. A probe not yet measured runs on (at most
-        ``PROBE_MAX_WINDOWS`` windows), and so does one neither better nor worse than the plan it
-        left by ``MEASURED_Z`` standard errors yet (at most ``PROBE_EXTEND_WINDOWS``)."""
-        if st.home is not None:
-            m = st.measured.get(plan)
+    def _probe_step(self, st: _BatchState, plan: Plan, eta: float | None) -> Plan:
+        """One step of a probe (``plan`` ran it; ``eta`` its measured η, None if it is no
+        measure): counted in the pair if it ran the probe or the plan it left; every
+        ``2 * interval`` steps the verdict (``_verdict``); returns the next step's plan, the
+        other of the two while the probe runs."""
+        if eta is not None and plan in (st.home, st.probe):
+            m = st.pair.setdefault(plan, [0.0, 0.0, 0.0])
+            m[0] += 1.0
+            m[1] += (eta - m[1]) / m[0]
+            m[2] += (eta * eta - m[2]) / m[0]
+        st.window += 1
+        if st.window >= 2 * self.interval:
+            st.decisions += 1
+            self._end_window(st)
             st.probe_windows += 1
-            if (m is None or m[0] < MEASURED_MIN_STEPS) and st.probe_windows < PROBE_MAX_WINDOWS:
-                return plan
-            undecided, lead = self._undecided(st, plan, st.home)
-            if st.probe_windows < PROBE_EXTEND_WINDOWS and undecided:
-                return plan
-            # a probe still undecided after all its windows is taken if it leads: the two are
-            # within the noise of as many steps as a probe may run
-            held = undecided and lead
-            home, probed, st.home, st.probe_windows = st.home, plan, None, 0
-        else:
-            home, probed, held = plan, None, False
-        live = self._live(st)
-        nxt = probed if held else home
-        if home in live and not held:
-            best = max(live, key=lambda p: live[p][1])
-            if best != home and self._beats(live, best, home):
-                nxt = best
-        if st.allowed is not None and nxt not in st.allowed:
-            nxt = home
-        if probed is not None:
-            st.backoff = 1 if nxt == probed else min(2 * st.backoff, PROBE_BACKOFF_MAX)
-        return self._probe(st, nxt)
+            done = self._verdict(st)
+            if done is not None:
+                won = done == st.probe
+                st.home = st.probe = None
+                st.pair, st.probe_windows = {}, 0
+                st.backoff = 1 if won else min(2 * st.backoff, PROBE_BACKOFF_MAX)
+                st.plan = self._probe(st, done)
+                return st.plan
+        st.plan = st.home if st.plan == st.probe else st.probe
+        return st.plan
 
-    def _undecided(self, st: _BatchState, p: Plan, q: Plan) -> tuple[bool, bool]:
-        """(whether neither of ``p`` and ``q``, both live, beats the other by ``MEASURED_Z``
-        standard errors, whether ``p`` measures the higher)."""
-        live = self._live(st)
-        if p not in live or q not in live:
-            return False, False
-        undecided = not self._beats(live, p, q) and not self._beats(live, q, p)
-        return undecided, live[p][1] > live[q][1]
+    def _verdict(self, st: _BatchState) -> Plan | None:
+        """The plan a probe ends on, or None while it runs on: the probe if it beats the plan it
+        left by ``MEASURED_Z`` standard errors over the probe's steps, that plan if it beats the
+        probe; undecided, it runs on (up to ``PROBE_EXTEND_WINDOWS`` windows) and then the
+        higher mean wins. A probe without ``MEASURED_MIN_STEPS`` timed steps of each plan after
+        ``PROBE_MAX_WINDOWS`` windows returns home."""
+        a, b = st.pair.get(st.probe), st.pair.get(st.home)
+        if a is None or b is None or min(a[0], b[0]) < MEASURED_MIN_STEPS:
+            return None if st.probe_windows < PROBE_MAX_WINDOWS else st.home
+        if self._beats(a, b):
+            return st.probe
+        if self._beats(b, a):
+            return st.home
+        if st.probe_windows < PROBE_EXTEND_WINDOWS:
+            return None
+        return st.probe if a[1] > b[1] else st.home
 
     def _probe(self, st: _BatchState, cur: Plan) -> Plan:
         """``PROBE_EVERY`` decisions (times the backoff) after the last probe, and next to a tree
         once it kept its plan ``PROBE_SETTLE`` decisions (or ``PROBE_SETTLE_WAIT`` times that
         long after the last probe): the first plan of
         ``_probe_candidates`` that is allowed and not measured within ``PROBE_AGE`` steps (times
-        the backoff), to run one window (``st.home`` = ``cur``, where it returns unless it
-        wins); else ``cur``."""
+        the backoff), to run alternating with ``cur`` (``st.home``, where the planner returns
+        unless the probe wins: ``_probe_step``); else ``cur``."""
         if not self.chain_probes or st.decisions - st.last_probe < PROBE_EVERY * st.backoff:
             return cur
         waited = st.decisions - st.last_probe >= PROBE_SETTLE_WAIT * PROBE_EVERY * st.backoff
@@ -650,7 +666,8 @@ class CastPlanner:
                 continue
             m = st.measured.get(p)
             if m is None or m[0] < MEASURED_MIN_STEPS or st.steps - m[3] > PROBE_AGE * st.backoff:
-                st.home, st.probe_windows, st.last_probe = cur, 0, st.decisions
+                st.home, st.probe, st.pair = cur, p, {}
+                st.probe_windows, st.last_probe = 0, st.decisions
                 return p
         return cur
 
@@ -734,6 +751,9 @@ class CastPlanner:
         if not allowed:
             raise ValueError("Invalid value of plans: expected at least one plan, got none")
         st.allowed = allowed
+        if st.home is not None and not {st.home, st.probe} <= allowed:  # its pair cannot run
+            st.home = st.probe = None
+            st.pair, st.probe_windows = {}, 0
         if st.plan not in allowed:
             st.plan = self._nearest_allowed(st, st.plan, st.plan)
 
@@ -791,12 +811,12 @@ class CastPlanner:
         if cur not in live:
             return proposed
         best = max(live, key=lambda p: live[p][1])
-        if best != cur and self._beats(live, best, cur):
+        if best != cur and self._beats(live[best], live[cur]):
             # to the best itself: it ran (its graph exists), and a step towards it can be a
             # plan the engine does not run (under ``restrict`` the nearest allowed plan to
             # that step can be the current one: the better plan would never be reached)
             return best
-        if proposed in live and self._beats(live, cur, proposed):
+        if proposed in live and self._beats(live[cur], live[proposed]):
             return cur
         return proposed
 
