@@ -174,12 +174,13 @@ def lambda_cast(args) -> bool:
     return args.C1 is None and args.C2 is None and args.C3 is None
 
 
-ABLATION_POLICIES = ("CastPrune", "CastTail")
-"""Graft's variants beside Cast and CastGraft: ``CastPrune`` is CastGraft whose successor
-template is the root alone, so it prunes (at the checkpoints with thresholds; under λ-CAST, the
-g slots its plans free) and grafts nothing; ``CastTail`` is CastGraft grafting below the best
-leaf (``anchor="leaf"``: the g slots hold a chain of table successors extending the path most
-likely accepted whole)."""
+ABLATION_POLICIES = ("CastPrune", "CastRoot")
+"""Graft's variants beside Cast and CastGraft (which grafts below the best leaf, its default
+``anchor="leaf"``: the g slots hold a chain of table successors extending the path most likely
+accepted whole): ``CastPrune`` is CastGraft whose successor template is the root alone, so it
+prunes (at the checkpoints with thresholds; under λ-CAST, the g slots its plans free) and grafts
+nothing; ``CastRoot`` is CastGraft filling the slots with the root's successors
+(``anchor="root"``, trie-merged by ``graft``)."""
 
 
 def make_decoder(policy, target, draft, args, table, graphs, profile=False):
@@ -191,7 +192,7 @@ def make_decoder(policy, target, draft, args, table, graphs, profile=False):
                       cast_budget=args.cast_budget,
                       template=RankTemplate([-1], [-1]) if prune_only else None,
                       lambda_graft=lam,
-                      anchor="leaf" if policy == "CastTail" else "root")  # fmt: skip
+                      anchor="root" if policy == "CastRoot" else "leaf")  # fmt: skip
     kw = dict(page_size=16)
     if (getattr(args, "step_graphs", False) and policy in STEP_GRAPH_POLICIES) or lam:
         # one graph per whole step (eager step body, static shapes, without graphs)

@@ -170,15 +170,15 @@ def test_bench_e2e_continuous_rows(tmp_path):
 
 def test_bench_e2e_graft_ablation_rows(tmp_path):
     """Graft's ablation with thresholds: Cast, CastPrune (pruned at the checkpoints, nothing
-    grafted: a root-only template), CastGraft and CastTail (grafting below the best leaf) each
-    get a lossless row; CastPrune's grafted count is 0."""
+    grafted: a root-only template), CastGraft (grafting below the best leaf) and CastRoot (from
+    the root's successors) each get a lossless row; CastPrune's grafted count is 0."""
     argv = ["--out", str(tmp_path), "--random-model", "--quick", "--no-graphs", "--batches", "2",
             "--new-tokens", "4", "--prompt-len", "8", "--min-requests", "2",
-            "--policies", "Cast,CastPrune,CastGraft,CastTail", "--C1", "0.3", "--cast-depth",
+            "--policies", "Cast,CastPrune,CastGraft,CastRoot", "--C1", "0.3", "--cast-depth",
             "4", "--cast-budget", "16"]  # fmt: skip
     assert bench.main(argv) == 0
     rows = {r["policy"]: r for r in json.loads((tmp_path / "e2e.json").read_text())["rows"]}
-    assert set(rows) == {"autoregressive", "Cast", "CastPrune", "CastGraft", "CastTail"}
+    assert set(rows) == {"autoregressive", "Cast", "CastPrune", "CastGraft", "CastRoot"}
     for r in rows.values():
         assert "error" not in r, r
         assert r["policy"] == "autoregressive" or r["divergence"]["mismatch"] == 0

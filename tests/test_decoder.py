@@ -123,11 +123,13 @@ def _decoder(pair, policy: str, **kw) -> Decoder:
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_leaf_anchored_graft_greedy_equals_autoregressive(pair, baseline, static):
-    """Thresholded CastGraft grafting below the best leaf (``anchor="leaf"``), eager and on the
-    static path: chains are added and greedy output equals autoregressive decoding."""
+@pytest.mark.parametrize("anchor", ["leaf", "root"])
+def test_both_anchors_graft_greedy_equals_autoregressive(pair, baseline, static, anchor):
+    """Thresholded CastGraft grafting below the best leaf (``anchor="leaf"``, the default) and
+    from the root's successors, eager and on the static path: nodes are grafted and greedy
+    output equals autoregressive decoding."""
     target, draft = pair
-    pol = _policy("CastGraft", anchor="leaf")
+    pol = _policy("CastGraft", anchor=anchor)
     res = Decoder(target, draft, pol, page_size=16, static_shapes=static).generate(PROMPTS, NEW)
     assert res.tokens == baseline
     assert sum(res.grafted) > 0

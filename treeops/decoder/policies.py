@@ -76,16 +76,18 @@ class CastGraft:
     an ``AdjacencyTable`` of ``adjacency_k`` successors per token, learnt from the prompts and
     every verified tree.
 
-    ``anchor``: where the refill goes. ``"root"``: the template's successors from the root token,
-    trie-merged into the tree (``graft``). ``"leaf"``: a chain of first successors below the best
-    leaf (``graft_tail``), as long as the template has nodes beyond its root (under λ-CAST:
-    the plan's graft count), extending the path most likely accepted whole."""
+    ``anchor``: where the refill goes. ``"leaf"`` (the default): a chain of first successors
+    below the best leaf (``graft_tail``), as long as the template has nodes beyond its root
+    (under λ-CAST: the plan's graft count), extending the path most likely accepted whole.
+    ``"root"``: the template's successors from the root token, trie-merged into the tree
+    (``graft``). On the trained pair at B = 1 (H200) the leaf's chain made λ-CAST 1.15× faster
+    and the root's successors 0.97× (the draft already proposes most of them)."""
 
     cast: Cast
     checkpoints: PruneCheckpoints = field(default_factory=PruneCheckpoints)
     template: RankTemplate = field(default_factory=RankTemplate.default)
     adjacency_k: int = 8
-    anchor: str = "root"
+    anchor: str = "leaf"
 
     name: ClassVar[str] = "CastGraft"
 
@@ -145,7 +147,7 @@ def make_policy(
     template: RankTemplate | None = None,
     adjacency_k: int = 8,
     lambda_graft: bool = False,
-    anchor: str = "root",
+    anchor: str = "leaf",
 ) -> Policy:
     """The policy ``name`` (one of ``POLICIES``) from EAGLE-style sizes; arguments that do not
     apply to it are ignored.
