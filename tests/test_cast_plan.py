@@ -1002,3 +1002,34 @@ def test_paired_probes_hold_under_drift():
     seeds at depth 4 (0.936)."""
     climbed = np.mean([_chain_climb(16, s, drift=0.3) for s in range(8)])
     assert climbed >= 0.98, climbed
+
+
+def test_a_chain_probes_the_tree_halfway_to_the_one_it_beat():
+    """On a chain, the tree probed first is halfway (in bucket steps) to the last tree: from the
+    depth-10 chain and an [8, 10, 96] tree, [4, 10, 48]. When the wide tree loses to the chain
+    and the trees between them win (as on the H200 at B = 1), the planner leaves the chain for
+    one of them; offered only the tree it beat, it stays on the chain."""
+    pol = treeops.Cast(cost_table=synthetic_cost_table(96), topk=8, max_width=8, max_depth=10,
+                       capacity=96)  # fmt: skip
+    wide = Plan(8, 10, 96)
+    assert treeops.CastPlanner(pol)._between(Plan.chain(10), wide) == Plan(4, 10, 48)
+
+    def run(between) -> Plan:
+        pl = treeops.CastPlanner(pol, interval=8)
+        pl._between = between
+        pl.restrict(1, [wide])
+        pl.restrict(1, [Plan.chain(10)])
+        pl.restrict(1, None)
+        st = pl._state(1)
+        st.last_tree = wide
+        rng = np.random.default_rng(5)
+        unit_s = pl.costs(1, 100)[2] * 1e-6
+        for _ in range(3000):
+            p = pl.plan(1)
+            gain = 1.0 if p.is_chain else (0.93 if p.width == 8 else 1.2)
+            tok = 3.0 * gain * (1 + 0.1 * rng.standard_normal())
+            pl.observe(1, _model_stats(pl, rng, 0.1), p, tok, step_s=1.5 * unit_s, ctx=100)
+        return pl.plan(1)
+
+    assert not run(treeops.CastPlanner(pol)._between).is_chain
+    assert run(lambda chain, tree: tree).is_chain

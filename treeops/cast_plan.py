@@ -282,7 +282,8 @@ class CastPlanner:
         chain_probes: also measure chains (``Plan.chain(d)``, top-1: the cheapest draft there
             is): every ``PROBE_EVERY`` decisions a chain (next to a tree: at the best measured
             chain depth, else the tree's depth; next to a chain: one layer shallower or deeper,
-            and the last tree) whose measured η is missing or stale is probed: it and the
+            the tree halfway to the last tree, and that tree) whose measured η is missing or
+            stale is probed: it and the
             current plan alternate step by step until one beats the other by ``MEASURED_Z``
             standard errors over those steps (``PROBE_EXTEND_WINDOWS``), and the winner stays.
             The rules size trees; on a chain they do not run (its statistics hold no siblings),
@@ -685,23 +686,46 @@ class CastPlanner:
     def _probe_candidates(self, st: _BatchState, cur: Plan) -> list[Plan]:
         """Next to a tree: the chain at the best measured chain depth (else at the depth the
         curves favour, ``_chain_depth``), then one layer shallower and deeper. Next to a chain:
-        one layer shallower and deeper, then the last tree run."""
+        one layer shallower and deeper, then the tree halfway to the last tree run
+        (``_between``), then that tree."""
 
         def chain(d: int) -> list[Plan]:
             return [Plan.chain(d)] if 1 <= d <= self.D and d + 1 <= self.N else []
 
         if cur.is_chain:
             d = cur.depth
-            tree = [] if st.last_tree is None else [st.last_tree]
-            return chain(d - 1) + chain(d + 1) + tree
+            trees = []
+            if st.last_tree is not None:
+                mid = self._between(cur, st.last_tree)
+                trees = [mid, st.last_tree] if mid != st.last_tree else [st.last_tree]
+            return chain(d - 1) + chain(d + 1) + trees
         live = self._live(st)
         chains = [p for p in live if p.is_chain]
         d = max(chains, key=lambda p: live[p][1]).depth if chains else st.chain_depth or cur.depth
         return chain(d) + chain(d - 1) + chain(d + 1)
 
+    def _between(self, chain: Plan, tree: Plan) -> Plan:
+        """The top-K tree halfway (in bucket steps, rounded towards the tree) from ``chain`` to
+        ``tree`` in width, depth and verify count, ``tree``'s graft kept within half its verify
+        count. A chain leaves only through a probe, and the last tree it beat is often one the
+        rules grew too wide (at B = 1 on the H200, a 96-node tree of width 10 lost to the
+        depth-10 chain, while 48–64-node trees of width 4 beat that chain by 20 % or more): the
+        probe tries the tree between them first."""
+        lists = (self.widths, list(range(1, self.D + 1)), self.verify_sizes)
+        out = []
+        for a, b, sizes in zip((chain.width, chain.depth, chain.verify),
+                               (tree.width, tree.depth, tree.verify), lists):  # fmt: skip
+            i, j = sizes.index(_round_up(a, sizes)), sizes.index(b)
+            out.append(sizes[(i + j + 1) // 2])
+        width, depth, verify = out
+        most = 1 + self.K + (depth - 1) * width * self.K
+        verify = min(verify, _round_up(most, self.verify_sizes))
+        return Plan(width=width, depth=depth, verify=verify, graft=min(tree.graft, verify // 2))
+
     def unprobed(self, B: int) -> list[Plan]:
         """The plans a probe would measure next to the current plan at batch size ``B`` (the
-        chains of ``_probe_candidates``; next to a chain also the last tree) that have no
+        chains of ``_probe_candidates``; next to a chain also the tree halfway to the last tree,
+        and that tree) that have no
         measured η yet: empty once the neighbourhood the probes compare is measured (a warm-up
         that ends before leaves the timed runs, restricted to its plans, without them)."""
         if not self.chain_probes:
