@@ -101,7 +101,15 @@ from e2e_cost_table import calibrate  # noqa: E402
 from e2e_divergence import MAX_DIVERGENCES_CHECKED, NEAR_TIE_REL, divergences  # noqa: E402
 
 from treeops import CostTable, RankTemplate  # noqa: E402
-from treeops.decoder import Decoder, Draft, ModelConfig, Target, make_policy  # noqa: E402
+from treeops.decoder import (  # noqa: E402
+    CastGraft,
+    Decoder,
+    Draft,
+    ModelConfig,
+    Target,
+    calibrate_checkpoints,
+    make_policy,
+)
 from treeops.decoder.engine import DecodeResult, synthetic_cost_table  # noqa: E402
 from treeops.decoder.tp import shard_target, with_tp_degree  # noqa: E402
 
@@ -183,7 +191,10 @@ nothing; ``CastRoot`` is CastGraft filling the slots with the root's successors
 (``anchor="root"``, trie-merged by ``graft``)."""
 
 
-def make_decoder(policy, target, draft, args, table, graphs, profile=False):
+def make_decoder(policy, target, draft, args, table, graphs, profile=False, calib_prompts=None):
+    """The decoder of ``policy`` (a bench name) for these args. Graft over thresholded CAST
+    (not λ-CAST) with ``calib_prompts``: its checkpoints' thresholds fitted on this pair first
+    (``calibrate_checkpoints``, eager, nothing pruned)."""
     lam = policy in ("Cast", "CastGraft") + ABLATION_POLICIES and lambda_cast(args)
     prune_only = policy == "CastPrune"
     pol = make_policy("CastGraft" if policy in ABLATION_POLICIES else policy, depth=args.depth,
@@ -193,6 +204,10 @@ def make_decoder(policy, target, draft, args, table, graphs, profile=False):
                       template=RankTemplate([-1], [-1]) if prune_only else None,
                       lambda_graft=lam,
                       anchor="root" if policy == "CastRoot" else "leaf")  # fmt: skip
+    tp = getattr(target, "tp_group", None) is not None
+    if isinstance(pol, CastGraft) and not lam and calib_prompts and not tp:
+        ck = calibrate_checkpoints(target, draft, pol, calib_prompts, args.new_tokens)
+        pol = dataclasses.replace(pol, checkpoints=ck)
     kw = dict(page_size=16)
     if (getattr(args, "step_graphs", False) and policy in STEP_GRAPH_POLICIES) or lam:
         # one graph per whole step (eager step body, static shapes, without graphs)
@@ -904,7 +919,8 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
     for pol in order:
         t0 = time.time()
         try:
-            decs[pol] = make_decoder(pol, target, draft, args, table, graphs)
+            decs[pol] = make_decoder(pol, target, draft, args, table, graphs,
+                                     calib_prompts=groups[0])  # fmt: skip
             if cuda:
                 # graphs captured, Triton compiled (continuous: over every request, so the
                 # static batch is sized for the longest, as in the timed runs)
@@ -996,6 +1012,10 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
         if res.grafted and res.steps:  # Graft's rows: nodes the table added per step (batch)
             row["grafted_per_step"] = round(sum(res.grafted) / res.steps, 3)
         dec = decs[pol]
+        if dec.graft is not None and dec.planner is None:  # thresholded Graft: its checkpoints
+            ck = dec.graft.checkpoints
+            row["checkpoints"] = {"steps": list(ck.steps), "keeps": list(ck.keeps),
+                                  "thresholds": [round(t, 5) for t in ck.thresholds]}  # fmt: skip
         if dec.planner is not None and res.plans:
             d = dec.planner.describe(B)
             row.update(

@@ -183,6 +183,10 @@ def test_bench_e2e_graft_ablation_rows(tmp_path):
         assert "error" not in r, r
         assert r["policy"] == "autoregressive" or r["divergence"]["mismatch"] == 0
     assert rows["CastPrune"]["grafted_per_step"] == 0 and "grafted_per_step" not in rows["Cast"]
+    # thresholds fitted on the pair before the runs (calibrate_checkpoints), one per checkpoint
+    ck = rows["CastGraft"]["checkpoints"]
+    assert len(ck["thresholds"]) == len(ck["steps"]) == len(ck["keeps"]) >= 1
+    assert all(0.0 <= t <= 1.0 + 1e-6 for t in ck["thresholds"])
 
 
 def test_warm_up_planner_runs_until_the_neighbouring_chains_are_measured(pair):

@@ -12,6 +12,8 @@ several levels deep, is cut, and compaction moves K/V, as with a trained pair.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,6 +28,7 @@ from treeops.decoder import (
     ModelConfig,
     SamplingParams,
     Target,
+    calibrate_checkpoints,
     make_policy,
 )
 from treeops.decoder.model import chain_tree, reference_forward
@@ -133,6 +136,41 @@ def test_both_anchors_graft_greedy_equals_autoregressive(pair, baseline, static,
     res = Decoder(target, draft, pol, page_size=16, static_shapes=static).generate(PROMPTS, NEW)
     assert res.tokens == baseline
     assert sum(res.grafted) > 0
+
+
+def test_calibrated_checkpoints_fit_the_pair(pair, baseline):
+    """``calibrate_checkpoints`` keeps the checkpoints' steps and keeps and fits each threshold
+    to this pair: a score in [0, 1] or 0 (never prune), a looser loss bound never lowering it;
+    decoding with the fitted checkpoints stays lossless. A λ-CAST CastGraft (no checkpoints) or
+    another policy is a ValueError."""
+    target, draft = pair
+    pol = _policy("CastGraft")
+    tight = calibrate_checkpoints(target, draft, pol, PROMPTS, NEW, max_loss=0.0)
+    loose = calibrate_checkpoints(target, draft, pol, PROMPTS, NEW, max_loss=1.0)
+    for ck in (tight, loose):
+        assert (ck.steps, ck.keeps) == (pol.checkpoints.steps, pol.checkpoints.keeps)
+        assert all(0.0 <= t <= 1.0 + 1e-6 for t in ck.thresholds)
+    assert all(a <= b for a, b in zip(tight.thresholds, loose.thresholds))
+    assert any(t > 0 for t in loose.thresholds)  # every step may lose: prune at the top score
+    fitted = dataclasses.replace(pol, checkpoints=loose)
+    res = Decoder(target, draft, fitted, page_size=16).generate(PROMPTS, NEW)
+    assert res.tokens == baseline
+    with pytest.raises(ValueError, match="Invalid type of policy"):
+        calibrate_checkpoints(target, draft, _policy("Cast"), PROMPTS, NEW)
+    lam = make_policy("CastGraft", lambda_graft=True, cost_table=_steep_costs())
+    with pytest.raises(ValueError, match="thresholded Cast"):
+        calibrate_checkpoints(target, draft, lam, PROMPTS, NEW)
+
+
+def test_checkpoints_for_depth():
+    """Checkpoints after steps 0, D // 4 and D // 2, each before the last layer."""
+    assert PruneCheckpoints.for_depth(10).steps == (0, 2, 5)
+    assert PruneCheckpoints.for_depth(6).steps == (0, 1, 3)
+    assert PruneCheckpoints.for_depth(2).steps == (0, 1)
+    assert PruneCheckpoints.for_depth(1).steps == (0,)
+    assert PruneCheckpoints.for_depth(1).keeps == (8,)
+    with pytest.raises(ValueError, match="max_depth"):
+        PruneCheckpoints.for_depth(0)
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -781,6 +781,26 @@ class PruneCheckpoints:
         if any(k < 0 for k in self.keeps):
             raise ValueError(f"Invalid checkpoints: keeps {self.keeps} must be >= 0")
 
+    @classmethod
+    def for_depth(
+        cls,
+        max_depth: int,
+        keeps: tuple[int, ...] = (8, 24, 40),
+        thresholds: tuple[float, ...] = (0.3, 0.2, 0.05),
+    ) -> PruneCheckpoints:
+        """Checkpoints placed relative to a tree's ``max_depth`` D: after draft steps 0,
+        max(1, D // 4) and max(2, D // 2) (duplicates dropped with their keep and threshold),
+        so the last one still leaves half the layers to save (the default steps suit D = 6, where
+        a checkpoint after step 5 would prune after the last layer was drafted)."""
+        check_positive_int("max_depth", max_depth)
+        steps, ks, ts = [], [], []
+        for s, k, t in zip((0, max(1, max_depth // 4), max(2, max_depth // 2)), keeps, thresholds):
+            if s < max_depth and (not steps or s > steps[-1]):
+                steps.append(s)
+                ks.append(k)
+                ts.append(t)
+        return cls(tuple(steps), tuple(ks), tuple(ts))
+
     def start(self, batch_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """A fresh ``keep`` [B] int32, every request unmarked (``NO_PRUNE``)."""
         return torch.full((batch_size,), NO_PRUNE, dtype=torch.int32, device=device)

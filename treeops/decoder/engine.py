@@ -153,6 +153,9 @@ class Decoder:
         self.name = policy_name(self.policy)
         self.tree_policy = tree_policy(self.policy)
         self.graft = self.policy if isinstance(self.policy, CastGraft) else None
+        # set by ``calibrate_checkpoints``: the eager path appends each step's checkpoint scores
+        # and accepted indices here (host syncs; calibration only)
+        self.checkpoint_log: list | None = None
         if self.tree_policy is not None and draft is None:
             raise ValueError(f"policy {self.name!r} needs a draft model")
         self.target = target

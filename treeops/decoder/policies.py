@@ -159,7 +159,7 @@ def make_policy(
     ``synthetic_cost_table(max(64, capacity, topk))``). ``Cast`` without thresholds is λ-CAST
     (the decoder plans its sizes between steps); once one threshold is given the others default
     to CAST's (C1, C2, C3 = 0.3, 0.2, 0.1), as they always do for ``CastGraft``, which adds
-    ``checkpoints`` (default ``PruneCheckpoints()``), ``template``
+    ``checkpoints`` (default ``PruneCheckpoints.for_depth(max_depth)``), ``template``
     (default ``RankTemplate.default()``), ``adjacency_k`` and ``anchor``; with
     ``lambda_graft`` (and no threshold given) ``CastGraft`` grafts onto λ-CAST instead, its
     plans choosing how many verified nodes the table fills. A name outside ``POLICIES`` is a
@@ -188,7 +188,7 @@ def make_policy(
         return cast
     return CastGraft(
         cast,
-        checkpoints=checkpoints or PruneCheckpoints(),
+        checkpoints=checkpoints or PruneCheckpoints.for_depth(max_depth),
         template=template or RankTemplate.default(),
         adjacency_k=adjacency_k,
         anchor=anchor,

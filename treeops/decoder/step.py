@@ -44,6 +44,7 @@ always equals the target's ``seq_lens``; its drafting-time K/V beyond that is sc
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -312,6 +313,13 @@ class EagerStep(StepBody):
 
     def accept(self, tree, logits, h, n):
         v = super().accept(tree, logits, h, n)
+        log = self.dec.checkpoint_log
+        if log is not None and self.dec.graft is not None:
+            # calibration (host syncs allowed): per active request, the checkpoints' best
+            # scores and the largest node index on its accepted path (nodes are in rank order)
+            last = v.acc.accepted.gather(1, (v.alen.long() - 1).clamp(min=0)[:, None])[:, 0]
+            on = self.carry.active
+            log.append((self.checkpoint_best[on].cpu(), last[on].long().cpu()))
         planner = self.dec.planner
         if planner is not None:
             dev = self.carry.rows.device
@@ -424,6 +432,9 @@ class EagerStep(StepBody):
             return logits.contiguous()
 
         keep = gp.checkpoints.start(B, dev) if gp is not None else None
+        log = dec.checkpoint_log if gp is not None else None
+        if log is not None:  # calibration: each checkpoint's best score (NaN: not reached)
+            self.checkpoint_best = torch.full((B, len(gp.checkpoints.steps)), math.nan, device=dev)
         while True:
             t0 = time.perf_counter()
             logits = draft_fn(state)
@@ -432,6 +443,8 @@ class EagerStep(StepBody):
             stop_now = False
             if keep is not None:
                 best = state.frontier_scores.max(1).values.float().contiguous()
+                if log is not None and state.layer - 1 in gp.checkpoints.steps:
+                    self.checkpoint_best[:, gp.checkpoints.steps.index(state.layer - 1)] = best
                 stop = gp.checkpoints.check(state.layer - 1, best, keep)
                 # one request: stop drafting once pruned; batched: draft on, prune per request
                 stop_now = B == 1 and bool(stop[0])
