@@ -173,7 +173,9 @@ def decode(
         chunk = prompts[i : i + batch]
         B = len(chunk)
         kw = dict(setting) if policy != "autoregressive" else {}
-        dec = Decoder(pair.target, pair.draft, make_policy(policy, template=template, **kw))
+        # the templates are root-anchored (``graft``); the decoder's default grafts below the leaf
+        pol = make_policy(policy, template=template, anchor="root", **kw)
+        dec = Decoder(pair.target, pair.draft, pol)
         log: list[dict[str, list[int]]] = []
         with _graft_log(log):
             res = dec.generate(chunk, new_tokens, stop_ids=stop)

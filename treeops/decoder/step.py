@@ -285,6 +285,38 @@ class StepBody:
         raise NotImplementedError
 
 
+def early_stop_budget(tree: Tree, active: torch.Tensor, capacity: int, stopped: bool):
+    """Graft's verify budget [B] int32 for thresholded CAST: the emitted tree's sizes (what CAST
+    chose for the whole tree), or, when drafting stopped early because every request was pruned,
+    ``capacity`` per active request: the budget is never the size of a tree cut short."""
+    if not stopped:
+        return tree.num_nodes.clone()
+    return torch.where(active, capacity, 0).to(torch.int32)
+
+
+class _HostFlag:
+    """A device bool copied to pinned host memory behind an event (CUDA), so a decision point
+    that waits on a later event reads it with no wait of its own; on CPU read directly."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.host = torch.zeros((), dtype=torch.bool, pin_memory=True)
+            self.event = torch.cuda.Event()
+
+    def publish(self, flag: torch.Tensor):
+        """Queue ``flag``'s copy; returns the reader (call it inside a wait)."""
+        if not self.cuda:
+            return lambda: bool(flag)
+        self.host.copy_(flag, non_blocking=True)
+        self.event.record()
+        return self._read
+
+    def _read(self) -> bool:
+        self.event.synchronize()
+        return bool(self.host)
+
+
 class EagerStep(StepBody):
     """The eager path: fresh tensors each step, no buckets, no waits counted."""
 
@@ -446,8 +478,9 @@ class EagerStep(StepBody):
                 if log is not None and state.layer - 1 in gp.checkpoints.steps:
                     self.checkpoint_best[:, gp.checkpoints.steps.index(state.layer - 1)] = best
                 stop = gp.checkpoints.check(state.layer - 1, best, keep)
-                # one request: stop drafting once pruned; batched: draft on, prune per request
-                stop_now = B == 1 and bool(stop[0])
+                # stop drafting once every active request is pruned (the eager path reads the
+                # depth flag on the host every layer anyway)
+                stop_now = bool((stop | ~active).all())
             more = state.wants_next_layer() if pol.is_cast else state.layer < pol.depth
             res.time_draft += t1 - t0
             res.time_tree += time.perf_counter() - t1
@@ -456,7 +489,9 @@ class EagerStep(StepBody):
         t0 = time.perf_counter()
         tree = build_tree_emit(state, pol)
         if keep is not None:
-            verify = tree.num_nodes.clone()
+            # the graft budget: what CAST chose for the whole tree, or after an early stop (the
+            # tree cut short) the capacity, never the cut tree's size
+            verify = early_stop_budget(tree, active, pol.capacity, stop_now)
             pruned = prune(tree, keep)
             tree = dec.refill(pruned, verify)
             self.grafted = tree.num_nodes - pruned.num_nodes
@@ -477,6 +512,7 @@ class StaticStep(StepBody):
         self.pb = sb.default if pb is None and dec.tree_policy is not None else pb
         self.grafted = sb.grafted
         self.check_buckets = dec.check_buckets
+        self.pruned_flag = _HostFlag(sb.seq_lens.device)  # thresholded Graft: all pruned
 
     def clock(self):
         return self.dec._clock()
@@ -613,21 +649,24 @@ class StaticStep(StepBody):
             t2 = clock()
             waited = res.time_host_wait
             build_tree_expand(logits, st, pol)
-            stop_now = False
+            pruned_all = None
             if keep is not None:
                 best = st.frontier_scores.max(1).values.float().contiguous()
                 stop = gp.checkpoints.check(st.layer - 1, best, keep)
-                if B == 1:  # one request: stop drafting once pruned (a host read)
-                    stop_now = bool(self.wait(lambda stop=stop: bool(stop[0])))
+                pruned_all = self.pruned_flag.publish((stop | ~active).all())
             t3 = clock()
             res.time_draft += t2 - t1
-            # the prune-flag wait inside t2..t3 is host-wait time, not tree time
             res.time_tree += (t1 - t0) + (t3 - t2) - (res.time_host_wait - waited)
-            if stop_now:
-                break
+            stop_now = False
             if pol.is_cast:
-                # one event wait: the depth flag and the next frontier's width
-                more, width = self.wait(lambda: (st.wants_next_layer(), st.width(st.layer - 1)))
+                # one event wait: every request pruned (drafting stops), the depth flag and the
+                # next frontier's width
+                def decide(pruned_all=pruned_all):
+                    if pruned_all is not None and pruned_all():
+                        return True, False, 1
+                    return False, st.wants_next_layer(), st.width(st.layer - 1)
+
+                stop_now, more, width = self.wait(decide)
                 R = bucket_for(width, W)
             else:
                 more, R = st.layer < pol.depth, W
@@ -641,10 +680,13 @@ class StaticStep(StepBody):
         t0 = clock()
         if keep is not None:
             tree = build_tree_emit(st, pol, out=sb.emit_buf)
-            verify = tree.num_nodes.clone()
+            verify = early_stop_budget(tree, active, N, stop_now)
             pruned = prune(tree, keep)
             dec.refill(pruned, verify, out=self.vin)
             sb.grafted.copy_(self.vin.num_nodes - pruned.num_nodes)
+            if stop_now:  # the budget is the capacity: verify at its bucket
+                res.time_tree += clock() - t0
+                return N
         elif pb.graft:  # λ-CAST with Graft: the plan's n - g best draft nodes, g retrieved
             tree = build_tree_emit(st, pol, out=pb.emit)
             pruned = prune(tree, N - 1 - pb.graft)  # keep counts the nodes below the root
