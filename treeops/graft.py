@@ -4,8 +4,8 @@ Per decoding step, for a batch of B requests:
 
 1. Draft. At the checkpoints after draft steps (0, 1, 5), ``PruneCheckpoints.check`` marks a
    request to keep only its top (8, 24, 40) draft nodes when its best path score is under the
-   checkpoint's threshold (decided on device). Single-request decoding stops drafting then
-   (the returned ``stop`` flag); batched decoding drafts to full depth and ``prune``s per request.
+   checkpoint's threshold (decided on device). Drafting can stop once every request is marked
+   (the returned ``stop`` flags); until then it drafts on and ``prune``s per request.
 2. Graft. ``graft(tree, table, template, budget)`` retrieves candidates from each request's root
    token through the ``AdjacencyTable`` and a ``RankTemplate``, trie-merges them into the pruned
    tree up to ``budget`` nodes (root included) and rebuilds depth, ``anc`` and the links: one
