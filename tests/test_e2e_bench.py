@@ -73,7 +73,10 @@ def test_static_path_equals_eager(pair, policy, batch):  # noqa: F811
         assert rc == (0 if policy == "autoregressive" else bucket_for(max(em), dec.capacity))
     if policy in ("Cast", "CastGraft"):
         assert res.host_waits >= 2 * res.steps  # rerank + acceptance, plus one per layer
-        assert min(res.verify_buckets) < dec.capacity
+        # CAST sizes the verification below the capacity; CastGraft verifies at the capacity
+        # after a step whose requests were all pruned (its budget), as every step here is
+        if policy == "Cast":
+            assert min(res.verify_buckets) < dec.capacity
     elif policy != "autoregressive":
         assert res.host_waits == res.steps  # static trees: the acceptance read only
         assert set(res.verify_buckets) == {dec.capacity}
