@@ -22,7 +22,7 @@ from test_decoder import (  # noqa: F401  (pair, gpu_pair, _one_thread: fixtures
     pair,
 )
 
-from treeops import Plan
+from treeops import Plan, RankTemplate
 from treeops.cast_plan import CastPlanner
 from treeops.decoder import Decoder, SamplingParams, make_policy
 from treeops.decoder.graphs import planner_tokens
@@ -161,6 +161,23 @@ def test_graft_plans_fill_the_likeliest_template_nodes(pair, monkeypatch):  # no
     t = dec.graft_template(g)
     assert t is dec.graft_template(g)  # one object per g (the step graphs hold its copy)
     assert t.ranks.tolist() == dec.graft.template.most_probable(g + 1).ranks.tolist()
+
+
+@pytest.mark.parametrize("anchor", ["leaf", "root"])
+def test_root_only_template_grafts_nothing_under_graft_plans(pair, monkeypatch, anchor):  # noqa: F811
+    """Prune-only Graft over λ-CAST (a root-only template): every step runs a plan with graft
+    slots (as whole-step bodies), the slots stay empty at either anchor, and the output is
+    still exact."""
+    _fixed_graft_plan(monkeypatch)
+    target, draft = pair
+    pol = make_policy("CastGraft", depth=3, topk=3, budget=12, cast_depth=5, cast_budget=16,
+                      cost_table=_steep_costs(), lambda_graft=True, anchor=anchor,
+                      template=RankTemplate([-1], [-1]))  # fmt: skip
+    dec = Decoder(target, draft, pol, static_shapes=True, step_graphs=True)
+    res = dec.generate(PROMPTS, NEW)
+    assert res.tokens == [_greedy_baseline(target, p, NEW) for p in PROMPTS]
+    assert all(p[4] > 0 for p in res.plans)  # every step's plan had graft slots
+    assert sum(res.grafted) == 0
 
 
 @pytest.mark.gpu

@@ -485,11 +485,13 @@ class Decoder:
         """Graft's refill of a pruned tree, up to ``budget`` nodes (root included), by the
         policy's ``anchor``: successors from the root (``graft``: the policy's template, or
         ``graft_template(g)`` for a λ-CAST plan grafting ``g``), or a chain below the best
-        leaf (``graft_tail``: as long as the policy's template has nodes past its root, or
-        ``g``). Into ``out`` when given."""
+        leaf (``graft_tail``: as many nodes as the policy's template has past its root, or
+        ``g`` capped by that number, so a root-only template grafts nothing whatever the plan:
+        prune-only Graft). Into ``out`` when given."""
         assert self.graft is not None and self.table is not None
         if self.graft.anchor == "leaf":
-            n = self.graft.template.size - 1 if g is None else g
+            n = self.graft.template.size - 1
+            n = n if g is None else min(g, n)
             return graft_tail(pruned, self.table, n, budget, max_count=n, out=out)
         tpl = self.graft.template if g is None else self.graft_template(g)
         return graft(pruned, self.table, tpl, budget=budget, out=out)

@@ -78,7 +78,8 @@ class CastGraft:
 
     ``anchor``: where the refill goes. ``"leaf"`` (the default): a chain of first successors
     below the best leaf (``graft_tail``), as long as the template has nodes beyond its root
-    (under λ-CAST: the plan's graft count), extending the path most likely accepted whole.
+    (under λ-CAST: the plan's graft count, capped by that length: a root-only template grafts
+    nothing), extending the path most likely accepted whole.
     ``"root"``: the template's successors from the root token, trie-merged into the tree
     (``graft``). On the trained pair at B = 1 (H200) the leaf's chain made λ-CAST 1.15× faster
     and the root's successors 0.97× (the draft already proposes most of them)."""
