@@ -48,7 +48,8 @@ what it measured):
    with ``--continuous`` also ``steady_tokens_per_s`` and ``steady_speedup``, the same over
    the full-batch window (``steady_tokens_per_s``: before the request list drains);
    λ-CAST rows add ``lambda_hat``, ``mean_width``, ``mean_depth``, the plans seen, the
-   calibrated acceptance rates and the learnt step-time correction (a, b, c, e µs). Without
+   calibrated acceptance rates, the learnt step-time correction (a, b, c, e µs) and the
+   planner's last probes (``planner_probes``: ``CastPlanner.describe``'s ``probes``). Without
    ``--no-profile`` each policy is decoded once more with ``profile=True`` (a device sync at
    every boundary) for the time split.
 5. Greedy correctness in bf16: each request's output against the autoregressive output of the
@@ -1028,6 +1029,7 @@ def run_batch(order, B, groups, bprompts, target, draft, ref32, args, table, gra
                 final_plan=d["plan"], rates=d["rates"],
                 cost_correction_us=d["cost_correction_us"],
                 plans_measured=d["plans_measured"], graft_rate=d["graft_rate"],
+                planner_probes=d["probes"],
             )  # fmt: skip
         rows.append(row)
     del decs

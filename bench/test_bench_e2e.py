@@ -143,6 +143,7 @@ def test_bench_e2e_step_graphs_rows(tmp_path):
     cast = rows["Cast"]
     assert cast["lambda_hat"] > 0 and 1 <= cast["mean_depth"] <= 4
     assert 1 <= cast["mean_width"] <= 3 and cast["mean_verified_nodes"] <= 16
+    assert isinstance(cast["planner_probes"], list)  # CastPlanner.describe's probe log
 
 
 def test_bench_e2e_continuous_rows(tmp_path):

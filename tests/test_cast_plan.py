@@ -993,6 +993,39 @@ def test_chain_probes_climb_to_the_best_chain_at_small_batches(B, monkeypatch):
         assert stuck < 0.95, stuck
 
 
+def test_probe_outcomes_are_logged():
+    """``describe`` lists the last probes: where each ended, the two plans, both plans' steps
+    and mean η over the probe, and which was kept (the higher-measuring one, or the home plan
+    of a probe that never measured); each probe starts where the one before left the planner."""
+    import treeops.cast_plan as CP
+
+    pol = treeops.Cast(cost_table=synthetic_cost_table(64), topk=8, max_width=8, max_depth=10,
+                       capacity=64)  # fmt: skip
+    pl = treeops.CastPlanner(pol, interval=8)
+    pl.restrict(4, [Plan.chain(4)])
+    pl.restrict(4, [Plan.chain(d) for d in range(1, 11)])
+    rng = np.random.default_rng(0)
+    for _ in range(1500):
+        plan = pl.plan(4)
+        tok = (1 + sum(0.87**k for k in range(1, plan.depth + 1))) * (
+            1 + 0.2 * rng.standard_normal()
+        )
+        pl.observe(4, _model_stats(pl, rng, 0.1), plan, tok, (1000.0 + 110.0 * plan.depth) * 1e-6,
+                   ctx=100)  # fmt: skip
+    log = pl.describe(4)["probes"]
+    assert 2 <= len(log) <= CP.PROBE_LOG
+    steps = [e[0] for e in log]
+    assert steps == sorted(steps) and steps[-1] <= pl.describe(4)["steps"]
+    for e, nxt in zip(log, log[1:] + [None]):
+        _, home, probe, n_home, m_home, n_probe, m_probe, windows, kept = e
+        assert abs(home[1] - probe[1]) == 1 and home[0] == probe[0] == 1  # neighbouring chains
+        assert kept in ("probe", "home") and 1 <= windows <= CP.PROBE_EXTEND_WINDOWS
+        if min(n_home, n_probe) >= CP.MEASURED_MIN_STEPS:
+            assert (kept == "probe") == (m_probe > m_home)
+        if nxt is not None:
+            assert nxt[1] == (probe if kept == "probe" else home)
+
+
 def test_paired_probes_hold_under_drift():
     """Every step's time drifts by ±15 % over 200 steps (contexts that grow, requests replaced
     in a continuous batch), at B = 16 where a step's tokens are steady: a probe compares the two

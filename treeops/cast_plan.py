@@ -182,6 +182,9 @@ class _BatchState:
     settled: int = 0  # decisions in a row that kept the tree's plan
     grafted: float = 0.0  # decayed grafted nodes verified (active requests)
     graft_hits: float = 0.0  # decayed grafted nodes accepted
+    # the last PROBE_LOG probes' outcomes: [step, home, probe, home's and probe's (steps, mean
+    # η) over the probe, windows run, the plan kept] (``describe``)
+    probe_log: list = field(default_factory=list)
 
 
 COST_PRIOR_US = (1e6, 200.0, 20.0, 50.0)
@@ -234,6 +237,8 @@ and stop the growth: the rules do not run on a chain)."""
 PROBE_SETTLE_WAIT = 4
 """A tree that never settles (the rules oscillating between neighbours) still gets its chain
 probe, after this many times the usual wait."""
+PROBE_LOG = 64
+"""Probe outcomes kept per batch size for ``describe`` (why a run sat where it did)."""
 PROBE_MAX_WINDOWS = 3
 """Windows a probe runs at most waiting for ``MEASURED_MIN_STEPS`` timed steps of each plan (a
 step that captured a graph is no measure)."""
@@ -625,6 +630,7 @@ class CastPlanner:
             done = self._verdict(st)
             if done is not None:
                 won = done == st.probe
+                self._log_probe(st, won)
                 st.home = st.probe = None
                 st.pair, st.probe_windows = {}, 0
                 st.backoff = 1 if won else min(2 * st.backoff, PROBE_BACKOFF_MAX)
@@ -632,6 +638,20 @@ class CastPlanner:
                 return st.plan
         st.plan = st.home if st.plan == st.probe else st.probe
         return st.plan
+
+    @staticmethod
+    def _log_probe(st: _BatchState, won: bool) -> None:
+        def sizes(p: Plan) -> list[int]:
+            return [p.width, p.depth, p.verify, p.graft]
+
+        def meas(p: Plan) -> list:
+            m = st.pair.get(p)
+            return [0, None] if m is None else [int(m[0]), round(m[1], 4)]
+
+        kept = "probe" if won else "home"
+        entry = [st.steps, sizes(st.home), sizes(st.probe), *meas(st.home), *meas(st.probe)]
+        st.probe_log.append(entry + [st.probe_windows, kept])
+        del st.probe_log[:-PROBE_LOG]
 
     def _verdict(self, st: _BatchState) -> Plan | None:
         """The plan a probe ends on, or None while it runs on: the probe if it beats the plan it
@@ -876,4 +896,8 @@ class CastPlanner:
             "rates": [round(g, 4) for g in self.rates(B)],
             "graft_rate": round(self.graft_rate(B), 4) if self.graft_sizes else None,
             "steps": st.steps,
+            # the last PROBE_LOG probes: [step ended, home [w, d, n, g], probe [w, d, n, g],
+            # home's steps and mean η over the probe, the probe's, windows, "probe" or "home"
+            # (the plan kept)]
+            "probes": [list(e) for e in st.probe_log],
         }
