@@ -646,7 +646,7 @@ class CastPlanner:
 
         def meas(p: Plan) -> list:
             m = st.pair.get(p)
-            return [0, None] if m is None else [int(m[0]), round(m[1], 4)]
+            return [0, None] if m is None else [int(m[0]), round(float(m[1]), 4)]
 
         kept = "probe" if won else "home"
         entry = [st.steps, sizes(st.home), sizes(st.probe), *meas(st.home), *meas(st.probe)]
