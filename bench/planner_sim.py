@@ -5,9 +5,10 @@ plan's throughput is what a GPU run measured and a step's tokens are as noisy as
 
 Reads the λ row of ``--policy`` at ``--batch`` in a ``bench_e2e.py`` result: its ``plan_steps``
 (each plan's steps, µs per step and measured tokens per step). A ``CastPlanner`` (the decoder's
-buckets, ``--max-width``, depth 10, capacity 96) is restricted to those plans, starts on the
-plan the row ran most, and is fed, each step, the chosen plan's measured step time (±1 %) and
-its measured tokens per request times 1 + ``--cv`` × a normal draw (one request's accept length
+buckets, ``--max-width`` (default 10, as bench_e2e), depth 10, capacity 96) is restricted to
+those plans, starts on the plan the row ran most, runs ``--warmup`` steps uncounted, and is fed,
+each step, the chosen plan's measured step time (±1 %) and its measured tokens per request
+times 1 + ``--cv`` / sqrt(B) × a normal draw (one request's accept length
 at B = 1 varies by about ±40 %). The layer and verify curves the rules read come from a fixed
 geometric acceptance model: on a tree the rules move the plan within the allowed set; on a chain
 only probes do. Prints, per seed, the share of steps on chains, the mean measured throughput of
@@ -53,9 +54,11 @@ def plan_of(entry) -> Plan:
     return Plan.chain(d) if chain else Plan(w, d, n, g)
 
 
-def simulate(plans: dict, B: int, seed: int, steps: int, cv: float, max_width: int):
-    """``plans``: Plan -> (µs per step, tokens per request per step). Returns the steps per plan
-    and the planner's probe log."""
+def simulate(plans: dict, B: int, seed: int, steps: int, cv: float, max_width: int,
+             warmup: int = 0):  # fmt: skip
+    """``plans``: Plan -> (µs per step, tokens per request per step, steps in the run). After
+    ``warmup`` steps not counted (bench_e2e's warm-up: the planner keeps what it measured), runs
+    ``steps``; returns the steps per plan and the planner's probe log."""
     pol = treeops.Cast(cost_table=synthetic_cost_table(96), topk=max_width, max_width=max_width,
                        max_depth=10, capacity=96)  # fmt: skip
     pl = treeops.CastPlanner(pol, verify_buckets=token_buckets(96),
@@ -68,9 +71,10 @@ def simulate(plans: dict, B: int, seed: int, steps: int, cv: float, max_width: i
         pl._state(B).last_tree = max(trees, key=lambda p: plans[p][2])
     rng = np.random.default_rng(seed)
     count: dict = {}
-    for _ in range(steps):
+    for i in range(warmup + steps):
         p = pl.plan(B)
-        count[p] = count.get(p, 0) + 1
+        if i >= warmup:
+            count[p] = count.get(p, 0) + 1
         us, tok, _ = plans[p]
         step_s = us * 1e-6 * (1 + 0.01 * rng.standard_normal())
         noisy = tok * max(0.05, 1 + cv / np.sqrt(B) * rng.standard_normal())
@@ -85,8 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="Cast")
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2200)
+    ap.add_argument("--warmup", type=int, default=400, help="steps run before counting")
     ap.add_argument("--cv", type=float, default=0.4)
-    ap.add_argument("--max-width", type=int, default=8)
+    ap.add_argument("--max-width", type=int, default=10)
     ap.add_argument("--probes", action="store_true")
     args = ap.parse_args(argv)
     with open(args.run) as f:
@@ -101,7 +106,8 @@ def main(argv=None) -> int:
     for p in sorted(plans, key=lambda p: -rate[p]):
         print(f"{p}: {plans[p][2]} steps in the run, {1e3 * rate[p]:.3f} tokens per ms")
     for seed in range(args.seeds):
-        count, probes = simulate(plans, args.batch, seed, args.steps, args.cv, args.max_width)
+        count, probes = simulate(plans, args.batch, seed, args.steps, args.cv, args.max_width,
+                                 args.warmup)  # fmt: skip
         n = sum(count.values())
         chain = sum(v for p, v in count.items() if p.is_chain) / n
         mean = sum(rate[p] * v for p, v in count.items()) / n
