@@ -182,9 +182,7 @@ class _BatchState:
     settled: int = 0  # decisions in a row that kept the tree's plan
     grafted: float = 0.0  # decayed grafted nodes verified (active requests)
     graft_hits: float = 0.0  # decayed grafted nodes accepted
-    # the last PROBE_LOG probes' outcomes: [step, home, probe, home's and probe's (steps, mean
-    # η) over the probe, windows run, the plan kept] (``describe``)
-    probe_log: list = field(default_factory=list)
+    probe_log: list = field(default_factory=list)  # the last probes' outcomes (``describe``)
 
 
 COST_PRIOR_US = (1e6, 200.0, 20.0, 50.0)
@@ -641,16 +639,14 @@ class CastPlanner:
 
     @staticmethod
     def _log_probe(st: _BatchState, won: bool) -> None:
-        def sizes(p: Plan) -> list[int]:
-            return [p.width, p.depth, p.verify, p.graft]
-
-        def meas(p: Plan) -> list:
+        entry: list = [
+            st.steps,
+            *([p.width, p.depth, p.verify, p.graft] for p in (st.home, st.probe)),
+        ]
+        for p in (st.home, st.probe):
             m = st.pair.get(p)
-            return [0, None] if m is None else [int(m[0]), round(float(m[1]), 4)]
-
-        kept = "probe" if won else "home"
-        entry = [st.steps, sizes(st.home), sizes(st.probe), *meas(st.home), *meas(st.probe)]
-        st.probe_log.append(entry + [st.probe_windows, kept])
+            entry += [0, None] if m is None else [int(m[0]), round(float(m[1]), 4)]
+        st.probe_log.append(entry + [st.probe_windows, "probe" if won else "home"])
         del st.probe_log[:-PROBE_LOG]
 
     def _verdict(self, st: _BatchState) -> Plan | None:
@@ -896,8 +892,7 @@ class CastPlanner:
             "rates": [round(g, 4) for g in self.rates(B)],
             "graft_rate": round(self.graft_rate(B), 4) if self.graft_sizes else None,
             "steps": st.steps,
-            # the last PROBE_LOG probes: [step ended, home [w, d, n, g], probe [w, d, n, g],
-            # home's steps and mean η over the probe, the probe's, windows, "probe" or "home"
-            # (the plan kept)]
+            # the last PROBE_LOG probes: [step ended, home and probe [w, d, n, g], home's and
+            # the probe's steps and mean η over the probe, windows, the plan kept]
             "probes": [list(e) for e in st.probe_log],
         }
