@@ -486,6 +486,7 @@ class EagerStep(StepBody):
             res.time_tree += time.perf_counter() - t1
             if stop_now or not more or state.layer >= pol.max_depth:
                 break
+        res.draft_buckets.append([1] + [W] * (state.layer - 1))  # rows per draft forward
         t0 = time.perf_counter()
         tree = build_tree_emit(state, pol)
         if keep is not None:
