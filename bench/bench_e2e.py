@@ -408,7 +408,7 @@ def row_of(policy, B, res, prof, ar_tps, div, graphs=None, groups=1, kernels=Non
             / max(1, sum(sum(1 for x in r if x) for r in res.verified)),
             2,
         ),
-        # (recorded by the static path: None for eager rows, and for autoregressive ones)
+        # (None where no draft forward ran: autoregressive rows)
         "draft_forwards_per_step": round(
             sum(len(x) for x in res.draft_buckets) / max(1, res.steps), 2
         )
