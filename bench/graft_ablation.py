@@ -2,11 +2,14 @@
 (``CastPrune``) and Graft (``CastGraft``) accept per step, what they draft and what their steps
 cost outside the target's verification.
 
-    python bench/graft_ablation.py RUN.json [--table e2e_cost_table.json] [--out ablation.json]
+    python bench/graft_ablation.py RUN.json [RUN2.json ...] [--tables T.json ...] [--batches 1,8,64]
+                                   [--out ablation.json]
 
-``RUN.json`` is a ``bench_e2e.py`` result holding those policies' rows (e.g. ``--policies
-Cast,CastPrune,CastGraft``); ``--table`` the cost table that run calibrated (default: its
-``e2e_cost_table.json`` beside it). Per row:
+Each ``RUN.json`` is a ``bench_e2e.py`` result holding those policies' rows (e.g. ``--policies
+Cast,CastPrune,CastGraft``); ``--tables`` the cost tables those runs calibrated, in the same
+order (default: each run's ``e2e_cost_table.json`` beside it). Each batch size is read from the
+last run with rows of these policies at it, so a later run replaces an earlier one B by B and
+no batch size mixes runs; ``--batches`` keeps the listed ones. Per row:
 
 * ``mean_accepted``: tokens per request per step (the bonus token included);
 * ``grafted_per_request``: grafted nodes verified per active request per step;
@@ -74,25 +77,35 @@ def ablation(rows: list[dict], table: CostTable) -> list[dict]:
                 "verify_us": round(v, 1),
                 "beyond_verify_us": round(r["step_us"] - v, 1) if r.get("step_us") else None,
                 "commit": r.get("commit"),
+                "session": r.get("session"),
             })  # fmt: skip
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("run")
-    ap.add_argument("--table", default=None)
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--tables", nargs="*", default=None)
+    ap.add_argument("--batches", default=None, help="comma list of batch sizes to keep")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    with open(args.run) as f:
-        doc = json.load(f)
-    rows = doc["rows"] if isinstance(doc, dict) else doc
-    table = CostTable.load(
-        args.table or os.path.join(os.path.dirname(args.run), "e2e_cost_table.json")
-    )
-    out = ablation(rows, table)
+    if args.tables and len(args.tables) != len(args.runs):
+        ap.error(f"--tables: {len(args.tables)} tables for {len(args.runs)} runs")
+    by_batch: dict[int, dict[int, list[dict]]] = {}  # B -> run index -> its rows
+    for i, run in enumerate(args.runs):
+        with open(run) as f:
+            doc = json.load(f)
+        rows = doc["rows"] if isinstance(doc, dict) else doc
+        tab = args.tables[i] if args.tables else os.path.join(os.path.dirname(run),
+                                                                "e2e_cost_table.json")  # fmt: skip
+        for r in ablation(rows, CostTable.load(tab)):
+            r["source"] = os.path.basename(run)
+            by_batch.setdefault(r["B"], {}).setdefault(i, []).append(r)
+    keep = {int(b) for b in args.batches.split(",")} if args.batches else None
+    out = [r for B in sorted(by_batch) if keep is None or B in keep
+           for r in by_batch[B][max(by_batch[B])]]  # fmt: skip
     if not out:
-        sys.exit(f"{args.run}: no rows of {', '.join(POLICIES)}")
+        sys.exit(f"{', '.join(args.runs)}: no rows of {', '.join(POLICIES)}")
     cols = ("B", "policy", "tokens_per_s", "per_cast", "mean_accepted", "grafted_per_request",
             "draft_forwards_per_step", "step_us", "verify_us", "beyond_verify_us")  # fmt: skip
     print(" | ".join(cols))
@@ -100,8 +113,8 @@ def main(argv=None) -> int:
         print(" | ".join(str(r[c]) for c in cols))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"source": os.path.basename(args.run), "context": CONTEXT, "rows": out},
-                      f, indent=1)  # fmt: skip
+            json.dump({"sources": [os.path.basename(r) for r in args.runs], "context": CONTEXT,
+                       "rows": out}, f, indent=1)  # fmt: skip
     return 0
 
 

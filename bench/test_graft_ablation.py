@@ -50,3 +50,24 @@ def test_main_writes_the_rows(tmp_path, capsys):
     assert main([str(run), "--out", str(out)]) == 0
     assert [r["policy"] for r in json.loads(out.read_text())["rows"]] == ["Cast", "CastGraft"]
     assert "CastGraft" in capsys.readouterr().out
+
+
+def test_later_runs_replace_earlier_ones_batch_by_batch(tmp_path):
+    def at(B, tps):
+        return [dict(r, B=B, tokens_per_s=tps) for r in rows()]
+
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"rows": at(1, 100.0) + at(8, 100.0)}))
+    second.write_text(json.dumps({"rows": at(8, 200.0)}))
+    t1, t2, out = tmp_path / "t1.json", tmp_path / "t2.json", tmp_path / "out.json"
+    table().save(t1)
+    table().save(t2)
+    argv = [str(first), str(second), "--tables", str(t1), str(t2), "--out", str(out)]
+    assert main(argv) == 0
+    got = json.loads(out.read_text())["rows"]
+    assert {(r["B"], r["source"]) for r in got} == {(1, "a.json"), (8, "b.json")}
+    assert all(r["tokens_per_s"] == 200.0 for r in got if r["B"] == 8)
+    assert main(argv[:5] + ["--batches", "8", "--out", str(out)]) == 0
+    assert {r["B"] for r in json.loads(out.read_text())["rows"]} == {8}
+    with pytest.raises(SystemExit):  # one table for two runs
+        main([str(first), str(second), "--tables", str(t1)])
