@@ -650,9 +650,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--repeats",
         type=int,
-        default=1,
+        default=None,
         help="per B, every policy's timed run repeated this many times, the "
-        "policies interleaved (order rotated per repeat); ratios with spreads",
+        "policies interleaved (order rotated per repeat); ratios with spreads "
+        "(default 3; 1 with --quick)",
     )
     ap.add_argument("--min-tokens", type=int, default=0,
                     help="per (policy, B) row, at least this many generated tokens over the "
@@ -699,6 +700,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # tiny matmuls: one thread (see tests/test_decoder.py)
     args.prompt_len = args.prompt_len or (128 if cuda else 16)
     args.new_tokens = args.new_tokens or (96 if cuda else 8)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
     if not cuda and args.budget == 60:  # the CPU references are slow: a smaller tree
         args.depth, args.topk, args.budget = 3, 3, 12
     batches = (
