@@ -3,6 +3,7 @@
 # Usage (on the GPU machine, in the repo root): OUT=dir bash bench/run_h200.sh STAGE...
 # Stages: tests:<names>  memcheck:<names>  calibrate  bench_build  bench_cast  bench_accept
 #         bench_compact_kv  bench_kv_append  bench_graft  bench_attention  bench_host  bench_e2e
+#         host_profile (where an eager call's host time goes, per op; HOST_PROFILE_ARGS)
 #         pytest_bench  train_bg  wait_bg  kernel_limits (ncu's counters per kernel, LIMITS_ARGS)
 #         profile_step (a step's time per plan or, PROFILE_ARGS="--chains 6", one chain three ways)
 #         cache_save
@@ -86,6 +87,7 @@ for spec in "$@"; do
     bench_graft) cmd="python3 bench/bench_graft.py --out $OUT";;
     bench_attention) cmd="python3 bench/bench_tree_attention.py --out $OUT ${ATT_ARGS:-}";;
     bench_host) cmd="python3 bench/bench_host.py --out $OUT/host.json ${HOST_ARGS:-}";;
+    host_profile) cmd="python3 bench/host_profile.py --out $OUT/host_profile.json ${HOST_PROFILE_ARGS:-}";;
     bench_e2e) cmd="python3 bench/bench_e2e.py --out $OUT ${E2E_ARGS:-}";;
     kernel_limits) cmd="python3 bench/kernel_limits.py --out $OUT ${LIMITS_ARGS:-}";;
     profile_step) cmd="python3 bench/profile_step.py --table ${TABLE:-bench/results/h200/e2e_cost_table.json} --out $OUT ${PROFILE_ARGS:-}";;

@@ -34,3 +34,20 @@ def test_bench_host_quick(tmp_path):
         assert "error" not in r, (op, r["error"])
         # two timings on a shared machine: an op without a Triton launch may time either first
         assert r["host_us"] > 0 and r["total_us"] > 0 and r["triton_us"] >= 0, (op, r)
+
+
+def test_host_profile_names_where_the_time_goes(tmp_path):
+    """host_profile on the CPU (the ops' references): per op a loop time and the functions with
+    the most own time, the op's own entry point among the calls."""
+    from host_profile import main
+
+    out = tmp_path / "profile.json"
+    rows = main(["--ops", "cast_select,prune", "--calls", "20", "--top", "40", "--out", str(out)])
+    assert [r["op"] for r in rows] == ["cast_select", "prune"]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["loop_us"] > 0 and r["top"]
+        assert all(us >= 0 and n > 0 for _name, us, n in r["top"])
+    names = " ".join(name for name, _us, _n in rows[1]["top"])
+    assert "prune" in names
+    assert json.loads(out.read_text())["rows"][0]["op"] == "cast_select"
