@@ -2,7 +2,7 @@
 combined ``e2e.json`` (the newest rows per batch size).
 
     python bench/merge_e2e.py RUN.json [RUN.json ...] --session N --out e2e_sN.json
-                              [--into bench/results/h200/e2e.json]
+                              [--into bench/results/h200/e2e.json] [--note TEXT]
 
 * ``--out``: the runs' rows, each tagged with ``session`` and its run's ``commit`` (8 hex
   digits); where two runs have a row of the same (policy, B), the later run's wins. The first
@@ -102,12 +102,15 @@ def main(argv=None) -> int:
     ap.add_argument("--session", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--into", default=None)
+    ap.add_argument("--note", default=None, help="a line on the runs, kept in --out")
     args = ap.parse_args(argv)
     runs = []
     for path in args.runs:
         with open(path) as f:
             runs.append(json.load(f))
     combined = combine(runs, args.session)
+    if args.note:
+        combined["note"] = args.note
     with open(args.out, "w") as f:
         json.dump(combined, f, indent=1)
     tables = []
