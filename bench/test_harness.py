@@ -96,3 +96,16 @@ def test_benchmark_graph_reports_replay_times(benchmark, monkeypatch, request):
     if benchmark.enabled and benchmark.stats is not None:
         data = benchmark.stats.stats.data
         assert statistics.median(data) == pytest.approx(50e-6)
+
+
+def test_every_bench_script_is_in_the_benchmarks_doc():
+    """Each runnable script under bench/ is named in docs/benchmarks.md (its table of scripts)."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent
+    doc = (root.parent / "docs" / "benchmarks.md").read_text()
+    scripts = [p.name for p in sorted(root.glob("*.py"))
+               if not p.name.startswith("test_") and "__main__" in p.read_text()]  # fmt: skip
+    assert scripts, "no scripts found under bench/"
+    missing = [name for name in scripts if f"bench/{name}" not in doc]
+    assert not missing, f"not in docs/benchmarks.md: {missing}"
