@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import gc
 import json
 import os
 import pstats
@@ -34,24 +33,18 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from bench_host import OPS, cases  # noqa: E402
+from bench_host import OPS, cases, per_call_us  # noqa: E402
 
 
 def loop_us(fn, calls: int, cuda: bool) -> float:
-    gc_was = gc.isenabled()
-    gc.disable()
-    try:
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e6 / calls
-    finally:
-        if gc_was:
-            gc.enable()
+    """bench_host's back-to-back calls (GC paused), the device drained before and after."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    per_call_us(fn, calls)
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / calls
 
 
 def top_functions(fn, calls: int, top: int) -> list[list]:
