@@ -5,6 +5,7 @@
 #         bench_compact_kv  bench_kv_append  bench_graft  bench_attention  bench_host  bench_e2e
 #         host_profile (where an eager call's host time goes, per op; HOST_PROFILE_ARGS)
 #         pytest_bench  train_bg  wait_bg  kernel_limits (ncu's counters per kernel, LIMITS_ARGS)
+#         peers_bg  wait_peers (FlashInfer's JIT builds, bench/warm_peers.py, in the background)
 #         profile_step (a step's time per plan or, PROFILE_ARGS="--chains 6", one chain three ways)
 #         cache_save
 #         (<names>: comma list of op stems (tree_attention, build_tree, ...), decoder, or all). A stage may carry
@@ -99,6 +100,12 @@ for spec in "$@"; do
       echo $! >/tmp/treeops-train.pid
       summary="$summary\n$(printf '%-34s started' "$stage")"; continue;;
     wait_bg) cmd="while kill -0 \$(cat /tmp/treeops-train.pid) 2>/dev/null; do sleep 2; done; tail -n 3 $OUT/train/log.txt";;
+    peers_bg)  # FlashInfer's nvcc builds (warm_peers.py) in the background, while tests run;
+      # wait_peers before bench_accept / bench_attention, which then load them instead of compiling
+      nohup python3 bench/warm_peers.py --out "$OUT" >"$OUT/warm_peers.log" 2>&1 &
+      echo $! >/tmp/treeops-peers.pid
+      summary="$summary\n$(printf '%-34s started' "$stage")"; continue;;
+    wait_peers) cmd="while kill -0 \$(cat /tmp/treeops-peers.pid) 2>/dev/null; do sleep 2; done; cat $OUT/warm_peers.log";;
     cache_save) cmd="cache_save";;
     *) echo "unknown stage $stage"; continue;;
   esac
