@@ -11,7 +11,9 @@ nothing. For every distinct compiled kernel the script reads the cubin's resourc
 * shared memory (Triton's dynamic + the cubin's static) <= the opt-in maximum per block
   (sm_80: 163 KiB; sm_86, sm_89, sm_120: 99 KiB; sm_90, sm_100: 227 KiB);
 * register spills (``ptxas -v``: spill stores and loads, stack frame, bytes per thread):
-  reported; not a failure (a speed matter).
+  reported; not a failure (a speed matter);
+* the SASS (``cuobjdump -sass``): its length, its MUFU.EX2 count and how many of those carry
+  ``tl.exp``'s subnormal fix-up (``ex2_fixups``): reported, for kernels the SMs limit.
 
 Each case then launches again under ``treeops.testing.NoHostSync``, as a CUDA graph captures
 after a warm-up call: the launchers' host code, as it runs on the GPU, must not read a device
@@ -150,6 +152,11 @@ def resources(kernel) -> dict:
     if m is None:
         raise RuntimeError(f"no stack/spill line in ptxas -v output:\n{text}")
     stack, spill_st, spill_ld = map(int, m.groups())
+    sass = [
+        line
+        for line in _run([_tool("cuobjdump"), "-sass"], kernel.asm["cubin"], ".cubin").splitlines()
+        if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)
+    ]
     md = kernel.metadata
     threads = md.num_warps * 32
     row = {
@@ -161,6 +168,12 @@ def resources(kernel) -> dict:
         "spill_store_bytes": spill_st,
         "spill_load_bytes": spill_ld,
         "shared_bytes": md.shared + static_shared,
+        # the instruction mix a kernel's time comes from where the SMs, not HBM, limit it: its
+        # SASS length, its MUFU.EX2s, and the subnormal fix-ups ``tl.exp`` adds to an ex2 (a
+        # compare with -126 and two predicated multiplies; ``tl.exp2`` has none)
+        "sass_instructions": len(sass),
+        "ex2": sum("MUFU.EX2" in line for line in sass),
+        "ex2_fixups": sum(re.search(r"FSETP\.GEU\.AND .*-126", line) is not None for line in sass),
     }
     row["problems"] = [
         p
