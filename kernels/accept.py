@@ -50,7 +50,9 @@ from .accept_thresh import _finish_node
 from .accept_walk import _walk
 
 
-@triton.jit(do_not_specialize=["B", "N", "V", "CHUNK", "NCH", "n_stop"])
+# V is specialised (Triton keys an integer on ``== 1`` and ``% 16`` only, not its value): a V
+# divisible by 16 lets pass 1 load 16 bytes per instruction (``_node_stats``)
+@triton.jit(do_not_specialize=["B", "N", "CHUNK", "NCH", "n_stop"])
 def _accept_kernel(
     p_logits,  # [B, N, V] target logits (strides s_lb, s_ln, s_lv)
     s_lb,

@@ -369,7 +369,10 @@ def _node_stats(
     if active:
         for v0 in range(v_start, v_end, BLOCK_V):
             o_v = v0 + tl.arange(0, BLOCK_V)
-            m_v = o_v < v_end
+            # the split's blocks are whole (CHUNK is a multiple of BLOCK_V) but the last, which
+            # V cuts: "< V", V specialised divisible by 16, keeps the load vectorised ("< v_end"
+            # would load one 16-bit value per instruction)
+            m_v = o_v < V
             # upcast right after the load: bf16 arithmetic is wrong under the interpreter
             b_x = tl.load(p_row + o_v.to(tl.int64) * s_lv, mask=m_v, other=float("-inf")).to(
                 tl.float32
@@ -381,12 +384,18 @@ def _node_stats(
                 b_a = (2147483647 - (c & 0xFFFFFFFF)).to(tl.int32)
             else:
                 b_m = tl.max(b_x, axis=0)
-                b_a = tl.min(tl.where(m_v & (b_x == b_m), o_v, BIG), axis=0)
+                b_a = arg
+                # only a block reaching the running max can hold the lowest argmax (blocks come
+                # in token order): the others, most of them, skip a compare, a select and a
+                # block-wide min per element
+                if b_m >= m:
+                    b_a = tl.min(tl.where(m_v & (b_x == b_m), o_v, BIG), axis=0)
             arg = tl.where((b_m > m) | ((b_m == m) & (b_a < arg)), b_a, arg)
             new_m = tl.maximum(m, b_m)
             if NEED_SE:
                 scale = tl.where(new_m == float("-inf"), 1.0, tl.exp((m - new_m) / T))
-                b_z = tl.sum(tl.where(m_v, _weight(b_x, new_m, T), 0.0), axis=0)
+                # tokens past the split loaded as -inf, which _weight maps to 0: no mask here
+                b_z = tl.sum(_weight(b_x, new_m, T), axis=0)
                 se = se * scale + b_z
                 if SAMPLE:
                     # per-block mass (relative to the running max) lets the walker find the
