@@ -13,7 +13,9 @@ reference on a subset of requests; the torch pipeline's agreement with treeops i
 Times are medians of CUDA-graph replays (``harness.graph_us``: each graph holds several calls on
 rotated inputs so the 60 MB L2 does not flatter small cases); ``treeops_eager_us`` is one eager
 call with the host included. Floor = max(bytes / 4.3 TB/s, an empty Triton kernel replayed in a
-CUDA graph, measured in this run); bytes = logits read once. KV compaction: bench_compact_kv.py.
+CUDA graph, measured in this run); bytes = logits read once. KV compaction (op 8) runs after
+them, ``bench_compact_kv.py``'s rows at the same B (``--no-compact`` leaves them out), so that
+accept.json holds every op the acceptance step runs.
 """
 
 from __future__ import annotations
@@ -514,6 +516,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory for accept.json")
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument(
+        "--no-compact", action="store_true", help="leave out KV compaction's rows (op 8)"
+    )
     ap.add_argument("--quick", action="store_true", help="V = 32000 and B = 8 only")
     ap.add_argument(
         "--sweep",
@@ -595,7 +600,7 @@ def main() -> None:
         rows.append(r)
         t = r.get("treeops_us")
         print(
-            f"  {r['op']:<11} B={r['B']:<3} V={r['V']!s:<7} "
+            f"  {r['op']:<11} B={r['B']:<3} V={r.get('V')!s:<7} "
             f"treeops={t if t is None else round(t, 1)}"
             f" torch={r.get('torch_us') and round(r['torch_us'], 1)} correct={r.get('correct')}"
             f" [{time.time() - t_start:.0f}s]",
@@ -626,6 +631,12 @@ def main() -> None:
                         op, B, V, empty_us, fi, params
                     )
                 )
+    if not args.no_compact:
+        import bench_compact_kv
+
+        bench_compact_kv.DEV = DEV
+        for B in Bs:
+            jobs.append(lambda B=B: bench_compact_kv.bench_compact_row(B, empty_us))
     for job in jobs:
         if time.time() - t_start > args.budget_s:
             print(f"time budget of {args.budget_s} s spent: {len(jobs) - len(rows)} rows skipped")
@@ -665,7 +676,7 @@ def main() -> None:
         cells = (
             r["op"],
             r["B"],
-            r["V"],
+            r.get("V"),
             tkp,
             r.get("treeops_us"),
             r.get("treeops_two_launch_us"),
