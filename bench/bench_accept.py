@@ -21,6 +21,7 @@ accept.json holds every op the acceptance step runs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import time
@@ -462,24 +463,25 @@ def sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
             ok, why = check_against_reference(tree, lgs[0], bases[0])
             assert ok, f"default greedy launch differs from the reference: {why}"
             floor = H.floor_us(nbytes, empty_us=empty_us)
-            for bv in (1024, 2048, 4096, 8192):
-                for S in (1, 2, 4, 8, 16, 32):
-                    if S * bv > V:
-                        continue
-                    same = True
-                    for x, want in zip(lgs, bases):
-                        r = accept_launch(tree, x, num_splits=S, block_v=bv)
-                        same &= torch.equal(r.accepted, want.accepted)
-                        same &= torch.equal(r.bonus, want.bonus)
+            for bv, S, nw in itertools.product(
+                (1024, 2048, 4096, 8192), (1, 2, 4, 8, 16, 32), (4, 8)
+            ):
+                if S * bv > V:
+                    continue
+                same = True
+                for x, want in zip(lgs, bases):
+                    r = accept_launch(tree, x, num_splits=S, block_v=bv, num_warps=nw)
+                    same &= torch.equal(r.accepted, want.accepted)
+                    same &= torch.equal(r.bonus, want.bonus)
 
-                    def run(x, t=tree, S=S, bv=bv):
-                        return accept_launch(t, x, num_splits=S, block_v=bv)
+                def run(x, t=tree, S=S, bv=bv, nw=nw):
+                    return accept_launch(t, x, num_splits=S, block_v=bv, num_warps=nw)
 
-                    t = graph_time_us([lambda x=x: run(x) for x in lgs], reps)
-                    rows.append(
-                        dict(op="greedy_sweep", B=B, N=N, V=V, block_v=bv, splits=S,
-                             treeops_us=t, floor_us=floor, same_as_default=same)
-                    )  # fmt: skip
+                t = graph_time_us([lambda x=x: run(x) for x in lgs], reps)
+                rows.append(
+                    dict(op="greedy_sweep", B=B, N=N, V=V, block_v=bv, splits=S, num_warps=nw,
+                         treeops_us=t, floor_us=floor, same_as_default=same)
+                )  # fmt: skip
             T = torch.full((B,), 0.8, device=DEV)
             k = torch.zeros(B, dtype=torch.int32, device=DEV)
             p = torch.ones(B, device=DEV)
@@ -487,21 +489,22 @@ def sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
             sbs = [treeops.accept_sample(tree, x, T, k, p, u) for x in lgs]
             ok, why = check_against_reference(tree, lgs[0], sbs[0], (T, k, p, u))
             assert ok, f"default sampling launch differs from the reference: {why}"
-            for bv in (512, 1024, 2048, 4096):
+            for bv, nw in itertools.product((512, 1024, 2048, 4096), (4, 8)):
                 same = True
                 for x, want in zip(lgs, sbs):
                     r = accept_launch(tree, x, temperature=T, top_k=k, top_p=p, uniforms=u,
-                                      block_v=bv)  # fmt: skip
+                                      block_v=bv, num_warps=nw)  # fmt: skip
                     same &= torch.equal(r.accepted, want.accepted)
                     same &= torch.equal(r.bonus, want.bonus)
                 t = graph_time_us(
-                    [lambda x=x, t=tree, T=T, k=k, p=p, u=u, bv=bv: accept_launch(
-                        t, x, temperature=T, top_k=k, top_p=p, uniforms=u, block_v=bv)
+                    [lambda x=x, t=tree, T=T, k=k, p=p, u=u, bv=bv, nw=nw: accept_launch(
+                        t, x, temperature=T, top_k=k, top_p=p, uniforms=u, block_v=bv,
+                        num_warps=nw)
                      for x in lgs],
                     reps,
                 )  # fmt: skip
                 rows.append(
-                    dict(op="sampling_sweep", B=B, N=N, V=V, block_v=bv, splits=1,
+                    dict(op="sampling_sweep", B=B, N=N, V=V, block_v=bv, splits=1, num_warps=nw,
                          treeops_us=t, floor_us=floor, same_as_default=same)
                 )  # fmt: skip
             print(f"  sweep B={B} V={V} done", flush=True)
@@ -523,7 +526,7 @@ def main() -> None:
     ap.add_argument(
         "--sweep",
         action="store_true",
-        help="only time launch configurations (block size, splits): accept_sweep.json",
+        help="only time launch configurations (block size, splits, warps): accept_sweep.json",
     )
     ap.add_argument(
         "--topk",
@@ -589,9 +592,9 @@ def main() -> None:
                     b = min(rs, key=lambda r: r["treeops_us"])
                     d = [r for r in rs if r["block_v"] == (4096 if op[0] == "g" else 2048)]
                     print(f"{op} B={B} V={V}: best {b['treeops_us']:.1f} us (block {b['block_v']},"
-                          f" splits {b['splits']}, same={b['same_as_default']}); floor "
-                          f"{b['floor_us']:.1f}; block-default rows "
-                          + ", ".join(f"S{r['splits']}:{r['treeops_us']:.1f}"
+                          f" splits {b['splits']}, warps {b['num_warps']}, same="
+                          f"{b['same_as_default']}); floor {b['floor_us']:.1f}; block-default rows "
+                          + ", ".join(f"S{r['splits']}w{r['num_warps']}:{r['treeops_us']:.1f}"
                                       for r in d))  # fmt: skip
         return
     rows = []

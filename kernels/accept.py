@@ -226,7 +226,7 @@ _PLANS: dict[tuple, _Plan] = {}
 
 
 def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
-          block_v, num_pivots, cap, max_groups) -> _Plan:  # fmt: skip
+          block_v, num_pivots, cap, max_groups, num_warps) -> _Plan:  # fmt: skip
     if block_v is None:
         block_v = min(4096 if not sample else 2048, pow2(V))
     # the exact search's [BLOCK_T, NPIV] tile: small for sampling, whose pass 2 programs are
@@ -259,7 +259,8 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     ]
     n_i = [BNS, BNS * K_PAD if K else 1] + [B * N if sample else 1] * 2
     n_i.append(B * N * G_PAD if sample else 1)
-    num_warps = 8 if (block_v >= 4096 or sample) and not interpreted() else 4
+    if num_warps is None:
+        num_warps = 8 if (block_v >= 4096 or sample) and not interpreted() else 4
     common = dict(
         N_PAD=pow2(N),
         S=S,
@@ -311,6 +312,7 @@ def accept_launch(
     num_pivots: int = 16,
     cap: int | None = None,
     max_groups: int | None = None,
+    num_warps: int | None = None,
 ) -> Acceptance:
     """Launch the acceptance kernels (greedy when ``uniforms`` is None). Inputs are assumed
     validated by ``treeops.accept``.
@@ -319,7 +321,8 @@ def accept_launch(
     counter (greedy: one launch; sampling: two, or three for large B*N, see the module
     docstring); 1 launches the walk separately (one program per request), a fallback that needs
     no inter-program ordering. ``num_splits``/``block_v`` override
-    the defaults (tests use small ones to exercise the split and block loops). ``workspace``:
+    the defaults (tests use small ones to exercise the split and block loops); ``num_warps``
+    overrides pass 1's warps (the benchmark's sweep). ``workspace``:
     ``(float32, int32, counters)`` buffers to use instead of the per-device cached scratch and
     counters (``_scratch``, ``arrival_counters``), for launches on concurrent streams.
 
@@ -336,7 +339,7 @@ def accept_launch(
     n_stop = stop_ids.shape[-1] if has_stop else 0
     has_budget = max_new_tokens is not None
     key = (B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
-           block_v, num_pivots, cap, max_groups)  # fmt: skip
+           block_v, num_pivots, cap, max_groups, num_warps)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)
