@@ -37,7 +37,9 @@ if [ -n "${SKIP_INSTALL:-}" ] && ! python3 -c "import treeops.kernels" 2>/dev/nu
   echo "SKIP_INSTALL ignored: treeops is not installed on this machine" | tee -a "$LOG"
   unset SKIP_INSTALL
 fi
-if [ -n "${SKIP_INSTALL:-}" ]; then :
+if [ -n "${SKIP_INSTALL:-}" ]; then
+  # the peers an earlier call on this machine installed: without this path they are not found
+  [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 elif ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
