@@ -351,10 +351,11 @@ def row_layer(kind, B, V, table, dev, empty_us, quick, time_treeops=None):
     return row
 
 
-def row_sweep(B, V, table, dev, empty_us):
+def row_sweep(B, V, table, dev, empty_us, topk_only=False):
     """The expand launch's tiling on one shape (the defaults are set from this): the vocabulary
     tile, the programs per row (``split``; None: the default rule, ``expand_tiling``) and the
-    warps of the streaming programs (split > 1; with split = 1, of the one program per row)."""
+    warps of the streaming programs (split > 1; with split = 1, of the one program per row);
+    then, at the default tiling, the split top-K's method (``cand_cap``, ``cand_tiles``)."""
     from treeops.build_tree import _launch_expand  # the CUDA branch with the launcher's tuning
 
     pol = make_policy("eagle", 64, table)
@@ -371,11 +372,18 @@ def row_sweep(B, V, table, dev, empty_us):
         floor_us=round(H.floor_us(B * W * V * 2, empty_us=empty_us), 2),
         configs={},
     )
+    tunes = {}
     for bv, nw, sp in itertools.product((256, 512), (1, 2, 4), (None, 1, 2, 4, 16)):
-        if sp == 1 and nw < 4:
+        if (sp == 1 and nw < 4) or topk_only:
             continue  # one program per row streams the whole row: one or two warps starve it
-        name = f"block_v={bv},warps={nw},split={sp or 'auto'}"
-        tune = dict(block_v=bv, num_warps=nw, split=sp)
+        tunes[f"block_v={bv},warps={nw},split={sp or 'auto'}"] = dict(
+            block_v=bv, num_warps=nw, split=sp
+        )
+    # the split top-K's method at the default tiling: candidates ranked at once (cap, tiles read
+    # at a time) or the tile-by-tile merge (cap 0)
+    for cap, tiles in ((0, 1), (32, 2), (64, 1), (64, 2), (64, 4)):
+        tunes[f"cand_cap={cap},cand_tiles={tiles}"] = dict(cand_cap=cap, cand_tiles=tiles)
+    for name, tune in tunes.items():
         try:
             _launch_expand(bufs[1], st, pol, **tune)
             t = time_graph([lambda x=x, t=tune: _launch_expand(x, st, pol, **t) for x in bufs], dev)
@@ -533,7 +541,8 @@ def main(argv=None):
     ap.add_argument(
         "--ops",
         default="layer,rerank_build,step",
-        help="comma-separated; add 'sweep' for the expand kernel's tile sweep",
+        help="comma-separated; add 'sweep' for the expand kernel's tile sweep, or 'sweep_topk'"
+        " for its top-K methods alone",
     )
     ap.add_argument("--table", default=None, help="a CostTable JSON for the CAST rows")
     ap.add_argument(
@@ -614,9 +623,11 @@ def main(argv=None):
             for V in Vs:
                 for N in Ns:
                     run(row_step, B, N, V, table, dev, empty_us, args.quick, N == Ns[0])
-    if "sweep" in ops:  # last: the longest (a compile per configuration), the rows above first
-        for B, V in ((Bs[-1], Vs[0]), (Bs[0], Vs[-1])):
-            run(row_sweep, B, V, table, dev, empty_us)
+    if "sweep" in ops or "sweep_topk" in ops:  # last: a compile per configuration
+        for B, V in dict.fromkeys(
+            ((Bs[-1], Vs[0]), (Bs[0], Vs[-1]), (Bs[0], Vs[0]), (Bs[-1], Vs[-1]))
+        ):
+            run(row_sweep, B, V, table, dev, empty_us, "sweep" not in ops)
     H.write_json(path, result)
     print_table(rows, empty_us)
     return result

@@ -5,7 +5,8 @@
 #         bench_compact_kv  bench_kv_append  bench_graft  bench_attention  bench_host  bench_e2e
 #         host_profile (where an eager call's host time goes, per op; HOST_PROFILE_ARGS)
 #         pytest_bench  train_bg  wait_bg  kernel_limits (ncu's counters per kernel, LIMITS_ARGS)
-#         peers_bg  wait_peers (FlashInfer's JIT builds, bench/warm_peers.py, in the background)
+#         peers_bg  wait_peers (FlashInfer's JIT builds, bench/warm_peers.py, in the background;
+#         PEERS_ARGS="--only attention" builds one bench's)
 #         profile_step (a step's time per plan or, PROFILE_ARGS="--chains 6", one chain three ways)
 #         cache_save
 #         (<names>: comma list of op stems (tree_attention, build_tree, ...), decoder, or all). A stage may carry
@@ -104,7 +105,7 @@ for spec in "$@"; do
     wait_bg) cmd="while kill -0 \$(cat /tmp/treeops-train.pid) 2>/dev/null; do sleep 2; done; tail -n 3 $OUT/train/log.txt";;
     peers_bg)  # FlashInfer's nvcc builds (warm_peers.py) in the background, while tests run;
       # wait_peers before bench_accept / bench_attention, which then load them instead of compiling
-      nohup python3 bench/warm_peers.py --out "$OUT" >"$OUT/warm_peers.log" 2>&1 &
+      nohup python3 bench/warm_peers.py --out "$OUT" ${PEERS_ARGS:-} >"$OUT/warm_peers.log" 2>&1 &
       echo $! >/tmp/treeops-peers.pid
       summary="$summary\n$(printf '%-34s started' "$stage")"; continue;;
     wait_peers) cmd="while kill -0 \$(cat /tmp/treeops-peers.pid) 2>/dev/null; do sleep 2; done; cat $OUT/warm_peers.log";;

@@ -8,7 +8,7 @@ script takes those compiles off the timed stages: it calls the benches' own Flas
 once, on tiny inputs, for every configuration they use, so the modules built are the ones they
 load (FlashInfer keeps them under ``FLASHINFER_WORKSPACE_BASE``, ``~/.cache`` by default).
 
-    python bench/warm_peers.py [--out DIR]
+    python bench/warm_peers.py [--out DIR] [--only sampling|attention]
 
 One line per module family with its seconds (``--out``: also ``DIR/warm_peers.json``). A family
 that fails is reported and the rest still build; the benches then compile or skip it as before.
@@ -83,6 +83,12 @@ def sampling_jobs() -> list[tuple[str, Callable[[], None]]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="also write DIR/warm_peers.json")
+    ap.add_argument(
+        "--only",
+        choices=("sampling", "attention"),
+        default=None,
+        help="build one bench's modules (the call runs only that bench)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("warm_peers: no GPU, nothing to build")
@@ -93,7 +99,8 @@ def main() -> int:
         print(f"warm_peers: flashinfer not importable ({type(e).__name__}: {e})")
         return 0
     rows = []
-    for name, job in sampling_jobs() + attention_jobs():
+    jobs = {"sampling": sampling_jobs, "attention": attention_jobs}
+    for name, job in [j for k, make in jobs.items() if args.only in (None, k) for j in make()]:
         t0 = time.perf_counter()
         try:
             job()

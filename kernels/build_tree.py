@@ -109,7 +109,7 @@ def _expand_kernel(
     p_tab_d,  # [M, NMAX] f32 CAST: draft times per context bucket and width
     p_part_m,  # [B * W * SPLIT] f32 split > 1: each chunk's running max
     p_part_s,  # [B * W * SPLIT] f32 split > 1: each chunk's sum of exp(x - max)
-    p_part_t,  # [B * W, NT] i32 split > 1: each tile's max (``_ordered``)
+    p_part_t,  # [B * W, NT] i32 split > 1: each tile's max (``_ordered``); then the row's scratch
     B,  # requests
     V,  # vocabulary
     layer,  # the draft layer being expanded
@@ -135,6 +135,8 @@ def _expand_kernel(
     SP: tl.constexpr,
     NT: tl.constexpr,  # split > 1: tiles per row (NTP: padded)
     NTP: tl.constexpr,
+    GT: tl.constexpr,  # split > 1: tiles read at once for the top-K's candidates
+    CAP: tl.constexpr,  # split > 1: most candidates ranked at once (else the tile-by-tile merge)
     JB: tl.constexpr,  # candidates compared per step of the rank
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
@@ -154,8 +156,9 @@ def _expand_kernel(
     if SPLIT > 1:
         m_run, s_run = _combine_softmax(p_part_m, p_part_s, i_row.to(tl.int64), SPLIT, SP)
         b_top = _top_of_tiles(
-            p_row, p_part_t + i_row.to(tl.int64) * NT, V, row_ok, K, KP, BLOCK_V, NT, NTP
-        )
+            p_row, p_part_t + i_row.to(tl.int64) * NT, V, row_ok, K, KP, BLOCK_V, NT, NTP, GT,
+            CAP,
+        )  # fmt: skip
     else:
         m_run, s_run, b_top = _stream_row(p_row, 0, V, V, row_ok, K, KP, BLOCK_V)
     o_k = tl.arange(0, KP)
@@ -528,6 +531,8 @@ def expand(
     block_v: int | None = None,
     num_warps: int | None = None,
     split: int | None = None,
+    cand_cap: int = 64,
+    cand_tiles: int = 2,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V]: with a split > 1, ``_stream_kernel``
     over (row, chunk) programs then ``_expand_kernel`` per row; else ``_expand_kernel`` alone.
@@ -540,7 +545,11 @@ def expand(
     ``block_v`` (vocabulary tile, a power of two), ``num_warps`` (of the streaming programs when
     split > 1, else of the one program per row) and ``split`` (streaming programs per row, each
     one chunk of V; default ``expand_tiling``'s, from the SM count and V only) override the
-    defaults."""
+    defaults. With a split, ``cand_cap`` (0, or a power of two >= 16) is the most top-K
+    candidates of a row ranked at once (a row with more, many equal logits, takes the
+    tile-by-tile merge, with the same result; 0: always the merge) and ``cand_tiles`` (a power of
+    two) how many tiles are read at once for them (more: fewer block-wide steps, more
+    registers)."""
     B, W, V = logits.shape
     K, D = topk, cand_scores.shape[1]
     C = W * K
@@ -620,6 +629,8 @@ def expand(
         SP=pow2(split),
         NT=n_tiles if split > 1 else 1,
         NTP=pow2(n_tiles) if split > 1 else 1,
+        GT=1,
+        CAP=cand_cap,
         JB=min(16, pow2(C)),
         LANES=32 * warps,
         FENCE=not interpreted(),

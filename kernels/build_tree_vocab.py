@@ -10,8 +10,8 @@ max-reduction picks the larger logit and, on ties, the lower id.
 - ``_combine_softmax`` and ``_top_of_tiles``: what the per-row program of the second launch
   makes of them: the row's softmax, and its exact top-K from the K tiles with the largest
   maxima (a tile holding a top-K element has its max at or above the K-th key, and at most K
-  tiles do), read best first, a tile skipped once its best possible key is below the K-th
-  found.
+  tiles do): the logits of those tiles at or above the K-th tile's max, compacted and ranked
+  at once, or (when too many are equal) ``_top_of_tiles_merged``'s tile-by-tile merge.
 """
 
 from __future__ import annotations
@@ -156,6 +156,39 @@ def _next_tile(t_key, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _top_of_tiles_merged(p_row, t_key, V, K: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The row's top-K packed keys from the tiles ranked by ``t_key`` (``_top_of_tiles``' tile
+    keys), read in rank order, three ahead of the one merged, each merged like ``_stream_row``'s
+    blocks; a tile whose best possible key (its max, its first token) is below the K-th key
+    found so far is skipped unread, and then so is every tile after it. Exact on any input,
+    ties included; about 3 K block-wide reductions in sequence."""
+    o_k = tl.arange(0, KP)
+    key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+    b_top = tl.where(o_k < K, key_min + 1 + o_k, 9223372036854775807)  # as in _stream_row
+    b_thr = tl.min(b_top)
+    o_b = tl.arange(0, BLOCK_V)
+    # three tiles in flight ahead of the one being merged (a tile is BLOCK_V / 128 raw 16-bit
+    # values per thread: cheap), so the row's ~K reads cost ~K / 3 round trips, not K. A tile not
+    # to read starts at V: its load is masked off entirely. The K-th key only rises, so a tile
+    # the bound skips when its read is issued stays skipped.
+    t_key, v_1, bound_1 = _next_tile(t_key, BLOCK_V)
+    b_1 = _tile(p_row, tl.where(bound_1 > b_thr, v_1, V), V, V, BLOCK_V)
+    t_key, v_2, bound_2 = _next_tile(t_key, BLOCK_V)
+    b_2 = _tile(p_row, tl.where(bound_2 > b_thr, v_2, V), V, V, BLOCK_V)
+    t_key, v_3, bound_3 = _next_tile(t_key, BLOCK_V)
+    b_3 = _tile(p_row, tl.where(bound_3 > b_thr, v_3, V), V, V, BLOCK_V)
+    for _ in range(K):
+        b_raw, v0, bound = b_1, v_1, bound_1
+        b_1, v_1, bound_1 = b_2, v_2, bound_2
+        b_2, v_2, bound_2 = b_3, v_3, bound_3
+        t_key, v_3, bound_3 = _next_tile(t_key, BLOCK_V)
+        b_3 = _tile(p_row, tl.where(bound_3 > b_thr, v_3, V), V, V, BLOCK_V)
+        if bound > b_thr:
+            b_top, b_thr = _merge_keys(b_raw.to(tl.float32) + 0.0, v0 + o_b, V, b_top, b_thr)
+    return b_top
+
+
+@triton.jit
 def _top_of_tiles(
     p_row,
     p_tmax,
@@ -166,15 +199,24 @@ def _top_of_tiles(
     BLOCK_V: tl.constexpr,
     NT: tl.constexpr,
     NTP: tl.constexpr,
+    GT: tl.constexpr,
+    CAP: tl.constexpr,
 ):
     """The row's top-K packed keys, reading only the tiles that can hold them.
 
     Tiles rank by their max, the lower tile first on ties (tiles are contiguous token ranges,
     so this is the order of each tile's best packed key). A tile holding one of the row's top-K
     elements has its best key at or above the K-th key, and at most K tiles do: they are the K
-    best-ranked tiles. Those are read in rank order, three ahead of the one merged, each merged
-    like ``_stream_row``'s blocks; a tile whose best possible key (its max, its first token) is
-    below the K-th key found so far is skipped unread, and then so is every tile after it."""
+    best-ranked tiles. Each of those holds an element at or above the K-th best tile's max
+    ``T``, so the row's K-th largest logit is at least ``T``: the top-K are among the elements
+    of those K tiles with a logit >= ``T``. Those are read ``GT`` tiles at a time, and the
+    tokens at or above ``T`` are compacted (a prefix sum) into ``p_tmax``'s row, whose tile
+    maxima are in registers by then and which the next ``_stream_kernel`` launch rewrites.
+    When they fit (at most ``min(CAP, NT)``, the usual case: about K to 2K tokens), their keys
+    are ranked at once: a constant number of block-wide steps instead of a reduction per
+    candidate. Otherwise (many equal logits), or always with ``CAP`` = 0,
+    ``_top_of_tiles_merged`` takes the row. Either way the result is the exact top-K by packed
+    key."""
     o_t = tl.arange(0, NTP)
     m_t = o_t < NT
     b_tm = tl.load(p_tmax + o_t, mask=m_t, other=0, cache_modifier=".cg")  # (unused if not row_ok)
@@ -183,27 +225,61 @@ def _top_of_tiles(
     o_k = tl.arange(0, KP)
     key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
     b_top = tl.where(o_k < K, key_min + 1 + o_k, 9223372036854775807)  # as in _stream_row
-    b_thr = tl.min(b_top)
-    if row_ok:
+    if CAP == 0:
+        if row_ok:
+            b_top = _top_of_tiles_merged(p_row, t_key, V, K, KP, BLOCK_V)
+    elif row_ok:
+        # the K best tiles' first tokens (V: no such tile, not read) and the K-th one's max
+        t_rest = t_key
+        b_v0 = tl.zeros([KP], tl.int32) + V
+        t_kth = tl.max(t_key)
+        for k in range(K):
+            t_kth = tl.max(t_rest)
+            t_rest = tl.where(t_rest == t_kth, -9223372036854775807 - 1, t_rest)
+            v0 = (0x7FFFFFFF - (t_kth & 0xFFFFFFFF)).to(tl.int32) * BLOCK_V
+            b_v0 = tl.where((o_k == k) & (t_kth > -9223372036854775807 - 1), v0, b_v0)
+        # fewer than K tiles: the smallest key, so every logit of the row qualifies
+        thr = (t_kth >> 32).to(tl.int32)
+        # every tile max is in registers (the reductions above waited on the loads): the row's
+        # slots of p_tmax are free for the candidate tokens
+        o_g = tl.arange(0, GT)
         o_b = tl.arange(0, BLOCK_V)
-        # three tiles in flight ahead of the one being merged (a tile is BLOCK_V / 128 raw
-        # 16-bit values per thread: cheap), so the row's ~K reads cost ~K / 3 round trips, not
-        # K. A tile not to read starts at V: its load is masked off entirely. The K-th key only
-        # rises, so a tile the bound skips when its read is issued stays skipped.
-        t_key, v_1, bound_1 = _next_tile(t_key, BLOCK_V)
-        b_1 = _tile(p_row, tl.where(bound_1 > b_thr, v_1, V), V, V, BLOCK_V)
-        t_key, v_2, bound_2 = _next_tile(t_key, BLOCK_V)
-        b_2 = _tile(p_row, tl.where(bound_2 > b_thr, v_2, V), V, V, BLOCK_V)
-        t_key, v_3, bound_3 = _next_tile(t_key, BLOCK_V)
-        b_3 = _tile(p_row, tl.where(bound_3 > b_thr, v_3, V), V, V, BLOCK_V)
-        for _ in range(K):
-            b_raw, v0, bound = b_1, v_1, bound_1
-            b_1, v_1, bound_1 = b_2, v_2, bound_2
-            b_2, v_2, bound_2 = b_3, v_3, bound_3
-            t_key, v_3, bound_3 = _next_tile(t_key, BLOCK_V)
-            b_3 = _tile(p_row, tl.where(bound_3 > b_thr, v_3, V), V, V, BLOCK_V)
-            if bound > b_thr:
-                b_top, b_thr = _merge_keys(b_raw.to(tl.float32) + 0.0, v0 + o_b, V, b_top, b_thr)
+        n_c = tl.sum(tl.zeros([GT], tl.int32))
+        for g in range(0, K, GT):
+            v0_g = tl.sum(tl.where(o_k[None, :] == g + o_g[:, None], b_v0[None, :], 0), axis=1)
+            v0_g = tl.where(g + o_g < K, v0_g, V)
+            o_v = v0_g[:, None] + o_b[None, :]  # [GT, BLOCK_V]
+            m_v = o_v < V
+            b_x = tl.load(p_row + o_v, mask=m_v, other=-float("inf")).to(tl.float32) + 0.0
+            c_i = (m_v & (_ordered(b_x) >= thr)).to(tl.int32)
+            n_g = tl.sum(c_i, axis=1)  # [GT]
+            pos = n_c + (tl.cumsum(n_g, 0) - n_g)[:, None] + tl.cumsum(c_i, axis=1) - 1
+            tl.store(p_tmax + pos, o_v, mask=(c_i != 0) & (pos < NT))
+            n_c += tl.sum(n_g)
+        tl.debug_barrier()  # every thread's candidates written before any is read back
+        if (n_c <= CAP) & (n_c <= NT):
+            o_c = tl.arange(0, CAP)
+            m_c = o_c < n_c
+            c_tok = tl.load(p_tmax + o_c, mask=m_c, other=0, cache_modifier=".cg")
+            c_x = tl.load(p_row + c_tok, mask=m_c, other=-float("inf")).to(tl.float32) + 0.0
+            c_key = (_ordered(c_x).to(tl.int64) << 32) | (0x7FFFFFFF - c_tok).to(tl.int64)
+            c_key = tl.where(m_c, c_key, -9223372036854775807 - 1)
+            # keys are distinct; padding (all equal) ranks n_c >= K: never among the first K.
+            # Against chunks of 16 read again (L1): a [CAP, CAP] compare at once would set the
+            # register budget of the whole kernel (and so its occupancy at large B)
+            c_rank = tl.zeros([CAP], tl.int32)
+            for j0 in tl.static_range(0, CAP, 16):
+                o_j = j0 + tl.arange(0, 16)
+                m_j = o_j < n_c
+                j_tok = tl.load(p_tmax + o_j, mask=m_j, other=0, cache_modifier=".cg")
+                j_x = tl.load(p_row + j_tok, mask=m_j, other=-float("inf")).to(tl.float32) + 0.0
+                j_key = (_ordered(j_x).to(tl.int64) << 32) | (0x7FFFFFFF - j_tok).to(tl.int64)
+                j_key = tl.where(m_j, j_key, -9223372036854775807 - 1)
+                c_rank += tl.sum((j_key[None, :] > c_key[:, None]).to(tl.int32), axis=1)
+            b_sel = tl.where(c_rank[None, :] == o_k[:, None], c_key[None, :], key_min[:, None])
+            b_top = tl.where(o_k < K, tl.max(b_sel, axis=1), b_top)
+        else:
+            b_top = _top_of_tiles_merged(p_row, t_key, V, K, KP, BLOCK_V)
     return b_top
 
 

@@ -493,7 +493,7 @@ def compare_states(a, b, i, what=""):
     assert torch.equal(a.decisions, b.decisions), f"{what} decisions"
 
 
-def run_both(policy, logits, roots, seq, active, block_v=None, split=1, states=None):
+def run_both(policy, logits, roots, seq, active, block_v=None, split=1, states=None, **tuning):
     kb = _kb()
     sk = start(policy, roots, seq, active)
     if states is not None:  # the caller inspects the kernel's state too
@@ -501,7 +501,7 @@ def run_both(policy, logits, roots, seq, active, block_v=None, split=1, states=N
     sr = start(policy, roots, seq, active)
     i = 0
     while sr.wants_next_layer():
-        kb._launch_expand(logits[i], sk, policy, block_v=block_v, split=split)
+        kb._launch_expand(logits[i], sk, policy, block_v=block_v, split=split, **tuning)
         sk.layer += 1
         ref.build_tree_expand(logits[i], sr, policy)
         compare_states(sk, sr, i, f"layer {i}")
@@ -859,6 +859,27 @@ def test_expand_op_split_workspace_is_the_launchers(monkeypatch):
     ref.build_tree_expand(logits, c, pol)
     for f in ("frontier", "frontier_tokens", "cand_tokens", "cand_parents", "decisions"):
         assert torch.equal(getattr(a, f), getattr(c, f)), f
+
+
+@pytest.mark.parametrize("cand_cap, cand_tiles", [(64, 1), (64, 2), (16, 4), (0, 2)])
+def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles):
+    """The split expand's top-K at a realistic tile count (V / block_v = 94 tiles): the logits
+    of the K best tiles at or above the K-th tile's max ranked at once, read one, two or four
+    tiles at a time; rows with many equal logits (more candidates than ``cand_cap``: the
+    tile-by-tile merge), a row of one value, a row whose best values share one tile; ``cand_cap``
+    = 0: always the merge. Each the reference's states and tree."""
+    g = torch.Generator().manual_seed(17)
+    pol = treeops.EagleStatic(depth=2, topk=5, budget=20)
+    D, B, W, V = 2, 2, pol.max_width, 1500
+    logits = torch.randn(D, B, W, V, generator=g) * 3
+    logits[0, 0, 1] = (logits[0, 0, 1] * 2).round() / 2  # many ties across tiles
+    logits[0, 1, 0] = 0.25  # one value: every logit a candidate
+    logits[1, 0, 0, 640:656] += 30.0  # the row's best 16 in one tile
+    logits[1, 1] = (logits[1, 1] * 4).round() / 4
+    run_both(
+        pol, logits, [1, 2], [5, 6], [True, True], block_v=16, split=4, cand_cap=cand_cap,
+        cand_tiles=cand_tiles,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("split, block_v", [(1, 4), (3, 4), (5, 8), (12, 4)])
