@@ -325,6 +325,8 @@ def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=Tru
         hq=hq,
         hkv=hkv,
         d=d,
+        H_q=hq,  # the names ../shared/targets/check.py reads the layout by
+        D=d,
         page_size=PAGE,
         dtype="bf16",
         floor_us=round(fl, 2),

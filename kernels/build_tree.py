@@ -531,7 +531,7 @@ def expand(
     block_v: int | None = None,
     num_warps: int | None = None,
     split: int | None = None,
-    cand_cap: int = 64,
+    cand_cap: int = 32,
     cand_tiles: int = 2,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V]: with a split > 1, ``_stream_kernel``

@@ -212,7 +212,7 @@ def _top_of_tiles(
     of those K tiles with a logit >= ``T``. Those are read ``GT`` tiles at a time, and the
     tokens at or above ``T`` are compacted (a prefix sum) into ``p_tmax``'s row, whose tile
     maxima are in registers by then and which the next ``_stream_kernel`` launch rewrites.
-    When they fit (at most ``min(CAP, NT)``, the usual case: about K to 2K tokens), their keys
+    When they fit (at most ``min(CAP, NT)``; at least K qualify, the K tiles' maxima), their keys
     are ranked at once: a constant number of block-wide steps instead of a reduction per
     candidate. Otherwise (many equal logits), or always with ``CAP`` = 0,
     ``_top_of_tiles_merged`` takes the row. Either way the result is the exact top-K by packed
