@@ -22,7 +22,8 @@ Two measurements per op:
   ``loop_us``: back-to-back eager calls and one sync, per call (the host's cost where, as at
   these shapes, the device keeps up); ``gpu_launch_misses`` as above, for the GPU loops. Then the
   same GPU columns from a fresh process through the old paths, as ``old_*`` (``--no-compare``
-  skips them).
+  skips them). ``baselines``: the same columns for an empty Triton kernel and a one-element
+  torch ``add_``: the launch and the sync alone, below which no op's overhead can go.
 
     python bench/bench_host.py [--out bench/results/host.json] [--quick] [--ops a,b]
     TREEOPS_DISPATCH=1 TREEOPS_DIRECT_LAUNCH=0 python bench/bench_host.py ...  # the old paths
@@ -337,6 +338,32 @@ def cuda_rows(ops: list[str], quick: bool) -> dict[str, dict]:
     return out
 
 
+def baseline_rows(quick: bool) -> dict[str, dict]:
+    """The same GPU columns for the least an eager call can cost on this machine: an empty Triton
+    kernel launched directly (``kernels/_launch.py``, one argument) and a one-element torch
+    ``add_``. Their ``overhead_us`` is the launch and the sync alone, what no op's can go below."""
+    from treeops.kernels._launch import direct
+
+    x = torch.zeros(1, device="cuda")
+    calls = {
+        "empty_triton_kernel": lambda: direct(harness._empty_kernel).launch((1,), x),
+        "torch_add_one_element": lambda: x.add_(1.0),
+    }
+    n = 50 if quick else 300
+    out = {}
+    for name, fn in calls.items():
+        row = {
+            "eager_us": harness.eager_us(fn, iters=n),
+            "replay_us": harness.graph_us([fn], reps=20),
+        }
+        row["overhead_us"] = row["eager_us"] - row["replay_us"]
+        torch.cuda.synchronize()
+        row["loop_us"] = min(harness.wall_us([fn], rounds=n) for _ in range(3))
+        torch.cuda.synchronize()
+        out[name] = {k: round(v, 2) for k, v in row.items()}
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="JSON file for the results")
@@ -363,6 +390,7 @@ def main(argv=None) -> dict:
     iters, repeats = (50, 3) if args.quick else (400, 7)
     cuda = harness.needs_cuda() is None
     by_op = cuda_rows(ops, args.quick) if cuda else {}  # before the stand-in driver replaces CUDA
+    baselines = baseline_rows(args.quick) if cuda else {}
     if args.gpu_only:
         rows = [{"op": op} for op in ops]
     elif cuda and not args.no_compare:
@@ -388,6 +416,7 @@ def main(argv=None) -> dict:
             "launch_misses / gpu_launch_misses: launches through JITFunction.run in the timed "
             "loops (0: all direct)"
         ),
+        baselines=baselines,
         rows=rows,
     )
     keys = ["op", "host_us", "triton_us", "total_us", "launch_misses"]
@@ -401,6 +430,8 @@ def main(argv=None) -> dict:
     for r in rows:
         if "error" in r:
             print(f"{r['op']}: {r['error']}")
+    for name, b in baselines.items():
+        print(f"baseline {name}: " + ", ".join(f"{k} {v}" for k, v in b.items()))
     return doc
 
 
