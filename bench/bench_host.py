@@ -352,15 +352,17 @@ def baseline_rows(quick: bool) -> dict[str, dict]:
     n = 50 if quick else 300
     out = {}
     for name, fn in calls.items():
-        row = {
-            "eager_us": harness.eager_us(fn, iters=n),
-            "replay_us": harness.graph_us([fn], reps=20),
-        }
-        row["overhead_us"] = row["eager_us"] - row["replay_us"]
-        torch.cuda.synchronize()
-        row["loop_us"] = min(harness.wall_us([fn], rounds=n) for _ in range(3))
-        torch.cuda.synchronize()
-        out[name] = {k: round(v, 2) for k, v in row.items()}
+        try:
+            row = {"eager_us": harness.eager_us(fn, iters=n)}
+            row["replay_us"] = harness.graph_us([fn], reps=20)
+            row["overhead_us"] = row["eager_us"] - row["replay_us"]
+            torch.cuda.synchronize()
+            row["loop_us"] = min(harness.wall_us([fn], rounds=n) for _ in range(3))
+            torch.cuda.synchronize()
+            out[name] = {k: round(v, 2) for k, v in row.items()}
+        except Exception as e:  # noqa: BLE001 - a baseline's failure is reported, not fatal
+            torch.cuda.synchronize()
+            out[name] = {"cuda_error": f"{type(e).__name__}: {e}"[:200]}
     return out
 
 
