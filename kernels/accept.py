@@ -260,7 +260,10 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     n_i = [BNS, BNS * K_PAD if K else 1] + [B * N if sample else 1] * 2
     n_i.append(B * N * G_PAD if sample else 1)
     if num_warps is None:
-        num_warps = 8 if (block_v >= 4096 or sample) and not interpreted() else 4
+        # greedy's 4,096-logit blocks take 8 warps; sampling's pass 1 and walk 4: its warps
+        # sweep (bench_accept.py --sweep, H200) had 4 warps at or below 8 at every B and V
+        # timed at the 2,048 block, 118.7 against 157.6 us at B 64, V 32,000
+        num_warps = 8 if block_v >= 4096 and not sample and not interpreted() else 4
     common = dict(
         N_PAD=pow2(N),
         S=S,
