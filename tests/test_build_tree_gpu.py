@@ -136,6 +136,36 @@ def test_ties_across_tiles_and_masked_vocabulary(B, V):
     _run(_policy("eagle", B=B), B, V, torch.bfloat16, seed=B + V, logits_of=_ties_and_masks)
 
 
+@pytest.mark.parametrize("B,V", [(1, 32000), (64, 32000), (8, 128256)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_k_methods_agree(B, V, ties):
+    """The split expand's top-K methods on the same logits, two layers: candidates ranked at once
+    (``cand_cap`` 16, 32, 64; one, two or four tiles a read; rows with more candidates than the
+    cap take the merge) give exactly the tile-by-tile merge's (``cand_cap`` 0) tokens, parents
+    and frontier: integers, compared exactly."""
+    pol = _policy("eagle", B=B, D=2)
+    W = pol.max_width
+    g = torch.Generator(device=DEV).manual_seed(B + V + ties)
+    roots = torch.randint(0, V, (B,), device=DEV, generator=g)
+    seq = torch.full((B,), 100, device=DEV)
+    if ties:
+        logits = [_ties_and_masks(B, W, V, g).to(torch.bfloat16) for _ in range(2)]
+    else:
+        logits = [(torch.randn(B, W, V, device=DEV, generator=g) * 3).to(torch.bfloat16)
+                  for _ in range(2)]  # fmt: skip
+    got = {}
+    for cap, tiles in ((0, 1), (16, 4), (32, 1), (32, 2), (64, 4)):
+        st = treeops.DraftState.new(pol, roots, seq)
+        for i, x in enumerate(logits):
+            _launch_expand(x, st, pol, cand_cap=cap, cand_tiles=tiles)
+            st.layer = i + 1
+        got[cap, tiles] = (st.cand_tokens.cpu(), st.cand_parents.cpu(), st.frontier.cpu())
+    want = got.pop((0, 1))
+    for cfg, have in got.items():
+        for name, a, b in zip(("cand_tokens", "cand_parents", "frontier"), have, want):
+            assert torch.equal(a, b), f"{cfg} {name}"
+
+
 def test_inactive_rows_and_small_widths():
     B = 6
     active = torch.tensor([True, False, True, True, False, True], device=DEV)
