@@ -373,15 +373,16 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False):
         configs={},
     )
     tunes = {}
-    for bv, nw, sp in itertools.product((256, 512), (1, 2, 4), (None, 1, 2, 4, 16)):
-        if (sp == 1 and nw < 4) or topk_only:
+    tilings = () if topk_only else itertools.product((256, 512), (1, 2, 4), (None, 1, 2, 4, 16))
+    for bv, nw, sp in tilings:
+        if sp == 1 and nw < 4:
             continue  # one program per row streams the whole row: one or two warps starve it
         tunes[f"block_v={bv},warps={nw},split={sp or 'auto'}"] = dict(
             block_v=bv, num_warps=nw, split=sp
         )
     # the split top-K's method at the default tiling: candidates ranked at once (cap, tiles read
     # at a time) or the tile-by-tile merge (cap 0)
-    for cap, tiles in ((0, 1), (32, 2), (64, 1), (64, 2), (64, 4)):
+    for cap, tiles in ((0, 1), (32, 1), (32, 2), (32, 4), (64, 1)):
         tunes[f"cand_cap={cap},cand_tiles={tiles}"] = dict(cand_cap=cap, cand_tiles=tiles)
     for name, tune in tunes.items():
         try:

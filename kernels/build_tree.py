@@ -532,7 +532,7 @@ def expand(
     num_warps: int | None = None,
     split: int | None = None,
     cand_cap: int = 32,
-    cand_tiles: int = 2,
+    cand_tiles: int = 1,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V]: with a split > 1, ``_stream_kernel``
     over (row, chunk) programs then ``_expand_kernel`` per row; else ``_expand_kernel`` alone.
@@ -548,8 +548,8 @@ def expand(
     defaults. With a split, ``cand_cap`` (0, or a power of two >= 16) is the most top-K
     candidates of a row ranked at once (a row with more, many equal logits, takes the
     tile-by-tile merge, with the same result; 0: always the merge) and ``cand_tiles`` (a power of
-    two) how many tiles are read at once for them (more: fewer block-wide steps, more
-    registers)."""
+    two) how many tiles are read at once for them (more: fewer block-wide steps, but about 115
+    registers at 2 against 56-72 at 1, so fewer resident programs at large B)."""
     B, W, V = logits.shape
     K, D = topk, cand_scores.shape[1]
     C = W * K
@@ -629,7 +629,7 @@ def expand(
         SP=pow2(split),
         NT=n_tiles if split > 1 else 1,
         NTP=pow2(n_tiles) if split > 1 else 1,
-        GT=1,
+        GT=min(cand_tiles, KP),
         CAP=cand_cap,
         JB=min(16, pow2(C)),
         LANES=32 * warps,
