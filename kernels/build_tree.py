@@ -550,6 +550,10 @@ def expand(
     tile-by-tile merge, with the same result; 0: always the merge) and ``cand_tiles`` (a power of
     two) how many tiles are read at once for them (more: fewer block-wide steps, but about 115
     registers at 2 against 56-72 at 1, so fewer resident programs at large B)."""
+    if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
+        raise ValueError(f"cand_cap must be 0 or a power of two >= 16, got {cand_cap}")
+    if cand_tiles < 1 or cand_tiles & (cand_tiles - 1):
+        raise ValueError(f"cand_tiles must be a power of two, got {cand_tiles}")
     B, W, V = logits.shape
     K, D = topk, cand_scores.shape[1]
     C = W * K

@@ -882,6 +882,23 @@ def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles)
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "tuning, message",
+    [
+        (dict(cand_cap=24), "cand_cap must be 0 or a power of two >= 16, got 24"),
+        (dict(cand_cap=8), "cand_cap must be 0 or a power of two >= 16, got 8"),
+        (dict(cand_tiles=3), "cand_tiles must be a power of two, got 3"),
+        (dict(cand_tiles=0), "cand_tiles must be a power of two, got 0"),
+    ],
+)
+def test_expand_launcher_refuses_bad_top_k_tuning(tuning, message):
+    """The expand launcher's top-K knobs name the argument instead of failing in the kernel."""
+    pol = treeops.EagleStatic(depth=1, topk=2, budget=4)
+    st = start(pol, [1], [5], [True])
+    with pytest.raises(ValueError, match=message):
+        _kb()._launch_expand(torch.randn(1, pol.max_width, 40), st, pol, split=2, **tuning)
+
+
 @pytest.mark.parametrize("split, block_v", [(1, 4), (3, 4), (5, 8), (12, 4)])
 def test_streamed_expand_masked_vocab_matches_reference(split, block_v):
     """Draft logits masked to -inf outside a few tokens (a vocabulary restricted by the engine),
