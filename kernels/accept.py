@@ -15,9 +15,10 @@ Sampling, two launches (three when the walk is not fused, see ``_Plan.fuse_walk`
 argmax and sum of ``exp((x - max) / T)``, each vocabulary block's mass (relative to the split's
 running max) and, for top-k/top-p rows, the maxima of groups of GROUP tokens. Pass 2, one program
 per node (``accept_thresh``): merges the partials into the node's max and normaliser; a
-top-k/top-p row takes a lower bound L of its threshold from the group maxima (the k-th largest
-group maximum, or for top-p alone the group maximum where the sorted group maxima's mass reaches
-top_p), rereads only the groups whose maximum reaches L (about k groups: a few KB), sorts the
+top-k/top-p row takes a lower bound L of its threshold from coarse maxima (the max of G_PAD / GC
+consecutive groups; the k-th largest of them, or for top-p alone the one where the sorted
+maxima's mass reaches top_p), rereads only the groups whose maximum reaches L (about k groups of
+GROUP tokens: a few KB), sorts the
 tokens >= L (at most CAP) by (logit descending, id ascending) and reads the kept set off them:
 the first C tokens, i.e. ``key(x_t) > thr or (key(x_t) == thr and t <= idcut)`` with ``key`` an
 order-preserving int32 image of the fp32 logit, its mass and its mass per vocabulary block. When
@@ -115,6 +116,8 @@ def _accept_kernel(
     FENCE: tl.constexpr,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
+    GC: tl.constexpr,
+    READ: tl.constexpr,
     CAP: tl.constexpr,
     SUB: tl.constexpr,
 ):
@@ -132,7 +135,7 @@ def _accept_kernel(
         _finish_node(
             pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp, p_wmax,
             p_wse, p_wthr, p_wcut, p_wz, p_wcs, p_wcm, p_wgm, p_wcand, p_wsel, N, V, NCH, S,
-            S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, CAP, SUB
+            S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, GC, READ, CAP, SUB
         )  # fmt: skip
     # PHASE 0 and 4: the request's last program to arrive walks; PHASE 2: one walker per request
     last = False
@@ -237,15 +240,19 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     chunk = -(-per_split // block_v) * block_v
     K_PAD = pow2(max(K, 1))
     NCH = -(-V // block_v) if sample else 1
-    # top-k/top-p fast path: group maxima (at most max_groups groups) and CAP candidate slots,
-    # both sorted in registers (512 each on the GPU; 64 under the interpreter, whose tl.sort
-    # takes about a second for 1024 elements)
+    # top-k/top-p fast path: group maxima (at most max_groups groups), GC coarse maxima over them
+    # and CAP candidate slots, the last two sorted in registers (512 each on the GPU; 16 and 64
+    # under the interpreter, whose tl.sort takes about a second for 1024 elements). Pass 2
+    # rereads ~k groups one READ-token tile after another, each read waiting on the last: groups
+    # of 64 tokens at V 128,256 make that ~7 reads where 256-token groups made ~25, for 3 % more
+    # bytes written by pass 1 (a float per group)
     if cap is None:
         cap = 64 if interpreted() else 512
     if max_groups is None:
-        max_groups = 64 if interpreted() else 512
+        max_groups = 64 if interpreted() else 2048
     group = min(block_v, pow2(-(-V // max_groups)))
     G_PAD = pow2(-(-V // group))
+    GC = min(G_PAD, 16 if interpreted() else 512)
     CAP = pow2(cap)
     BNS = B * N * S
     n_f = [
@@ -283,6 +290,8 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         FENCE=not interpreted(),
         GROUP=group,
         G_PAD=G_PAD,
+        GC=GC,
+        READ=max(group, 64 if interpreted() else 512),
         CAP=CAP,
         SUB=min(32, CAP),
         num_warps=num_warps,

@@ -170,39 +170,50 @@ def _lower_bound(
     use_k,
     G_PAD: tl.constexpr,
     GROUP: tl.constexpr,
+    GC: tl.constexpr,
 ):
     """Lower bound L of a top-k/top-p row's threshold from its group maxima ``p_gm`` [G_PAD]
-    (the max of each GROUP tokens; -inf past the row): the k-th largest group maximum (top-k), or
-    the smallest group maximum at which the running mass of the sorted group maxima reaches
-    top_p * z_all (top-p only). Returns (L, ok); ok = 0 when no such bound exists."""
-    o_g = tl.arange(0, G_PAD)
+    (the max of each GROUP tokens; -inf past the row), taken over GC coarse groups (G_PAD / GC
+    consecutive groups each, so that only GC values are sorted): the k-th largest coarse maximum
+    (top-k), or the smallest coarse maximum at which the running mass of the sorted coarse maxima
+    reaches top_p * z_all (top-p only). Returns (L, ok); ok = 0 when no such bound exists.
+
+    Coarse groups are disjoint sets of tokens, so k of them reaching L means k tokens do; the
+    fine maxima then tell ``_gather_candidates`` which GROUP-token groups to reread."""
+    o_f = tl.arange(0, G_PAD)
     n_g = (V + GROUP - 1) // GROUP
-    gm = tl.load(p_gm + o_g, mask=o_g < n_g, other=float("-inf"), volatile=True)
+    gm = tl.load(p_gm + o_f, mask=o_f < n_g, other=float("-inf"), volatile=True)
+    R: tl.constexpr = G_PAD // GC
+    if R > 1:
+        gm = tl.max(tl.reshape(gm, [GC, R]), axis=1)
+    n_c = (n_g + R - 1) // R  # coarse groups holding a token
+    o_g = tl.arange(0, GC)
     gs = tl.sort(gm, descending=True)
     L = tl.full([], float("-inf"), tl.float32)
-    ok = n_g > 0
+    ok = n_c > 0
     if use_k:
-        # k distinct group maxima are >= the k-th largest of them
-        ok = k <= n_g
+        # k distinct coarse maxima are >= the k-th largest of them
+        ok = k <= n_c
         L = tl.sum(tl.where(o_g == k - 1, gs, 0.0), axis=0)
     else:
-        # tokens >= L carry at least the group maxima's mass, which reaches top_p * Z
+        # tokens >= L carry at least the coarse maxima's mass, which reaches top_p * Z
         gw = tl.where(gs == float("-inf"), 0.0, tl.exp((gs - m) / T))
         cw = tl.cumsum(gw, 0)
-        pos = tl.min(tl.where((cw >= top_p * z_all) & (o_g < n_g), o_g, G_PAD), axis=0)
-        ok = pos < G_PAD
+        pos = tl.min(tl.where((cw >= top_p * z_all) & (o_g < n_c), o_g, GC), axis=0)
+        ok = pos < GC
         L = tl.sum(tl.where(o_g == pos, gs, 0.0), axis=0)
     return L, ok & (L > float("-inf"))
 
 
 @triton.jit
 def _gather_candidates(p_row, stride_v, V, L, p_gm, p_sel, p_cand, GROUP: tl.constexpr,
-                       G_PAD: tl.constexpr, CAP: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+                       G_PAD: tl.constexpr, CAP: tl.constexpr, READ: tl.constexpr):  # fmt: skip
     """Store every token of the row with logit >= L into ``p_cand`` [CAP] as (key << 32 |
     (2^31 - 1 - id)) int64 (the first CAP of them, in no particular order) and return how many
     there are (possibly > CAP). Reads only the groups whose maximum (``p_gm`` [G_PAD]) reaches
-    L, 512 // GROUP of them (at least one) at a time; their ids go through ``p_sel`` [G_PAD]
-    int32. BLOCK_V is unused: the tile is kept small for the registers of a program per node."""
+    L, READ // GROUP of them (at least one) at a time; their ids go through ``p_sel`` [G_PAD]
+    int32. Each such read waits on the one before (the running count), so fine groups, few
+    tokens each, are what keeps the number of reads low."""
     o_g = tl.arange(0, G_PAD)
     n_g = (V + GROUP - 1) // GROUP
     gm = tl.load(p_gm + o_g, mask=o_g < n_g, other=float("-inf"), volatile=True)
@@ -211,7 +222,7 @@ def _gather_candidates(p_row, stride_v, V, L, p_gm, p_sel, p_cand, GROUP: tl.con
     n_sel = tl.sum(sel_g.to(tl.int32), axis=0)
     tl.store(p_sel + pos, o_g, mask=sel_g)
     tl.debug_barrier()  # the group ids are read back by other threads of this program
-    R: tl.constexpr = 512 // GROUP if GROUP < 512 else 1
+    R: tl.constexpr = READ // GROUP if GROUP < READ else 1
     o_t = tl.arange(0, GROUP)
     count = tl.zeros([], dtype=tl.int32)
     for r0 in range(0, n_sel, R):

@@ -89,6 +89,8 @@ def _finish_node(
     NCH_PAD: tl.constexpr,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
+    GC: tl.constexpr,
+    READ: tl.constexpr,
     CAP: tl.constexpr,
     SUB: tl.constexpr,
 ):
@@ -108,13 +110,13 @@ def _finish_node(
         p_cm = p_wcm + node * NCH
         p_row = p_logits + i_b * s_lb + i_n.to(tl.int64) * s_ln
         p_gm = p_wgm + node * G_PAD
-        L, ok = _lower_bound(p_gm, V, m, T, z, k, top_p, use_k, G_PAD, GROUP)
+        L, ok = _lower_bound(p_gm, V, m, T, z, k, top_p, use_k, G_PAD, GROUP, GC)
         count = tl.zeros([], dtype=tl.int32)
         if ok:
             p_sel = p_wsel + node * G_PAD
             p_cand = p_wcand + node * CAP
             count = _gather_candidates(
-                p_row, s_lv, V, L, p_gm, p_sel, p_cand, GROUP, G_PAD, CAP, BLOCK_V
+                p_row, s_lv, V, L, p_gm, p_sel, p_cand, GROUP, G_PAD, CAP, READ
             )
         if ok & (count <= CAP):
             thr, cut, z = _kept_set(p_wcand + node * CAP, count, m, T, z, k, top_p, use_k, use_p,
