@@ -511,6 +511,49 @@ def sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
     return rows
 
 
+def top_sweep_rows(empty_us: float, Bs, Vs, groups=None) -> list[dict]:
+    """Top-k 50 / top-p 0.9 sampling over ``max_groups`` (the group maxima pass 1 leaves for
+    pass 2's threshold bound: more groups, fewer tokens reread; 512 is the one-level bound of
+    earlier commits); each configuration's outputs must equal the default launch's."""
+    groups = groups or (512, 1024, 2048, 4096)
+    rows = []
+    N = 64
+    for V in Vs:
+        for B in Bs:
+            tree = bench_tree(B, N, V, B * 131 + V)
+            nbytes = B * N * V * 2
+            copies, reps = rotation(nbytes)
+            lgs = [bench_logits(tree, V, B * 131 + V + c, 16.0) for c in range(copies)]
+            T = torch.full((B,), 0.8, device=DEV)
+            k = torch.full((B,), 50, dtype=torch.int32, device=DEV)
+            p = torch.full((B,), 0.9, device=DEV)
+            u = torch.rand(B, N, device=DEV)
+            sbs = [treeops.accept_sample(tree, x, T, k, p, u) for x in lgs]
+            ok, why = check_against_reference(tree, lgs[0], sbs[0], (T, k, p, u))
+            assert ok, f"default top-k/top-p launch differs from the reference: {why}"
+            floor = H.floor_us(nbytes, empty_us=empty_us)
+            for g in groups:
+                same = True
+                for x, want in zip(lgs, sbs):
+                    r = accept_launch(tree, x, temperature=T, top_k=k, top_p=p, uniforms=u,
+                                      max_groups=g)  # fmt: skip
+                    same &= torch.equal(r.accepted, want.accepted)
+                    same &= torch.equal(r.bonus, want.bonus)
+                t = graph_time_us(
+                    [lambda x=x, g=g, tr=tree, T=T, k=k, p=p, u=u: accept_launch(
+                        tr, x, temperature=T, top_k=k, top_p=p, uniforms=u, max_groups=g)
+                     for x in lgs],
+                    reps,
+                )  # fmt: skip
+                rows.append(
+                    dict(op="top_sweep", B=B, N=N, V=V, top_k=50, top_p=0.9, max_groups=g,
+                         treeops_us=t, floor_us=floor, same_as_default=same)
+                )  # fmt: skip
+                print(f"  top-k/top-p B={B} V={V} max_groups={g}: {t:.1f} us same={same}",
+                      flush=True)  # fmt: skip
+    return rows
+
+
 FI_REASON = ""
 
 
@@ -527,6 +570,11 @@ def main() -> None:
         "--sweep",
         action="store_true",
         help="only time launch configurations (block size, splits, warps): accept_sweep.json",
+    )
+    ap.add_argument(
+        "--sweep-top",
+        action="store_true",
+        help="only top-k 50 / top-p 0.9 sampling over pass 1's group count: accept_top_sweep.json",
     )
     ap.add_argument(
         "--topk",
@@ -577,6 +625,11 @@ def main() -> None:
                   f"treeops {r.get('treeops_us', float('nan')):.1f} us, greedy alone "
                   f"{r.get('greedy_alone_us', float('nan')):.1f}, greedy + torch.topk "
                   f"{r.get('torch_us', float('nan')):.1f}, floor {r['floor_us']:.1f}")  # fmt: skip
+        return
+    if args.sweep_top:
+        rows = top_sweep_rows(empty_us, Bs, Vs, (16, 32) if args.cpu_dry_run else None)
+        doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)
+        H.write_json(os.path.join(args.out, "accept_top_sweep.json"), doc)
         return
     if args.sweep:
         rows = sweep_rows(empty_us, Bs, Vs)

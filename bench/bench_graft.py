@@ -413,6 +413,46 @@ def row_update(c: dict, empty_us: float, time_treeops=None) -> dict:
     return row
 
 
+def sweep_update_rows(c: dict, empty_us: float, configs=None) -> list[dict]:
+    """``AdjacencyTable.update`` from bf16 logits under each stage-1 launch configuration
+    (``kernels.graft.UPDATE_TUNING``: block, programs per SM, warps), each checked against the
+    exact result first; the default configuration is restored afterwards."""
+    import itertools
+
+    from treeops.kernels import graft as kg
+
+    timer = _timer(c["dev"])
+    B, N, V, k, dev = c["B"], c["N"], c["V"], c["k"], c["dev"]
+    tree, base = c["tree"], c["table"].table.clone()
+    size = B * N * V * 2
+    R = max(2, min(64, (256 << 20) // size + 1))
+    logits = [torch.randn(B, N, V, device=dev, dtype=torch.bfloat16) * 3 for _ in range(R)]
+    want = stable_topk_table(tree.tokens, tree.num_nodes, logits[0], k, V, base)
+    nbytes = B * c["n_verify"] * V * 2 + B * c["n_verify"] * (k * 4 + 8)
+    floor = H.floor_us(nbytes, empty_us=empty_us)
+    default = dict(kg.UPDATE_TUNING)
+    configs = configs or [
+        dict(block_v=bv, programs_per_sm=pps, num_warps=nw)
+        for bv, pps, nw in itertools.product((512, 1024, 2048), (4, 8, 16, 32), (1, 2, 4))
+    ]
+    rows = []
+    try:
+        for cfg in configs:
+            kg.UPDATE_TUNING.update(cfg)
+            table = AdjacencyTable(V, k, device=dev)  # a workspace sized by this configuration
+            table.table.copy_(base)
+            table.update(tree, logits[0])
+            ok = torch.equal(table.table, want)
+            t = timer([(lambda lg=lg: table.update(tree, lg)) for lg in logits]) if ok else None
+            S = kg.update_workspace_key(B * N, V, k, dev)[1]
+            rows.append(_row("update_sweep", c, floor_us=floor, match=ok, splits=S,
+                             treeops_us=t, **cfg))  # fmt: skip
+    finally:
+        kg.UPDATE_TUNING.clear()
+        kg.UPDATE_TUNING.update(default)
+    return rows
+
+
 def row_update_ids(c: dict, empty_us: float, time_treeops=None) -> dict:
     """``AdjacencyTable.update`` from ``topk_ids`` against its exact result, then timed."""
     timer = _timer(c["dev"])
@@ -518,6 +558,11 @@ def main(argv=None) -> dict | None:
         action="store_true",
         help="compare templates on real text (CPU), then exit",
     )
+    ap.add_argument(
+        "--sweep-update",
+        action="store_true",
+        help="only the update's stage-1 launch configurations: graft_update_sweep.json",
+    )
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--vocabs", default="32000,128256")
     ap.add_argument(
@@ -545,6 +590,22 @@ def main(argv=None) -> dict | None:
         rows=rows,
     )
     path = os.path.join(args.out, "graft.json")
+    if args.sweep_update:
+        path = os.path.join(args.out, "graft_update_sweep.json")
+        for V in [int(v) for v in args.vocabs.split(",")]:
+            for B in [int(b) for b in args.batches.split(",")]:
+                c = setup(B, V, gen, dev)
+                cfgs = (
+                    [dict(block_v=512, programs_per_sm=32, num_warps=1)]
+                    if dev.type != "cuda"
+                    else None
+                )
+                rows += sweep_update_rows(c, empty_us, cfgs)
+                H.write_json(path, out)
+                best = min((r for r in rows if r["B"] == B and r["V"] == V and r["treeops_us"]),
+                           key=lambda r: r["treeops_us"], default=None)  # fmt: skip
+                print(f"  update sweep V={V} B={B}: best {best}", flush=True)
+        return out
     for V in [int(v) for v in args.vocabs.split(",")]:
         for B in [int(b) for b in args.batches.split(",")]:
             t0 = time.time()

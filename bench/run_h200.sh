@@ -88,7 +88,7 @@ for spec in "$@"; do
     bench_accept) cmd="python3 bench/bench_accept.py --out $OUT ${ACCEPT_ARGS:-}";;
     bench_compact_kv) cmd="python3 bench/bench_compact_kv.py --out $OUT";;
     bench_kv_append) cmd="python3 bench/bench_kv_append.py --out $OUT";;
-    bench_graft) cmd="python3 bench/bench_graft.py --out $OUT";;
+    bench_graft) cmd="python3 bench/bench_graft.py --out $OUT ${GRAFT_ARGS:-}";;
     bench_attention) cmd="python3 bench/bench_tree_attention.py --out $OUT ${ATT_ARGS:-}";;
     bench_host) cmd="python3 bench/bench_host.py --out $OUT/host.json ${HOST_ARGS:-}";;
     host_profile) cmd="python3 bench/host_profile.py --out $OUT/host_profile.json ${HOST_PROFILE_ARGS:-}";;

@@ -628,19 +628,25 @@ def retrieve(
     return tok, par, dep, num
 
 
+UPDATE_TUNING = {"block_v": 512, "programs_per_sm": 32, "num_warps": 1}
+"""Stage 1's launch configuration on the GPU: logits per block, programs per SM that the splits
+of V aim for, warps per program. ``bench/bench_graft.py --sweep-update`` varies it; the splits it
+implies are part of ``update_workspace_key``, so a table's cached workspace follows it."""
+
+
 def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
-    """Splits of V per node: enough one-warp programs to fill the GPU (32 per SM, so that even
-    one request's nodes stream at full bandwidth), at least one block of V each. Depends on
-    shapes and the SM count only (fixed for a CUDA graph)."""
+    """Splits of V per node: enough programs to fill the GPU (``programs_per_sm`` of them per
+    SM, so that even one request's nodes stream at full bandwidth), at least one block of V
+    each. Depends on shapes and the SM count only (fixed for a CUDA graph)."""
     if device.type != "cuda":
         return min(2, cdiv(V, block_v))
     sms = _runtime.sm_count(device)
-    want = cdiv(32 * sms, max(n_flat, 1))
+    want = cdiv(UPDATE_TUNING["programs_per_sm"] * sms, max(n_flat, 1))
     return max(1, min(want, cdiv(V, block_v), 64))
 
 
 def _update_block_v() -> int:
-    return 256 if interpreted() else 512
+    return 256 if interpreted() else UPDATE_TUNING["block_v"]
 
 
 _MAX_CHUNK = 1 << 16
@@ -716,7 +722,7 @@ def adjacency_update(
                 BLOCK_V=block_v,
                 KEY32=logits.dtype == torch.bfloat16,
                 LAST_WINS=last_wins,
-                num_warps=1,
+                num_warps=1 if interpreted() else UPDATE_TUNING["num_warps"],
             )
             n_cand = S * KB
             ids, s_ib, s_in, k_ids = ws_id, 0, 0, 0
