@@ -10,22 +10,22 @@ the outputs and resets the counter to 0, so the launch can be replayed in a CUDA
 memset. ``phase=1`` splits the same code into two launches (node statistics, then one walker
 program per request) as a fallback.
 
-Sampling, two launches (three when the walk is not fused, see ``_Plan.fuse_walk``, or with
-``phase=1``). Pass 1, the same split grid as greedy, reads every logit once: per split the max,
-argmax and sum of ``exp((x - max) / T)``, each vocabulary block's mass (relative to the split's
-running max) and, for top-k/top-p rows, the maxima of groups of GROUP tokens. Pass 2, one program
-per node (``accept_thresh``): merges the partials into the node's max and normaliser; a
-top-k/top-p row takes a lower bound L of its threshold from coarse maxima (the max of G_PAD / GC
-consecutive groups; the k-th largest of them, or for top-p alone the one where the sorted
-maxima's mass reaches top_p), rereads only the groups whose maximum reaches L (about k groups of
-GROUP tokens: a few KB), sorts the
-tokens >= L (at most CAP) by (logit descending, id ascending) and reads the kept set off them:
-the first C tokens, i.e. ``key(x_t) > thr or (key(x_t) == thr and t <= idcut)`` with ``key`` an
-order-preserving int32 image of the fp32 logit, its mass and its mass per vocabulary block. When
-k exceeds the number of groups or more than CAP tokens reach L (a wide nucleus), an exact
-multi-pivot search over the 2^32 keys runs instead (NPIV pivots per pass, 8 passes for NPIV = 16,
-plus tie and mass passes, by the node's program alone: slow, exact). Then the request's last node
-program (or a walker launch) walks.
+Sampling, three launches whatever ``phase``. Pass 1, the same split grid as greedy, reads every
+logit once: per split the max, argmax and sum of ``exp((x - max) / T)``, each vocabulary block's
+mass (relative to the split's running max) and, for top-k/top-p rows, the maxima of groups of GROUP
+tokens. Pass 2, one program per node (``accept_thresh``): merges the partials into the node's max
+and normaliser; a top-k/top-p row takes a lower bound L of its threshold from coarse maxima (the
+max of G_PAD / GC consecutive groups; the k-th largest of them, or for top-p alone the one where
+the sorted maxima's mass reaches top_p), rereads only the groups whose maximum reaches L (about k
+groups of GROUP tokens: a few KB), sorts the tokens >= L (at most CAP) by (logit descending, id
+ascending) and reads the kept set off them: the first C tokens, i.e. ``key(x_t) > thr or (key(x_t)
+== thr and t <= idcut)`` with ``key`` an order-preserving int32 image of the fp32 logit, its mass
+and its mass per vocabulary block. When k exceeds the number of groups or more than CAP tokens
+reach L (a wide nucleus), an exact multi-pivot search over the 2^32 keys runs instead (NPIV pivots
+per pass, 8 passes for NPIV = 16, plus tie and mass passes, by the node's program alone: slow,
+exact). Then a walker launch, one program per request, walks. (The walk fused into the request's
+last pass-2 program, as greedy's is into pass 1, measured slower on the H200 at every B: its code
+doubled pass 2's registers.)
 
 The walker finds the bonus token of a sampling node from the per-block kept masses, then scans
 that block (and the next ones only if rounding says so), so no request rescans a whole row.
@@ -119,11 +119,12 @@ def _accept_kernel(
     GC: tl.constexpr,
     READ: tl.constexpr,
     CAP: tl.constexpr,
+    CAP_S: tl.constexpr,
     SUB: tl.constexpr,
 ):
     """PHASE 0: pass 1, the request's last program walks (grid B*N*S; greedy). 1: pass 1 only
-    (grid B*N*S). 2: the walk only (grid B). Sampling: 4: pass 2, each node's kept set, the
-    request's last program walks (grid B*N); 5: pass 2 only (grid B*N)."""
+    (grid B*N*S). 2: the walk only (grid B). 5: sampling's pass 2, each node's kept set (grid
+    B*N)."""
     pid = tl.program_id(0).to(tl.int64)
     if PHASE <= 1:
         _node_stats(
@@ -131,27 +132,22 @@ def _accept_kernel(
             p_warg, p_wse, p_wtkv, p_wtki, p_wcs, p_wcm, p_wgm, N, V, CHUNK, S, BLOCK_V,
             NCH, K, K_PAD, SAMPLE, NEED_SE, GROUP, G_PAD
         )  # fmt: skip
-    if PHASE >= 4:
+    if PHASE == 5:
         _finish_node(
             pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp, p_wmax,
             p_wse, p_wthr, p_wcut, p_wz, p_wcs, p_wcm, p_wgm, p_wcand, p_wsel, N, V, NCH, S,
-            S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, GC, READ, CAP, SUB
+            S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, GC, READ, CAP, CAP_S, SUB
         )  # fmt: skip
-    # PHASE 0 and 4: the request's last program to arrive walks; PHASE 2: one walker per request
+    # PHASE 0: the request's last program to arrive walks; PHASE 2: one walker per request
     last = False
     if PHASE == 2:
         i_b = pid
         last = True
-    if (PHASE == 0) or (PHASE == 4):
-        if PHASE == 0:
-            i_b = pid // (S * N)
-            arrivals = N * S
-        else:
-            i_b = pid // N
-            arrivals = N
+    if PHASE == 0:
+        i_b = pid // (S * N)
         count = arrive(p_count + i_b, FENCE)  # the workspace stores above, then the count
-        last = count == arrivals - 1
-    if (PHASE == 0) or (PHASE == 2) or (PHASE == 4):
+        last = count == N * S - 1
+    if (PHASE == 0) or (PHASE == 2):
         if last:
             _walk(
                 i_b, p_logits, s_lb, s_ln, s_lv, p_tokens, s_tb, p_parents, s_pb, p_num_nodes,
@@ -221,8 +217,7 @@ class _Plan(NamedTuple):
     n_i: list[int]  # maxima, kept mass; int32: argmax, top-K ids, threshold, id cut, group ids
     n_cand: int  # int64 candidate slots
     common: dict
-    common2: dict  # sampling's pass 2 (PHASE 4/5)
-    fuse_walk: bool  # sampling, phase 0: the walk runs in pass 2's last node program
+    common2: dict  # sampling's pass 2 (PHASE 5)
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -291,17 +286,16 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         GROUP=group,
         G_PAD=G_PAD,
         GC=GC,
-        READ=max(group, 64 if interpreted() else 512),
+        READ=max(group, 64 if interpreted() else 2048),
         CAP=CAP,
+        # the candidates' small sort (the interpreter's tests reach both sizes)
+        CAP_S=min(CAP, 128) if not interpreted() else max(CAP // 2, min(CAP, 2)),
         SUB=min(32, CAP),
         num_warps=num_warps,
     )
-    # pass 2 of sampling: one program per node, a few KB of the row each; 4 warps. The walk
-    # fused into it (the last node program of a request walks) doubles its registers: only
-    # when every node program is resident at once anyway (2 per SM), else a walker launch
+    # pass 2 of sampling: one program per node, a few KB of the row each; 4 warps
     common2 = dict(common, num_warps=4 if not interpreted() else num_warps)
-    fuse = dev.type != "cuda" or B * N <= 2 * _runtime.sm_count(dev)
-    return _Plan(S, chunk, NCH, n_f, n_i, B * N * CAP if sample else 1, common, common2, fuse)
+    return _Plan(S, chunk, NCH, n_f, n_i, B * N * CAP if sample else 1, common, common2)
 
 
 def accept_launch(
@@ -329,10 +323,10 @@ def accept_launch(
     """Launch the acceptance kernels (greedy when ``uniforms`` is None). Inputs are assumed
     validated by ``treeops.accept``.
 
-    ``phase``: 0 (default) lets the last program per request walk the tree after an arrival
-    counter (greedy: one launch; sampling: two, or three for large B*N, see the module
-    docstring); 1 launches the walk separately (one program per request), a fallback that needs
-    no inter-program ordering. ``num_splits``/``block_v`` override
+    ``phase`` (greedy): 0 (default) lets the last program per request walk the tree after an
+    arrival counter, one launch; 1 launches the walk separately (one program per request), a
+    fallback that needs no inter-program ordering. Sampling always takes three launches (pass 1,
+    pass 2, the walk; the module docstring). ``num_splits``/``block_v`` override
     the defaults (tests use small ones to exercise the split and block loops); ``num_warps``
     overrides pass 1's warps (the benchmark's sweep). ``workspace``:
     ``(float32, int32, counters)`` buffers to use instead of the per-device cached scratch and
@@ -437,14 +431,11 @@ def accept_launch(
             kern.launch((B * N * S,), *args, PHASE=1, **plan.common)
             kern.launch((B,), *args, PHASE=2, **plan.common)
         return out
-    # sampling: pass 1 (statistics over vocabulary splits), pass 2 (each node's kept set; with
-    # phase 0 the request's last node program walks, else a walker launch follows)
+    # sampling: pass 1 (statistics over vocabulary splits), pass 2 (each node's kept set), the
+    # walk (one program per request)
     kern.launch((B * N * S,), *args, PHASE=1, **plan.common)
-    if phase == 0 and plan.fuse_walk:
-        kern.launch((B * N,), *args, PHASE=4, **plan.common2)
-    else:
-        kern.launch((B * N,), *args, PHASE=5, **plan.common2)
-        kern.launch((B,), *args, PHASE=2, **plan.common)
+    kern.launch((B * N,), *args, PHASE=5, **plan.common2)
+    kern.launch((B,), *args, PHASE=2, **plan.common)
     return out
 
 

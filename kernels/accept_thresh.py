@@ -92,6 +92,7 @@ def _finish_node(
     GC: tl.constexpr,
     READ: tl.constexpr,
     CAP: tl.constexpr,
+    CAP_S: tl.constexpr,
     SUB: tl.constexpr,
 ):
     """Pass 2 of node ``node`` = request * N + i: its kept set's threshold key, id cut and mass
@@ -118,7 +119,12 @@ def _finish_node(
             count = _gather_candidates(
                 p_row, s_lv, V, L, p_gm, p_sel, p_cand, GROUP, G_PAD, CAP, READ
             )
-        if ok & (count <= CAP):
+        # sorted in CAP_S slots when the candidates fit (the usual top-k: about k of them), a
+        # sort of a quarter of the size, else in CAP
+        if ok & (count <= CAP_S):
+            thr, cut, z = _kept_set(p_wcand + node * CAP, count, m, T, z, k, top_p, use_k, use_p,
+                                    p_cs, p_cm, NCH, BLOCK_V, NCH_PAD, CAP_S, SUB)  # fmt: skip
+        elif ok & (count <= CAP):
             thr, cut, z = _kept_set(p_wcand + node * CAP, count, m, T, z, k, top_p, use_k, use_p,
                                     p_cs, p_cm, NCH, BLOCK_V, NCH_PAD, CAP, SUB)  # fmt: skip
         else:
