@@ -218,6 +218,7 @@ class _Plan(NamedTuple):
     n_cand: int  # int64 candidate slots
     common: dict
     common2: dict  # sampling's pass 2 (PHASE 5)
+    common_walk: dict  # sampling's walker (PHASE 2)
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -225,8 +226,20 @@ _PLANS: dict[tuple, _Plan] = {}
 
 def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
           block_v, num_pivots, cap, max_groups, num_warps) -> _Plan:  # fmt: skip
+    # blocks and warps from the H200 sweep (bench_accept.py --sweep, accept_sweep.json): from
+    # B*N = 512 (B 8 at N 64) every program is one split of a whole row and larger blocks keep
+    # more bytes in flight: greedy 8,192 at 4 warps (B 64 V 32,000 71.7 against 78.7 us at 4,096
+    # and 8 warps; B 8 V 128,256 37.6 against 41.9), sampling 4,096 (B 8 V 128,256 66.6 against
+    # 87.8; B 64 321 against 374). Below it, 4,096 (greedy, 8 warps) and 2,048 (sampling): the
+    # sampling walker rescans a block for a bonus token, and small B splits rows anyway. Greedy
+    # with top-K ids keeps 4,096: its int64 keys over 8,192 logits would spill.
+    wide = B * N >= 512
     if block_v is None:
-        block_v = min(4096 if not sample else 2048, pow2(V))
+        if sample:
+            block_v = 4096 if wide else 2048
+        else:
+            block_v = 8192 if wide and not K else 4096
+        block_v = min(block_v, pow2(V))
     # the exact search's [BLOCK_T, NPIV] tile: small for sampling, whose pass 2 programs are
     # one per node and must stay light in registers
     block_t = max(16, min(block_v, 128 if sample else 512))
@@ -262,10 +275,11 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     n_i = [BNS, BNS * K_PAD if K else 1] + [B * N if sample else 1] * 2
     n_i.append(B * N * G_PAD if sample else 1)
     if num_warps is None:
-        # greedy's 4,096-logit blocks take 8 warps; sampling's pass 1 and walk 4: its warps
-        # sweep (bench_accept.py --sweep, H200) had 4 warps at or below 8 at every B and V
-        # timed at the 2,048 block, 118.7 against 157.6 us at B 64, V 32,000
-        num_warps = 8 if block_v >= 4096 and not sample and not interpreted() else 4
+        # greedy's 4,096-logit blocks take 8 warps (below B*N = 512, or with top-K ids), its
+        # 8,192 blocks and sampling's pass 1 and walk 4: the sweep had 4 warps at or below 8 at
+        # every B and V for those (sampling B 64 V 32,000: 118.7 against 157.6 us at 2,048)
+        greedy8 = not sample and block_v == 4096 and (not wide or K > 0)
+        num_warps = 8 if greedy8 and not interpreted() else 4
     common = dict(
         N_PAD=pow2(N),
         S=S,
@@ -286,7 +300,7 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         GROUP=group,
         G_PAD=G_PAD,
         GC=GC,
-        READ=max(group, 64 if interpreted() else 2048),
+        READ=max(group, 64 if interpreted() else 1024),
         CAP=CAP,
         # the candidates' small sort (the interpreter's tests reach both sizes)
         CAP_S=min(CAP, 128) if not interpreted() else max(CAP // 2, min(CAP, 2)),
@@ -295,7 +309,11 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     )
     # pass 2 of sampling: one program per node, a few KB of the row each; 4 warps
     common2 = dict(common, num_warps=4 if not interpreted() else num_warps)
-    return _Plan(S, chunk, NCH, n_f, n_i, B * N * CAP if sample else 1, common, common2)
+    # the walker scans a whole block for a bonus token: 8 warps keep a 4,096 block unspilled
+    walk_warps = 8 if block_v >= 4096 and not interpreted() else common["num_warps"]
+    common_walk = dict(common, num_warps=walk_warps)
+    return _Plan(S, chunk, NCH, n_f, n_i, B * N * CAP if sample else 1, common, common2,
+                 common_walk)  # fmt: skip
 
 
 def accept_launch(
@@ -435,7 +453,7 @@ def accept_launch(
     # walk (one program per request)
     kern.launch((B * N * S,), *args, PHASE=1, **plan.common)
     kern.launch((B * N,), *args, PHASE=5, **plan.common2)
-    kern.launch((B,), *args, PHASE=2, **plan.common)
+    kern.launch((B,), *args, PHASE=2, **plan.common_walk)
     return out
 
 
