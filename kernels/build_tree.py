@@ -532,7 +532,7 @@ def expand(
     num_warps: int | None = None,
     split: int | None = None,
     cand_cap: int = 32,
-    cand_tiles: int = 1,
+    cand_tiles: int | None = None,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V]: with a split > 1, ``_stream_kernel``
     over (row, chunk) programs then ``_expand_kernel`` per row; else ``_expand_kernel`` alone.
@@ -549,12 +549,17 @@ def expand(
     candidates of a row ranked at once (a row with more, many equal logits, takes the
     tile-by-tile merge, with the same result; 0: always the merge) and ``cand_tiles`` (a power of
     two) how many tiles are read at once for them (more: fewer block-wide steps, but about 115
-    registers at 2 against 56-72 at 1, so fewer resident programs at large B)."""
+    registers at 2 against 56-72 at 1, so fewer resident programs at large B). By default 4
+    when every row's program has an SM to itself (B*W <= SMs), else 1: the H200's sweep
+    (``bench_build_tree.py --ops sweep_topk``) had B 1 at 19.0 against 20.3 us and B 64 at 52.8
+    against 44.3."""
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
         raise ValueError(f"cand_cap must be 0 or a power of two >= 16, got {cand_cap}")
-    if cand_tiles < 1 or cand_tiles & (cand_tiles - 1):
+    if cand_tiles is not None and (cand_tiles < 1 or cand_tiles & (cand_tiles - 1)):
         raise ValueError(f"cand_tiles must be a power of two, got {cand_tiles}")
     B, W, V = logits.shape
+    if cand_tiles is None:
+        cand_tiles = 4 if B * W <= _runtime.sm_count(logits.device) else 1
     K, D = topk, cand_scores.shape[1]
     C = W * K
     block_v, split = expand_tiling(B * W, V, logits.device, block_v, split)
