@@ -251,13 +251,16 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     # top-k/top-p fast path: group maxima (at most max_groups groups), GC coarse maxima over them
     # and CAP candidate slots, the last two sorted in registers (512 each on the GPU; 16 and 64
     # under the interpreter, whose tl.sort takes about a second for 1024 elements). Pass 2
-    # rereads ~k groups one READ-token tile after another, each read waiting on the last: groups
-    # of 64 tokens at V 128,256 make that ~7 reads where 256-token groups made ~25, for 3 % more
-    # bytes written by pass 1 (a float per group)
+    # rereads ~k groups one READ-token tile after another, each read waiting on the last: finer
+    # groups make fewer reads for a float per group more written by pass 1. The group count is
+    # the H200's best at top-k 50 / top-p 0.9 (bench_accept.py --sweep-top,
+    # accept_top_sweep.json): 2,048 below B*N = 512 (B 1 V 128,256: 48.9 us against 56.6 at 512
+    # groups and 71.1 at 4,096), 4,096 from it (B 64: 651.7 against 741.6 and 801.6 at 2,048;
+    # V 32,000 B 64 alone had 512 best, 311.7 against 361.6)
     if cap is None:
         cap = 64 if interpreted() else 512
     if max_groups is None:
-        max_groups = 64 if interpreted() else 2048
+        max_groups = 64 if interpreted() else (4096 if wide else 2048)
     group = min(block_v, pow2(-(-V // max_groups)))
     G_PAD = pow2(-(-V // group))
     GC = min(G_PAD, 16 if interpreted() else 512)
