@@ -447,6 +447,16 @@ def topk_rows(empty_us: float, Bs, Vs, Ns, K: int = 8) -> list[dict]:
     return rows
 
 
+def sweep_inputs(B: int, N: int, V: int, boost: float, empty_us: float):
+    """A sweep's inputs at one (B, V): the bench tree, enough logits copies to rotate through
+    (``rotation``), the graph replays per timing and the byte floor."""
+    tree = bench_tree(B, N, V, B * 131 + V)
+    nbytes = B * N * V * 2
+    copies, reps = rotation(nbytes)
+    lgs = [bench_logits(tree, V, B * 131 + V + c, boost) for c in range(copies)]
+    return tree, lgs, reps, H.floor_us(nbytes, empty_us=empty_us)
+
+
 def sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
     """Greedy (and temperature-only sampling) over launch configurations: vocabulary splits per
     node and block sizes; each configuration's outputs must equal the default launch's."""
@@ -454,15 +464,11 @@ def sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
     N = 64
     for V in Vs:
         for B in Bs:
-            tree = bench_tree(B, N, V, B * 131 + V)
-            nbytes = B * N * V * 2
-            copies, reps = rotation(nbytes)
-            lgs = [bench_logits(tree, V, B * 131 + V + c, 4.0) for c in range(copies)]
+            tree, lgs, reps, floor = sweep_inputs(B, N, V, 4.0, empty_us)
             # the default launch on every copy, itself checked against the reference on the first
             bases = [treeops.accept_greedy(tree, x) for x in lgs]
             ok, why = check_against_reference(tree, lgs[0], bases[0])
             assert ok, f"default greedy launch differs from the reference: {why}"
-            floor = H.floor_us(nbytes, empty_us=empty_us)
             for bv, S, nw in itertools.product(
                 (1024, 2048, 4096, 8192), (1, 2, 4, 8, 16, 32), (4, 8)
             ):
@@ -520,10 +526,7 @@ def top_sweep_rows(empty_us: float, Bs, Vs, groups=None) -> list[dict]:
     N = 64
     for V in Vs:
         for B in Bs:
-            tree = bench_tree(B, N, V, B * 131 + V)
-            nbytes = B * N * V * 2
-            copies, reps = rotation(nbytes)
-            lgs = [bench_logits(tree, V, B * 131 + V + c, 16.0) for c in range(copies)]
+            tree, lgs, reps, floor = sweep_inputs(B, N, V, 16.0, empty_us)
             T = torch.full((B,), 0.8, device=DEV)
             k = torch.full((B,), 50, dtype=torch.int32, device=DEV)
             p = torch.full((B,), 0.9, device=DEV)
@@ -531,7 +534,6 @@ def top_sweep_rows(empty_us: float, Bs, Vs, groups=None) -> list[dict]:
             sbs = [treeops.accept_sample(tree, x, T, k, p, u) for x in lgs]
             ok, why = check_against_reference(tree, lgs[0], sbs[0], (T, k, p, u))
             assert ok, f"default top-k/top-p launch differs from the reference: {why}"
-            floor = H.floor_us(nbytes, empty_us=empty_us)
             for g in groups:
                 same = True
                 for x, want in zip(lgs, sbs):

@@ -380,18 +380,27 @@ def row_retrieve_merge(c: dict, empty_us: float, time_treeops=None) -> dict:
     return row
 
 
+def update_inputs(c: dict, empty_us: float):
+    """The update rows' inputs: bf16 logits rotating through >= 256 MB, the table before the
+    update, the exact table after it (from the first logits) and the byte floor."""
+    B, N, V, k, dev = c["B"], c["N"], c["V"], c["k"], c["dev"]
+    R = max(2, min(64, (256 << 20) // (B * N * V * 2) + 1))
+    logits = [torch.randn(B, N, V, device=dev, dtype=torch.bfloat16) * 3 for _ in range(R)]
+    base = c["table"].table.clone()
+    tree = c["tree"]
+    want = stable_topk_table(tree.tokens, tree.num_nodes, logits[0], k, V, base)
+    nbytes = B * c["n_verify"] * V * 2 + B * c["n_verify"] * (k * 4 + 8)
+    return logits, base, want, nbytes, H.floor_us(nbytes, empty_us=empty_us)
+
+
 def row_update(c: dict, empty_us: float, time_treeops=None) -> dict:
     """``AdjacencyTable.update`` from bf16 logits against its exact result, then timed against
     ``TorchTable``; logits rotate through >= 256 MB."""
     timer = _timer(c["dev"])
     time_treeops = time_treeops or timer
-    B, N, V, k, dev = c["B"], c["N"], c["V"], c["k"], c["dev"]
-    tree, table, n_verify = c["tree"], c["table"], c["n_verify"]
-    size = B * N * V * 2
-    R = max(2, min(64, (256 << 20) // size + 1))
-    logits = [torch.randn(B, N, V, device=dev, dtype=torch.bfloat16) * 3 for _ in range(R)]
-    base = table.table.clone()
-    want_t = stable_topk_table(tree.tokens, tree.num_nodes, logits[0], k, V, base)
+    V, k, dev = c["V"], c["k"], c["dev"]
+    tree, table = c["tree"], c["table"]
+    logits, base, want_t, nbytes, floor = update_inputs(c, empty_us)
     table.update(tree, logits[0])
     ok = torch.equal(table.table, want_t)
     again = AdjacencyTable(V, k, device=dev)
@@ -399,8 +408,7 @@ def row_update(c: dict, empty_us: float, time_treeops=None) -> dict:
     again.update(tree, logits[0])
     ok = ok and torch.equal(again.table, want_t)  # deterministic
     ttab = TorchTable(V, k, dev)
-    nbytes = B * n_verify * V * 2 + B * n_verify * (k * 4 + 8)
-    row = _row("update", c, floor_us=H.floor_us(nbytes, empty_us=empty_us), bytes=nbytes, match=ok)
+    row = _row("update", c, floor_us=floor, bytes=nbytes, match=ok)
     row["treeops_us"] = (
         time_treeops([(lambda lg=lg: table.update(tree, lg)) for lg in logits]) if ok else None
     )
@@ -423,13 +431,8 @@ def sweep_update_rows(c: dict, empty_us: float, configs=None) -> list[dict]:
 
     timer = _timer(c["dev"])
     B, N, V, k, dev = c["B"], c["N"], c["V"], c["k"], c["dev"]
-    tree, base = c["tree"], c["table"].table.clone()
-    size = B * N * V * 2
-    R = max(2, min(64, (256 << 20) // size + 1))
-    logits = [torch.randn(B, N, V, device=dev, dtype=torch.bfloat16) * 3 for _ in range(R)]
-    want = stable_topk_table(tree.tokens, tree.num_nodes, logits[0], k, V, base)
-    nbytes = B * c["n_verify"] * V * 2 + B * c["n_verify"] * (k * 4 + 8)
-    floor = H.floor_us(nbytes, empty_us=empty_us)
+    tree = c["tree"]
+    logits, base, want, _, floor = update_inputs(c, empty_us)
     default = dict(kg.UPDATE_TUNING)
     configs = configs or [
         dict(block_v=bv, programs_per_sm=pps, num_warps=nw)

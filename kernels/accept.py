@@ -261,6 +261,12 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         cap = 64 if interpreted() else 512
     if max_groups is None:
         max_groups = 64 if interpreted() else (4096 if wide else 2048)
+        if not interpreted():
+            # the group maxima and their selected ids take 8 bytes per group and node of
+            # scratch: at most 2^24 groups in all (128 MB, reached at B*N = 4,096), fewer per
+            # node beyond (any count gives the exact kept set), never below 512
+            per_node = max((1 << 24) // max(B * N, 1), 1)
+            max_groups = max(512, min(max_groups, 1 << (per_node.bit_length() - 1)))
     group = min(block_v, pow2(-(-V // max_groups)))
     G_PAD = pow2(-(-V // group))
     GC = min(G_PAD, 16 if interpreted() else 512)
