@@ -395,10 +395,17 @@ SWEEP_SHAPES = [
     (32, 2048, 64, 32, 8, 64),
     (1, 512, 8, HQ, HKV, D),
     (1, 1024, 16, HQ, HKV, D),
+    (16, 512, 64, HQ, HKV, D),
+    (64, 512, 16, HQ, HKV, D),
+    (8, 4096, 64, 16, 4, 256),
+    (16, 4096, 64, 16, 4, 256),
+    (64, 1024, 16, 16, 4, 256),
+    (8, 4096, 64, 32, 8, 64),
 ]
 """(B, ctx, n, H_q, H_kv, D) the sweep times every candidate on: the docs/benchmarks.md shapes that
 fit, the 127-node tree, a 128-node tree at B 16 (compute-bound: where FlashInfer's causal kernel
-was 1.9x faster in session 20), D = 256 and D = 64, and two small trees (the small-tree path)."""
+was 1.9x faster in session 20), D = 256 and D = 64 split and unsplit, two small trees (the
+small-tree path) and two more unsplit D = 128 grids (``TUNED`` routes unsplit launches only)."""
 
 
 def candidates(c: Case, names=None):
@@ -423,9 +430,10 @@ def sweep(shapes, names=None):
         fl = floor_us(B, ctx, n, hq, hkv, d)[0]
         shape = dict(B=B, ctx=ctx, n=n, hq=hq, hkv=hkv, d=d, floor_us=round(fl, 2))
         for name, ov in candidates(c, names):
-            r = dict(shape, candidate=name, override=ov, config=config_of(c, ov or None))
+            # "default" passes {}: the built-in tiles, not what TUNED routes a launch to
+            r = dict(shape, candidate=name, override=ov, config=config_of(c, ov))
             try:
-                fn, _ = kernel_fn(c, ov or None)
+                fn, _ = kernel_fn(c, ov)
                 err = rel_err(fn(), ref)
                 r["err"] = err
                 r["us"] = round(time_us(fn)[0], 2) if err <= TOL else None
@@ -506,14 +514,17 @@ def print_split_table(rows):
 
 def best_override(rows):
     """Per head-dim class, the candidate (small-tree path apart) with the lowest geometric-mean
-    time over the sweep shapes of that class on which every such candidate was timed:
-    {D: name} (what ``TUNED`` takes), and whether the small-tree path won every shape it ran on
-    (what ``SMALL_TREE`` takes)."""
+    time over the sweep shapes of that class on which every such candidate was timed and ran
+    unsplit (``TUNED`` routes only those launches): {D: name} (what ``TUNED`` takes), and whether
+    the small-tree path won every shape it ran on (what ``SMALL_TREE`` takes)."""
     from treeops.kernels import tree_attention as K
 
     choice = {}
     for dc in K.CANDIDATES:
         mine = [r for r in rows if K.head_dim_class(r["d"]) == dc and r["candidate"] != "small"]
+        split = {(r["B"], r["ctx"], r["n"], r["hq"]) for r in mine
+                 if r["config"].get("num_splits", 1) != 1}  # fmt: skip
+        mine = [r for r in mine if (r["B"], r["ctx"], r["n"], r["hq"]) not in split]
         shapes = {(r["B"], r["ctx"], r["n"], r["hq"]) for r in mine}
         score = {}
         for r in mine:
@@ -581,7 +592,7 @@ def main(argv=None):
         choice, small = best_override(result["sweep"])
         result["sweep_choice"] = dict(tuned=choice, small_tree=small)
         print("sweep choice:", result["sweep_choice"], flush=True)
-        H.write_json(os.path.join(args.out, "tree_attention.json"), result)
+        H.write_json(os.path.join(args.out, "tree_attention_sweep.json"), result)
         if args.auto:
             from treeops.kernels import tree_attention as K
 

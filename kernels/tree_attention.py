@@ -517,9 +517,15 @@ prefix loop as a ``tl.range(num_stages=N)`` instead of the hand prefetch; "m64" 
 ~83 KiB shared, <= 255 registers) fit two programs per SM, so one program's softmax can overlap the
 other's MMAs. ``{"small_tree": True}`` (the small-tree path) is a candidate wherever it applies."""
 
-TUNED: dict[int, str] = {}
-"""Head-dim class -> the CANDIDATES entry launched when no override is given (empty: the built-in
-defaults), to be filled from a GPU sweep."""
+TUNED: dict[int, str] = {64: "m64_pipe3", 128: "m64_pipe3", 256: "m128_pipe2"}
+"""Head-dim class -> the CANDIDATES entry launched when no override is given and its tile fills
+the GPU unsplit (``_tuned_override``); split launches keep the built-in tiles. From the H200 sweep
+(bench_tree_attention.py --sweep, bench/results/h200/tree_attention_sweep.json), unsplit shapes, µs
+built-in -> tuned: D 128 B 8 ctx 4,096 n 64 134.8 -> 121.9, B 32 517.1 -> 442.1, B 4 n 127
+135.5 -> 127.5, B 16 n 128 523.2 -> 454.5; D 64 B 32 ctx 2,048 201.0 -> 155.7; D 256 B 32 ctx
+2,048 600.4 -> 282.7 (the 64-row D 256 tile's two programs per SM do not hide its 32-key MMAs;
+one 128-row program does). Split shapes ran slower with the m64 tiles (B 1 ctx 16,384 n 64:
+83.9 -> 140.8: twice the query tiles leave half the splits), so the rule keeps them off there."""
 
 SMALL_TREE = False
 """Launch the small-tree path by default wherever it applies (off until timed on the GPU)."""
@@ -543,6 +549,28 @@ def head_dim_class(D: int) -> int:
 
 def _small_rows(N: int, g_pad: int) -> int:
     return g_pad * max(triton.next_power_of_2(N), triton.cdiv(16, g_pad))
+
+
+def _block_q(block_m: int, g_pad: int, N: int) -> int:
+    """Tree nodes per query tile of block_m rows (g_pad query heads a node), at least 16 rows
+    (tl.dot's minimum M) and no more nodes than the tree has (rounded to a power of two)."""
+    block_q = min(max(1, block_m // g_pad), triton.next_power_of_2(N))
+    return max(block_q, triton.cdiv(16, g_pad))
+
+
+def _tuned_override(
+    B: int, N: int, H_kv: int, g_pad: int, D: int, sms: int, num_splits: int | None
+) -> dict | None:
+    """``TUNED``'s candidate for this head dim where the automatic split count with its tile is
+    1 and no count above 1 was asked for; None (the built-in tiles) elsewhere."""
+    name = TUNED.get(head_dim_class(D))
+    if name is None or (num_splits is not None and num_splits > 1):
+        return None
+    override = CANDIDATES[head_dim_class(D)][name]
+    block_q = _block_q(override.get("block_m", 128), g_pad, N)
+    # the automatic count (pick_config) is target // programs, so 1 once programs > target / 2
+    unsplit = 2 * B * H_kv * triton.cdiv(N, block_q) > PROGRAMS_PER_SM * sms
+    return override if unsplit else None
 
 
 def small_tree_applies(N: int, g_pad: int, D: int, kv_capacity: int) -> bool:
@@ -579,8 +607,8 @@ def pick_config(
     if override is None and not interpret:
         if SMALL_TREE and small_tree_applies(N, g_pad, D, kv_capacity):
             override = {"small_tree": True}
-        elif head_dim_class(D) in TUNED:
-            override = CANDIDATES[head_dim_class(D)][TUNED[head_dim_class(D)]]
+        else:
+            override = _tuned_override(B, N, H_kv, g_pad, D, sms, num_splits)
     # 8 warps at every head dim: with 4, the D = 64 and D = 256 tiles spill on sm_90 (76 and
     # 532 bytes per thread; bench/attention_notes.md), with 8 none does (checked in CI,
     # tests/test_compile_check.py)
@@ -620,9 +648,7 @@ def pick_config(
         stages = override.get("num_stages", stages)
         pipe = override.get("pipe", pipe)
         warp_spec = override.get("warp_specialize", warp_spec)
-    block_q = max(1, block_m // g_pad)
-    block_q = min(block_q, triton.next_power_of_2(N))
-    block_q = max(block_q, triton.cdiv(16, g_pad))  # tl.dot needs M >= 16
+    block_q = _block_q(block_m, g_pad, N)
     m_tiles = triton.cdiv(N, block_q)
     if num_splits is None:
         base = B * H_kv * m_tiles

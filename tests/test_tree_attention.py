@@ -599,18 +599,31 @@ def test_every_sweep_candidate_matches_reference(cand, tc, data):
     )  # fmt: skip
 
 
-def test_candidates_pipeline_and_stay_off_by_default():
-    """The candidates run the tl.range loop (pipe > 0) or are the default; without TUNED or
-    SMALL_TREE the compiled default is the hand-prefetched configuration, unchanged."""
+def test_candidates_pipeline_and_tuned_routes_only_unsplit_launches():
+    """The candidates run the tl.range loop (pipe > 0) or are the default. A default launch
+    takes TUNED's candidate where that tile runs unsplit, the hand-prefetched built-in tiles
+    where the launch splits (or a split count above 1 is asked for); SMALL_TREE stays off."""
     for d, cands in K.CANDIDATES.items():
         assert cands["default"] == {}
         for name, ov in cands.items():
             cfg = K.pick_config(4, 64, 32, 8, d, 4096, 132, False, override=ov)
             assert name == "default" or (cfg.pipe > 0 and not cfg.prefetch), (d, name)
-    assert K.TUNED == {} and K.SMALL_TREE is False
-    cfg = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False)
+    assert K.SMALL_TREE is False
+    for d, name in K.TUNED.items():
+        assert name in K.CANDIDATES[d] and name != "default"
+    cfg = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False)  # 16 programs: split, built-in
     assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (128, 64, 8, 1)
     assert cfg.prefetch and cfg.pipe == 0 and cfg.num_splits > 1
+    for B, d in [(8, 128), (32, 64), (32, 256)]:  # the sweep's unsplit shapes
+        routed = K.pick_config(B, 64, 32, 8, d, 4096, 132, False)
+        tuned = K.CANDIDATES[d][K.TUNED[d]]
+        assert routed == K.pick_config(B, 64, 32, 8, d, 4096, 132, False, override=tuned)
+        assert routed.num_splits == 1 and routed.block_m == tuned["block_m"]
+    # the boundary: 8 KV heads x 4 tiles of 16 nodes = 32 programs a request; 132 SMs
+    assert K.pick_config(3, 64, 32, 8, 128, 4096, 132, False).pipe == 3  # 96 > 66: unsplit
+    assert K.pick_config(2, 64, 32, 8, 128, 4096, 132, False).pipe == 0  # 64 <= 66: split
+    forced = K.pick_config(8, 64, 32, 8, 128, 4096, 132, False, num_splits=2)
+    assert forced.pipe == 0 and forced.num_splits == 2
 
 
 def test_small_tree_path_is_one_launch_from_capacities(monkeypatch):
@@ -628,7 +641,7 @@ def test_small_tree_path_is_one_launch_from_capacities(monkeypatch):
     monkeypatch.setattr(K, "SMALL_TREE", True)
     assert K.pick_config(1, 8, 32, 8, 128, 528, 132, False) == cfg
     monkeypatch.setattr(K, "SMALL_TREE", False)
-    monkeypatch.setattr(K, "TUNED", {128: "m64_pipe2"})
+    monkeypatch.setattr(K, "TUNED", {128: "m64_pipe2"})  # the routing, whatever TUNED holds
     tuned = K.pick_config(8, 64, 32, 8, 128, 4096, 132, False)
     assert tuned == K.pick_config(
         8, 64, 32, 8, 128, 4096, 132, False, override=K.CANDIDATES[128]["m64_pipe2"]
