@@ -423,8 +423,8 @@ def row_update(c: dict, empty_us: float, time_treeops=None) -> dict:
 
 def sweep_update_rows(c: dict, empty_us: float, configs=None) -> list[dict]:
     """``AdjacencyTable.update`` from bf16 logits under each stage-1 launch configuration
-    (``kernels.graft.UPDATE_TUNING``: block, programs per SM, warps), each checked against the
-    exact result first; the default configuration is restored afterwards."""
+    (``kernels.graft.UPDATE_TUNING``: block, programs per SM, warps, top-k method), each checked
+    against the exact result first; the default configuration is restored afterwards."""
     import itertools
 
     from treeops.kernels import graft as kg
@@ -434,9 +434,10 @@ def sweep_update_rows(c: dict, empty_us: float, configs=None) -> list[dict]:
     tree = c["tree"]
     logits, base, want, _, floor = update_inputs(c, empty_us)
     default = dict(kg.UPDATE_TUNING)
-    configs = configs or [
-        dict(block_v=bv, programs_per_sm=pps, num_warps=nw)
-        for bv, pps, nw in itertools.product((512, 1024, 2048), (4, 8, 16, 32), (1, 2, 4))
+    # the running list (group 0) at its sweep's best, then group maxima over a grid
+    configs = configs or [dict(block_v=512, programs_per_sm=32, num_warps=1, group=0)] + [
+        dict(block_v=bv, programs_per_sm=pps, num_warps=nw, group=g)
+        for g, bv, pps, nw in itertools.product((16, 32), (512, 1024, 2048), (8, 16, 32), (1, 2, 4))
     ]
     rows = []
     try:
@@ -599,7 +600,7 @@ def main(argv=None) -> dict | None:
             for B in [int(b) for b in args.batches.split(",")]:
                 c = setup(B, V, gen, dev)
                 cfgs = (
-                    [dict(block_v=512, programs_per_sm=32, num_warps=1)]
+                    [dict(block_v=512, programs_per_sm=32, num_warps=1, group=g) for g in (0, 32)]
                     if dev.type != "cuda"
                     else None
                 )

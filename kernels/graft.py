@@ -628,10 +628,13 @@ def retrieve(
     return tok, par, dep, num
 
 
-UPDATE_TUNING = {"block_v": 512, "programs_per_sm": 32, "num_warps": 1}
+UPDATE_TUNING = {"block_v": 512, "programs_per_sm": 32, "num_warps": 1, "group": 0}
 """Stage 1's launch configuration on the GPU: logits per block, programs per SM that the splits
-of V aim for, warps per program. ``bench/bench_graft.py --sweep-update`` varies it; the splits it
-implies are part of ``update_workspace_key``, so a table's cached workspace follows it."""
+of V aim for, warps per program, and the top-k method: ``group`` 0 keeps a running list that a
+block's best key enters while it beats the worst; ``group`` g > 0 keeps the largest maxima of
+groups of g logits and rereads those groups (``_update_group``). ``bench/bench_graft.py
+--sweep-update`` varies it; the splits it implies are part of ``update_workspace_key``, so a
+table's cached workspace follows it."""
 
 
 def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
@@ -647,6 +650,14 @@ def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
 
 def _update_block_v() -> int:
     return 256 if interpreted() else UPDATE_TUNING["block_v"]
+
+
+def _update_group(block_v: int, KB: int) -> int:
+    """Stage 1's group size (0: the running-list method): ``UPDATE_TUNING["group"]`` where a
+    block holds at least KB groups of it (the bitonic top-KB runs over a block's group maxima),
+    else 0."""
+    g = UPDATE_TUNING["group"]
+    return g if g > 0 and block_v // g >= KB else 0
 
 
 _MAX_CHUNK = 1 << 16
@@ -720,6 +731,7 @@ def adjacency_update(
                 KB=KB,
                 S=S,
                 BLOCK_V=block_v,
+                GROUP=_update_group(block_v, KB),
                 KEY32=logits.dtype == torch.bfloat16,
                 LAST_WINS=last_wins,
                 num_warps=1 if interpreted() else UPDATE_TUNING["num_warps"],

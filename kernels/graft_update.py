@@ -9,8 +9,11 @@ the top 16 bits of its fp32 upcast, and the key is int32 (``KEY32``: a chunk of 
 minimum, below every real key (the NaN key's value part is above it).
 
 ``_topk_partial_kernel``, grid (nodes, splits): each program streams its chunk of V once, one
-block at a time, and keeps a running top-k of keys: a block's best key enters only while it beats
-the running list's worst, so after the first blocks most cost one max. It writes the list as
+block at a time, and finds the chunk's top keys by one of two methods (``GROUP``). The running
+list (``GROUP`` 0): a block's best key enters only while it beats the list's worst, so after the
+first blocks most cost one max, but the first fills serially. Group maxima (``GROUP`` g): the
+maxima of groups of g logits, a bitonic top-KB of them per block merged into a running list,
+then the KB winning groups reread: a fixed sequence of vector steps. It writes the list as
 (value key, bit-cast into the float32 buffer; id, or -1 when empty). Split 0 also claims the node's
 token with ``atomic_min(owner[token], claim)``. ``_claim_kernel``: the claims alone (top-k ids
 given). ``_update_write_kernel``, grid (node blocks): merges the splits' lists with int64 keys
@@ -74,6 +77,7 @@ def _topk_partial_kernel(
     KB: tl.constexpr,
     S: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    GROUP: tl.constexpr,
     KEY32: tl.constexpr,
     LAST_WINS: tl.constexpr,
 ):
@@ -91,39 +95,13 @@ def _topk_partial_kernel(
                 claim = i_f.to(tl.int32)
             tl.atomic_min(owner_ptr + tok, claim)
         o_k = tl.arange(0, KB)
-        # running list: slots < K start empty (the minimum), padding slots hold the maximum so
-        # they are never the worst entry
-        if KEY32:
-            run = tl.where(o_k < K, _K32MIN, _I32MAX)
-        else:
-            run = tl.where(o_k < K, _K64MIN, _K64MAX)
         p_x = x_ptr + i_b * stride_b + i_n * stride_n
-        # chunk is whole blocks, so a block's only bound is V; V, chunk and the strides are
-        # specialised (divisibility) so that these loads vectorise. The next block is loaded
-        # ahead, as raw 16-bit values (cheap registers), to keep two in flight.
         lo = i_s * chunk
         hi = tl.minimum(lo + chunk, V)
-        o_b = tl.arange(0, BLOCK_V)
-        b_next = tl.load(p_x + lo + o_b, mask=lo + o_b < V, other=0.0)
-        for start in range(lo, hi, BLOCK_V):
-            o_v = start + o_b
-            m_v = o_v < V
-            b_x = b_next.to(tl.float32)
-            nxt = start + BLOCK_V
-            b_next = tl.load(p_x + nxt + o_b, mask=(nxt + o_b < V) & (nxt < hi), other=0.0)
-            key = _order_key(b_x, o_v - lo, m_v, KEY32)
-            best = tl.max(key, 0)
-            worst = tl.min(run, 0)
-            # keys are distinct (each holds its id): the block's best replaces the list's worst
-            while best > worst:
-                slot = tl.min(tl.where(run == worst, o_k, KB), 0)
-                run = tl.where(o_k == slot, best, run)
-                if KEY32:
-                    key = tl.where(key == best, _K32MIN, key)
-                else:
-                    key = tl.where(key == best, _K64MIN, key)
-                best = tl.max(key, 0)
-                worst = tl.min(run, 0)
+        if GROUP > 0:
+            run = _chunk_topk_by_groups(p_x, lo, hi, V, KB, BLOCK_V, GROUP, KEY32)
+        else:
+            run = _chunk_topk_by_insertion(p_x, lo, hi, V, K, KB, BLOCK_V, KEY32)
         # (value key, id) per slot; -1 for an empty or padding slot
         if KEY32:
             live = (o_k < K) & (run != _K32MIN)
@@ -136,6 +114,98 @@ def _topk_partial_kernel(
         p_ws = (i_f * S + i_s) * KB + o_k
         tl.store(ws_val_ptr + p_ws, vk.to(tl.float32, bitcast=True))
         tl.store(ws_id_ptr + p_ws, tl.where(live, ids, -1))
+
+
+@triton.jit
+def _local_of(key, KEY32: tl.constexpr):
+    """The chunk offset an order key holds."""
+    if KEY32:
+        return 65535 - (key & 65535)
+    else:
+        return ((key & _LOW32) * -1 + _LOW32).to(tl.int32)  # tensor first: the interpreter
+
+
+@triton.jit
+def _chunk_topk_by_groups(
+    p_x, lo, hi, V, KB: tl.constexpr, BLOCK_V: tl.constexpr, GROUP: tl.constexpr,
+    KEY32: tl.constexpr,
+):  # fmt: skip
+    """The KB largest order keys of ``p_x[lo:hi]`` (descending; the type's minimum past the
+    end). Keys are distinct, so the KB largest lie in the groups of GROUP consecutive logits
+    whose maxima are the KB largest group maxima: a group holding one of them has at most KB - 1
+    groups with a larger maximum. One pass keeps those maxima (a bitonic top-KB per block, merged
+    into the running list), then those KB groups are read again (L2) and their KB * GROUP keys
+    give the result: no data-dependent loop."""
+    NG: tl.constexpr = BLOCK_V // GROUP
+    o_g = tl.arange(0, NG)
+    o_e = tl.arange(0, GROUP)
+    o_t = o_g[:, None] * GROUP + o_e[None, :]  # [NG, GROUP] offsets in a block
+    if KEY32:
+        run = tl.full([KB], _K32MIN, tl.int32)
+    else:
+        run = tl.full([KB], _K64MIN, tl.int64)
+    b_next = tl.load(p_x + lo + o_t, mask=lo + o_t < V, other=0.0)
+    for start in range(lo, hi, BLOCK_V):
+        o_v = start + o_t
+        b_x = b_next.to(tl.float32)
+        nxt = start + BLOCK_V
+        b_next = tl.load(p_x + nxt + o_t, mask=(nxt + o_t < V) & (nxt < hi), other=0.0)
+        g_max = tl.max(_order_key(b_x, o_v - lo, o_v < V, KEY32), 1)  # [NG]
+        both = tl.join(run, tl.topk(g_max, KB))  # [KB, 2]
+        run = tl.topk(tl.reshape(both, [2 * KB]), KB)
+    # the KB groups again; an empty entry (fewer than KB groups hold logits) reads nothing
+    if KEY32:
+        has = run != _K32MIN
+    else:
+        has = run != _K64MIN
+    g_lo = (_local_of(run, KEY32) // GROUP) * GROUP
+    o_c = tl.where(has, g_lo, 0)[:, None] + o_e[None, :]  # [KB, GROUP] chunk offsets
+    m_c = has[:, None] & (lo + o_c < V)
+    b_x = tl.load(p_x + lo + o_c, mask=m_c, other=0.0).to(tl.float32)
+    key = _order_key(b_x, o_c, m_c, KEY32)
+    return tl.topk(tl.reshape(key, [KB * GROUP]), KB)
+
+
+@triton.jit
+def _chunk_topk_by_insertion(
+    p_x, lo, hi, V, K: tl.constexpr, KB: tl.constexpr, BLOCK_V: tl.constexpr,
+    KEY32: tl.constexpr,
+):  # fmt: skip
+    """The K largest order keys of ``p_x[lo:hi]`` in slots < K (any order; the type's minimum
+    where empty), the type's maximum in the padding slots: a running list that a block's best
+    key enters while it beats the list's worst."""
+    o_k = tl.arange(0, KB)
+    # running list: slots < K start empty (the minimum), padding slots hold the maximum so
+    # they are never the worst entry
+    if KEY32:
+        run = tl.where(o_k < K, _K32MIN, _I32MAX)
+    else:
+        run = tl.where(o_k < K, _K64MIN, _K64MAX)
+    # chunk is whole blocks, so a block's only bound is V; V, chunk and the strides are
+    # specialised (divisibility) so that these loads vectorise. The next block is loaded
+    # ahead, as raw 16-bit values (cheap registers), to keep two in flight.
+    o_b = tl.arange(0, BLOCK_V)
+    b_next = tl.load(p_x + lo + o_b, mask=lo + o_b < V, other=0.0)
+    for start in range(lo, hi, BLOCK_V):
+        o_v = start + o_b
+        m_v = o_v < V
+        b_x = b_next.to(tl.float32)
+        nxt = start + BLOCK_V
+        b_next = tl.load(p_x + nxt + o_b, mask=(nxt + o_b < V) & (nxt < hi), other=0.0)
+        key = _order_key(b_x, o_v - lo, m_v, KEY32)
+        best = tl.max(key, 0)
+        worst = tl.min(run, 0)
+        # keys are distinct (each holds its id): the block's best replaces the list's worst
+        while best > worst:
+            slot = tl.min(tl.where(run == worst, o_k, KB), 0)
+            run = tl.where(o_k == slot, best, run)
+            if KEY32:
+                key = tl.where(key == best, _K32MIN, key)
+            else:
+                key = tl.where(key == best, _K64MIN, key)
+            best = tl.max(key, 0)
+            worst = tl.min(run, 0)
+    return run
 
 
 @triton.jit(do_not_specialize=["N", "n_flat"])

@@ -153,7 +153,11 @@ def test_graft_is_graph_capturable():
         (3, 16, 300, torch.float32),
     ],
 )
-def test_update_matches_reference(B, N, V, dtype):
+@pytest.mark.parametrize("group", [0, 16, 64])
+def test_update_matches_reference(B, N, V, dtype, group, monkeypatch):
+    """Both top-k methods of the update's stage 1 (group 0: the running list; else group
+    maxima of that many logits), with many ties, duplicate tokens, top-k ids, warm start."""
+    monkeypatch.setitem(kern.UPDATE_TUNING, "group", group)
     tree, tab, rng = batch(B, N, V, seed=B + N, keep=None)
     tree.tokens.copy_(tree.tokens % max(1, V // 7))  # duplicates across nodes and requests
     g = torch.Generator().manual_seed(B)
@@ -181,8 +185,11 @@ def test_update_matches_reference(B, N, V, dtype):
     assert torch.equal(table.table.cpu(), want)
 
 
-def test_update_large_vocab_deterministic():
-    """V = 128256, bf16, 64 x 60 nodes: exact against a stable sort; the same table on reruns."""
+@pytest.mark.parametrize("group", [0, 32])
+def test_update_large_vocab_deterministic(group, monkeypatch):
+    """V = 128256, bf16, 64 x 60 nodes: exact against a stable sort; the same table on reruns
+    (both top-k methods)."""
+    monkeypatch.setitem(kern.UPDATE_TUNING, "group", group)
     B, N, V, k = 64 if DEV == "cuda" else 2, 64, LARGE_V, 8
     tree, _, _ = batch(B, N, min(V, 5000), seed=11, keep=None)
     g = torch.Generator().manual_seed(3)
