@@ -519,7 +519,7 @@ other's MMAs. ``{"small_tree": True}`` (the small-tree path) is a candidate wher
 
 TUNED: dict[int, str] = {64: "m64_pipe3", 128: "m64_pipe3", 256: "m128_pipe2"}
 """Head-dim class -> the CANDIDATES entry launched when no override is given and its tile fills
-the GPU unsplit (``_tuned_override``); split launches keep the built-in tiles. From the H200 sweep
+the GPU unsplit (``_tuned_override``); other launches keep the built-in tiles. From the H200 sweep
 (bench_tree_attention.py --sweep, bench/results/h200/tree_attention_sweep.json), unsplit shapes, µs
 built-in -> tuned: D 128 B 8 ctx 4,096 n 64 134.8 -> 121.9, B 32 517.1 -> 442.1, B 4 n 127
 135.5 -> 127.5, B 16 n 128 523.2 -> 454.5; D 64 B 32 ctx 2,048 201.0 -> 155.7; D 256 B 32 ctx
@@ -561,16 +561,18 @@ def _block_q(block_m: int, g_pad: int, N: int) -> int:
 def _tuned_override(
     B: int, N: int, H_kv: int, g_pad: int, D: int, sms: int, num_splits: int | None
 ) -> dict | None:
-    """``TUNED``'s candidate for this head dim where the automatic split count with its tile is
-    1 and no count above 1 was asked for; None (the built-in tiles) elsewhere."""
+    """``TUNED``'s candidate for this head dim where its tile gives at least PROGRAMS_PER_SM
+    programs per SM unsplit and no split count above 1 was asked for; None (the built-in tiles)
+    elsewhere."""
     name = TUNED.get(head_dim_class(D))
     if name is None or (num_splits is not None and num_splits > 1):
         return None
     override = CANDIDATES[head_dim_class(D)][name]
     block_q = _block_q(override.get("block_m", 128), g_pad, N)
-    # the automatic count (pick_config) is target // programs, so 1 once programs > target / 2
-    unsplit = 2 * B * H_kv * triton.cdiv(N, block_q) > PROGRAMS_PER_SM * sms
-    return override if unsplit else None
+    # a full wave unsplit: at 128 programs on 132 SMs the built-in tile split in two ran faster
+    # at long contexts (B 4 n 64 ctx 32,768: 552 against 760 µs)
+    fills = B * H_kv * triton.cdiv(N, block_q) >= PROGRAMS_PER_SM * sms
+    return override if fills else None
 
 
 def small_tree_applies(N: int, g_pad: int, D: int, kv_capacity: int) -> bool:

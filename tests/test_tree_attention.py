@@ -601,8 +601,8 @@ def test_every_sweep_candidate_matches_reference(cand, tc, data):
 
 def test_candidates_pipeline_and_tuned_routes_only_unsplit_launches():
     """The candidates run the tl.range loop (pipe > 0) or are the default. A default launch
-    takes TUNED's candidate where that tile runs unsplit, the hand-prefetched built-in tiles
-    where the launch splits (or a split count above 1 is asked for); SMALL_TREE stays off."""
+    takes TUNED's candidate where that tile fills the GPU unsplit, the hand-prefetched built-in
+    tiles elsewhere (or where a split count above 1 is asked for); SMALL_TREE stays off."""
     for d, cands in K.CANDIDATES.items():
         assert cands["default"] == {}
         for name, ov in cands.items():
@@ -620,8 +620,8 @@ def test_candidates_pipeline_and_tuned_routes_only_unsplit_launches():
         assert routed == K.pick_config(B, 64, 32, 8, d, 4096, 132, False, override=tuned)
         assert routed.num_splits == 1 and routed.block_m == tuned["block_m"]
     # the boundary: 8 KV heads x 4 tiles of 16 nodes = 32 programs a request; 132 SMs
-    assert K.pick_config(3, 64, 32, 8, 128, 4096, 132, False).pipe == 3  # 96 > 66: unsplit
-    assert K.pick_config(2, 64, 32, 8, 128, 4096, 132, False).pipe == 0  # 64 <= 66: split
+    assert K.pick_config(5, 64, 32, 8, 128, 4096, 132, False).pipe == 3  # 160: a full wave
+    assert K.pick_config(4, 64, 32, 8, 128, 4096, 132, False).pipe == 0  # 128: built-in
     forced = K.pick_config(8, 64, 32, 8, 128, 4096, 132, False, num_splits=2)
     assert forced.pipe == 0 and forced.num_splits == 2
 
