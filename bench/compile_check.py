@@ -525,6 +525,10 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             attention(1, 64, 32, 8, 128, 32768, 16),  # split-KV + merge
             attention(2, 64, 32, 8, 64, 2048, 16),  # every head dim's tile
             attention(2, 64, 32, 8, 256, 2048, 16),
+            # grids of a full wave: the tiles TUNED routes them to, at every head dim
+            attention(8, 64, 32, 8, 128, 4096, 16),
+            attention(32, 64, 32, 8, 64, 2048, 16),
+            attention(32, 64, 16, 4, 256, 2048, 16),
             kv_append(4, 64, 8, 128, 16),
             kv_append(4, 64, 8, 128, 16, hq=32),
             rope(4, 64, 32, 128),

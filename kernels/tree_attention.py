@@ -495,6 +495,8 @@ CANDIDATES: dict[int, dict[str, dict]] = {
         "pipe3": dict(block_m=128, block_n=64, num_warps=8, pipe=3, **_PIPED),
         "n128_pipe3": dict(block_m=128, block_n=128, num_warps=8, pipe=3, **_PIPED),
         "m64_pipe3": dict(block_m=64, block_n=64, num_warps=4, pipe=3, **_PIPED),
+        "m64_pipe4": dict(block_m=64, block_n=64, num_warps=4, pipe=4, **_PIPED),
+        "m64_n128_pipe3": dict(block_m=64, block_n=128, num_warps=4, pipe=3, **_PIPED),
     },
     128: {
         "default": {},
@@ -502,30 +504,40 @@ CANDIDATES: dict[int, dict[str, dict]] = {
         "pipe3": dict(block_m=128, block_n=64, num_warps=8, pipe=3, **_PIPED),
         "m64_pipe2": dict(block_m=64, block_n=64, num_warps=4, pipe=2, **_PIPED),
         "m64_pipe3": dict(block_m=64, block_n=64, num_warps=4, pipe=3, **_PIPED),
+        "m64_pipe4": dict(block_m=64, block_n=64, num_warps=4, pipe=4, **_PIPED),
+        "m64_n32_pipe4": dict(block_m=64, block_n=32, num_warps=4, pipe=4, **_PIPED),
+        "m64_n128_w8_pipe3": dict(block_m=64, block_n=128, num_warps=8, pipe=3, **_PIPED),
     },
     256: {
         "default": {},
         "pipe2": dict(block_m=64, block_n=32, num_warps=8, pipe=2, **_PIPED),
         "pipe3": dict(block_m=64, block_n=32, num_warps=8, pipe=3, **_PIPED),
         "m128_pipe2": dict(block_m=128, block_n=32, num_warps=8, pipe=2, **_PIPED),
+        "m128_st2": dict(block_m=128, block_n=32, num_warps=8, num_stages=2, prefetch=False),
+        "m128_n16": dict(block_m=128, block_n=16, num_warps=8, num_stages=1, prefetch=False),
     },
 }
 """Launch configurations a GPU sweep times per head-dim class (64, 128, 256; bench/
 bench_tree_attention.py --sweep): ``pick_config`` overrides. Each compiles spill-free for sm_90
-(bench/compile_check.py --attention-configs). "default" is the built-in choice; "pipeN" runs the
-prefix loop as a ``tl.range(num_stages=N)`` instead of the hand prefetch; "m64" tiles (4 warps,
-~83 KiB shared, <= 255 registers) fit two programs per SM, so one program's softmax can overlap the
-other's MMAs. ``{"small_tree": True}`` (the small-tree path) is a candidate wherever it applies."""
+(bench/compile_check.py --attention-configs) except the 128-row D 256 tiles: at heads 16/4
+"m128_pipe2" spills 80 bytes a thread, "m128_st2" (Triton's own 2-stage loop) and "m128_n16" 12;
+they are timed to price a small spill against the 64-row tile's 2x. "default" is the built-in
+choice; "pipeN" runs the prefix loop as a ``tl.range(num_stages=N)`` instead of the hand
+prefetch; "m64" tiles (4 warps, ~83 KiB shared, <= 255 registers) fit two programs per SM, so
+one program's softmax can overlap the other's MMAs; "m64_n32_pipe4" (186 registers, ~50 KiB
+shared) could fit three. ``{"small_tree": True}`` (the small-tree path) is a candidate wherever
+it applies."""
 
-TUNED: dict[int, str] = {64: "m64_pipe3", 128: "m64_pipe3", 256: "m128_pipe2"}
+TUNED: dict[int, str] = {64: "m64_pipe3", 128: "m64_pipe3"}
 """Head-dim class -> the CANDIDATES entry launched when no override is given and its tile fills
 the GPU unsplit (``_tuned_override``); other launches keep the built-in tiles. From the H200 sweep
 (bench_tree_attention.py --sweep, bench/results/h200/tree_attention_sweep.json), unsplit shapes, µs
 built-in -> tuned: D 128 B 8 ctx 4,096 n 64 134.8 -> 121.9, B 32 517.1 -> 442.1, B 4 n 127
 135.5 -> 127.5, B 16 n 128 523.2 -> 454.5; D 64 B 32 ctx 2,048 201.0 -> 155.7; D 256 B 32 ctx
-2,048 600.4 -> 282.7 (the 64-row D 256 tile's two programs per SM do not hide its 32-key MMAs;
-one 128-row program does). Split shapes ran slower with the m64 tiles (B 1 ctx 16,384 n 64:
-83.9 -> 140.8: twice the query tiles leave half the splits), so the rule keeps them off there."""
+2,048 600.4 -> 282.7 with "m128_pipe2", which is not routed: every 128-row D 256 tile spills
+at 8 warps (12-80 bytes a thread), and 16 warps cap registers at 128 (364 bytes). Split shapes ran
+slower with the m64 tiles (B 1 ctx 16,384 n 64: 83.9 -> 140.8: twice the query tiles leave half
+the splits), so the rule keeps them off there."""
 
 SMALL_TREE = False
 """Launch the small-tree path by default wherever it applies (off until timed on the GPU)."""
