@@ -337,3 +337,21 @@ def test_memcheck(case):
     RK.kv_append(k, v, kc, vc, kv.block_table, seq, tree.num_nodes, tree.depth)
     assert_close(kv.k_cache, kc, torch.float16, "k_cache")
     assert torch.equal(kv.v_cache, vc)
+
+
+@pytest.mark.parametrize("D", sorted(K.TUNED), ids=lambda d: f"D{d}")
+def test_memcheck_tuned_tiles(D):
+    """The tiles ``TUNED`` routes full-wave launches to, forced on a small ragged batch (so that
+    compute-sanitizer sees them without a wave of programs): empty, partial and multi-tile
+    requests, a query range."""
+    rng = random.Random(D)
+    B, N, lens = 3, 64, [300, 77, 0]
+    tree = _trees(B, N, ["random", "chain", "binary"], rng, sizes=[N, N - 5, 1])
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    kv = paged_kv([L + N for L in lens], 16, 8, D, torch.float16, rng, device=DEV)
+    q = torch.randn(B, N, 32, D, device=DEV, dtype=torch.float16)
+    override = K.CANDIDATES[D][K.TUNED[D]]
+    _check(q, kv, seq, tree, torch.float16, override=override, what=f"D={D} {K.TUNED[D]}")
+    qs = torch.tensor([0, 3, 0], dtype=torch.int32, device=DEV)
+    ql = torch.tensor([7, 20, 1], dtype=torch.int32, device=DEV)
+    _check(q, kv, seq, tree, torch.float16, qs, ql, override=override, what=f"D={D} range")
