@@ -434,11 +434,17 @@ def sweep_update_rows(c: dict, empty_us: float, configs=None) -> list[dict]:
     tree = c["tree"]
     logits, base, want, _, floor = update_inputs(c, empty_us)
     default = dict(kg.UPDATE_TUNING)
-    # the running list (group 0) at its sweep's best, then group maxima over a grid
-    configs = configs or [dict(block_v=512, programs_per_sm=32, num_warps=1, group=0)] + [
-        dict(block_v=bv, programs_per_sm=pps, num_warps=nw, group=g)
-        for g, bv, pps, nw in itertools.product((16, 32), (512, 1024, 2048), (8, 16, 32), (1, 2, 4))
-    ]
+    # the running list (group 0) near its sweep's best with either merge, group maxima over a
+    # grid, and session 22's best group configuration with the bitonic merge
+    grid = itertools.product((16, 32), (512, 1024, 2048), (8, 16, 32), (1, 2, 4))
+    configs = configs or (
+        [dict(block_v=512, programs_per_sm=pps, num_warps=1, group=0, merge=m)
+         for pps, m in itertools.product((16, 32), ("passes", "bitonic"))]
+        + [dict(block_v=bv, programs_per_sm=pps, num_warps=nw, group=g, merge="passes")
+           for g, bv, pps, nw in grid]
+        + [dict(block_v=2048, programs_per_sm=pps, num_warps=1, group=16, merge="bitonic")
+           for pps in (16, 32)]
+    )  # fmt: skip
     rows = []
     try:
         for cfg in configs:
@@ -600,7 +606,10 @@ def main(argv=None) -> dict | None:
             for B in [int(b) for b in args.batches.split(",")]:
                 c = setup(B, V, gen, dev)
                 cfgs = (
-                    [dict(block_v=512, programs_per_sm=32, num_warps=1, group=g) for g in (0, 32)]
+                    [
+                        dict(block_v=512, programs_per_sm=32, num_warps=1, group=g, merge=m)
+                        for g, m in ((0, "passes"), (32, "bitonic"))
+                    ]  # fmt: skip
                     if dev.type != "cuda"
                     else None
                 )

@@ -628,11 +628,19 @@ def retrieve(
     return tok, par, dep, num
 
 
-UPDATE_TUNING = {"block_v": 512, "programs_per_sm": 32, "num_warps": 1, "group": 0}
+UPDATE_TUNING = {
+    "block_v": 512,
+    "programs_per_sm": 32,
+    "num_warps": 1,
+    "group": 0,
+    "merge": "passes",
+}
 """Stage 1's launch configuration on the GPU: logits per block, programs per SM that the splits
 of V aim for, warps per program, and the top-k method: ``group`` 0 keeps a running list that a
 block's best key enters while it beats the worst; ``group`` g > 0 keeps the largest maxima of
-groups of g logits and rereads those groups (``_update_group``). ``bench/bench_graft.py
+groups of g logits and rereads those groups (``_update_group``); and how the write stage merges
+the splits' lists: ``merge`` "passes" (K dependent max passes) or "bitonic" (one top-KB).
+``bench/bench_graft.py
 --sweep-update`` varies it; the splits it implies are part of ``update_workspace_key``, so a
 table's cached workspace follows it."""
 
@@ -783,6 +791,7 @@ def adjacency_update(
             C=C,
             BLOCK_M=block_m,
             FROM_LOGITS=logits is not None,
+            BITONIC=UPDATE_TUNING["merge"] == "bitonic",
             LAST_WINS=last_wins,
             num_warps=4,
         )

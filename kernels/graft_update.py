@@ -17,9 +17,10 @@ then the KB winning groups reread: a fixed sequence of vector steps. It writes t
 (value key, bit-cast into the float32 buffer; id, or -1 when empty). Split 0 also claims the node's
 token with ``atomic_min(owner[token], claim)``. ``_claim_kernel``: the claims alone (top-k ids
 given). ``_update_write_kernel``, grid (node blocks): merges the splits' lists with int64 keys
-rebuilt from (value key, id), k maxima, or reads the given ids, and the node whose claim equals
-``owner[token]`` writes the row and resets the owner to INT32_MAX. A claim is the flattened node
-index (the lowest wins), or its mirror ``n_flat - 1 - index`` when the last one wins.
+rebuilt from (value key, id), by k dependent max passes or (``BITONIC``) one bitonic top-KB a
+row, or reads the given ids, and the node whose claim equals ``owner[token]`` writes the row
+and resets the owner to INT32_MAX. A claim is the flattened node index (the lowest wins), or its
+mirror ``n_flat - 1 - index`` when the last one wins.
 """
 
 from __future__ import annotations
@@ -245,6 +246,7 @@ def _update_write_kernel(
     C: tl.constexpr,
     BLOCK_M: tl.constexpr,
     FROM_LOGITS: tl.constexpr,
+    BITONIC: tl.constexpr,
     LAST_WINS: tl.constexpr,
 ):
     o_f = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] flat nodes
@@ -268,12 +270,17 @@ def _update_write_kernel(
         b_i = tl.load(ws_id_ptr + p_c, mask=m_c, other=-1)  # [M, C]
         key = (vk.to(tl.int64) << 32) | (_LOW32 - b_i.to(tl.int64))
         key = tl.where(b_i >= 0, key, _K64MIN)
-        b_row = tl.full([BLOCK_M, KB], -1, tl.int32)
-        for r in tl.static_range(K):
-            best = tl.max(key, axis=1)
-            bi = tl.where(best != _K64MIN, _LOW32 - (best & _LOW32), -1).to(tl.int32)
-            b_row = tl.where(o_k[None, :] == r, bi[:, None], b_row)
-            key = tl.where(key == best[:, None], _K64MIN, key)
+        if BITONIC:
+            # one bitonic top-KB per row (descending), instead of K dependent max passes
+            top = tl.topk(key, KB)  # [M, KB]
+            b_row = tl.where(top != _K64MIN, (top & _LOW32) * -1 + _LOW32, -1).to(tl.int32)
+        else:
+            b_row = tl.full([BLOCK_M, KB], -1, tl.int32)
+            for r in tl.static_range(K):
+                best = tl.max(key, axis=1)
+                bi = tl.where(best != _K64MIN, _LOW32 - (best & _LOW32), -1).to(tl.int32)
+                b_row = tl.where(o_k[None, :] == r, bi[:, None], b_row)
+                key = tl.where(key == best[:, None], _K64MIN, key)
     else:
         p_i = o_f[:, None] // N * stride_ib + o_f[:, None] % N * stride_in + o_k[None, :]
         b_row = tl.load(ids_ptr + p_i, mask=win[:, None] & (o_k[None, :] < k_ids), other=-1)

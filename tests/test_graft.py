@@ -783,11 +783,14 @@ _SPECIALS = [0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, float("inf"), float("-inf"), f
     st.sampled_from([1, 2, 5, 8, 16]),
     st.sampled_from(["randn", "ties", "specials"]),
     st.sampled_from([0, 1, 2, 4]),
+    st.sampled_from(["passes", "bitonic"]),
 )
-def test_update_kernel_splits_and_special_values(seed, dtype, splits, block_v, V, k, kind, group):
+def test_update_kernel_splits_and_special_values(
+    seed, dtype, splits, block_v, V, k, kind, group, merge
+):
     """Any split/block (V rarely their multiple; k >= V), ties, ±0, ±inf, NaN, either top-k
-    method (group 0: the running list; else group maxima, where a block holds KB groups): the
-    reference's."""
+    method (group 0: the running list; else group maxima, where a block holds KB groups) and
+    either merge of the splits' lists: the reference's."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     B, N = rng.randint(1, 2), rng.choice([1, 3, 6])
@@ -802,7 +805,7 @@ def test_update_kernel_splits_and_special_values(seed, dtype, splits, block_v, V
     with (
         patch.object(kern, "_splits", lambda n, v, b, d: splits),
         patch.object(kern, "_update_block_v", lambda: block_v),
-        patch.dict(kern.UPDATE_TUNING, {"group": group}),
+        patch.dict(kern.UPDATE_TUNING, {"group": group, "merge": merge}),
     ):
         for num, last in ((tree.num_nodes, False), (lengths, True)):
             want = torch.full((V, k), -1, dtype=torch.int32)

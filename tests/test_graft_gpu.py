@@ -153,11 +153,15 @@ def test_graft_is_graph_capturable():
         (3, 16, 300, torch.float32),
     ],
 )
-@pytest.mark.parametrize("group", [0, 16, 64])
-def test_update_matches_reference(B, N, V, dtype, group, monkeypatch):
+@pytest.mark.parametrize(
+    "group,merge", [(0, "passes"), (0, "bitonic"), (16, "passes"), (64, "bitonic")]
+)
+def test_update_matches_reference(B, N, V, dtype, group, merge, monkeypatch):
     """Both top-k methods of the update's stage 1 (group 0: the running list; else group
-    maxima of that many logits), with many ties, duplicate tokens, top-k ids, warm start."""
+    maxima of that many logits) and both merges of its write stage, with many ties, duplicate
+    tokens, top-k ids, warm start."""
     monkeypatch.setitem(kern.UPDATE_TUNING, "group", group)
+    monkeypatch.setitem(kern.UPDATE_TUNING, "merge", merge)
     tree, tab, rng = batch(B, N, V, seed=B + N, keep=None)
     tree.tokens.copy_(tree.tokens % max(1, V // 7))  # duplicates across nodes and requests
     g = torch.Generator().manual_seed(B)
