@@ -422,9 +422,9 @@ def row_update(c: dict, empty_us: float, time_treeops=None) -> dict:
 
 
 def sweep_update_rows(c: dict, empty_us: float, configs=None) -> list[dict]:
-    """``AdjacencyTable.update`` from bf16 logits under each stage-1 launch configuration
-    (``kernels.graft.UPDATE_TUNING``: block, programs per SM, warps, top-k method), each checked
-    against the exact result first; the default configuration is restored afterwards."""
+    """``AdjacencyTable.update`` from bf16 logits under each configuration
+    (``kernels.graft.UPDATE_TUNING``: block, programs per SM, warps, top-k method, merge), each
+    checked against the exact result first; the default configuration is restored afterwards."""
     import itertools
 
     from treeops.kernels import graft as kg
@@ -571,7 +571,8 @@ def main(argv=None) -> dict | None:
     ap.add_argument(
         "--sweep-update",
         action="store_true",
-        help="only the update's stage-1 launch configurations: graft_update_sweep.json",
+        help="only the update's configurations (kernels.graft.UPDATE_TUNING): "
+        "graft_update_sweep.json",
     )
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--vocabs", default="32000,128256")

@@ -635,14 +635,13 @@ UPDATE_TUNING = {
     "group": 0,
     "merge": "passes",
 }
-"""Stage 1's launch configuration on the GPU: logits per block, programs per SM that the splits
-of V aim for, warps per program, and the top-k method: ``group`` 0 keeps a running list that a
-block's best key enters while it beats the worst; ``group`` g > 0 keeps the largest maxima of
-groups of g logits and rereads those groups (``_update_group``); and how the write stage merges
-the splits' lists: ``merge`` "passes" (K dependent max passes) or "bitonic" (one top-KB).
-``bench/bench_graft.py
---sweep-update`` varies it; the splits it implies are part of ``update_workspace_key``, so a
-table's cached workspace follows it."""
+"""The update's configuration on the GPU. Stage 1: logits per block, programs per SM that the
+splits of V aim for, warps per program, and the top-k method: ``group`` 0 keeps a running list
+that a block's best key enters while it beats the worst; ``group`` g > 0 keeps the largest
+maxima of groups of g logits and rereads those groups (``_update_group``). The write stage:
+``merge`` "passes" (K dependent max passes over the splits' lists) or "bitonic" (one top-KB a
+row). ``bench/bench_graft.py --sweep-update`` varies it; the splits it implies are part of
+``update_workspace_key``, so a table's cached workspace follows it."""
 
 
 def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
