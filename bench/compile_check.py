@@ -93,8 +93,8 @@ _COMPILED: list = []  # (kernel name, CompiledKernel) per launch, in order
 
 def _install() -> None:
     """Point Triton at ``ARCH``, make every launch compile-only and give the launchers' SM-count
-    queries that GPU's count."""
-    name, sms, _ = ARCHS[ARCH]
+    and shared-memory queries that GPU's figures."""
+    name, sms, shared = ARCHS[ARCH]
     driver.set_active(_Driver())
     run = JITFunction.run
 
@@ -104,7 +104,11 @@ def _install() -> None:
         return kernel
 
     JITFunction.run = compile_only
-    props = SimpleNamespace(multi_processor_count=sms, name=f"NVIDIA {name} (sm_{ARCH} target)")
+    props = SimpleNamespace(
+        multi_processor_count=sms,
+        shared_memory_per_block_optin=shared,
+        name=f"NVIDIA {name} (sm_{ARCH} target)",
+    )
     torch.cuda.get_device_properties = lambda *a, **k: props
     from treeops import _runtime
     from treeops.kernels import accept, build_tree, graft
@@ -112,6 +116,7 @@ def _install() -> None:
     # every launcher asks the SM count through treeops._runtime; the vocabulary-split choices
     # also take the GPU-only branch, as the launchers would for CUDA tensors
     _runtime.sm_count = lambda device: sms
+    _runtime.shared_memory = lambda device: shared
     gpu = torch.device("cuda", 0)
     for mod, fn, at in (
         (accept, "default_splits", 3),  # (B, N, V, device, block_v)

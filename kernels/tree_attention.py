@@ -110,6 +110,24 @@ def _load_kv(kv, page, pos, m_k, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _tree_visible(p_anc, j0, o_n, m_row, m_k, N, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] visibility of tree keys ``j0 + o_n`` to the tile's rows: bit j of the
+    row's ancestor words (``p_anc`` [BLOCK_M] points at word 0), where ``m_row`` and ``m_k``.
+    ``j0`` is a multiple of BLOCK_N, so the keys lie in one word (BLOCK_N <= 32) or in
+    BLOCK_N / 32 whole words: [BLOCK_M] loads of the words, not a [BLOCK_M, BLOCK_N] gather of
+    the same word 32 times (its 64-bit pointers alone held 32 registers a thread at 128 x 32)."""
+    if BLOCK_N <= 32:
+        word = tl.load(p_anc + j0 // 32, mask=m_row, other=0)  # [BLOCK_M]
+        bits = word[:, None] >> ((j0 % 32) + o_n)[None, :]
+    else:
+        bits = tl.zeros([p_anc.shape[0], BLOCK_N], tl.int32)
+        for i in tl.static_range(BLOCK_N // 32):
+            word = tl.load(p_anc + j0 // 32 + i, mask=m_row & (j0 + 32 * i < N), other=0)
+            bits = tl.where((o_n // 32 == i)[None, :], word[:, None] >> (o_n % 32)[None, :], bits)
+    return ((bits & 1) != 0) & m_k[None, :]
+
+
+@triton.jit
 def _splits_used(
     kv_len, NUM_SPLITS: tl.constexpr, SPLIT_MIN_LEN: tl.constexpr, SPLIT_CHUNK: tl.constexpr
 ):
@@ -120,31 +138,38 @@ def _splits_used(
 
 
 @triton.jit
-def _merge_tile(WO, WL, O, L, w_row, o_q, o_h, o_d, m_row, used, s_ob, s_on, s_oh, s_od, s_lb,
-                s_ln, s_lh, i_b, BLOCK_M: tl.constexpr, D: tl.constexpr,
+def _merge_tile(WO, WL, O, L, w_row, o_q, o_h, m_row, used, s_ob, s_on, s_oh, s_od, s_lb, s_ln,
+                s_lh, i_b, BLOCK_M: tl.constexpr, D: tl.constexpr,
                 WRITE_LSE: tl.constexpr):  # fmt: skip
     """One query tile's output from its ``used`` partials (rows ``w_row + s`` of the workspace),
-    weighted by exp(lse_s - max lse) as ``_merge_splits`` does, accumulated online."""
-    b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    b_l = tl.zeros([BLOCK_M], tl.float32)
-    b_acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for s in range(0, used):
-        lse = tl.load(WL + w_row + s, mask=m_row, other=float("-inf"))
-        part = tl.load(WO + (w_row + s)[:, None] * D + o_d[None, :], mask=m_row[:, None], other=0.0)
-        m_new = tl.maximum(b_m, lse)
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        keep = tl.exp(b_m - base)
-        w = tl.exp(lse - base)
-        b_acc = b_acc * keep[:, None] + w[:, None] * part
-        b_l = b_l * keep + w
-        b_m = m_new
-    seen = b_l > 0.0
-    b_o = b_acc / tl.where(seen, b_l, 1.0)[:, None]
-    p_o = O + i_b * s_ob + o_q[:, None] * s_on + o_h[:, None] * s_oh + o_d[None, :] * s_od
-    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None])
-    if WRITE_LSE:
-        b_lse = tl.where(seen, b_m + tl.log(tl.where(seen, b_l, 1.0)), float("-inf"))
-        tl.store(L + i_b * s_lb + o_q * s_ln + o_h * s_lh, b_lse, mask=m_row)
+    weighted by exp(lse_s - max lse) as ``_merge_splits`` does, accumulated online; in column
+    blocks of at most 128 (a [128, 256] fp32 accumulator and partial would not fit the
+    registers)."""
+    DM: tl.constexpr = D if D <= 128 else 128
+    for c in tl.static_range(D // DM):
+        o_d = (c * DM + tl.arange(0, DM)).to(tl.int64)
+        b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        b_l = tl.zeros([BLOCK_M], tl.float32)
+        b_acc = tl.zeros([BLOCK_M, DM], tl.float32)
+        for s in range(0, used):
+            lse = tl.load(WL + w_row + s, mask=m_row, other=float("-inf"))
+            part = tl.load(
+                WO + (w_row + s)[:, None] * D + o_d[None, :], mask=m_row[:, None], other=0.0
+            )
+            m_new = tl.maximum(b_m, lse)
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            keep = tl.exp(b_m - base)
+            w = tl.exp(lse - base)
+            b_acc = b_acc * keep[:, None] + w[:, None] * part
+            b_l = b_l * keep + w
+            b_m = m_new
+        seen = b_l > 0.0
+        b_o = b_acc / tl.where(seen, b_l, 1.0)[:, None]
+        p_o = O + i_b * s_ob + o_q[:, None] * s_on + o_h[:, None] * s_oh + o_d[None, :] * s_od
+        tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_row[:, None])
+        if WRITE_LSE and c == 0:
+            b_lse = tl.where(seen, b_m + tl.log(tl.where(seen, b_l, 1.0)), float("-inf"))
+            tl.store(L + i_b * s_lb + o_q * s_ln + o_h * s_lh, b_lse, mask=m_row)
 
 
 @triton.jit(do_not_specialize=["N", "H_KV", "qk_scale"])
@@ -327,18 +352,18 @@ def _tree_attn_fwd(
             b_acc, b_m, b_l = _attend(
                 b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, m_k[None, :], True, UPCAST
             )
-        # tree nodes: key j visible iff bit j of anc[b, row] (ancestor-or-self)
-        p_anc = ANC + i_b * s_ab + o_q[:, None] * s_an  # [BLOCK_M, 1]
-        for t0 in range(tl.maximum(start, seq), end, BLOCK_N):
+        # tree nodes: key j visible iff bit j of anc[b, row] (ancestor-or-self). The tiles start
+        # at whole multiples of BLOCK_N from the first node, so each spans whole anc words (or
+        # part of one) and a row's visibility is one word load per 32 keys (``_tree_visible``);
+        # a chunk boundary inside a tile masks the keys before ``start``
+        p_anc = ANC + i_b * s_ab + o_q * s_an  # [BLOCK_M]
+        t_first = seq + (tl.maximum(start - seq, 0) // BLOCK_N) * BLOCK_N
+        for t0 in range(t_first, end, BLOCK_N):
             pos = t0 + o_n
-            m_k = pos < end
-            j = pos - seq  # [BLOCK_N] tree node of the key
+            m_k = (pos >= start) & (pos < end)
             page = _kv_page(p_bt, pos, m_k, PAGE_SIZE, True)
             b_k, b_v = _load_kv(kv, page, pos, m_k, PAGE_SIZE, True)
-            word = tl.load(
-                p_anc + (j // 32)[None, :], mask=m_row[:, None] & m_k[None, :], other=0
-            )  # [BLOCK_M, BLOCK_N] int32
-            vis = ((word >> (j % 32)[None, :]) & 1) != 0
+            vis = _tree_visible(p_anc, t0 - seq, o_n, m_row, m_k, N, BLOCK_N)
             b_acc, b_m, b_l = _attend(b_q, b_k, b_v, b_acc, b_m, b_l, qk_scale, vis, True, UPCAST)
 
         seen = b_l > 0.0
@@ -363,8 +388,8 @@ def _tree_attn_fwd(
                 done = arrive(p_cnt, FENCE)
                 if done == used - 1:
                     _merge_tile(
-                        WO, WL, O, L, w_row, o_q, o_h, o_d, m_row, used, s_ob, s_on, s_oh, s_od,
-                        s_lb, s_ln, s_lh, i_b, BLOCK_M, D, WRITE_LSE,
+                        WO, WL, O, L, w_row, o_q, o_h, m_row, used, s_ob, s_on, s_oh, s_od, s_lb,
+                        s_ln, s_lh, i_b, BLOCK_M, D, WRITE_LSE,
                     )  # fmt: skip
                     tl.atomic_xchg(p_cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
@@ -506,38 +531,33 @@ CANDIDATES: dict[int, dict[str, dict]] = {
         "m64_pipe3": dict(block_m=64, block_n=64, num_warps=4, pipe=3, **_PIPED),
         "m64_pipe4": dict(block_m=64, block_n=64, num_warps=4, pipe=4, **_PIPED),
         "m64_n32_pipe4": dict(block_m=64, block_n=32, num_warps=4, pipe=4, **_PIPED),
-        "m64_n128_w8_pipe3": dict(block_m=64, block_n=128, num_warps=8, pipe=3, **_PIPED),
     },
     256: {
         "default": {},
-        "pipe2": dict(block_m=64, block_n=32, num_warps=8, pipe=2, **_PIPED),
-        "pipe3": dict(block_m=64, block_n=32, num_warps=8, pipe=3, **_PIPED),
-        "m128_pipe2": dict(block_m=128, block_n=32, num_warps=8, pipe=2, **_PIPED),
-        "m128_st2": dict(block_m=128, block_n=32, num_warps=8, num_stages=2, prefetch=False),
+        "m64_prefetch": dict(block_m=64, block_n=32, num_warps=8, num_stages=2, prefetch=True),
+        "m128_st3": dict(block_m=128, block_n=32, num_warps=8, num_stages=3, prefetch=False),
         "m128_n16": dict(block_m=128, block_n=16, num_warps=8, num_stages=1, prefetch=False),
     },
 }
 """Launch configurations a GPU sweep times per head-dim class (64, 128, 256; bench/
-bench_tree_attention.py --sweep): ``pick_config`` overrides. Each compiles spill-free for sm_90
-(bench/compile_check.py --attention-configs) except the 128-row D 256 tiles: at heads 16/4
-"m128_pipe2" spills 80 bytes a thread, "m128_st2" (Triton's own 2-stage loop) and "m128_n16" 12;
-they are timed to price a small spill against the 64-row tile's 2x. "default" is the built-in
-choice; "pipeN" runs the prefix loop as a ``tl.range(num_stages=N)`` instead of the hand
-prefetch; "m64" tiles (4 warps, ~83 KiB shared, <= 255 registers) fit two programs per SM, so
-one program's softmax can overlap the other's MMAs; "m64_n32_pipe4" (186 registers, ~50 KiB
-shared) could fit three. ``{"small_tree": True}`` (the small-tree path) is a candidate wherever
-it applies."""
+bench_tree_attention.py --sweep): ``pick_config`` overrides, each spill-free on sm_90 (bench/
+compile_check.py --attention-configs, in CI). "default" is the built-in choice; "pipeN" runs the
+prefix loop as a ``tl.range(num_stages=N)`` instead of the hand prefetch; "m64" tiles (4 warps,
+~83 KiB shared, <= 255 registers) fit two programs per SM, so one program's softmax can overlap
+the other's MMAs; "m64_n32_pipe4" (168 registers, ~50 KiB shared) could fit three. At D 256,
+"m64_prefetch" is the 64-row tile the built-in 128-row one replaced. ``{"small_tree": True}``
+(the small-tree path) is a candidate wherever it applies."""
 
-TUNED: dict[int, str] = {64: "m64_pipe3", 128: "m64_pipe3"}
+TUNED: dict[int, str] = {64: "m64_n128_pipe3", 128: "m64_pipe3"}
 """Head-dim class -> the CANDIDATES entry launched when no override is given and its tile fills
 the GPU unsplit (``_tuned_override``); other launches keep the built-in tiles. From the H200 sweep
 (bench_tree_attention.py --sweep, bench/results/h200/tree_attention_sweep.json), unsplit shapes, µs
-built-in -> tuned: D 128 B 8 ctx 4,096 n 64 134.8 -> 121.9, B 32 517.1 -> 442.1, B 4 n 127
-135.5 -> 127.5, B 16 n 128 523.2 -> 454.5; D 64 B 32 ctx 2,048 201.0 -> 155.7; D 256 B 32 ctx
-2,048 600.4 -> 282.7 with "m128_pipe2", which is not routed: every 128-row D 256 tile spills
-at 8 warps (12-80 bytes a thread), and 16 warps cap registers at 128 (364 bytes). Split shapes ran
-slower with the m64 tiles (B 1 ctx 16,384 n 64: 83.9 -> 140.8: twice the query tiles leave half
-the splits), so the rule keeps them off there."""
+built-in -> tuned: D 128 B 8 ctx 4,096 n 64 135.9 -> 123.3, B 32 520.0 -> 446.8, B 4 n 127
+137.9 -> 126.6, B 16 n 128 526.8 -> 454.0 ("m64_pipe4" within 1 % of it everywhere); D 64 B 32
+ctx 2,048 198.9 -> 156.2, B 8 ctx 4,096 89.1 -> 77.7 (where "m64_pipe3" ran 98.6). Split shapes
+ran slower with the m64 tiles (B 1 ctx 16,384 n 64: 85.7 -> 142.4: twice the query tiles leave
+half the splits), so the rule keeps them off there. D 256 needs no entry: its built-in tile is
+the sweep's best at every shape, split or not."""
 
 SMALL_TREE = False
 """Launch the small-tree path by default wherever it applies (off until timed on the GPU)."""
@@ -553,6 +573,11 @@ SMALL_TREE_MAX_CAPACITY = 1024 + 64
 """The small-tree path applies to N <= SMALL_TREE_MAX_N query rows and block tables of at most
 SMALL_TREE_MAX_CAPACITY slots: one program per (request, KV head) holds every node and query head
 of its group, walks all keys and writes the output itself (one launch, no split, no merge)."""
+
+
+D256_WIDE_SHARED = 136 * 1024
+"""Opt-in shared memory per block the built-in 128-row D 256 tile needs (Q, two K/V stages:
+132,608 bytes on sm_90); a GPU with less (sm_86/89/120: 99 KiB) keeps the 64-row tile."""
 
 
 def head_dim_class(D: int) -> int:
@@ -606,8 +631,11 @@ def pick_config(
     interpret: bool,
     num_splits: int | None = None,
     override: dict | None = None,
+    elem_bytes: int = 2,
+    max_shared: int = 232448,
 ) -> AttnConfig:
-    """Tile sizes and split count from capacities and the device only (never tensor values).
+    """Tile sizes and split count from capacities, the element size and the device (SM count,
+    opt-in shared memory per block) only, never tensor values.
 
     ``override`` (tests, the benchmark's sweep) replaces any of block_m, block_n, num_warps,
     num_stages, prefetch, pipe, warp_specialize, programs_per_sm, min_chunk, split_min_len,
@@ -633,9 +661,16 @@ def pick_config(
     elif D <= 128:
         # with the hand-pipelined loop, one stage beats 2 or 3 (bench/attention_notes.md)
         block_m, block_n, warps, stages = 128, 64, 8, 1
+    elif elem_bytes <= 2 and max_shared >= D256_WIDE_SHARED:
+        # two warpgroups of 64 rows, each a full wgmma M; spill-free only with Triton's own
+        # two-stage loop (the hand prefetch holds a second K/V tile in registers: 280 bytes a
+        # thread). The 64-row tile it replaced ran at 2.07x its time (B 32 ctx 2,048 n 64: 599.9
+        # against 289.9 µs; H200 sweep, "m64_prefetch")
+        block_m, block_n, warps, stages = 128, 32, 8, 2
     else:
+        # fp32 (a 128-row tile's Q and two K/V stages: 256 KiB) or a GPU with less shared memory
         block_m, block_n, warps, stages = 64, 32, 8, 2
-    prefetch = not interpret
+    prefetch = not interpret and not (D > 128 and block_m == 128)
     pipe, warp_spec = 0, False
     ppsm, min_chunk = PROGRAMS_PER_SM, MIN_CHUNK
     # an explicit split count splits every request that has the keys for it
@@ -709,6 +744,8 @@ def config_for(
         interpreted(),
         num_splits,
         override,
+        q.element_size(),
+        _runtime.shared_memory(q.device),
     )
 
 

@@ -607,15 +607,26 @@ def test_candidates_pipeline_and_tuned_routes_only_unsplit_launches():
         assert cands["default"] == {}
         for name, ov in cands.items():
             cfg = K.pick_config(4, 64, 32, 8, d, 4096, 132, False, override=ov)
-            # every other candidate leaves the loads to Triton's pipeliner (tl.range or stages)
-            assert name == "default" or not cfg.prefetch, (d, name)
+            # every other candidate but the former built-in D 256 tile leaves the loads to
+            # Triton's pipeliner (tl.range or stages)
+            assert name in ("default", "m64_prefetch") or not cfg.prefetch, (d, name)
     assert K.SMALL_TREE is False
     for d, name in K.TUNED.items():
         assert name in K.CANDIDATES[d] and name != "default"
     cfg = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False)  # 16 programs: split, built-in
     assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (128, 64, 8, 1)
     assert cfg.prefetch and cfg.pipe == 0 and cfg.num_splits > 1
-    assert 256 not in K.TUNED  # its fastest tile spills (CANDIDATES): D 256 keeps the built-in
+    # D 256: no TUNED entry; the built-in tile is two warpgroups of 64 rows in Triton's two-stage
+    # loop at 16-bit dtypes, 64 rows with the hand prefetch at fp32 (shared memory)
+    assert 256 not in K.TUNED
+    # (or on a GPU with 99 KiB of shared memory a block)
+    for elem, shared, want in [
+        (2, 232448, (128, 32, 8, 2, False)),
+        (4, 232448, (64, 32, 8, 2, True)),
+        (2, 101376, (64, 32, 8, 2, True)),
+    ]:
+        c = K.pick_config(32, 64, 16, 4, 256, 4096, 132, False, elem_bytes=elem, max_shared=shared)
+        assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.prefetch) == want, elem
     for B, d in [(8, 128), (32, 64)]:  # the sweep's unsplit shapes
         routed = K.pick_config(B, 64, 32, 8, d, 4096, 132, False)
         tuned = K.CANDIDATES[d][K.TUNED[d]]

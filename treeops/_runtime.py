@@ -1,4 +1,5 @@
-"""Runtime facts the kernels' launchers share: interpreter mode, SM count, capture state.
+"""Runtime facts the kernels' launchers share: interpreter mode, SM count, shared memory, capture
+state.
 
 Nothing here touches ``triton.runtime.driver.active`` or CUDA at import time: on a machine with no
 GPU both raise, and the interpreter tests import every launcher.
@@ -46,6 +47,20 @@ def sm_count(device: torch.device) -> int:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return _cuda_sm_count(index)
     return 4
+
+
+@functools.cache
+def _cuda_shared_memory(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def shared_memory(device: torch.device) -> int:
+    """Opt-in shared memory per block of ``device`` in bytes, asked lazily and cached per GPU;
+    the H200's 227 KiB off the GPU (the interpreter ignores it)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_shared_memory(index)
+    return 232448
 
 
 def refuse_in_capture(what: str) -> None:
