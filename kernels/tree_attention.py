@@ -531,6 +531,8 @@ CANDIDATES: dict[int, dict[str, dict]] = {
         "m64_pipe3": dict(block_m=64, block_n=64, num_warps=4, pipe=3, **_PIPED),
         "m64_pipe4": dict(block_m=64, block_n=64, num_warps=4, pipe=4, **_PIPED),
         "m64_n32_pipe4": dict(block_m=64, block_n=32, num_warps=4, pipe=4, **_PIPED),
+        "m128_st2": dict(block_m=128, block_n=64, num_warps=8, num_stages=2, prefetch=False),
+        "m64_st2": dict(block_m=64, block_n=64, num_warps=4, num_stages=2, prefetch=False),
     },
     256: {
         "default": {},
@@ -544,9 +546,10 @@ bench_tree_attention.py --sweep): ``pick_config`` overrides, each spill-free on 
 compile_check.py --attention-configs, in CI). "default" is the built-in choice; "pipeN" runs the
 prefix loop as a ``tl.range(num_stages=N)`` instead of the hand prefetch; "m64" tiles (4 warps,
 ~83 KiB shared, <= 255 registers) fit two programs per SM, so one program's softmax can overlap
-the other's MMAs; "m64_n32_pipe4" (168 registers, ~50 KiB shared) could fit three. At D 256,
-"m64_prefetch" is the 64-row tile the built-in 128-row one replaced. ``{"small_tree": True}``
-(the small-tree path) is a candidate wherever it applies."""
+the other's MMAs; "m64_n32_pipe4" (168 registers, ~50 KiB shared) could fit three; "stN" tiles
+leave every key loop (the tree's too) to Triton's N-stage pipeliner, as D 256's built-in tile
+does. At D 256, "m64_prefetch" is the 64-row tile the built-in 128-row one replaced.
+``{"small_tree": True}`` (the small-tree path) is a candidate wherever it applies."""
 
 TUNED: dict[int, str] = {64: "m64_n128_pipe3", 128: "m64_pipe3"}
 """Head-dim class -> the CANDIDATES entry launched when no override is given and its tile fills
