@@ -658,22 +658,21 @@ def pick_config(
     # 532 bytes per thread; bench/attention_notes.md), with 8 none does (checked in CI,
     # tests/test_compile_check.py)
     if interpret:
-        block_m, block_n, warps, stages = 64, 32, 4, 1
+        block_m, block_n, warps, stages, prefetch = 64, 32, 4, 1, False
     elif D <= 64:
-        block_m, block_n, warps, stages = 128, 64, 8, 3
+        block_m, block_n, warps, stages, prefetch = 128, 64, 8, 3, True
     elif D <= 128:
         # with the hand-pipelined loop, one stage beats 2 or 3 (bench/attention_notes.md)
-        block_m, block_n, warps, stages = 128, 64, 8, 1
+        block_m, block_n, warps, stages, prefetch = 128, 64, 8, 1, True
     elif elem_bytes <= 2 and max_shared >= D256_WIDE_SHARED:
         # two warpgroups of 64 rows, each a full wgmma M; spill-free only with Triton's own
         # two-stage loop (the hand prefetch holds a second K/V tile in registers: 280 bytes a
         # thread). The 64-row tile it replaced ran at 2.07x its time (B 32 ctx 2,048 n 64: 599.9
         # against 289.9 µs; H200 sweep, "m64_prefetch")
-        block_m, block_n, warps, stages = 128, 32, 8, 2
+        block_m, block_n, warps, stages, prefetch = 128, 32, 8, 2, False
     else:
         # fp32 (a 128-row tile's Q and two K/V stages: 256 KiB) or a GPU with less shared memory
-        block_m, block_n, warps, stages = 64, 32, 8, 2
-    prefetch = not interpret and not (D > 128 and block_m == 128)
+        block_m, block_n, warps, stages, prefetch = 64, 32, 8, 2, True
     pipe, warp_spec = 0, False
     ppsm, min_chunk = PROGRAMS_PER_SM, MIN_CHUNK
     # an explicit split count splits every request that has the keys for it

@@ -36,30 +36,28 @@ def cdiv(a: int, b: int) -> int:
 
 
 @functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _properties(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_properties(index)
 
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device``, asked lazily and cached per GPU; a pretend 4 off the
     GPU, so that interpreter tests exercise the multi-program (split) paths of the launchers."""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return _cuda_sm_count(index)
+        return _properties(device).multi_processor_count
     return 4
-
-
-@functools.cache
-def _cuda_shared_memory(index: int) -> int:
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
 def shared_memory(device: torch.device) -> int:
     """Opt-in shared memory per block of ``device`` in bytes, asked lazily and cached per GPU;
     the H200's 227 KiB off the GPU (the interpreter ignores it)."""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return _cuda_shared_memory(index)
+        return _properties(device).shared_memory_per_block_optin
     return 232448
 
 
