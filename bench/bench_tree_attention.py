@@ -11,8 +11,11 @@ recorded). Each output is compared with an fp32 reference before it is timed; a 
 reported instead of a time. Times are medians of CUDA-graph replays (``harness.graph_us``;
 CUDA events around eager calls where a peer cannot be captured: the method is recorded per
 peer); ``treeops_eager_us`` is one eager call with the host included. The inputs are not
-rotated (the smallest shapes' K/V fit in the L2, for every peer alike). The floor is
-max(bytes / 4.3 TB/s, flops / 790 TFLOP/s) as docs/benchmarks.md defines it. Writes
+rotated (the smallest shapes' K/V fit in the L2, for every peer alike). Shapes whose K/V fit in
+``CHAIN_MAX_KV_BYTES`` are also timed chained (``*_chain_us``: many calls in one graph, each on
+its own copy of the caches), which leaves out what starting a graph replay costs; the document
+records that cost (``empty_kernel_graph_us``: an empty kernel alone in a graph, and chained).
+The floor is max(bytes / 4.3 TB/s, flops / 790 TFLOP/s) as docs/benchmarks.md defines it. Writes
 ``DIR/tree_attention.json`` (``gpu``, ``versions``, ``commit``, ``rows``) and prints a table
 last. ``python -m pytest bench/bench_tree_attention.py --benchmark-only`` times treeops on the
 docs/benchmarks.md shapes (FlashInfer's custom-mask prefill as the peer where it imports).
@@ -311,6 +314,67 @@ def measure(name, row, make, ref, graph=True, timer=None):
         traceback.print_exc(limit=2)
 
 
+CHAIN_MAX_KV_BYTES = 32e6
+"""Shapes whose K/V take at most this many bytes are also timed chained (``chained_row``)."""
+
+
+def chained_row(c: Case, peers: bool) -> dict:
+    """Per-call µs of treeops and FlashInfer (custom mask, causal) with many calls in one CUDA
+    graph, each on its own copy of the paged caches (``harness.rotation``: the copies span
+    twice the L2, so no call finds its K/V cached): what a step graph that holds the op pays for
+    it, without the fixed cost of starting a graph replay that a graph of one small kernel
+    measures. Columns ``*_chain_us``; ``chain_copies``, ``chain_reps``."""
+    kv_bytes = 2 * c.k_cache.numel() * c.k_cache.element_size()
+    copies, reps = H.rotation(kv_bytes)
+    kcs = [c.k_cache] + [c.k_cache.clone() for _ in range(copies - 1)]
+    vcs = [c.v_cache] + [c.v_cache.clone() for _ in range(copies - 1)]
+    out = torch.empty_like(c.q)
+    ws = treeops.tree_attention_workspace(c.q, c.k_cache, c.block_table)
+
+    def ours(kc, vc):
+        return lambda: treeops.tree_attention(
+            c.q, kc, vc, c.block_table, c.seq_lens, c.tree, sm_scale=c.scale, out=out,
+            workspace=ws,
+        )  # fmt: skip
+
+    row = dict(chain_copies=copies, chain_reps=reps)
+    impls = [("treeops", ours)]
+    if peers:
+        for name, causal in (("flashinfer_custom", False), ("flashinfer_causal", True)):
+            try:
+                impls.append((name, _fi_chain(c, causal)))
+            except Exception as e:  # noqa: BLE001 - a failing peer is a result
+                row[f"{name}_chain_note"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+    for name, make in impls:
+        try:
+            calls = [make(kc, vc) for kc, vc in zip(kcs, vcs, strict=True)]
+            row[f"{name}_chain_us"] = round(H.graph_us(calls, reps), 2)
+        except Exception as e:  # noqa: BLE001
+            torch.cuda.synchronize()
+            row[f"{name}_chain_note"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+    del kcs, vcs
+    return row
+
+
+def _fi_chain(c: Case, causal: bool):
+    """FlashInfer's paged prefill planned once for the case; a call per cache copy."""
+    import flashinfer
+
+    qo_indptr, kv_indptr, indices, last = fi_indptrs(c)
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(fi_workspace(), "NHD")
+    kw = (
+        dict(causal=True)
+        if causal
+        else dict(custom_mask=torch.cat([c.mask(b).reshape(-1) for b in range(c.B)]))
+    )
+    w.plan(
+        qo_indptr, kv_indptr, indices, last, c.hq, c.hkv, c.d, PAGE,
+        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=c.scale, **kw,
+    )  # fmt: skip
+    q = c.q.reshape(c.B * c.n, c.hq, c.d)
+    return lambda kc, vc: lambda: w.run(q, (kc, vc))
+
+
 def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=True, hq=HQ,
               hkv=HKV, d=D):  # fmt: skip
     """One row: treeops (the public op, or the kernel with ``override``) and its peers, each
@@ -374,6 +438,8 @@ def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=Tru
             row["flex_note"] = (
                 "not run on this shape (device-time budget: compiled for FLEX_SHAPES only)"
             )
+    if override is None and 2 * c.k_cache.numel() * c.k_cache.element_size() <= CHAIN_MAX_KV_BYTES:
+        row.update(chained_row(c, peers))
     row["sglang_extend_us"] = None
     row["sglang_extend_note"] = "sglang is not installed on the device (no wheel carried)"
     for peer in ("flashinfer_custom", "flashinfer_causal", "sdpa", "flex"):
@@ -543,6 +609,11 @@ def best_override(rows):
     return choice, small_wins
 
 
+def _empty_call():
+    x = torch.zeros(1, device="cuda")
+    return lambda: H._empty_kernel[(1,)](x)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
@@ -580,6 +651,10 @@ def main(argv=None):
         layout=dict(hq=HQ, hkv=HKV, d=D, page=PAGE),  # rows name their own heads and D
         floor=dict(bandwidth=H.HBM_BYTES_PER_S, flops=H.ATTENTION_FLOPS_PER_S),
         rows=[],
+    )
+    # what starting a graph replay costs: an empty kernel alone in a graph, and 100 of them
+    result["empty_kernel_graph_us"] = dict(
+        single=round(H.graph_us([_empty_call()]), 2), chained=round(H.empty_kernel_us(), 2)
     )
     if args.splits:
         result["splits"] = split_study()
@@ -657,6 +732,16 @@ def print_table(rows):
             f"{f(r.get('speedup_vs_flashinfer_custom')):>5} {f(r.get('treeops_over_floor')):>5} "
             f"{r.get('max_rel_err') or 0:.1e}"
         )
+    chained = [r for r in rows if r.get("treeops_chain_us") is not None]
+    if chained:
+        print("chained (many calls per graph, caches rotated), µs per call:")
+        print(f"{'B':>3} {'ctx':>6} {'n':>4} {'D':>3} {'treeops':>8} {'FIcust':>8} {'FIcaus':>8}")
+        for r in chained:
+            print(
+                f"{r['B']:>3} {r['ctx']:>6} {r['n']:>4} {r.get('d', D):>3} "
+                f"{f(r.get('treeops_chain_us')):>8} {f(r.get('flashinfer_custom_chain_us')):>8} "
+                f"{f(r.get('flashinfer_causal_chain_us')):>8}"
+            )
 
 
 @pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: f"B{s[0]}-ctx{s[1]}-n{s[2]}")
