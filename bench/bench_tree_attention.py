@@ -3,18 +3,20 @@
     python bench/bench_tree_attention.py --out DIR [--shapes bench|all|layout] [--sweep
         [--configs NAME,...] [--auto]] [--no-flex]
     python bench/bench_tree_attention.py --out DIR --splits
+    python bench/bench_tree_attention.py --out DIR --latency
 
 For every shape, on the same tensors in one process: treeops (Triton); FlashInfer's custom-mask
 prefill through its paged wrapper and through its ragged wrapper; FlashInfer's causal prefill on
 the same shape (the cost with no tree); SDPA with a boolean mask; FlexAttention (compiled; failures
 recorded). Each output is compared with an fp32 reference before it is timed; a mismatch is
-reported instead of a time. Times are medians of CUDA-graph replays (``harness.graph_us``;
-CUDA events around eager calls where a peer cannot be captured: the method is recorded per
-peer); ``treeops_eager_us`` is one eager call with the host included. The inputs are not
-rotated (the smallest shapes' K/V fit in the L2, for every peer alike). Shapes whose K/V fit in
-``CHAIN_MAX_KV_BYTES`` are also timed chained (``*_chain_us``: many calls in one graph, each on
-its own copy of the caches), which leaves out what starting a graph replay costs; the document
-records that cost (``empty_kernel_graph_us``: an empty kernel alone in a graph, and chained).
+reported instead of a time. treeops and FlashInfer's paged prefills (custom mask, causal) are
+timed chained (``Rotation``): medians of CUDA-graph replays of many calls, each on its own copy of
+the paged caches (together twice the L2), per call; ``*_single_us`` is the same call alone in a
+graph, whose replay costs what the host takes to start it whatever the kernel (an empty
+kernel's, ``empty_kernel_graph_us``). SDPA and FlashInfer's ragged
+prefill are timed alone in a graph (CUDA events around eager calls where a peer cannot be
+captured: the method is recorded per peer) and compared with ``treeops_single_us``.
+``treeops_eager_us`` is one eager call with the host included.
 The floor is max(bytes / 4.3 TB/s, flops / 790 TFLOP/s) as docs/benchmarks.md defines it. Writes
 ``DIR/tree_attention.json`` (``gpu``, ``versions``, ``commit``, ``rows``) and prints a table
 last. ``python -m pytest bench/bench_tree_attention.py --benchmark-only`` times treeops on the
@@ -142,33 +144,39 @@ def time_us(fn, graph=True):
     return H.eager_us(fn, host=False), "events"
 
 
-def treeops_fn(c: Case):
-    """treeops' public op on the case's tensors, its output and workspace allocated once."""
+def treeops_fn(c: Case, k_cache=None, v_cache=None):
+    """treeops' public op on the case's tensors (or these caches), its output and workspace
+    allocated once."""
     out = torch.empty_like(c.q)
     ws = treeops.tree_attention_workspace(c.q, c.k_cache, c.block_table)
+    kc = c.k_cache if k_cache is None else k_cache
+    vc = c.v_cache if v_cache is None else v_cache
 
     def fn():
         return treeops.tree_attention(
-            c.q, c.k_cache, c.v_cache, c.block_table, c.seq_lens, c.tree,
-            sm_scale=c.scale, out=out, workspace=ws,
+            c.q, kc, vc, c.block_table, c.seq_lens, c.tree, sm_scale=c.scale, out=out,
+            workspace=ws,
         )  # fmt: skip
 
     return fn
 
 
-def kernel_fn(c: Case, override=None, num_splits=None):
-    """The kernel launcher with a tile override or split count (the sweep): (fn, config)."""
+def kernel_fn(c: Case, override=None, num_splits=None, k_cache=None, v_cache=None):
+    """The kernel launcher with a tile override or split count (the sweep), on the case's caches
+    or these: (fn, config)."""
     from treeops.kernels import tree_attention as K
 
+    kc = c.k_cache if k_cache is None else k_cache
+    vc = c.v_cache if v_cache is None else v_cache
     out = torch.empty_like(c.q)
-    cfg = K.config_for(c.q, c.k_cache, c.block_table, num_splits, override)
+    cfg = K.config_for(c.q, kc, c.block_table, num_splits, override)
     ws = torch.empty(
         max(1, K.workspace_numel(c.B, c.n, c.hq, c.d, cfg)), dtype=torch.float32, device=c.q.device
     )
 
     def fn():
         K.tree_attention_fwd(
-            c.q, c.k_cache, c.v_cache, c.block_table, c.seq_lens, c.tree.num_nodes, c.tree.anc,
+            c.q, kc, vc, c.block_table, c.seq_lens, c.tree.num_nodes, c.tree.anc,
             None, None, c.scale, out, None, ws, num_splits=num_splits, override=override,
         )  # fmt: skip
         return out
@@ -233,7 +241,7 @@ def flashinfer_paged(c: Case, causal: bool):
     torch.cuda.synchronize()
     plan_us = (time.perf_counter() - t0) * 1e6
     q = c.q.reshape(c.B * c.n, c.hq, c.d)
-    return (lambda: w.run(q, (c.k_cache, c.v_cache))), plan_us
+    return (lambda kc, vc: lambda: w.run(q, (kc, vc))), plan_us
 
 
 def flashinfer_ragged(c: Case, k, v):
@@ -314,65 +322,24 @@ def measure(name, row, make, ref, graph=True, timer=None):
         traceback.print_exc(limit=2)
 
 
-CHAIN_MAX_KV_BYTES = 32e6
-"""Shapes whose K/V take at most this many bytes are also timed chained (``chained_row``)."""
+class Rotation:
+    """Copies of a case's paged caches, enough to span twice the L2 (``harness.rotation``), and
+    the chained timing over them: ``time(make)`` captures ``reps`` rounds of one call per copy
+    (``make(k_cache, v_cache)`` returns the call) in one CUDA graph and returns the median µs
+    per call. A graph of one small kernel measures mostly the host's start of the replay (an
+    empty kernel: ``empty_kernel_graph_us``); a chain of calls on cold copies measures what a
+    step graph that holds the op pays for it."""
 
+    def __init__(self, c: Case):
+        kv_bytes = 2 * c.k_cache.numel() * c.k_cache.element_size()
+        self.copies, self.reps = H.rotation(kv_bytes)
+        self.k = [c.k_cache] + [c.k_cache.clone() for _ in range(self.copies - 1)]
+        self.v = [c.v_cache] + [c.v_cache.clone() for _ in range(self.copies - 1)]
 
-def chained_row(c: Case, peers: bool) -> dict:
-    """Per-call µs of treeops and FlashInfer (custom mask, causal) with many calls in one CUDA
-    graph, each on its own copy of the paged caches (``harness.rotation``: the copies span
-    twice the L2, so no call finds its K/V cached): what a step graph that holds the op pays for
-    it, without the fixed cost of starting a graph replay that a graph of one small kernel
-    measures. Columns ``*_chain_us``; ``chain_copies``, ``chain_reps``."""
-    kv_bytes = 2 * c.k_cache.numel() * c.k_cache.element_size()
-    copies, reps = H.rotation(kv_bytes)
-    kcs = [c.k_cache] + [c.k_cache.clone() for _ in range(copies - 1)]
-    vcs = [c.v_cache] + [c.v_cache.clone() for _ in range(copies - 1)]
-    out = torch.empty_like(c.q)
-    ws = treeops.tree_attention_workspace(c.q, c.k_cache, c.block_table)
-
-    def ours(kc, vc):
-        return lambda: treeops.tree_attention(
-            c.q, kc, vc, c.block_table, c.seq_lens, c.tree, sm_scale=c.scale, out=out,
-            workspace=ws,
-        )  # fmt: skip
-
-    row = dict(chain_copies=copies, chain_reps=reps)
-    impls = [("treeops", ours)]
-    if peers:
-        for name, causal in (("flashinfer_custom", False), ("flashinfer_causal", True)):
-            try:
-                impls.append((name, _fi_chain(c, causal)))
-            except Exception as e:  # noqa: BLE001 - a failing peer is a result
-                row[f"{name}_chain_note"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
-    for name, make in impls:
-        try:
-            calls = [make(kc, vc) for kc, vc in zip(kcs, vcs, strict=True)]
-            row[f"{name}_chain_us"] = round(H.graph_us(calls, reps), 2)
-        except Exception as e:  # noqa: BLE001
-            torch.cuda.synchronize()
-            row[f"{name}_chain_note"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
-    del kcs, vcs
-    return row
-
-
-def _fi_chain(c: Case, causal: bool):
-    """FlashInfer's paged prefill planned once for the case; a call per cache copy."""
-    import flashinfer
-
-    qo_indptr, kv_indptr, indices, last = fi_indptrs(c)
-    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(fi_workspace(), "NHD")
-    kw = (
-        dict(causal=True)
-        if causal
-        else dict(custom_mask=torch.cat([c.mask(b).reshape(-1) for b in range(c.B)]))
-    )
-    w.plan(
-        qo_indptr, kv_indptr, indices, last, c.hq, c.hkv, c.d, PAGE,
-        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=c.scale, **kw,
-    )  # fmt: skip
-    q = c.q.reshape(c.B * c.n, c.hq, c.d)
-    return lambda kc, vc: lambda: w.run(q, (kc, vc))
+    def time(self, make) -> tuple[float, str]:
+        calls = [make(kc, vc) for kc, vc in zip(self.k, self.v, strict=True)]
+        how = f"cudagraph chain: {self.copies} cache copies x {self.reps}"
+        return H.graph_us(calls, self.reps), how
 
 
 def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=True, hq=HQ,
@@ -398,9 +365,25 @@ def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=Tru
         flops=flops,
     )
     ref = c.reference()
+    rot = None if override or time_treeops else Rotation(c)
+    row["chain_copies"], row["chain_reps"] = (rot.copies, rot.reps) if rot else (None, None)
     fn = kernel_fn(c, override)[0] if override else treeops_fn(c)
     row["treeops_config"] = config_of(c, override)
-    measure("treeops", row, lambda: fn, ref, timer=time_treeops)
+
+    def chained(make):
+        """Time with the rotation (``*_us``) and alone in a graph (``*_single_us``)."""
+
+        def timer(f):
+            single[0] = time_us(f)[0]
+            return rot.time(make)
+
+        single = [None]
+        return timer, single
+
+    timer, single = chained(lambda kc, vc: treeops_fn(c, kc, vc)) if rot else (time_treeops, [])
+    measure("treeops", row, lambda: fn, ref, timer=timer)
+    if single and single[0] is not None:
+        row["treeops_single_us"] = round(single[0], 2)
     row["max_rel_err"] = row.get("treeops_err")
     if row.get("treeops_us") is not None:
         row["treeops_do_bench_us"] = round(time_us(fn, graph=False)[0], 2)
@@ -410,24 +393,35 @@ def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=Tru
         plan = {}
 
         def fi(causal):
-            f, plan["causal" if causal else "custom"] = flashinfer_paged(c, causal)
-            return f
+            make, plan["causal" if causal else "custom"] = flashinfer_paged(c, causal)
+            return make
 
         def fir():
             f, plan["ragged"] = flashinfer_ragged(c, k, v)
             return f
 
-        measure("flashinfer_custom", row, lambda: fi(False), ref)
+        for name, causal in (("flashinfer_custom", False), ("flashinfer_causal", True)):
+            try:
+                make = fi(causal)
+            except Exception as e:  # noqa: BLE001 - a failing peer is a result
+                row[f"{name}_us"] = None
+                row[f"{name}_note"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+                continue
+            f0 = make(c.k_cache, c.v_cache)
+            timer, single = chained(make) if rot else (None, [])
+            if causal:  # not the tree's function: timed, checked only to run (finite)
+                try:
+                    f0()
+                    t, how = timer(f0) if timer else time_us(f0)
+                    row[f"{name}_us"], row[f"{name}_method"] = round(t, 2), how
+                except Exception as e:  # noqa: BLE001
+                    row[f"{name}_us"] = None
+                    row[f"{name}_note"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            else:
+                measure(name, row, lambda f0=f0: f0, ref, timer=timer)
+            if single and single[0] is not None:
+                row[f"{name}_single_us"] = round(single[0], 2)
         measure("flashinfer_ragged", row, fir, ref)
-        # causal is not the tree's function: time it, check only that it ran (finite)
-        try:
-            f = fi(True)
-            f()
-            t, how = time_us(f)
-            row["flashinfer_causal_us"], row["flashinfer_causal_method"] = round(t, 2), how
-        except Exception as e:  # noqa: BLE001
-            row["flashinfer_causal_us"] = None
-            row["flashinfer_causal_note"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
         row["flashinfer_plan_us"] = {key: round(val, 1) for key, val in plan.items()}
         if sdpa:
             measure("sdpa", row, lambda: sdpa_fn(c, k, v), ref)
@@ -438,13 +432,15 @@ def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=Tru
             row["flex_note"] = (
                 "not run on this shape (device-time budget: compiled for FLEX_SHAPES only)"
             )
-    if override is None and 2 * c.k_cache.numel() * c.k_cache.element_size() <= CHAIN_MAX_KV_BYTES:
-        row.update(chained_row(c, peers))
     row["sglang_extend_us"] = None
     row["sglang_extend_note"] = "sglang is not installed on the device (no wheel carried)"
     for peer in ("flashinfer_custom", "flashinfer_causal", "sdpa", "flex"):
-        if row.get(f"{peer}_us") and row.get("treeops_us"):
-            row[f"speedup_vs_{peer}"] = round(row[f"{peer}_us"] / row["treeops_us"], 2)
+        # like with like: the chained peers against the chained time, the others (timed alone in
+        # a graph, or eagerly) against treeops alone in a graph
+        ours = row.get("treeops_us" if peer.startswith("flashinfer") else "treeops_single_us")
+        ours = ours or row.get("treeops_us")
+        if row.get(f"{peer}_us") and ours:
+            row[f"speedup_vs_{peer}"] = round(row[f"{peer}_us"] / ours, 2)
     if row.get("treeops_us"):
         row["treeops_over_floor"] = round(row["treeops_us"] / fl, 2)
     return row
@@ -488,13 +484,15 @@ def candidates(c: Case, names=None):
 
 def sweep(shapes, names=None):
     """Time each candidate on each shape (default split counts; same process, same tensors,
-    each output checked against the fp32 reference first): (rows, best per shape)."""
+    each output checked against the fp32 reference first; chained over rotated caches,
+    ``Rotation``): (rows, best per shape)."""
     rows, best = [], []
     for B, ctx, n, hq, hkv, d in shapes:
         c = Case(B, ctx, n, hq=hq, hkv=hkv, d=d)
         ref = c.reference()
         fl = floor_us(B, ctx, n, hq, hkv, d)[0]
         shape = dict(B=B, ctx=ctx, n=n, hq=hq, hkv=hkv, d=d, floor_us=round(fl, 2))
+        rot = Rotation(c)
         for name, ov in candidates(c, names):
             # "default" passes {}: the built-in tiles, not what TUNED routes a launch to
             r = dict(shape, candidate=name, override=ov, config=config_of(c, ov))
@@ -502,7 +500,10 @@ def sweep(shapes, names=None):
                 fn, _ = kernel_fn(c, ov)
                 err = rel_err(fn(), ref)
                 r["err"] = err
-                r["us"] = round(time_us(fn)[0], 2) if err <= TOL else None
+                r["us"] = None
+                if err <= TOL:
+                    make = lambda kc, vc, c=c, ov=ov: kernel_fn(c, ov, None, kc, vc)[0]  # noqa: E731
+                    r["us"] = round(rot.time(make)[0], 2)
             except Exception as e:  # noqa: BLE001 - a failing config is a result
                 r["us"] = None
                 r["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -514,7 +515,7 @@ def sweep(shapes, names=None):
             dflt = next((r["us"] for r in timed if r["candidate"] == "default"), None)
             best.append(dict(shape, best=win["candidate"], best_us=win["us"], default_us=dflt))
             print("sweep best:", json.dumps(best[-1]), flush=True)
-        del c
+        del c, rot
         torch.cuda.empty_cache()
     return rows, best
 
@@ -561,6 +562,49 @@ def split_study():
             print(json.dumps(row), flush=True)
             del c
             torch.cuda.empty_cache()
+    return rows
+
+
+LATENCY_SHAPES = [(1, 512, 8), (1, 512, 64), (1, 1024, 64), (4, 512, 64), (1, 4096, 16)]
+
+
+def latency_study():
+    """Where a small tree's time goes, per shape of LATENCY_SHAPES (default layout): the
+    automatic launch and each split count of SPLIT_COUNTS, chained over rotated cache copies
+    (cold K/V, ``*_cold``) and chained on one cache (the L2 holds it, ``*_warm``), FlashInfer's
+    causal prefill both ways; every output checked first. Rows: µs per call."""
+    rows = []
+    for B, ctx, n in LATENCY_SHAPES:
+        c = Case(B, ctx, n)
+        ref = c.reference()
+        rot = Rotation(c)
+        row = dict(B=B, ctx=ctx, n=n, floor_us=round(floor_us(B, ctx, n)[0], 2))
+        row["auto_splits"] = config_of(c)["num_splits"]
+        variants = [("auto", None)] + [(f"s{k}", k) for k in SPLIT_COUNTS]
+
+        for name, k in variants:
+            try:
+                fn, _ = kernel_fn(c, None, num_splits=k)
+                err = rel_err(fn(), ref)
+                if not err <= TOL:
+                    row[name] = f"err {err:.3g}"
+                    continue
+                row[f"{name}_warm"] = round(H.graph_us([fn], 24), 2)
+                row[f"{name}_cold"] = round(
+                    rot.time(lambda kc, vc, c=c, k=k: kernel_fn(c, None, k, kc, vc)[0])[0], 2
+                )
+            except Exception as e:  # noqa: BLE001 - a failing variant is a result
+                row[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        try:
+            make = flashinfer_paged(c, True)[0]
+            row["fi_causal_warm"] = round(H.graph_us([make(c.k_cache, c.v_cache)], 24), 2)
+            row["fi_causal_cold"] = round(rot.time(make)[0], 2)
+        except Exception as e:  # noqa: BLE001
+            row["fi_causal"] = f"{type(e).__name__}: {str(e)[:120]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del c, rot
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -640,6 +684,12 @@ def main(argv=None):
         help="only the split study: automatic vs forced split counts at decode shapes over a "
         "block table sized for long contexts (SPLIT_SHAPES); writes DIR/attention_splits.json",
     )
+    ap.add_argument(
+        "--latency",
+        action="store_true",
+        help="only the small-tree study: split counts, cold and warm caches, FlashInfer's "
+        "causal prefill (LATENCY_SHAPES); writes DIR/attention_latency.json",
+    )
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--commit", default=None)
@@ -656,6 +706,10 @@ def main(argv=None):
     result["empty_kernel_graph_us"] = dict(
         single=round(H.graph_us([_empty_call()]), 2), chained=round(H.empty_kernel_us(), 2)
     )
+    if args.latency:
+        result["latency"] = latency_study()
+        H.write_json(os.path.join(args.out, "attention_latency.json"), result)
+        return
     if args.splits:
         result["splits"] = split_study()
         H.write_json(os.path.join(args.out, "attention_splits.json"), result)
@@ -719,7 +773,7 @@ def print_table(rows):
     print(
         f"{'B':>3} {'ctx':>6} {'n':>4} {'heads':>6} {'D':>3} {'floor':>7} {'treeops':>8} "
         f"{'FIcust':>8} {'FIrag':>8} {'FIcaus':>8} {'sdpa':>8} {'flex':>8} {'xFIc':>5} "
-        f"{'/flr':>5} err"
+        f"{'/flr':>5} {'alone':>8} err"
     )
     for r in rows:
         heads = f"{r.get('hq', HQ)}/{r.get('hkv', HKV)}"
@@ -730,18 +784,9 @@ def print_table(rows):
             f"{f(r.get('flashinfer_ragged_us')):>8} {f(r.get('flashinfer_causal_us')):>8} "
             f"{f(r.get('sdpa_us')):>8} {f(r.get('flex_us')):>8} "
             f"{f(r.get('speedup_vs_flashinfer_custom')):>5} {f(r.get('treeops_over_floor')):>5} "
-            f"{r.get('max_rel_err') or 0:.1e}"
+            f"{f(r.get('treeops_single_us')):>8} {r.get('max_rel_err') or 0:.1e}"
         )
-    chained = [r for r in rows if r.get("treeops_chain_us") is not None]
-    if chained:
-        print("chained (many calls per graph, caches rotated), µs per call:")
-        print(f"{'B':>3} {'ctx':>6} {'n':>4} {'D':>3} {'treeops':>8} {'FIcust':>8} {'FIcaus':>8}")
-        for r in chained:
-            print(
-                f"{r['B']:>3} {r['ctx']:>6} {r['n']:>4} {r.get('d', D):>3} "
-                f"{f(r.get('treeops_chain_us')):>8} {f(r.get('flashinfer_custom_chain_us')):>8} "
-                f"{f(r.get('flashinfer_causal_chain_us')):>8}"
-            )
+    print("(µs per call, chained over rotated cache copies; 'alone': treeops alone in a graph)")
 
 
 @pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: f"B{s[0]}-ctx{s[1]}-n{s[2]}")
