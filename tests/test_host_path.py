@@ -35,6 +35,24 @@ def test_signature_separates_what_checks_read():
     assert signature(([1, 2],)) is None  # not a tensor: no memo, the full checks run
 
 
+def test_signature_found_again_is_the_same_object():
+    """A signature seen before comes back as the same object, through torch's C++ tensor checks
+    where torch has them (``_checks._GUARDS``), and a tensor passed twice or a None moved to
+    another position is told apart as the Python tuple tells it."""
+    from treeops import _checks
+
+    x, y = torch.zeros(2, 3), torch.zeros(4, dtype=torch.int32)
+    first = signature((x, None, y, None), (None, False))
+    assert signature((x.clone(), None, y.clone(), None), (None, False)) is first
+    assert signature((x, y, None, None), (None, False)) is not first
+    assert signature((x, None, y, None), (None, True)) is not first
+    twice = signature((x, x, y, None), (None, False))
+    assert twice is not first and signature((x, x, y, None), (None, False)) is twice
+    if _checks._GUARDS is not None:  # found by the guards, not rebuilt
+        seen = _checks._SEEN[(4, ((type(None), None), (bool, False)))]
+        assert any(sig is first for _, sig in seen)
+
+
 def test_memo_is_bounded_and_tolerates_unhashable_keys():
     m = Memo(maxsize=3)
     for i in range(5):

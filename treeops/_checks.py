@@ -114,25 +114,144 @@ def _shape_error(
     raise ValueError(f"Invalid shape of {name}: expected {_fmt_shape(expected)}, got {list(got)}")
 
 
-def signature(tensors: Sequence[object], values: Sequence[object] = ()) -> tuple | None:
+class Signature:
+    """A call's signature as ``signature`` returns it: one object per distinct metadata tuple
+    (``key``), so that a ``Memo`` looks it up by identity."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"Signature({self.key!r})"
+
+
+MAX_TENSORS = 64
+_NONE_ARGS = tuple(
+    torch.empty_strided((0,) * 7, (12345,) * 7, dtype=torch.complex128) for _ in range(MAX_TENSORS)
+)
+"""What stands for a None argument at each position in a guard check: a layout no op accepts
+(7-D complex128), one object per position (the C++ check fails on a tensor passed twice)."""
+
+_SIGNATURES: dict[tuple, Signature] = {}
+"""Every metadata tuple seen -> its ``Signature`` (emptied when it holds MAX_SIGNATURES)."""
+
+_SEEN: dict[tuple, list] = {}
+"""(number of tensors, values with their classes) -> [(guards, Signature)]: the C++ tensor checks
+of each signature seen with those values (``_tensor_guards``), most recently found first."""
+
+MAX_SIGNATURES = 4096
+MAX_GUARDS = 32
+"""Guards kept per (number of tensors, values): an engine's batch-size buckets fit."""
+
+
+def _tensor_guards(tensors: list) -> object | None:
+    """torch's C++ check of these tensors' Python type, dispatch keys, dtype, device,
+    ``requires_grad``, sizes and strides (dynamo's ``TensorGuards``; ``check(*tensors)`` is one
+    C call, about 0.1 µs a tensor against about 0.4 µs for the Python tuple); None where torch
+    has none (``_GUARDS``: it passed ``_guards_work`` at import), a tensor is not exactly a
+    ``torch.Tensor`` (a subclass may have symbolic sizes) or one is passed twice (the check
+    refuses a tensor it sees twice, so it would never pass)."""
+    if (
+        _GUARDS is None
+        or not all(t.__class__ is torch.Tensor for t in tensors)
+        or len(set(map(id, tensors))) < len(tensors)  # a tensor passed twice never passes
+    ):
+        return None
+    try:
+        return _GUARDS(
+            *tensors,
+            dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+        )
+    except Exception:  # noqa: BLE001 - no fast path for these: the Python tuple each call
+        return None
+
+
+def _guards_work() -> object | None:
+    """``TensorGuards`` if it is importable and tells apart what the signature must (a check of
+    equal metadata passes; another dtype, shape, stride, type, device or None argument fails)."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except Exception:  # noqa: BLE001 - an older or smaller torch: the Python tuple
+        return None
+    try:
+        x = torch.zeros(2, 3)
+        none = _NONE_ARGS[1]
+        g = TensorGuards(x, none, dynamic_dims_sizes=[[2, 3], [0] * 7],
+                         dynamic_dims_strides=[[3, 1], [12345] * 7])  # fmt: skip
+        same = g.check(torch.ones(2, 3), none)
+        others = (
+            (x.double(), none), (x.t().contiguous().t(), none), (x[None], none),
+            (torch.nn.Parameter(x), none), (x.to("meta"), none), (x, x), (x, torch.zeros(0)),
+            (None, none),
+        )  # fmt: skip
+        if same is True and not any(g.check(*o) for o in others):
+            return TensorGuards
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+_GUARDS = _guards_work()
+_compiling = torch.compiler.is_compiling
+
+
+def signature(tensors: Sequence[object], values: Sequence[object] = ()) -> Signature | None:
     """What the O(1) checks of a call read: each tensor's (type, shape, strides, dtype, device),
     None for None, and each plain value with its type (``True`` and ``1`` differ); None when an
     argument is no tensor or under ``torch.compile`` (no memo then: the full checks run).
 
     Two calls with equal signatures pass or fail the same metadata checks (shapes, dtypes,
-    strides, devices, types, value arguments), so a ``Memo`` keyed by it can skip them."""
-    if torch.compiler.is_compiling():
+    strides, devices, types, value arguments), so a ``Memo`` keyed by it can skip them. Equal
+    signatures are the same ``Signature`` object. A signature seen before is found by torch's
+    C++ tensor checks (``_tensor_guards``) without building its tuple."""
+    if _compiling():
         return None
+    vals = tuple([(v.__class__, v) for v in values]) if values else ()
+    if len(tensors) > MAX_TENSORS:
+        return _tuple_signature(tensors, vals)
+    args = [_NONE_ARGS[i] if t is None else t for i, t in enumerate(tensors)]
     try:
-        key = [
-            t if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device)
-            for t in tensors
-        ]
+        seen = _SEEN.get((len(args), vals))
+    except TypeError:  # an unhashable value: no memo
+        return None
+    if seen:
+        for i, (guards, sig) in enumerate(seen):
+            if guards.check(*args):
+                if i:  # most recently found first: an engine's steady shapes stay in front
+                    seen.insert(0, seen.pop(i))
+                return sig
+    sig = _tuple_signature(tensors, vals)
+    if sig is not None:
+        guards = _tensor_guards(args)
+        if guards is not None:
+            seen = _SEEN.setdefault((len(args), vals), [])
+            if len(seen) >= MAX_GUARDS:
+                seen.pop()
+            seen.insert(0, (guards, sig))
+    return sig
+
+
+def _tuple_signature(tensors: Sequence[object], vals: tuple) -> Signature | None:
+    """The ``Signature`` of this metadata tuple (built in Python: the path of a first call)."""
+    try:
+        key = tuple(
+            [t if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device)
+             for t in tensors]
+        ) + vals  # fmt: skip
     except Exception:  # noqa: BLE001 - not a tensor (or one without strides): check in full
         return None
-    if values:
-        key += [(v.__class__, v) for v in values]
-    return tuple(key)
+    try:
+        sig = _SIGNATURES.get(key)
+    except TypeError:  # an unhashable value: no memo
+        return None
+    if sig is None:
+        if len(_SIGNATURES) >= MAX_SIGNATURES:
+            _SIGNATURES.clear()
+        sig = _SIGNATURES[key] = Signature(key)
+    return sig
 
 
 class Memo:
