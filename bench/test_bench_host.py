@@ -34,6 +34,8 @@ def test_bench_host_quick(tmp_path):
         assert "error" not in r, (op, r["error"])
         # two timings on a shared machine: an op without a Triton launch may time either first
         assert r["host_us"] > 0 and r["total_us"] > 0 and r["triton_us"] >= 0, (op, r)
+        if op.endswith("_prepared"):  # its calls replayed the recorded launches (stub kernels)
+            assert r["replayed"] is True, (op, r)
 
 
 def test_host_profile_names_where_the_time_goes(tmp_path):

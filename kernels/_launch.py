@@ -8,7 +8,8 @@ the compiled kernel up, checks the globals it read, and builds the launch metada
 ``direct(kernel).launch(grid, *args, **kwargs)`` takes the same arguments and does the lookup
 itself, from a key that costs a fraction of that, then calls the compiled kernel's launcher
 exactly as ``JITFunction.run`` does (``compiled.run(grid..., stream, function, packed_metadata,
-...)``).
+...)``), or, for a kernel without scratch memory, the C function that launcher calls with the
+arguments it would pass (``_entry``).
 
 Why it launches what Triton would. The key is a tuple, built by code generated per kernel (no loop
 in Python), that holds everything Triton's specialisation depends on, and more:
@@ -70,6 +71,16 @@ direct launch calls ``_cuda_getDevice`` itself (a Python frame or two less)."""
 MAX_ENTRIES = 256
 """Keys kept per kernel; the cache is emptied when full (an engine's shapes fit many times)."""
 
+
+class _State:
+    """``rec``: while a call is recorded (``recording``), the list each direct launch appends its
+    (entry, grid, args) to; ``missed``: a launch of the recorded call went through Triton."""
+
+    rec: list | None = None
+    missed = False
+
+
+STATE = _State()
 _MISSING = object()
 OPTIONS = ("num_warps", "num_stages")
 """The launch options a direct launch handles; other keywords go through ``JITFunction.run``."""
@@ -124,7 +135,7 @@ class Launcher:
     """Direct launches of one ``@triton.jit`` kernel: ``launch(grid, *args, **kwargs)`` is
     ``kernel[grid](*args, **kwargs)`` (see the module docstring).
 
-    ``cache``: key -> (compiled.run, compiled.function, compiled.packed_metadata, compiled);
+    ``cache``: key -> ``_entry(compiled)`` (the launcher to call and what it takes);
     ``kinds``: the argument kinds the generated key code expects (set by the first launch);
     ``misses``: launches that went through ``JITFunction.run``."""
 
@@ -147,6 +158,7 @@ class Launcher:
 
     def _triton(self, grid, *args, **kwargs):
         self.misses += 1
+        STATE.missed = True
         return self.fn[grid](*args, **kwargs)
 
     def clear(self) -> None:
@@ -213,9 +225,17 @@ def launch({sig}, **_t_other):
             if _t_fn.used_global_vals:
                 _t_check_globals(_t_fn)
             _t_n = len(_t_grid)
-            _t_entry[0](_t_grid[0], _t_grid[1] if _t_n > 1 else 1, _t_grid[2] if _t_n > 2 else 1,
-                        _t_drv.get_current_stream(_t_dev), _t_entry[1], _t_entry[2], None, None,
-                        None, {args})
+            if _t_entry[4]:  # the C launcher itself (no scratch to allocate)
+                _t_entry[0](_t_grid[0], _t_grid[1] if _t_n > 1 else 1,
+                            _t_grid[2] if _t_n > 2 else 1, _t_drv.get_current_stream(_t_dev),
+                            _t_entry[1], _t_entry[5], _t_entry[6], None, None, _t_entry[2], None,
+                            None, None, {args})
+            else:
+                _t_entry[0](_t_grid[0], _t_grid[1] if _t_n > 1 else 1,
+                            _t_grid[2] if _t_n > 2 else 1, _t_drv.get_current_stream(_t_dev),
+                            _t_entry[1], _t_entry[2], None, None, None, {args})
+            if _t_state.rec is not None:
+                _t_state.rec.append((_t_entry, _t_grid, ({args},)))
             return _t_entry[3]
     else:
         _t_key = None
@@ -232,6 +252,7 @@ def launch({sig}, **_t_other):
             _t_cache=self.cache,
             _t_check_globals=_check_globals,
             _t_slow=self._slow,
+            _t_state=STATE,
             _t_missing=_MISSING,
             _t_cuda_current_device=_CUDA_CURRENT_DEVICE,
             _t_cuda_get_device=_CUDA_GET_DEVICE,
@@ -247,6 +268,11 @@ def launch({sig}, **_t_other):
         kwargs = {o: v for o, v in zip(OPTIONS, options) if v is not _MISSING}
         kwargs.update(other)
         kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+        if STATE.rec is not None:  # a recorded call: this launch too, if it can be replayed
+            if grid.__class__ is tuple and not other and hasattr(kernel, "function"):
+                STATE.rec.append((_entry(kernel), grid, args))
+            else:
+                STATE.missed = True
         if key is not None and kernel is not None and not hasattr(kernel, "result"):
             fn = self.fn
             kinds = tuple(
@@ -257,10 +283,39 @@ def launch({sig}, **_t_other):
                 if len(self.cache) >= MAX_ENTRIES:
                     self.cache.clear()
                 try:
-                    self.cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, kernel)
+                    self.cache[key] = _entry(kernel)
                 except TypeError:  # an unhashable constexpr: no direct launch for it
                     pass
         return kernel
+
+
+try:
+    from triton.backends.nvidia.driver import CudaLauncher as _CudaLauncher
+except Exception:  # noqa: BLE001 - no CUDA backend in this Triton: its launcher's __call__
+    _CudaLauncher = None
+
+
+def _entry(kernel) -> tuple:
+    """A cache entry: (callable, function, packed_metadata, kernel, is_c, cooperative, pdl).
+
+    ``kernel.run`` is Triton's ``CudaLauncher``, whose ``__call__`` allocates the kernel's global
+    and profile scratch (none for a kernel that asks for none: every treeops kernel) and calls
+    the C launcher with the launch's cooperative and PDL flags. Where there is no scratch to
+    allocate the entry holds the C launcher and those flags (``is_c``) and the launch calls it
+    with the arguments ``__call__`` would pass, a Python frame and two calls fewer; otherwise
+    ``kernel.run`` itself."""
+    run = kernel.run
+    c_launch = getattr(run, "launch", None)
+    if (
+        _CudaLauncher is not None
+        and run.__class__ is _CudaLauncher
+        and callable(c_launch)
+        and getattr(run, "global_scratch_size", 1) == 0
+        and getattr(run, "profile_scratch_size", 1) == 0
+    ):
+        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+        return (c_launch, kernel.function, kernel.packed_metadata, kernel, True, coop, pdl)
+    return (run, kernel.function, kernel.packed_metadata, kernel, False, None, None)
 
 
 LAUNCHERS: list[Launcher] = []
@@ -282,6 +337,45 @@ def direct(fn) -> Launcher:
         return lau
     LAUNCHERS.append(lau)
     return lau
+
+
+def launch_state() -> tuple:
+    """What a direct launch's validity depends on beyond its arguments: whether Triton's run is
+    its own and its launch hooks are idle (else every launch goes through ``JITFunction.run``),
+    and the options Triton adds to a kernel's key (``knobs.runtime.debug``,
+    ``knobs.compilation.instrumentation_mode``). A recorded launch replays only while this is
+    what it was when recorded."""
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    idle = (
+        JITFunction.run is _TRITON_RUN
+        and enter.__class__ is HookChain
+        and not enter.calls
+        and exit_.__class__ is HookChain
+        and not exit_.calls
+    )
+    return (idle, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+
+
+class recording:
+    """``with recording() as launches:`` the direct launches made inside, as (entry, grid, args)
+    (``treeops.prepare`` replays them); ``launches.missed`` after the block: some launch went
+    through Triton instead (a first launch, a fallback: not replayable). Scratch buffers made
+    inside are fresh (``scratch``): they belong to the recorded call."""
+
+    def __enter__(self) -> list:
+        if STATE.rec is not None:
+            raise RuntimeError("a call is being recorded already")
+        self.launches = _Recorded()
+        STATE.rec, STATE.missed = self.launches, False
+        return self.launches
+
+    def __exit__(self, *exc) -> None:
+        self.launches.missed = STATE.missed
+        STATE.rec, STATE.missed = None, False
+
+
+class _Recorded(list):
+    missed = False
 
 
 def clear_all() -> None:
@@ -309,6 +403,8 @@ def scratch(key: tuple, device: torch.device, make: Callable[[], tuple]) -> tupl
     on one stream run in order). Inside a CUDA-graph capture the buffers are always fresh, from
     the graph's pool and the graph's own: a cached set could be used by an eager call on
     another stream while the graph replays."""
+    if STATE.rec is not None:  # a recorded call keeps its own buffers
+        return make()
     if device.type == "cuda":
         if _capturing is not None and _capturing():
             return make()

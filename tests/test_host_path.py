@@ -414,7 +414,11 @@ def test_every_public_op_takes_the_direct_path(monkeypatch):
     backends: dict = {}  # code object -> op names (accept's two ops share one backend)
     for name, op in _library.OPS.items():
         backends.setdefault(op.cuda.__code__, set()).add(name)
-    op_of = {"adjacency_update_logits": "adjacency_update"}
+    op_of = {
+        "adjacency_update_logits": "adjacency_update",
+        "tree_attention_prepared": "tree_attention",  # a CPU call: the op's own (not replayed)
+        "kv_append_prepared": "kv_append",
+    }
     monkeypatch.setattr(_library, "DIRECT", 2)
     for case in OPS:
         seen = set()
@@ -535,6 +539,8 @@ def test_gpu_direct_launch_picks_tritons_kernel():
     # the first launch of each new key: fp32 and bf16, each aligned and 1-element misaligned
     # (an offset of 8 elements is 16-byte aligned for both: the aligned kernel, launched directly)
     assert lau.misses == 4
+    # and those direct launches called Triton's C launcher itself (no scratch to allocate)
+    assert lau.cache and all(entry[4] for entry in lau.cache.values())
 
 
 def kk_rope_reference(x, pos):
