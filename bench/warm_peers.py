@@ -44,8 +44,8 @@ def attention_jobs() -> list[tuple[str, Callable[[], None]]]:
 
         def paged(hq=hq, hkv=hkv, d=d, causal=False):
             c = bta.Case(1, 32, 8, hq=hq, hkv=hkv, d=d)
-            fn, _ = bta.flashinfer_paged(c, causal)
-            fn()
+            make, _ = bta.flashinfer_paged(c, causal)
+            make(c.k_cache, c.v_cache)()
 
         def ragged(hq=hq, hkv=hkv, d=d):
             c = bta.Case(1, 32, 8, hq=hq, hkv=hkv, d=d)

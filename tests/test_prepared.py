@@ -209,5 +209,5 @@ def test_gpu_prepared_layer_loop_equals_the_ops(split):
     with NoHostSync():  # a dispatch mode: the op's call, which the mode sees
         attn(q, *caches[0], o)
     assert attn.replays == layers and torch.equal(o, want[0][3])
-    with pytest.raises(ValueError, match="Invalid dtype of q"):
+    with pytest.raises(ValueError, match="Invalid dtype of k_cache"):  # the op's check
         attn(q.float(), *caches[0], o)
