@@ -496,10 +496,17 @@ class AttnConfig:
 # rule picks. The former target of two programs per SM, rounded up, split grids that were
 # already a full wave (B = 16, 4000 keys, 64 nodes: 118 µs in 3 splits, 86 µs unsplit): 1.19x
 # the fastest count in geometric mean over the shapes, this rule 1.004x (with MIN_SPLIT_LEN = 0).
+# MIN_CHUNK binds only where the block table is short (the study's 8,192 slots split by the
+# first rule alone): at B 1, 32/8 heads, D 128, 528 slots (bench_tree_attention.py --latency,
+# attention_latency.json), 16 chunks of 33 keys ran a tree of 8 nodes in 9.6 µs against 14.1
+# for the 4 chunks of 132 that a 128-key minimum allowed (chained over cold caches), and 8
+# chunks a tree of 64 in 13.6 against 15.7; the split count that rule picks was the fastest of
+# 1, 2, 3, 4, 8 and 16 (or within 1 % of it) at B 1 ctx 1,024 n 64, B 1 ctx 4,096 n 16 and
+# B 4 ctx 512 n 64, where the 32-key minimum changes nothing.
 PROGRAMS_PER_SM = 1
-MIN_CHUNK = 128
+MIN_CHUNK = 32
 MAX_SPLITS = 16
-MIN_SPLIT_CAPACITY = 4 * MIN_CHUNK
+MIN_SPLIT_CAPACITY = 512
 """Below this many cache slots per request no split. Not measured against splitting (the split
 study's block tables hold 8,192 slots), where a 300-key request at B <= 16 ran faster split."""
 MIN_SPLIT_LEN = 0
