@@ -53,6 +53,18 @@ def test_signature_found_again_is_the_same_object():
         assert any(sig is first for _, sig in seen)
 
 
+def test_signature_caches_are_bounded(monkeypatch):
+    """A value argument that differs on every call (a float threshold, say) keeps neither the
+    tuples nor the guards growing."""
+    from treeops import _checks
+
+    monkeypatch.setattr(_checks, "MAX_SIGNATURES", 8)
+    x = torch.zeros(3)
+    for i in range(40):
+        assert signature((x,), (float(i),)) is not None
+    assert len(_checks._SIGNATURES) <= 8 and len(_checks._SEEN) <= 8
+
+
 def test_memo_is_bounded_and_tolerates_unhashable_keys():
     m = Memo(maxsize=3)
     for i in range(5):

@@ -139,7 +139,8 @@ _SIGNATURES: dict[tuple, Signature] = {}
 
 _SEEN: dict[tuple, list] = {}
 """(number of tensors, values with their classes) -> [(guards, Signature)]: the C++ tensor checks
-of each signature seen with those values (``_tensor_guards``), most recently found first."""
+of each signature seen with those values (``_tensor_guards``), most recently found first
+(emptied when it holds MAX_SIGNATURES keys)."""
 
 MAX_SIGNATURES = 4096
 MAX_GUARDS = 32
@@ -227,6 +228,8 @@ def signature(tensors: Sequence[object], values: Sequence[object] = ()) -> Signa
     if sig is not None:
         guards = _tensor_guards(args)
         if guards is not None:
+            if len(_SEEN) >= MAX_SIGNATURES:  # a value argument that differs on every call
+                _SEEN.clear()
             seen = _SEEN.setdefault((len(args), vals), [])
             if len(seen) >= MAX_GUARDS:
                 seen.pop()
