@@ -16,7 +16,9 @@ graph, whose replay costs what the host takes to start it whatever the kernel (a
 kernel's, ``empty_kernel_graph_us``). SDPA and FlashInfer's ragged
 prefill are timed alone in a graph (CUDA events around eager calls where a peer cannot be
 captured: the method is recorded per peer) and compared with ``treeops_single_us``.
-``treeops_eager_us`` is one eager call with the host included.
+``treeops_eager_us`` is one eager call with the host included (a call and a sync, median),
+``treeops_prepared_eager_us`` the same through ``treeops.prepare`` (q, caches and output
+rebound per call, as a layer loop calls it).
 The floor is max(bytes / 4.3 TB/s, flops / 790 TFLOP/s) as docs/benchmarks.md defines it. Writes
 ``DIR/tree_attention.json`` (``gpu``, ``versions``, ``commit``, ``rows``) and prints a table
 last. ``python -m pytest bench/bench_tree_attention.py --benchmark-only`` times treeops on the
@@ -159,6 +161,18 @@ def treeops_fn(c: Case, k_cache=None, v_cache=None):
         )  # fmt: skip
 
     return fn
+
+
+def prepared_fn(c: Case):
+    """treeops' op through ``treeops.prepare`` (the per-layer loop's eager path: q, the caches
+    and the output rebound per call), on the case's tensors."""
+    out = torch.empty_like(c.q)
+    ws = treeops.tree_attention_workspace(c.q, c.k_cache, c.block_table)
+    attn = treeops.prepare(
+        treeops.tree_attention, c.q, c.k_cache, c.v_cache, c.block_table, c.seq_lens, c.tree,
+        sm_scale=c.scale, out=out, workspace=ws, rebind=("q", "k_cache", "v_cache", "out"),
+    )  # fmt: skip
+    return lambda: attn(c.q, c.k_cache, c.v_cache, out)
 
 
 def kernel_fn(c: Case, override=None, num_splits=None, k_cache=None, v_cache=None):
@@ -388,6 +402,8 @@ def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=Tru
     if row.get("treeops_us") is not None:
         row["treeops_do_bench_us"] = round(time_us(fn, graph=False)[0], 2)
         row["treeops_eager_us"] = round(H.eager_us(fn), 2)
+        if not override:
+            row["treeops_prepared_eager_us"] = round(H.eager_us(prepared_fn(c)), 2)
     k, v = c.kv_contig()
     if peers:
         plan = {}
