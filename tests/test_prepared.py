@@ -104,6 +104,21 @@ with bench_host.launchers_on_cpu():
     append = treeops.prepare(treeops.kv_append, k, v, kc, vc, bt, sl, tree.num_nodes,
                              tree.depth, q=q, rebind=("k", "v", "k_cache", "v_cache", "q"))
 
+    # one request over a 640-slot table: the split path (attention, then the merge launch),
+    # once with the op's own workspace and once with one given
+    q1, out1 = rnd(1, N, HQ, D), torch.empty(1, N, HQ, D, dtype=bf)
+    kc1, vc1 = rnd(40, P, HKV, D), rnd(40, P, HKV, D)
+    bt1 = torch.arange(40, dtype=torch.int32).view(1, 40)
+    sl1 = torch.tensor([600], dtype=torch.int32)
+    tree1 = treeops.Tree.from_parents(par[:1], torch.full((1,), N, dtype=torch.int32),
+                                      torch.arange(N).view(1, N) + 1)
+    from treeops.kernels import tree_attention as K  # (tree_attention_workspace: CPU, none)
+    ws1 = torch.zeros(K.workspace_numel(1, N, HQ, D, K.config_for(q1, kc1, bt1)))
+    split = treeops.prepare(treeops.tree_attention, q1, kc1, vc1, bt1, sl1, tree1, out=out1,
+                            workspace=ws1, rebind=("q", "k_cache", "v_cache", "out"))
+    split_own = treeops.prepare(treeops.tree_attention, q1, kc1, vc1, bt1, sl1, tree1,
+                                out=out1, rebind=("q", "k_cache", "v_cache", "out"))
+
     def norm(a):  # a launch's arguments, tensors as their data pointers
         return [x.data_ptr() if isinstance(x, torch.Tensor) else x if type(x) is int else repr(x)
                 for x in a]
@@ -114,6 +129,8 @@ with bench_host.launchers_on_cpu():
             q2, k2, v2, bt, sl, tree, out=o2)),
         ("append", append, lambda k2, v2, kc2, vc2, q2: treeops.kv_append(
             k2, v2, kc2, vc2, bt, sl, tree.num_nodes, tree.depth, q=q2)),
+        ("split", split, lambda q2, k2, v2, o2: treeops.tree_attention(
+            q2, k2, v2, bt1, sl1, tree1, out=o2, workspace=ws1)),
     ):
         new = [prep._arguments[n].clone() for n in prep.names]
         calls.clear(); op(*new); want = [norm(c) for c in calls]
@@ -126,7 +143,11 @@ with bench_host.launchers_on_cpu():
         off = off.view(new[0].shape)  # 2 bytes off 16-byte alignment
         calls.clear(); prep(off, *new[1:])
         res[name] = dict(same=got == want, launches=len(got), replays=[n0, n1, prep.replays],
-                         fast=prep.fast, returned=(r is new[-1]) if name == "attn" else r)
+                         fast=prep.fast, returned=(r is new[-1]) if name != "append" else r)
+    # the op's own workspace belongs to the prepared call: its launches read that buffer
+    new = [split_own._arguments[n].clone() for n in split_own.names]
+    calls.clear(); split_own(*new)
+    res["split_own"] = dict(fast=split_own.fast, launches=len(calls), replays=split_own.replays)
 print("RESULT" + json.dumps(res))
 """
 
@@ -135,17 +156,21 @@ def test_replay_launches_what_the_op_launches():
     """Against stub kernels (bench/bench_host.py's stand-in driver, no interpreter): a replay's
     launches carry, argument for argument, what the op's own launches carry for the same
     rebound tensors (tensors as their data pointers); another stride or a misaligned pointer
-    is the op's call, not a replay."""
+    is the op's call, not a replay. The split path's two launches (attention, merge) replay
+    with a workspace given and with the op's own."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _STAND_IN], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    for name, r in res.items():
+    for name in ("attn", "append", "split"):
+        r = res[name]
         assert r["fast"] and r["same"] and r["launches"] >= 1, (name, r)
         assert r["replays"][0] >= 1 and r["replays"][1] == r["replays"][0], (name, r)
         assert r["replays"][2] == r["replays"][0], (name, r)  # misaligned: not replayed
     assert res["attn"]["returned"] is True and res["append"]["returned"] is None
+    assert res["split"]["launches"] == 2 and res["split"]["returned"] is True
+    assert res["split_own"] == dict(fast=True, launches=2, replays=1)
 
 
 @pytest.mark.gpu
