@@ -384,20 +384,18 @@ def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=Tru
     fn = kernel_fn(c, override)[0] if override else treeops_fn(c)
     row["treeops_config"] = config_of(c, override)
 
-    def chained(make):
-        """Time with the rotation (``*_us``) and alone in a graph (``*_single_us``)."""
+    def chained(name, make):
+        """``measure``'s timer: the call alone in a graph (``<name>_single_us``), then the chain
+        over the rotated caches (what it returns: ``<name>_us``)."""
 
         def timer(f):
-            single[0] = time_us(f)[0]
+            row[f"{name}_single_us"] = round(time_us(f)[0], 2)
             return rot.time(make)
 
-        single = [None]
-        return timer, single
+        return timer
 
-    timer, single = chained(lambda kc, vc: treeops_fn(c, kc, vc)) if rot else (time_treeops, [])
+    timer = chained("treeops", lambda kc, vc: treeops_fn(c, kc, vc)) if rot else time_treeops
     measure("treeops", row, lambda: fn, ref, timer=timer)
-    if single and single[0] is not None:
-        row["treeops_single_us"] = round(single[0], 2)
     row["max_rel_err"] = row.get("treeops_err")
     if row.get("treeops_us") is not None:
         row["treeops_do_bench_us"] = round(time_us(fn, graph=False)[0], 2)
@@ -424,7 +422,7 @@ def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=Tru
                 row[f"{name}_note"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
                 continue
             f0 = make(c.k_cache, c.v_cache)
-            timer, single = chained(make) if rot else (None, [])
+            timer = chained(name, make) if rot else None
             if causal:  # not the tree's function: timed, checked only to run (finite)
                 try:
                     f0()
@@ -435,8 +433,6 @@ def run_shape(B, ctx, n, peers, flex, override=None, time_treeops=None, sdpa=Tru
                     row[f"{name}_note"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
             else:
                 measure(name, row, lambda f0=f0: f0, ref, timer=timer)
-            if single and single[0] is not None:
-                row[f"{name}_single_us"] = round(single[0], 2)
         measure("flashinfer_ragged", row, fir, ref)
         row["flashinfer_plan_us"] = {key: round(val, 1) for key, val in plan.items()}
         if sdpa:

@@ -78,15 +78,25 @@ def direct_ok(args: tuple, first: int, returns: int) -> bool:
     float or bool, and for an op that returns tensors, grad mode off or no argument requiring
     grad. Each op also needs every argument given and its ``int``/``float`` arguments of
     exactly those classes (``_make_op``)."""
-    if not DIRECT or first < 0 or _compiling():
+    if first < 0 or not direct_state_ok():
         return False
     a = args[first]
     return (
         (a.is_cuda or DIRECT == 2)
-        and not (_dispatch_modes() or _function_modes() or _functorch() or _profiling())
-        and _jit_tracing() is None
         and _PLAIN.issuperset(map(type, args))
         and not (returns and _grad() and _any_requires_grad(*args))
+    )
+
+
+def direct_state_ok() -> bool:
+    """``direct_ok``'s thread-state half: the direct path is on, and nothing is compiling or
+    tracing, no dispatch or function mode, functorch transform or profiler is active (what a
+    replay of recorded launches, ``treeops.prepare``, asks too)."""
+    return (
+        bool(DIRECT)
+        and not _compiling()
+        and not (_dispatch_modes() or _function_modes() or _functorch() or _profiling())
+        and _jit_tracing() is None
     )
 
 

@@ -232,7 +232,7 @@ class Prepared:
         if (
             run is not None
             and len(tensors) == len(self.names)
-            and _direct_state_ok()
+            and _library.direct_state_ok()
             and _launch.launch_state() == self._launch_state
             and _CURRENT_DEVICE() == self._dev
             and self._guards.check(*tensors, *self._kept)
@@ -281,20 +281,3 @@ def _map_result(result, every: list):
 
 _CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _CURRENT_DEVICE = getattr(torch._C, "_cuda_getDevice", None) or (lambda: -1)
-
-
-def _direct_state_ok() -> bool:
-    """Where a direct launch is what the op would do too: the ops' direct path is on and no
-    tracing, mode, transform or profiler is active (``_library.direct_ok``'s thread-state
-    half)."""
-    return (
-        _library.DIRECT != 0
-        and not _library._compiling()
-        and not (
-            _library._dispatch_modes()
-            or _library._function_modes()
-            or _library._functorch()
-            or _library._profiling()
-        )
-        and _library._jit_tracing() is None
-    )
