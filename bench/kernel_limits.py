@@ -12,6 +12,12 @@ ncu-locked clock.
 
     python bench/kernel_limits.py --out DIR [--cases accept_greedy_b64,build_layer_b1]
     python bench/kernel_limits.py --list
+    python bench/kernel_limits.py --out DIR --source --cases build_layer_b1
+
+``--source`` instead samples where each kernel's warps stall, per instruction (ncu's
+SourceCounters section), and writes ``DIR/<case>_source.csv.gz``: ncu's source page with the
+Python line each SASS instruction came from (Triton keeps line info), for reading by hand or
+with ``--summarise FILE`` (stall samples summed per Python line, the top lines printed).
 
 Writes ``DIR/kernel_limits.json`` (one entry per case; a case that failed carries its error).
 Needs a CUDA GPU whose runtime lets ncu read the counters (see the device notes); the shapes are
@@ -209,6 +215,65 @@ def run_case(case: str, timeout_s: float) -> dict:
     return ent
 
 
+def run_source(case: str, out_dir: str, timeout_s: float) -> dict:
+    """ncu's per-instruction stall sampling of the case's kernels -> ``<case>_source.csv.gz``."""
+    import gzip
+
+    rep = os.path.join("/tmp", f"treeops_{case}")
+    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--section",
+           "SourceCounters", "--section", "WarpStateStats", "--import-source", "yes", "-f", "-o",
+           rep, sys.executable, os.path.abspath(__file__), "--inner", case]  # fmt: skip
+    ent: dict = {"case": case}
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if p.returncode != 0:
+            return {**ent, "error": (p.stderr or p.stdout)[-800:]}
+        for mode in ("cuda,sass", "sass"):  # older ncu releases know only "sass"
+            q = subprocess.run(["ncu", "-i", rep + ".ncu-rep", "--page", "source", "--csv",
+                                "--print-source", mode], capture_output=True, text=True,
+                               timeout=timeout_s)  # fmt: skip
+            if q.returncode == 0 and q.stdout.strip():
+                path = os.path.join(out_dir, f"{case}_source.csv.gz")
+                with gzip.open(path, "wt") as f:
+                    f.write(q.stdout)
+                return {**ent, "source": path, "mode": mode, "chars": len(q.stdout)}
+            ent["error"] = f"{mode}: " + (q.stderr or q.stdout)[-400:]
+    except subprocess.TimeoutExpired:
+        ent["error"] = f"timed out after {timeout_s:.0f} s"
+    return ent
+
+
+def summarise(path: str, top: int = 25) -> list[tuple[str, float]]:
+    """Stall samples per source line of a ``--source`` file, largest first: every row of ncu's
+    CSV whose first column names a ``file.py:line`` location, or the SASS rows' samples added to
+    the last such line seen above them."""
+    import gzip
+    import re
+
+    text = gzip.open(path, "rt").read() if path.endswith(".gz") else open(path).read()
+    per: dict[str, float] = {}
+    line = "?"
+    header: list[str] | None = None
+    for row in csv.reader(io.StringIO(text)):
+        if not row:
+            continue
+        if header is None or row[0] in ("Address", "# Address", "Line", "#"):
+            if any("Sampl" in c for c in row):
+                header = row
+            continue
+        col = next((i for i, c in enumerate(header) if "Warp Stall Sampling (All" in c), None)
+        if col is None or col >= len(row):
+            continue
+        m = re.search(r"[\w./-]+\.py:\d+", ",".join(row[:2]))
+        if m:
+            line = m.group(0)
+        try:
+            per[line] = per.get(line, 0.0) + float(row[col].replace(",", "") or 0)
+        except ValueError:
+            continue
+    return sorted(per.items(), key=lambda kv: -kv[1])[:top]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="directory for kernel_limits.json")
@@ -216,7 +281,13 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-s", type=float, default=90.0, help="per case")
     ap.add_argument("--inner", help=argparse.SUPPRESS)
     ap.add_argument("--list", action="store_true", help="print the cases and stop")
+    ap.add_argument("--source", action="store_true", help="stall samples per instruction")
+    ap.add_argument("--summarise", help="a --source file: samples per Python line")
     args = ap.parse_args(argv)
+    if args.summarise:
+        for where, n in summarise(args.summarise):
+            print(f"{n:10.0f}  {where}")
+        return 0
     if args.list:
         print("\n".join(CASES))
         return 0
@@ -230,6 +301,10 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown cases {unknown}; --list shows them")
     os.makedirs(args.out, exist_ok=True)
+    if args.source:
+        for case in cases:
+            print(json.dumps(run_source(case, args.out, args.timeout_s)))
+        return 0
     doc = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "commit": os.environ.get("TREEOPS_COMMIT"), "sections": SECTIONS,
            "cases": []}  # fmt: skip
