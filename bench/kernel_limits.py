@@ -243,35 +243,34 @@ def run_source(case: str, out_dir: str, timeout_s: float) -> dict:
     return ent
 
 
-def summarise(path: str, top: int = 25) -> list[tuple[str, float]]:
-    """Stall samples per source line of a ``--source`` file, largest first: every row of ncu's
-    CSV whose first column names a ``file.py:line`` location, or the SASS rows' samples added to
-    the last such line seen above them."""
+def summarise(path: str, top: int = 25) -> list[tuple[float, str, str]]:
+    """Stall samples per (kernel, Python line) of a ``--source`` file, largest first. ncu's source
+    page comes in blocks, each headed by ``"File Path"`` and ``"Function Name"`` rows; in a
+    block, a row whose first column is a line number carries that line's samples summed over its
+    SASS (the address rows under it)."""
     import gzip
-    import re
 
     text = gzip.open(path, "rt").read() if path.endswith(".gz") else open(path).read()
-    per: dict[str, float] = {}
-    line = "?"
-    header: list[str] | None = None
+    per: dict[tuple[str, str], list] = {}
+    file = func = "?"
+    col = None
     for row in csv.reader(io.StringIO(text)):
         if not row:
             continue
-        if header is None or row[0] in ("Address", "# Address", "Line", "#"):
-            if any("Sampl" in c for c in row):
-                header = row
-            continue
-        col = next((i for i, c in enumerate(header) if "Warp Stall Sampling (All" in c), None)
-        if col is None or col >= len(row):
-            continue
-        m = re.search(r"[\w./-]+\.py:\d+", ",".join(row[:2]))
-        if m:
-            line = m.group(0)
-        try:
-            per[line] = per.get(line, 0.0) + float(row[col].replace(",", "") or 0)
-        except ValueError:
-            continue
-    return sorted(per.items(), key=lambda kv: -kv[1])[:top]
+        if row[0] == "File Path":
+            file = os.path.basename(row[1])
+        elif row[0] == "Function Name":
+            func = row[1]
+        elif row[0] == "Line No":
+            col = row.index("Warp Stall Sampling (All Samples)")
+        elif col is not None and row[0].isdigit() and col < len(row):
+            if not row[col].replace(",", "").replace(".", "").isdigit():
+                continue  # "-": a line with no instructions of its own
+            ent = per.setdefault((func, f"{file}:{row[0]}"), [0.0, row[1].strip()[:70]])
+            ent[0] += float(row[col].replace(",", "") or 0)
+    ranked = sorted(((n, f"{fn} {where}", src) for (fn, where), (n, src) in per.items()),
+                    key=lambda t: -t[0])  # fmt: skip
+    return ranked[:top]
 
 
 def main(argv=None) -> int:
@@ -285,8 +284,8 @@ def main(argv=None) -> int:
     ap.add_argument("--summarise", help="a --source file: samples per Python line")
     args = ap.parse_args(argv)
     if args.summarise:
-        for where, n in summarise(args.summarise):
-            print(f"{n:10.0f}  {where}")
+        for n, where, src in summarise(args.summarise):
+            print(f"{n:8.0f}  {where:48s} {src}")
         return 0
     if args.list:
         print("\n".join(CASES))
