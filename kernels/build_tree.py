@@ -466,9 +466,9 @@ _RETIRED: list[torch.Tensor] = []  # split workspaces replaced by larger ones (s
 
 
 TOP_K_METHODS = ("select", "rank", "merge")
-# (method, tiles read at once) of the split expand's top-K, with at most as many frontier rows
-# as SMs (False) and more (True): every row's program then shares its SM
-TOP_K_DEFAULT = {False: ("rank", 4), True: ("rank", 1)}
+# the split expand's per-row programs: (top-K method, tiles read at once, warps), with at most
+# as many frontier rows as SMs (False) and more (True: every row's program then shares its SM)
+ROW_DEFAULT = {False: ("rank", 4, 4), True: ("rank", 1, 4)}
 
 
 def _default_split(rows: int, V: int, block_v: int, device: torch.device) -> int:
@@ -541,6 +541,7 @@ def expand(
     top_k: str | None = None,
     cand_cap: int = 32,
     cand_tiles: int | None = None,
+    row_warps: int | None = None,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V]: with a split > 1, ``_stream_kernel``
     over (row, chunk) programs then ``_expand_kernel`` per row; else ``_expand_kernel`` alone.
@@ -559,18 +560,21 @@ def expand(
     >= 16) of them at once (a row with more, many equal logits, takes the merge), ``"merge"``
     merges them tile by tile; all three give the same result. ``cand_tiles`` (a power of two)
     is how many tiles are read at once (more: fewer block-wide steps, more registers, so fewer
-    resident programs at large B). The defaults are ``TOP_K_DEFAULT``'s, set from the H200's
-    sweep (``bench_build_tree.py --ops sweep_topk``)."""
+    resident programs at large B), ``row_warps`` the warps of the per-row programs. The
+    defaults are ``ROW_DEFAULT``'s, set from the H200's sweep (``bench_build_tree.py --ops
+    sweep_topk``)."""
     if top_k is not None and top_k not in TOP_K_METHODS:
         raise ValueError(f"top_k must be one of {TOP_K_METHODS}, got {top_k!r}")
     if cand_cap < 16 or cand_cap & (cand_cap - 1):
         raise ValueError(f"cand_cap must be a power of two >= 16, got {cand_cap}")
     if cand_tiles is not None and (cand_tiles < 1 or cand_tiles & (cand_tiles - 1)):
         raise ValueError(f"cand_tiles must be a power of two, got {cand_tiles}")
+    if row_warps is not None and row_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"row_warps must be 1, 2, 4, 8 or 16, got {row_warps}")
     B, W, V = logits.shape
     wide = B * W > _runtime.sm_count(logits.device)  # more rows than SMs
-    top_k = top_k or TOP_K_DEFAULT[wide][0]
-    cand_tiles = cand_tiles or TOP_K_DEFAULT[wide][1]
+    top_k = top_k or ROW_DEFAULT[wide][0]
+    cand_tiles = cand_tiles or ROW_DEFAULT[wide][1]
     K, D = topk, cand_scores.shape[1]
     C = W * K
     block_v, split = expand_tiling(B * W, V, logits.device, block_v, split)
@@ -599,7 +603,7 @@ def expand(
             NT=n_tiles,
             num_warps=num_warps or 1,
         )
-        warps = 1 if interpreted() else 4
+        warps = 1 if interpreted() else (row_warps or ROW_DEFAULT[wide][2])
     else:
         pm = ps = pt = workspace["counters"]  # never read (SPLIT = 1)
         warps = num_warps or (1 if interpreted() else (8 if block_v >= 4096 else 4))
