@@ -355,8 +355,7 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False):
     """The expand launch's tiling on one shape (the defaults are set from this): the vocabulary
     tile, the programs per row (``split``; None: the default rule, ``expand_tiling``) and the
     warps of the streaming programs (split > 1; with split = 1, of the one program per row);
-    then, at the default tiling, the split top-K's method (``top_k``, ``cand_cap``,
-    ``cand_tiles``)."""
+    then, at the default tiling, the split top-K's method (``cand_cap``, ``cand_tiles``)."""
     from treeops.build_tree import _launch_expand  # the CUDA branch with the launcher's tuning
 
     pol = make_policy("eagle", 64, table)
@@ -381,13 +380,10 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False):
         tunes[f"block_v={bv},warps={nw},split={sp or 'auto'}"] = dict(
             block_v=bv, num_warps=nw, split=sp
         )
-    # the split top-K's method at the default tiling: the search in registers, candidates ranked
-    # at once (cap) or the tile-by-tile merge; tiles read at a time
-    methods = [("merge", 32, 1), ("rank", 32, 1), ("rank", 32, 2), ("rank", 32, 4)]
-    methods += [("rank", 64, 1)] + [("select", 32, t) for t in (1, 2, 4, 8)]
-    for top_k, cap, tiles in methods:
-        name = f"top_k={top_k},cand_tiles={tiles}" + (f",cand_cap={cap}" if top_k == "rank" else "")
-        tunes[name] = dict(top_k=top_k, cand_cap=cap, cand_tiles=tiles)
+    # the split top-K's method at the default tiling: candidates ranked at once (cap, tiles read
+    # at a time) or the tile-by-tile merge (cap 0)
+    for cap, tiles in ((0, 1), (32, 1), (32, 2), (32, 4), (64, 1)):
+        tunes[f"cand_cap={cap},cand_tiles={tiles}"] = dict(cand_cap=cap, cand_tiles=tiles)
     for name, tune in tunes.items():
         try:
             _launch_expand(bufs[1], st, pol, **tune)

@@ -215,13 +215,16 @@ def run_case(case: str, timeout_s: float) -> dict:
     return ent
 
 
-def run_source(case: str, out_dir: str, timeout_s: float) -> dict:
-    """ncu's per-instruction stall sampling of the case's kernels -> ``<case>_source.csv.gz``."""
+def run_source(case: str, out_dir: str, timeout_s: float, interval: str = "auto") -> dict:
+    """ncu's per-instruction stall sampling of the case's kernels -> ``<case>_source.csv.gz``;
+    ``interval``: ncu's ``--sampling-interval`` (n: a sample every 2^(5 + n) cycles per SM; a
+    short kernel on few SMs needs 0 to be sampled more than a few hundred times)."""
     import gzip
 
     rep = os.path.join("/tmp", f"treeops_{case}")
     cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--section",
-           "SourceCounters", "--section", "WarpStateStats", "--import-source", "yes", "-f", "-o",
+           "SourceCounters", "--section", "WarpStateStats", "--sampling-interval", interval,
+           "--import-source", "yes", "-f", "-o",
            rep, sys.executable, os.path.abspath(__file__), "--inner", case]  # fmt: skip
     ent: dict = {"case": case}
     try:
@@ -282,6 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="print the cases and stop")
     ap.add_argument("--source", action="store_true", help="stall samples per instruction")
     ap.add_argument("--summarise", help="a --source file: samples per Python line")
+    ap.add_argument("--sampling-interval", default="auto", help="--source: ncu's, 0-31 or auto")
     args = ap.parse_args(argv)
     if args.summarise:
         for n, where, src in summarise(args.summarise):
@@ -302,7 +306,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     if args.source:
         for case in cases:
-            print(json.dumps(run_source(case, args.out, args.timeout_s)))
+            print(json.dumps(run_source(case, args.out, args.timeout_s, args.sampling_interval)))
         return 0
     doc = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "commit": os.environ.get("TREEOPS_COMMIT"), "sections": SECTIONS,

@@ -49,3 +49,28 @@ def test_command_line():
     assert K.main(["--list"]) == 0
     with pytest.raises(SystemExit):
         K.main(["--out", "/tmp/x", "--cases", "no_such_case"])
+
+
+def test_summarise_adds_stall_samples_per_kernel_and_line(tmp_path):
+    """ncu's --page source --print-source cuda,sass layout: a block per (file, kernel), a line row
+    carrying that line's samples, its SASS rows under it (not counted again), "-" for a line
+    without instructions."""
+    head = '"Line No","Source","Address","Source","Warp Stall Sampling (All Samples)","# Samples"'
+    text = "\n".join([
+        '"File Path","/x/build_tree_vocab.py"', '"Function Name","_stream_kernel"', head,
+        '"51","return tl.load(p)","-","-","40","40"', '"","","0x10","LDG.E R1","40","40"',
+        '"52","# a comment","-","-","-","-"',
+        '"File Path","/x/standard.py"', '"Function Name","_stream_kernel"', head,
+        '"170","return core.maximum(a, b)","-","-","7","7"',
+        '"File Path","/x/build_tree_vocab.py"', '"Function Name","_expand_kernel"', head,
+        '"51","return tl.load(p)","-","-","3","3"',
+    ])  # fmt: skip
+    path = tmp_path / "case_source.csv"
+    path.write_text(text + "\n")
+    got = K.summarise(str(path))
+    assert [(n, w) for n, w, _ in got] == [
+        (40.0, "_stream_kernel build_tree_vocab.py:51"),
+        (7.0, "_stream_kernel standard.py:170"),
+        (3.0, "_expand_kernel build_tree_vocab.py:51"),
+    ]
+    assert got[0][2] == "return tl.load(p)"

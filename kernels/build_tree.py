@@ -137,7 +137,6 @@ def _expand_kernel(
     NTP: tl.constexpr,
     GT: tl.constexpr,  # split > 1: tiles read at once for the top-K's candidates
     CAP: tl.constexpr,  # split > 1: most candidates ranked at once (else the tile-by-tile merge)
-    SELECT: tl.constexpr,  # split > 1: the top-K searched in registers (CAP unused)
     JB: tl.constexpr,  # candidates compared per step of the rank
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
@@ -158,7 +157,7 @@ def _expand_kernel(
         m_run, s_run = _combine_softmax(p_part_m, p_part_s, i_row.to(tl.int64), SPLIT, SP)
         b_top = _top_of_tiles(
             p_row, p_part_t + i_row.to(tl.int64) * NT, V, row_ok, K, KP, BLOCK_V, NT, NTP, GT,
-            CAP, SELECT,
+            CAP,
         )  # fmt: skip
     else:
         m_run, s_run, b_top = _stream_row(p_row, 0, V, V, row_ok, K, KP, BLOCK_V)
@@ -465,12 +464,6 @@ def _no_cast(dummy: torch.Tensor) -> CastInputs:
 _RETIRED: list[torch.Tensor] = []  # split workspaces replaced by larger ones (see expand)
 
 
-TOP_K_METHODS = ("select", "rank", "merge")
-# the split expand's per-row programs: (top-K method, tiles read at once, warps), with at most
-# as many frontier rows as SMs (False) and more (True: every row's program then shares its SM)
-ROW_DEFAULT = {False: ("rank", 4, 4), True: ("rank", 1, 4)}
-
-
 def _default_split(rows: int, V: int, block_v: int, device: torch.device) -> int:
     """Chunks per frontier row for the one-warp streaming programs: about 32 programs per SM
     (B = 1's ten rows fill the GPU), at least 2, at most 64, from the SM count and V only (fixed
@@ -538,10 +531,8 @@ def expand(
     block_v: int | None = None,
     num_warps: int | None = None,
     split: int | None = None,
-    top_k: str | None = None,
     cand_cap: int = 32,
     cand_tiles: int | None = None,
-    row_warps: int | None = None,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V]: with a split > 1, ``_stream_kernel``
     over (row, chunk) programs then ``_expand_kernel`` per row; else ``_expand_kernel`` alone.
@@ -554,27 +545,21 @@ def expand(
     ``block_v`` (vocabulary tile, a power of two), ``num_warps`` (of the streaming programs when
     split > 1, else of the one program per row) and ``split`` (streaming programs per row, each
     one chunk of V; default ``expand_tiling``'s, from the SM count and V only) override the
-    defaults. With a split, ``top_k`` is how a row's top-K is taken from the K tiles that can
-    hold it (``_top_of_tiles``): ``"select"`` searches them in registers, ``"rank"`` compacts
-    the logits at or above the K-th tile's max and ranks at most ``cand_cap`` (a power of two
-    >= 16) of them at once (a row with more, many equal logits, takes the merge), ``"merge"``
-    merges them tile by tile; all three give the same result. ``cand_tiles`` (a power of two)
-    is how many tiles are read at once (more: fewer block-wide steps, more registers, so fewer
-    resident programs at large B), ``row_warps`` the warps of the per-row programs. The
-    defaults are ``ROW_DEFAULT``'s, set from the H200's sweep (``bench_build_tree.py --ops
-    sweep_topk``)."""
-    if top_k is not None and top_k not in TOP_K_METHODS:
-        raise ValueError(f"top_k must be one of {TOP_K_METHODS}, got {top_k!r}")
-    if cand_cap < 16 or cand_cap & (cand_cap - 1):
-        raise ValueError(f"cand_cap must be a power of two >= 16, got {cand_cap}")
+    defaults. With a split, ``cand_cap`` (0, or a power of two >= 16) is the most top-K
+    candidates of a row ranked at once (a row with more, many equal logits, takes the
+    tile-by-tile merge, with the same result; 0: always the merge) and ``cand_tiles`` (a power of
+    two) how many tiles are read at once for them (more: fewer block-wide steps, but about 115
+    registers at 2 against 56-72 at 1, so fewer resident programs at large B). By default 4
+    when every row's program has an SM to itself (B*W <= SMs), else 1: the H200's sweep
+    (``bench_build_tree.py --ops sweep_topk``) had B 1 at 19.0 against 20.3 us and B 64 at 52.8
+    against 44.3."""
+    if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
+        raise ValueError(f"cand_cap must be 0 or a power of two >= 16, got {cand_cap}")
     if cand_tiles is not None and (cand_tiles < 1 or cand_tiles & (cand_tiles - 1)):
         raise ValueError(f"cand_tiles must be a power of two, got {cand_tiles}")
-    if row_warps is not None and row_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"row_warps must be 1, 2, 4, 8 or 16, got {row_warps}")
     B, W, V = logits.shape
-    wide = B * W > _runtime.sm_count(logits.device)  # more rows than SMs
-    top_k = top_k or ROW_DEFAULT[wide][0]
-    cand_tiles = cand_tiles or ROW_DEFAULT[wide][1]
+    if cand_tiles is None:
+        cand_tiles = 4 if B * W <= _runtime.sm_count(logits.device) else 1
     K, D = topk, cand_scores.shape[1]
     C = W * K
     block_v, split = expand_tiling(B * W, V, logits.device, block_v, split)
@@ -603,7 +588,7 @@ def expand(
             NT=n_tiles,
             num_warps=num_warps or 1,
         )
-        warps = 1 if interpreted() else (row_warps or ROW_DEFAULT[wide][2])
+        warps = 1 if interpreted() else 4
     else:
         pm = ps = pt = workspace["counters"]  # never read (SPLIT = 1)
         warps = num_warps or (1 if interpreted() else (8 if block_v >= 4096 else 4))
@@ -654,8 +639,7 @@ def expand(
         NT=n_tiles if split > 1 else 1,
         NTP=pow2(n_tiles) if split > 1 else 1,
         GT=min(cand_tiles, KP),
-        CAP=0 if top_k == "merge" else cand_cap,
-        SELECT=top_k == "select",
+        CAP=cand_cap,
         JB=min(16, pow2(C)),
         LANES=32 * warps,
         FENCE=not interpreted(),

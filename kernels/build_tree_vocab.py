@@ -189,80 +189,6 @@ def _top_of_tiles_merged(p_row, t_key, V, K: tl.constexpr, KP: tl.constexpr, BLO
 
 
 @triton.jit
-def _best_tiles(
-    t_key, V, K: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr, NTP: tl.constexpr
-):
-    """The K best-ranked tiles of ``t_key`` (``_top_of_tiles``' tile keys): their first tokens in
-    rank order [KP] (V: no such tile, never read) and the K-th one's max as an ``_ordered`` int32
-    (the smallest int32 when there are fewer than K tiles: every logit then qualifies). Up to 64
-    tiles they are ranked at once (each tile's rank is how many keys beat it: one [NTP, NTP]
-    compare, no chain of reductions); beyond, by K reductions in sequence."""
-    o_k = tl.arange(0, KP)
-    if NTP <= 64:
-        o_t = tl.arange(0, NTP)
-        t_rank = tl.sum((t_key[None, :] > t_key[:, None]).to(tl.int32), axis=1)  # keys distinct
-        live = t_key > -9223372036854775807 - 1
-        hit = (t_rank[None, :] == o_k[:, None]) & live[None, :]  # [KP, NTP]
-        b_v0 = tl.sum(tl.where(hit, o_t[None, :] * BLOCK_V, 0), axis=1)
-        b_v0 = tl.where(tl.sum(hit.to(tl.int32), axis=1) > 0, b_v0, V)
-        t_kth = tl.max(tl.where((t_rank == K - 1) & live, t_key, -9223372036854775807 - 1))
-    else:
-        t_rest = t_key
-        b_v0 = tl.zeros([KP], tl.int32) + V
-        t_kth = tl.max(t_key)
-        for k in range(K):
-            t_kth = tl.max(t_rest)
-            t_rest = tl.where(t_rest == t_kth, -9223372036854775807 - 1, t_rest)
-            v0 = (0x7FFFFFFF - (t_kth & 0xFFFFFFFF)).to(tl.int32) * BLOCK_V
-            b_v0 = tl.where((o_k == k) & (t_kth > -9223372036854775807 - 1), v0, b_v0)
-    return b_v0, (t_kth >> 32).to(tl.int32)
-
-
-@triton.jit
-def _tiles_at(
-    p_row, b_v0, g, V, K: tl.constexpr, KP: tl.constexpr, GT: tl.constexpr, BLOCK_V: tl.constexpr
-):
-    """Tokens [GT, BLOCK_V] of the best tiles ``g .. g + GT - 1`` (first tokens ``b_v0``; V past
-    the K-th: masked off) and their logits as loaded (-inf where masked)."""
-    o_k = tl.arange(0, KP)
-    o_g = tl.arange(0, GT)
-    v0_g = tl.sum(tl.where(o_k[None, :] == g + o_g[:, None], b_v0[None, :], 0), axis=1)
-    v0_g = tl.where(g + o_g < K, v0_g, V)
-    o_v = v0_g[:, None] + tl.arange(0, BLOCK_V)[None, :]  # [GT, BLOCK_V]
-    return o_v, tl.load(p_row + o_v, mask=o_v < V, other=-float("inf"))
-
-
-@triton.jit
-def _select_of_tiles(
-    p_row, b_v0, thr, V, K: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr,
-    GT: tl.constexpr,
-):  # fmt: skip
-    """The row's top-K packed keys from the K best tiles (``_best_tiles``), all in registers:
-    ``GT`` tiles at a time (the next group's loads in flight while one is searched), the logits
-    below ``thr`` dropped, and the group's best key merged into the running top-K while it
-    beats the K-th: about one block-wide max per element that enters the top-K, with no
-    compaction, barrier or second read."""
-    o_k = tl.arange(0, KP)
-    key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
-    b_top = tl.where(o_k < K, key_min + 1 + o_k, 9223372036854775807)  # as in _stream_row
-    b_thr = tl.min(b_top)
-    o_n, b_n = _tiles_at(p_row, b_v0, 0, V, K, KP, GT, BLOCK_V)
-    for g in range(0, K, GT):
-        o_v, b_raw = o_n, b_n
-        o_n, b_n = _tiles_at(p_row, b_v0, g + GT, V, K, KP, GT, BLOCK_V)
-        b_o = _ordered(b_raw.to(tl.float32) + 0.0)
-        b_key = (b_o.to(tl.int64) << 32) | (0x7FFFFFFF - o_v).to(tl.int64)
-        b_key = tl.where((o_v < V) & (b_o >= thr), b_key, -9223372036854775807 - 1)
-        b_best = tl.max(tl.max(b_key, axis=1))
-        while b_best > b_thr:
-            b_top = tl.where(b_top == b_thr, b_best, b_top)
-            b_key = tl.where(b_key == b_best, -9223372036854775807 - 1, b_key)
-            b_thr = tl.min(b_top)
-            b_best = tl.max(tl.max(b_key, axis=1))
-    return b_top
-
-
-@triton.jit
 def _top_of_tiles(
     p_row,
     p_tmax,
@@ -275,7 +201,6 @@ def _top_of_tiles(
     NTP: tl.constexpr,
     GT: tl.constexpr,
     CAP: tl.constexpr,
-    SELECT: tl.constexpr,
 ):
     """The row's top-K packed keys, reading only the tiles that can hold them.
 
@@ -290,8 +215,8 @@ def _top_of_tiles(
     When they fit (at most ``min(CAP, NT)``; at least K qualify, the K tiles' maxima), their keys
     are ranked at once: a constant number of block-wide steps instead of a reduction per
     candidate. Otherwise (many equal logits), or always with ``CAP`` = 0,
-    ``_top_of_tiles_merged`` takes the row. With ``SELECT``, ``_select_of_tiles`` searches the
-    same tiles in registers instead. Either way the result is the exact top-K by packed key."""
+    ``_top_of_tiles_merged`` takes the row. Either way the result is the exact top-K by packed
+    key."""
     o_t = tl.arange(0, NTP)
     m_t = o_t < NT
     b_tm = tl.load(p_tmax + o_t, mask=m_t, other=0, cache_modifier=".cg")  # (unused if not row_ok)
@@ -300,23 +225,32 @@ def _top_of_tiles(
     o_k = tl.arange(0, KP)
     key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
     b_top = tl.where(o_k < K, key_min + 1 + o_k, 9223372036854775807)  # as in _stream_row
-    if SELECT:
-        if row_ok:
-            b_v0, thr = _best_tiles(t_key, V, K, KP, BLOCK_V, NTP)
-            b_top = _select_of_tiles(p_row, b_v0, thr, V, K, KP, BLOCK_V, GT)
-    elif CAP == 0:
+    if CAP == 0:
         if row_ok:
             b_top = _top_of_tiles_merged(p_row, t_key, V, K, KP, BLOCK_V)
     elif row_ok:
         # the K best tiles' first tokens (V: no such tile, not read) and the K-th one's max
-        b_v0, thr = _best_tiles(t_key, V, K, KP, BLOCK_V, NTP)
+        t_rest = t_key
+        b_v0 = tl.zeros([KP], tl.int32) + V
+        t_kth = tl.max(t_key)
+        for k in range(K):
+            t_kth = tl.max(t_rest)
+            t_rest = tl.where(t_rest == t_kth, -9223372036854775807 - 1, t_rest)
+            v0 = (0x7FFFFFFF - (t_kth & 0xFFFFFFFF)).to(tl.int32) * BLOCK_V
+            b_v0 = tl.where((o_k == k) & (t_kth > -9223372036854775807 - 1), v0, b_v0)
+        # fewer than K tiles: the smallest key, so every logit of the row qualifies
+        thr = (t_kth >> 32).to(tl.int32)
         # every tile max is in registers (the reductions above waited on the loads): the row's
         # slots of p_tmax are free for the candidate tokens
+        o_g = tl.arange(0, GT)
+        o_b = tl.arange(0, BLOCK_V)
         n_c = tl.sum(tl.zeros([GT], tl.int32))
         for g in range(0, K, GT):
-            o_v, b_raw = _tiles_at(p_row, b_v0, g, V, K, KP, GT, BLOCK_V)
+            v0_g = tl.sum(tl.where(o_k[None, :] == g + o_g[:, None], b_v0[None, :], 0), axis=1)
+            v0_g = tl.where(g + o_g < K, v0_g, V)
+            o_v = v0_g[:, None] + o_b[None, :]  # [GT, BLOCK_V]
             m_v = o_v < V
-            b_x = b_raw.to(tl.float32) + 0.0
+            b_x = tl.load(p_row + o_v, mask=m_v, other=-float("inf")).to(tl.float32) + 0.0
             c_i = (m_v & (_ordered(b_x) >= thr)).to(tl.int32)
             n_g = tl.sum(c_i, axis=1)  # [GT]
             pos = n_c + (tl.cumsum(n_g, 0) - n_g)[:, None] + tl.cumsum(c_i, axis=1) - 1

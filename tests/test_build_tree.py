@@ -861,41 +861,32 @@ def test_expand_op_split_workspace_is_the_launchers(monkeypatch):
         assert torch.equal(getattr(a, f), getattr(c, f)), f
 
 
-@pytest.mark.parametrize(
-    "top_k, cand_cap, cand_tiles, V",
-    [("rank", 32, 1, 1500), ("rank", 64, 2, 1500), ("rank", 16, 4, 1500), ("merge", 32, 2, 1500),
-     ("select", 32, 1, 1500), ("select", 32, 8, 1500), ("rank", 32, 1, 1000),
-     ("select", 32, 2, 1000), ("select", 32, 8, 1000)],
-)  # fmt: skip
-def test_streamed_expand_ranked_candidates_match_reference(top_k, cand_cap, cand_tiles, V):
-    """The split expand's top-K at a realistic tile count (V / block_v = 94 tiles: the K best
-    tiles found by K reductions in sequence; 63: ranked at once): the logits of the K best tiles
-    at or above the K-th tile's max ranked at once (``"rank"``), read one, two or four tiles at a
-    time; rows with
-    many equal logits (more candidates than ``cand_cap``: the tile-by-tile merge), a row of one
-    value, a row whose best values share one tile; ``"merge"``: always the merge; ``"select"``:
-    searched in registers, one, two or eight tiles a read. Each the reference's states and
-    tree."""
+@pytest.mark.parametrize("cand_cap, cand_tiles", [(32, 1), (64, 2), (16, 4), (0, 2)])
+def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles):
+    """The split expand's top-K at a realistic tile count (V / block_v = 94 tiles): the logits
+    of the K best tiles at or above the K-th tile's max ranked at once, read one, two or four
+    tiles at a time; rows with many equal logits (more candidates than ``cand_cap``: the
+    tile-by-tile merge), a row of one value, a row whose best values share one tile; ``cand_cap``
+    = 0: always the merge. Each the reference's states and tree."""
     g = torch.Generator().manual_seed(17)
     pol = treeops.EagleStatic(depth=2, topk=5, budget=20)
-    D, B, W = 2, 2, pol.max_width
+    D, B, W, V = 2, 2, pol.max_width, 1500
     logits = torch.randn(D, B, W, V, generator=g) * 3
     logits[0, 0, 1] = (logits[0, 0, 1] * 2).round() / 2  # many ties across tiles
     logits[0, 1, 0] = 0.25  # one value: every logit a candidate
     logits[1, 0, 0, 640:656] += 30.0  # the row's best 16 in one tile
     logits[1, 1] = (logits[1, 1] * 4).round() / 4
     run_both(
-        pol, logits, [1, 2], [5, 6], [True, True], block_v=16, split=4, top_k=top_k,
-        cand_cap=cand_cap, cand_tiles=cand_tiles,
+        pol, logits, [1, 2], [5, 6], [True, True], block_v=16, split=4, cand_cap=cand_cap,
+        cand_tiles=cand_tiles,
     )  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "tuning, message",
     [
-        (dict(cand_cap=24), "cand_cap must be a power of two >= 16, got 24"),
-        (dict(cand_cap=0), "cand_cap must be a power of two >= 16, got 0"),
-        (dict(top_k="sort"), "top_k must be one of"),
+        (dict(cand_cap=24), "cand_cap must be 0 or a power of two >= 16, got 24"),
+        (dict(cand_cap=8), "cand_cap must be 0 or a power of two >= 16, got 8"),
         (dict(cand_tiles=3), "cand_tiles must be a power of two, got 3"),
         (dict(cand_tiles=0), "cand_tiles must be a power of two, got 0"),
     ],
