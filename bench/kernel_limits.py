@@ -217,13 +217,13 @@ def run_case(case: str, timeout_s: float) -> dict:
 
 def run_source(case: str, out_dir: str, timeout_s: float, interval: str = "auto") -> dict:
     """ncu's per-instruction stall sampling of the case's kernels -> ``<case>_source.csv.gz``;
-    ``interval``: ncu's ``--sampling-interval`` (n: a sample every 2^(5 + n) cycles per SM; a
+    ``interval``: ncu's ``--warp-sampling-interval`` (n: a sample every 2^(5 + n) cycles per SM; a
     short kernel on few SMs needs 0 to be sampled more than a few hundred times)."""
     import gzip
 
     rep = os.path.join("/tmp", f"treeops_{case}")
     cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--section",
-           "SourceCounters", "--section", "WarpStateStats", "--sampling-interval", interval,
+           "SourceCounters", "--section", "WarpStateStats", "--warp-sampling-interval", interval,
            "--import-source", "yes", "-f", "-o",
            rep, sys.executable, os.path.abspath(__file__), "--inner", case]  # fmt: skip
     ent: dict = {"case": case}
