@@ -34,6 +34,11 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return c
 
 
+def owns(t: torch.Tensor) -> bool:
+    """Whether ``t`` is one of these buffers (a recorded launch keeps it: ``treeops._replay``)."""
+    return any(t is c for c in _COUNTERS.values()) or any(t is c for c in _RETIRED)
+
+
 @triton.jit
 def arrive(p_count, FENCE: tl.constexpr):
     """Count this program's arrival at ``p_count`` (an int32 slot); returns how many arrived

@@ -358,14 +358,17 @@ def launch_state() -> tuple:
 
 class recording:
     """``with recording() as launches:`` the direct launches made inside, as (entry, grid, args)
-    (``treeops.prepare`` replays them); ``launches.missed`` after the block: some launch went
-    through Triton instead (a first launch, a fallback: not replayable). Scratch buffers made
-    inside are fresh (``scratch``): they belong to the recorded call."""
+    (``treeops.prepare`` and the ops' own replays, ``treeops._replay``, replay them);
+    ``launches.missed`` after the block: some launch went through Triton instead (a first
+    launch, a fallback: not replayable). Scratch buffers made inside are fresh (``scratch``):
+    they belong to the recorded call; ``launches.scratch`` lists them, as (key, device, make,
+    buffers) per ``scratch`` call, so that a replay can ask ``scratch`` again."""
 
     def __enter__(self) -> list:
         if STATE.rec is not None:
             raise RuntimeError("a call is being recorded already")
         self.launches = _Recorded()
+        self.launches.scratch = []
         STATE.rec, STATE.missed = self.launches, False
         return self.launches
 
@@ -376,6 +379,7 @@ class recording:
 
 class _Recorded(list):
     missed = False
+    scratch: list
 
 
 def clear_all() -> None:
@@ -404,7 +408,9 @@ def scratch(key: tuple, device: torch.device, make: Callable[[], tuple]) -> tupl
     the graph's pool and the graph's own: a cached set could be used by an eager call on
     another stream while the graph replays."""
     if STATE.rec is not None:  # a recorded call keeps its own buffers
-        return make()
+        bufs = make()
+        STATE.rec.scratch.append((key, device, make, bufs))
+        return bufs
     if device.type == "cuda":
         if _capturing is not None and _capturing():
             return make()

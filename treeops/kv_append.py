@@ -26,7 +26,9 @@ from ._checks import (
     signature,
 )
 from ._library import define
+from ._replay import MISS, Replays
 from .kernels import kv_append as _k
+from .kernels._launch import recording
 from .reference import kv_append as _ref_kv
 
 __all__ = ["kv_append", "rope"]
@@ -53,6 +55,9 @@ def _kv_append_cpu(
 _PASSED = Memo()
 """Signatures (``treeops._checks.signature``) of ``kv_append`` and ``rope`` calls whose checks
 passed (with ``validate=False``): a repeated call skips them."""
+_APPEND_REPLAYS = Replays("kv_append")
+_ROPE_REPLAYS = Replays("rope")
+"""Calls per signature replayed without the ops' Python layers (``treeops._replay``)."""
 
 
 def _check_kv_append(
@@ -215,20 +220,25 @@ def kv_append(
         >>> torch.equal(q[:, :2], treeops.rope(q0[:, :2], pos)), torch.equal(q[:, 2], q0[:, 2])
         (True, True)
     """
-    key = None
+    key = tensors = None
     if not validate:
-        key = signature(
-            (k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, q), (rope_theta,)
-        )
+        tensors = (k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, q)
+        key = signature(tensors, (rope_theta,))
+        if _APPEND_REPLAYS.run(key, tensors) is not MISS:
+            return None
     if _PASSED.get(key) is None:
         _check_kv_append(
             k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, q, rope_theta,
             validate,
         )  # fmt: skip
         _PASSED.put(key, True)
-    _kv_append_op(
-        k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, float(rope_theta), q
-    )
+    args = (k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, float(rope_theta), q)
+    if _APPEND_REPLAYS.wants(key):  # this signature's first direct call: kept for its replays
+        with recording() as launches:
+            _kv_append_op(*args)
+        _APPEND_REPLAYS.record(key, tensors, launches, None)
+    else:
+        _kv_append_op(*args)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
@@ -243,10 +253,22 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> to
         >>> bool(torch.allclose(x, y))
         True
     """
-    key = signature((x, positions), ("rope",))  # theta is not checked
+    tensors = (x, positions)
+    key = signature(tensors, ("rope",))  # theta is not checked
+    # theta is launched: a replay is kept per (signature, theta)
+    plain = key is not None and theta.__class__ in (int, float)
+    key_theta = (key, theta.__class__, theta) if plain else None
+    y = _ROPE_REPLAYS.run(key_theta, tensors)
+    if y is not MISS:
+        return y
     if _PASSED.get(key) is None:
         _check_rope(x, positions)
         _PASSED.put(key, True)
+    if _ROPE_REPLAYS.wants(key_theta):  # this signature's first direct call: kept for replays
+        with recording() as launches:
+            y = _rope_op(x, positions, float(theta))
+        _ROPE_REPLAYS.record(key_theta, tensors, launches, y)
+        return y
     return _rope_op(x, positions, float(theta))
 
 

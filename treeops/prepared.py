@@ -42,6 +42,8 @@ import torch
 from . import _checks, _library
 from . import kv_append as _kv_append_mod
 from . import tree_attention as _tree_attention_mod
+from ._replay import NotReplayable as _NotReplayable
+from ._replay import launch_line, stand_in
 from .kernels import _launch
 from .tree import Tree
 
@@ -164,9 +166,8 @@ class Prepared:
         kept = [t for t in kept if id(t) in used]
         every = rebound + kept
         # CPU tensors run the reference, except where bench/bench_host.py times the CUDA
-        # launchers' host code on them (stub kernels, no stream: DIRECT == 2)
-        stand_in = _library.DIRECT == 2
-        if not (stand_in or all(t.is_cuda for t in every)):
+        # launchers' host code on them (stub kernels, no stream)
+        if not (stand_in() or all(t.is_cuda for t in every)):
             raise _NotReplayable("the tensors are not all on CUDA (the op runs its reference)")
         if launches.missed or not launches:
             raise _NotReplayable("a launch of the recorded call went through Triton's own path")
@@ -182,8 +183,6 @@ class Prepared:
         ns: dict[str, object] = {"_stream": stream, "_dev": dev}
         lines, aligned = [], set()
         for j, (entry, grid, args) in enumerate(launches):
-            if entry[0] is None or len(grid) > 3:
-                raise _NotReplayable("a launch without a launcher to call")
             cells = []
             for i, a in enumerate(args):
                 if isinstance(a, torch.Tensor):
@@ -201,14 +200,7 @@ class Prepared:
                 else:
                     ns[f"c{j}_{i}"] = a
                     cells.append(f"c{j}_{i}")
-            g = tuple(grid) + (1,) * (3 - len(grid))
-            ns[f"L{j}"], ns[f"F{j}"], ns[f"M{j}"] = entry[0], entry[1], entry[2]
-            if entry[4]:  # the C launcher (kernels/_launch.py: _entry)
-                ns[f"C{j}"], ns[f"P{j}"] = entry[5], entry[6]
-                head = f"L{j}({g[0]}, {g[1]}, {g[2]}, s, F{j}, C{j}, P{j}, None, None, M{j}"
-            else:
-                head = f"L{j}({g[0]}, {g[1]}, {g[2]}, s, F{j}, M{j}"
-            lines.append(f"    {head}, None, None, None, {', '.join(cells)})")
+            lines.append(launch_line(j, entry, grid, cells, ns))
         for k in range(len(kept)):
             ns[f"k{k}"] = kept[k]
         ptrs = [f"    p{k} = r{k}.data_ptr()" for k in range(len(rebound))]
@@ -257,10 +249,6 @@ class Prepared:
         arguments = dict(self._arguments)
         arguments.update(zip(self.names, tensors, strict=True))
         return self.op(**arguments)
-
-
-class _NotReplayable(Exception):
-    """Why a recorded call's launches cannot be replayed (``Prepared.reason``)."""
 
 
 def _map_result(result, every: list):

@@ -1,0 +1,257 @@
+"""The per-layer ops' own replays (``treeops._replay``): a repeated plain call of a signature
+launches, argument for argument, what the op's Python path launches for the same tensors, with
+fresh outputs where the op makes them; anything a replay cannot be falls back to the op."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import treeops
+
+ROOT = Path(__file__).resolve().parent.parent
+_GPU = pytest.mark.skipif(
+    not (torch.cuda.is_available() and os.environ.get("TREEOPS_GPU_TESTS") == "1"),
+    reason="needs a CUDA device and TREEOPS_GPU_TESTS=1 (run on the H200)",
+)
+
+_STAND_IN = r"""
+import json, sys, torch
+sys.path.insert(0, "bench")
+import bench_host
+import treeops
+TA, KA = sys.modules["treeops.tree_attention"], sys.modules["treeops.kv_append"]
+
+calls = []
+bench_host._StubKernel.run = lambda self, *a: calls.append(a)
+BIG = 1 << 40  # CPU heap addresses are above it; strides, sizes and flags below
+
+
+def norm(args, inputs, results):
+    # a launch's arguments: pointers as (input k | result r | the op's own, byte offset)
+    out = []
+    own = []
+    for x in args:
+        p = x.data_ptr() if isinstance(x, torch.Tensor) else x
+        if type(p) is int and p > BIG:
+            for name, ts in (("in", inputs), ("res", results)):
+                hit = [(k, p - t.data_ptr()) for k, t in enumerate(ts) if t is not None
+                       and 0 <= p - t.data_ptr() < max(t.untyped_storage().nbytes(), 1)]
+                if hit:
+                    out.append((name, *hit[0]))
+                    break
+            else:
+                own.append(p)
+                out.append(("own", p - own[0]))
+        else:
+            out.append(repr(p))
+    return out
+
+
+def run(name, replays, op, make):
+    # first call records; each later call of the signature replays. Compared against the same
+    # call with the replay table emptied (the op's own launches, recording again)
+    res = {}
+    make_args = make()
+    op(*make_args[0], **make_args[1])  # records
+    a, kw = make()
+    calls.clear(); n0 = replays.replays
+    got_r = op(*a, **kw); got = [list(c) for c in calls]
+    replayed = replays.replays - n0
+    runs = dict(replays._runs)
+    replays._runs.clear()
+    calls.clear(); want_r = op(*a, **kw); want = [list(c) for c in calls]
+    replays._runs.clear(); replays._runs.update(runs)
+    rs = lambda r: [] if r is None else [r] if isinstance(r, torch.Tensor) else list(r)
+    ins = [x for x in list(a) + list(kw.values()) if isinstance(x, torch.Tensor)]
+    for x in list(a) + list(kw.values()):
+        if isinstance(x, treeops.Tree):
+            ins += list(x.tensors())
+    g = [norm(c, ins, rs(got_r)) for c in got]
+    w = [norm(c, ins, rs(want_r)) for c in want]
+    meta = lambda r: [(tuple(t.shape), t.stride(), str(t.dtype)) for t in rs(r)]
+    fresh = all(not any(t is x for x in ins) for t in rs(got_r) if not any(t is x for x in ins))
+    res = dict(replayed=replayed, same=g == w, launches=len(got), meta=meta(got_r) == meta(want_r),
+               returned_inputs=[any(t is x for x in ins) for t in rs(got_r)],
+               returned_none=got_r is None)
+    return res
+
+
+with bench_host.launchers_on_cpu():
+    g = torch.Generator().manual_seed(0)
+    B, N, HQ, HKV, D, P = 2, 8, 4, 2, 64, 16
+    bf = torch.bfloat16
+    rnd = lambda *s: torch.randn(*s, generator=g).to(bf)
+    par = torch.tensor([[-1] + [(i - 1) // 2 for i in range(1, N)]] * B, dtype=torch.int32)
+    tree = treeops.Tree.from_parents(par, torch.full((B,), N, dtype=torch.int32),
+                                     torch.arange(B * N).view(B, N) + 1)
+    bt = torch.arange(B * 4, dtype=torch.int32).view(B, 4)
+    sl = torch.tensor([20, 33], dtype=torch.int32)
+    tree1 = treeops.Tree.from_parents(par[:1], torch.full((1,), N, dtype=torch.int32),
+                                      torch.arange(N).view(1, N) + 1)
+    bt1 = torch.arange(40, dtype=torch.int32).view(1, 40)
+    sl1 = torch.tensor([600], dtype=torch.int32)
+    from treeops.kernels import tree_attention as K
+
+    def attn(split=False, out=False, lse=False, ws=False):
+        def make():
+            if split:
+                q, kc, vc = rnd(1, N, HQ, D), rnd(40, P, HKV, D), rnd(40, P, HKV, D)
+                args = (q, kc, vc, bt1, sl1, tree1)
+            else:
+                q, kc, vc = rnd(B, N, HQ, D), rnd(B * 4, P, HKV, D), rnd(B * 4, P, HKV, D)
+                args = (q, kc, vc, bt, sl, tree)
+            kw = dict(return_lse=lse)
+            if out:
+                kw["out"] = torch.empty_like(q)
+                if lse:
+                    kw["lse"] = torch.empty(q.shape[:3], dtype=torch.float32)
+            if ws:
+                kw["workspace"] = torch.zeros(K.workspace_numel(
+                    *q.shape, K.config_for(q, args[1], args[3])))
+            return args, kw
+        return make
+
+    res = {}
+    for name, kw in (("attn", {}), ("attn_out", dict(out=True)), ("attn_lse", dict(lse=True)),
+                     ("attn_out_lse", dict(out=True, lse=True)), ("split", dict(split=True)),
+                     ("split_ws", dict(split=True, ws=True)),
+                     ("split_out_lse", dict(split=True, out=True, lse=True))):
+        res[name] = run(name, TA._REPLAYS, treeops.tree_attention, attn(**kw))
+
+    def append(with_q):
+        def make():
+            kc, vc = rnd(B * 4, P, HKV, D), rnd(B * 4, P, HKV, D)
+            kw = dict(q=rnd(B, N, HQ, D)) if with_q else {}
+            return (rnd(B, N, HKV, D), rnd(B, N, HKV, D), kc, vc, bt, sl, tree.num_nodes,
+                    tree.depth), kw
+        return make
+
+    res["append"] = run("append", KA._APPEND_REPLAYS, treeops.kv_append, append(False))
+    res["append_q"] = run("append_q", KA._APPEND_REPLAYS, treeops.kv_append, append(True))
+    res["rope"] = run("rope", KA._ROPE_REPLAYS, treeops.rope,
+                      lambda: ((rnd(B, N, HQ, D), tree.depth.long()), {}))
+    res["rope_3d"] = run("rope_3d", KA._ROPE_REPLAYS, treeops.rope,
+                         lambda: ((rnd(N, HQ, D), tree.depth[0].long()), {}))
+
+    # what falls back: a misaligned pointer, a dispatch mode, a call being recorded (prepare)
+    q, kc, vc = rnd(B, N, HQ, D), rnd(B * 4, P, HKV, D), rnd(B * 4, P, HKV, D)
+    treeops.tree_attention(q, kc, vc, bt, sl, tree)
+    n0 = TA._REPLAYS.replays
+    off = torch.empty(q.numel() + 8, dtype=bf)[1:1 + q.numel()].view(q.shape)
+    treeops.tree_attention(off, kc, vc, bt, sl, tree)
+    from treeops.testing import NoHostSync
+    with NoHostSync():
+        treeops.tree_attention(q, kc, vc, bt, sl, tree)
+    n1 = TA._REPLAYS.replays
+    o = torch.empty_like(q)
+    treeops.tree_attention(q, kc, vc, bt, sl, tree, out=o)  # this signature is recorded
+    prep = treeops.prepare(treeops.tree_attention, q, kc, vc, bt, sl, tree, out=o,
+                           rebind=("q", "out"))
+    res["fallback"] = dict(replays=n1 - n0, prepared_fast=prep.fast,
+                           prepared_launches=len(prep.source.split("L0(")) - 1)
+print("RESULT" + json.dumps(res))
+"""
+
+
+def test_replay_launches_what_the_op_launches():
+    """Against stub kernels (bench/bench_host.py's stand-in driver): the second call of each
+    signature replays, launching argument for argument what the op's own path launches for the
+    same tensors (pointers as the input or result they point into, with the offset; the op's
+    own buffers by their offsets to each other), and returns the given tensors where the op
+    does and fresh ones of the op's shapes, strides and dtypes where it makes them:
+    tree_attention with and without ``out``, ``lse``, a split-KV workspace (two launches: the
+    given workspace's views at their offsets, or the op's own workspace fresh per call),
+    kv_append with and without ``q``, rope on 4-d and 3-d ``x`` (views of x and of its fresh
+    result). A misaligned pointer, a dispatch mode and a call being recorded by ``prepare`` run
+    the op."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _STAND_IN], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for name in ("attn", "attn_out", "attn_lse", "attn_out_lse", "split", "split_ws",
+                 "split_out_lse", "append", "append_q", "rope", "rope_3d"):  # fmt: skip
+        r = res[name]
+        assert r["replayed"] == 1 and r["same"] and r["meta"] and r["launches"] >= 1, (name, r)
+    assert res["split"]["launches"] == 2 and res["split_ws"]["launches"] == 2
+    assert res["attn"]["returned_inputs"] == [False]  # a fresh out
+    assert res["attn_out_lse"]["returned_inputs"] == [True, True]
+    assert res["attn_lse"]["returned_inputs"] == [False, False]
+    assert res["append"]["returned_none"] and res["append_q"]["returned_none"]
+    assert res["rope"]["returned_inputs"] == [False]
+    assert res["fallback"]["replays"] == 0, res["fallback"]
+    assert res["fallback"]["prepared_fast"] and res["fallback"]["prepared_launches"] == 1
+
+
+def test_cpu_calls_run_the_reference():
+    """On CPU the ops run their references: nothing is recorded, every call is the op's."""
+    ta = sys.modules["treeops.tree_attention"]
+    g = torch.Generator().manual_seed(1)
+    par = torch.tensor([[-1, 0, 0, 1]], dtype=torch.int32)
+    tree = treeops.Tree.from_parents(par, torch.tensor([4], dtype=torch.int32),
+                                     torch.tensor([[7, 3, 5, 2]]))  # fmt: skip
+    kc, vc = torch.randn(2, 16, 2, 64, generator=g), torch.randn(2, 16, 2, 64, generator=g)
+    bt, sl = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([10], dtype=torch.int32)
+    n0 = ta._REPLAYS.replays
+    outs = [treeops.tree_attention(torch.randn(1, 4, 4, 64, generator=g), kc, vc, bt, sl, tree)
+            for _ in range(3)]  # fmt: skip
+    assert ta._REPLAYS.replays == n0 and not any(o is outs[0] for o in outs[1:])
+
+
+@pytest.mark.gpu
+@_GPU
+@pytest.mark.parametrize("split", [False, True], ids=["one-launch", "split-kv"])
+def test_gpu_plain_calls_replay_and_equal_the_ops(split):
+    """A layer loop of plain calls (kv_append with q, tree_attention without out or workspace,
+    rope) replays from the second layer on and writes bitwise what the ops' Python path writes
+    (the replay table emptied before each reference call); each replayed output is a fresh
+    tensor."""
+    ta, ka = sys.modules["treeops.tree_attention"], sys.modules["treeops.kv_append"]
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(3)
+    B, N, HQ, HKV, D, P = 2, 8, 4, 2, 64, 16
+    ctx = 3000 if split else 20
+    pages = -(-(ctx + N) // P)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16).to(dev)
+
+    par = torch.tensor([[-1] + [(i - 1) // 2 for i in range(1, N)]] * B, dtype=torch.int32)
+    tree = treeops.Tree.from_parents(par, torch.full((B,), N, dtype=torch.int32),
+                                     torch.arange(B * N).view(B, N) + 1).to(dev)  # fmt: skip
+    bt = torch.arange(B * pages, dtype=torch.int32, device=dev).view(B, pages)
+    sl = torch.tensor([ctx, ctx - 7], dtype=torch.int32, device=dev)
+    layers = [(rnd(B * pages, P, HKV, D), rnd(B * pages, P, HKV, D), rnd(B, N, HQ, D),
+               rnd(B, N, HKV, D), rnd(B, N, HKV, D)) for _ in range(4)]  # fmt: skip
+    pos = tree.positions(sl)
+
+    def layer(kc, vc, q, k, v):
+        treeops.kv_append(k, v, kc, vc, bt, sl, tree.num_nodes, tree.depth, q=q)
+        return treeops.tree_attention(q, kc, vc, bt, sl, tree), treeops.rope(q, pos)
+
+    def plain(x):
+        for r in (ta._REPLAYS, ka._APPEND_REPLAYS, ka._ROPE_REPLAYS):
+            r._runs.clear()
+        return layer(*x)
+
+    counts = [r.replays for r in (ta._REPLAYS, ka._APPEND_REPLAYS, ka._ROPE_REPLAYS)]
+    prev = None
+    for i, x in enumerate(layers):
+        y = [t.clone() for t in x]
+        got = layer(*x)
+        want = plain(y)
+        for a, b in zip(list(x) + list(got), list(y) + list(want), strict=True):
+            assert torch.equal(a, b), i
+        layer(*[t.clone() for t in y])  # records again after the reference's emptying
+        if prev is not None:
+            assert got[0] is not prev[0] and got[1] is not prev[1]
+        prev = got
+    after = [r.replays for r in (ta._REPLAYS, ka._APPEND_REPLAYS, ka._ROPE_REPLAYS)]
+    assert all(a - c >= len(layers) - 1 for a, c in zip(after, counts, strict=True)), after
