@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 from collections.abc import Callable
 
 import torch
@@ -72,9 +73,10 @@ MAX_ENTRIES = 256
 """Keys kept per kernel; the cache is emptied when full (an engine's shapes fit many times)."""
 
 
-class _State:
+class _State(threading.local):
     """``rec``: while a call is recorded (``recording``), the list each direct launch appends its
-    (entry, grid, args) to; ``missed``: a launch of the recorded call went through Triton."""
+    (entry, grid, args) to; ``missed``: a launch of the recorded call went through Triton. Per
+    thread: a call recorded in one thread must not take another thread's launches."""
 
     rec: list | None = None
     missed = False

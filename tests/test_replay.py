@@ -255,3 +255,19 @@ def test_gpu_plain_calls_replay_and_equal_the_ops(split):
         prev = got
     after = [r.replays for r in (ta._REPLAYS, ka._APPEND_REPLAYS, ka._ROPE_REPLAYS)]
     assert all(a - c >= len(layers) - 1 for a, c in zip(after, counts, strict=True)), after
+
+
+def test_a_recording_is_its_threads_own():
+    """A call recorded in one thread takes no launch of another: the recording state is per
+    thread (an engine's threads call ops while one of them records a first call)."""
+    import threading
+
+    from treeops.kernels import _launch
+
+    seen = []
+    with _launch.recording():
+        t = threading.Thread(target=lambda: seen.append(_launch.STATE.rec))
+        t.start()
+        t.join()
+        assert _launch.STATE.rec is not None
+    assert seen == [None]
