@@ -57,7 +57,7 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import treeops  # noqa: E402
-from treeops import _library  # noqa: E402
+from treeops import _library, _replay  # noqa: E402
 
 Call = Callable[[], object]
 BUDGET_US = 25.0
@@ -78,6 +78,9 @@ OPS = (
     "kv_append",
     "kv_append_prepared",
     "rope",
+    "tree_attention_replayed",
+    "kv_append_replayed",
+    "rope_replayed",
     "accept_greedy",
     "accept_sample",
     "compact_kv",
@@ -98,7 +101,8 @@ OPS = (
 )
 """Every public op's entry point (``adjacency_update_logits``: the update from logits, which
 runs a second launch; ``*_prepared``: the op's call through ``treeops.prepare``, its tensors
-rebound per call as a layer loop rebinds them)."""
+rebound per call as a layer loop rebinds them; ``*_replayed``: the plain call with the ops' own
+replays on, ``treeops._replay``, as ``TREEOPS_REPLAY=1`` turns them on)."""
 
 
 def cases(dev: torch.device) -> dict[str, Call]:
@@ -161,8 +165,29 @@ def cases(dev: torch.device) -> dict[str, Call]:
     def append_prepared():
         return append(k, v, kc, vc)
 
-    attn_prepared.prepared, append_prepared.prepared = attn, append  # type: ignore[attr-defined]
+    attn_prepared.replayer, append_prepared.replayer = attn, append  # type: ignore[attr-defined]
+    ta, ka = sys.modules["treeops.tree_attention"], sys.modules["treeops.kv_append"]
+
+    def replayed(fn, replays):
+        def call():
+            was, _replay.ENABLED = _replay.ENABLED, True
+            try:
+                return fn()
+            finally:
+                _replay.ENABLED = was
+
+        call.replayer = replays  # type: ignore[attr-defined]
+        return call
+
     return {
+        "tree_attention_replayed": replayed(
+            lambda: treeops.tree_attention(q, kc, vc, bt, sl, tree), ta._REPLAYS
+        ),
+        "kv_append_replayed": replayed(
+            lambda: treeops.kv_append(k, v, kc, vc, bt, sl, tree.num_nodes, tree.depth),
+            ka._APPEND_REPLAYS,
+        ),
+        "rope_replayed": replayed(lambda: treeops.rope(q, pos), ka._ROPE_REPLAYS),
         "tree_attention": lambda: treeops.tree_attention(q, kc, vc, bt, sl, tree),
         "tree_attention_prepared": attn_prepared,
         "kv_append_prepared": append_prepared,
@@ -296,7 +321,7 @@ def cpu_rows(ops: list[str], iters: int, repeats: int) -> list[dict]:
                 # load hits both alike
                 own = total = float("inf")
                 misses = None
-                prepared = getattr(fn, "prepared", None)
+                prepared = getattr(fn, "replayer", None)  # a Prepared or an op's Replays
                 for _ in range(repeats):
                     if prepared is None:  # a replay calls the launchers itself: no split
                         _launches_off(direct)

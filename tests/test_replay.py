@@ -28,6 +28,8 @@ import bench_host
 import treeops
 TA, KA = sys.modules["treeops.tree_attention"], sys.modules["treeops.kv_append"]
 
+import treeops._replay
+treeops._replay.ENABLED = True
 calls = []
 bench_host._StubKernel.run = lambda self, *a: calls.append(a)
 BIG = 1 << 40  # CPU heap addresses are above it; strides, sizes and flags below
@@ -190,6 +192,18 @@ def test_replay_launches_what_the_op_launches():
     assert res["fallback"]["prepared_fast"] and res["fallback"]["prepared_launches"] == 1
 
 
+def test_off_unless_asked():
+    """Without ``TREEOPS_REPLAY=1`` a plain call neither records nor replays."""
+    code = "import treeops._replay as r; print(r.ENABLED)"
+    for value, want in (("", "False"), ("1", "True")):
+        env = {k: v for k, v in os.environ.items() if k != "TREEOPS_REPLAY"}
+        if value:
+            env["TREEOPS_REPLAY"] = value
+        got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env, cwd=ROOT, timeout=120).stdout.strip()  # fmt: skip
+        assert got == want, (value, got)
+
+
 def test_cpu_calls_run_the_reference():
     """On CPU the ops run their references: nothing is recorded, every call is the op's."""
     ta = sys.modules["treeops.tree_attention"]
@@ -208,12 +222,13 @@ def test_cpu_calls_run_the_reference():
 @pytest.mark.gpu
 @_GPU
 @pytest.mark.parametrize("split", [False, True], ids=["one-launch", "split-kv"])
-def test_gpu_plain_calls_replay_and_equal_the_ops(split):
+def test_gpu_plain_calls_replay_and_equal_the_ops(split, monkeypatch):
     """A layer loop of plain calls (kv_append with q, tree_attention without out or workspace,
     rope) replays from the second layer on and writes bitwise what the ops' Python path writes
     (the replay table emptied before each reference call); each replayed output is a fresh
     tensor."""
     ta, ka = sys.modules["treeops.tree_attention"], sys.modules["treeops.kv_append"]
+    monkeypatch.setattr(sys.modules["treeops._replay"], "ENABLED", True)
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(3)
     B, N, HQ, HKV, D, P = 2, 8, 4, 2, 64, 16
