@@ -18,6 +18,12 @@ through Triton's C launcher from code generated for it, with
   for again (kept per stream); the arrival counters (``kernels._counters``) kept;
 * everything else as recorded (grids, strides, scalars, constexprs).
 
+An op takes a ``Replays`` only after an audit of its CUDA path: it may allocate and make views,
+and launch, but do no other device work (a copy, a fill, a table built from pointers, as
+``compact_kv``'s list of layers is), and every buffer it makes must be its result or written by
+its kernels before they read it; a replay does none of that work and gives such buffers fresh,
+uninitialised memory.
+
 A call replays only where the op itself would launch directly (``_library.direct_state_ok``:
 not tracing or compiling, no dispatch or function mode, no profiler), with Triton's launch state
 and the current device as recorded; otherwise, and for a signature whose recorded call cannot be
