@@ -18,6 +18,8 @@ import triton.language as tl
 
 from treeops._runtime import refuse_in_capture
 
+from ._launch import kept
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
 
@@ -29,14 +31,9 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
         refuse_in_capture("the arrival counters (per device, up to the largest launch)")
         if c is not None:
             _RETIRED.append(c)
-        c = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+        c = kept(torch.zeros(max(n, 64), dtype=torch.int32, device=device))
         _COUNTERS[device] = c
     return c
-
-
-def owns(t: torch.Tensor) -> bool:
-    """Whether ``t`` is one of these buffers (a recorded launch keeps it: ``treeops._replay``)."""
-    return any(t is c for c in _COUNTERS.values()) or any(t is c for c in _RETIRED)
 
 
 @triton.jit

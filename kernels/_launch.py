@@ -390,6 +390,23 @@ def clear_all() -> None:
         lau.clear()
 
 
+# ---------------------------------------------------------------------------- kept buffers
+_KEPT: dict[int, torch.Tensor] = {}
+
+
+def kept(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` a buffer a launcher keeps across calls and fills itself (a cached table, the
+    arrival counters): a replay of a recorded launch (``treeops._replay``) passes it as it was,
+    where every other buffer the op made is fresh memory. Such buffers are never freed (graphs
+    captured with them keep reading them), so they are held here. Returns ``t``."""
+    _KEPT[id(t)] = t
+    return t
+
+
+def is_kept(t: torch.Tensor) -> bool:
+    return _KEPT.get(id(t)) is t
+
+
 # ------------------------------------------------------------------------------ scratch buffers
 _SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
 MAX_SCRATCH = 64

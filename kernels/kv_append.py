@@ -18,7 +18,7 @@ import triton.language as tl
 from treeops._runtime import cdiv, interpreted, pow2, refuse_in_capture
 from treeops.reference.kv_append import rope_inv_freq
 
-from ._launch import direct
+from ._launch import direct, kept
 
 
 @triton.jit(do_not_specialize=["N", "H_KV"])
@@ -123,7 +123,7 @@ def inv_freq(d: int, theta: float, device: torch.device) -> torch.Tensor:
     t = _INV_FREQ.get(key)
     if t is None:
         refuse_in_capture("kv_append's RoPE frequency table (per head dim, theta and device)")
-        t = _INV_FREQ[key] = rope_inv_freq(d, theta, device)
+        t = _INV_FREQ[key] = kept(rope_inv_freq(d, theta, device))
     return t
 
 

@@ -61,7 +61,10 @@ def run(name, replays, op, make):
     # call with the replay table emptied (the op's own launches, recording again)
     res = {}
     make_args = make()
+    before = set(replays._runs)
     op(*make_args[0], **make_args[1])  # records
+    src = "\n".join(replays._runs[k][0].source for k in set(replays._runs) - before
+                    if replays._runs[k])
     a, kw = make()
     calls.clear(); n0 = replays.replays
     got_r = op(*a, **kw); got = [list(c) for c in calls]
@@ -80,6 +83,7 @@ def run(name, replays, op, make):
     meta = lambda r: [(tuple(t.shape), t.stride(), str(t.dtype)) for t in rs(r)]
     fresh = all(not any(t is x for x in ins) for t in rs(got_r) if not any(t is x for x in ins))
     res = dict(replayed=replayed, same=g == w, launches=len(got), meta=meta(got_r) == meta(want_r),
+               fresh_bytes=src.count("_empty("), fresh_results=src.count("_empty_strided("),
                returned_inputs=[any(t is x for x in ins) for t in rs(got_r)],
                returned_none=got_r is None)
     return res
@@ -188,6 +192,16 @@ def test_replay_launches_what_the_op_launches():
     assert res["attn_lse"]["returned_inputs"] == [False, False]
     assert res["append"]["returned_none"] and res["append_q"]["returned_none"]
     assert res["rope"]["returned_inputs"] == [False]
+    # what each replay allocates per call: its fresh results, and fresh bytes only for a buffer
+    # the kernels write before they read (the split-KV workspace the op made); RoPE's frequency
+    # table and the arrival counters are the launchers' own, passed as recorded
+    fresh = {name: (r["fresh_results"], r["fresh_bytes"]) for name, r in res.items()
+             if "fresh_bytes" in r}  # fmt: skip
+    assert fresh == {
+        "attn": (1, 0), "attn_out": (0, 0), "attn_lse": (2, 0), "attn_out_lse": (0, 0),
+        "split": (1, 1), "split_ws": (1, 0), "split_out_lse": (0, 1), "append": (0, 0),
+        "append_q": (0, 0), "rope": (1, 0), "rope_3d": (1, 0),
+    }, fresh  # fmt: skip
     assert res["fallback"]["replays"] == 0, res["fallback"]
     assert res["fallback"]["prepared_fast"] and res["fallback"]["prepared_launches"] == 1
 

@@ -15,7 +15,8 @@ through Triton's C launcher from code generated for it, with
 * fresh buffers where the op made its own: a result (``out`` when none is given) allocated as the
   op allocates it, any other buffer it made (a split-KV workspace when none is given) as fresh
   bytes, each per call as the op's ``torch.empty`` is; ``kernels._launch.scratch`` buffers asked
-  for again (kept per stream); the arrival counters (``kernels._counters``) kept;
+  for again (kept per stream); the buffers a launcher keeps and fills itself
+  (``kernels._launch.kept``: RoPE's frequency table, the arrival counters) as recorded;
 * everything else as recorded (grids, strides, scalars, constexprs).
 
 An op takes a ``Replays`` only after an audit of its CUDA path: it may allocate and make views,
@@ -40,7 +41,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import _library
-from .kernels import _counters, _launch
+from .kernels import _launch
 
 ENABLED = os.environ.get("TREEOPS_REPLAY", "0") == "1"
 """Whether plain calls replay (``TREEOPS_REPLAY=1``). Off by default until the replays have run
@@ -220,7 +221,7 @@ def _compile(name: str, tensors: tuple, launches, result) -> tuple[Callable, str
                 if a.data_ptr() % 16 == 0:
                     aligned.add(cell)
                 cells.append(cell)
-            elif _counters.owns(a):  # kept: zero between launches, the op's own too
+            elif _launch.is_kept(a):  # a launcher's own table or counters: as recorded
                 ns[f"c{j}_{i}"], ns[f"t{j}_{i}"] = a.data_ptr(), a
                 cells.append(f"c{j}_{i}")
             elif id(a) in scratch_of:
