@@ -57,7 +57,8 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import treeops  # noqa: E402
-from treeops import _library, _replay  # noqa: E402
+from treeops import _library  # noqa: E402
+from treeops.kernels import _replay  # noqa: E402
 
 Call = Callable[[], object]
 BUDGET_US = 25.0
@@ -102,7 +103,7 @@ OPS = (
 """Every public op's entry point (``adjacency_update_logits``: the update from logits, which
 runs a second launch; ``*_prepared``: the op's call through ``treeops.prepare``, its tensors
 rebound per call as a layer loop rebinds them; ``*_replayed``: the plain call with the ops' own
-replays on, ``treeops._replay``, as ``TREEOPS_REPLAY=1`` turns them on)."""
+replays on, ``treeops.kernels._replay``, as ``TREEOPS_REPLAY=1`` turns them on)."""
 
 
 def cases(dev: torch.device) -> dict[str, Call]:

@@ -360,7 +360,7 @@ def launch_state() -> tuple:
 
 class recording:
     """``with recording() as launches:`` the direct launches made inside, as (entry, grid, args)
-    (``treeops.prepare`` and the ops' own replays, ``treeops._replay``, replay them);
+    (``treeops.prepare`` and the ops' own replays, ``_replay``, replay them);
     ``launches.missed`` after the block: some launch went through Triton instead (a first
     launch, a fallback: not replayable). Scratch buffers made inside are fresh (``scratch``):
     they belong to the recorded call; ``launches.scratch`` lists them, as (key, device, make,
@@ -396,7 +396,7 @@ _KEPT: dict[int, torch.Tensor] = {}
 
 def kept(t: torch.Tensor) -> torch.Tensor:
     """Mark ``t`` a buffer a launcher keeps across calls and fills itself (a cached table, the
-    arrival counters): a replay of a recorded launch (``treeops._replay``) passes it as it was,
+    arrival counters): a replay of a recorded launch (``_replay``) passes it as it was,
     where every other buffer the op made is fresh memory. Such buffers are never freed (graphs
     captured with them keep reading them), so they are held here. Returns ``t``."""
     _KEPT[id(t)] = t

@@ -1,6 +1,7 @@
-"""The per-layer ops' own replays (``treeops._replay``): a repeated plain call of a signature
-launches, argument for argument, what the op's Python path launches for the same tensors, with
-fresh outputs where the op makes them; anything a replay cannot be falls back to the op."""
+"""The per-layer ops' own replays (``treeops.kernels._replay``): a repeated plain call of a
+signature launches, argument for argument, what the op's Python path launches for the same
+tensors, with fresh outputs where the op makes them; anything a replay cannot be falls back to
+the op."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import bench_host
 import treeops
 TA, KA = sys.modules["treeops.tree_attention"], sys.modules["treeops.kv_append"]
 
-import treeops._replay
-treeops._replay.ENABLED = True
+import treeops.kernels._replay
+treeops.kernels._replay.ENABLED = True
 calls = []
 bench_host._StubKernel.run = lambda self, *a: calls.append(a)
 BIG = 1 << 40  # CPU heap addresses are above it; strides, sizes and flags below
@@ -208,7 +209,7 @@ def test_replay_launches_what_the_op_launches():
 
 def test_off_unless_asked():
     """Without ``TREEOPS_REPLAY=1`` a plain call neither records nor replays."""
-    code = "import treeops._replay as r; print(r.ENABLED)"
+    code = "import treeops.kernels._replay as r; print(r.ENABLED)"
     for value, want in (("", "False"), ("1", "True")):
         env = {k: v for k, v in os.environ.items() if k != "TREEOPS_REPLAY"}
         if value:
@@ -242,7 +243,7 @@ def test_gpu_plain_calls_replay_and_equal_the_ops(split, monkeypatch):
     (the replay table emptied before each reference call); each replayed output is a fresh
     tensor."""
     ta, ka = sys.modules["treeops.tree_attention"], sys.modules["treeops.kv_append"]
-    monkeypatch.setattr(sys.modules["treeops._replay"], "ENABLED", True)
+    monkeypatch.setattr(sys.modules["treeops.kernels._replay"], "ENABLED", True)
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(3)
     B, N, HQ, HKV, D, P = 2, 8, 4, 2, 64, 16

@@ -26,9 +26,9 @@ from ._checks import (
     signature,
 )
 from ._library import define
-from ._replay import MISS, Replays
 from .kernels import kv_append as _k
 from .kernels._launch import recording
+from .kernels._replay import MISS, Replays
 from .reference import kv_append as _ref_kv
 
 __all__ = ["kv_append", "rope"]
@@ -57,7 +57,7 @@ _PASSED = Memo()
 passed (with ``validate=False``): a repeated call skips them."""
 _APPEND_REPLAYS = Replays("kv_append")
 _ROPE_REPLAYS = Replays("rope")
-"""Calls per signature replayed without the ops' Python layers (``treeops._replay``)."""
+"""Calls per signature replayed without the ops' Python layers (``treeops.kernels._replay``)."""
 
 
 def _check_kv_append(

@@ -42,9 +42,9 @@ import torch
 from . import _checks, _library
 from . import kv_append as _kv_append_mod
 from . import tree_attention as _tree_attention_mod
-from ._replay import NotReplayable as _NotReplayable
-from ._replay import launch_line, stand_in
 from .kernels import _launch
+from .kernels._replay import NotReplayable as _NotReplayable
+from .kernels._replay import launch_line, stand_in
 from .tree import Tree
 
 __all__ = ["prepare", "Prepared"]

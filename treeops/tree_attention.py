@@ -29,9 +29,9 @@ from ._checks import (
     signature,
 )
 from ._library import TREE, define
-from ._replay import MISS, Replays
 from .kernels import tree_attention as _k
 from .kernels._launch import recording
+from .kernels._replay import MISS, Replays
 from .reference import tree_attention as _ref_attn
 from .tree import Tree, check_tree
 
@@ -129,7 +129,7 @@ def _tree_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, *rest):
 _PASSED = Memo()
 """Signatures of calls whose checks passed (with ``validate=False``) -> the default scale."""
 _REPLAYS = Replays("tree_attention")
-"""Calls per signature replayed without the op's Python layers (``treeops._replay``)."""
+"""Calls per signature replayed without the op's Python layers (``treeops.kernels._replay``)."""
 
 _tree_attention_op = define(
     f"tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "

@@ -6,7 +6,7 @@ launches and allocations only (``tree_attention``, ``kv_append``, ``rope``), the
 call are a function of the call's signature (``_checks.signature``: every tensor's type, shape,
 strides, dtype and device, and the value arguments) and its tensors' data pointers. So each op
 keeps a ``Replays``: the first call of a signature runs the op with its launches recorded
-(``kernels._launch.recording``), and later calls of that signature launch the same kernels
+(``_launch.recording``), and later calls of that signature launch the same kernels
 through Triton's C launcher from code generated for it, with
 
 * each argument tensor's data pointer where the recorded call passed that tensor, or a view the
@@ -14,9 +14,9 @@ through Triton's C launcher from code generated for it, with
   it: Triton specialises on it);
 * fresh buffers where the op made its own: a result (``out`` when none is given) allocated as the
   op allocates it, any other buffer it made (a split-KV workspace when none is given) as fresh
-  bytes, each per call as the op's ``torch.empty`` is; ``kernels._launch.scratch`` buffers asked
+  bytes, each per call as the op's ``torch.empty`` is; ``_launch.scratch`` buffers asked
   for again (kept per stream); the buffers a launcher keeps and fills itself
-  (``kernels._launch.kept``: RoPE's frequency table, the arrival counters) as recorded;
+  (``_launch.kept``: RoPE's frequency table, the arrival counters) as recorded;
 * everything else as recorded (grids, strides, scalars, constexprs).
 
 An op takes a ``Replays`` only after an audit of its CUDA path: it may allocate and make views,
@@ -40,8 +40,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import _library
-from .kernels import _launch
+from treeops import _library
+
+from . import _launch
 
 ENABLED = os.environ.get("TREEOPS_REPLAY", "0") == "1"
 """Whether plain calls replay (``TREEOPS_REPLAY=1``). Off by default until the replays have run
@@ -59,14 +60,14 @@ class NotReplayable(Exception):
 
 
 def launch_line(j: int, entry: tuple, grid: Sequence[int], cells: list[str], ns: dict) -> str:
-    """Source of launch ``j`` of a recorded call: ``entry`` (``kernels._launch._entry``), its grid,
+    """Source of launch ``j`` of a recorded call: ``entry`` (``_launch._entry``), its grid,
     and the expressions of its arguments (``cells``); the names it uses are put in ``ns``. The
     stream is ``s`` where the line runs."""
     if entry[0] is None or len(grid) > 3:
         raise NotReplayable("a launch without a launcher to call")
     g = tuple(grid) + (1,) * (3 - len(grid))
     ns[f"L{j}"], ns[f"F{j}"], ns[f"M{j}"] = entry[0], entry[1], entry[2]
-    if entry[4]:  # the C launcher (kernels/_launch.py: _entry)
+    if entry[4]:  # the C launcher (_launch.py: _entry)
         ns[f"C{j}"], ns[f"P{j}"] = entry[5], entry[6]
         head = f"L{j}({g[0]}, {g[1]}, {g[2]}, s, F{j}, C{j}, P{j}, None, None, M{j}"
     else:
@@ -119,7 +120,7 @@ class Replays:
         )
 
     def record(self, key, tensors: tuple, launches, result) -> None:
-        """Keep the recorded call of ``key`` (``launches`` from ``kernels._launch.recording``,
+        """Keep the recorded call of ``key`` (``launches`` from ``_launch.recording``,
         ``result`` what the op returned), or that it cannot be replayed. A call with a launch
         through Triton's own path (its first compile, say) is not kept: the next is recorded."""
         if launches.missed:
