@@ -54,6 +54,10 @@ MISS = object()
 MAX_ENTRIES = 256
 """Signatures recorded per op; the table is emptied when full."""
 
+MAX_MISSED = 3
+"""Recordings of a signature whose launches went through Triton's own path before it is left
+to the op for good."""
+
 
 class NotReplayable(Exception):
     """Why a recorded call's launches cannot be replayed."""
@@ -91,6 +95,7 @@ class Replays:
     def __init__(self, name: str) -> None:
         self.name = name
         self._runs: dict = {}  # Signature -> (run, launch state, device), or None
+        self._missed: dict = {}  # Signature -> recorded calls with a launch through Triton
         self.replays = 0
 
     def run(self, key, tensors: tuple):
@@ -122,11 +127,16 @@ class Replays:
     def record(self, key, tensors: tuple, launches, result) -> None:
         """Keep the recorded call of ``key`` (``launches`` from ``_launch.recording``,
         ``result`` what the op returned), or that it cannot be replayed. A call with a launch
-        through Triton's own path (its first compile, say) is not kept: the next is recorded."""
-        if launches.missed:
-            return
+        through Triton's own path (its first compile, say) is not kept: the next is recorded,
+        up to ``MAX_MISSED`` times."""
         if len(self._runs) >= MAX_ENTRIES:
             self._runs.clear()
+            self._missed.clear()
+        if launches.missed:
+            n = self._missed[key] = self._missed.get(key, 0) + 1
+            if n >= MAX_MISSED:  # a launch that never goes direct: stop recording
+                self._runs[key] = None
+            return
         try:
             run, source = _compile(self.name, tensors, launches, result)
         except NotReplayable:

@@ -301,3 +301,20 @@ def test_a_recording_is_its_threads_own():
         t.join()
         assert _launch.STATE.rec is not None
     assert seen == [None]
+
+
+def test_a_signature_whose_launches_never_go_direct_stops_being_recorded():
+    """A recorded call with a launch through Triton's own path is not kept and the next call is
+    recorded again, but only ``MAX_MISSED`` times: then the signature is left to the op."""
+    rp = sys.modules["treeops.kernels._replay"]
+    from treeops.kernels import _launch
+
+    class Missed(_launch._Recorded):
+        missed = True
+
+    replays = rp.Replays("stub")
+    key = object()
+    for _ in range(rp.MAX_MISSED):
+        assert key not in replays._runs
+        replays.record(key, (), Missed(), None)
+    assert key in replays._runs and replays._runs[key] is None and replays.source(key) is None
