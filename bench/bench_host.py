@@ -82,6 +82,8 @@ OPS = (
     "tree_attention_replayed",
     "kv_append_replayed",
     "rope_replayed",
+    "accept_greedy_replayed",
+    "accept_sample_replayed",
     "accept_greedy",
     "accept_sample",
     "compact_kv",
@@ -103,7 +105,8 @@ OPS = (
 """Every public op's entry point (``adjacency_update_logits``: the update from logits, which
 runs a second launch; ``*_prepared``: the op's call through ``treeops.prepare``, its tensors
 rebound per call as a layer loop rebinds them; ``*_replayed``: the plain call with the ops' own
-replays on, ``treeops.kernels._replay``, as ``TREEOPS_REPLAY=1`` turns them on)."""
+replays on (the per-layer ops and acceptance, ``treeops.kernels._replay``), as
+``TREEOPS_REPLAY=1`` turns them on)."""
 
 
 def cases(dev: torch.device) -> dict[str, Call]:
@@ -168,6 +171,7 @@ def cases(dev: torch.device) -> dict[str, Call]:
 
     attn_prepared.replayer, append_prepared.replayer = attn, append  # type: ignore[attr-defined]
     ta, ka = sys.modules["treeops.tree_attention"], sys.modules["treeops.kv_append"]
+    ac = sys.modules["treeops.accept"]
 
     def replayed(fn, replays):
         def call():
@@ -189,6 +193,13 @@ def cases(dev: torch.device) -> dict[str, Call]:
             ka._APPEND_REPLAYS,
         ),
         "rope_replayed": replayed(lambda: treeops.rope(q, pos), ka._ROPE_REPLAYS),
+        "accept_greedy_replayed": replayed(
+            lambda: treeops.accept_greedy(tree, logits), ac._GREEDY_REPLAYS
+        ),
+        "accept_sample_replayed": replayed(
+            lambda: treeops.accept_sample(tree, logits, temp, top_k, top_p, uni),
+            ac._SAMPLE_REPLAYS,
+        ),
         "tree_attention": lambda: treeops.tree_attention(q, kc, vc, bt, sl, tree),
         "tree_attention_prepared": attn_prepared,
         "kv_append_prepared": append_prepared,

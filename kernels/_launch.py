@@ -391,20 +391,23 @@ def clear_all() -> None:
 
 
 # ---------------------------------------------------------------------------- kept buffers
-_KEPT: dict[int, torch.Tensor] = {}
+_KEPT: dict[int, torch.Tensor] = {}  # storage address -> the buffer
 
 
 def kept(t: torch.Tensor) -> torch.Tensor:
-    """Mark ``t`` a buffer a launcher keeps across calls and fills itself (a cached table, the
-    arrival counters): a replay of a recorded launch (``_replay``) passes it as it was,
-    where every other buffer the op made is fresh memory. Such buffers are never freed (graphs
-    captured with them keep reading them), so they are held here. Returns ``t``."""
-    _KEPT[id(t)] = t
+    """Mark ``t`` a buffer a launcher keeps across calls (a cached table, the arrival counters,
+    a per-device workspace): a replay of a recorded launch (``_replay``) passes it, or a view of
+    it, as it was, where every other buffer the op made is fresh memory. Such buffers are never
+    freed (graphs captured with them keep using them), so they are held here, and their
+    addresses stay theirs. Returns ``t``."""
+    if t.untyped_storage().data_ptr():  # (an empty buffer has no address to keep)
+        _KEPT[t.untyped_storage().data_ptr()] = t
     return t
 
 
 def is_kept(t: torch.Tensor) -> bool:
-    return _KEPT.get(id(t)) is t
+    """Whether ``t`` is a ``kept`` buffer or a view of one."""
+    return t.untyped_storage().data_ptr() in _KEPT
 
 
 # ------------------------------------------------------------------------------ scratch buffers

@@ -2,9 +2,10 @@
 
 An op call pays its Python layers on every eager call: the public function, the custom op's
 dispatch, the launch plan's lookup, the launcher's key. For the ops whose CUDA path is kernel
-launches and allocations only (``tree_attention``, ``kv_append``, ``rope``), the launches of one
-call are a function of the call's signature (``_checks.signature``: every tensor's type, shape,
-strides, dtype and device, and the value arguments) and its tensors' data pointers. So each op
+launches and allocations only (``tree_attention``, ``kv_append``, ``rope``, ``accept_greedy``,
+``accept_sample``), the launches of one call are a function of the call's signature
+(``_checks.signature``: every tensor's type, shape, strides, dtype and device, and the value
+arguments) and its tensors' data pointers. So each op
 keeps a ``Replays``: the first call of a signature runs the op with its launches recorded
 (``_launch.recording``), and later calls of that signature launch the same kernels
 through Triton's C launcher from code generated for it, with
@@ -15,15 +16,15 @@ through Triton's C launcher from code generated for it, with
 * fresh buffers where the op made its own: a result (``out`` when none is given) allocated as the
   op allocates it, any other buffer it made (a split-KV workspace when none is given) as fresh
   bytes, each per call as the op's ``torch.empty`` is; ``_launch.scratch`` buffers asked
-  for again (kept per stream); the buffers a launcher keeps and fills itself
-  (``_launch.kept``: RoPE's frequency table, the arrival counters) as recorded;
+  for again (kept per stream); the buffers a launcher keeps across calls (``_launch.kept``:
+  RoPE's frequency table, acceptance's per-device workspace, the arrival counters) as recorded;
 * everything else as recorded (grids, strides, scalars, constexprs).
 
 An op takes a ``Replays`` only after an audit of its CUDA path: it may allocate and make views,
 and launch, but do no other device work (a copy, a fill, a table built from pointers, as
-``compact_kv``'s list of layers is), and every buffer it makes must be its result or written by
-its kernels before they read it; a replay does none of that work and gives such buffers fresh,
-uninitialised memory.
+``compact_kv``'s list of layers is), and every buffer it makes must be its result, a ``kept``
+buffer, or written by its kernels before they read it; a replay does none of that work and
+gives the last fresh, uninitialised memory.
 
 A call replays only where the op itself would launch directly (``_library.direct_state_ok``:
 not tracing or compiling, no dispatch or function mode, no profiler), with Triton's launch state
@@ -166,7 +167,12 @@ def _compile(name: str, tensors: tuple, launches, result) -> tuple[Callable, str
         raise NotReplayable("the call launched nothing")
     if not _launch.launch_state()[0]:
         raise NotReplayable("Triton's launch hooks are installed or its run replaced")
-    results = [] if result is None else [result] if isinstance(result, torch.Tensor) else result
+    if result is None:
+        results = []
+    elif isinstance(result, torch.Tensor):
+        results = [result]
+    else:  # a tuple (a NamedTuple such as Acceptance) of tensors and Nones
+        results = [t for t in result if t is not None]
     arg_storages = {t.untyped_storage().data_ptr() for _, t in args}
     dev = _device_of(tensors)
     ns: dict[str, object] = {
@@ -265,7 +271,12 @@ def _compile(name: str, tensors: tuple, launches, result) -> tuple[Callable, str
     elif isinstance(result, torch.Tensor):
         out = ret(result)
     else:
-        out = "(" + "".join(f"{ret(t)}, " for t in results) + ")"
+        items = "".join("None, " if t is None else f"{ret(t)}, " for t in result)
+        if hasattr(result, "_make"):  # a NamedTuple: the same type back
+            ns["_R"] = type(result)
+            out = f"_R({items})"
+        else:
+            out = f"({items})"
     src = "\n".join(
         ["def run(t):", *ptrs, f"    if ({check}) & 15:", "        return MISS", *head,
          "    s = _stream(_dev)", *lines, f"    return {out}"]

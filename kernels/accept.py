@@ -45,7 +45,7 @@ from treeops._runtime import interpreted, pow2, refuse_in_capture
 from treeops.tree import Tree
 
 from ._counters import arrival_counters, arrive
-from ._launch import direct
+from ._launch import direct, kept
 from .accept_stats import _node_stats
 from .accept_thresh import _finish_node
 from .accept_walk import _walk
@@ -199,9 +199,9 @@ def _scratch(device: torch.device, n_f: int, n_i: int, n_c: int) -> tuple:
                 max(n_c, cur[2].numel()),
             )
         cur = (
-            torch.empty(n_f, dtype=torch.float32, device=device),
-            torch.empty(n_i, dtype=torch.int32, device=device),
-            torch.empty(n_c, dtype=torch.int64, device=device),
+            kept(torch.empty(n_f, dtype=torch.float32, device=device)),
+            kept(torch.empty(n_i, dtype=torch.int32, device=device)),
+            kept(torch.empty(n_c, dtype=torch.int64, device=device)),
         )
         _SCRATCH[device] = cur
     return cur

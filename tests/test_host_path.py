@@ -433,6 +433,8 @@ def test_every_public_op_takes_the_direct_path(monkeypatch):
         "tree_attention_replayed": "tree_attention",  # recorded on its first call
         "kv_append_replayed": "kv_append",
         "rope_replayed": "rope",
+        "accept_greedy_replayed": "accept_greedy",
+        "accept_sample_replayed": "accept_sample",
     }
     monkeypatch.setattr(_library, "DIRECT", 2)
     for case in OPS:

@@ -74,7 +74,8 @@ def run(name, replays, op, make):
     replays._runs.clear()
     calls.clear(); want_r = op(*a, **kw); want = [list(c) for c in calls]
     replays._runs.clear(); replays._runs.update(runs)
-    rs = lambda r: [] if r is None else [r] if isinstance(r, torch.Tensor) else list(r)
+    rs = lambda r: ([] if r is None else [r] if isinstance(r, torch.Tensor)
+                    else [t for t in r if t is not None])
     ins = [x for x in list(a) + list(kw.values()) if isinstance(x, torch.Tensor)]
     for x in list(a) + list(kw.values()):
         if isinstance(x, treeops.Tree):
@@ -147,6 +148,37 @@ with bench_host.launchers_on_cpu():
     res["rope_3d"] = run("rope_3d", KA._ROPE_REPLAYS, treeops.rope,
                          lambda: ((rnd(N, HQ, D), tree.depth[0].long()), {}))
 
+    AC = sys.modules["treeops.accept"]
+    V = 64
+
+    def acc(sample, out=False, logprobs=False, topk=0):
+        def make():
+            lg = torch.randn(B, N, V, generator=g)
+            kw = dict(return_logprobs=logprobs, topk_ids=topk)
+            if out:
+                kw["out"] = treeops.Acceptance(
+                    torch.empty(B, N, dtype=torch.int32), torch.empty(B, dtype=torch.int32),
+                    torch.empty(B, dtype=torch.int64),
+                    torch.empty(B, N) if logprobs else None,
+                    torch.empty(B, N, topk, dtype=torch.int32) if topk else None)
+            if sample:
+                return (tree, lg, torch.full((B,), 0.8), torch.full((B,), 5, dtype=torch.int32),
+                        torch.full((B,), 0.9), torch.rand(B, N, generator=g)), kw
+            return (tree, lg), kw
+        return make
+
+    for name, sample, kw in (("greedy", False, {}), ("greedy_lp_topk", False,
+                             dict(logprobs=True, topk=4)), ("greedy_out", False, dict(out=True)),
+                             ("sample", True, {}), ("sample_out_lp", True,
+                             dict(out=True, logprobs=True))):
+        reps = AC._SAMPLE_REPLAYS if sample else AC._GREEDY_REPLAYS
+        op = treeops.accept_sample if sample else treeops.accept_greedy
+        res[name] = run(name, reps, op, acc(sample, **kw))
+        a, k = acc(sample, **kw)()
+        r = op(*a, **k)
+        res[name]["type"] = type(r).__name__
+        res[name]["nones"] = [x is None for x in r]
+
     # what falls back: a misaligned pointer, a dispatch mode, a call being recorded (prepare)
     q, kc, vc = rnd(B, N, HQ, D), rnd(B * 4, P, HKV, D), rnd(B * 4, P, HKV, D)
     treeops.tree_attention(q, kc, vc, bt, sl, tree)
@@ -176,15 +208,17 @@ def test_replay_launches_what_the_op_launches():
     tree_attention with and without ``out``, ``lse``, a split-KV workspace (two launches: the
     given workspace's views at their offsets, or the op's own workspace fresh per call),
     kv_append with and without ``q``, rope on 4-d and 3-d ``x`` (views of x and of its fresh
-    result). A misaligned pointer, a dispatch mode and a call being recorded by ``prepare`` run
-    the op."""
+    result), accept_greedy and accept_sample with and without ``out``, log-probs and top-k ids
+    (an ``Acceptance`` back, its workspace passed as recorded). A misaligned pointer, a dispatch
+    mode and a call being recorded by ``prepare`` run the op."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _STAND_IN], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
     for name in ("attn", "attn_out", "attn_lse", "attn_out_lse", "split", "split_ws",
-                 "split_out_lse", "append", "append_q", "rope", "rope_3d"):  # fmt: skip
+                 "split_out_lse", "append", "append_q", "rope", "rope_3d", "greedy",
+                 "greedy_lp_topk", "greedy_out", "sample", "sample_out_lp"):  # fmt: skip
         r = res[name]
         assert r["replayed"] == 1 and r["same"] and r["meta"] and r["launches"] >= 1, (name, r)
     assert res["split"]["launches"] == 2 and res["split_ws"]["launches"] == 2
@@ -201,8 +235,16 @@ def test_replay_launches_what_the_op_launches():
     assert fresh == {
         "attn": (1, 0), "attn_out": (0, 0), "attn_lse": (2, 0), "attn_out_lse": (0, 0),
         "split": (1, 1), "split_ws": (1, 0), "split_out_lse": (0, 1), "append": (0, 0),
-        "append_q": (0, 0), "rope": (1, 0), "rope_3d": (1, 0),
+        "append_q": (0, 0), "rope": (1, 0), "rope_3d": (1, 0), "greedy": (3, 0),
+        "greedy_lp_topk": (5, 0), "greedy_out": (0, 0), "sample": (3, 0), "sample_out_lp": (0, 0),
     }, fresh  # fmt: skip
+    # acceptance: an Acceptance back, its absent fields None; the per-device workspace and the
+    # counters are passed as recorded (no fresh bytes above)
+    for name in ("greedy", "greedy_lp_topk", "greedy_out", "sample", "sample_out_lp"):
+        assert res[name]["type"] == "Acceptance", (name, res[name])
+    assert res["greedy"]["nones"] == [False, False, False, True, True]
+    assert res["greedy_lp_topk"]["nones"] == [False] * 5
+    assert res["sample"]["launches"] == 3
     assert res["fallback"]["replays"] == 0, res["fallback"]
     assert res["fallback"]["prepared_fast"] and res["fallback"]["prepared_launches"] == 1
 
@@ -241,7 +283,8 @@ def test_gpu_plain_calls_replay_and_equal_the_ops(split, monkeypatch):
     """A layer loop of plain calls (kv_append with q, tree_attention without out or workspace,
     rope) replays from the second layer on and writes bitwise what the ops' Python path writes
     (the replay table emptied before each reference call); each replayed output is a fresh
-    tensor."""
+    tensor. Then acceptance, greedy and sampling: a replayed call's ``Acceptance`` equals the
+    op's, field for field."""
     ta, ka = sys.modules["treeops.tree_attention"], sys.modules["treeops.kv_append"]
     monkeypatch.setattr(sys.modules["treeops.kernels._replay"], "ENABLED", True)
     dev = torch.device("cuda")
@@ -285,6 +328,27 @@ def test_gpu_plain_calls_replay_and_equal_the_ops(split, monkeypatch):
         prev = got
     after = [r.replays for r in (ta._REPLAYS, ka._APPEND_REPLAYS, ka._ROPE_REPLAYS)]
     assert all(a - c >= len(layers) - 1 for a, c in zip(after, counts, strict=True)), after
+
+    # acceptance, greedy and sampling: replayed calls give the op's Acceptance, field for field
+    ac = sys.modules["treeops.accept"]
+    V = 32000
+    temp, top_k = torch.full((B,), 0.8, device=dev), torch.full((B,), 50, device=dev)
+    top_p = torch.full((B,), 0.9, device=dev)
+    for _ in range(3):
+        lg = torch.randn(B, N, V, generator=g).to(dev)
+        uni = torch.rand(B, N, generator=g).to(dev)
+        for op, extra, reps in ((treeops.accept_greedy, (), ac._GREEDY_REPLAYS),
+                                (treeops.accept_sample, (temp, top_k, top_p, uni),
+                                 ac._SAMPLE_REPLAYS)):  # fmt: skip
+            got = op(tree, lg, *extra, return_logprobs=True)
+            runs = dict(reps._runs)
+            reps._runs.clear()
+            want = op(tree, lg, *extra, return_logprobs=True)
+            reps._runs.clear()
+            reps._runs.update(runs)
+            for a, b in zip(got, want, strict=True):
+                assert (a is None and b is None) or torch.equal(a, b)
+    assert ac._GREEDY_REPLAYS.replays >= 2 and ac._SAMPLE_REPLAYS.replays >= 2
 
 
 def test_a_recording_is_its_threads_own():

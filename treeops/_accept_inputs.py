@@ -42,24 +42,25 @@ def check_accept_inputs(
     top_p=None,
     uniforms=None,
     validate=False,
-) -> None:
+) -> tuple:
     """Shapes, dtypes, strides, devices and types of acceptance's inputs (and their values under
-    ``validate``); metadata that passed once is remembered (``_PASSED``)."""
-    key = None
+    ``validate``); metadata that passed once is remembered (``_PASSED``). Returns the call's
+    ``(signature, tensors)``: the tensors in the order the signature reads them (None for an
+    absent one), both None under ``validate``."""
+    key = tensors = None
     if not validate:
         outs = (out,) if out is None or not isinstance(out, Acceptance) else out
-        key = signature(
-            (target_logits, stop_ids, max_new_tokens, temperature, top_k, top_p, uniforms, *outs,
-             *(tree.tensors() if isinstance(tree, Tree) else (tree,))),
-            (topk_ids, return_logprobs),
-        )  # fmt: skip
+        tensors = (target_logits, stop_ids, max_new_tokens, temperature, top_k, top_p, uniforms,
+                   *outs, *(tree.tensors() if isinstance(tree, Tree) else (tree,)))  # fmt: skip
+        key = signature(tensors, (topk_ids, return_logprobs))
         if _PASSED.get(key) is not None:
-            return
+            return key, tensors
     _check_accept_inputs(
         tree, target_logits, stop_ids, max_new_tokens, topk_ids, out, return_logprobs,
         temperature, top_k, top_p, uniforms, validate,
     )  # fmt: skip
     _PASSED.put(key, True)
+    return key, tensors
 
 
 def _check_accept_inputs(

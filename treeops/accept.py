@@ -38,6 +38,8 @@ from ._accept_inputs import Acceptance, check_accept_inputs
 from ._checks import cuda_device
 from ._library import TREE, define
 from .kernels import accept as _kacc
+from .kernels._launch import recording
+from .kernels._replay import MISS, Replays
 from .reference import accept as _ref
 from .tree import Tree
 
@@ -95,6 +97,11 @@ _sample_op = define(
     cpu=_sample_cpu,
     cuda=_sample_cuda,
 )
+
+
+_GREEDY_REPLAYS = Replays("accept_greedy")
+_SAMPLE_REPLAYS = Replays("accept_sample")
+"""Calls per signature replayed without the ops' Python layers (``treeops.kernels._replay``)."""
 
 
 def _outputs(tree: Tree, return_logprobs: bool, topk_ids: int, out: Acceptance | None):
@@ -160,7 +167,7 @@ def accept_greedy(
         >>> r.accepted.tolist(), r.accept_len.tolist(), r.bonus.tolist()
         ([[0, 1, 3, -1]], [3], [6])
     """
-    check_accept_inputs(
+    key, tensors = check_accept_inputs(
         tree,
         target_logits,
         stop_ids,
@@ -170,8 +177,17 @@ def accept_greedy(
         return_logprobs,
         validate=validate,
     )
+    res = _GREEDY_REPLAYS.run(key, tensors)
+    if res is not MISS:
+        return res
     out = _outputs(tree, return_logprobs, topk_ids, out)
-    _greedy_op(*tree.tensors(), target_logits, stop_ids, max_new_tokens, int(topk_ids), *out)
+    args = (*tree.tensors(), target_logits, stop_ids, max_new_tokens, int(topk_ids), *out)
+    if _GREEDY_REPLAYS.wants(key):  # this signature's first direct call: kept for its replays
+        with recording() as launches:
+            _greedy_op(*args)
+        _GREEDY_REPLAYS.record(key, tensors, launches, out)
+    else:
+        _greedy_op(*args)
     return out
 
 
@@ -228,7 +244,7 @@ def accept_sample(
         >>> r.accepted.tolist(), r.accept_len.tolist(), r.bonus.tolist()
         ([[0, 1]], [2], [2])
     """
-    check_accept_inputs(
+    key, tensors = check_accept_inputs(
         tree,
         target_logits,
         stop_ids,
@@ -242,9 +258,18 @@ def accept_sample(
         uniforms=uniforms,
         validate=validate,
     )
+    res = _SAMPLE_REPLAYS.run(key, tensors)
+    if res is not MISS:
+        return res
     out = _outputs(tree, return_logprobs, topk_ids, out)
-    _sample_op(
+    args = (
         *tree.tensors(), target_logits, temperature, top_k, top_p, uniforms, stop_ids,
         max_new_tokens, int(topk_ids), *out,
     )  # fmt: skip
+    if _SAMPLE_REPLAYS.wants(key):  # this signature's first direct call: kept for its replays
+        with recording() as launches:
+            _sample_op(*args)
+        _SAMPLE_REPLAYS.record(key, tensors, launches, out)
+    else:
+        _sample_op(*args)
     return out
