@@ -125,6 +125,17 @@ class Replays:
             and _library.direct_state_ok()
         )
 
+    def call(self, key, tensors: tuple, op: Callable, *args, result=MISS):
+        """``op(*args)``, recorded for ``key``'s replays when this signature wants a recording
+        (``wants``); returns what ``op`` returns. ``result``: what the public call returns
+        (outputs it made before the op) when that is not ``op``'s return."""
+        if not self.wants(key):
+            return op(*args)
+        with _launch.recording() as launches:
+            ret = op(*args)
+        self.record(key, tensors, launches, ret if result is MISS else result)
+        return ret
+
     def record(self, key, tensors: tuple, launches, result) -> None:
         """Keep the recorded call of ``key`` (``launches`` from ``_launch.recording``,
         ``result`` what the op returned), or that it cannot be replayed. A call with a launch

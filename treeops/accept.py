@@ -38,7 +38,6 @@ from ._accept_inputs import Acceptance, check_accept_inputs
 from ._checks import cuda_device
 from ._library import TREE, define
 from .kernels import accept as _kacc
-from .kernels._launch import recording
 from .kernels._replay import MISS, Replays
 from .reference import accept as _ref
 from .tree import Tree
@@ -182,12 +181,7 @@ def accept_greedy(
         return res
     out = _outputs(tree, return_logprobs, topk_ids, out)
     args = (*tree.tensors(), target_logits, stop_ids, max_new_tokens, int(topk_ids), *out)
-    if _GREEDY_REPLAYS.wants(key):  # this signature's first direct call: kept for its replays
-        with recording() as launches:
-            _greedy_op(*args)
-        _GREEDY_REPLAYS.record(key, tensors, launches, out)
-    else:
-        _greedy_op(*args)
+    _GREEDY_REPLAYS.call(key, tensors, _greedy_op, *args, result=out)
     return out
 
 
@@ -266,10 +260,5 @@ def accept_sample(
         *tree.tensors(), target_logits, temperature, top_k, top_p, uniforms, stop_ids,
         max_new_tokens, int(topk_ids), *out,
     )  # fmt: skip
-    if _SAMPLE_REPLAYS.wants(key):  # this signature's first direct call: kept for its replays
-        with recording() as launches:
-            _sample_op(*args)
-        _SAMPLE_REPLAYS.record(key, tensors, launches, out)
-    else:
-        _sample_op(*args)
+    _SAMPLE_REPLAYS.call(key, tensors, _sample_op, *args, result=out)
     return out

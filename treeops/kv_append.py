@@ -27,7 +27,6 @@ from ._checks import (
 )
 from ._library import define
 from .kernels import kv_append as _k
-from .kernels._launch import recording
 from .kernels._replay import MISS, Replays
 from .reference import kv_append as _ref_kv
 
@@ -233,12 +232,7 @@ def kv_append(
         )  # fmt: skip
         _PASSED.put(key, True)
     args = (k, v, k_cache, v_cache, block_table, seq_lens, num_tokens, depth, float(rope_theta), q)
-    if _APPEND_REPLAYS.wants(key):  # this signature's first direct call: kept for its replays
-        with recording() as launches:
-            _kv_append_op(*args)
-        _APPEND_REPLAYS.record(key, tensors, launches, None)
-    else:
-        _kv_append_op(*args)
+    _APPEND_REPLAYS.call(key, tensors, _kv_append_op, *args)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
@@ -264,12 +258,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> to
     if _PASSED.get(key) is None:
         _check_rope(x, positions)
         _PASSED.put(key, True)
-    if _ROPE_REPLAYS.wants(key_theta):  # this signature's first direct call: kept for replays
-        with recording() as launches:
-            y = _rope_op(x, positions, float(theta))
-        _ROPE_REPLAYS.record(key_theta, tensors, launches, y)
-        return y
-    return _rope_op(x, positions, float(theta))
+    return _ROPE_REPLAYS.call(key_theta, tensors, _rope_op, x, positions, float(theta))
 
 
 def _check_rope(x, positions) -> None:

@@ -30,7 +30,6 @@ from ._checks import (
 )
 from ._library import TREE, define
 from .kernels import tree_attention as _k
-from .kernels._launch import recording
 from .kernels._replay import MISS, Replays
 from .reference import tree_attention as _ref_attn
 from .tree import Tree, check_tree
@@ -257,10 +256,5 @@ def tree_attention(
     args = (q, k_cache, v_cache, block_table, seq_lens, *tree.tensors(), q_start, q_len, scale,
             out, lse, workspace)  # fmt: skip
     result = (out, lse) if return_lse else out
-    if _REPLAYS.wants(key):  # this signature's first direct call: kept for its replays
-        with recording() as launches:
-            _tree_attention_op(*args)
-        _REPLAYS.record(key, tensors, launches, result)
-    else:
-        _tree_attention_op(*args)
+    _REPLAYS.call(key, tensors, _tree_attention_op, *args, result=result)
     return result
