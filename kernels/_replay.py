@@ -45,9 +45,9 @@ from treeops import _library
 
 from . import _launch
 
-ENABLED = os.environ.get("TREEOPS_REPLAY", "0") == "1"
-"""Whether plain calls replay (``TREEOPS_REPLAY=1``). Off by default until the replays have run
-the GPU test suite on the H200 (the CPU stand-in test checks them launch for launch)."""
+ENABLED = os.environ.get("TREEOPS_REPLAY", "1") != "0"
+"""Whether plain calls replay (the default; ``TREEOPS_REPLAY=0`` turns it off: every call runs
+the op's Python layers)."""
 
 MISS = object()
 """``Replays.run``'s answer when the call must run the op."""
@@ -182,8 +182,8 @@ def _compile(name: str, tensors: tuple, launches, result) -> tuple[Callable, str
         results = []
     elif isinstance(result, torch.Tensor):
         results = [result]
-    else:  # a tuple (a NamedTuple such as Acceptance) of tensors and Nones
-        results = [t for t in result if t is not None]
+    else:  # a tuple (a NamedTuple such as Acceptance) of tensors and Nones, or a Tree
+        results = [t for t in _fields(result) if t is not None]
     arg_storages = {t.untyped_storage().data_ptr() for _, t in args}
     dev = _device_of(tensors)
     ns: dict[str, object] = {
@@ -282,18 +282,24 @@ def _compile(name: str, tensors: tuple, launches, result) -> tuple[Callable, str
     elif isinstance(result, torch.Tensor):
         out = ret(result)
     else:
-        items = "".join("None, " if t is None else f"{ret(t)}, " for t in result)
-        if hasattr(result, "_make"):  # a NamedTuple: the same type back
+        items = "".join("None, " if t is None else f"{ret(t)}, " for t in _fields(result))
+        if isinstance(result, tuple) and not hasattr(result, "_make"):
+            out = f"({items})"
+        else:  # a NamedTuple, or a Tree: the same type back, built from its fields
             ns["_R"] = type(result)
             out = f"_R({items})"
-        else:
-            out = f"({items})"
     src = "\n".join(
         ["def run(t):", *ptrs, f"    if ({check}) & 15:", "        return MISS", *head,
          "    s = _stream(_dev)", *lines, f"    return {out}"]
     )  # fmt: skip
     exec(compile(src, f"<treeops replay {name}>", "exec"), ns)
     return ns["run"], src  # type: ignore[return-value]
+
+
+def _fields(result) -> tuple:
+    """A result's tensors (None where absent), in the order its type is built from: a tuple's
+    items, or an object's ``tensors()`` (a ``Tree``: ``Tree(*tree.tensors())`` rebuilds it)."""
+    return tuple(result) if isinstance(result, tuple) else tuple(result.tensors())
 
 
 def _viewed(a: torch.Tensor, args: list) -> int:

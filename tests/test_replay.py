@@ -16,81 +16,15 @@ import torch
 
 import treeops
 
+from replay_stand_in import PRELUDE
+
 ROOT = Path(__file__).resolve().parent.parent
 _GPU = pytest.mark.skipif(
     not (torch.cuda.is_available() and os.environ.get("TREEOPS_GPU_TESTS") == "1"),
     reason="needs a CUDA device and TREEOPS_GPU_TESTS=1 (run on the H200)",
 )
 
-_STAND_IN = r"""
-import json, sys, torch
-sys.path.insert(0, "bench")
-import bench_host
-import treeops
-TA, KA = sys.modules["treeops.tree_attention"], sys.modules["treeops.kv_append"]
-
-import treeops.kernels._replay
-treeops.kernels._replay.ENABLED = True
-calls = []
-bench_host._StubKernel.run = lambda self, *a: calls.append(a)
-BIG = 1 << 40  # CPU heap addresses are above it; strides, sizes and flags below
-
-
-def norm(args, inputs, results):
-    # a launch's arguments: pointers as (input k | result r | the op's own, byte offset)
-    out = []
-    own = []
-    for x in args:
-        p = x.data_ptr() if isinstance(x, torch.Tensor) else x
-        if type(p) is int and p > BIG:
-            for name, ts in (("in", inputs), ("res", results)):
-                hit = [(k, p - t.data_ptr()) for k, t in enumerate(ts) if t is not None
-                       and 0 <= p - t.data_ptr() < max(t.untyped_storage().nbytes(), 1)]
-                if hit:
-                    out.append((name, *hit[0]))
-                    break
-            else:
-                own.append(p)
-                out.append(("own", p - own[0]))
-        else:
-            out.append(repr(p))
-    return out
-
-
-def run(name, replays, op, make):
-    # first call records; each later call of the signature replays. Compared against the same
-    # call with the replay table emptied (the op's own launches, recording again)
-    res = {}
-    make_args = make()
-    before = set(replays._runs)
-    op(*make_args[0], **make_args[1])  # records
-    src = "\n".join(replays._runs[k][0].source for k in set(replays._runs) - before
-                    if replays._runs[k])
-    a, kw = make()
-    calls.clear(); n0 = replays.replays
-    got_r = op(*a, **kw); got = [list(c) for c in calls]
-    replayed = replays.replays - n0
-    runs = dict(replays._runs)
-    replays._runs.clear()
-    calls.clear(); want_r = op(*a, **kw); want = [list(c) for c in calls]
-    replays._runs.clear(); replays._runs.update(runs)
-    rs = lambda r: ([] if r is None else [r] if isinstance(r, torch.Tensor)
-                    else [t for t in r if t is not None])
-    ins = [x for x in list(a) + list(kw.values()) if isinstance(x, torch.Tensor)]
-    for x in list(a) + list(kw.values()):
-        if isinstance(x, treeops.Tree):
-            ins += list(x.tensors())
-    g = [norm(c, ins, rs(got_r)) for c in got]
-    w = [norm(c, ins, rs(want_r)) for c in want]
-    meta = lambda r: [(tuple(t.shape), t.stride(), str(t.dtype)) for t in rs(r)]
-    fresh = all(not any(t is x for x in ins) for t in rs(got_r) if not any(t is x for x in ins))
-    res = dict(replayed=replayed, same=g == w, launches=len(got), meta=meta(got_r) == meta(want_r),
-               fresh_bytes=src.count("_empty("), fresh_results=src.count("_empty_strided("),
-               returned_inputs=[any(t is x for x in ins) for t in rs(got_r)],
-               returned_none=got_r is None)
-    return res
-
-
+_STAND_IN = PRELUDE + r"""
 with bench_host.launchers_on_cpu():
     g = torch.Generator().manual_seed(0)
     B, N, HQ, HKV, D, P = 2, 8, 4, 2, 64, 16
@@ -249,10 +183,10 @@ def test_replay_launches_what_the_op_launches():
     assert res["fallback"]["prepared_fast"] and res["fallback"]["prepared_launches"] == 1
 
 
-def test_off_unless_asked():
-    """Without ``TREEOPS_REPLAY=1`` a plain call neither records nor replays."""
+def test_on_unless_turned_off():
+    """Plain calls replay unless ``TREEOPS_REPLAY=0``."""
     code = "import treeops.kernels._replay as r; print(r.ENABLED)"
-    for value, want in (("", "False"), ("1", "True")):
+    for value, want in (("", "True"), ("1", "True"), ("0", "False")):
         env = {k: v for k, v in os.environ.items() if k != "TREEOPS_REPLAY"}
         if value:
             env["TREEOPS_REPLAY"] = value
