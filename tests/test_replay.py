@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from replay_stand_in import PRELUDE
 
 import treeops
-
-from replay_stand_in import PRELUDE
 
 ROOT = Path(__file__).resolve().parent.parent
 _GPU = pytest.mark.skipif(
@@ -24,7 +23,9 @@ _GPU = pytest.mark.skipif(
     reason="needs a CUDA device and TREEOPS_GPU_TESTS=1 (run on the H200)",
 )
 
-_STAND_IN = PRELUDE + r"""
+_STAND_IN = (
+    PRELUDE
+    + r"""
 with bench_host.launchers_on_cpu():
     g = torch.Generator().manual_seed(0)
     B, N, HQ, HKV, D, P = 2, 8, 4, 2, 64, 16
@@ -131,6 +132,7 @@ with bench_host.launchers_on_cpu():
                            prepared_launches=len(prep.source.split("L0(")) - 1)
 print("RESULT" + json.dumps(res))
 """
+)
 
 
 def test_replay_launches_what_the_op_launches():
