@@ -93,10 +93,15 @@ class Replays:
     a call of this signature should be recorded (``record``). ``tensors`` is the tuple whose
     signature ``key`` is (None where an optional tensor is absent); ``replays`` counts replays."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, record_after: int = 0) -> None:
         self.name = name
+        self.record_after = record_after
+        """Calls of a signature that run the op before one is recorded: 1 for an op whose key
+        holds a float the caller may change on every call (a threshold), so that a value seen
+        once costs no recording."""
         self._runs: dict = {}  # Signature -> (run, launch state, device), or None
         self._missed: dict = {}  # Signature -> recorded calls with a launch through Triton
+        self._seen: dict = {}  # Signature -> calls not recorded (record_after > 0)
         self.replays = 0
 
     def run(self, key, tensors: tuple):
@@ -117,13 +122,22 @@ class Replays:
         return res
 
     def wants(self, key) -> bool:
-        return (
+        if not (
             ENABLED
             and key is not None
             and key not in self._runs
             and _launch.STATE.rec is None
             and _library.direct_state_ok()
-        )
+        ):
+            return False
+        if self.record_after:
+            n = self._seen.get(key, 0)
+            if n < self.record_after:
+                if len(self._seen) >= 4 * MAX_ENTRIES:
+                    self._seen.clear()
+                self._seen[key] = n + 1
+                return False
+        return True
 
     def call(self, key, tensors: tuple, op: Callable, *args, result=MISS):
         """``op(*args)``, recorded for ``key``'s replays when this signature wants a recording

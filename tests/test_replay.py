@@ -114,6 +114,54 @@ with bench_host.launchers_on_cpu():
         res[name]["type"] = type(r).__name__
         res[name]["nones"] = [x is None for x in r]
 
+    # CAST's rules: a threshold seen once is not recorded (record_after=1): a first call
+    # primes, then run() records and replays; a new threshold is a new key
+    CA = sys.modules["treeops.cast"]
+    sc, cs = torch.rand(B, 16, generator=g), torch.linspace(1, 2, 16)
+    table2, sl64 = torch.rand(3, 16, generator=g) + 1, torch.tensor([700, 20])
+    cast_cases = {
+        "select": (treeops.cast_select, lambda: ((torch.rand(16, generator=g), cs, 0.5), {})),
+        "width": (treeops.cast_width, lambda: ((torch.rand(B, 16, generator=g), cs, 0.5),
+                                               dict(active=torch.tensor([True, False])))),
+        "width_table": (treeops.cast_width, lambda: ((torch.rand(B, 16, generator=g), table2,
+                        0.25), dict(seq_lens=sl64, context_len=512))),
+        "depth": (treeops.cast_depth, lambda: ((torch.rand(3, generator=g), torch.tensor(0.5),
+                                               1.0, 4), {})),
+        "rerank": (treeops.cast_rerank, lambda: ((torch.rand(B, 16, generator=g), cs, 0.5), {})),
+    }
+    for name, (op, make) in cast_cases.items():
+        reps = CA._REPLAYS[name.split("_")[0]]
+        a, kw = make()
+        n0 = len(reps._runs)
+        op(*a, **kw)  # primes: not recorded
+        primed = len(reps._runs) == n0
+        res["cast_" + name] = run(name, reps, op, make)
+        res["cast_" + name]["primed_unrecorded"] = primed
+    a, kw = cast_cases["width"][1]()
+    n0 = CA._REPLAYS["width"].replays
+    treeops.cast_width(a[0], a[1], 0.75, **kw)  # another threshold: the op, not a replay
+    res["cast_new_threshold_replays"] = CA._REPLAYS["width"].replays - n0
+
+    CK = sys.modules["treeops.compact_kv"]
+    acc0 = treeops.accept_greedy(tree, torch.randn(B, N, 64, generator=g))
+
+    def compact(stacked, out):
+        def make():
+            kc, vc = rnd(3, B * 4, P, HKV, D), rnd(3, B * 4, P, HKV, D)
+            if not stacked:
+                kc, vc = list(kc.unbind(0)), list(vc.unbind(0))
+            kw = dict(out=torch.empty(B, dtype=torch.int32)) if out else {}
+            return (kc, vc, bt, sl, tree, acc0.accepted, acc0.accept_len), kw
+        return make
+
+    res["compact"] = run("compact", CK._REPLAYS, treeops.compact_kv, compact(True, False))
+    res["compact_out"] = run("compact_out", CK._REPLAYS, treeops.compact_kv, compact(True, True))
+    n0 = CK._REPLAYS.replays
+    for _ in range(3):
+        a, kw = compact(False, False)()
+        treeops.compact_kv(*a, **kw)
+    res["compact_list_replays"] = CK._REPLAYS.replays - n0
+
     # what falls back: a misaligned pointer, a dispatch mode, a call being recorded (prepare)
     q, kc, vc = rnd(B, N, HQ, D), rnd(B * 4, P, HKV, D), rnd(B * 4, P, HKV, D)
     treeops.tree_attention(q, kc, vc, bt, sl, tree)
@@ -145,7 +193,9 @@ def test_replay_launches_what_the_op_launches():
     given workspace's views at their offsets, or the op's own workspace fresh per call),
     kv_append with and without ``q``, rope on 4-d and 3-d ``x`` (views of x and of its fresh
     result), accept_greedy and accept_sample with and without ``out``, log-probs and top-k ids
-    (an ``Acceptance`` back, its workspace passed as recorded). A misaligned pointer, a dispatch
+    (an ``Acceptance`` back, its workspace passed as recorded), CAST's four rules (recorded at
+    a threshold's second call, not its first; another threshold runs the op) and compaction of
+    stacked caches (a list of layers always runs the op). A misaligned pointer, a dispatch
     mode and a call being recorded by ``prepare`` run the op."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _STAND_IN], capture_output=True, text=True,
@@ -167,7 +217,8 @@ def test_replay_launches_what_the_op_launches():
     # the kernels write before they read (the split-KV workspace the op made); RoPE's frequency
     # table and the arrival counters are the launchers' own, passed as recorded
     fresh = {name: (r["fresh_results"], r["fresh_bytes"]) for name, r in res.items()
-             if "fresh_bytes" in r}  # fmt: skip
+             if isinstance(r, dict) and "fresh_bytes" in r
+             and not name.startswith(("cast_", "compact"))}  # fmt: skip
     assert fresh == {
         "attn": (1, 0), "attn_out": (0, 0), "attn_lse": (2, 0), "attn_out_lse": (0, 0),
         "split": (1, 1), "split_ws": (1, 0), "split_out_lse": (0, 1), "append": (0, 0),
@@ -181,6 +232,18 @@ def test_replay_launches_what_the_op_launches():
     assert res["greedy"]["nones"] == [False, False, False, True, True]
     assert res["greedy_lp_topk"]["nones"] == [False] * 5
     assert res["sample"]["launches"] == 3
+    for name in ("select", "width", "width_table", "depth", "rerank"):
+        r = res["cast_" + name]
+        assert r["primed_unrecorded"] and r["replayed"] == 1 and r["same"] and r["meta"], (name, r)
+        assert (r["fresh_results"], r["fresh_bytes"], r["returned_inputs"]) == (1, 0, [False])
+    assert res["cast_new_threshold_replays"] == 0
+    for name in ("compact", "compact_out"):
+        r = res[name]
+        assert r["replayed"] == 1 and r["same"] and r["meta"] and r["launches"] == 1, (name, r)
+    assert (res["compact"]["fresh_results"], res["compact"]["returned_inputs"]) == (1, [False])
+    assert (res["compact_out"]["fresh_results"], res["compact_out"]["returned_inputs"]) == (
+        0, [True])  # fmt: skip
+    assert res["compact_list_replays"] == 0  # a list of layers: the op, every call
     assert res["fallback"]["replays"] == 0, res["fallback"]
     assert res["fallback"]["prepared_fast"] and res["fallback"]["prepared_launches"] == 1
 
@@ -318,3 +381,68 @@ def test_a_signature_whose_launches_never_go_direct_stops_being_recorded():
         assert key not in replays._runs
         replays.record(key, (), Missed(), None)
     assert key in replays._runs and replays._runs[key] is None and replays.source(key) is None
+
+
+@pytest.mark.gpu
+@_GPU
+def test_gpu_cast_and_compact_replay_equal_the_ops(monkeypatch):
+    """CAST's four rules (a threshold repeated, so recorded and replayed) and compaction of
+    stacked caches: each replayed call's result, and compaction's caches, equal the op's own
+    path's (the replay table emptied for it), bitwise; the results are fresh tensors."""
+    monkeypatch.setattr(sys.modules["treeops.kernels._replay"], "ENABLED", True)
+    ca, ck = sys.modules["treeops.cast"], sys.modules["treeops.compact_kv"]
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(5)
+    B, N = 4, 16
+    costs = torch.linspace(1, 3, N, device=dev)
+    table = (torch.rand(3, N, generator=g) + 1).to(dev)
+    sl = torch.tensor([700, 20, 1500, 3], device=dev)
+
+    def own(reps, fn, *args):
+        runs = dict(reps._runs)
+        reps._runs.clear()
+        try:
+            return fn(*args)
+        finally:
+            reps._runs.clear()
+            reps._runs.update(runs)
+
+    calls = {
+        "select": lambda s: treeops.cast_select(s[0].sort().values, costs, 0.3),
+        "width": lambda s: treeops.cast_width(s, costs, 0.3),
+        "width_table": lambda s: treeops.cast_width(s, table, 0.2, seq_lens=sl, context_len=512),
+        "depth": lambda s: treeops.cast_depth(s[0, :3], torch.tensor(0.5, device=dev), 1.0, 4),
+        "rerank": lambda s: treeops.cast_rerank(s, costs, 0.1),
+    }
+    before = {k: r.replays for k, r in ca._REPLAYS.items()}
+    prev = {}
+    for _ in range(4):
+        s = torch.rand(B, N, generator=g).to(dev)
+        for name, fn in calls.items():
+            reps = ca._REPLAYS[name.split("_")[0]]
+            got = fn(s)
+            want = own(reps, fn, s)
+            assert torch.equal(got, want), name
+            assert got is not prev.get(name)
+            prev[name] = got
+    assert all(r.replays - before[k] >= 2 for k, r in ca._REPLAYS.items()), before
+
+    # compaction: stacked [L, pages, page, H_kv, D] caches, the accepted path of a real tree
+    par = torch.tensor([[-1] + [(i - 1) // 2 for i in range(1, N)]] * B, dtype=torch.int32)
+    tree = treeops.Tree.from_parents(par, torch.full((B,), N, dtype=torch.int32),
+                                     torch.arange(B * N).view(B, N) % 50 + 1).to(dev)  # fmt: skip
+    pages = 8
+    bt = torch.randperm(B * pages, generator=g).to(torch.int32).view(B, pages).to(dev)
+    seq = torch.tensor([5, 40, 77, 0], dtype=torch.int32, device=dev)
+    n0 = ck._REPLAYS.replays
+    for _ in range(3):
+        acc = treeops.accept_greedy(tree, torch.randn(B, N, 64, generator=g).to(dev))
+        kc = torch.randn(2, B * pages, 16, 2, 64, generator=g).to(torch.bfloat16).to(dev)
+        vc = torch.randn(2, B * pages, 16, 2, 64, generator=g).to(torch.bfloat16).to(dev)
+        k2, v2 = kc.clone(), vc.clone()
+        got = treeops.compact_kv(kc, vc, bt, seq, tree, acc.accepted, acc.accept_len)
+        want = own(
+            ck._REPLAYS, treeops.compact_kv, k2, v2, bt, seq, tree, acc.accepted, acc.accept_len
+        )
+        assert torch.equal(got, want) and torch.equal(kc, k2) and torch.equal(vc, v2)
+    assert ck._REPLAYS.replays - n0 >= 2

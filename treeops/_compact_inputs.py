@@ -74,9 +74,10 @@ def _flat(caches: object) -> tuple[tuple, tuple]:
 
 def check_compact_inputs(
     k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
-) -> None:
+) -> tuple | None:
     """Shapes, dtypes, strides, devices and types of compaction's inputs (and their values under
-    ``validate``); metadata that passed once is remembered (``_PASSED``)."""
+    ``validate``); metadata that passed once is remembered (``_PASSED``). Returns the call's
+    signature (None under ``validate``)."""
     key = None
     if not validate:
         (kt, kv), (vt, vv) = _flat(k_caches), _flat(v_caches)
@@ -86,11 +87,12 @@ def check_compact_inputs(
             (*kv, *vv),
         )  # fmt: skip
         if _PASSED.get(key) is not None:
-            return
+            return key
     _check_compact_inputs(
         k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
     )
     _PASSED.put(key, True)
+    return key
 
 
 def _check_compact_inputs(

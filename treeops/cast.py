@@ -27,6 +27,7 @@ from ._library import define
 from ._runtime import pow2
 from .cost_table import CostTable
 from .kernels import cast as _k
+from .kernels._replay import MISS, Replays
 from .reference import cast as _ref
 
 __all__ = ["CostTable", "cast_select", "cast_width", "cast_depth", "cast_rerank"]
@@ -97,6 +98,18 @@ _rerank_op = define(
 
 _PASSED = Memo()
 """Signatures of calls whose checks passed (``validate=False``), with the op's name."""
+_REPLAYS = {name: Replays(f"cast_{name}", record_after=1) for name in ("select", "width",
+            "depth", "rerank")}  # fmt: skip
+"""Calls per signature replayed without the ops' Python layers (``treeops.kernels._replay``).
+The threshold is launched, so it is in the key; a value seen once is not recorded (a caller
+may change it on every call)."""
+
+
+def _run(name: str, key, tensors: tuple, op, *args) -> torch.Tensor:
+    """``op(*args)``, or its replay for ``key`` (None: the op)."""
+    replays = _REPLAYS[name]
+    res = replays.run(key, tensors)
+    return res if res is not MISS else replays.call(key, tensors, op, *args)
 
 
 def _check_table(
@@ -144,12 +157,14 @@ def _check_scores_costs(
     seq_lens: torch.Tensor | None = None,
     context_len: int = 0,
     unit: torch.Tensor | None = None,
-) -> None:
+) -> tuple | None:
+    """The call's checks (skipped for a signature that passed them); returns its key (None
+    under ``validate``)."""
     key = None
     if not validate:
         key = signature((scores, costs, active, seq_lens, unit), (cname, C, context_len))
     if _PASSED.get(key) is not None:
-        return
+        return key
     sizes: dict[str, int] = {}
     check_tensor(
         "scores",
@@ -173,6 +188,7 @@ def _check_scores_costs(
         check_finite("scores", scores, nonnegative=True)
         check_finite("costs", costs, nonnegative=True)
     _PASSED.put(key, True)
+    return key
 
 
 def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
@@ -192,7 +208,9 @@ def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
         ...                         torch.tensor([1., 2., 3., 4.]), 0.25))
         3
     """
-    key = signature((u, c), ("select",))
+    tensors = (u, c)
+    # C is launched as a float: a replay holds it, so it is in the key (a plain number only)
+    key = signature(tensors, ("select", C)) if C.__class__ in (int, float) else None
     if _PASSED.get(key) is None:
         sizes: dict[str, int] = {}
         check_tensor("u", u, shape=("K",), dtype=(torch.float32, torch.float64), sizes=sizes)
@@ -201,7 +219,7 @@ def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
         if sizes["K"] < 1:
             raise ValueError("Invalid shape of u: expected [K] with K >= 1, got [0]")
         _PASSED.put(key, True)
-    return _select_op(u, c, float(C))
+    return _run("select", key, tensors, _select_op, u, c, float(C))
 
 
 def cast_width(
@@ -252,8 +270,11 @@ def cast_width(
         >>> int(treeops.cast_width(s[:, :2], torch.tensor([1., 1., 1., 1.]), C1=1.0))  # 2 exist
         2
     """
-    _check_scores_costs(scores, costs, active, C1, "C1", validate, seq_lens, context_len, unit)
-    return _width_op(scores, costs, float(C1), active, seq_lens, int(context_len), unit)
+    key = _check_scores_costs(
+        scores, costs, active, C1, "C1", validate, seq_lens, context_len, unit
+    )
+    return _run("width", key, (scores, costs, active, seq_lens, unit), _width_op, scores, costs,
+                float(C1), active, seq_lens, int(context_len), unit)  # fmt: skip
 
 
 def cast_depth(
@@ -293,8 +314,9 @@ def cast_depth(
         True
     """
     key = None
-    if not validate:
-        key = signature((u_hist, c, seq_lens, unit, width), ("depth", R, context_len))
+    tensors = (u_hist, c, seq_lens, unit, width)
+    if not validate and C2.__class__ in (int, float):  # C2 is launched: in the key
+        key = signature(tensors, ("depth", R, context_len, C2))
     if _PASSED.get(key) is None:
         check_tensor("u_hist", u_hist, shape=(None,), dtype=(torch.float32, torch.float64))
         table = c.dim() == 2
@@ -319,7 +341,8 @@ def cast_depth(
     if validate:
         check_finite("u_hist", u_hist, nonnegative=True)
         check_finite("c", c, nonnegative=True)
-    return _depth_op(u_hist, c, float(C2), R, seq_lens, int(context_len), unit, width)
+    return _run("depth", key, tensors, _depth_op, u_hist, c, float(C2), R, seq_lens,
+                int(context_len), unit, width)  # fmt: skip
 
 
 def cast_rerank(
@@ -364,5 +387,8 @@ def cast_rerank(
         >>> int(treeops.cast_rerank(s, torch.ones(8), C3=1.0))  # flat costs: root + 3 exist
         4
     """
-    _check_scores_costs(scores, costs, active, C3, "C3", validate, seq_lens, context_len, unit)
-    return _rerank_op(scores, costs, float(C3), active, seq_lens, int(context_len), unit)
+    key = _check_scores_costs(
+        scores, costs, active, C3, "C3", validate, seq_lens, context_len, unit
+    )
+    return _run("rerank", key, (scores, costs, active, seq_lens, unit), _rerank_op, scores,
+                costs, float(C3), active, seq_lens, int(context_len), unit)  # fmt: skip

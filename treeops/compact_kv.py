@@ -12,6 +12,7 @@ import torch
 from ._checks import cuda_device
 from ._compact_inputs import Caches, check_compact_inputs
 from ._library import TREE, define
+from .kernels._replay import MISS, Replays
 from .kernels.compact_kv import compact_kv_launch
 from .reference import compact_kv as _ref
 from .tree import Tree
@@ -40,6 +41,9 @@ def _compact_cpu(k_caches, v_caches, block_table, seq_lens, *rest) -> None:
         out=out,
     )  # fmt: skip
 
+
+_REPLAYS = Replays("compact_kv")
+"""Calls per signature replayed without the op's Python layers (``treeops.kernels._replay``)."""
 
 _compact_op = define(
     f"compact_kv(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor block_table, "
@@ -106,12 +110,24 @@ def compact_kv(
         >>> new.tolist(), k.flatten().tolist()
         ([6], [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 6.0, 7.0])
     """
-    check_compact_inputs(
+    key = check_compact_inputs(
         k_caches, v_caches, block_table, seq_lens, tree, accepted, accept_len, out, validate
     )
+    tensors = None
+    if key is not None and k_caches.__class__ is torch.Tensor:
+        # stacked caches only: a list's layers reach the kernel through a table of their
+        # pointers, which a replay would pass as recorded
+        tensors = (k_caches, v_caches, block_table, seq_lens, accepted, accept_len, out,
+                   *tree.tensors())  # fmt: skip
+        res = _REPLAYS.run(key, tensors)
+        if res is not MISS:
+            return res
+    else:
+        key = None
     if out is None:
         out = torch.empty(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
     layers = [k_caches] if isinstance(k_caches, torch.Tensor) else list(k_caches)
     v_layers = [v_caches] if isinstance(v_caches, torch.Tensor) else list(v_caches)
-    _compact_op(layers, v_layers, block_table, seq_lens, *tree.tensors(), accepted, accept_len, out)
+    args = (layers, v_layers, block_table, seq_lens, *tree.tensors(), accepted, accept_len, out)
+    _REPLAYS.call(key, tensors, _compact_op, *args, result=out)
     return out
