@@ -79,11 +79,6 @@ OPS = (
     "kv_append",
     "kv_append_prepared",
     "rope",
-    "tree_attention_replayed",
-    "kv_append_replayed",
-    "rope_replayed",
-    "accept_greedy_replayed",
-    "accept_sample_replayed",
     "accept_greedy",
     "accept_sample",
     "compact_kv",
@@ -104,9 +99,31 @@ OPS = (
 )
 """Every public op's entry point (``adjacency_update_logits``: the update from logits, which
 runs a second launch; ``*_prepared``: the op's call through ``treeops.prepare``, its tensors
-rebound per call as a layer loop rebinds them; ``*_replayed``: the plain call with the ops' own
-replays on (the per-layer ops and acceptance, ``treeops.kernels._replay``), as
-``TREEOPS_REPLAY=1`` turns them on)."""
+rebound per call as a layer loop rebinds them). A plain call replays its recorded launches
+(``treeops.kernels._replay``) unless ``TREEOPS_REPLAY=0``."""
+
+REPLAYS_OF = {
+    "tree_attention": ("treeops.tree_attention", "_REPLAYS"),
+    "kv_append": ("treeops.kv_append", "_APPEND_REPLAYS"),
+    "rope": ("treeops.kv_append", "_ROPE_REPLAYS"),
+    "accept_greedy": ("treeops.accept", "_GREEDY_REPLAYS"),
+    "accept_sample": ("treeops.accept", "_SAMPLE_REPLAYS"),
+    "compact_kv": ("treeops.compact_kv", "_REPLAYS"),
+    "cast_select": ("treeops.cast", "_REPLAYS", "select"),
+    "cast_width": ("treeops.cast", "_REPLAYS", "width"),
+    "cast_depth": ("treeops.cast", "_REPLAYS", "depth"),
+    "cast_rerank": ("treeops.cast", "_REPLAYS", "rerank"),
+}
+"""Each op's ``Replays`` (module, attribute[, key]): a row counts its replays."""
+
+
+def replays_of(op: str):
+    """``op``'s ``Replays`` (None: it has none)."""
+    where = REPLAYS_OF.get(op)
+    if where is None:
+        return None
+    obj = getattr(sys.modules[where[0]], where[1], None)
+    return obj[where[2]] if obj is not None and len(where) > 2 else obj
 
 
 def cases(dev: torch.device) -> dict[str, Call]:
@@ -170,36 +187,7 @@ def cases(dev: torch.device) -> dict[str, Call]:
         return append(k, v, kc, vc)
 
     attn_prepared.replayer, append_prepared.replayer = attn, append  # type: ignore[attr-defined]
-    ta, ka = sys.modules["treeops.tree_attention"], sys.modules["treeops.kv_append"]
-    ac = sys.modules["treeops.accept"]
-
-    def replayed(fn, replays):
-        def call():
-            was, _replay.ENABLED = _replay.ENABLED, True
-            try:
-                return fn()
-            finally:
-                _replay.ENABLED = was
-
-        call.replayer = replays  # type: ignore[attr-defined]
-        return call
-
-    return {
-        "tree_attention_replayed": replayed(
-            lambda: treeops.tree_attention(q, kc, vc, bt, sl, tree), ta._REPLAYS
-        ),
-        "kv_append_replayed": replayed(
-            lambda: treeops.kv_append(k, v, kc, vc, bt, sl, tree.num_nodes, tree.depth),
-            ka._APPEND_REPLAYS,
-        ),
-        "rope_replayed": replayed(lambda: treeops.rope(q, pos), ka._ROPE_REPLAYS),
-        "accept_greedy_replayed": replayed(
-            lambda: treeops.accept_greedy(tree, logits), ac._GREEDY_REPLAYS
-        ),
-        "accept_sample_replayed": replayed(
-            lambda: treeops.accept_sample(tree, logits, temp, top_k, top_p, uni),
-            ac._SAMPLE_REPLAYS,
-        ),
+    calls = {
         "tree_attention": lambda: treeops.tree_attention(q, kc, vc, bt, sl, tree),
         "tree_attention_prepared": attn_prepared,
         "kv_append_prepared": append_prepared,
@@ -225,6 +213,7 @@ def cases(dev: torch.device) -> dict[str, Call]:
         "prune": lambda: treeops.prune(tree, 4),
         "prune_checkpoint": lambda: ckpt.check(0, best, keep),
     }
+    return calls
 
 
 # ------------------------------------------------------------------------------------ timing
@@ -333,7 +322,10 @@ def cpu_rows(ops: list[str], iters: int, repeats: int) -> list[dict]:
                 # load hits both alike
                 own = total = float("inf")
                 misses = None
-                prepared = getattr(fn, "replayer", None)  # a Prepared or an op's Replays
+                # a Prepared, or the op's own Replays (plain calls replay)
+                prepared = getattr(fn, "replayer", None) or (
+                    replays_of(op) if _replay.ENABLED else None
+                )
                 for _ in range(repeats):
                     if prepared is None:  # a replay calls the launchers itself: no split
                         _launches_off(direct)
@@ -516,13 +508,13 @@ def _direct_launch_enabled() -> bool:
 
 def _compare_old(by_op: dict, ops: list[str], quick: bool) -> None:
     """The GPU columns again in a fresh process through the old paths (every call through the
-    dispatcher, every launch through ``JITFunction.run``), as ``old_*``: before and after on
-    the same machine in one run."""
+    dispatcher, every launch through ``JITFunction.run``, no replays), as ``old_*``: before and
+    after on the same machine in one run."""
     import json
     import subprocess
     import tempfile
 
-    env = dict(os.environ, TREEOPS_DISPATCH="1", TREEOPS_DIRECT_LAUNCH="0")
+    env = dict(os.environ, TREEOPS_DISPATCH="1", TREEOPS_DIRECT_LAUNCH="0", TREEOPS_REPLAY="0")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "old.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--gpu-only", "--out", out,
