@@ -285,19 +285,20 @@ def build(kind, B, V, N, dtype=torch.bfloat16):
     def case():
         import treeops
         from treeops.build_tree import _launch_emit, _launch_expand
+        from treeops.kernels.draft_reset import reset
 
         sys.path.insert(0, os.path.dirname(__file__))
         import bench_build_tree as btc
 
         table = btc.synthetic_table()
         pol = btc.make_policy(kind, N, table)
-        st = treeops.DraftState.new(
-            pol, torch.randint(0, V, (B,), generator=G), torch.full((B,), 4000)
-        )
+        roots, seq = torch.randint(0, V, (B,), generator=G), torch.full((B,), 4000)
+        st = treeops.DraftState.new(pol, roots, seq)
         logits = [torch.randn(B, 1 if i == 0 else btc.W, V, generator=G).to(dtype) for i in
                   range(btc.DEPTH)]  # fmt: skip
 
         def launch():
+            reset(st, roots, seq, None)  # DraftState.reset's CUDA branch
             for i in range(btc.DEPTH):
                 st.layer = i
                 _launch_expand(logits[i], st, pol)  # the public op's CUDA branch

@@ -8,14 +8,23 @@ CAST, ``cost_table.device_tables``.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ._checks import check_same_device, check_tensor, signature
+from ._checks import Memo, check_same_device, check_tensor, signature
 
 __all__ = ["DraftState", "STATE_TENSORS", "state_signature"]
+
+CUDA_RESET: Callable | None = None
+"""``reset(state, root_tokens, seq_lens, active)`` for a state on CUDA: one launch in place of
+the torch writes (``treeops.kernels.draft_reset``; set by ``treeops.build_tree``, which may import
+the kernels that this module may not)."""
+
+_RESET_PASSED = Memo()
+"""Signatures of ``reset`` calls whose checks passed."""
 
 STATE_TENSORS = (
     "root_tokens",
@@ -147,17 +156,25 @@ class DraftState:
     def reset(
         self, root_tokens: torch.Tensor, seq_lens: torch.Tensor, active: torch.Tensor | None = None
     ) -> DraftState:
-        """Start a decoding step in place (no allocation, no host sync); the frontier = the root."""
-        sizes = {"B": self.active.shape[0]}
-        check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64, sizes=sizes)
-        check_tensor(
-            "seq_lens", seq_lens, shape=("B",), dtype=(torch.int32, torch.int64), sizes=sizes
-        )
-        if active is not None:
-            check_tensor("active", active, shape=("B",), dtype=torch.bool, sizes=sizes)
-        check_same_device(
-            state=self.active, root_tokens=root_tokens, seq_lens=seq_lens, active=active
-        )
+        """Start a decoding step in place (no allocation, no host sync); the frontier = the root.
+        On CUDA one launch (``CUDA_RESET``)."""
+        key = signature((root_tokens, seq_lens, active, self.active, self.frontier))
+        if _RESET_PASSED.get(key) is None:
+            sizes = {"B": self.active.shape[0]}
+            check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64, sizes=sizes)
+            check_tensor(
+                "seq_lens", seq_lens, shape=("B",), dtype=(torch.int32, torch.int64), sizes=sizes
+            )
+            if active is not None:
+                check_tensor("active", active, shape=("B",), dtype=torch.bool, sizes=sizes)
+            check_same_device(
+                state=self.active, root_tokens=root_tokens, seq_lens=seq_lens, active=active
+            )
+            _RESET_PASSED.put(key, True)
+        self.layer = 0
+        if CUDA_RESET is not None and self.active.is_cuda and self._dense():
+            CUDA_RESET(self, root_tokens, seq_lens, active)
+            return self
         self.root_tokens.copy_(root_tokens)
         self.seq_lens.copy_(seq_lens)
         if active is None:
@@ -171,8 +188,16 @@ class DraftState:
         self.frontier_scores[:, 0].masked_fill_(self.active, 1.0)
         self.decisions.zero_()
         self.u_hist.zero_()
-        self.layer = 0
         return self
+
+    def _dense(self) -> bool:
+        """Whether the buffers the reset writes are contiguous (what its kernel indexes; a
+        user-built state may hold views)."""
+        return all(
+            t.is_contiguous()
+            for t in (self.root_tokens, self.seq_lens, self.active, self.frontier,
+                      self.frontier_tokens, self.frontier_scores, self.decisions, self.u_hist)
+        )  # fmt: skip
 
     # -------------------------------------------------------------- decisions
     def to(self, device: torch.device | str) -> DraftState:
