@@ -43,6 +43,7 @@ from ._draft_state import STATE_TENSORS, DraftState, state_signature
 from ._library import OUT_TREE, define
 from .cost_table import CostTable
 from .kernels import build_tree as _kernels
+from .kernels._replay import MISS, Replays
 from .reference import build_tree as _ref
 from .tree import Tree, check_tree
 
@@ -181,6 +182,10 @@ def _check_policy(policy: object) -> None:
 _PASSED = Memo()
 """Signatures (``state_signature``) of expand and emit calls whose checks passed with
 ``validate=False``; the layer counter is checked on every call."""
+_EXPAND_REPLAYS = Replays("build_tree_expand")
+_EMIT_REPLAYS = Replays("build_tree_emit")
+"""The ops' calls replayed without their Python layers (``treeops.kernels._replay``), each kept
+under ``_replay_key``: the public functions still advance ``state.layer`` and ``publish``."""
 
 
 def _check_state(state: object, policy: Policy) -> DraftState:
@@ -297,6 +302,21 @@ def _ref_policy(topk, W, D, N, target_times, draft_times, c1, c2, c3, fifo, buck
         topk=topk, max_width=W, max_depth=D, capacity=N, is_cast=cast, C1=c1, C2=c2, C3=c3,
         R=fifo, cost_table=_CostRows(target_times, draft_times, bucket_len) if cast else None,
     )  # fmt: skip
+
+
+def _replay_key(key, layer: int, target_times, c1, c2, c3, fifo, bucket_len) -> tuple | None:
+    """The key of an expand or emit call's replay: the call's ``state_signature`` (None: no
+    replay) and every scalar the launches take that the signature does not fix. The signature
+    holds the policy by identity (so its sizes, which a frozen policy keeps) and every tensor's
+    metadata; the layer counter is a host int that changes between calls, and the thresholds,
+    FIFO length and context bucket are keyed by the values launched, as is the cost rows'
+    shape (launched as the bucket count and ``n_max``): a policy or cost table changed in place
+    then records anew instead of replaying stale values. The cost rows themselves are among the
+    replayed ``tensors`` (their pointers read per call)."""
+    if key is None:
+        return None
+    rows = None if target_times is None else target_times.shape
+    return (key, layer.__class__, layer, c1, c2, c3, fifo, bucket_len, rows)
 
 
 def _split_workspace(logits: torch.Tensor, state: DraftState) -> tuple:
@@ -466,16 +486,25 @@ def build_tree_expand(
     if validate and bool(torch.isnan(logits).any()):
         raise ValueError("Invalid value in logits: expected numbers, got NaN")
     target, draft, c1, c2, _c3, fifo, bucket_len = _cast_args(state, policy)
+    layer = state.layer
+    # every tensor the launches read or write, in the op's argument order: a replay re-reads
+    # their pointers (the split buffers and cost rows included: made outside the op, per state
+    # and per table cache, so that one key's calls may pass other ones)
+    tensors = (
+        logits, state.active, state.seq_lens, state.frontier, state.frontier_tokens,
+        state.frontier_scores, state.cand_tokens, state.cand_scores, state.cand_parents,
+        state.decisions, state.u_hist, state.workspace["counters"], state.workspace["cum"],
+        *_split_workspace(logits, state), target, draft,
+    )  # fmt: skip
+    rkey = _replay_key(key, layer, target, c1, c2, 0.0, fifo, bucket_len)
     with cuda_device(logits):  # the launch and publish's event on the logits' device
-        _expand_op(
-            logits, state.layer, policy.topk, state.active, state.seq_lens, state.frontier,
-            state.frontier_tokens, state.frontier_scores, state.cand_tokens, state.cand_scores,
-            state.cand_parents, state.decisions, state.u_hist, state.workspace["counters"],
-            state.workspace["cum"], *_split_workspace(logits, state), target, draft,
-            c1, c2, fifo, bucket_len,
-        )  # fmt: skip
-        state.layer += 1
-        state.publish(state.layer - 1)
+        if _EXPAND_REPLAYS.run(rkey, tensors) is MISS:
+            _EXPAND_REPLAYS.call(
+                rkey, tensors, _expand_op, logits, layer, policy.topk, *tensors[1:],
+                c1, c2, fifo, bucket_len,
+            )  # fmt: skip
+        state.layer = layer + 1
+        state.publish(layer)
 
 
 def build_tree_emit(
@@ -522,16 +551,29 @@ def build_tree_emit(
         check_same_device(out=out.parents, state=state.cand_scores)
     if not passed:
         _PASSED.put(key, True)
-    dev = state.cand_scores.device
-    tree = out if out is not None else Tree.uninitialized(B, policy.capacity, dev)
     target, _draft, _c1, _c2, c3, _fifo, bucket_len = _cast_args(state, policy)
+    layer = state.layer
     ws = state.workspace
+    # every tensor the launches read or write but the tree the op makes (``out`` None), in the
+    # op's argument order: a replay re-reads their pointers and makes a fresh tree
+    tensors = (
+        state.active, state.seq_lens, state.root_tokens, state.cand_tokens, state.cand_scores,
+        state.cand_parents, state.decisions, ws["sel"], ws["pos"], ws["cum"], target,
+    )  # fmt: skip
+    if out is not None:
+        tensors += outs
+    rkey = _replay_key(key, layer, target, 0.0, 0.0, c3, 1, bucket_len)
     with cuda_device(state.cand_scores):  # the launches and publish's event on its device
-        _emit_op(
-            state.layer, state.active, state.seq_lens, state.root_tokens, state.cand_tokens,
-            state.cand_scores, state.cand_parents, state.decisions, ws["sel"], ws["pos"],
-            ws["cum"], target, c3, bucket_len, *tree.tensors(),
-        )  # fmt: skip
+        tree = _EMIT_REPLAYS.run(rkey, tensors)
+        if tree is MISS:
+            made = out is None
+            tree = Tree.uninitialized(B, policy.capacity, state.cand_scores.device) if made else out
+            _EMIT_REPLAYS.call(
+                rkey, tensors, _emit_op, layer, *tensors[:11], c3, bucket_len, *tree.tensors(),
+                result=tree if made else None,
+            )  # fmt: skip
+        elif out is not None:  # the replay wrote into out's tensors (and returned None)
+            tree = out
         state.publish(state.max_depth)
     if validate:
         tree.validate()
