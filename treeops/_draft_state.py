@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from . import _library
 from ._checks import Memo, check_same_device, check_tensor, signature
 
 __all__ = ["DraftState", "STATE_TENSORS", "state_signature"]
@@ -172,7 +173,14 @@ class DraftState:
             )
             _RESET_PASSED.put(key, True)
         self.layer = 0
-        if CUDA_RESET is not None and self.active.is_cuda and self._dense():
+        # the launch where an op would launch directly (no mode, tracing or profiler: those
+        # see the torch writes)
+        if (
+            CUDA_RESET is not None
+            and self.active.is_cuda
+            and _library.direct_state_ok()
+            and self._dense()
+        ):
             CUDA_RESET(self, root_tokens, seq_lens, active)
             return self
         self.root_tokens.copy_(root_tokens)

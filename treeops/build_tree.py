@@ -31,6 +31,7 @@ from types import SimpleNamespace
 
 import torch
 
+from . import _draft_state
 from ._checks import (
     Memo,
     check_finite,
@@ -44,6 +45,7 @@ from ._library import OUT_TREE, define
 from .cost_table import CostTable
 from .kernels import build_tree as _kernels
 from .kernels._replay import MISS, Replays
+from .kernels.draft_reset import reset as _reset_launch
 from .reference import build_tree as _ref
 from .tree import Tree, check_tree
 
@@ -55,6 +57,10 @@ __all__ = [
     "build_tree_emit",
     "build_tree",
 ]
+
+# DraftState.reset on CUDA: one launch (the state module sits below the kernels and cannot
+# import them itself)
+_draft_state.CUDA_RESET = _reset_launch
 
 
 @dataclass(frozen=True, eq=False)
