@@ -109,6 +109,8 @@ REPLAYS_OF = {
     "accept_greedy": ("treeops.accept", "_GREEDY_REPLAYS"),
     "accept_sample": ("treeops.accept", "_SAMPLE_REPLAYS"),
     "compact_kv": ("treeops.compact_kv", "_REPLAYS"),
+    "build_tree_expand": ("treeops.build_tree", "_EXPAND_REPLAYS"),
+    "build_tree_emit": ("treeops.build_tree", "_EMIT_REPLAYS"),
     "cast_select": ("treeops.cast", "_REPLAYS", "select"),
     "cast_width": ("treeops.cast", "_REPLAYS", "width"),
     "cast_depth": ("treeops.cast", "_REPLAYS", "depth"),
