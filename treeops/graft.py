@@ -20,7 +20,9 @@ Each is a custom op ``torch.ops.treeops.*`` (``graft``, ``graft_merge``, ``prune
 CUDA tensors run the Triton kernels (``treeops.kernels.graft``; ``prune`` and the checkpoint
 rule one launch each, ``treeops.kernels.prune``), CPU tensors the references
 (``treeops.reference.graft``). Nothing here
-syncs with the host unless ``validate=True``.
+syncs with the host unless ``validate=True``. A plain eager call on CUDA replays the launches
+recorded at the first call of its signature (``treeops.kernels._replay``; ``validate=True``
+calls never do).
 
 Example (CPU):
     >>> import torch, treeops
@@ -58,6 +60,7 @@ from ._graft_types import NO_PRUNE, RankTemplate, Retrieved
 from ._library import OUT_TREE, TREE, define
 from .kernels import graft as _k
 from .kernels import prune as _kp
+from .kernels._replay import MISS, Replays
 from .reference import graft as _ref
 from .tree import Tree, check_tree
 
@@ -299,10 +302,13 @@ def _fields(x: object) -> tuple:
     return (x,)
 
 
-def _key(op: str, objects: tuple, tensors: tuple, values: tuple) -> tuple | None:
-    """The memo key of a call: ``op``, the fields of ``objects`` (trees, retrieved paths) with
-    their types (which fix how many fields each has), ``tensors`` (int-or-tensor arguments
-    included: a non-tensor one counts as None there and as a value) and plain ``values``."""
+def _key(op: str, objects: tuple, tensors: tuple, values: tuple) -> tuple:
+    """``(key, flat)``: the memo and replay key of a call, and the tensors it is the signature
+    of (``flat``, the ``tensors`` a ``Replays`` re-reads the pointers of). The key holds
+    ``op``, the fields of ``objects`` (trees, retrieved paths) with their types (which fix how
+    many fields each has), ``tensors`` (int-or-tensor arguments included: a non-tensor one
+    counts as None in ``flat`` and as a value, so an int launched as a scalar is in the key)
+    and plain ``values``; None where some argument is no tensor (the full checks run)."""
     flat: list = []
     classes: list = [op]
     for o in objects:
@@ -314,7 +320,28 @@ def _key(op: str, objects: tuple, tensors: tuple, values: tuple) -> tuple | None
         else:
             flat.append(None)
             classes.append(t)
-    return signature(flat, (*classes, *values))
+    return signature(flat, (*classes, *values)), tuple(flat)
+
+
+_UPDATE_REPLAYS = Replays("adjacency_update")
+_WARM_START_REPLAYS = Replays("adjacency_warm_start")
+_RETRIEVE_REPLAYS = Replays("adjacency_retrieve")
+_GRAFT_MERGE_REPLAYS = Replays("graft_merge")
+_GRAFT_REPLAYS = Replays("graft")
+_PRUNE_REPLAYS = Replays("prune")
+_CHECKPOINT_REPLAYS = Replays("prune_checkpoint")
+"""Calls per ``_key`` replayed without the ops' Python layers (``treeops.kernels._replay``).
+Every buffer the kernels read or write is among a replay's tensors (an ``AdjacencyTable``'s
+table, owner and update workspace, a template's device tensors), or a result or
+``_launch.scratch`` buffer the op makes: two tables, or templates, of equal shapes share a key,
+so their pointers must be re-read per call."""
+
+
+def _tuning() -> tuple:
+    """The update's launch configuration (``kernels.graft.UPDATE_TUNING``: block, warps, top-k
+    method, merge, hence the splits of V): part of the update's keys, so that a recorded update
+    is not replayed under another configuration (``bench/bench_graft.py``'s sweep changes it)."""
+    return tuple(_k.UPDATE_TUNING.items())
 
 
 def _check_budget(budget: torch.Tensor | int, B: int, dev: torch.device, N: int) -> None:
@@ -452,9 +479,9 @@ class AdjacencyTable:
         key = None
         if not validate:
             key = _key(
-                "update", (tree,), (self.table, target_logits, topk_ids),
-                (self.__class__, self.vocab_size),
-            )  # fmt: skip
+                "update", (tree,), (self.table, self._owner, target_logits, topk_ids),
+                (self.__class__, self.vocab_size, _tuning()),
+            )[0]  # fmt: skip
         if _PASSED.get(key) is None:
             check_tree(tree, validate=validate)
             self._check_rows(
@@ -462,10 +489,13 @@ class AdjacencyTable:
                 validate,
             )  # fmt: skip
             _PASSED.put(key, True)
-        _adjacency_update_op(
-            self.table, self._owner, *self._update_workspace(tree.tokens, target_logits),
-            *tree.tensors(), target_logits, topk_ids,
-        )  # fmt: skip
+        ws = self._update_workspace(tree.tokens, target_logits)
+        # the workspace's shapes follow from the key (the tree's and table's shapes, the device,
+        # the tuning); its pointers are re-read: the table's own, cached per shape
+        tensors = (self.table, self._owner, *ws, *tree.tensors(), target_logits, topk_ids)
+        if _UPDATE_REPLAYS.run(key, tensors) is not MISS:
+            return
+        _UPDATE_REPLAYS.call(key, tensors, _adjacency_update_op, *tensors)
 
     def warm_start(
         self,
@@ -492,9 +522,10 @@ class AdjacencyTable:
         key = None
         if not validate:
             key = _key(
-                "warm_start", (), (prompt_tokens, prefill_logits, lengths, topk_ids, self.table),
-                (self.__class__, self.vocab_size),
-            )  # fmt: skip
+                "warm_start", (),
+                (prompt_tokens, prefill_logits, lengths, topk_ids, self.table, self._owner),
+                (self.__class__, self.vocab_size, _tuning()),
+            )[0]  # fmt: skip
         passed = _PASSED.get(key) is not None
         if not passed:
             check_tensor(
@@ -511,10 +542,13 @@ class AdjacencyTable:
             if validate:
                 check_range("lengths", lengths, 0, L + 1)
             _PASSED.put(key, True)
-        _warm_start_op(
-            self.table, self._owner, *self._update_workspace(prompt_tokens, prefill_logits),
-            prompt_tokens, prefill_logits, lengths, topk_ids,
-        )  # fmt: skip
+        ws = self._update_workspace(prompt_tokens, prefill_logits)
+        # default lengths are made above on every call (a fill) and re-read like given ones;
+        # their shape, like the workspace's, follows from the key
+        tensors = (self.table, self._owner, *ws, prompt_tokens, prefill_logits, lengths, topk_ids)
+        if _WARM_START_REPLAYS.run(key, tensors) is not MISS:
+            return
+        _WARM_START_REPLAYS.call(key, tensors, _warm_start_op, *tensors)
 
     def retrieve(
         self,
@@ -532,23 +566,32 @@ class AdjacencyTable:
         Returns a ``Retrieved`` of capacity T = ``template.size``: empty entries (-1) and their
         subtrees are skipped, and the nodes left are packed in template order after the root.
         """
-        key = _key(
-            "retrieve", (), (root_tokens, self.table, count),
-            (self.__class__, self.k,
-             template.max_rank if isinstance(template, RankTemplate) else template),
-        )  # fmt: skip
+        key = None
+        tensors: tuple = ()
+        if isinstance(template, RankTemplate):
+            # the template's device tensors are launched: re-read per call (equal templates
+            # share a key); its depth bounds the kernel's loop, a launched scalar
+            par, rank, dep = template.tensors(self.device)
+            key, tensors = _key(
+                "retrieve", (), (self.table, root_tokens, par, rank, dep, count),
+                (self.__class__, self.k, template.max_rank, template.max_depth),
+            )  # fmt: skip
         if _PASSED.get(key) is None:
             check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64)
             self._check_template(template)
             check_same_device(table=self.table, root_tokens=root_tokens)
             _check_count(count, root_tokens.shape[0], self.device)
             _PASSED.put(key, True)
-        par, rank, dep = template.tensors(self.device)
-        tok, rpar, rdep, num = _retrieve_op(
-            self.table, root_tokens, par, rank, dep, template.max_depth,
-            *_split(count, template.size - 1),
-        )  # fmt: skip
-        return Retrieved(tok, rpar, rdep, num, template.max_depth)
+            par, rank, dep = template.tensors(self.device)
+        # the op's four tensors, replayed or not; the Retrieved is built here (its max_depth is
+        # no tensor, so a replay cannot rebuild it from its fields)
+        res = _RETRIEVE_REPLAYS.run(key, tensors)
+        if res is MISS:
+            res = _RETRIEVE_REPLAYS.call(
+                key, tensors, _retrieve_op, self.table, root_tokens, par, rank, dep,
+                template.max_depth, *_split(count, template.size - 1),
+            )  # fmt: skip
+        return Retrieved(*res, template.max_depth)
 
     def _update_workspace(
         self, tokens: torch.Tensor, logits: torch.Tensor | None
@@ -608,9 +651,10 @@ def graft_merge(
     out of range) is undefined behaviour; ``validate=True`` checks them (with a host sync).
     """
     key = None
+    tensors: tuple = ()
     if not validate:
         max_depth = retrieved.max_depth if isinstance(retrieved, Retrieved) else None
-        key = _key("graft_merge", (tree, retrieved, out), (budget,), (max_depth,))
+        key, tensors = _key("graft_merge", (tree, retrieved, out), (budget,), (max_depth,))
     if _PASSED.get(key) is None:
         check_tree(tree, validate=validate)
         if not isinstance(retrieved, Retrieved):
@@ -635,12 +679,26 @@ def graft_merge(
         _PASSED.put(key, True)
     elif out is not None:
         _check_out_memory(out, tree)
-    out = _empty_tree(tree) if out is None else out
-    _graft_merge_op(
-        *tree.tensors(), retrieved.tokens, retrieved.parents, retrieved.depth,
-        retrieved.num_nodes, retrieved.max_depth, *_split(budget, 0), *out.tensors(),
+    res = _GRAFT_MERGE_REPLAYS.run(key, tensors)
+    if res is not MISS:
+        return res if out is None else out
+    result, out = _result_tree(out, tree)
+    _GRAFT_MERGE_REPLAYS.call(
+        key, tensors, _graft_merge_op, *tree.tensors(), retrieved.tokens, retrieved.parents,
+        retrieved.depth, retrieved.num_nodes, retrieved.max_depth, *_split(budget, 0),
+        *out.tensors(), result=result,
     )  # fmt: skip
     return out
+
+
+def _result_tree(out: Tree | None, tree: Tree) -> tuple[Tree | None, Tree]:
+    """``(result, out)`` of an op that writes a tree: without ``out``, fresh buffers that a
+    replay makes fresh too and returns; with it, ``out`` itself, which a replay writes and the
+    public function returns (the same object: a replay's result is None)."""
+    if out is None:
+        out = _empty_tree(tree)
+        return out, out
+    return None, out
 
 
 def graft(
@@ -661,22 +719,30 @@ def graft(
     undefined behaviour); ``validate=True`` checks them (with a host sync).
     """
     key = None
-    if not validate and isinstance(table, AdjacencyTable):
-        key = _key(
-            "graft", (tree, out), (table.table, budget, count),
-            (table.k, template.max_rank if isinstance(template, RankTemplate) else template),
+    tensors: tuple = ()
+    if not validate and isinstance(table, AdjacencyTable) and isinstance(template, RankTemplate):
+        # the template's device tensors are launched (re-read per call: equal templates share
+        # a key), its depth and widest level as scalars
+        par, rank, dep = template.tensors(table.device)
+        key, tensors = _key(
+            "graft", (tree, out), (table.table, par, rank, dep, budget, count),
+            (table.k, template.max_rank, template.max_depth, template.max_width),
         )  # fmt: skip
     if _PASSED.get(key) is None:
         _check_graft_args(tree, table, budget, count, out, validate)
         table._check_template(template)
         _PASSED.put(key, True)
+        par, rank, dep = template.tensors(tree.device)
     elif out is not None:
         _check_out_memory(out, tree)
-    out = _empty_tree(tree) if out is None else out
-    par, rank, dep = template.tensors(tree.device)
-    _graft_op(
-        *tree.tensors(), table.table, par, rank, dep, template.max_depth, template.max_width,
-        *_split(budget, 0), *_split(count, template.size - 1), *out.tensors(),
+    res = _GRAFT_REPLAYS.run(key, tensors)
+    if res is not MISS:
+        return res if out is None else out
+    result, out = _result_tree(out, tree)
+    _GRAFT_REPLAYS.call(
+        key, tensors, _graft_op, *tree.tensors(), table.table, par, rank, dep,
+        template.max_depth, template.max_width, *_split(budget, 0),
+        *_split(count, template.size - 1), *out.tensors(), result=result,
     )  # fmt: skip
     return out
 
@@ -728,7 +794,7 @@ def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tr
     Values are unchecked when ``validate=False`` (a malformed tree is undefined behaviour);
     ``validate=True`` checks the tree and ``keep`` (with a host sync).
     """
-    key = None if validate else _key("prune", (tree,), (keep,), ())
+    key, tensors = (None, ()) if validate else _key("prune", (tree,), (keep,), ())
     if _PASSED.get(key) is None:
         check_tree(tree, validate=validate)
         B = tree.batch_size
@@ -742,7 +808,10 @@ def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tr
                 f"Invalid value of keep: expected an int >= 0 or a [B] int32 tensor, got {keep!r}"
             )
         _PASSED.put(key, True)
-    return Tree(*_prune_op(*tree.tensors(), *_split(keep, 0)))
+    res = _PRUNE_REPLAYS.run(key, tensors)
+    if res is MISS:
+        res = _PRUNE_REPLAYS.call(key, tensors, _prune_op, *tree.tensors(), *_split(keep, 0))
+    return Tree(*res)
 
 
 @dataclass
@@ -810,19 +879,27 @@ class PruneCheckpoints:
         under this checkpoint's threshold (in place on ``keep`` [B] int32; both unit-stride);
         return ``stop`` [B] bool (a new tensor), whether each request is marked (now or before).
         A step that is no checkpoint only returns ``stop``. One launch on CUDA, no host sync."""
-        key = _key("checkpoint", (), (keep, best_score), ())
+        if step in self.steps:
+            c = self.steps.index(step)
+            keep_value, threshold = self.keeps[c], float(self.thresholds[c])
+        else:  # no checkpoint: a threshold of -inf marks nothing, the launch writes stop
+            keep_value, threshold = 0, -math.inf
+        # both are launched as scalars: a replay is kept per (shapes, keep value, threshold)
+        key, tensors = _key("checkpoint", (), (keep, best_score), (keep_value, threshold))
         if _PASSED.get(key) is None:
             check_tensor("keep", keep, shape=("B",), dtype=torch.int32, unit_last=True)
             check_tensor("best_score", best_score, shape=keep.shape, dtype=torch.float32,
                          unit_last=True)  # fmt: skip
             check_same_device(keep=keep, best_score=best_score)
             _PASSED.put(key, True)
+        stop = _CHECKPOINT_REPLAYS.run(key, tensors)
+        if stop is not MISS:
+            return stop
         stop = torch.empty(keep.shape, dtype=torch.bool, device=keep.device)
-        if step in self.steps:
-            c = self.steps.index(step)
-            _checkpoint_op(keep, best_score, self.keeps[c], float(self.thresholds[c]), stop)
-        else:  # no checkpoint: a threshold of -inf marks nothing, the launch writes stop
-            _checkpoint_op(keep, best_score, 0, -math.inf, stop)
+        _CHECKPOINT_REPLAYS.call(
+            key, tensors, _checkpoint_op, keep, best_score, keep_value, threshold, stop,
+            result=stop,
+        )  # fmt: skip
         return stop
 
 

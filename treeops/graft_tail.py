@@ -20,11 +20,12 @@ from .graft import (
     _check_graft_args,
     _check_out_memory,
     _copy_into,
-    _empty_tree,
     _key,
+    _result_tree,
     _split,
 )
 from .kernels import graft_tail as _kt
+from .kernels._replay import MISS, Replays
 from .reference import graft as _ref
 from .tree import Tree
 
@@ -56,6 +57,10 @@ _graft_tail_op = define(
     cpu=_graft_tail_cpu,
     cuda=_graft_tail_cuda,
 )
+
+_GRAFT_TAIL_REPLAYS = Replays("graft_tail")
+"""Calls per ``_key`` replayed without the op's Python layers (``treeops.kernels._replay``);
+the table's tensor is among a replay's tensors (tables of equal shapes share a key)."""
 
 
 def graft_tail(
@@ -90,8 +95,12 @@ def graft_tail(
     Returns the extended tree (``out`` when given). No host sync unless ``validate=True``.
     """
     key = None
+    tensors: tuple = ()
     if not validate and isinstance(table, AdjacencyTable):
-        key = _key("graft_tail", (tree, out), (table.table, budget, count), (table.k, max_count))
+        # an int count, budget or max_count is launched as a scalar: all three are in the key
+        key, tensors = _key(
+            "graft_tail", (tree, out), (table.table, budget, count), (table.k, max_count)
+        )
     if _PASSED.get(key) is None:
         if count is None:
             raise ValueError("Invalid value of count: expected an int >= 0 or a [B] int32 tensor")
@@ -107,11 +116,14 @@ def graft_tail(
         _PASSED.put(key, True)
     elif out is not None:
         _check_out_memory(out, tree)
+    res = _GRAFT_TAIL_REPLAYS.run(key, tensors)
+    if res is not MISS:
+        return res if out is None else out
     if max_count is None:
         max_count = count if isinstance(count, int) else tree.capacity
-    out = _empty_tree(tree) if out is None else out
-    _graft_tail_op(
-        *tree.tensors(), table.table, *_split(count, 0), *_split(budget, 0), max_count,
-        *out.tensors(),
+    result, out = _result_tree(out, tree)
+    _GRAFT_TAIL_REPLAYS.call(
+        key, tensors, _graft_tail_op, *tree.tensors(), table.table, *_split(count, 0),
+        *_split(budget, 0), max_count, *out.tensors(), result=result,
     )  # fmt: skip
     return out
