@@ -1,13 +1,13 @@
-"""Replays of an op's plain calls: the eager host path of the ops whose CUDA path only launches.
+"""Replays of an op's plain calls: the eager host path of every op whose CUDA path only launches.
 
 An op call pays its Python layers on every eager call: the public function, the custom op's
 dispatch, the launch plan's lookup, the launcher's key. For the ops whose CUDA path is kernel
-launches and allocations only (``tree_attention``, ``kv_append``, ``rope``, ``accept_greedy``,
-``accept_sample``), the launches of one call are a function of the call's signature
-(``_checks.signature``: every tensor's type, shape, strides, dtype and device, and the value
-arguments) and its tensors' data pointers. So each op
-keeps a ``Replays``: the first call of a signature runs the op with its launches recorded
-(``_launch.recording``), and later calls of that signature launch the same kernels
+launches and allocations only, the launches of one call are a function of the call's key (its
+``_checks.signature``: every tensor's type, shape, strides, dtype and device, and the value
+arguments, plus whatever else the op launches as a scalar: RoPE's theta, CAST's thresholds, the
+tree build's layer, an int budget) and its tensors' data pointers. So each such op keeps a
+``Replays``: the first call of a key (the second, with ``record_after=1``) runs the op with its
+launches recorded (``_launch.recording``), and later calls of that key launch the same kernels
 through Triton's C launcher from code generated for it, with
 
 * each argument tensor's data pointer where the recorded call passed that tensor, or a view the
@@ -20,18 +20,24 @@ through Triton's C launcher from code generated for it, with
   RoPE's frequency table, acceptance's per-device workspace, the arrival counters) as recorded;
 * everything else as recorded (grids, strides, scalars, constexprs).
 
-An op takes a ``Replays`` only after an audit of its CUDA path: it may allocate and make views,
-and launch, but do no other device work (a copy, a fill, a table built from pointers, as
-``compact_kv``'s list of layers is), and every buffer it makes must be its result, a ``kept``
-buffer, or written by its kernels before they read it; a replay does none of that work and
-gives the last fresh, uninitialised memory.
+The ops that keep one: ``tree_attention``, ``kv_append``, ``rope``, ``accept_greedy``,
+``accept_sample``, ``compact_kv`` (stacked caches; a list of layers reaches the kernel through a
+table of their pointers, which a replay would pass as recorded), the four ``cast_*`` rules,
+``build_tree_expand`` / ``build_tree_emit``, and Graft's ``AdjacencyTable.update`` /
+``warm_start`` / ``retrieve``, ``graft_merge``, ``graft``, ``graft_tail``, ``prune`` and
+``PruneCheckpoints.check``. An op takes one only after an audit of its CUDA path: it may
+allocate and make views, and launch, but do no other device work (a copy, a fill, a table built
+from pointers), every buffer it makes must be its result, a ``kept`` buffer, or written by its
+kernels before they read it (a replay does none of that work and gives fresh, uninitialised
+memory), and every tensor a launch reads must be among the call's ``tensors`` (so its pointer is
+read again) unless its identity follows from the key.
 
 A call replays only where the op itself would launch directly (``_library.direct_state_ok``:
 not tracing or compiling, no dispatch or function mode, no profiler), with Triton's launch state
-and the current device as recorded; otherwise, and for a signature whose recorded call cannot be
+and the current device as recorded; otherwise, and for a key whose recorded call cannot be
 replayed (a view of arguments that overlap, a launch through Triton's own path), the op runs
-as written. ``prepare`` (``treeops.prepared``) uses the same launch code for calls that also keep
-some arguments.
+as written. ``TREEOPS_REPLAY=0`` turns replays off. ``prepare`` (``treeops.prepared``) uses the
+same launch code for calls that also keep some arguments.
 """
 
 from __future__ import annotations
