@@ -27,6 +27,7 @@ _STAND_IN = (
     PRELUDE
     + r"""
 GR, GT = sys.modules["treeops.graft"], sys.modules["treeops.graft_tail"]
+PR = sys.modules["treeops.prune"]
 from treeops.kernels import _launch
 from treeops.kernels import graft as KG
 
@@ -233,12 +234,12 @@ with bench_host.launchers_on_cpu():
         res[name] = run(name, GT._GRAFT_TAIL_REPLAYS, graft_tail, tail(count, budget, out, mc))
 
     for keep in (3, treeops.NO_PRUNE, "t"):
-        res[f"prune_{keep}"] = run(f"prune_{keep}", GR._PRUNE_REPLAYS, treeops.prune,
+        res[f"prune_{keep}"] = run(f"prune_{keep}", PR._PRUNE_REPLAYS, treeops.prune,
                                    lambda: ((tree, i32(2, 4) if keep == "t" else keep), {}))
     ckpt = treeops.PruneCheckpoints()
     for step in (0, 1, 3):
         res[f"check_{step}"] = run(
-            f"check_{step}", GR._CHECKPOINT_REPLAYS, ckpt.check,
+            f"check_{step}", PR._CHECKPOINT_REPLAYS, ckpt.check,
             lambda: ((step, torch.rand(B, generator=g), ckpt.start(B)), {}))
 
     # two tables (and templates) of one shape share a key: each replay launches its own
@@ -292,7 +293,7 @@ with bench_host.launchers_on_cpu():
          lambda v: treeops.graft_merge(tree, retrieved, 5, validate=v)),
         ("tail", GT._GRAFT_TAIL_REPLAYS, lambda v: treeops.graft_tail(tree, tab, 2, 5,
                                                                       validate=v)),
-        ("prune", GR._PRUNE_REPLAYS, lambda v: treeops.prune(tree, 3, validate=v)),
+        ("prune", PR._PRUNE_REPLAYS, lambda v: treeops.prune(tree, 3, validate=v)),
     ):
         fn(False); fn(False)
         n0 = reps.replays
@@ -384,10 +385,11 @@ def test_gpu_graft_replays_equal_the_ops(monkeypatch):
     inputs: replayed, and with every replay table emptied first (the ops' own Python path).
     Every output and the table itself (its rows and its owner array) agree bitwise."""
     gr, gt = sys.modules["treeops.graft"], sys.modules["treeops.graft_tail"]
+    pr = sys.modules["treeops.prune"]
     monkeypatch.setattr(sys.modules["treeops.kernels._replay"], "ENABLED", True)
     reps = (gr._UPDATE_REPLAYS, gr._WARM_START_REPLAYS, gr._RETRIEVE_REPLAYS,
-            gr._GRAFT_MERGE_REPLAYS, gr._GRAFT_REPLAYS, gr._PRUNE_REPLAYS,
-            gr._CHECKPOINT_REPLAYS, gt._GRAFT_TAIL_REPLAYS)  # fmt: skip
+            gr._GRAFT_MERGE_REPLAYS, gr._GRAFT_REPLAYS, pr._PRUNE_REPLAYS,
+            pr._CHECKPOINT_REPLAYS, gt._GRAFT_TAIL_REPLAYS)  # fmt: skip
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(5)
     B, N, V, K = 3, 16, 4096, 8

@@ -20,6 +20,7 @@ from . import graft as _graft
 from . import graft_tail as _graft_tail
 from . import kv_append as _kv_append
 from . import prepared as _prepared
+from . import prune as _prune
 from . import tree_attention as _tree_attention
 from ._version import __version__
 from .accept import *  # noqa: F403
@@ -31,13 +32,14 @@ from .graft import *  # noqa: F403
 from .graft_tail import *  # noqa: F403
 from .kv_append import *  # noqa: F403
 from .prepared import *  # noqa: F403
+from .prune import *  # noqa: F403
 from .tree import Tree, anc_words
 from .tree_attention import *  # noqa: F403
 
 __all__ = ["Tree", "anc_words", "__version__"]
 for _m in (
     _tree_attention, _kv_append, _build, _cast, _cast_plan, _graft, _graft_tail, _accept,
-    _compact, _prepared,
+    _compact, _prepared, _prune,
 ):  # fmt: skip
     __all__ += list(_m.__all__)
 del _m

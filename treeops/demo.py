@@ -29,8 +29,9 @@ from .compact_kv import compact_kv
 from .cost_table import CostTable
 from .decoder import POLICIES, Decoder, make_policy
 from .decoder.train import PairConfig, train_pair
-from .graft import AdjacencyTable, PruneCheckpoints, RankTemplate, graft, prune
+from .graft import AdjacencyTable, RankTemplate, graft
 from .kv_append import kv_append, rope
+from .prune import PruneCheckpoints, prune
 from .tree_attention import tree_attention
 
 V = 96  # vocabulary

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from ..graft import PruneCheckpoints, calibrate_thresholds
+from ..prune import PruneCheckpoints, calibrate_thresholds
 from .engine import Decoder
 from .model import Draft, Target
 from .policies import CastGraft

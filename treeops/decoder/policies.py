@@ -27,7 +27,8 @@ from typing import ClassVar
 from .._checks import check_positive_int
 from ..build_tree import Cast, EagleStatic
 from ..cost_table import CostTable
-from ..graft import PruneCheckpoints, RankTemplate
+from ..graft import RankTemplate
+from ..prune import PruneCheckpoints
 
 __all__ = [
     "POLICIES",

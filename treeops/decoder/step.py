@@ -56,7 +56,7 @@ from ..accept import accept_greedy, accept_sample
 from ..build_tree import build_tree_emit, build_tree_expand
 from ..cast_plan import cast_step_stats
 from ..compact_kv import compact_kv
-from ..graft import prune
+from ..prune import prune
 from ..tree import Tree
 from .graphs import (
     PlanBuffers,
