@@ -28,22 +28,32 @@ BIG = 1 << 24  # CPU heap addresses are above it (on the H200 machine from ~0x20
 # strides, sizes and flags of these tiny cases below
 
 
+NAMED = []  # (label, buffers): sets a case names pointers into (the launchers' scratch sets)
+
+
 def norm(args, inputs, results):
-    # a launch's arguments: pointers as (input k | result r | the op's own, byte offset)
+    # a launch's arguments: pointers as (input k | result r | a NAMED set's buffer i | the op's
+    # own, byte offset)
     out = []
     own = []
+    within = lambda p, t: 0 <= p - t.data_ptr() < max(t.untyped_storage().nbytes(), 1)
     for x in args:
         p = x.data_ptr() if isinstance(x, torch.Tensor) else x
         if type(p) is int and p > BIG:
             for name, ts in (("in", inputs), ("res", results)):
-                hit = [(k, p - t.data_ptr()) for k, t in enumerate(ts) if t is not None
-                       and 0 <= p - t.data_ptr() < max(t.untyped_storage().nbytes(), 1)]
+                hit = [(k, p - t.data_ptr()) for k, t in enumerate(ts)
+                       if t is not None and within(p, t)]
                 if hit:
                     out.append((name, *hit[0]))
                     break
             else:
-                own.append(p)
-                out.append(("own", p - own[0]))
+                hit = [(label, i, p - b.data_ptr()) for label, bufs in NAMED
+                       for i, b in enumerate(bufs) if within(p, b)]
+                if hit:
+                    out.append(("named", *hit[0]))
+                else:
+                    own.append(p)
+                    out.append(("own", p - own[0]))
         else:
             out.append(repr(p))
     return out

@@ -3,8 +3,6 @@ writes it replaces: every field equal, exactly, for any state the writes start f
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given
@@ -13,10 +11,6 @@ from hypothesis import strategies as st
 import treeops
 from treeops.kernels import draft_reset
 
-_GPU = pytest.mark.skipif(
-    not (torch.cuda.is_available() and os.environ.get("TREEOPS_GPU_TESTS") == "1"),
-    reason="needs a CUDA device and TREEOPS_GPU_TESTS=1 (run on the H200)",
-)
 FIELDS = ("root_tokens", "seq_lens", "active", "frontier", "frontier_tokens", "frontier_scores",
           "decisions", "u_hist", "cand_tokens", "cand_scores", "cand_parents")  # fmt: skip
 
@@ -88,7 +82,6 @@ def test_reset_reads_its_inputs_before_writing():
 
 
 @pytest.mark.gpu
-@_GPU
 @pytest.mark.parametrize("with_active", [False, True])
 def test_gpu_reset_equals_the_torch_writes(with_active):
     """On CUDA the public ``reset`` is the one launch: equal, field for field, to the torch

@@ -16,10 +16,6 @@ import torch
 import treeops
 
 ROOT = Path(__file__).resolve().parent.parent
-_GPU = pytest.mark.skipif(
-    not (torch.cuda.is_available() and os.environ.get("TREEOPS_GPU_TESTS") == "1"),
-    reason="needs a CUDA device and TREEOPS_GPU_TESTS=1 (run on the H200)",
-)
 
 
 def _inputs(dev, B=2, N=8, HQ=4, HKV=2, D=64, P=16, dtype=torch.bfloat16, seed=0):
@@ -174,7 +170,6 @@ def test_replay_launches_what_the_op_launches():
 
 
 @pytest.mark.gpu
-@_GPU
 @pytest.mark.parametrize("split", [False, True], ids=["one-launch", "split-kv"])
 def test_gpu_prepared_layer_loop_equals_the_ops(split):
     """A layer loop through prepared calls (kv_append with q, then tree_attention, each layer

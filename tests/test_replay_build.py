@@ -18,10 +18,6 @@ from replay_stand_in import PRELUDE
 import treeops
 
 ROOT = Path(__file__).resolve().parent.parent
-_GPU = pytest.mark.skipif(
-    not (torch.cuda.is_available() and os.environ.get("TREEOPS_GPU_TESTS") == "1"),
-    reason="needs a CUDA device and TREEOPS_GPU_TESTS=1 (run on the H200)",
-)
 
 _STAND_IN = (
     PRELUDE
@@ -199,7 +195,6 @@ def test_cast_replays_no_stale_value(stand_in):
 
 
 @pytest.mark.gpu
-@_GPU
 @pytest.mark.parametrize("kind", ["eagle", "cast"])
 def test_gpu_build_tree_steps_replay_and_equal_the_ops(kind, monkeypatch):
     """Decoding steps of expands and an emit (with and without ``out``) with replays on write
