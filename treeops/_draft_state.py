@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import _library
-from ._checks import Memo, check_same_device, check_tensor, signature
+from ._checks import Memo, check_same_device, check_tensor, cuda_device, signature
 
 __all__ = ["DraftState", "STATE_TENSORS", "state_signature"]
 
@@ -25,7 +25,8 @@ the torch writes (``treeops.kernels.draft_reset``; set by ``treeops.build_tree``
 the kernels that this module may not)."""
 
 _RESET_PASSED = Memo()
-"""Signatures of ``reset`` calls whose checks passed."""
+"""Signatures of ``reset`` calls whose checks passed, each with whether the state's buffers are
+dense (what the one-launch form indexes)."""
 
 STATE_TENSORS = (
     "root_tokens",
@@ -159,8 +160,9 @@ class DraftState:
     ) -> DraftState:
         """Start a decoding step in place (no allocation, no host sync); the frontier = the root.
         On CUDA one launch (``CUDA_RESET``)."""
-        key = signature((root_tokens, seq_lens, active, self.active, self.frontier))
-        if _RESET_PASSED.get(key) is None:
+        key = signature((root_tokens, seq_lens, active, *self._reset_buffers()))
+        dense = _RESET_PASSED.get(key)
+        if dense is None:
             sizes = {"B": self.active.shape[0]}
             check_tensor("root_tokens", root_tokens, shape=("B",), dtype=torch.int64, sizes=sizes)
             check_tensor(
@@ -171,17 +173,15 @@ class DraftState:
             check_same_device(
                 state=self.active, root_tokens=root_tokens, seq_lens=seq_lens, active=active
             )
-            _RESET_PASSED.put(key, True)
+            # the kernel indexes the buffers densely (a user-built state may hold views)
+            dense = all(t.is_contiguous() for t in self._reset_buffers())
+            _RESET_PASSED.put(key, dense)
         self.layer = 0
         # the launch where an op would launch directly (no mode, tracing or profiler: those
-        # see the torch writes)
-        if (
-            CUDA_RESET is not None
-            and self.active.is_cuda
-            and _library.direct_state_ok()
-            and self._dense()
-        ):
-            CUDA_RESET(self, root_tokens, seq_lens, active)
+        # see the torch writes), on the state's device
+        if CUDA_RESET is not None and dense and self.active.is_cuda and _library.direct_state_ok():
+            with cuda_device(self.active):
+                CUDA_RESET(self, root_tokens, seq_lens, active)
             return self
         self.root_tokens.copy_(root_tokens)
         self.seq_lens.copy_(seq_lens)
@@ -198,13 +198,11 @@ class DraftState:
         self.u_hist.zero_()
         return self
 
-    def _dense(self) -> bool:
-        """Whether the buffers the reset writes are contiguous (what its kernel indexes; a
-        user-built state may hold views)."""
-        return all(
-            t.is_contiguous()
-            for t in (self.root_tokens, self.seq_lens, self.active, self.frontier,
-                      self.frontier_tokens, self.frontier_scores, self.decisions, self.u_hist)
+    def _reset_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers ``reset`` writes."""
+        return (
+            self.root_tokens, self.seq_lens, self.active, self.frontier, self.frontier_tokens,
+            self.frontier_scores, self.decisions, self.u_hist,
         )  # fmt: skip
 
     # -------------------------------------------------------------- decisions

@@ -105,6 +105,15 @@ The threshold is launched, so it is in the key; a value seen once is not recorde
 may change it on every call)."""
 
 
+def _with_threshold(key, C) -> tuple | None:
+    """A replay's key: the checks' signature and the threshold it launches (a plain number
+    only; the checks' memo stays keyed without it, so a threshold changed per call still skips
+    the checks)."""
+    if key is None or C.__class__ not in (int, float):
+        return None
+    return (key, C.__class__, C)
+
+
 def _run(name: str, key, tensors: tuple, op, *args) -> torch.Tensor:
     """``op(*args)``, or its replay for ``key`` (None: the op)."""
     replays = _REPLAYS[name]
@@ -209,8 +218,7 @@ def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
         3
     """
     tensors = (u, c)
-    # C is launched as a float: a replay holds it, so it is in the key (a plain number only)
-    key = signature(tensors, ("select", C)) if C.__class__ in (int, float) else None
+    key = signature(tensors, ("select",))
     if _PASSED.get(key) is None:
         sizes: dict[str, int] = {}
         check_tensor("u", u, shape=("K",), dtype=(torch.float32, torch.float64), sizes=sizes)
@@ -219,7 +227,7 @@ def cast_select(u: torch.Tensor, c: torch.Tensor, C: float) -> torch.Tensor:
         if sizes["K"] < 1:
             raise ValueError("Invalid shape of u: expected [K] with K >= 1, got [0]")
         _PASSED.put(key, True)
-    return _run("select", key, tensors, _select_op, u, c, float(C))
+    return _run("select", _with_threshold(key, C), tensors, _select_op, u, c, float(C))
 
 
 def cast_width(
@@ -315,8 +323,8 @@ def cast_depth(
     """
     key = None
     tensors = (u_hist, c, seq_lens, unit, width)
-    if not validate and C2.__class__ in (int, float):  # C2 is launched: in the key
-        key = signature(tensors, ("depth", R, context_len, C2))
+    if not validate:
+        key = signature(tensors, ("depth", R, context_len))
     if _PASSED.get(key) is None:
         check_tensor("u_hist", u_hist, shape=(None,), dtype=(torch.float32, torch.float64))
         table = c.dim() == 2
@@ -341,8 +349,8 @@ def cast_depth(
     if validate:
         check_finite("u_hist", u_hist, nonnegative=True)
         check_finite("c", c, nonnegative=True)
-    return _run("depth", key, tensors, _depth_op, u_hist, c, float(C2), R, seq_lens,
-                int(context_len), unit, width)  # fmt: skip
+    return _run("depth", _with_threshold(key, C2), tensors, _depth_op, u_hist, c, float(C2), R,
+                seq_lens, int(context_len), unit, width)  # fmt: skip
 
 
 def cast_rerank(
