@@ -465,12 +465,14 @@ _RETIRED: list[torch.Tensor] = []  # split workspaces replaced by larger ones (s
 
 
 def _default_split(rows: int, V: int, block_v: int, device: torch.device) -> int:
-    """Chunks per frontier row for the one-warp streaming programs: about 32 programs per SM
+    """Chunks per frontier row for the one-warp streaming programs: at most 32 programs per SM
     (B = 1's ten rows fill the GPU), at least 2, at most 64, from the SM count and V only (fixed
-    for a CUDA graph); 1 off the GPU."""
+    for a CUDA graph); 1 off the GPU. 32 one-warp programs are all an SM holds at once (the
+    block limit): rounding up would leave a second wave of a few programs, each a chunk's whole
+    latency chain on an idle GPU (B 64 took 4,480 programs for 4,224 places)."""
     if device.type != "cuda":
         return 1
-    want = cdiv(32 * _runtime.sm_count(device), rows)
+    want = (32 * _runtime.sm_count(device)) // rows
     return max(1, min(max(want, 2), cdiv(V, block_v), 64))
 
 
