@@ -647,13 +647,15 @@ row). ``bench/bench_graft.py --sweep-update`` varies it; the splits it implies a
 
 
 def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
-    """Splits of V per node: enough programs to fill the GPU (``programs_per_sm`` of them per
-    SM, so that even one request's nodes stream at full bandwidth), at least one block of V
-    each. Depends on shapes and the SM count only (fixed for a CUDA graph)."""
+    """Splits of V per node: enough programs to fill the GPU (at most ``programs_per_sm`` of
+    them per SM, so that even one request's nodes stream at full bandwidth), at least one block
+    of V each. Rounded down: 32 one-warp programs are all an SM holds at once, and a few more
+    would run as a second wave (B 8's 480 nodes made 4,320 programs for 4,224 places). Depends
+    on shapes and the SM count only (fixed for a CUDA graph)."""
     if device.type != "cuda":
         return min(2, cdiv(V, block_v))
     sms = _runtime.sm_count(device)
-    want = cdiv(UPDATE_TUNING["programs_per_sm"] * sms, max(n_flat, 1))
+    want = UPDATE_TUNING["programs_per_sm"] * sms // max(n_flat, 1)
     return max(1, min(want, cdiv(V, block_v), 64))
 
 
