@@ -216,6 +216,33 @@ def test_issue_4_caps_reach_the_pinned_decisions():
     assert st.width(0) == 3  # the root's top-3: the only candidates of layer 0
 
 
+def test_decisions_published_on_the_current_stream():
+    """``publish`` records each decision point's event on the stream current at the call (a
+    side stream here, the kept stream objects of ``_runtime.current_stream``), so ``width``
+    waits for that stream's expand and reads its decision; back on the default stream, the
+    default stream's."""
+    from treeops import _runtime
+
+    pol = treeops.EagleStatic(depth=2, topk=3, budget=8)
+    side = torch.cuda.Stream()
+    g = torch.Generator(device=DEV).manual_seed(6)
+    logits = torch.randn(2, 3, 5000, device=DEV, generator=g)
+    st = treeops.DraftState.new(
+        pol, torch.tensor([3, 4], device=DEV), torch.tensor([9, 9], device=DEV)
+    )
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert _runtime.current_stream(0) == side
+        torch.cuda._sleep(50_000_000)  # the expand queues behind a long kernel on the side stream
+        treeops.build_tree_expand(logits, st, pol)
+    assert _runtime.current_stream(0) == torch.cuda.current_stream()
+    assert st.width(0) == 3  # waited for the side stream's event
+    assert st.host_decisions.tolist() == st.decisions.cpu().tolist()
+    torch.cuda.current_stream().wait_stream(side)
+    treeops.build_tree_expand(logits, st, pol)
+    assert st.width(1) == 3 and st.host_decisions.tolist() == st.decisions.cpu().tolist()
+
+
 @pytest.mark.parametrize("B", [64, 2])  # 2: several programs per row (split V)
 def test_cuda_graph_replay_matches_eager(B):
     """Capture one expand (and the emit) in CUDA graphs; replay many times with new logits: the

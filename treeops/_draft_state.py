@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import _library
+from . import _library, _runtime
 from ._checks import Memo, check_same_device, check_tensor, cuda_device, signature
 
 __all__ = ["DraftState", "STATE_TENSORS", "state_signature"]
@@ -245,7 +245,7 @@ class DraftState:
         captured expand/emit launches calls ``publish`` itself after each replay."""
         if self.host_decisions is not None and not torch.cuda.is_current_stream_capturing():
             self.host_decisions.copy_(self.decisions, non_blocking=True)
-            self.events[point].record()
+            self.events[point].record(_runtime.current_stream(self.decisions.device.index))
 
     def _host(self, point: int) -> torch.Tensor:
         if self.host_decisions is None:

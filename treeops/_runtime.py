@@ -61,6 +61,21 @@ def shared_memory(device: torch.device) -> int:
     return 232448
 
 
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def current_stream(index: int) -> torch.cuda.Stream:
+    """Device ``index``'s current stream as a ``torch.cuda.Stream``, kept per raw handle:
+    ``torch.cuda.current_stream()`` builds a new Python object per call (4.3 us on the H200,
+    most of an ``Event.record()``'s 5.4), the raw handle costs 0.1. A handle names one stream
+    for as long as it exists, so the kept object records on the stream that is current."""
+    raw = torch._C._cuda_getCurrentRawStream(index)
+    s = _STREAMS.get((index, raw))
+    if s is None:
+        s = _STREAMS[(index, raw)] = torch.cuda.current_stream(index)
+    return s
+
+
 def refuse_in_capture(what: str) -> None:
     """Raise if a CUDA graph is being captured: ``what`` (a buffer a launcher caches for later
     calls) must be built by an eager call first. Built during a capture, its initialisation would
