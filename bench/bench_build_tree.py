@@ -382,7 +382,7 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False):
         )
     # the split top-K's method at the default tiling: candidates ranked at once (cap, tiles read
     # at a time) or the tile-by-tile merge (cap 0)
-    for cap, tiles in ((0, 1), (32, 1), (32, 2), (32, 4), (64, 1)):
+    for cap, tiles in ((0, 1), (32, 1), (32, 2), (32, 4), (32, 8), (32, 16), (64, 1)):
         tunes[f"cand_cap={cap},cand_tiles={tiles}"] = dict(cand_cap=cap, cand_tiles=tiles)
     for name, tune in tunes.items():
         try:

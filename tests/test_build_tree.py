@@ -861,13 +861,14 @@ def test_expand_op_split_workspace_is_the_launchers(monkeypatch):
         assert torch.equal(getattr(a, f), getattr(c, f)), f
 
 
-@pytest.mark.parametrize("cand_cap, cand_tiles", [(32, 1), (64, 2), (16, 4), (0, 2)])
+@pytest.mark.parametrize("cand_cap, cand_tiles", [(32, 1), (64, 2), (16, 4), (0, 2), (32, 16)])
 def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles):
     """The split expand's top-K at a realistic tile count (V / block_v = 94 tiles): the logits
-    of the K best tiles at or above the K-th tile's max ranked at once, read one, two or four
-    tiles at a time; rows with many equal logits (more candidates than ``cand_cap``: the
-    tile-by-tile merge), a row of one value, a row whose best values share one tile; ``cand_cap``
-    = 0: always the merge. Each the reference's states and tree."""
+    of the K best tiles at or above the K-th tile's max ranked at once, read one, two, four or
+    all K (16, clamped to pow2(K)) tiles at a time; rows with many equal logits (more
+    candidates than ``cand_cap``: the tile-by-tile merge), a row of one value, a row whose best
+    values share one tile; ``cand_cap`` = 0: always the merge. Each the reference's states and
+    tree."""
     g = torch.Generator().manual_seed(17)
     pol = treeops.EagleStatic(depth=2, topk=5, budget=20)
     D, B, W, V = 2, 2, pol.max_width, 1500

@@ -140,7 +140,7 @@ def test_ties_across_tiles_and_masked_vocabulary(B, V):
 @pytest.mark.parametrize("ties", [False, True])
 def test_top_k_methods_agree(B, V, ties):
     """The split expand's top-K methods on the same logits, two layers: candidates ranked at once
-    (``cand_cap`` 16, 32, 64; one, two or four tiles a read; rows with more candidates than the
+    (``cand_cap`` 16, 32, 64; one to sixteen tiles a read; rows with more candidates than the
     cap take the merge) give exactly the tile-by-tile merge's (``cand_cap`` 0) tokens, parents
     and frontier: integers, compared exactly."""
     pol = _policy("eagle", B=B, D=2)
@@ -154,7 +154,7 @@ def test_top_k_methods_agree(B, V, ties):
         logits = [(torch.randn(B, W, V, device=DEV, generator=g) * 3).to(torch.bfloat16)
                   for _ in range(2)]  # fmt: skip
     got = {}
-    for cap, tiles in ((0, 1), (16, 4), (32, 1), (32, 2), (64, 4)):
+    for cap, tiles in ((0, 1), (16, 4), (32, 1), (32, 2), (64, 4), (32, 8), (32, 16)):
         st = treeops.DraftState.new(pol, roots, seq)
         for i, x in enumerate(logits):
             _launch_expand(x, st, pol, cand_cap=cap, cand_tiles=tiles)
