@@ -355,7 +355,8 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False):
     """The expand launch's tiling on one shape (the defaults are set from this): the vocabulary
     tile, the programs per row (``split``; None: the default rule, ``expand_tiling``) and the
     warps of the streaming programs (split > 1; with split = 1, of the one program per row);
-    then, at the default tiling, the split top-K's method (``cand_cap``, ``cand_tiles``)."""
+    then, at the default tiling, the split top-K's method (``cand_cap``, ``cand_tiles``, or the
+    chunks' own top-K: ``chunk_keys``)."""
     from treeops.build_tree import _launch_expand  # the CUDA branch with the launcher's tuning
 
     pol = make_policy("eagle", 64, table)
@@ -384,6 +385,8 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False):
     # at a time) or the tile-by-tile merge (cap 0)
     for cap, tiles in ((0, 1), (32, 1), (32, 2), (32, 4), (32, 8), (32, 16), (64, 1)):
         tunes[f"cand_cap={cap},cand_tiles={tiles}"] = dict(cand_cap=cap, cand_tiles=tiles)
+    # or no second read: the stream keeps each chunk's top-K (kernels.build_tree.CHUNK_KEYS)
+    tunes["chunk_keys=True"] = dict(chunk_keys=True)
     for name, tune in tunes.items():
         try:
             _launch_expand(bufs[1], st, pol, **tune)

@@ -281,7 +281,7 @@ def rope(B, N, hq, d, dtype=torch.bfloat16):
     return f"rope B={B} N={N} hq={hq} D={d} {dtype}", case
 
 
-def build(kind, B, V, N, dtype=torch.bfloat16):
+def build(kind, B, V, N, dtype=torch.bfloat16, **tuning):
     def case():
         import treeops
         from treeops.build_tree import _launch_emit, _launch_expand
@@ -301,13 +301,14 @@ def build(kind, B, V, N, dtype=torch.bfloat16):
             reset(st, roots, seq, None)  # DraftState.reset's CUDA branch
             for i in range(btc.DEPTH):
                 st.layer = i
-                _launch_expand(logits[i], st, pol)  # the public op's CUDA branch
+                _launch_expand(logits[i], st, pol, **tuning)  # the public op's CUDA branch
             st.layer = btc.DEPTH
             _launch_emit(st, pol)
 
         return launch
 
-    return f"build {kind} B={B} V={V} N={N} {dtype}", case
+    extra = "".join(f" {k}={v}" for k, v in tuning.items())
+    return f"build {kind} B={B} V={V} N={N} {dtype}{extra}", case
 
 
 def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0):
@@ -600,6 +601,9 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             out.append(build(kind, B, V, 64))
         out.append(build(kind, 8, 32000, 128))
         out.append(build(kind, 8, 32000, 32, dtype=torch.float32))
+    # the chunks' own top-K merged (kernels.build_tree.CHUNK_KEYS) at both ends of the split
+    for B, V in ((1, 32000), (1, 128256), (64, 32000)):
+        out.append(build("eagle", B, V, 64, chunk_keys=True))
     # acceptance: greedy and sampling over both vocabularies, the top-k/top-p, logprob and
     # top-k-id variants, and the two-launch fallback
     for V in (32000, 128256):

@@ -54,6 +54,7 @@ from .build_tree_vocab import (
     _combine_softmax,
     _stream_kernel,
     _stream_row,
+    _top_of_chunks,
     _top_of_tiles,
     _unordered,
 )
@@ -109,7 +110,8 @@ def _expand_kernel(
     p_tab_d,  # [M, NMAX] f32 CAST: draft times per context bucket and width
     p_part_m,  # [B * W * SPLIT] f32 split > 1: each chunk's running max
     p_part_s,  # [B * W * SPLIT] f32 split > 1: each chunk's sum of exp(x - max)
-    p_part_t,  # [B * W, NT] i32 split > 1: each tile's max (``_ordered``); then the row's scratch
+    p_part_t,  # [B * W, COLS] i32 split > 1: each tile's max (``_ordered``), then the row's
+    #            scratch; or (KEYS) each chunk's top-K packed keys, int64 [SPLIT, KP]
     B,  # requests
     V,  # vocabulary
     layer,  # the draft layer being expanded
@@ -137,6 +139,8 @@ def _expand_kernel(
     NTP: tl.constexpr,
     GT: tl.constexpr,  # split > 1: tiles read at once for the top-K's candidates
     CAP: tl.constexpr,  # split > 1: most candidates ranked at once (else the tile-by-tile merge)
+    COLS: tl.constexpr,  # split > 1: int32 columns of p_part_t per row
+    KEYS: tl.constexpr,  # split > 1: the chunks' top-K keys are merged (else the tiles re-read)
     JB: tl.constexpr,  # candidates compared per step of the rank
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
@@ -155,10 +159,13 @@ def _expand_kernel(
     p_row = p_logits + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
     if SPLIT > 1:
         m_run, s_run = _combine_softmax(p_part_m, p_part_s, i_row.to(tl.int64), SPLIT, SP)
-        b_top = _top_of_tiles(
-            p_row, p_part_t + i_row.to(tl.int64) * NT, V, row_ok, K, KP, BLOCK_V, NT, NTP, GT,
-            CAP,
-        )  # fmt: skip
+        p_part = p_part_t + i_row.to(tl.int64) * COLS
+        if KEYS:
+            b_top = _top_of_chunks(p_part.to(tl.pointer_type(tl.int64)), row_ok, K, KP, SPLIT, SP)
+        else:
+            b_top = _top_of_tiles(
+                p_row, p_part, V, row_ok, K, KP, BLOCK_V, NT, NTP, GT, CAP
+            )  # fmt: skip
     else:
         m_run, s_run, b_top = _stream_row(p_row, 0, V, V, row_ok, K, KP, BLOCK_V)
     o_k = tl.arange(0, KP)
@@ -491,17 +498,32 @@ def expand_tiling(
     return block_v, cdiv(V, chunk)
 
 
+CHUNK_KEYS = False
+"""Split launches take each chunk's top-K keys from the stream (``_stream_kernel`` with ``KEYS``,
+merged by ``_top_of_chunks``) instead of re-reading the K best tiles (``_top_of_tiles``): top-K
+work moves into the stream, the per-row program reads no logit. Off until timed on the GPU
+(``expand``'s ``chunk_keys`` turns it on per launch; ``bench_build_tree.py --ops sweep_topk``
+times it)."""
+
+
+def split_columns(V: int, block_v: int, split: int, topk: int, chunk_keys: bool) -> int:
+    """int32 columns per row of the split expand's ``part_t``: a max per tile, or with
+    ``chunk_keys`` a chunk's ``pow2(topk)`` int64 keys per chunk."""
+    return 2 * split * pow2(topk) if chunk_keys else cdiv(V, block_v)
+
+
 def split_workspace(
-    ws: dict[str, torch.Tensor], rows: int, split: int, n_tiles: int, device: torch.device
+    ws: dict[str, torch.Tensor], rows: int, split: int, cols: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split expand's buffers in ``ws`` (a ``DraftState``'s workspace): each (row, chunk)'s
-    partial max and sum, and each (row, tile)'s max; made or grown on a first call of a larger
-    shape (never inside a CUDA-graph capture)."""
+    partial max and sum, and per row ``cols`` int32 (``split_columns``: each tile's max, or each
+    chunk's top-K keys); made or grown on a first call of a larger shape (never inside a
+    CUDA-graph capture)."""
     need = rows * split
     if (
         "part_m" not in ws
         or ws["part_m"].numel() < need
-        or ws["part_t"].shape[1] != n_tiles
+        or ws["part_t"].shape[1] != cols
         or ws["part_t"].shape[0] < rows
     ):
         refuse_in_capture("build_tree_expand's split workspace (per draft state and V)")
@@ -509,7 +531,7 @@ def split_workspace(
         _RETIRED.extend(ws[k] for k in ("part_m", "part_s", "part_t") if k in ws)
         ws["part_m"] = torch.zeros(need, dtype=torch.float32, device=device)
         ws["part_s"] = torch.zeros(need, dtype=torch.float32, device=device)
-        ws["part_t"] = torch.zeros(rows, n_tiles, dtype=torch.int32, device=device)
+        ws["part_t"] = torch.zeros(rows, cols, dtype=torch.int32, device=device)
     return ws["part_m"], ws["part_s"], ws["part_t"]
 
 
@@ -535,6 +557,7 @@ def expand(
     split: int | None = None,
     cand_cap: int = 32,
     cand_tiles: int | None = None,
+    chunk_keys: bool | None = None,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V]: with a split > 1, ``_stream_kernel``
     over (row, chunk) programs then ``_expand_kernel`` per row; else ``_expand_kernel`` alone.
@@ -554,7 +577,8 @@ def expand(
     registers at 2 against 56-72 at 1, so fewer resident programs at large B). By default 4
     when every row's program has an SM to itself (B*W <= SMs), else 1: the H200's sweep
     (``bench_build_tree.py --ops sweep_topk``) had B 1 at 19.0 against 20.3 us and B 64 at 52.8
-    against 44.3."""
+    against 44.3. ``chunk_keys`` (default ``CHUNK_KEYS``): the stream keeps each chunk's top-K
+    and the per-row program merges those instead (``cand_cap`` and ``cand_tiles`` unused)."""
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
         raise ValueError(f"cand_cap must be 0 or a power of two >= 16, got {cand_cap}")
     if cand_tiles is not None and (cand_tiles < 1 or cand_tiles & (cand_tiles - 1)):
@@ -568,9 +592,11 @@ def expand(
     chunk = cdiv(cdiv(V, split), block_v) * block_v
     n_tiles = cdiv(V, block_v)
     KP = pow2(K)
+    keys = split > 1 and (CHUNK_KEYS if chunk_keys is None else bool(chunk_keys))
+    cols = split_columns(V, block_v, split, K, keys)
     ws = workspace
     if split > 1:
-        pm, ps, pt = split_workspace(workspace, B * W, split, n_tiles, logits.device)
+        pm, ps, pt = split_workspace(workspace, B * W, split, cols, logits.device)
         # step 1 in one-warp programs of its own launch, the rest one program per row
         direct(_stream_kernel).launch(
             (B * W * split,),
@@ -587,7 +613,10 @@ def expand(
             BLOCK_V=block_v,
             SPLIT=split,
             CHUNK=chunk,
-            NT=n_tiles,
+            COLS=cols,
+            KEYS=keys,
+            K=K,
+            KP=KP,
             num_warps=num_warps or 1,
         )
         warps = 1 if interpreted() else 4
@@ -642,6 +671,8 @@ def expand(
         NTP=pow2(n_tiles) if split > 1 else 1,
         GT=min(cand_tiles, KP),
         CAP=cand_cap,
+        COLS=cols if split > 1 else 1,
+        KEYS=keys,
         JB=min(16, pow2(C)),
         LANES=32 * warps,
         FENCE=not interpreted(),

@@ -284,13 +284,39 @@ def _top_of_tiles(
 
 
 @triton.jit
+def _top_of_chunks(p_keys, row_ok, K: tl.constexpr, KP: tl.constexpr, SPLIT: tl.constexpr,
+                   SP: tl.constexpr):  # fmt: skip
+    """The row's top-K packed keys from its chunks' own top-K (``_stream_kernel`` with ``KEYS``:
+    ``p_keys[s, k]``, chunk s's k-th key, its unused slots below every real key): the row's top-K
+    are among its chunks' top-K. K max-reductions over the SPLIT x K keys, no logit read. V >= K
+    (the op checks it), so the K taken are real keys (distinct: their tokens differ)."""
+    o_k = tl.arange(0, KP)
+    key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+    b_top = tl.where(o_k < K, key_min + 1 + o_k, 9223372036854775807)  # as in _stream_row
+    if row_ok:
+        o_s = tl.arange(0, SP)
+        c_key = tl.load(
+            p_keys + o_s[:, None] * KP + o_k[None, :],
+            mask=(o_s < SPLIT)[:, None] & (o_k < K)[None, :],
+            other=-9223372036854775807 - 1,
+            cache_modifier=".cg",
+        )  # [SP, KP]
+        for k in tl.static_range(K):
+            best = tl.max(tl.max(c_key, axis=1), axis=0)
+            b_top = tl.where(o_k == k, best, b_top)
+            c_key = tl.where(c_key == best, -9223372036854775807 - 1, c_key)
+    return b_top
+
+
+@triton.jit
 def _stream_kernel(
     p_logits,  # [B, W, V] draft logits (strides s_lb, s_lw; the vocabulary contiguous)
     p_fscore,  # [B, W] f32 frontier path score (-1 = unused row)
     p_active,  # [B] u8 active requests
     p_part_m,  # [B * W * SPLIT] f32 out: each chunk's running max
     p_part_s,  # [B * W * SPLIT] f32 out: each chunk's sum of exp(x - max)
-    p_part_t,  # [B * W, NT] i32 out: each tile's max (``_ordered``)
+    p_part_t,  # [B * W, COLS] i32 out: each tile's max (``_ordered``), or (KEYS) each chunk's
+    #            top-K packed keys as int64 [SPLIT, KP]
     V,
     s_lb,
     s_lw,
@@ -298,11 +324,16 @@ def _stream_kernel(
     BLOCK_V: tl.constexpr,
     SPLIT: tl.constexpr,
     CHUNK: tl.constexpr,
-    NT: tl.constexpr,
+    COLS: tl.constexpr,
+    KEYS: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
 ):
     """Step 1 of ``expand`` over (row, chunk) programs, ahead of the finishing launch: small
     (one-warp) programs, enough of them to fill the GPU at B = 1, each a pure stream (max, sum and
-    a max per tile; no top-K work, which ``_top_of_tiles`` does on the few tiles that matter)."""
+    a max per tile; no top-K work, which ``_top_of_tiles`` does on the few tiles that matter), or
+    with ``KEYS`` the chunk's own running top-K (``_stream_row``), which ``_top_of_chunks``
+    merges: no second read of the logits, at the price of top-K work in the stream."""
     i_p = tl.program_id(0)
     i_row = i_p // SPLIT
     i_s = i_p % SPLIT
@@ -311,10 +342,14 @@ def _stream_kernel(
     row_ok = (tl.load(p_fscore + i_b64 * W + i_r) >= 0) & (tl.load(p_active + i_b64) != 0)
     p_row = p_logits + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
     v_lo = i_s * CHUNK
-    m_run, s_run = _stream_tiles(
-        p_row, v_lo, tl.minimum(v_lo + CHUNK, V), V, row_ok, p_part_t + i_row.to(tl.int64) * NT,
-        BLOCK_V,
-    )  # fmt: skip
+    v_hi = tl.minimum(v_lo + CHUNK, V)
+    p_out = p_part_t + i_row.to(tl.int64) * COLS
+    if KEYS:
+        m_run, s_run, b_top = _stream_row(p_row, v_lo, v_hi, V, row_ok, K, KP, BLOCK_V)
+        o_k = tl.arange(0, KP)
+        tl.store(p_out.to(tl.pointer_type(tl.int64)) + i_s * KP + o_k, b_top)
+    else:
+        m_run, s_run = _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V)
     o_part = i_p.to(tl.int64)
     tl.store(p_part_m + o_part, m_run)
     tl.store(p_part_s + o_part, s_run)

@@ -527,13 +527,17 @@ def test_kernels_match_reference(case):
     steps(max_batch=3, max_vocab=40, max_w=3, max_k=5, max_depth=2, max_n=12),
     st.integers(2, 12),
     st.sampled_from([4, 8, 16]),
+    st.booleans(),
 )
-def test_streamed_expand_any_split_matches_reference(case, split, block_v):
+def test_streamed_expand_any_split_matches_reference(case, split, block_v, chunk_keys):
     """The two-launch expand (one-warp chunk programs, then one program per row merging them) at
     up to 12 chunks per row (rounded to whole blocks, so some chunks hold fewer than K logits or
-    none past V), tiles that rarely divide V, K up to V: the reference's states and tree."""
+    none past V), tiles that rarely divide V, K up to V, the K best tiles re-read or (chunk_keys)
+    the chunks' own top-K merged: the reference's states and tree."""
     policy, logits, roots, seq, active = case
-    run_both(policy, logits, roots, seq, active, block_v=block_v, split=split)
+    run_both(
+        policy, logits, roots, seq, active, block_v=block_v, split=split, chunk_keys=chunk_keys
+    )
 
 
 def test_kernels_named_large_case():
@@ -842,13 +846,13 @@ def test_expand_op_split_workspace_is_the_launchers(monkeypatch):
     pol = treeops.EagleStatic(depth=2, topk=3, budget=6)
     logits = torch.randn(2, 3, 600)  # 3 chunks of 256 (the interpreter's tile)
     a, b = start(pol, [1, 2], [3, 4], [True, True]), start(pol, [1, 2], [3, 4], [True, True])
-    got = tb._split_workspace(logits, a)
+    got = tb._split_workspace(logits, a, pol.topk)
     tb._launch_expand(logits, b, pol)
     assert b.workspace["part_m"].numel() == 2 * 3 * 3  # B x W x split
     for name, t in zip(("part_m", "part_s", "part_t"), got, strict=True):
         assert t is a.workspace[name] and t.shape == b.workspace[name].shape, name
     assert b.workspace["part_t"].shape == (2 * 3, 3)  # B x W rows, 3 tiles of 256
-    assert tb._split_workspace(logits, a)[1] is got[1]  # reused, not rebuilt
+    assert tb._split_workspace(logits, a, pol.topk)[1] is got[1]  # reused, not rebuilt
     # the op takes them (the CPU backend, the reference, leaves them alone)
     args = list(_expand_args(logits, a, pol))
     args[15:18] = got
@@ -861,14 +865,17 @@ def test_expand_op_split_workspace_is_the_launchers(monkeypatch):
         assert torch.equal(getattr(a, f), getattr(c, f)), f
 
 
-@pytest.mark.parametrize("cand_cap, cand_tiles", [(32, 1), (64, 2), (16, 4), (0, 2), (32, 16)])
-def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles):
+@pytest.mark.parametrize(
+    "cand_cap, cand_tiles, chunk_keys",
+    [(32, 1, False), (64, 2, False), (16, 4, False), (0, 2, False), (32, 16, False), (32, 1, True)],
+)
+def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles, chunk_keys):
     """The split expand's top-K at a realistic tile count (V / block_v = 94 tiles): the logits
     of the K best tiles at or above the K-th tile's max ranked at once, read one, two, four or
     all K (16, clamped to pow2(K)) tiles at a time; rows with many equal logits (more
     candidates than ``cand_cap``: the tile-by-tile merge), a row of one value, a row whose best
-    values share one tile; ``cand_cap`` = 0: always the merge. Each the reference's states and
-    tree."""
+    values share one tile; ``cand_cap`` = 0: always the merge; ``chunk_keys``: the chunks' own
+    top-K merged instead. Each the reference's states and tree."""
     g = torch.Generator().manual_seed(17)
     pol = treeops.EagleStatic(depth=2, topk=5, budget=20)
     D, B, W, V = 2, 2, pol.max_width, 1500
@@ -879,7 +886,7 @@ def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles)
     logits[1, 1] = (logits[1, 1] * 4).round() / 4
     run_both(
         pol, logits, [1, 2], [5, 6], [True, True], block_v=16, split=4, cand_cap=cand_cap,
-        cand_tiles=cand_tiles,
+        cand_tiles=cand_tiles, chunk_keys=chunk_keys,
     )  # fmt: skip
 
 

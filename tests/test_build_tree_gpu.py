@@ -141,8 +141,9 @@ def test_ties_across_tiles_and_masked_vocabulary(B, V):
 def test_top_k_methods_agree(B, V, ties):
     """The split expand's top-K methods on the same logits, two layers: candidates ranked at once
     (``cand_cap`` 16, 32, 64; one to sixteen tiles a read; rows with more candidates than the
-    cap take the merge) give exactly the tile-by-tile merge's (``cand_cap`` 0) tokens, parents
-    and frontier: integers, compared exactly."""
+    cap take the merge) and the chunks' own top-K merged (``chunk_keys``) give exactly the
+    tile-by-tile merge's (``cand_cap`` 0) tokens, parents and frontier: integers, compared
+    exactly."""
     pol = _policy("eagle", B=B, D=2)
     W = pol.max_width
     g = torch.Generator(device=DEV).manual_seed(B + V + ties)
@@ -154,13 +155,15 @@ def test_top_k_methods_agree(B, V, ties):
         logits = [(torch.randn(B, W, V, device=DEV, generator=g) * 3).to(torch.bfloat16)
                   for _ in range(2)]  # fmt: skip
     got = {}
-    for cap, tiles in ((0, 1), (16, 4), (32, 1), (32, 2), (64, 4), (32, 8), (32, 16)):
+    configs = [(0, 1, False), (16, 4, False), (32, 1, False), (32, 2, False), (64, 4, False),
+               (32, 8, False), (32, 16, False), (32, 1, True)]  # fmt: skip
+    for cap, tiles, keys in configs:
         st = treeops.DraftState.new(pol, roots, seq)
         for i, x in enumerate(logits):
-            _launch_expand(x, st, pol, cand_cap=cap, cand_tiles=tiles)
+            _launch_expand(x, st, pol, cand_cap=cap, cand_tiles=tiles, chunk_keys=keys)
             st.layer = i + 1
-        got[cap, tiles] = (st.cand_tokens.cpu(), st.cand_parents.cpu(), st.frontier.cpu())
-    want = got.pop((0, 1))
+        got[cap, tiles, keys] = (st.cand_tokens.cpu(), st.cand_parents.cpu(), st.frontier.cpu())
+    want = got.pop((0, 1, False))
     for cfg, have in got.items():
         for name, a, b in zip(("cand_tokens", "cand_parents", "frontier"), have, want):
             assert torch.equal(a, b), f"{cfg} {name}"

@@ -325,7 +325,7 @@ def _replay_key(key, layer: int, target_times, c1, c2, c3, fifo, bucket_len) -> 
     return (key, layer.__class__, layer, c1, c2, c3, fifo, bucket_len, rows)
 
 
-def _split_workspace(logits: torch.Tensor, state: DraftState) -> tuple:
+def _split_workspace(logits: torch.Tensor, state: DraftState, topk: int) -> tuple:
     """(part_m, part_s, part_t): the split-V expand's buffers on CUDA, kept in
     ``state.workspace`` and sized by the launcher's own rules, or Nones when the launch has one
     program per row (always off the GPU)."""
@@ -333,8 +333,8 @@ def _split_workspace(logits: torch.Tensor, state: DraftState) -> tuple:
     block_v, split = _kernels.expand_tiling(B * W, V, logits.device)
     if split <= 1:
         return None, None, None
-    n_tiles = -(-V // block_v)
-    return _kernels.split_workspace(state.workspace, B * W, split, n_tiles, logits.device)
+    cols = _kernels.split_columns(V, block_v, split, topk, _kernels.CHUNK_KEYS)
+    return _kernels.split_workspace(state.workspace, B * W, split, cols, logits.device)
 
 
 def _expand_cuda(
@@ -500,7 +500,7 @@ def build_tree_expand(
         logits, state.active, state.seq_lens, state.frontier, state.frontier_tokens,
         state.frontier_scores, state.cand_tokens, state.cand_scores, state.cand_parents,
         state.decisions, state.u_hist, state.workspace["counters"], state.workspace["cum"],
-        *_split_workspace(logits, state), target, draft,
+        *_split_workspace(logits, state, policy.topk), target, draft,
     )  # fmt: skip
     rkey = _replay_key(key, layer, target, c1, c2, 0.0, fifo, bucket_len)
     with cuda_device(logits):  # the launch and publish's event on the logits' device
