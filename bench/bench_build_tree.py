@@ -356,7 +356,7 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False):
     tile, the programs per row (``split``; None: the default rule, ``expand_tiling``) and the
     warps of the streaming programs (split > 1; with split = 1, of the one program per row);
     then, at the default tiling, the split top-K's method (``cand_cap``, ``cand_tiles``, or the
-    chunks' own top-K: ``chunk_keys``)."""
+    tokens per recorded maximum: ``max_block``)."""
     from treeops.build_tree import _launch_expand  # the CUDA branch with the launcher's tuning
 
     pol = make_policy("eagle", 64, table)
@@ -385,8 +385,9 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False):
     # at a time) or the tile-by-tile merge (cap 0)
     for cap, tiles in ((0, 1), (32, 1), (32, 2), (32, 4), (32, 8), (32, 16), (64, 1)):
         tunes[f"cand_cap={cap},cand_tiles={tiles}"] = dict(cand_cap=cap, cand_tiles=tiles)
-    # or no second read: the stream keeps each chunk's top-K (kernels.build_tree.CHUNK_KEYS)
-    tunes["chunk_keys=True"] = dict(chunk_keys=True)
+    # and the tokens per recorded maximum (the block re-read; the default is expand_max_block's)
+    for mb, tiles in itertools.product((512, 256, 128, 64, 32), (1, 2, 4, 8)):
+        tunes[f"max_block={mb},cand_tiles={tiles}"] = dict(max_block=mb, cand_tiles=tiles)
     for name, tune in tunes.items():
         try:
             _launch_expand(bufs[1], st, pol, **tune)

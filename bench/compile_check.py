@@ -601,9 +601,9 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             out.append(build(kind, B, V, 64))
         out.append(build(kind, 8, 32000, 128))
         out.append(build(kind, 8, 32000, 32, dtype=torch.float32))
-    # the chunks' own top-K merged (kernels.build_tree.CHUNK_KEYS) at both ends of the split
-    for B, V in ((1, 32000), (1, 128256), (64, 32000)):
-        out.append(build("eagle", B, V, 64, chunk_keys=True))
+    # a max per block of a tile (max_block), its blocks re-read several at a time
+    for B, V, mb, tiles in ((1, 32000, 64, 8), (64, 32000, 128, 4), (64, 128256, 32, 8)):
+        out.append(build("eagle", B, V, 64, max_block=mb, cand_tiles=tiles))
     # acceptance: greedy and sampling over both vocabularies, the top-k/top-p, logprob and
     # top-k-id variants, and the two-launch fallback
     for V in (32000, 128256):

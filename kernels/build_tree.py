@@ -54,7 +54,6 @@ from .build_tree_vocab import (
     _combine_softmax,
     _stream_kernel,
     _stream_row,
-    _top_of_chunks,
     _top_of_tiles,
     _unordered,
 )
@@ -110,8 +109,7 @@ def _expand_kernel(
     p_tab_d,  # [M, NMAX] f32 CAST: draft times per context bucket and width
     p_part_m,  # [B * W * SPLIT] f32 split > 1: each chunk's running max
     p_part_s,  # [B * W * SPLIT] f32 split > 1: each chunk's sum of exp(x - max)
-    p_part_t,  # [B * W, COLS] i32 split > 1: each tile's max (``_ordered``), then the row's
-    #            scratch; or (KEYS) each chunk's top-K packed keys, int64 [SPLIT, KP]
+    p_part_t,  # [B * W, NT] i32 split > 1: each block's max (``_ordered``), then the row's scratch
     B,  # requests
     V,  # vocabulary
     layer,  # the draft layer being expanded
@@ -135,12 +133,11 @@ def _expand_kernel(
     BLOCK_V: tl.constexpr,  # vocabulary tile
     SPLIT: tl.constexpr,  # split > 1: chunks per row streamed by _stream_kernel (SP: padded)
     SP: tl.constexpr,
-    NT: tl.constexpr,  # split > 1: tiles per row (NTP: padded)
+    MB: tl.constexpr,  # split > 1: tokens per recorded maximum (a block; divides BLOCK_V)
+    NT: tl.constexpr,  # split > 1: such blocks per row (NTP: padded)
     NTP: tl.constexpr,
     GT: tl.constexpr,  # split > 1: tiles read at once for the top-K's candidates
     CAP: tl.constexpr,  # split > 1: most candidates ranked at once (else the tile-by-tile merge)
-    COLS: tl.constexpr,  # split > 1: int32 columns of p_part_t per row
-    KEYS: tl.constexpr,  # split > 1: the chunks' top-K keys are merged (else the tiles re-read)
     JB: tl.constexpr,  # candidates compared per step of the rank
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
@@ -159,13 +156,8 @@ def _expand_kernel(
     p_row = p_logits + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
     if SPLIT > 1:
         m_run, s_run = _combine_softmax(p_part_m, p_part_s, i_row.to(tl.int64), SPLIT, SP)
-        p_part = p_part_t + i_row.to(tl.int64) * COLS
-        if KEYS:
-            b_top = _top_of_chunks(p_part.to(tl.pointer_type(tl.int64)), row_ok, K, KP, SPLIT, SP)
-        else:
-            b_top = _top_of_tiles(
-                p_row, p_part, V, row_ok, K, KP, BLOCK_V, NT, NTP, GT, CAP
-            )  # fmt: skip
+        p_part = p_part_t + i_row.to(tl.int64) * NT
+        b_top = _top_of_tiles(p_row, p_part, V, row_ok, K, KP, MB, NT, NTP, GT, CAP)
     else:
         m_run, s_run, b_top = _stream_row(p_row, 0, V, V, row_ok, K, KP, BLOCK_V)
     o_k = tl.arange(0, KP)
@@ -498,32 +490,31 @@ def expand_tiling(
     return block_v, cdiv(V, chunk)
 
 
-CHUNK_KEYS = False
-"""Split launches take each chunk's top-K keys from the stream (``_stream_kernel`` with ``KEYS``,
-merged by ``_top_of_chunks``) instead of re-reading the K best tiles (``_top_of_tiles``): top-K
-work moves into the stream, the per-row program reads no logit. Off until timed on the GPU
-(``expand``'s ``chunk_keys`` turns it on per launch; ``bench_build_tree.py --ops sweep_topk``
-times it)."""
-
-
-def split_columns(V: int, block_v: int, split: int, topk: int, chunk_keys: bool) -> int:
-    """int32 columns per row of the split expand's ``part_t``: a max per tile, or with
-    ``chunk_keys`` a chunk's ``pow2(topk)`` int64 keys per chunk."""
-    return 2 * split * pow2(topk) if chunk_keys else cdiv(V, block_v)
+def expand_max_block(rows: int, V: int, block_v: int, device: torch.device) -> int:
+    """Tokens per maximum the split expand's stream records (``expand``'s ``max_block``): the
+    per-row program re-reads the K blocks with the largest maxima, so smaller blocks mean fewer
+    logits re-read, and more maxima to rank. Where every row's program has an SM to itself
+    (``rows`` <= SMs) 64; else at most 256 blocks per row (ranking more costs more than the
+    re-read saves once programs share SMs); never more than ``block_v``. The H200's sweep
+    (``bench_build_tree.py --ops sweep_topk``, against a max per 512-token tile): B 1 16.8
+    against 19.3 us at V 32,000 and 20.0 against 21.8 at V 128,256; B 64 39.1 against 41.9 at V
+    32,000 (128-token blocks), and at V 128,256 the tile (256 or 128: 81.4, 80.0 against 76.1)."""
+    if device.type == "cuda" and rows <= _runtime.sm_count(device):
+        return min(64, block_v)
+    return min(max(pow2(cdiv(V, 256)), 16), block_v)
 
 
 def split_workspace(
-    ws: dict[str, torch.Tensor], rows: int, split: int, cols: int, device: torch.device
+    ws: dict[str, torch.Tensor], rows: int, split: int, blocks: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split expand's buffers in ``ws`` (a ``DraftState``'s workspace): each (row, chunk)'s
-    partial max and sum, and per row ``cols`` int32 (``split_columns``: each tile's max, or each
-    chunk's top-K keys); made or grown on a first call of a larger shape (never inside a
-    CUDA-graph capture)."""
+    partial max and sum, and per row ``blocks`` int32 (each ``max_block`` block's max); made or
+    grown on a first call of a larger shape (never inside a CUDA-graph capture)."""
     need = rows * split
     if (
         "part_m" not in ws
         or ws["part_m"].numel() < need
-        or ws["part_t"].shape[1] != cols
+        or ws["part_t"].shape[1] != blocks
         or ws["part_t"].shape[0] < rows
     ):
         refuse_in_capture("build_tree_expand's split workspace (per draft state and V)")
@@ -531,7 +522,7 @@ def split_workspace(
         _RETIRED.extend(ws[k] for k in ("part_m", "part_s", "part_t") if k in ws)
         ws["part_m"] = torch.zeros(need, dtype=torch.float32, device=device)
         ws["part_s"] = torch.zeros(need, dtype=torch.float32, device=device)
-        ws["part_t"] = torch.zeros(rows, cols, dtype=torch.int32, device=device)
+        ws["part_t"] = torch.zeros(rows, blocks, dtype=torch.int32, device=device)
     return ws["part_m"], ws["part_s"], ws["part_t"]
 
 
@@ -557,7 +548,7 @@ def expand(
     split: int | None = None,
     cand_cap: int = 32,
     cand_tiles: int | None = None,
-    chunk_keys: bool | None = None,
+    max_block: int | None = None,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V]: with a split > 1, ``_stream_kernel``
     over (row, chunk) programs then ``_expand_kernel`` per row; else ``_expand_kernel`` alone.
@@ -572,13 +563,14 @@ def expand(
     one chunk of V; default ``expand_tiling``'s, from the SM count and V only) override the
     defaults. With a split, ``cand_cap`` (0, or a power of two >= 16) is the most top-K
     candidates of a row ranked at once (a row with more, many equal logits, takes the
-    tile-by-tile merge, with the same result; 0: always the merge) and ``cand_tiles`` (a power of
-    two) how many tiles are read at once for them (more: fewer block-wide steps, but about 115
-    registers at 2 against 56-72 at 1, so fewer resident programs at large B). By default 4
-    when every row's program has an SM to itself (B*W <= SMs), else 1: the H200's sweep
-    (``bench_build_tree.py --ops sweep_topk``) had B 1 at 19.0 against 20.3 us and B 64 at 52.8
-    against 44.3. ``chunk_keys`` (default ``CHUNK_KEYS``): the stream keeps each chunk's top-K
-    and the per-row program merges those instead (``cand_cap`` and ``cand_tiles`` unused)."""
+    block-by-block merge, with the same result; 0: always the merge), ``max_block`` (a power of
+    two <= ``block_v``; default ``expand_max_block``'s) the tokens per maximum the stream
+    records, i.e. per block the top-K pass may re-read, and ``cand_tiles`` (a power of two) how
+    many such blocks are read at once (more: fewer block-wide steps, more registers, so fewer
+    resident programs at large B). By default 4 when every row's program has an SM to itself
+    (B*W <= SMs), else 1: the H200's sweep (``bench_build_tree.py --ops sweep_topk``, 64- and
+    128-token blocks) had B 1 at 16.8 against 19.1 us (1 block a read) and B 64 at 39.1 against
+    41.6 (4 a read)."""
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
         raise ValueError(f"cand_cap must be 0 or a power of two >= 16, got {cand_cap}")
     if cand_tiles is not None and (cand_tiles < 1 or cand_tiles & (cand_tiles - 1)):
@@ -590,13 +582,15 @@ def expand(
     C = W * K
     block_v, split = expand_tiling(B * W, V, logits.device, block_v, split)
     chunk = cdiv(cdiv(V, split), block_v) * block_v
-    n_tiles = cdiv(V, block_v)
+    if max_block is None:
+        max_block = expand_max_block(B * W, V, block_v, logits.device)
+    if max_block < 1 or max_block > block_v or max_block & (max_block - 1):
+        raise ValueError(f"max_block must be a power of two <= block_v ({block_v}): {max_block}")
+    n_blocks = cdiv(V, max_block)
     KP = pow2(K)
-    keys = split > 1 and (CHUNK_KEYS if chunk_keys is None else bool(chunk_keys))
-    cols = split_columns(V, block_v, split, K, keys)
     ws = workspace
     if split > 1:
-        pm, ps, pt = split_workspace(workspace, B * W, split, cols, logits.device)
+        pm, ps, pt = split_workspace(workspace, B * W, split, n_blocks, logits.device)
         # step 1 in one-warp programs of its own launch, the rest one program per row
         direct(_stream_kernel).launch(
             (B * W * split,),
@@ -611,12 +605,10 @@ def expand(
             logits.stride(1),
             W=W,
             BLOCK_V=block_v,
+            MB=max_block,
             SPLIT=split,
             CHUNK=chunk,
-            COLS=cols,
-            KEYS=keys,
-            K=K,
-            KP=KP,
+            NT=n_blocks,
             num_warps=num_warps or 1,
         )
         warps = 1 if interpreted() else 4
@@ -667,12 +659,11 @@ def expand(
         BLOCK_V=block_v,
         SPLIT=split,
         SP=pow2(split),
-        NT=n_tiles if split > 1 else 1,
-        NTP=pow2(n_tiles) if split > 1 else 1,
+        MB=max_block if split > 1 else 1,
+        NT=n_blocks if split > 1 else 1,
+        NTP=pow2(n_blocks) if split > 1 else 1,
         GT=min(cand_tiles, KP),
         CAP=cand_cap,
-        COLS=cols if split > 1 else 1,
-        KEYS=keys,
         JB=min(16, pow2(C)),
         LANES=32 * warps,
         FENCE=not interpreted(),

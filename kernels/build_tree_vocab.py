@@ -6,12 +6,14 @@ max-reduction picks the larger logit and, on ties, the lower id.
 - ``_stream_row``: one program's pass over (a chunk of) a row, online max/sum and a running
   top-K that merges a block only when its max beats the current K-th key (the unsplit expand).
 - ``_stream_kernel`` (``_stream_tiles``): the split expand's first launch, one-warp programs
-  over (row, chunk of V) writing each chunk's max and sum and each tile's max, no top-K work.
+  over (row, chunk of V) writing each chunk's max and sum and the max of each block of ``MB``
+  tokens (the streamed tile, or a part of it), no top-K work.
 - ``_combine_softmax`` and ``_top_of_tiles``: what the per-row program of the second launch
-  makes of them: the row's softmax, and its exact top-K from the K tiles with the largest
-  maxima (a tile holding a top-K element has its max at or above the K-th key, and at most K
-  tiles do): the logits of those tiles at or above the K-th tile's max, compacted and ranked
-  at once, or (when too many are equal) ``_top_of_tiles_merged``'s tile-by-tile merge.
+  makes of them: the row's softmax, and its exact top-K from the K blocks ("tiles" there) with
+  the largest maxima (a block holding a top-K element has its max at or above the K-th key,
+  and at most K blocks do): the logits of those blocks at or above the K-th block's max,
+  compacted and ranked at once, or (when too many are equal) ``_top_of_tiles_merged``'s
+  block-by-block merge. Smaller blocks: fewer logits re-read, more maxima to rank.
 """
 
 from __future__ import annotations
@@ -102,13 +104,47 @@ def _stream_row(
 
 
 @triton.jit
-def _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_tmax, BLOCK_V: tl.constexpr):
-    """Online max/sum of logits ``[v_lo, v_hi)`` of one row (whole tiles of ``BLOCK_V``), and each
-    tile's max as its order-preserving int32 (``_ordered``) at ``p_tmax[v0 // BLOCK_V]``: all the
-    top-K pass needs to know which tiles to read (``_top_of_tiles``)."""
+def _tile_blocks(p_row, v0, v_hi, V, BLOCK_V: tl.constexpr, MB: tl.constexpr):
+    """``_tile`` as [BLOCK_V // MB, MB]: one MB-token block per row."""
+    o_v = v0 + tl.arange(0, BLOCK_V // MB)[:, None] * MB + tl.arange(0, MB)[None, :]
+    return tl.load(p_row + o_v, mask=(o_v < V) & (v0 < v_hi), other=-float("inf"))
+
+
+@triton.jit
+def _block_maxima(b_raw, v0, v_hi, p_tmax, BLOCK_V: tl.constexpr, MB: tl.constexpr):
+    """A ``_tile_blocks`` tile as float32 (-0.0 as 0.0, for ``_ordered``) and its max, each
+    block's max stored as its ``_ordered`` int32 at ``p_tmax[v // MB]`` (blocks from ``v_hi`` on
+    left alone)."""
+    o_r = tl.arange(0, BLOCK_V // MB)
+    b_x = b_raw.to(tl.float32)
+    b_bm = tl.max(b_x, axis=1) + 0.0
+    tl.store(p_tmax + v0 // MB + o_r, _ordered(b_bm), mask=v0 + o_r * MB < v_hi)
+    return b_x, tl.max(b_bm)
+
+
+@triton.jit
+def _stream_tiles(
+    p_row, v_lo, v_hi, V, row_ok, p_tmax, BLOCK_V: tl.constexpr, MB: tl.constexpr
+):  # fmt: skip
+    """Online max/sum of logits ``[v_lo, v_hi)`` of one row (whole tiles of ``BLOCK_V``), and the
+    max of each block of ``MB`` tokens as its order-preserving int32 (``_ordered``) at
+    ``p_tmax[v // MB]``: all the top-K pass needs to know which blocks to read
+    (``_top_of_tiles``)."""
     m_run = tl.sum(tl.zeros([2], tl.float32)) - float("inf")  # fp32 scalars (loop-carried)
     s_run = tl.sum(tl.zeros([2], tl.float32))
-    if row_ok:
+    if MB < BLOCK_V and row_ok:
+        # a max per MB-token block: the top-K pass re-reads blocks of MB, not tiles
+        b_n1 = _tile_blocks(p_row, v_lo, v_hi, V, BLOCK_V, MB)
+        b_n2 = _tile_blocks(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V, MB)
+        for v0 in range(v_lo, v_hi, BLOCK_V):
+            b_raw, b_n1 = b_n1, b_n2
+            b_n2 = _tile_blocks(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V, MB)
+            b_x, b_max = _block_maxima(b_raw, v0, v_hi, p_tmax, BLOCK_V, MB)
+            m_new = tl.maximum(m_run, b_max)
+            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: no NaN
+            s_run = s_run * tl.exp(m_run - m_use) + _sum_exp(b_x, m_use)
+            m_run = m_new
+    elif row_ok:
         # two tiles in flight ahead of the one being reduced, as in _stream_row
         b_n1 = _tile(p_row, v_lo, v_hi, V, BLOCK_V)
         b_n2 = _tile(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V)
@@ -284,56 +320,26 @@ def _top_of_tiles(
 
 
 @triton.jit
-def _top_of_chunks(p_keys, row_ok, K: tl.constexpr, KP: tl.constexpr, SPLIT: tl.constexpr,
-                   SP: tl.constexpr):  # fmt: skip
-    """The row's top-K packed keys from its chunks' own top-K (``_stream_kernel`` with ``KEYS``:
-    ``p_keys[s, k]``, chunk s's k-th key, its unused slots below every real key): the row's top-K
-    are among its chunks' top-K. K max-reductions over the SPLIT x K keys, no logit read. V >= K
-    (the op checks it), so the K taken are real keys (distinct: their tokens differ)."""
-    o_k = tl.arange(0, KP)
-    key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
-    b_top = tl.where(o_k < K, key_min + 1 + o_k, 9223372036854775807)  # as in _stream_row
-    if row_ok:
-        o_s = tl.arange(0, SP)
-        c_key = tl.load(
-            p_keys + o_s[:, None] * KP + o_k[None, :],
-            mask=(o_s < SPLIT)[:, None] & (o_k < K)[None, :],
-            other=-9223372036854775807 - 1,
-            cache_modifier=".cg",
-        )  # [SP, KP]
-        for k in tl.static_range(K):
-            best = tl.max(tl.max(c_key, axis=1), axis=0)
-            b_top = tl.where(o_k == k, best, b_top)
-            c_key = tl.where(c_key == best, -9223372036854775807 - 1, c_key)
-    return b_top
-
-
-@triton.jit
 def _stream_kernel(
     p_logits,  # [B, W, V] draft logits (strides s_lb, s_lw; the vocabulary contiguous)
     p_fscore,  # [B, W] f32 frontier path score (-1 = unused row)
     p_active,  # [B] u8 active requests
     p_part_m,  # [B * W * SPLIT] f32 out: each chunk's running max
     p_part_s,  # [B * W * SPLIT] f32 out: each chunk's sum of exp(x - max)
-    p_part_t,  # [B * W, COLS] i32 out: each tile's max (``_ordered``), or (KEYS) each chunk's
-    #            top-K packed keys as int64 [SPLIT, KP]
+    p_part_t,  # [B * W, NT] i32 out: each MB-token block's max (``_ordered``)
     V,
     s_lb,
     s_lw,
     W: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    MB: tl.constexpr,  # tokens per recorded maximum (divides BLOCK_V)
     SPLIT: tl.constexpr,
     CHUNK: tl.constexpr,
-    COLS: tl.constexpr,
-    KEYS: tl.constexpr,
-    K: tl.constexpr,
-    KP: tl.constexpr,
+    NT: tl.constexpr,  # blocks per row (columns of p_part_t)
 ):
     """Step 1 of ``expand`` over (row, chunk) programs, ahead of the finishing launch: small
     (one-warp) programs, enough of them to fill the GPU at B = 1, each a pure stream (max, sum and
-    a max per tile; no top-K work, which ``_top_of_tiles`` does on the few tiles that matter), or
-    with ``KEYS`` the chunk's own running top-K (``_stream_row``), which ``_top_of_chunks``
-    merges: no second read of the logits, at the price of top-K work in the stream."""
+    a max per block; no top-K work, which ``_top_of_tiles`` does on the few blocks that matter)."""
     i_p = tl.program_id(0)
     i_row = i_p // SPLIT
     i_s = i_p % SPLIT
@@ -343,13 +349,8 @@ def _stream_kernel(
     p_row = p_logits + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
     v_lo = i_s * CHUNK
     v_hi = tl.minimum(v_lo + CHUNK, V)
-    p_out = p_part_t + i_row.to(tl.int64) * COLS
-    if KEYS:
-        m_run, s_run, b_top = _stream_row(p_row, v_lo, v_hi, V, row_ok, K, KP, BLOCK_V)
-        o_k = tl.arange(0, KP)
-        tl.store(p_out.to(tl.pointer_type(tl.int64)) + i_s * KP + o_k, b_top)
-    else:
-        m_run, s_run = _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V)
+    p_out = p_part_t + i_row.to(tl.int64) * NT
+    m_run, s_run = _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB)
     o_part = i_p.to(tl.int64)
     tl.store(p_part_m + o_part, m_run)
     tl.store(p_part_s + o_part, s_run)

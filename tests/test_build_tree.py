@@ -527,17 +527,19 @@ def test_kernels_match_reference(case):
     steps(max_batch=3, max_vocab=40, max_w=3, max_k=5, max_depth=2, max_n=12),
     st.integers(2, 12),
     st.sampled_from([4, 8, 16]),
-    st.booleans(),
+    st.sampled_from([1, 2, 4]),
 )
-def test_streamed_expand_any_split_matches_reference(case, split, block_v, chunk_keys):
+def test_streamed_expand_any_split_matches_reference(case, split, block_v, per_tile):
     """The two-launch expand (one-warp chunk programs, then one program per row merging them) at
-    up to 12 chunks per row (rounded to whole blocks, so some chunks hold fewer than K logits or
-    none past V), tiles that rarely divide V, K up to V, the K best tiles re-read or (chunk_keys)
-    the chunks' own top-K merged: the reference's states and tree."""
+    up to 12 chunks per row (rounded to whole tiles, so some chunks hold fewer than K logits or
+    none past V), tiles that rarely divide V, K up to V, a max recorded per tile or per block of
+    a tile (``max_block`` = block_v / per_tile; the last block of a chunk or of V partly or
+    wholly past it), the K best blocks re-read: the reference's states and tree."""
     policy, logits, roots, seq, active = case
     run_both(
-        policy, logits, roots, seq, active, block_v=block_v, split=split, chunk_keys=chunk_keys
-    )
+        policy, logits, roots, seq, active, block_v=block_v, split=split,
+        max_block=block_v // per_tile,
+    )  # fmt: skip
 
 
 def test_kernels_named_large_case():
@@ -844,14 +846,15 @@ def test_expand_op_split_workspace_is_the_launchers(monkeypatch):
 
     monkeypatch.setattr(tb._kernels, "_default_split", lambda rows, V, block_v, dev: 3)
     pol = treeops.EagleStatic(depth=2, topk=3, budget=6)
-    logits = torch.randn(2, 3, 600)  # 3 chunks of 256 (the interpreter's tile)
+    logits = torch.randn(2, 3, 600)  # 3 chunks of one 256-token tile (the interpreter's)
     a, b = start(pol, [1, 2], [3, 4], [True, True]), start(pol, [1, 2], [3, 4], [True, True])
     got = tb._split_workspace(logits, a, pol.topk)
     tb._launch_expand(logits, b, pol)
     assert b.workspace["part_m"].numel() == 2 * 3 * 3  # B x W x split
     for name, t in zip(("part_m", "part_s", "part_t"), got, strict=True):
         assert t is a.workspace[name] and t.shape == b.workspace[name].shape, name
-    assert b.workspace["part_t"].shape == (2 * 3, 3)  # B x W rows, 3 tiles of 256
+    # B x W rows, a max per 16-token block (expand_max_block: at most 256 blocks, >= 16 tokens)
+    assert b.workspace["part_t"].shape == (2 * 3, 38)
     assert tb._split_workspace(logits, a, pol.topk)[1] is got[1]  # reused, not rebuilt
     # the op takes them (the CPU backend, the reference, leaves them alone)
     args = list(_expand_args(logits, a, pol))
@@ -866,16 +869,16 @@ def test_expand_op_split_workspace_is_the_launchers(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "cand_cap, cand_tiles, chunk_keys",
-    [(32, 1, False), (64, 2, False), (16, 4, False), (0, 2, False), (32, 16, False), (32, 1, True)],
+    "cand_cap, cand_tiles, block_v",
+    [(32, 1, 16), (64, 2, 16), (16, 4, 16), (0, 2, 16), (32, 16, 16), (32, 4, 64), (0, 1, 64)],
 )
-def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles, chunk_keys):
+def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles, block_v):
     """The split expand's top-K at a realistic tile count (V / block_v = 94 tiles): the logits
     of the K best tiles at or above the K-th tile's max ranked at once, read one, two, four or
     all K (16, clamped to pow2(K)) tiles at a time; rows with many equal logits (more
     candidates than ``cand_cap``: the tile-by-tile merge), a row of one value, a row whose best
-    values share one tile; ``cand_cap`` = 0: always the merge; ``chunk_keys``: the chunks' own
-    top-K merged instead. Each the reference's states and tree."""
+    values share one tile; ``cand_cap`` = 0: always the merge; 64-token tiles streamed with a
+    max per 16-token block (``max_block``). Each the reference's states and tree."""
     g = torch.Generator().manual_seed(17)
     pol = treeops.EagleStatic(depth=2, topk=5, budget=20)
     D, B, W, V = 2, 2, pol.max_width, 1500
@@ -885,8 +888,8 @@ def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles,
     logits[1, 0, 0, 640:656] += 30.0  # the row's best 16 in one tile
     logits[1, 1] = (logits[1, 1] * 4).round() / 4
     run_both(
-        pol, logits, [1, 2], [5, 6], [True, True], block_v=16, split=4, cand_cap=cand_cap,
-        cand_tiles=cand_tiles, chunk_keys=chunk_keys,
+        pol, logits, [1, 2], [5, 6], [True, True], block_v=block_v, split=4, cand_cap=cand_cap,
+        cand_tiles=cand_tiles, max_block=16,
     )  # fmt: skip
 
 

@@ -104,13 +104,14 @@ def test_attention_batch_beyond_the_grid_is_refused():
 
 
 def test_expand_split_workspace_replaced_when_rows_grow():
-    """More frontier rows (layer 1: W = 2) with no more partials than before: the tile maxima
+    """More frontier rows (layer 1: W = 2) with no more partials than before: the block maxima
     (one row of them per frontier row) are too small, and the workspace is replaced."""
     pol, st, logits = _state(V=4096)
-    launch_expand(logits, st, pol, split=8, block_v=256)  # 2 rows x 8 splits = 16 partials
+    launch_expand(logits, st, pol, split=8, block_v=256, max_block=256)  # 2 x 8 = 16 partials
     tiles = st.workspace["part_t"]
     st.layer = 1
-    launch_expand(torch.randn(2, 2, 4096), st, pol, split=2, block_v=256)  # 4 rows x 2 = 8 partials
+    wide = torch.randn(2, 2, 4096)
+    launch_expand(wide, st, pol, split=2, block_v=256, max_block=256)  # 4 rows x 2 = 8 partials
     assert st.workspace["part_t"].shape == (4, 16)
     assert st.workspace["part_t"] is not tiles
     assert any(t is tiles for t in kb._RETIRED)

@@ -42,6 +42,7 @@ from ._checks import (
 )
 from ._draft_state import STATE_TENSORS, DraftState, state_signature
 from ._library import OUT_TREE, define
+from ._runtime import cdiv
 from .cost_table import CostTable
 from .kernels import build_tree as _kernels
 from .kernels._replay import MISS, Replays
@@ -333,8 +334,8 @@ def _split_workspace(logits: torch.Tensor, state: DraftState, topk: int) -> tupl
     block_v, split = _kernels.expand_tiling(B * W, V, logits.device)
     if split <= 1:
         return None, None, None
-    cols = _kernels.split_columns(V, block_v, split, topk, _kernels.CHUNK_KEYS)
-    return _kernels.split_workspace(state.workspace, B * W, split, cols, logits.device)
+    blocks = cdiv(V, _kernels.expand_max_block(B * W, V, block_v, logits.device))
+    return _kernels.split_workspace(state.workspace, B * W, split, blocks, logits.device)
 
 
 def _expand_cuda(
