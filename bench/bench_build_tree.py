@@ -388,6 +388,9 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False):
     # and the tokens per recorded maximum (the block re-read; the default is expand_max_block's)
     for mb, tiles in itertools.product((512, 256, 128, 64, 32), (1, 2, 4, 8)):
         tunes[f"max_block={mb},cand_tiles={tiles}"] = dict(max_block=mb, cand_tiles=tiles)
+    # and the per-row programs' warps at the default blocks (4 by default)
+    for rw, tiles in itertools.product((2, 8), (1, 2, 4)):
+        tunes[f"row_warps={rw},cand_tiles={tiles}"] = dict(row_warps=rw, cand_tiles=tiles)
     for name, tune in tunes.items():
         try:
             _launch_expand(bufs[1], st, pol, **tune)

@@ -582,7 +582,9 @@ LATENCY_SHAPES = [(1, 512, 8), (1, 512, 64), (1, 1024, 64), (4, 512, 64), (1, 40
 
 def latency_study():
     """Where a small tree's time goes, per shape of LATENCY_SHAPES (default layout): the
-    automatic launch and each split count of SPLIT_COUNTS, chained over rotated cache copies
+    automatic launch, the automatic split with its merge in the forward kernel (``auto_fused``:
+    one launch), the small-tree path where it applies (``small``, and ``small_fused`` split as the
+    automatic launch is) and each split count of SPLIT_COUNTS, chained over rotated cache copies
     (cold K/V, ``*_cold``) and chained on one cache (the L2 holds it, ``*_warm``), FlashInfer's
     causal prefill both ways; every output checked first. Rows: µs per call."""
     rows = []
@@ -592,18 +594,23 @@ def latency_study():
         rot = Rotation(c)
         row = dict(B=B, ctx=ctx, n=n, floor_us=round(floor_us(B, ctx, n)[0], 2))
         row["auto_splits"] = config_of(c)["num_splits"]
-        variants = [("auto", None)] + [(f"s{k}", k) for k in SPLIT_COUNTS]
+        variants = [("auto", None, None), ("auto_fused", None, {"fused_merge": True})]
+        if any(name == "small" for name, _ in candidates(c)):
+            fused_small = {"small_tree": True, "fused_merge": True}
+            variants += [("small", None, {"small_tree": True}),
+                         ("small_fused", row["auto_splits"], fused_small)]  # fmt: skip
+        variants += [(f"s{k}", k, None) for k in SPLIT_COUNTS]
 
-        for name, k in variants:
+        for name, k, ov in variants:
             try:
-                fn, _ = kernel_fn(c, None, num_splits=k)
+                fn, _ = kernel_fn(c, ov, num_splits=k)
                 err = rel_err(fn(), ref)
                 if not err <= TOL:
                     row[name] = f"err {err:.3g}"
                     continue
                 row[f"{name}_warm"] = round(H.graph_us([fn], 24), 2)
                 row[f"{name}_cold"] = round(
-                    rot.time(lambda kc, vc, c=c, k=k: kernel_fn(c, None, k, kc, vc)[0])[0], 2
+                    rot.time(lambda kc, vc, c=c, k=k, ov=ov: kernel_fn(c, ov, k, kc, vc)[0])[0], 2
                 )
             except Exception as e:  # noqa: BLE001 - a failing variant is a result
                 row[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"

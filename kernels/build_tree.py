@@ -549,6 +549,7 @@ def expand(
     cand_cap: int = 32,
     cand_tiles: int | None = None,
     max_block: int | None = None,
+    row_warps: int | None = None,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V]: with a split > 1, ``_stream_kernel``
     over (row, chunk) programs then ``_expand_kernel`` per row; else ``_expand_kernel`` alone.
@@ -570,7 +571,7 @@ def expand(
     resident programs at large B). By default 4 when every row's program has an SM to itself
     (B*W <= SMs), else 1: the H200's sweep (``bench_build_tree.py --ops sweep_topk``, 64- and
     128-token blocks) had B 1 at 16.8 against 19.1 us (1 block a read) and B 64 at 39.1 against
-    41.6 (4 a read)."""
+    41.6 (4 a read). ``row_warps``: warps of the per-row programs when split > 1 (default 4)."""
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
         raise ValueError(f"cand_cap must be 0 or a power of two >= 16, got {cand_cap}")
     if cand_tiles is not None and (cand_tiles < 1 or cand_tiles & (cand_tiles - 1)):
@@ -611,7 +612,7 @@ def expand(
             NT=n_blocks,
             num_warps=num_warps or 1,
         )
-        warps = 1 if interpreted() else 4
+        warps = row_warps or (1 if interpreted() else 4)
     else:
         pm = ps = pt = workspace["counters"]  # never read (SPLIT = 1)
         warps = num_warps or (1 if interpreted() else (8 if block_v >= 4096 else 4))
