@@ -19,9 +19,10 @@ in Python), that holds everything Triton's specialisation depends on, and more:
   ``do_not_specialize`` integer whether it fits in int32 (else its value); the key is built only
   when every integer argument is exactly an ``int`` (one check over all of them);
 * each float's or bool's class (Triton specialises neither on its value), ``is None`` for None;
-* each constexpr's class and value; the launch options (``num_warps``, ``num_stages``) with their
-  classes; ``knobs.runtime.debug`` and ``knobs.compilation.instrumentation_mode`` (options Triton
-  adds); the driver object and the current device (Triton's caches are per device).
+* each constexpr's class and value; the launch options (``num_warps``, ``num_stages``,
+  ``launch_pdl``) with their classes; ``knobs.runtime.debug`` and
+  ``knobs.compilation.instrumentation_mode`` (options Triton adds); the driver object and the
+  current device (Triton's caches are per device).
 
 So two calls with equal keys get equal specialisations. A key not seen before launches through
 ``JITFunction.run`` (compiling if needed) and stores the ``CompiledKernel`` it returns under the
@@ -34,10 +35,10 @@ launched is the one in Triton's own cache under Triton's own key.
 Always through ``JITFunction.run`` instead: under ``TRITON_INTERPRET=1`` (the kernel is no
 ``JITFunction``) and with ``TREEOPS_DIRECT_LAUNCH=0`` in the environment; when ``JITFunction.run``
 is not Triton's (``bench/compile_check.py``'s compile-only run, ``bench/bench_host.py``'s timing
-stub), a grid that is no tuple, options other than ``num_warps``/``num_stages``, a kernel with
-pre-run hooks, launch enter/exit hooks installed (``knobs.runtime.launch_enter_hook``: the
-profiler's; Triton builds their metadata), an argument whose key cannot be built (a kind the
-generated code does not expect), or an async compile. The globals a kernel read are checked on every
+stub), a grid that is no tuple, options other than ``OPTIONS``, a kernel with pre-run hooks,
+launch enter/exit hooks installed (``knobs.runtime.launch_enter_hook``: the profiler's; Triton
+builds their metadata), an argument whose key cannot be built (a kind the generated code does not
+expect), or an async compile. The globals a kernel read are checked on every
 direct launch, as Triton checks them.
 """
 
@@ -84,8 +85,9 @@ class _State(threading.local):
 
 STATE = _State()
 _MISSING = object()
-OPTIONS = ("num_warps", "num_stages")
-"""The launch options a direct launch handles; other keywords go through ``JITFunction.run``."""
+OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+"""The launch options a direct launch handles (``launch_pdl``: kernels/_pdl.py); other keywords
+go through ``JITFunction.run``."""
 
 KINDS = {torch.Tensor: "T", int: "i", float: "f", bool: "b", type(None): "N"}
 

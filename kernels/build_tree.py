@@ -50,6 +50,7 @@ from treeops._runtime import cdiv, interpreted, pow2, refuse_in_capture
 from treeops.tree import Tree, anc_words
 
 from ._launch import direct
+from ._pdl import pdl_enter, use_pdl
 from .build_tree_vocab import (
     _combine_softmax,
     _stream_kernel,
@@ -142,7 +143,9 @@ def _expand_kernel(
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
     CAST: tl.constexpr,  # CAST's width/depth decision; else EAGLE's fixed width
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (``_pdl``)
 ):
+    pdl_enter(PDL)
     C: tl.constexpr = W * K
     i_row = tl.program_id(0)
     i_b = i_row // W
@@ -291,7 +294,9 @@ def _select_kernel(
     CUMW: tl.constexpr,
     TP: tl.constexpr,
     NP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     i_b = tl.program_id(0).to(tl.int64)
     o_t = tl.arange(0, TP)
     m_t = o_t < n_layers * C
@@ -351,7 +356,9 @@ def _emit_kernel(
     LOG_D: tl.constexpr,
     DOT_T: tl.constexpr,
     CAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     i_b = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, NP)
     m_n = o_n < N
@@ -591,6 +598,7 @@ def expand(
     n_blocks = cdiv(V, max_block)
     KP = pow2(K)
     ws = workspace
+    pdl = use_pdl(logits.device)
     if split > 1:
         pm, ps, pt = split_workspace(workspace, B * W, split, n_blocks, logits.device)
         # step 1 in one-warp programs of its own launch, the rest one program per row
@@ -611,7 +619,9 @@ def expand(
             SPLIT=split,
             CHUNK=chunk,
             NT=n_blocks,
+            PDL=pdl,
             num_warps=num_warps or 1,
+            launch_pdl=pdl,
         )
         warps = row_warps or (1 if interpreted() else 4)
     else:
@@ -670,7 +680,9 @@ def expand(
         LANES=32 * warps,
         FENCE=not interpreted(),
         CAST=cast is not None,
+        PDL=pdl,
         num_warps=warps,
+        launch_pdl=pdl,
     )
 
 
@@ -708,6 +720,7 @@ def emit(
     # [NP, NP] tiles: past 64 nodes 8 warps keep the per-thread registers in bounds
     # (bench/compile_check.py reports them)
     warps = 1 if interpreted() else (4 if NP <= 64 else 8)
+    pdl = use_pdl(dev)
     direct(_select_kernel).launch(
         (B,),
         cand_scores,
@@ -721,7 +734,9 @@ def emit(
         CUMW=ws["cum"].shape[1],
         TP=TP,
         NP=NP,
+        PDL=pdl,
         num_warps=warps,
+        launch_pdl=pdl,
     )
     direct(_emit_kernel).launch(
         (B,),
@@ -760,6 +775,8 @@ def emit(
         LOG_D=max(0, (D - 1).bit_length()),
         DOT_T=tl.float32 if interpreted() else tl.float16,
         CAST=cast is not None,
+        PDL=pdl,
         num_warps=warps,
+        launch_pdl=pdl,
     )
     return out

@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_enter
+
 
 @triton.jit
 def _ordered(x):
@@ -336,10 +338,12 @@ def _stream_kernel(
     SPLIT: tl.constexpr,
     CHUNK: tl.constexpr,
     NT: tl.constexpr,  # blocks per row (columns of p_part_t)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (``_pdl``)
 ):
     """Step 1 of ``expand`` over (row, chunk) programs, ahead of the finishing launch: small
     (one-warp) programs, enough of them to fill the GPU at B = 1, each a pure stream (max, sum and
     a max per block; no top-K work, which ``_top_of_tiles`` does on the few blocks that matter)."""
+    pdl_enter(PDL)
     i_p = tl.program_id(0)
     i_row = i_p // SPLIT
     i_s = i_p % SPLIT

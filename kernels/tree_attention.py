@@ -35,6 +35,7 @@ from treeops._runtime import interpreted
 
 from ._counters import arrival_counters, arrive
 from ._launch import direct
+from ._pdl import pdl_enter, use_pdl
 
 _LN2 = 0.6931471805599453
 _LOG2E = 1.4426950408889634
@@ -231,7 +232,9 @@ def _tree_attn_fwd(
     WARP_SPEC: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False,
     FENCE: tl.constexpr = False,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (``_pdl``)
 ):
+    pdl_enter(PDL)
     BLOCK_M: tl.constexpr = G_PAD * BLOCK_Q
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -422,9 +425,11 @@ def _merge_splits(
     HAS_QS: tl.constexpr,
     HAS_QL: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[b, row, heads] = Σ_s w_s o_s / Σ_s w_s, w_s = exp(lse_s - max lse) over the request's
     used chunks; inactive rows 0. Requests the forward kernel did not split are left as written."""
+    pdl_enter(PDL)
     i_bn = tl.program_id(0).to(tl.int64)
     i_b = i_bn // N
     row = i_bn % N
@@ -782,6 +787,7 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
     S = cfg.num_splits
     s_pad = triton.next_power_of_2(S)
     block_h = min(triton.next_power_of_2(H_q), max(1, 4096 // (s_pad * D)))
+    pdl = use_pdl(q.device)
     return _Plan(
         cfg=cfg,
         need=workspace_numel(B, N, H_q, D, cfg),
@@ -806,8 +812,10 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
             WARP_SPEC=cfg.warp_spec,
             FUSED_MERGE=cfg.fused_merge,
             FENCE=cfg.fused_merge and not interpreted(),
+            PDL=pdl,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+            launch_pdl=pdl,
         ),  # fmt: skip
         merge_grid=(B * N, triton.cdiv(H_q, block_h)),
         merge_consts=dict(
@@ -820,7 +828,9 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
             HAS_QS=has_qs,
             HAS_QL=has_ql,
             WRITE_LSE=has_lse,
+            PDL=pdl,
             num_warps=4,
+            launch_pdl=pdl,
         ),  # fmt: skip
     )
 

@@ -295,6 +295,64 @@ def test_cuda_graph_replay_matches_eager(B):
             assert torch.equal(getattr(out, f), getattr(ref_tree, f)), (rep, f)
 
 
+@pytest.mark.parametrize("B", [1, 64])
+def test_pdl_launches_match_plain(B, monkeypatch):
+    """Programmatic dependent launch (kernels/_pdl.py, ``TREEOPS_PDL=1``): a whole step (reset,
+    every layer's two launches, the emit's two) chained on one stream, eagerly and as a CUDA graph
+    replayed with new logits, gives bitwise the state and tree of plain launches (every PDL kernel
+    waits for the one before it before it touches memory)."""
+    from treeops.kernels import build_tree as kb
+
+    pol = _policy("eagle", D=4)
+    W, V, D = pol.max_width, 32000, pol.max_depth
+    g = torch.Generator(device=DEV).manual_seed(B)
+    roots = torch.randint(0, V, (B,), device=DEV, generator=g)
+    seq = torch.full((B,), 3000, device=DEV)
+    logits = [torch.zeros(B, 1 if i == 0 else W, V, device=DEV, dtype=torch.bfloat16)
+              for i in range(D)]  # fmt: skip
+
+    def step(st, out):
+        st.reset(roots, seq)
+        for i, x in enumerate(logits):
+            st.layer = i
+            _launch_expand(x, st, pol)
+        st.layer = D
+        return _launch_emit(st, pol, out=out)
+
+    def fill(rep):
+        for x in logits:
+            x.copy_(torch.randn(x.shape, device=DEV, generator=g) * (1 + rep % 3))
+
+    plain, plain_out = treeops.DraftState.new(pol, roots, seq), treeops.Tree.empty(B, 64, DEV)
+    piped, piped_out = treeops.DraftState.new(pol, roots, seq), treeops.Tree.empty(B, 64, DEV)
+    fill(0)
+    step(plain, plain_out)  # compiles the plain launches
+    monkeypatch.setattr(kb, "use_pdl", lambda device: True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # compiles the PDL launches outside the capture
+        step(piped, piped_out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(piped, piped_out)
+    for rep in range(12):
+        fill(rep)
+        if rep % 2:
+            graph.replay()
+        else:
+            step(piped, piped_out)  # eager PDL launches
+        monkeypatch.setattr(kb, "use_pdl", lambda device: False)
+        step(plain, plain_out)
+        monkeypatch.setattr(kb, "use_pdl", lambda device: True)
+        torch.cuda.synchronize()
+        for f in ("cand_tokens", "cand_scores", "cand_parents", "frontier", "decisions"):
+            assert torch.equal(getattr(piped, f), getattr(plain, f)), (rep, f)
+        for f in treeops.Tree.FIELDS:
+            assert torch.equal(getattr(piped_out, f), getattr(plain_out, f)), (rep, f)
+        assert int(piped.workspace["counters"].abs().sum()) == 0, rep
+
+
 def test_stress_arrival_counters():
     """Many programs racing for the arrival counters (B*W = 1280 programs, small V so they finish
     together): every launch must produce the decision exactly once and reset the counters."""

@@ -189,6 +189,51 @@ def test_fused_merge_on_gpu(H_q, H_kv, D):
     assert all(int(c.abs().sum()) == 0 for c in kc._COUNTERS.values())
 
 
+@pytest.mark.parametrize("B,ctx", [(1, 4096), (4, 600)])
+def test_pdl_launches_match_plain(B, ctx, monkeypatch):
+    """Programmatic dependent launch (kernels/_pdl.py, ``TREEOPS_PDL=1``): two attention calls in
+    a chain (the second's queries the first's output), each a split launch and its merge, eagerly
+    and as a CUDA graph replayed with new queries, give bitwise the plain launches' outputs."""
+    rng = random.Random(B)
+    N, H_q, H_kv, D = 16, 32, 8, 128
+    tree = _trees(B, N, ["random", "chain"], rng)
+    seq = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+    kv = paged_kv([ctx + N] * B, 16, H_kv, D, torch.bfloat16, rng, device=DEV)
+    q = torch.randn(B, N, H_q, D, device=DEV).to(torch.bfloat16)
+    assert K.config_for(q, kv.k_cache, kv.block_table).num_splits > 1  # a merge launch follows
+    mid, out = torch.empty_like(q), torch.empty_like(q)
+    ref_mid, ref_out = torch.empty_like(q), torch.empty_like(q)
+
+    def chain(o1, o2):
+        for x, o in ((q, o1), (o1, o2)):
+            K.tree_attention_fwd(
+                x, kv.k_cache, kv.v_cache, kv.block_table, seq, tree.num_nodes, tree.anc, None,
+                None, D**-0.5, o, None,
+            )  # fmt: skip
+
+    def pdl(on):
+        monkeypatch.setattr(K, "use_pdl", lambda device: on)
+        K._PLANS.clear()  # plans keep their launch options
+
+    pdl(True)
+    chain(mid, out)  # compiles the PDL launches outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(mid, out)
+    for rep in range(6):
+        q.copy_(torch.randn(q.shape, device=DEV) * (1 + rep))
+        pdl(True)
+        if rep % 2:
+            graph.replay()
+        else:
+            chain(mid, out)  # eager PDL launches
+        pdl(False)
+        chain(ref_mid, ref_out)
+        torch.cuda.synchronize()
+        assert torch.equal(mid, ref_mid) and torch.equal(out, ref_out), rep
+
+
 def test_public_ops_dispatch_to_kernels():
     rng = random.Random(1)
     B, N, H_q, H_kv, D = 2, 32, 8, 2, 128
