@@ -338,6 +338,15 @@ def with_pdl(named_case):
     return name + " pdl", pdl_case
 
 
+def pdl_cases() -> list:
+    """The build's and attention's kernels as ``TREEOPS_PDL=1`` launches them; none below sm_90,
+    which has no griddepcontrol (``kernels._pdl.use_pdl`` never takes PDL there)."""
+    if ARCH < 90:
+        return []
+    return [with_pdl(build("eagle", 8, 32000, 64)),
+            with_pdl(attention(1, 64, 32, 8, 128, 32768, 16))]  # fmt: skip
+
+
 def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0):
     def case():
         from treeops.kernels.accept import accept_launch
@@ -567,8 +576,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             kv_append(4, 64, 8, 128, 16, hq=32),
             rope(4, 64, 32, 128),
             build("cast", 8, 32000, 64),
-            with_pdl(build("eagle", 8, 32000, 64)),
-            with_pdl(attention(1, 64, 32, 8, 128, 32768, 16)),
+            *pdl_cases(),
             accept("greedy", 8, 32000),
             accept("sample", 8, 32000, k=50, p=0.9),
             compact(8, 4, 8, 128, 16),
@@ -633,9 +641,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     # a max per block of a tile (max_block), its blocks re-read several at a time
     for B, V, mb, tiles in ((1, 32000, 64, 8), (64, 32000, 128, 4), (64, 128256, 32, 8)):
         out.append(build("eagle", B, V, 64, max_block=mb, cand_tiles=tiles))
-    # programmatic dependent launch (TREEOPS_PDL=1): the build's and attention's kernels
-    out += [with_pdl(build(k, 8, 32000, 64)) for k in ("eagle", "cast")]
-    out.append(with_pdl(attention(1, 64, 32, 8, 128, 32768, 16)))
+    out += pdl_cases()
     # acceptance: greedy and sampling over both vocabularies, the top-k/top-p, logprob and
     # top-k-id variants, and the two-launch fallback
     for V in (32000, 128256):
