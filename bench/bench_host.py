@@ -84,6 +84,7 @@ OPS = (
     "compact_kv",
     "build_tree_expand",
     "build_tree_emit",
+    "build_tree_emit_out",
     "cast_select",
     "cast_width",
     "cast_depth",
@@ -98,9 +99,10 @@ OPS = (
     "prune_checkpoint",
 )
 """Every public op's entry point (``adjacency_update_logits``: the update from logits, which
-runs a second launch; ``*_prepared``: the op's call through ``treeops.prepare``, its tensors
-rebound per call as a layer loop rebinds them). A plain call replays its recorded launches
-(``treeops.kernels._replay``) unless ``TREEOPS_REPLAY=0``."""
+runs a second launch; ``build_tree_emit_out``: the emit into the caller's ``Tree`` (``out=``), as
+a decoder's step calls it, no allocation; ``*_prepared``: the op's call through
+``treeops.prepare``, its tensors rebound per call as a layer loop rebinds them). A plain call
+replays its recorded launches (``treeops.kernels._replay``) unless ``TREEOPS_REPLAY=0``."""
 
 REPLAYS_OF = {
     "tree_attention": ("treeops.tree_attention", "_REPLAYS"),
@@ -111,6 +113,7 @@ REPLAYS_OF = {
     "compact_kv": ("treeops.compact_kv", "_REPLAYS"),
     "build_tree_expand": ("treeops.build_tree", "_EXPAND_REPLAYS"),
     "build_tree_emit": ("treeops.build_tree", "_EMIT_REPLAYS"),
+    "build_tree_emit_out": ("treeops.build_tree", "_EMIT_REPLAYS"),
     "adjacency_update": ("treeops.graft", "_UPDATE_REPLAYS"),
     "adjacency_update_logits": ("treeops.graft", "_UPDATE_REPLAYS"),
     "adjacency_retrieve": ("treeops.graft", "_RETRIEVE_REPLAYS"),
@@ -180,6 +183,12 @@ def cases(dev: torch.device) -> dict[str, Call]:
         state.layer = 1
         treeops.build_tree_emit(state, eagle)
 
+    tree_out = treeops.Tree.empty(B, eagle.capacity, dev)
+
+    def emit_out():  # into the caller's tree, as a decoder's step does: no allocation
+        state.layer = 1
+        treeops.build_tree_emit(state, eagle, out=tree_out)
+
     out = torch.empty_like(q)
     attn = treeops.prepare(
         treeops.tree_attention, q, kc, vc, bt, sl, tree, out=out,
@@ -210,6 +219,7 @@ def cases(dev: torch.device) -> dict[str, Call]:
         ),
         "build_tree_expand": expand,
         "build_tree_emit": emit,
+        "build_tree_emit_out": emit_out,
         "cast_select": lambda: treeops.cast_select(costs, costs, 0.5),
         "cast_width": lambda: treeops.cast_width(scores, costs, 0.5),
         "cast_depth": lambda: treeops.cast_depth(u_hist, c0, 1.0, 4),
