@@ -430,6 +430,7 @@ def test_every_public_op_takes_the_direct_path(monkeypatch):
         "adjacency_update_logits": "adjacency_update",
         "tree_attention_prepared": "tree_attention",  # a CPU call: the op's own (not replayed)
         "kv_append_prepared": "kv_append",
+        "build_tree_emit_out": "build_tree_emit",  # the emit into a given tree
     }
     monkeypatch.setattr(_library, "DIRECT", 2)
     for case in OPS:
