@@ -800,39 +800,29 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
             BLOCK_N=cfg.block_n,
             D=D,
             PAGE_SIZE=page_size,
-            NUM_SPLITS=S,
-            SPLIT_MIN_LEN=cfg.split_min_len,
-            SPLIT_CHUNK=cfg.split_chunk,
-            HAS_QS=has_qs,
-            HAS_QL=has_ql,
-            WRITE_LSE=has_lse,
+            NUM_SPLITS=S, SPLIT_MIN_LEN=cfg.split_min_len, SPLIT_CHUNK=cfg.split_chunk,
+            HAS_QS=has_qs, HAS_QL=has_ql, WRITE_LSE=has_lse,
             UPCAST=interpreted() or q.dtype == torch.float32,
             PREFETCH=cfg.prefetch,
             PIPE=cfg.pipe,
             WARP_SPEC=cfg.warp_spec,
             FUSED_MERGE=cfg.fused_merge,
             FENCE=cfg.fused_merge and not interpreted(),
-            PDL=pdl,
+            PDL=pdl, launch_pdl=pdl,  # the constexpr and the launch option agree (_pdl)
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
-            launch_pdl=pdl,
-        ),  # fmt: skip
+        ),
         merge_grid=(B * N, triton.cdiv(H_q, block_h)),
         merge_consts=dict(
-            NUM_SPLITS=S,
-            SPLIT_MIN_LEN=cfg.split_min_len,
-            SPLIT_CHUNK=cfg.split_chunk,
+            NUM_SPLITS=S, SPLIT_MIN_LEN=cfg.split_min_len, SPLIT_CHUNK=cfg.split_chunk,
             S_PAD=s_pad,
             BLOCK_H=block_h,
             D=D,
-            HAS_QS=has_qs,
-            HAS_QL=has_ql,
-            WRITE_LSE=has_lse,
-            PDL=pdl,
+            HAS_QS=has_qs, HAS_QL=has_ql, WRITE_LSE=has_lse,
+            PDL=pdl, launch_pdl=pdl,
             num_warps=4,
-            launch_pdl=pdl,
-        ),  # fmt: skip
-    )
+        ),
+    )  # fmt: skip
 
 
 def tree_attention_fwd(
