@@ -584,6 +584,8 @@ def expand(
         raise ValueError(f"cand_cap must be 0 or a power of two >= 16, got {cand_cap}")
     if cand_tiles is not None and (cand_tiles < 1 or cand_tiles & (cand_tiles - 1)):
         raise ValueError(f"cand_tiles must be a power of two, got {cand_tiles}")
+    if row_warps is not None and (row_warps not in (1, 2, 4, 8, 16)):
+        raise ValueError(f"row_warps must be 1, 2, 4, 8 or 16, got {row_warps}")
     B, W, V = logits.shape
     if cand_tiles is None:
         cand_tiles = 4 if B * W <= _runtime.sm_count(logits.device) else 1

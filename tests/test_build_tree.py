@@ -900,6 +900,9 @@ def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles,
         (dict(cand_cap=8), "cand_cap must be 0 or a power of two >= 16, got 8"),
         (dict(cand_tiles=3), "cand_tiles must be a power of two, got 3"),
         (dict(cand_tiles=0), "cand_tiles must be a power of two, got 0"),
+        (dict(max_block=3), r"max_block must be a power of two <= block_v \(64\): 3"),
+        (dict(max_block=128), r"max_block must be a power of two <= block_v \(64\): 128"),
+        (dict(row_warps=3), "row_warps must be 1, 2, 4, 8 or 16, got 3"),
     ],
 )
 def test_expand_launcher_refuses_bad_top_k_tuning(tuning, message):
