@@ -110,7 +110,7 @@ def _expand_kernel(
     p_tab_d,  # [M, NMAX] f32 CAST: draft times per context bucket and width
     p_part_m,  # [B * W * SPLIT] f32 split > 1: each chunk's running max
     p_part_s,  # [B * W * SPLIT] f32 split > 1: each chunk's sum of exp(x - max)
-    p_part_t,  # [B * W, NT] i32 split > 1: each block's max (``_ordered``), then the row's scratch
+    p_part_t,  # [>= B * W * NT] i32 split > 1: each block's max (``_ordered``), then scratch
     B,  # requests
     V,  # vocabulary
     layer,  # the draft layer being expanded
@@ -516,21 +516,21 @@ def split_workspace(
     ws: dict[str, torch.Tensor], rows: int, split: int, blocks: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split expand's buffers in ``ws`` (a ``DraftState``'s workspace): each (row, chunk)'s
-    partial max and sum, and per row ``blocks`` int32 (each ``max_block`` block's max); made or
-    grown on a first call of a larger shape (never inside a CUDA-graph capture)."""
+    partial max and sum, and per row ``blocks`` int32 (each ``max_block`` block's max), all flat:
+    the kernels take the row stride (``NT = blocks``) as a constexpr. Made or grown on a first
+    call of a larger shape (never inside a CUDA-graph capture) and never shrunk, so a step whose
+    layers alternate shapes (the root layer's B rows in 64-token blocks, the later B * W rows in
+    larger ones) reuses one set of buffers."""
     need = rows * split
-    if (
-        "part_m" not in ws
-        or ws["part_m"].numel() < need
-        or ws["part_t"].shape[1] != blocks
-        or ws["part_t"].shape[0] < rows
-    ):
+    if "part_m" not in ws or ws["part_m"].numel() < need or ws["part_t"].numel() < rows * blocks:
         refuse_in_capture("build_tree_expand's split workspace (per draft state and V)")
         # replaced buffers stay alive: a graph captured with them keeps replaying into them
         _RETIRED.extend(ws[k] for k in ("part_m", "part_s", "part_t") if k in ws)
+        have_t = ws["part_t"].numel() if "part_t" in ws else 0
+        need = max(need, ws["part_m"].numel() if "part_m" in ws else 0)
         ws["part_m"] = torch.zeros(need, dtype=torch.float32, device=device)
         ws["part_s"] = torch.zeros(need, dtype=torch.float32, device=device)
-        ws["part_t"] = torch.zeros(rows, blocks, dtype=torch.int32, device=device)
+        ws["part_t"] = torch.zeros(max(rows * blocks, have_t), dtype=torch.int32, device=device)
     return ws["part_m"], ws["part_s"], ws["part_t"]
 
 

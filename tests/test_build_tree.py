@@ -854,7 +854,7 @@ def test_expand_op_split_workspace_is_the_launchers(monkeypatch):
     for name, t in zip(("part_m", "part_s", "part_t"), got, strict=True):
         assert t is a.workspace[name] and t.shape == b.workspace[name].shape, name
     # B x W rows, a max per 16-token block (expand_max_block: at most 256 blocks, >= 16 tokens)
-    assert b.workspace["part_t"].shape == (2 * 3, 38)
+    assert b.workspace["part_t"].shape == (2 * 3 * 38,)
     assert tb._split_workspace(logits, a, pol.topk)[1] is got[1]  # reused, not rebuilt
     # the op takes them (the CPU backend, the reference, leaves them alone)
     args = list(_expand_args(logits, a, pol))

@@ -112,6 +112,30 @@ def test_expand_split_workspace_replaced_when_rows_grow():
     st.layer = 1
     wide = torch.randn(2, 2, 4096)
     launch_expand(wide, st, pol, split=2, block_v=256, max_block=256)  # 4 rows x 2 = 8 partials
-    assert st.workspace["part_t"].shape == (4, 16)
+    assert st.workspace["part_t"].shape == (4 * 16,)
     assert st.workspace["part_t"] is not tiles
     assert any(t is tiles for t in kb._RETIRED)
+
+
+def test_expand_split_workspace_kept_when_layers_alternate_blocks(monkeypatch):
+    """A step's root layer (B rows, small blocks: many of them) and later layers (B * W rows,
+    larger blocks) need different row strides of the block maxima; once both shapes have run
+    eagerly, a captured step reuses the grown buffers (at B 64 on the H200 the root layer's
+    64-token blocks and the later layers' 128-token ones once rebuilt them every layer, and a
+    step could not be captured)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    pol, st, logits = _state(V=4096)
+    wide = torch.randn(2, 2, 4096)
+
+    def step():
+        st.layer = 0
+        launch_expand(logits, st, pol, split=2, block_v=256, max_block=16)  # 2 rows x 256 blocks
+        st.layer = 1
+        launch_expand(wide, st, pol, split=2, block_v=256, max_block=64)  # 4 rows x 64 blocks
+
+    step()
+    kept = [st.workspace[k] for k in ("part_m", "part_s", "part_t")]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    step()  # would raise "split workspace" if either layer rebuilt the buffers
+    assert all(st.workspace[k] is t for k, t in zip(("part_m", "part_s", "part_t"), kept))
