@@ -139,7 +139,6 @@ def _expand_kernel(
     NTP: tl.constexpr,
     GT: tl.constexpr,  # split > 1: tiles read at once for the top-K's candidates
     CAP: tl.constexpr,  # split > 1: most candidates ranked at once (else the tile-by-tile merge)
-    JB: tl.constexpr,  # candidates compared per step of the rank
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
     CAST: tl.constexpr,  # CAST's width/depth decision; else EAGLE's fixed width
@@ -189,31 +188,28 @@ def _expand_kernel(
         m_c = o_c < C
         p_cs = p_cscore + i_b64 * (D * C) + layer * C
         b_s = tl.load(p_cs + o_c, mask=m_c, other=-1.0, cache_modifier=".cg")
-        ok_c = b_s >= 0
-        c_key = _cand_key(b_s, o_c, C, CPAD)
-        # rank (how many outrank each) and the score sum of those at or above it, against
-        # chunks of JB candidates: a [CPAD, CPAD] compare at once would set the register
-        # budget of the whole kernel (and so its occupancy)
-        c_rank = tl.zeros([CPAD], tl.int32)
-        c_cum = tl.where(ok_c, b_s, 0.0)
-        for j0 in tl.static_range(0, CPAD, JB):
-            o_j = j0 + tl.arange(0, JB)
-            s_j = tl.load(p_cs + o_j, mask=o_j < C, other=-1.0, cache_modifier=".cg")
-            gt = _cand_key(s_j, o_j, C, CPAD)[None, :] > c_key[:, None]  # [CPAD, JB]
-            c_rank += tl.sum(gt.to(tl.int32), axis=1)
-            c_cum += tl.sum(tl.where(gt, tl.maximum(s_j, 0.0)[None, :], 0.0), axis=1)
-        sel = m_c & (c_rank < W)
-        c_tok = tl.load(
-            p_ctok + i_b64 * (D * C) + layer * C + o_c,
-            mask=sel & ok_c,
+        # the candidates in rank order: their keys sorted in registers (distinct, the valid ones
+        # >= 0 and carrying score bits and slot). Ranking by pairwise compares instead took
+        # chunks of the scores re-read from L2, one round trip after another: 3 (B 1) to 7 (B 64)
+        # us more per layer on the H200. Position r < W is the next frontier's row r; its
+        # ``cum`` the score sum of the candidates at or above it
+        s_key = tl.sort(_cand_key(b_s, o_c, C, CPAD), descending=True)
+        ok_r = s_key >= 0
+        r_slot = tl.where(ok_r, 0x7FFFFFFF - (s_key & 0xFFFFFFFF), 0).to(tl.int32)
+        r_score = tl.where(ok_r, (s_key >> 32).to(tl.int32).to(tl.float32, bitcast=True), -1.0)
+        r_cum = tl.cumsum(tl.maximum(r_score, 0.0), 0)
+        sel = o_c < W
+        r_tok = tl.load(
+            p_ctok + i_b64 * (D * C) + layer * C + r_slot,
+            mask=sel & ok_r,
             other=0,
             cache_modifier=".cg",
         )
-        o_f = i_b64 * W + c_rank
-        tl.store(p_fscore + o_f, tl.where(ok_c, b_s, -1.0), mask=sel)
-        tl.store(p_fcand + o_f, tl.where(ok_c, layer * C + o_c, -1), mask=sel)
-        tl.store(p_ftok + o_f, tl.where(ok_c, c_tok, 0), mask=sel)
-        tl.store(p_cum + i_b64 * CUMW + c_rank, c_cum, mask=sel)
+        o_f = i_b64 * W + o_c
+        tl.store(p_fscore + o_f, r_score, mask=sel)
+        tl.store(p_fcand + o_f, tl.where(ok_r, layer * C + r_slot, -1), mask=sel)
+        tl.store(p_ftok + o_f, tl.where(ok_r, r_tok, 0), mask=sel)
+        tl.store(p_cum + i_b64 * CUMW + o_c, r_cum, mask=sel)
 
         # ---- 4. last request: the batch-level decision
         if _release_then_arrive(p_ctr + B, LANES, FENCE) == B - 1:
@@ -678,7 +674,6 @@ def expand(
         NTP=pow2(n_blocks) if split > 1 else 1,
         GT=min(cand_tiles, KP),
         CAP=cand_cap,
-        JB=min(16, pow2(C)),
         LANES=32 * warps,
         FENCE=not interpreted(),
         CAST=cast is not None,
