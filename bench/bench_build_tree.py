@@ -391,6 +391,9 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False):
     # and the per-row programs' warps at the default blocks (4 by default)
     for rw, tiles in itertools.product((2, 8), (1, 2, 4)):
         tunes[f"row_warps={rw},cand_tiles={tiles}"] = dict(row_warps=rw, cand_tiles=tiles)
+    # and the K best blocks or the ranked candidates by one tl.topk each, at the default blocks
+    for bt, rt in ((True, False), (False, True), (True, True)):
+        tunes[f"blocks_topk={bt},rank_topk={rt}"] = dict(blocks_topk=bt, rank_topk=rt)
     for name, tune in tunes.items():
         try:
             _launch_expand(bufs[1], st, pol, **tune)

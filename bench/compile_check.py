@@ -641,6 +641,9 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     # a max per block of a tile (max_block), its blocks re-read several at a time
     for B, V, mb, tiles in ((1, 32000, 64, 8), (64, 32000, 128, 4), (64, 128256, 32, 8)):
         out.append(build("eagle", B, V, 64, max_block=mb, cand_tiles=tiles))
+    # the K best blocks and the ranked candidates by tl.topk (the sweep's alternatives)
+    for B, V in ((1, 32000), (64, 32000)):
+        out.append(build("eagle", B, V, 64, blocks_topk=True, rank_topk=True))
     out += pdl_cases()
     # acceptance: greedy and sampling over both vocabularies, the top-k/top-p, logprob and
     # top-k-id variants, and the two-launch fallback

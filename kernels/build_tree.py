@@ -139,6 +139,8 @@ def _expand_kernel(
     NTP: tl.constexpr,
     GT: tl.constexpr,  # split > 1: tiles read at once for the top-K's candidates
     CAP: tl.constexpr,  # split > 1: most candidates ranked at once (else the tile-by-tile merge)
+    BLOCKS_TOPK: tl.constexpr,  # split > 1: the K best blocks by one tl.topk (else K reductions)
+    RANK_TOPK: tl.constexpr,  # split > 1: the ranked candidates by one tl.topk (else compares)
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
     CAST: tl.constexpr,  # CAST's width/depth decision; else EAGLE's fixed width
@@ -159,7 +161,9 @@ def _expand_kernel(
     if SPLIT > 1:
         m_run, s_run = _combine_softmax(p_part_m, p_part_s, i_row.to(tl.int64), SPLIT, SP)
         p_part = p_part_t + i_row.to(tl.int64) * NT
-        b_top = _top_of_tiles(p_row, p_part, V, row_ok, K, KP, MB, NT, NTP, GT, CAP)
+        b_top = _top_of_tiles(
+            p_row, p_part, V, row_ok, K, KP, MB, NT, NTP, GT, CAP, BLOCKS_TOPK, RANK_TOPK
+        )
     else:
         m_run, s_run, b_top = _stream_row(p_row, 0, V, V, row_ok, K, KP, BLOCK_V)
     o_k = tl.arange(0, KP)
@@ -554,6 +558,8 @@ def expand(
     cand_tiles: int | None = None,
     max_block: int | None = None,
     row_warps: int | None = None,
+    blocks_topk: bool = False,
+    rank_topk: bool = False,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V]: with a split > 1, ``_stream_kernel``
     over (row, chunk) programs then ``_expand_kernel`` per row; else ``_expand_kernel`` alone.
@@ -575,7 +581,11 @@ def expand(
     resident programs at large B). By default 4 when every row's program has an SM to itself
     (B*W <= SMs), else 1: the H200's sweep (``bench_build_tree.py --ops sweep_topk``, 64- and
     128-token blocks) had B 1 at 16.8 against 19.1 us (1 block a read) and B 64 at 39.1 against
-    41.6 (4 a read). ``row_warps``: warps of the per-row programs when split > 1 (default 4)."""
+    41.6 (4 a read). ``row_warps``: warps of the per-row programs when split > 1 (default 4).
+    ``blocks_topk`` finds the K best blocks with one ``tl.topk`` (where a row has at least
+    pow2(K) blocks) and ``rank_topk`` the K best candidates with one (where ``cand_cap`` >=
+    pow2(K)), instead of K max-reductions and pairwise compares against re-read chunks; the
+    same result either way (candidates for the sweep, not yet timed)."""
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
         raise ValueError(f"cand_cap must be 0 or a power of two >= 16, got {cand_cap}")
     if cand_tiles is not None and (cand_tiles < 1 or cand_tiles & (cand_tiles - 1)):
@@ -674,6 +684,8 @@ def expand(
         NTP=pow2(n_blocks) if split > 1 else 1,
         GT=min(cand_tiles, KP),
         CAP=cand_cap,
+        BLOCKS_TOPK=split > 1 and blocks_topk and pow2(n_blocks) >= KP,
+        RANK_TOPK=split > 1 and rank_topk and cand_cap >= KP,
         LANES=32 * warps,
         FENCE=not interpreted(),
         CAST=cast is not None,

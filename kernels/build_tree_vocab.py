@@ -239,6 +239,8 @@ def _top_of_tiles(
     NTP: tl.constexpr,
     GT: tl.constexpr,
     CAP: tl.constexpr,
+    BLOCKS_TOPK: tl.constexpr = False,
+    RANK_TOPK: tl.constexpr = False,
 ):
     """The row's top-K packed keys, reading only the tiles that can hold them.
 
@@ -268,14 +270,22 @@ def _top_of_tiles(
             b_top = _top_of_tiles_merged(p_row, t_key, V, K, KP, BLOCK_V)
     elif row_ok:
         # the K best tiles' first tokens (V: no such tile, not read) and the K-th one's max
-        t_rest = t_key
-        b_v0 = tl.zeros([KP], tl.int32) + V
-        t_kth = tl.max(t_key)
-        for k in range(K):
-            t_kth = tl.max(t_rest)
-            t_rest = tl.where(t_rest == t_kth, -9223372036854775807 - 1, t_rest)
-            v0 = (0x7FFFFFFF - (t_kth & 0xFFFFFFFF)).to(tl.int32) * BLOCK_V
-            b_v0 = tl.where((o_k == k) & (t_kth > -9223372036854775807 - 1), v0, b_v0)
+        if BLOCKS_TOPK:
+            # one bitonic top-KP of the tile keys (distinct but for the padding, which ranks
+            # last) instead of K max-reductions in sequence
+            t_top = tl.topk(t_key, KP)
+            t_kth = tl.sum(tl.where(o_k == K - 1, t_top, 0))
+            v0_k = (0x7FFFFFFF - (t_top & 0xFFFFFFFF)).to(tl.int32) * BLOCK_V
+            b_v0 = tl.where((o_k < K) & (t_top > -9223372036854775807 - 1), v0_k, V)
+        else:
+            t_rest = t_key
+            b_v0 = tl.zeros([KP], tl.int32) + V
+            t_kth = tl.max(t_key)
+            for k in range(K):
+                t_kth = tl.max(t_rest)
+                t_rest = tl.where(t_rest == t_kth, -9223372036854775807 - 1, t_rest)
+                v0 = (0x7FFFFFFF - (t_kth & 0xFFFFFFFF)).to(tl.int32) * BLOCK_V
+                b_v0 = tl.where((o_k == k) & (t_kth > -9223372036854775807 - 1), v0, b_v0)
         # fewer than K tiles: the smallest key, so every logit of the row qualifies
         thr = (t_kth >> 32).to(tl.int32)
         # every tile max is in registers (the reductions above waited on the loads): the row's
@@ -302,20 +312,25 @@ def _top_of_tiles(
             c_x = tl.load(p_row + c_tok, mask=m_c, other=-float("inf")).to(tl.float32) + 0.0
             c_key = (_ordered(c_x).to(tl.int64) << 32) | (0x7FFFFFFF - c_tok).to(tl.int64)
             c_key = tl.where(m_c, c_key, -9223372036854775807 - 1)
-            # keys are distinct; padding (all equal) ranks n_c >= K: never among the first K.
-            # Against chunks of 16 read again (L1): a [CAP, CAP] compare at once would set the
-            # register budget of the whole kernel (and so its occupancy at large B)
-            c_rank = tl.zeros([CAP], tl.int32)
-            for j0 in tl.static_range(0, CAP, 16):
-                o_j = j0 + tl.arange(0, 16)
-                m_j = o_j < n_c
-                j_tok = tl.load(p_tmax + o_j, mask=m_j, other=0, cache_modifier=".cg")
-                j_x = tl.load(p_row + j_tok, mask=m_j, other=-float("inf")).to(tl.float32) + 0.0
-                j_key = (_ordered(j_x).to(tl.int64) << 32) | (0x7FFFFFFF - j_tok).to(tl.int64)
-                j_key = tl.where(m_j, j_key, -9223372036854775807 - 1)
-                c_rank += tl.sum((j_key[None, :] > c_key[:, None]).to(tl.int32), axis=1)
-            b_sel = tl.where(c_rank[None, :] == o_k[:, None], c_key[None, :], key_min[:, None])
-            b_top = tl.where(o_k < K, tl.max(b_sel, axis=1), b_top)
+            if RANK_TOPK:
+                # the K best in registers (one bitonic top-KP; padding ranks last)
+                b_top = tl.where(o_k < K, tl.topk(c_key, KP), b_top)
+            else:
+                # keys are distinct; padding (all equal) ranks n_c >= K: never among the first
+                # K. Against chunks of 16 read again: a [CAP, CAP] compare at once would set
+                # the register budget of the whole kernel (and so its occupancy at large B)
+                c_rank = tl.zeros([CAP], tl.int32)
+                for j0 in tl.static_range(0, CAP, 16):
+                    o_j = j0 + tl.arange(0, 16)
+                    m_j = o_j < n_c
+                    j_tok = tl.load(p_tmax + o_j, mask=m_j, other=0, cache_modifier=".cg")
+                    j_x = tl.load(p_row + j_tok, mask=m_j, other=-float("inf")).to(tl.float32)
+                    j_x = j_x + 0.0
+                    j_key = (_ordered(j_x).to(tl.int64) << 32) | (0x7FFFFFFF - j_tok).to(tl.int64)
+                    j_key = tl.where(m_j, j_key, -9223372036854775807 - 1)
+                    c_rank += tl.sum((j_key[None, :] > c_key[:, None]).to(tl.int32), axis=1)
+                b_sel = tl.where(c_rank[None, :] == o_k[:, None], c_key[None, :], key_min[:, None])
+                b_top = tl.where(o_k < K, tl.max(b_sel, axis=1), b_top)
         else:
             b_top = _top_of_tiles_merged(p_row, t_key, V, K, KP, BLOCK_V)
     return b_top

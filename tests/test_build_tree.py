@@ -869,16 +869,19 @@ def test_expand_op_split_workspace_is_the_launchers(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "cand_cap, cand_tiles, block_v",
-    [(32, 1, 16), (64, 2, 16), (16, 4, 16), (0, 2, 16), (32, 16, 16), (32, 4, 64), (0, 1, 64)],
-)
-def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles, block_v):
+    "cand_cap, cand_tiles, block_v, topks",
+    [(32, 1, 16, ()), (64, 2, 16, ()), (16, 4, 16, ()), (0, 2, 16, ()), (32, 16, 16, ()),
+     (32, 4, 64, ()), (0, 1, 64, ()), (32, 4, 16, ("blocks_topk", "rank_topk")),
+     (16, 1, 64, ("blocks_topk",)), (64, 2, 16, ("rank_topk",))],
+)  # fmt: skip
+def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles, block_v, topks):
     """The split expand's top-K at a realistic tile count (V / block_v = 94 tiles): the logits
     of the K best tiles at or above the K-th tile's max ranked at once, read one, two, four or
     all K (16, clamped to pow2(K)) tiles at a time; rows with many equal logits (more
     candidates than ``cand_cap``: the tile-by-tile merge), a row of one value, a row whose best
     values share one tile; ``cand_cap`` = 0: always the merge; 64-token tiles streamed with a
-    max per 16-token block (``max_block``). Each the reference's states and tree."""
+    max per 16-token block (``max_block``); the K best blocks and the ranked candidates also by
+    one ``tl.topk`` each (``blocks_topk``, ``rank_topk``). Each the reference's states and tree."""
     g = torch.Generator().manual_seed(17)
     pol = treeops.EagleStatic(depth=2, topk=5, budget=20)
     D, B, W, V = 2, 2, pol.max_width, 1500
@@ -889,7 +892,7 @@ def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles,
     logits[1, 1] = (logits[1, 1] * 4).round() / 4
     run_both(
         pol, logits, [1, 2], [5, 6], [True, True], block_v=block_v, split=4, cand_cap=cand_cap,
-        cand_tiles=cand_tiles, max_block=16,
+        cand_tiles=cand_tiles, max_block=16, **{k: True for k in topks},
     )  # fmt: skip
 
 
