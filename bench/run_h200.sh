@@ -4,6 +4,7 @@
 # Stages: tests:<names>  memcheck:<names>  calibrate  bench_build  bench_cast  bench_accept
 #         bench_compact_kv  bench_kv_append  bench_graft  bench_attention  bench_host  bench_e2e
 #         host_profile (where an eager call's host time goes, per op; HOST_PROFILE_ARGS)
+#         kernel_times (device µs per kernel of small attention / accept / build calls; TIMES_ARGS)
 #         pytest_bench  train_bg  wait_bg  kernel_limits (ncu's counters per kernel, LIMITS_ARGS)
 #         peers_bg  wait_peers (FlashInfer's JIT builds, bench/warm_peers.py, in the background;
 #         PEERS_ARGS="--only attention" builds one bench's)
@@ -94,6 +95,7 @@ for spec in "$@"; do
     host_profile) cmd="python3 bench/host_profile.py --out $OUT/host_profile.json ${HOST_PROFILE_ARGS:-}";;
     bench_e2e) cmd="python3 bench/bench_e2e.py --out $OUT ${E2E_ARGS:-}";;
     kernel_limits) cmd="python3 bench/kernel_limits.py --out $OUT ${LIMITS_ARGS:-}";;
+    kernel_times) cmd="python3 bench/kernel_times.py ${TIMES_ARGS:-} | tee $OUT/kernel_times.txt";;
     profile_step) cmd="python3 bench/profile_step.py --table ${TABLE:-bench/results/h200/e2e_cost_table.json} --out $OUT ${PROFILE_ARGS:-}";;
     pytest_bench) cmd="python3 -m pytest bench --benchmark-only -p no:cacheprovider -q --benchmark-json=$OUT/pytest_bench.json ${PYTEST_BENCH_K:+-k '$PYTEST_BENCH_K'}";;
     train_bg)  # the e2e pair trained in the background (into its /tmp cache) while tests run;

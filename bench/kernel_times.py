@@ -1,0 +1,115 @@
+"""Device time per kernel of one op call (torch.profiler, CUDA activity), at the small shapes
+where a replay's total hides which launch costs what: tree attention's split launch and merge
+(and the fused merge), greedy acceptance's one launch against its two-launch form and forced
+vocabulary splits, and one build layer's stream and per-row launches.
+
+    python bench/kernel_times.py [--only attention,accept,build] [--iters 30]
+
+Prints one line per case: the kernels the call launched, each ``(launches per call, median
+device µs)``. Eager calls (the profiler times each kernel on the device, host gaps excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+ATTENTION_SHAPES = [(1, 512, 8), (1, 512, 64), (1, 1024, 64), (4, 512, 64), (1, 4096, 16)]
+ACCEPT_SHAPES = [(1, 32000), (1, 128256), (8, 32000)]
+BUILD_SHAPES = [(1, 32000), (64, 32000), (1, 128256)]
+
+
+def kernel_times(fn, iters: int = 30) -> dict[str, tuple[int, float]]:
+    """{kernel name: (launches per call, median device µs)} over ``iters`` calls of ``fn``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    acc = collections.defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            acc[e.name[:40]].append(e.device_time)
+    return {k: (len(v) // iters, round(sorted(v)[len(v) // 2], 2)) for k, v in acc.items()}
+
+
+def attention(iters: int) -> None:
+    import bench_tree_attention as BTA
+
+    for B, ctx, n in ATTENTION_SHAPES:
+        c = BTA.Case(B, ctx, n)
+        for name, ov in (("auto", None), ("fused", {"fused_merge": True})):
+            fn, cfg = BTA.kernel_fn(c, ov)
+            print(f"attention B {B} ctx {ctx} n {n} {name} splits {cfg.num_splits} block_m "
+                  f"{cfg.block_m}: {kernel_times(fn, iters)}", flush=True)  # fmt: skip
+
+
+def accept(iters: int) -> None:
+    import torch
+
+    import treeops
+    from treeops.kernels import accept as KA
+
+    N = 64
+    for B, V in ACCEPT_SHAPES:
+        par = torch.arange(-1, N - 1, dtype=torch.int32)[None].repeat(B, 1)  # a chain
+        tree = treeops.Tree.from_parents(
+            par, torch.full((B,), N, dtype=torch.int32), torch.randint(0, V, (B, N))
+        ).to("cuda")
+        logits = torch.randn(B, N, V, device="cuda", dtype=torch.bfloat16)
+        for phase in (0, 1):
+            call = functools.partial(KA.accept_launch, tree, logits, phase=phase)
+            print(f"greedy accept B {B} V {V} phase {phase}: {kernel_times(call, iters)}")
+        for s in (8, 16, 32):
+            for bv in (1024, 2048):
+                call = functools.partial(KA.accept_launch, tree, logits, num_splits=s, block_v=bv)
+                print(f"greedy accept B {B} V {V} splits {s} block_v {bv}: "
+                      f"{kernel_times(call, iters)}", flush=True)  # fmt: skip
+
+
+def build(iters: int) -> None:
+    import torch
+
+    import treeops
+    from treeops.build_tree import _launch_expand
+
+    for B, V in BUILD_SHAPES:
+        pol = treeops.EagleStatic(depth=8, topk=10, budget=64)
+        roots = torch.randint(0, V, (B,), device="cuda")
+        seq = torch.full((B,), 3000, device="cuda")
+        st = treeops.DraftState.new(pol, roots, seq)
+        x0 = torch.randn(B, 1, V, device="cuda", dtype=torch.bfloat16)
+        x1 = torch.randn(B, pol.max_width, V, device="cuda", dtype=torch.bfloat16)
+        st.reset(roots, seq)
+        _launch_expand(x0, st, pol)  # layer 0 from the root: layer 1 has a full frontier
+
+        def layer1(st=st, x1=x1, pol=pol):
+            st.layer = 1
+            _launch_expand(x1, st, pol)
+
+        print(f"build layer 1 EAGLE W=K=10 B {B} V {V}: {kernel_times(layer1, iters)}", flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="attention,accept,build")
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args(argv)
+    for name in args.only.split(","):
+        {"attention": attention, "accept": accept, "build": build}[name](args.iters)
+
+
+if __name__ == "__main__":
+    main()
