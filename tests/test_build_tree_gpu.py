@@ -303,6 +303,51 @@ def test_cuda_graph_replay_matches_eager(B):
             assert torch.equal(getattr(out, f), getattr(ref_tree, f)), (rep, f)
 
 
+@pytest.mark.parametrize("B", [1, 16, 64])
+def test_captured_step_matches_eager(B):
+    """A whole step (reset, the root layer's [B, 1, V] logits, then [B, W, V] layers, the emit)
+    captured in one CUDA graph after an eager warm-up, replayed with new logits: bitwise the
+    state and tree of eager steps. At B 16 and 64 the root layer's rows (B <= SMs) and the later
+    layers' (B * W > SMs) record maxima over different blocks, so the split workspace must
+    serve both without a rebuild inside the capture."""
+    pol = _policy("eagle", D=4)
+    W, V, D = pol.max_width, 32000, pol.max_depth
+    g = torch.Generator(device=DEV).manual_seed(100 + B)
+    roots = torch.randint(0, V, (B,), device=DEV, generator=g)
+    seq = torch.full((B,), 3000, device=DEV)
+    logits = [torch.zeros(B, 1 if i == 0 else W, V, device=DEV, dtype=torch.bfloat16)
+              for i in range(D)]  # fmt: skip
+
+    def step(st, out):
+        st.reset(roots, seq)
+        for i, x in enumerate(logits):
+            st.layer = i
+            _launch_expand(x, st, pol)
+        st.layer = D
+        return _launch_emit(st, pol, out=out)
+
+    eager, eager_out = treeops.DraftState.new(pol, roots, seq), treeops.Tree.empty(B, 64, DEV)
+    graphed, graphed_out = treeops.DraftState.new(pol, roots, seq), treeops.Tree.empty(B, 64, DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # the warm-up: compiles, builds the workspace
+        step(graphed, graphed_out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(graphed, graphed_out)
+    for rep in range(6):
+        for x in logits:
+            x.copy_(torch.randn(x.shape, device=DEV, generator=g) * (1 + rep % 3))
+        graph.replay()
+        step(eager, eager_out)
+        torch.cuda.synchronize()
+        for f in ("cand_tokens", "cand_scores", "cand_parents", "frontier", "decisions"):
+            assert torch.equal(getattr(graphed, f), getattr(eager, f)), (rep, f)
+        for f in treeops.Tree.FIELDS:
+            assert torch.equal(getattr(graphed_out, f), getattr(eager_out, f)), (rep, f)
+
+
 @pytest.mark.parametrize("B", [1, 64])
 def test_pdl_launches_match_plain(B, monkeypatch):
     """Programmatic dependent launch (kernels/_pdl.py, ``TREEOPS_PDL=1``): a whole step (reset,
