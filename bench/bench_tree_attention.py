@@ -583,10 +583,11 @@ LATENCY_SHAPES = [(1, 512, 8), (1, 512, 64), (1, 1024, 64), (4, 512, 64), (1, 40
 def latency_study():
     """Where a small tree's time goes, per shape of LATENCY_SHAPES (default layout): the
     automatic launch, the automatic split with its merge in the forward kernel (``auto_fused``:
-    one launch), the small-tree path where it applies (``small``, and ``small_fused`` split as the
-    automatic launch is) and each split count of SPLIT_COUNTS, chained over rotated cache copies
-    (cold K/V, ``*_cold``) and chained on one cache (the L2 holds it, ``*_warm``), FlashInfer's
-    causal prefill both ways; every output checked first. Rows: µs per call."""
+    one launch), the automatic split with 16-bit partial outputs (``auto_half``: half the
+    workspace bytes), the small-tree path where it applies (``small``, and ``small_fused`` split
+    as the automatic launch is) and each split count of SPLIT_COUNTS, chained over rotated cache
+    copies (cold K/V, ``*_cold``) and chained on one cache (the L2 holds it, ``*_warm``),
+    FlashInfer's causal prefill both ways; every output checked first. Rows: µs per call."""
     rows = []
     for B, ctx, n in LATENCY_SHAPES:
         c = Case(B, ctx, n)
@@ -594,7 +595,8 @@ def latency_study():
         rot = Rotation(c)
         row = dict(B=B, ctx=ctx, n=n, floor_us=round(floor_us(B, ctx, n)[0], 2))
         row["auto_splits"] = config_of(c)["num_splits"]
-        variants = [("auto", None, None), ("auto_fused", None, {"fused_merge": True})]
+        variants = [("auto", None, None), ("auto_fused", None, {"fused_merge": True}),
+                    ("auto_half", None, {"partial_half": True})]  # fmt: skip
         if any(name == "small" for name, _ in candidates(c)):
             fused_small = {"small_tree": True, "fused_merge": True}
             variants += [("small", None, {"small_tree": True}),
@@ -743,9 +745,10 @@ def main(argv=None):
         H.write_json(os.path.join(args.out, "tree_attention_sweep.json"), result)
         if args.auto:
             from treeops.kernels import tree_attention as K
+            from treeops.kernels import tree_attention_config as KC
 
-            K.TUNED.update({dc: n for dc, n in choice.items() if n != "default"})
-            K.SMALL_TREE = small
+            KC.TUNED.update({dc: n for dc, n in choice.items() if n != "default"})
+            KC.SMALL_TREE = small
             K._PLANS.clear()
     default = {"bench": BENCH_SHAPES, "all": BENCH_SHAPES + GRID_SHAPES + LONG_SHAPES,
                "layout": []}[args.shapes]  # fmt: skip

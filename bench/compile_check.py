@@ -614,6 +614,11 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             attention(1, 64, 32, 8, d, 4096, 16, override={"fused_merge": True})
             for d in (64, 128, 256)
         ),
+        # 16-bit partial outputs, merged by _merge_splits or by the tile's last chunk
+        *(
+            attention(1, 64, 32, 8, 128, 4096, 16, override={"partial_half": True, **fused})
+            for fused in ({}, {"fused_merge": True})
+        ),
         attention(1, 10, 32, 8, 256, 65536, 16, dtype=fp, qrange=True),
     ]
     for d in (64, 128, 256):

@@ -16,6 +16,7 @@ import treeops
 from helpers import TOLERANCES, assert_close, small_step, tree_from_lists
 from strategies import make_tree, paged_kv, parents_of, trees
 from treeops.kernels import tree_attention as K
+from treeops.kernels import tree_attention_config as KC
 from treeops.reference import tree_attention as R
 
 
@@ -545,8 +546,35 @@ def test_kernel_matches_reference_full_trees(tc, data):
             "split_min_len": data.draw(st.sampled_from([0, 100, 250])),
             "min_chunk": 32,
             "fused_merge": data.draw(st.booleans()),
+            "partial_half": data.draw(st.booleans()),
         },
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fused", [False, True])
+def test_partial_half_stores_16_bit_partials(dtype, fused):
+    """``partial_half``: split partial outputs stored in the inputs' 16-bit dtype, merged by
+    ``_merge_splits`` or by the tile's last chunk: the reference's output and LSE, and only the
+    first half of the fp32 partials' bytes written (the rest of a NaN-poisoned workspace stays
+    NaN). fp32 inputs and unsplit launches keep fp32 partials."""
+    rng = random.Random(41)
+    N = 16
+    seq = [0, 20, 150, 400]
+    tree = make_tree([parents_of("random", N, rng) for _ in seq], N, 64, rng)
+    kv = paged_kv([s + N for s in seq], 16, 1, 64, dtype, rng)
+    q = torch.randn(len(seq), N, 2, 64).to(dtype)
+    ov = {"partial_half": True, "fused_merge": fused}
+    cfg = K.pick_config(len(seq), N, 2, 1, 64, kv.block_table.shape[1] * 16, 4, True, 3, ov)
+    assert cfg.partial_half and cfg.num_splits == 3
+    ws = torch.full((K.workspace_numel(len(seq), N, 2, 64, cfg),), float("nan"))
+    check_kernel(q, kv, torch.tensor(seq, dtype=torch.int32), tree, num_splits=3, override=ov,
+                 workspace=ws)  # fmt: skip
+    wo_numel = len(seq) * N * 2 * 3 * 64
+    assert bool(ws[wo_numel // 2 : wo_numel].isnan().all())  # the 16-bit partials' half only
+    assert not bool(ws[: wo_numel // 2].isnan().all())
+    assert not K.pick_config(4, N, 2, 1, 64, 1024, 4, True, 3, ov, elem_bytes=4).partial_half
+    assert not K.pick_config(4, N, 2, 1, 64, 1024, 4, True, 1, ov).partial_half
 
 
 @pytest.mark.parametrize("with_lse", [False, True])
@@ -611,7 +639,7 @@ def test_candidates_pipeline_and_tuned_routes_only_unsplit_launches():
             # every other candidate but the former built-in D 256 tile leaves the loads to
             # Triton's pipeliner (tl.range or stages)
             assert name in ("default", "m64_prefetch") or not cfg.prefetch, (d, name)
-    assert K.SMALL_TREE is False
+    assert KC.SMALL_TREE is False
     for d, name in K.TUNED.items():
         assert name in K.CANDIDATES[d] and name != "default"
     cfg = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False)  # 16 programs: split, built-in
@@ -652,10 +680,10 @@ def test_small_tree_path_is_one_launch_from_capacities(monkeypatch):
     assert big_n == K.pick_config(1, 64, 32, 8, 128, 528, 132, False, override={})
     assert not K.small_tree_applies(8, 4, 128, 4096)  # long block table
     assert not K.small_tree_applies(16, 8, 256, 512)  # 128 rows at D = 256 would spill
-    monkeypatch.setattr(K, "SMALL_TREE", True)
+    monkeypatch.setattr(KC, "SMALL_TREE", True)
     assert K.pick_config(1, 8, 32, 8, 128, 528, 132, False) == cfg
-    monkeypatch.setattr(K, "SMALL_TREE", False)
-    monkeypatch.setattr(K, "TUNED", {128: "m64_pipe2"})  # the routing, whatever TUNED holds
+    monkeypatch.setattr(KC, "SMALL_TREE", False)
+    monkeypatch.setattr(KC, "TUNED", {128: "m64_pipe2"})  # the routing, whatever TUNED holds
     tuned = K.pick_config(8, 64, 32, 8, 128, 4096, 132, False)
     assert tuned == K.pick_config(
         8, 64, 32, 8, 128, 4096, 132, False, override=K.CANDIDATES[128]["m64_pipe2"]
@@ -672,14 +700,15 @@ def test_small_tree_path_through_the_launcher(monkeypatch):
     seq = [500, 33]
     kv = paged_kv([s + N for s in seq], 16, 2, 64, torch.float16, rng)
     q = torch.randn(2, N, 8, 64).to(torch.float16)
-    monkeypatch.setattr(K, "SMALL_TREE", True)
-    monkeypatch.setattr(K, "interpreted", lambda: False)  # the compiled path's choice
-    monkeypatch.setattr(K._runtime, "sm_count", lambda device: 132)
+    monkeypatch.setattr(KC, "SMALL_TREE", True)
+    monkeypatch.setattr(KC, "interpreted", lambda: False)  # the compiled path's choice
+    monkeypatch.setattr(KC._runtime, "sm_count", lambda device: 132)
     K._PLANS.clear()
     try:
         cfg = K.config_for(q, kv.k_cache, kv.block_table)
         assert cfg.num_splits == 1 and K.workspace_numel(2, N, 8, 64, cfg) == 0
-        monkeypatch.setattr(K, "interpreted", lambda: True)  # the kernels must upcast
+        for module in (K, KC):  # the kernels must upcast, on the interpreter's tiles
+            monkeypatch.setattr(module, "interpreted", lambda: True)
         check_kernel(
             q, kv, torch.tensor(seq, dtype=torch.int32), tree, override={"small_tree": True}
         )
