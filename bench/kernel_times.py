@@ -5,8 +5,9 @@ vocabulary splits, and one build layer's stream and per-row launches.
 
     python bench/kernel_times.py [--only attention,accept,build] [--iters 30]
 
-Prints one line per case: the kernels the call launched, each ``(launches per call, median
-device µs)``. Eager calls (the profiler times each kernel on the device, host gaps excluded).
+Prints one line per case: the kernels the call launched, each ``(launches per call, [median
+device µs of each launch])``. Eager calls (the profiler times each kernel on the device, host
+gaps excluded).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ ACCEPT_SHAPES = [(1, 32000), (1, 128256), (8, 32000)]
 BUILD_SHAPES = [(1, 32000), (64, 32000), (1, 128256)]
 
 
-def kernel_times(fn, iters: int = 30) -> dict[str, tuple[int, float]]:
-    """{kernel name: (launches per call, median device µs)} over ``iters`` calls of ``fn``."""
+def kernel_times(fn, iters: int = 30) -> dict[str, tuple[int, list[float]]]:
+    """{kernel name: (launches per call, median device µs of each, in launch order)} over
+    ``iters`` calls of ``fn`` (a kernel launched twice per call, such as acceptance's two-launch
+    form, gets two medians: its first and second launches apart)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -39,10 +42,18 @@ def kernel_times(fn, iters: int = 30) -> dict[str, tuple[int, float]]:
             fn()
         torch.cuda.synchronize()
     acc = collections.defaultdict(list)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            acc[e.name[:40]].append(e.device_time)
-    return {k: (len(v) // iters, round(sorted(v)[len(v) // 2], 2)) for k, v in acc.items()}
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        acc[e.name[:40]].append(e.device_time)
+    return {name: per_launch_medians(times, iters) for name, times in acc.items()}
+
+
+def per_launch_medians(times: list[float], iters: int) -> tuple[int, list[float]]:
+    """One kernel's device times over ``iters`` calls, in launch order: (launches per call, the
+    median of each launch position)."""
+    per = max(1, len(times) // iters)
+    cols = [sorted(times[i::per]) for i in range(per)]
+    return per, [round(c[len(c) // 2], 2) for c in cols]
 
 
 def attention(iters: int) -> None:
