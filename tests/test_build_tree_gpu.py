@@ -303,49 +303,75 @@ def test_cuda_graph_replay_matches_eager(B):
             assert torch.equal(getattr(out, f), getattr(ref_tree, f)), (rep, f)
 
 
+class _WholeStep:
+    """A draft step of EAGLE at depth 4 (reset, the root layer's [B, 1, V] logits, then [B, W,
+    V] layers, the emit) over logit buffers that ``fill`` rewrites in place, so a captured step
+    replays with new logits; ``new()`` a state and an output tree for it, ``same(a, b)`` the
+    bitwise comparison of two (state, tree) pairs."""
+
+    STATE = ("cand_tokens", "cand_scores", "cand_parents", "frontier", "decisions")
+
+    def __init__(self, B: int, seed: int, V: int = 32000):
+        self.B, self.pol = B, _policy("eagle", D=4)
+        W, D = self.pol.max_width, self.pol.max_depth
+        self.g = torch.Generator(device=DEV).manual_seed(seed)
+        self.roots = torch.randint(0, V, (B,), device=DEV, generator=self.g)
+        self.seq = torch.full((B,), 3000, device=DEV)
+        self.logits = [torch.zeros(B, 1 if i == 0 else W, V, device=DEV, dtype=torch.bfloat16)
+                       for i in range(D)]  # fmt: skip
+
+    def new(self):
+        return treeops.DraftState.new(self.pol, self.roots, self.seq), treeops.Tree.empty(
+            self.B, 64, DEV
+        )
+
+    def fill(self, rep: int) -> None:
+        for x in self.logits:
+            x.copy_(torch.randn(x.shape, device=DEV, generator=self.g) * (1 + rep % 3))
+
+    def __call__(self, st, out):
+        st.reset(self.roots, self.seq)
+        for i, x in enumerate(self.logits):
+            st.layer = i
+            _launch_expand(x, st, self.pol)
+        st.layer = self.pol.max_depth
+        return _launch_emit(st, self.pol, out=out)
+
+    def capture(self, st, out) -> torch.cuda.CUDAGraph:
+        """One eager step on a side stream (compiles, builds the workspace), then the graph."""
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            self(st, out)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self(st, out)
+        return graph
+
+    def same(self, a, b, rep: int) -> None:
+        (sa, ta), (sb, tb) = a, b
+        for f in self.STATE:
+            assert torch.equal(getattr(sa, f), getattr(sb, f)), (rep, f)
+        for f in treeops.Tree.FIELDS:
+            assert torch.equal(getattr(ta, f), getattr(tb, f)), (rep, f)
+
+
 @pytest.mark.parametrize("B", [1, 16, 64])
 def test_captured_step_matches_eager(B):
-    """A whole step (reset, the root layer's [B, 1, V] logits, then [B, W, V] layers, the emit)
-    captured in one CUDA graph after an eager warm-up, replayed with new logits: bitwise the
-    state and tree of eager steps. At B 16 and 64 the root layer's rows (B <= SMs) and the later
-    layers' (B * W > SMs) record maxima over different blocks, so the split workspace must
-    serve both without a rebuild inside the capture."""
-    pol = _policy("eagle", D=4)
-    W, V, D = pol.max_width, 32000, pol.max_depth
-    g = torch.Generator(device=DEV).manual_seed(100 + B)
-    roots = torch.randint(0, V, (B,), device=DEV, generator=g)
-    seq = torch.full((B,), 3000, device=DEV)
-    logits = [torch.zeros(B, 1 if i == 0 else W, V, device=DEV, dtype=torch.bfloat16)
-              for i in range(D)]  # fmt: skip
-
-    def step(st, out):
-        st.reset(roots, seq)
-        for i, x in enumerate(logits):
-            st.layer = i
-            _launch_expand(x, st, pol)
-        st.layer = D
-        return _launch_emit(st, pol, out=out)
-
-    eager, eager_out = treeops.DraftState.new(pol, roots, seq), treeops.Tree.empty(B, 64, DEV)
-    graphed, graphed_out = treeops.DraftState.new(pol, roots, seq), treeops.Tree.empty(B, 64, DEV)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # the warm-up: compiles, builds the workspace
-        step(graphed, graphed_out)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(graphed, graphed_out)
+    """A whole step captured in one CUDA graph after an eager warm-up, replayed with new logits:
+    bitwise the state and tree of eager steps. At B 16 and 64 the root layer's rows (B <= SMs)
+    and the later layers' (B * W > SMs) record maxima over different blocks, so the split
+    workspace must serve both without a rebuild inside the capture."""
+    step = _WholeStep(B, seed=100 + B)
+    eager, graphed = step.new(), step.new()
+    graph = step.capture(*graphed)
     for rep in range(6):
-        for x in logits:
-            x.copy_(torch.randn(x.shape, device=DEV, generator=g) * (1 + rep % 3))
+        step.fill(rep)
         graph.replay()
-        step(eager, eager_out)
+        step(*eager)
         torch.cuda.synchronize()
-        for f in ("cand_tokens", "cand_scores", "cand_parents", "frontier", "decisions"):
-            assert torch.equal(getattr(graphed, f), getattr(eager, f)), (rep, f)
-        for f in treeops.Tree.FIELDS:
-            assert torch.equal(getattr(graphed_out, f), getattr(eager_out, f)), (rep, f)
+        step.same(graphed, eager, rep)
 
 
 @pytest.mark.parametrize("B", [1, 64])
@@ -356,54 +382,24 @@ def test_pdl_launches_match_plain(B, monkeypatch):
     waits for the one before it before it touches memory)."""
     from treeops.kernels import build_tree as kb
 
-    pol = _policy("eagle", D=4)
-    W, V, D = pol.max_width, 32000, pol.max_depth
-    g = torch.Generator(device=DEV).manual_seed(B)
-    roots = torch.randint(0, V, (B,), device=DEV, generator=g)
-    seq = torch.full((B,), 3000, device=DEV)
-    logits = [torch.zeros(B, 1 if i == 0 else W, V, device=DEV, dtype=torch.bfloat16)
-              for i in range(D)]  # fmt: skip
-
-    def step(st, out):
-        st.reset(roots, seq)
-        for i, x in enumerate(logits):
-            st.layer = i
-            _launch_expand(x, st, pol)
-        st.layer = D
-        return _launch_emit(st, pol, out=out)
-
-    def fill(rep):
-        for x in logits:
-            x.copy_(torch.randn(x.shape, device=DEV, generator=g) * (1 + rep % 3))
-
-    plain, plain_out = treeops.DraftState.new(pol, roots, seq), treeops.Tree.empty(B, 64, DEV)
-    piped, piped_out = treeops.DraftState.new(pol, roots, seq), treeops.Tree.empty(B, 64, DEV)
-    fill(0)
-    step(plain, plain_out)  # compiles the plain launches
+    step = _WholeStep(B, seed=B)
+    plain, piped = step.new(), step.new()
+    step.fill(0)
+    step(*plain)  # compiles the plain launches
     monkeypatch.setattr(kb, "use_pdl", lambda device: True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # compiles the PDL launches outside the capture
-        step(piped, piped_out)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(piped, piped_out)
+    graph = step.capture(*piped)  # the PDL launches compiled outside the capture
     for rep in range(12):
-        fill(rep)
+        step.fill(rep)
         if rep % 2:
             graph.replay()
         else:
-            step(piped, piped_out)  # eager PDL launches
+            step(*piped)  # eager PDL launches
         monkeypatch.setattr(kb, "use_pdl", lambda device: False)
-        step(plain, plain_out)
+        step(*plain)
         monkeypatch.setattr(kb, "use_pdl", lambda device: True)
         torch.cuda.synchronize()
-        for f in ("cand_tokens", "cand_scores", "cand_parents", "frontier", "decisions"):
-            assert torch.equal(getattr(piped, f), getattr(plain, f)), (rep, f)
-        for f in treeops.Tree.FIELDS:
-            assert torch.equal(getattr(piped_out, f), getattr(plain_out, f)), (rep, f)
-        assert int(piped.workspace["counters"].abs().sum()) == 0, rep
+        step.same(piped, plain, rep)
+        assert int(piped[0].workspace["counters"].abs().sum()) == 0, rep
 
 
 def test_stress_arrival_counters():
