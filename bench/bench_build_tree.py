@@ -373,7 +373,7 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False):
         floor_us=round(H.floor_us(B * W * V * 2, empty_us=empty_us), 2),
         configs={},
     )
-    tunes = {}
+    tunes = {"default": {}}
     tilings = () if topk_only else itertools.product((256, 512), (1, 2, 4), (None, 1, 2, 4, 16))
     for bv, nw, sp in tilings:
         if sp == 1 and nw < 4:
@@ -382,14 +382,16 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False):
             block_v=bv, num_warps=nw, split=sp
         )
     # the split top-K's method at the default tiling: candidates ranked at once (cap, tiles read
-    # at a time) or the tile-by-tile merge (cap 0)
-    for cap, tiles in ((0, 1), (32, 1), (32, 2), (32, 4), (32, 8), (32, 16), (64, 1)):
+    # at a time) or the tile-by-tile merge (cap 0); ``topk_only`` skips to the tl.topk options
+    methods = () if topk_only else ((0, 1), (32, 1), (32, 2), (32, 4), (32, 8), (32, 16), (64, 1))
+    for cap, tiles in methods:
         tunes[f"cand_cap={cap},cand_tiles={tiles}"] = dict(cand_cap=cap, cand_tiles=tiles)
     # and the tokens per recorded maximum (the block re-read; the default is expand_max_block's)
-    for mb, tiles in itertools.product((512, 256, 128, 64, 32), (1, 2, 4, 8)):
+    blocks = itertools.product((512, 256, 128, 64, 32), (1, 2, 4, 8))
+    for mb, tiles in () if topk_only else blocks:
         tunes[f"max_block={mb},cand_tiles={tiles}"] = dict(max_block=mb, cand_tiles=tiles)
     # and the per-row programs' warps at the default blocks (4 by default)
-    for rw, tiles in itertools.product((2, 8), (1, 2, 4)):
+    for rw, tiles in () if topk_only else itertools.product((2, 8), (1, 2, 4)):
         tunes[f"row_warps={rw},cand_tiles={tiles}"] = dict(row_warps=rw, cand_tiles=tiles)
     # and the K best blocks or the ranked candidates by one tl.topk each, at the default blocks
     for bt, rt in ((True, False), (False, True), (True, True)):

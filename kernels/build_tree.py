@@ -497,6 +497,11 @@ def expand_tiling(
     return block_v, cdiv(V, chunk)
 
 
+BLOCKS_TOPK_MAX = 512
+"""The most blocks a row (rounded up to a power of two) whose K best ``expand`` finds with one
+``tl.topk`` by default: the H200 measured 256 and 512 faster, 2,048 slower (``expand``)."""
+
+
 def expand_max_block(rows: int, V: int, block_v: int, device: torch.device) -> int:
     """Tokens per maximum the split expand's stream records (``expand``'s ``max_block``): the
     per-row program re-reads the K blocks with the largest maxima, so smaller blocks mean fewer
@@ -558,8 +563,8 @@ def expand(
     cand_tiles: int | None = None,
     max_block: int | None = None,
     row_warps: int | None = None,
-    blocks_topk: bool = False,
-    rank_topk: bool = False,
+    blocks_topk: bool | None = None,
+    rank_topk: bool = True,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V]: with a split > 1, ``_stream_kernel``
     over (row, chunk) programs then ``_expand_kernel`` per row; else ``_expand_kernel`` alone.
@@ -582,10 +587,15 @@ def expand(
     (B*W <= SMs), else 1: the H200's sweep (``bench_build_tree.py --ops sweep_topk``, 64- and
     128-token blocks) had B 1 at 16.8 against 19.1 us (1 block a read) and B 64 at 39.1 against
     41.6 (4 a read). ``row_warps``: warps of the per-row programs when split > 1 (default 4).
-    ``blocks_topk`` finds the K best blocks with one ``tl.topk`` (where a row has at least
-    pow2(K) blocks) and ``rank_topk`` the K best candidates with one (where ``cand_cap`` >=
-    pow2(K)), instead of K max-reductions and pairwise compares against re-read chunks; the
-    same result either way (candidates for the sweep, not yet timed)."""
+    ``blocks_topk`` finds the K best blocks with one ``tl.topk`` (where K > 1 and a row has at
+    least pow2(K) blocks) instead of K max-reductions over the row's block maxima; by default
+    (None) where pow2(blocks a row) <= ``BLOCKS_TOPK_MAX``. ``rank_topk`` (default on) ranks the
+    K best candidates with one (where K > 1 and ``cand_cap`` >= pow2(K)) instead of pairwise
+    compares against re-read chunks. The same result either way; the H200's sweep
+    (``bench_build_tree.py --ops sweep_topk``, a layer, defaults against both on): B 1, V 32,000
+    13.5 -> 12.3 us; B 64, V 32,000 32.8 -> 30.7; B 64, V 128,256 70.5 -> 67.7; B 1, V 128,256
+    (2,004 blocks of 64) 17.6 -> 17.2 with ``rank_topk`` alone and 20.3 with both: a ``tl.topk``
+    over 2,048 keys costs more than K reductions over them."""
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
         raise ValueError(f"cand_cap must be 0 or a power of two >= 16, got {cand_cap}")
     if cand_tiles is not None and (cand_tiles < 1 or cand_tiles & (cand_tiles - 1)):
@@ -605,6 +615,8 @@ def expand(
         raise ValueError(f"max_block must be a power of two <= block_v ({block_v}): {max_block}")
     n_blocks = cdiv(V, max_block)
     KP = pow2(K)
+    if blocks_topk is None:
+        blocks_topk = pow2(n_blocks) <= BLOCKS_TOPK_MAX
     ws = workspace
     pdl = use_pdl(logits.device)
     if split > 1:
@@ -684,8 +696,9 @@ def expand(
         NTP=pow2(n_blocks) if split > 1 else 1,
         GT=min(cand_tiles, KP),
         CAP=cand_cap,
-        BLOCKS_TOPK=split > 1 and blocks_topk and pow2(n_blocks) >= KP,
-        RANK_TOPK=split > 1 and rank_topk and cand_cap >= KP,
+        # K = 1: one max is the whole ranking (and tl.topk of 1 fails to build)
+        BLOCKS_TOPK=split > 1 and blocks_topk and KP > 1 and pow2(n_blocks) >= KP,
+        RANK_TOPK=split > 1 and rank_topk and KP > 1 and cand_cap >= KP,
         LANES=32 * warps,
         FENCE=not interpreted(),
         CAST=cast is not None,

@@ -143,9 +143,9 @@ def test_top_k_methods_agree(B, V, ties):
     (``cand_cap`` 16, 32, 64; one to sixteen blocks a read; rows with more candidates than the
     cap take the merge), a max recorded per 512-token tile or per block of 256 to 32 tokens
     (``max_block``; None: the default), per-row programs of 2 or 8 warps (``row_warps``), the K
-    best blocks or the ranked candidates by one ``tl.topk`` (``blocks_topk``, ``rank_topk``),
-    give exactly the tile-by-tile merge's (``cand_cap`` 0) tokens, parents and frontier:
-    integers, compared exactly."""
+    best blocks or the ranked candidates by one ``tl.topk`` (``blocks_topk``, ``rank_topk``; off
+    unless named) and the launcher's defaults (``defaults``), give exactly the tile-by-tile
+    merge's (``cand_cap`` 0) tokens, parents and frontier: integers, compared exactly."""
     pol = _policy("eagle", B=B, D=2)
     W = pol.max_width
     g = torch.Generator(device=DEV).manual_seed(B + V + ties)
@@ -161,13 +161,13 @@ def test_top_k_methods_agree(B, V, ties):
                (64, 4, 256, 4), (32, 8, 512, 4), (32, 16, 512, 4), (32, 4, 128, 4),
                (32, 8, 32, 4), (0, 1, 64, 4), (32, 2, None, 2), (32, 4, None, 8),
                (32, 4, None, 4, "blocks_topk", "rank_topk"), (32, 1, None, 4, "blocks_topk"),
-               (16, 4, 64, 4, "rank_topk")]  # fmt: skip
+               (16, 4, 64, 4, "rank_topk"), (32, None, None, None, "defaults")]  # fmt: skip
     for cap, tiles, mb, rw, *topks in configs:
         st = treeops.DraftState.new(pol, roots, seq)
+        kw = {} if "defaults" in topks else {k: k in topks for k in ("blocks_topk", "rank_topk")}
         for i, x in enumerate(logits):
             _launch_expand(
-                x, st, pol, cand_cap=cap, cand_tiles=tiles, max_block=mb, row_warps=rw,
-                **{k: True for k in topks},
+                x, st, pol, cand_cap=cap, cand_tiles=tiles, max_block=mb, row_warps=rw, **kw
             )  # fmt: skip
             st.layer = i + 1
         got[(cap, tiles, mb, rw, *topks)] = (
