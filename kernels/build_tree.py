@@ -506,14 +506,16 @@ def expand_max_block(rows: int, V: int, block_v: int, device: torch.device) -> i
     """Tokens per maximum the split expand's stream records (``expand``'s ``max_block``): the
     per-row program re-reads the K blocks with the largest maxima, so smaller blocks mean fewer
     logits re-read, and more maxima to rank. Where every row's program has an SM to itself
-    (``rows`` <= SMs) 64, or fewer where that leaves over 2,048 blocks a row (their keys are held
-    in registers: V 256,000 takes 128); else at most 256 blocks a row (ranking more costs more
-    than the re-read saves once programs share SMs); never more than ``block_v``. The H200's sweep
-    (``bench_build_tree.py --ops sweep_topk``, against a max per 512-token tile): B 1 16.8
-    against 19.3 us at V 32,000 and 20.0 against 21.8 at V 128,256; B 64 39.1 against 41.9 at V
-    32,000 (128-token blocks), and at V 128,256 the tile (256 or 128: 81.4, 80.0 against 76.1)."""
+    (``rows`` <= SMs) 64, or more where that leaves over 1,024 blocks a row (V 128,256 takes
+    128); else at most 256 blocks a row (ranking more costs more than the re-read saves once
+    programs share SMs); never more than ``block_v``. The H200's sweep (``bench_build_tree.py
+    --ops sweep_topk``, against a max per 512-token tile): B 1 16.8 against 19.3 us at V 32,000
+    and 20.0 against 21.8 at V 128,256; B 64 39.1 against 41.9 at V 32,000 (128-token blocks),
+    and at V 128,256 the tile (256 or 128: 81.4, 80.0 against 76.1). With the ``tl.topk``
+    ranks, V 128,256 in 128-token blocks against 64: B 1 16.4 against 17.3 us, B 8 22.1 against
+    23.2 (``logs/2026-12-04_s30_calls.txt``)."""
     if device.type == "cuda" and rows <= _runtime.sm_count(device):
-        return min(max(pow2(cdiv(V, 2048)), 64), block_v)
+        return min(max(pow2(cdiv(V, 1024)), 64), block_v)
     return min(max(pow2(cdiv(V, 256)), 16), block_v)
 
 
