@@ -568,6 +568,9 @@ def main(argv=None):
         "--batches", default=None, help="comma-separated batch sizes, a subset of the grid's"
     )
     ap.add_argument(
+        "--vocabs", default=None, help="comma-separated vocabulary sizes, a subset of the grid's"
+    )
+    ap.add_argument(
         "--budget-s", type=float, default=0.0, help="start no row after this many seconds (0: none)"
     )
     args = ap.parse_args(argv)
@@ -588,6 +591,11 @@ def main(argv=None):
         if any(b not in Bs for b in want):
             raise ValueError(f"Invalid value of --batches: expected a subset of {Bs}, got {want}")
         Bs = tuple(want)
+    if args.vocabs:
+        want = [int(v) for v in args.vocabs.split(",")]
+        if any(v not in Vs for v in want):
+            raise ValueError(f"Invalid value of --vocabs: expected a subset of {Vs}, got {want}")
+        Vs = tuple(want)
     table = treeops.CostTable.load(args.table) if args.table else synthetic_table()
     ops = set(args.ops.split(","))
     empty_us = H.empty_kernel_us(dev)
