@@ -204,13 +204,13 @@ def pick_config(
 
     ``override`` (tests, the benchmark's sweep) replaces any of block_m, block_n, num_warps,
     num_stages, prefetch, pipe, warp_specialize, programs_per_sm, min_chunk, split_min_len,
-    fused_merge, partial_half (16-bit inputs, split launches; not yet timed, so never chosen
-    without an override); ``small_tree: True`` takes the small-tree path where
-    ``small_tree_applies`` (else it is ignored). An explicit ``num_splits`` splits every request
-    into that many chunks (as far as it has keys); the automatic count is a cap each request
-    lowers on the device from its own key count (``MIN_SPLIT_LEN``, ``min_chunk``). Without an
-    override, ``SMALL_TREE``, ``FUSED_MERGE`` and ``TUNED`` choose among the candidates
-    (compiled runs only)."""
+    fused_merge, partial_half (16-bit inputs, split launches; slower at four of five small-tree
+    shapes on the H200, docs/design.md, so never chosen without an override); ``small_tree:
+    True`` takes the small-tree path where ``small_tree_applies`` (else it is ignored). An
+    explicit ``num_splits`` splits every request into that many chunks (as far as it has keys);
+    the automatic count is a cap each request lowers on the device from its own key count
+    (``MIN_SPLIT_LEN``, ``min_chunk``). Without an override, ``SMALL_TREE``, ``FUSED_MERGE`` and
+    ``TUNED`` choose among the candidates (compiled runs only)."""
     g = H_q // H_kv
     g_pad = triton.next_power_of_2(g)
     if override is None and not interpret:
