@@ -1,7 +1,8 @@
 """Device time per kernel of one op call (torch.profiler, CUDA activity), at the small shapes
 where a replay's total hides which launch costs what: tree attention's split launch and merge
 (and the fused merge), greedy acceptance's one launch against its two-launch form and forced
-vocabulary splits, and one build layer's stream and per-row launches.
+vocabulary splits, one build layer's stream and per-row launches, and a whole build step's
+launches (``--only step``).
 
     python bench/kernel_times.py [--only attention,accept,build] [--iters 30]
 
@@ -25,6 +26,7 @@ if HERE not in sys.path:
 ATTENTION_SHAPES = [(1, 512, 8), (1, 512, 64), (1, 1024, 64), (4, 512, 64), (1, 4096, 16)]
 ACCEPT_SHAPES = [(1, 32000), (1, 128256), (8, 32000)]
 BUILD_SHAPES = [(1, 32000), (64, 32000), (1, 128256)]
+STEP_SHAPES = [(1, 32000), (64, 32000)]
 
 
 def kernel_times(fn, iters: int = 30) -> dict[str, tuple[int, list[float]]]:
@@ -113,13 +115,41 @@ def build(iters: int) -> None:
         print(f"build layer 1 EAGLE W=K=10 B {B} V {V}: {kernel_times(layer1, iters)}", flush=True)
 
 
+def step(iters: int) -> None:
+    """A whole EAGLE step as ``bench_build_tree.py``'s step rows time it (reset, 8 layers of
+    W = K = 10, emit of 64 nodes), one [B, W, V] logits buffer per layer (layer 0 reads the first
+    row of each request): each kernel's launches in order, so layer 0's and the rest apart."""
+    import torch
+
+    import treeops
+
+    for B, V in STEP_SHAPES:
+        pol = treeops.EagleStatic(depth=8, topk=10, budget=64)
+        roots = torch.randint(0, V, (B,), device="cuda")
+        seq = torch.full((B,), 3000, device="cuda")
+        st = treeops.DraftState.new(pol, roots, seq)
+        xs = [torch.randn(B, pol.max_width, V, device="cuda", dtype=torch.bfloat16)
+              for _ in range(8)]  # fmt: skip
+        out = treeops.Tree.empty(B, 64, "cuda")
+
+        def whole(st=st, xs=xs, pol=pol, out=out, roots=roots, seq=seq):
+            st.reset(roots, seq)
+            for i, x in enumerate(xs):
+                st.layer = i
+                treeops.build_tree_expand(x, st, pol)
+            treeops.build_tree_emit(st, pol, out=out)
+
+        print(f"build step EAGLE depth 8 W=K=10 N 64 B {B} V {V}: {kernel_times(whole, iters)}",
+              flush=True)  # fmt: skip
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="attention,accept,build")
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args(argv)
     for name in args.only.split(","):
-        {"attention": attention, "accept": accept, "build": build}[name](args.iters)
+        {"attention": attention, "accept": accept, "build": build, "step": step}[name](args.iters)
 
 
 if __name__ == "__main__":
