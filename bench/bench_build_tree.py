@@ -351,12 +351,13 @@ def row_layer(kind, B, V, table, dev, empty_us, quick, time_treeops=None):
     return row
 
 
-def row_sweep(B, V, table, dev, empty_us, topk_only=False):
+def row_sweep(B, V, table, dev, empty_us, topk_only=False, extra=()):
     """The expand launch's tiling on one shape (the defaults are set from this): the vocabulary
     tile, the programs per row (``split``; None: the default rule, ``expand_tiling``) and the
     warps of the streaming programs (split > 1; with split = 1, of the one program per row);
     then, at the default tiling, the split top-K's method (``cand_cap``, ``cand_tiles``, or the
-    tokens per recorded maximum: ``max_block``)."""
+    tokens per recorded maximum: ``max_block``). ``topk_only``: the defaults against the
+    ``tl.topk`` options alone; ``extra``: launcher tunings (dicts) timed besides."""
     from treeops.build_tree import _launch_expand  # the CUDA branch with the launcher's tuning
 
     pol = make_policy("eagle", 64, table)
@@ -396,6 +397,8 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False):
     # and the K best blocks or the ranked candidates by one tl.topk each, at the default blocks
     for bt, rt in ((True, False), (False, True), (True, True)):
         tunes[f"blocks_topk={bt},rank_topk={rt}"] = dict(blocks_topk=bt, rank_topk=rt)
+    for tune in extra:
+        tunes[",".join(f"{k}={v}" for k, v in tune.items())] = dict(tune)
     for name, tune in tunes.items():
         try:
             _launch_expand(bufs[1], st, pol, **tune)
@@ -568,6 +571,12 @@ def main(argv=None):
         "--batches", default=None, help="comma-separated batch sizes, a subset of the grid's"
     )
     ap.add_argument(
+        "--tunes",
+        default="[]",
+        help="sweep rows: a JSON list of expand launcher tunings timed besides, e.g. "
+        '\'[{"row_warps": 2}, {"max_block": 128}]\'',
+    )
+    ap.add_argument(
         "--vocabs", default=None, help="comma-separated vocabulary sizes, a subset of the grid's"
     )
     ap.add_argument(
@@ -598,6 +607,7 @@ def main(argv=None):
         Vs = tuple(want)
     table = treeops.CostTable.load(args.table) if args.table else synthetic_table()
     ops = set(args.ops.split(","))
+    extra = json.loads(args.tunes)
     empty_us = H.empty_kernel_us(dev)
     rows = []
     result = H.result_doc(
@@ -648,7 +658,7 @@ def main(argv=None):
         for B, V in dict.fromkeys(
             ((Bs[-1], Vs[0]), (Bs[0], Vs[-1]), (Bs[0], Vs[0]), (Bs[-1], Vs[-1]))
         ):
-            run(row_sweep, B, V, table, dev, empty_us, "sweep" not in ops)
+            run(row_sweep, B, V, table, dev, empty_us, "sweep" not in ops, extra)
     H.write_json(path, result)
     print_table(rows, empty_us)
     return result
