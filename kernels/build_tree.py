@@ -93,7 +93,7 @@ def _release_then_arrive(p_ctr, LANES: tl.constexpr, FENCE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["B", "layer", "C1", "C2", "L", "M", "D"])
 def _expand_kernel(
-    p_logits,  # [B, W, V] draft logits (strides s_lb, s_lw; the vocabulary contiguous)
+    p_logits,  # [B, RW, V] draft logits (strides s_lb, s_lw; the vocabulary contiguous)
     p_fscore,  # [B, W] f32 frontier: path score (-1 = unused row); rewritten as the next frontier
     p_fcand,  # [B, W] i32 frontier: candidate index (layer * C + slot), -1 = root or unused
     p_ftok,  # [B, W] i64 frontier: token
@@ -108,9 +108,9 @@ def _expand_kernel(
     p_cum,  # [B, CUMW] f32 per request: score sum of the candidates ranked at or above each
     p_tab_t,  # [M, NMAX] f32 CAST: target times per context bucket and node count
     p_tab_d,  # [M, NMAX] f32 CAST: draft times per context bucket and width
-    p_part_m,  # [B * W * SPLIT] f32 split > 1: each chunk's running max
-    p_part_s,  # [B * W * SPLIT] f32 split > 1: each chunk's sum of exp(x - max)
-    p_part_t,  # [>= B * W * NT] i32 split > 1: each block's max (``_ordered``), then scratch
+    p_part_m,  # [B * RW * SPLIT] f32 split > 1: each chunk's running max
+    p_part_s,  # [B * RW * SPLIT] f32 split > 1: each chunk's sum of exp(x - max)
+    p_part_t,  # [>= B * RW * NT] i32 split > 1: each block's max (``_ordered``), then scratch
     B,  # requests
     V,  # vocabulary
     layer,  # the draft layer being expanded
@@ -121,6 +121,7 @@ def _expand_kernel(
     L,  # CAST: context tokens per cost-table bucket
     M,  # CAST: cost-table buckets
     W: tl.constexpr,  # frontier rows per request (the policy's max width)
+    RW: tl.constexpr,  # logits rows per request: W, or 1 at layer 0 (the root's row alone)
     K: tl.constexpr,  # children kept per row (top-K)
     D,  # draft layers (max depth): a runtime int, not a variant per depth
     R: tl.constexpr,  # CAST: length of the FIFO of utility ratios
@@ -148,9 +149,9 @@ def _expand_kernel(
 ):
     pdl_enter(PDL)
     C: tl.constexpr = W * K
-    i_row = tl.program_id(0)
-    i_b = i_row // W
-    i_r = i_row % W
+    i_row = tl.program_id(0)  # a logits row: (request, frontier row < RW)
+    i_b = i_row // RW
+    i_r = i_row % RW
     i_b64 = i_b.to(tl.int64)
 
     # ---- 1. the row's softmax and top-K: streamed here, or merged from _stream_kernel's parts
@@ -184,9 +185,18 @@ def _expand_kernel(
     tl.store(p_cscore + o_dst, tl.where(row_ok, b_score, -1.0), mask=m_k)
     tl.store(p_ctok + o_dst, tl.where(row_ok, b_tok, 0), mask=m_k)
     tl.store(p_cpar + o_dst, tl.where(row_ok, tl.zeros([KP], tl.int32) + b_par, -1), mask=m_k)
+    if RW < W:
+        # the root's row alone (layer 0): the request's other rows have no logits and no
+        # candidates
+        o_e = tl.arange(0, CPAD)
+        m_e = (o_e >= RW * K) & (o_e < C)
+        o_ed = i_b64 * (D * C) + layer * C + o_e
+        tl.store(p_cscore + o_ed, tl.full([CPAD], -1.0, tl.float32), mask=m_e)
+        tl.store(p_ctok + o_ed, tl.zeros([CPAD], tl.int64), mask=m_e)
+        tl.store(p_cpar + o_ed, tl.full([CPAD], -1, tl.int32), mask=m_e)
 
     # ---- 3. last row of the request: rank its W*K candidates, write the next frontier
-    if _release_then_arrive(p_ctr + i_b64, LANES, FENCE) == W - 1:
+    if _release_then_arrive(p_ctr + i_b64, LANES, FENCE) == RW - 1:
         tl.store(p_ctr + i_b64, 0)
         o_c = tl.arange(0, CPAD)
         m_c = o_c < C
@@ -568,8 +578,10 @@ def expand(
     blocks_topk: bool | None = None,
     rank_topk: bool = True,
 ) -> None:
-    """Expand draft layer ``layer`` over ``logits`` [B, W, V]: with a split > 1, ``_stream_kernel``
-    over (row, chunk) programs then ``_expand_kernel`` per row; else ``_expand_kernel`` alone.
+    """Expand draft layer ``layer`` over ``logits`` [B, W, V], or [B, 1, V] (the root's row alone,
+    at layer 0: the launch covers B rows, and the request's other candidate slots of the layer
+    are written empty): with a split > 1, ``_stream_kernel`` over (row, chunk) programs then
+    ``_expand_kernel`` per row; else ``_expand_kernel`` alone.
 
     The tensors are a ``DraftState``'s fields of the same names (shapes in its docstring; D is
     ``cand_scores.shape[1]``), ``workspace`` its workspace dict (``counters``, ``cum``; a split > 1
@@ -604,15 +616,19 @@ def expand(
         raise ValueError(f"cand_tiles must be a power of two, got {cand_tiles}")
     if row_warps is not None and (row_warps not in (1, 2, 4, 8, 16)):
         raise ValueError(f"row_warps must be 1, 2, 4, 8 or 16, got {row_warps}")
-    B, W, V = logits.shape
+    B, RW, V = logits.shape
+    W = frontier.shape[1]
+    if RW not in (1, W):
+        raise ValueError(f"logits must have {W} rows a request, or 1 (the root's): got {RW}")
+    rows = B * RW  # the launch's logits rows: one program each, or SPLIT
     if cand_tiles is None:
-        cand_tiles = 4 if B * W <= _runtime.sm_count(logits.device) else 1
+        cand_tiles = 4 if rows <= _runtime.sm_count(logits.device) else 1
     K, D = topk, cand_scores.shape[1]
     C = W * K
-    block_v, split = expand_tiling(B * W, V, logits.device, block_v, split)
+    block_v, split = expand_tiling(rows, V, logits.device, block_v, split)
     chunk = cdiv(cdiv(V, split), block_v) * block_v
     if max_block is None:
-        max_block = expand_max_block(B * W, V, block_v, logits.device)
+        max_block = expand_max_block(rows, V, block_v, logits.device)
     if max_block < 1 or max_block > block_v or max_block & (max_block - 1):
         raise ValueError(f"max_block must be a power of two <= block_v ({block_v}): {max_block}")
     n_blocks = cdiv(V, max_block)
@@ -622,10 +638,10 @@ def expand(
     ws = workspace
     pdl = use_pdl(logits.device)
     if split > 1:
-        pm, ps, pt = split_workspace(workspace, B * W, split, n_blocks, logits.device)
+        pm, ps, pt = split_workspace(workspace, rows, split, n_blocks, logits.device)
         # step 1 in one-warp programs of its own launch, the rest one program per row
         direct(_stream_kernel).launch(
-            (B * W * split,),
+            (rows * split,),
             logits,
             frontier_scores,
             active.view(torch.uint8),
@@ -636,6 +652,7 @@ def expand(
             logits.stride(0),
             logits.stride(1),
             W=W,
+            RW=RW,
             BLOCK_V=block_v,
             MB=max_block,
             SPLIT=split,
@@ -651,7 +668,7 @@ def expand(
         warps = num_warps or (1 if interpreted() else (8 if block_v >= 4096 else 4))
     costs = cast if cast is not None else _no_cast(u_hist)
     direct(_expand_kernel).launch(
-        (B * W,),
+        (rows,),
         logits,
         frontier_scores,
         frontier,
@@ -680,6 +697,7 @@ def expand(
         costs.bucket_len,
         costs.buckets,
         W=W,
+        RW=RW,
         K=K,
         D=D,
         R=costs.fifo,

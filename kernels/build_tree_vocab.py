@@ -338,16 +338,17 @@ def _top_of_tiles(
 
 @triton.jit
 def _stream_kernel(
-    p_logits,  # [B, W, V] draft logits (strides s_lb, s_lw; the vocabulary contiguous)
+    p_logits,  # [B, RW, V] draft logits (strides s_lb, s_lw; the vocabulary contiguous)
     p_fscore,  # [B, W] f32 frontier path score (-1 = unused row)
     p_active,  # [B] u8 active requests
-    p_part_m,  # [B * W * SPLIT] f32 out: each chunk's running max
-    p_part_s,  # [B * W * SPLIT] f32 out: each chunk's sum of exp(x - max)
-    p_part_t,  # [B * W, NT] i32 out: each MB-token block's max (``_ordered``)
+    p_part_m,  # [B * RW * SPLIT] f32 out: each chunk's running max
+    p_part_s,  # [B * RW * SPLIT] f32 out: each chunk's sum of exp(x - max)
+    p_part_t,  # [B * RW, NT] i32 out: each MB-token block's max (``_ordered``)
     V,
     s_lb,
     s_lw,
-    W: tl.constexpr,
+    W: tl.constexpr,  # frontier rows per request
+    RW: tl.constexpr,  # logits rows per request: W, or 1 at layer 0 (the root's row alone)
     BLOCK_V: tl.constexpr,
     MB: tl.constexpr,  # tokens per recorded maximum (divides BLOCK_V)
     SPLIT: tl.constexpr,
@@ -360,10 +361,10 @@ def _stream_kernel(
     a max per block; no top-K work, which ``_top_of_tiles`` does on the few blocks that matter)."""
     pdl_enter(PDL)
     i_p = tl.program_id(0)
-    i_row = i_p // SPLIT
+    i_row = i_p // SPLIT  # a logits row: (request, frontier row < RW)
     i_s = i_p % SPLIT
-    i_b64 = (i_row // W).to(tl.int64)
-    i_r = i_row % W
+    i_b64 = (i_row // RW).to(tl.int64)
+    i_r = i_row % RW
     row_ok = (tl.load(p_fscore + i_b64 * W + i_r) >= 0) & (tl.load(p_active + i_b64) != 0)
     p_row = p_logits + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
     v_lo = i_s * CHUNK

@@ -2,7 +2,7 @@
 
 One decoding step drafts layer after layer. Layer ``i`` (``state.layer``) reads the draft logits
 of the current frontier ``[B, W, V]`` (row ``r`` of request ``b`` is a node already in the tree,
-or the root at layer 0) and:
+or the root at layer 0, where the logits may be ``[B, 1, V]``: the root's row alone) and:
 
 1. softmax (temperature 1) per valid frontier row, computed in float64;
 2. top-k per row: the ``K`` largest *logits*, ties to the lower token id; probability ``p`` of
@@ -44,14 +44,19 @@ __all__ = ["build_tree_expand", "build_tree_emit", "build_tree"]
 
 
 def build_tree_expand(logits: torch.Tensor, state: Any, policy: Any) -> None:
-    """Expand draft layer ``state.layer`` from the frontier's logits ``[B, W, V]``; advance it."""
+    """Expand draft layer ``state.layer`` from the frontier's logits ``[B, W, V]``, or at layer 0
+    ``[B, 1, V]`` (the root's row alone: rows 1.. are not expanded); advance it."""
     i = state.layer
-    B, W, V = logits.shape
+    B, W = state.frontier.shape
+    V = logits.shape[2]
     K = policy.topk
     C = W * K
     dev = logits.device
     fs = state.frontier_scores.float()  # [B, W]
     row_ok = (fs >= 0) & state.active[:, None]  # [B, W]
+    if logits.shape[1] < W:  # the root's row alone: the other rows' logits are never read
+        row_ok[:, logits.shape[1] :] = False
+        logits = torch.cat([logits, logits.new_zeros(B, W - logits.shape[1], V)], dim=1)
 
     x = logits.double()
     p = torch.softmax(x, dim=-1)  # [B, W, V] float64

@@ -557,6 +557,61 @@ def test_kernels_named_large_case():
     run_both(cast, logits, [1, 2, 3], [10, 40, 5], [True, False, True], block_v=128)
 
 
+def _root_row_policy(kind):
+    if kind == "eagle":
+        return treeops.EagleStatic(depth=3, topk=3, budget=12)
+    return treeops.Cast(
+        C1=0.05, C2=0.02, C3=0.01, R=2, cost_table=cost_table(3, 24), topk=3, max_width=4,
+        max_depth=3, capacity=24,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("split, block_v", [(1, None), (3, 16)])
+@pytest.mark.parametrize("kind", ["eagle", "cast"])
+def test_root_row_logits_at_layer_0_match_full_rows(kind, split, block_v):
+    """Layer 0 from [B, 1, V] logits (the root's row alone, launched over B rows) gives exactly
+    what [B, W, V] logits with that row first give, whatever their other rows hold: the kernels
+    (one program per row, and the split stream) and the reference, every layer and the tree."""
+    g = torch.Generator().manual_seed(5)
+    pol = _root_row_policy(kind)
+    B, W, V = 3, pol.max_width, 200
+    logits = (torch.randn(pol.max_depth, B, W, V, generator=g) * 3).to(torch.bfloat16)
+    roots, seq, active = [4, 5, 6], [10, 300, 20], [True, False, True]
+    kb = _kb()
+    sk, sr, sf = (start(pol, roots, seq, active) for _ in range(3))
+    for state in (sk, sr, sf):  # candidates left from another step: every slot is rewritten
+        state.cand_scores.fill_(0.5)
+        state.cand_tokens.fill_(7)
+        state.cand_parents.fill_(3)
+    i = 0
+    while sf.wants_next_layer():
+        x = logits[i][:, :1] if i == 0 else logits[i]
+        kb._launch_expand(x, sk, pol, block_v=block_v, split=split)
+        sk.layer += 1
+        ref.build_tree_expand(x, sr, pol)
+        ref.build_tree_expand(logits[i], sf, pol)
+        compare_states(sk, sf, i, f"kernel, layer {i}")
+        compare_states(sr, sf, i, f"reference, layer {i}")
+        i += 1
+    tk, tf = kb._launch_emit(sk, pol), ref.build_tree_emit(sf, pol)
+    for f in ("tokens", "parents", "num_nodes", "depth", "anc"):
+        assert torch.equal(getattr(tk, f), getattr(tf, f)), f
+
+
+def test_root_row_logits_only_at_layer_0():
+    """The public op takes [B, 1, V] at layer 0 and refuses it later, naming the argument."""
+    pol = treeops.EagleStatic(depth=2, topk=2, budget=4)
+    st_ = start(pol, [1], [2], [True])
+    treeops.build_tree_expand(torch.tensor([[[0.0, 2.0, 1.0]]]), st_, pol)
+    assert st_.frontier_tokens.tolist() == [[1, 2]]
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid shape of logits: expected 2 rows a request at layer 1 \(one row, the "
+        r"root's, only at layer 0\), got 1",
+    ):
+        treeops.build_tree_expand(torch.zeros(1, 1, 3), st_, pol)
+
+
 def test_kernels_negative_seq_lens_price_bucket_0():
     """seq_lens < 0 (not checked by the public API): the CAST kernels clamp the context at 0
     before bucketing, as CostTable.bucket does, instead of indexing before TAB_T / TAB_D."""

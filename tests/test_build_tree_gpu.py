@@ -58,9 +58,10 @@ def _host_frontier(cand_scores_layer, W):
     return order, s.gather(1, order)
 
 
-def _run(policy, B, V, dtype, seed, active=None, seq=None, logits_of=None):
+def _run(policy, B, V, dtype, seed, active=None, seq=None, logits_of=None, root_row=False):
     """Drafts ``policy``'s tree layer by layer on random logits (``logits_of(B, W, V, g)``,
-    default N(0, 3)), checking each layer and the emitted tree against the reference."""
+    default N(0, 3); with ``root_row``, layer 0 gets the root's row alone, a [B, 1, V] view),
+    checking each layer and the emitted tree against the reference."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     roots = torch.randint(0, V, (B,), device=DEV, generator=g)
     seq = torch.randint(0, 20000, (B,), device=DEV, generator=g) if seq is None else seq
@@ -73,6 +74,8 @@ def _run(policy, B, V, dtype, seed, active=None, seq=None, logits_of=None):
             logits = (torch.randn(B, W, V, device=DEV, generator=g) * 3).to(dtype)
         else:
             logits = logits_of(B, W, V, g).to(dtype)
+        if root_row and i == 0:
+            logits = logits[:, :1]
         before = _cpu_state(st)
         treeops.build_tree_expand(logits, st, policy)
         # reference applied to the kernel's state before this layer
@@ -119,6 +122,19 @@ def _run(policy, B, V, dtype, seed, active=None, seq=None, logits_of=None):
 )
 def test_realistic(kind, B, V, dtype):
     _run(_policy(kind, B=B), B, V, dtype, seed=B * 31 + V)
+
+
+# ties under EAGLE alone: CAST's width on exactly tied sums would test float rounding
+@pytest.mark.parametrize("kind, ties", [("eagle", False), ("cast", False), ("eagle", True)])
+@pytest.mark.parametrize("B,V", [(1, 32000), (16, 128256), (64, 32000)])
+def test_root_row_logits_at_layer_0(kind, ties, B, V):
+    """Layer 0 from [B, 1, V] logits (the root's row alone: its stream split for B rows, one
+    per-row program a request), then full layers: each layer and the tree against the
+    reference."""
+    _run(
+        _policy(kind, B=B), B, V, torch.bfloat16, seed=B + V + 7,
+        logits_of=_ties_and_masks if ties else None, root_row=True,
+    )  # fmt: skip
 
 
 def _ties_and_masks(B, W, V, g):

@@ -361,7 +361,7 @@ def _expand_cpu(
     cand_tokens, cand_scores, cand_parents, decisions, u_hist, counters, cum, part_m, part_s,
     part_t, target_times, draft_times, c1, c2, fifo, bucket_len,
 ):  # fmt: skip
-    W, D = logits.shape[1], cand_scores.shape[1]
+    W, D = frontier.shape[1], cand_scores.shape[1]
     state = DraftState(
         root_tokens=seq_lens,  # not read by the expand
         seq_lens=seq_lens, active=active, cand_tokens=cand_tokens, cand_scores=cand_scores,
@@ -437,7 +437,9 @@ def build_tree_expand(
     Args:
         logits: [B, W, V] bfloat16/float16/float32, the draft model's logits at each frontier row
             (row r of request b predicts the children of frontier node r; rows with
-            ``state.frontier_valid`` False are ignored). The last dimension must be contiguous.
+            ``state.frontier_valid`` False are ignored), or at layer 0 [B, 1, V]: the root's row
+            alone, the one row ``state.reset`` leaves valid (launched over B rows, not B * W).
+            The last dimension must be contiguous.
         state: the step's ``DraftState`` (made by ``DraftState.new`` for this ``policy``).
         policy: ``EagleStatic`` or ``Cast``.
         validate: also reject NaN logits (a host sync).
@@ -466,10 +468,11 @@ def build_tree_expand(
     if _PASSED.get(key) is None:
         _check_policy(policy)
         _check_state(state, policy)
+        rows = 1 if logits.dim() == 3 and logits.shape[1] == 1 else policy.max_width
         check_tensor(
             "logits",
             logits,
-            shape=(state.active.shape[0], policy.max_width, None),
+            shape=(state.active.shape[0], rows, None),
             dtype=(torch.float32, torch.bfloat16, torch.float16),
         )
         check_same_device(logits=logits, state=state.cand_scores)
@@ -489,6 +492,11 @@ def build_tree_expand(
         raise ValueError(
             f"Invalid state: all {policy.max_depth} draft layers already expanded "
             "(call state.reset for the next decoding step)"
+        )
+    if logits.shape[1] != policy.max_width and state.layer != 0:
+        raise ValueError(
+            f"Invalid shape of logits: expected {policy.max_width} rows a request at layer "
+            f"{state.layer} (one row, the root's, only at layer 0), got {logits.shape[1]}"
         )
     if validate and bool(torch.isnan(logits).any()):
         raise ValueError("Invalid value in logits: expected numbers, got NaN")
