@@ -134,17 +134,24 @@ class TorchBuild:
         self.ftokens[:, 0] = roots
 
     def layer(self, i, logits):
+        """Layer i from logits [B, W, V], or [B, 1, V] (the root's row alone) at layer 0."""
         B, C, K = self.B, self.C, TOPK
+        R = logits.shape[1]  # rows read: the others have no candidates
         x = logits.float()
         lse = torch.logsumexp(x, dim=-1, keepdim=True)
         tv, ti = torch.topk(x, K, dim=-1)
         p = torch.exp(tv - lse)
-        ok = (self.fscores >= 0)[:, :, None]
-        sc = torch.where(ok, self.fscores[:, :, None] * p, -1.0).view(B, C)
-        self.cand_scores[:, i] = sc
-        self.cand_tokens[:, i] = torch.where(ok, ti, 0).view(B, C)
-        par = self.frontier[:, :, None].expand(B, W, K)
-        self.cand_parents[:, i] = torch.where(ok, par, -1).reshape(B, C)
+        ok = (self.fscores[:, :R] >= 0)[:, :, None]
+        self.cand_scores[:, i, R * K :] = -1.0
+        self.cand_tokens[:, i, R * K :] = 0
+        self.cand_parents[:, i, R * K :] = -1
+        self.cand_scores[:, i, : R * K] = torch.where(ok, self.fscores[:, :R, None] * p, -1.0).view(
+            B, R * K
+        )
+        self.cand_tokens[:, i, : R * K] = torch.where(ok, ti, 0).view(B, R * K)
+        par = self.frontier[:, :R, None].expand(B, R, K)
+        self.cand_parents[:, i, : R * K] = torch.where(ok, par, -1).reshape(B, R * K)
+        sc = self.cand_scores[:, i]
         ns, ni = torch.topk(sc, W, dim=-1)
         keep = ns >= 0
         if self.p.is_cast:
@@ -484,10 +491,13 @@ def row_rerank(kind, B, N, table, dev, empty_us, quick, V=32000, time_treeops=No
 
 
 def row_step(B, N, V, table, dev, empty_us, quick, layer_checks=True, time_treeops=None):
-    """A whole step (reset, DEPTH expands, emit), every layer and the tree checked first."""
+    """A whole step (reset, DEPTH expands, emit), every layer and the tree checked first. Layer 0
+    reads the root's row alone ([B, 1, V], as a draft forward of the root alone gives it), the
+    others [B, W, V]; the PyTorch step is fed the same."""
     time_treeops = time_treeops or time_graph
     pol = make_policy("eagle", N, table)
     bufs = logits_buffers(B, V, dev, count=DEPTH, seed=3)
+    bufs[0] = bufs[0][:, :1]
     st, roots, seq = fresh_state(pol, B, V, dev)
     tb = TorchBuild(pol, B, dev)
     out = treeops.Tree.empty(B, N, dev)
@@ -516,7 +526,7 @@ def row_step(B, N, V, table, dev, empty_us, quick, layer_checks=True, time_treeo
     err = err or check_tree(st, pol, treeops.build_tree_emit(st, pol, out=out))
     step_torch()
     ok = err is None
-    nbytes = DEPTH * B * W * V * 2
+    nbytes = (DEPTH - 1) * B * W * V * 2 + B * V * 2
     row = dict(
         op="step",
         policy="eagle",
