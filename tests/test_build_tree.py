@@ -493,7 +493,13 @@ def compare_states(a, b, i, what=""):
     assert torch.equal(a.decisions, b.decisions), f"{what} decisions"
 
 
-def run_both(policy, logits, roots, seq, active, block_v=None, split=1, states=None, **tuning):
+def run_both(
+    policy, logits, roots, seq, active, block_v=None, split=1, states=None, root_row=False,
+    **tuning,
+):  # fmt: skip
+    """The kernels and the reference from the same start, layer by layer (with ``root_row``,
+    layer 0 from the root's row alone, [B, 1, V]), then the emitted trees: compared exactly
+    (scores within float32 rounding)."""
     kb = _kb()
     sk = start(policy, roots, seq, active)
     if states is not None:  # the caller inspects the kernel's state too
@@ -501,9 +507,10 @@ def run_both(policy, logits, roots, seq, active, block_v=None, split=1, states=N
     sr = start(policy, roots, seq, active)
     i = 0
     while sr.wants_next_layer():
-        kb._launch_expand(logits[i], sk, policy, block_v=block_v, split=split, **tuning)
+        x = logits[i][:, :1] if root_row and i == 0 else logits[i]
+        kb._launch_expand(x, sk, policy, block_v=block_v, split=split, **tuning)
         sk.layer += 1
-        ref.build_tree_expand(logits[i], sr, policy)
+        ref.build_tree_expand(x, sr, policy)
         compare_states(sk, sr, i, f"layer {i}")
         i += 1
     tk = kb._launch_emit(sk, policy)
@@ -516,11 +523,15 @@ def run_both(policy, logits, roots, seq, active, block_v=None, split=1, states=N
     return tk
 
 
-@given(steps(max_batch=6, max_vocab=24, max_w=4, max_k=4, max_depth=3, max_n=16))
-def test_kernels_match_reference(case):
+@given(steps(max_batch=6, max_vocab=24, max_w=4, max_k=4, max_depth=3, max_n=16), st.booleans())
+def test_kernels_match_reference(case, root_row):
     policy, logits, roots, seq, active = case
-    # 1, 2 or 3 programs per row (chunks of V merged by the row's last program)
-    run_both(policy, logits, roots, seq, active, block_v=8, split=1 + logits.shape[-1] % 3)
+    # 1, 2 or 3 programs per row (chunks of V merged by the row's last program); layer 0 from
+    # all W rows or the root's alone
+    run_both(
+        policy, logits, roots, seq, active, block_v=8, split=1 + logits.shape[-1] % 3,
+        root_row=root_row,
+    )  # fmt: skip
 
 
 @given(
