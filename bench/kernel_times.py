@@ -4,7 +4,7 @@ where a replay's total hides which launch costs what: tree attention's split lau
 vocabulary splits, one build layer's stream and per-row launches, and a whole build step's
 launches (``--only step``).
 
-    python bench/kernel_times.py [--only attention,accept,build] [--iters 30]
+    python bench/kernel_times.py [--only attention,accept,build,step] [--iters 30] [--full-root]
 
 Prints one line per case: the kernels the call launched, each ``(launches per call, [median
 device µs of each launch])``. Eager calls (the profiler times each kernel on the device, host
@@ -27,6 +27,7 @@ ATTENTION_SHAPES = [(1, 512, 8), (1, 512, 64), (1, 1024, 64), (4, 512, 64), (1, 
 ACCEPT_SHAPES = [(1, 32000), (1, 128256), (8, 32000)]
 BUILD_SHAPES = [(1, 32000), (64, 32000), (1, 128256)]
 STEP_SHAPES = [(1, 32000), (64, 32000)]
+FULL_ROOT = False  # ``--full-root``: the step's layer 0 from all W rows of its logits
 
 
 def kernel_times(fn, iters: int = 30) -> dict[str, tuple[int, list[float]]]:
@@ -117,8 +118,9 @@ def build(iters: int) -> None:
 
 def step(iters: int) -> None:
     """A whole EAGLE step as ``bench_build_tree.py``'s step rows time it (reset, 8 layers of
-    W = K = 10, emit of 64 nodes), one [B, W, V] logits buffer per layer (layer 0 reads the first
-    row of each request): each kernel's launches in order, so layer 0's and the rest apart."""
+    W = K = 10, emit of 64 nodes), one [B, W, V] logits buffer per layer (layer 0 gets the root's
+    row alone, [B, 1, V]; ``--full-root`` passes all W rows there instead): each kernel's
+    launches in order, so layer 0's and the rest apart."""
     import torch
 
     import treeops
@@ -136,7 +138,7 @@ def step(iters: int) -> None:
             st.reset(roots, seq)
             for i, x in enumerate(xs):
                 st.layer = i
-                treeops.build_tree_expand(x, st, pol)
+                treeops.build_tree_expand(x if i or FULL_ROOT else x[:, :1], st, pol)
             treeops.build_tree_emit(st, pol, out=out)
 
         print(f"build step EAGLE depth 8 W=K=10 N 64 B {B} V {V}: {kernel_times(whole, iters)}",
@@ -147,7 +149,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="attention,accept,build")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--full-root", action="store_true", help="step: layer 0 from all W rows")
     args = ap.parse_args(argv)
+    global FULL_ROOT
+    FULL_ROOT = args.full_root
     for name in args.only.split(","):
         {"attention": attention, "accept": accept, "build": build, "step": step}[name](args.iters)
 
