@@ -142,9 +142,10 @@ class TorchBuild:
         tv, ti = torch.topk(x, K, dim=-1)
         p = torch.exp(tv - lse)
         ok = (self.fscores[:, :R] >= 0)[:, :, None]
-        self.cand_scores[:, i, R * K :] = -1.0
-        self.cand_tokens[:, i, R * K :] = 0
-        self.cand_parents[:, i, R * K :] = -1
+        if R < W:
+            self.cand_scores[:, i, R * K :] = -1.0
+            self.cand_tokens[:, i, R * K :] = 0
+            self.cand_parents[:, i, R * K :] = -1
         self.cand_scores[:, i, : R * K] = torch.where(ok, self.fscores[:, :R, None] * p, -1.0).view(
             B, R * K
         )

@@ -597,8 +597,8 @@ def expand(
     two <= ``block_v``; default ``expand_max_block``'s) the tokens per maximum the stream
     records, i.e. per block the top-K pass may re-read, and ``cand_tiles`` (a power of two) how
     many such blocks are read at once (more: fewer block-wide steps, more registers, so fewer
-    resident programs at large B). By default 4 when every row's program has an SM to itself
-    (B*W <= SMs), else 1: the H200's sweep (``bench_build_tree.py --ops sweep_topk``, 64- and
+    resident programs at large B). By default 4 when every logits row's program has an SM to
+    itself, else 1: the H200's sweep (``bench_build_tree.py --ops sweep_topk``, 64- and
     128-token blocks) had B 1 at 16.8 against 19.1 us (1 block a read) and B 64 at 39.1 against
     41.6 (4 a read). ``row_warps``: warps of the per-row programs when split > 1 (default 4).
     ``blocks_topk`` finds the K best blocks with one ``tl.topk`` (where K > 1 and a row has at
@@ -619,7 +619,9 @@ def expand(
     B, RW, V = logits.shape
     W = frontier.shape[1]
     if RW not in (1, W):
-        raise ValueError(f"logits must have {W} rows a request, or 1 (the root's): got {RW}")
+        raise ValueError(
+            f"Invalid shape of logits: expected {W} rows a request, or 1 (the root's), got {RW}"
+        )
     rows = B * RW  # the launch's logits rows: one program each, or SPLIT
     if cand_tiles is None:
         cand_tiles = 4 if rows <= _runtime.sm_count(logits.device) else 1

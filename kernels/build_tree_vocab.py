@@ -239,8 +239,8 @@ def _top_of_tiles(
     NTP: tl.constexpr,
     GT: tl.constexpr,
     CAP: tl.constexpr,
-    BLOCKS_TOPK: tl.constexpr = False,
-    RANK_TOPK: tl.constexpr = False,
+    BLOCKS_TOPK: tl.constexpr,
+    RANK_TOPK: tl.constexpr,
 ):
     """The row's top-K packed keys, reading only the tiles that can hold them.
 

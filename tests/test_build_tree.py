@@ -964,6 +964,19 @@ def test_streamed_expand_ranked_candidates_match_reference(cand_cap, cand_tiles,
     )  # fmt: skip
 
 
+def test_expand_launcher_refuses_logits_rows_other_than_w_or_1():
+    """The launcher itself (below the public op's checks) takes W logits rows a request or the
+    root's one: any other count is refused naming logits, before a kernel indexes the frontier
+    with it."""
+    pol = treeops.EagleStatic(depth=1, topk=2, budget=4, width=3)
+    st = start(pol, [1], [5], [True])
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid shape of logits: expected 3 rows a request, or 1 \(the root's\), got 2",
+    ):
+        _kb()._launch_expand(torch.randn(1, 2, 40), st, pol)
+
+
 @pytest.mark.parametrize(
     "tuning, message",
     [
