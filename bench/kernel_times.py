@@ -1,10 +1,11 @@
 """Device time per kernel of one op call (torch.profiler, CUDA activity), at the small shapes
 where a replay's total hides which launch costs what: tree attention's split launch and merge
 (and the fused merge), greedy acceptance's one launch against its two-launch form and forced
-vocabulary splits, one build layer's stream and per-row launches, and a whole build step's
-launches (``--only step``).
+vocabulary splits, sampling acceptance's three launches (``--only sample``), one build layer's
+stream and per-row launches, and a whole build step's launches (``--only step``).
 
-    python bench/kernel_times.py [--only attention,accept,build,step] [--iters 30] [--full-root]
+    python bench/kernel_times.py [--only attention,accept,sample,build,step] [--iters 30]
+        [--full-root]
 
 Prints one line per case: the kernels the call launched, each ``(launches per call, [median
 device µs of each launch])``. Eager calls (the profiler times each kernel on the device, host
@@ -93,6 +94,32 @@ def accept(iters: int) -> None:
                       f"{kernel_times(call, iters)}", flush=True)  # fmt: skip
 
 
+def sample(iters: int) -> None:
+    """Sampling acceptance's three launches (statistics, kept sets, walk), plain and with
+    top-k 50 / top-p 0.9, on a chain of 64 nodes."""
+    import torch
+
+    import treeops
+    from treeops.kernels import accept as KA
+
+    N = 64
+    for B, V in ACCEPT_SHAPES:
+        par = torch.arange(-1, N - 1, dtype=torch.int32)[None].repeat(B, 1)
+        tree = treeops.Tree.from_parents(
+            par, torch.full((B,), N, dtype=torch.int32), torch.randint(0, V, (B, N))
+        ).to("cuda")
+        logits = torch.randn(B, N, V, device="cuda", dtype=torch.bfloat16)
+        temp = torch.ones(B, device="cuda")
+        u = torch.rand(B, N, device="cuda")
+        for k, p in ((0, 1.0), (50, 0.9)):
+            top_k = torch.full((B,), k, dtype=torch.int32, device="cuda")
+            top_p = torch.full((B,), p, device="cuda")
+            call = functools.partial(KA.accept_launch, tree, logits, temperature=temp,
+                                     top_k=top_k, top_p=top_p, uniforms=u)  # fmt: skip
+            print(f"sampling accept B {B} V {V} top_k {k} top_p {p}: "
+                  f"{kernel_times(call, iters)}", flush=True)  # fmt: skip
+
+
 def build(iters: int) -> None:
     import torch
 
@@ -154,7 +181,7 @@ def main(argv=None) -> None:
     global FULL_ROOT
     FULL_ROOT = args.full_root
     for name in args.only.split(","):
-        {"attention": attention, "accept": accept, "build": build, "step": step}[name](args.iters)
+        {"attention": attention, "accept": accept, "sample": sample, "build": build, "step": step}[name](args.iters)
 
 
 if __name__ == "__main__":

@@ -471,7 +471,8 @@ class EagerStep(StepBody):
             t0 = time.perf_counter()
             logits = draft_fn(state)
             t1 = time.perf_counter()
-            build_tree_expand(logits, state, pol)
+            # layer 0 reads the root's row alone: the launch covers B rows, not B·W
+            build_tree_expand(logits[:, :1] if state.layer == 0 else logits, state, pol)
             stop_now = False
             if keep is not None:
                 best = state.frontier_scores.max(1).values.float().contiguous()
@@ -649,7 +650,8 @@ class StaticStep(StepBody):
             pb.hid[:, qs : qs + R] = pb.d_h[:, :R]
             t2 = clock()
             waited = res.time_host_wait
-            build_tree_expand(logits, st, pol)
+            # layer 0 reads the root's row alone (the draft wrote row 0): B rows, not B·W
+            build_tree_expand(logits[:, :1] if i == 0 else logits, st, pol)
             pruned_all = None
             if keep is not None:
                 best = st.frontier_scores.max(1).values.float().contiguous()
