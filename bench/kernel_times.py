@@ -181,7 +181,9 @@ def main(argv=None) -> None:
     global FULL_ROOT
     FULL_ROOT = args.full_root
     for name in args.only.split(","):
-        {"attention": attention, "accept": accept, "sample": sample, "build": build, "step": step}[name](args.iters)
+        cases = {"attention": attention, "accept": accept, "sample": sample}
+        cases.update(build=build, step=step)
+        cases[name](args.iters)
 
 
 if __name__ == "__main__":
