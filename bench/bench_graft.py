@@ -24,6 +24,7 @@ bench/bench_graft.py --benchmark-only`` times one row per op (B = 8, V = 128256)
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -448,15 +449,16 @@ def sweep_update_rows(c: dict, empty_us: float, configs=None) -> list[dict]:
     rows = []
     try:
         for cfg in configs:
-            kg.UPDATE_TUNING.update(cfg)
+            kg.UPDATE_TUNING.clear()
+            kg.UPDATE_TUNING.update(default, **cfg)  # a configuration names what it changes
             table = AdjacencyTable(V, k, device=dev)  # a workspace sized by this configuration
             table.table.copy_(base)
             table.update(tree, logits[0])
             ok = torch.equal(table.table, want)
             t = timer([(lambda lg=lg: table.update(tree, lg)) for lg in logits]) if ok else None
-            S = kg.update_workspace_key(B * N, V, k, dev)[1]
+            S = kg.update_splits(B * N, V, dev)
             rows.append(_row("update_sweep", c, floor_us=floor, match=ok, splits=S,
-                             treeops_us=t, **cfg))  # fmt: skip
+                             treeops_us=t, **kg.UPDATE_TUNING))  # fmt: skip
     finally:
         kg.UPDATE_TUNING.clear()
         kg.UPDATE_TUNING.update(default)
@@ -574,6 +576,12 @@ def main(argv=None) -> dict | None:
         help="only the update's configurations (kernels.graft.UPDATE_TUNING): "
         "graft_update_sweep.json",
     )
+    ap.add_argument(
+        "--update-configs",
+        default=None,
+        help="with --sweep-update: a JSON list of UPDATE_TUNING changes to time instead of the "
+        "grid, e.g. '[{}, {\"block_max\": 128}]' ({} is the default configuration)",
+    )
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--vocabs", default="32000,128256")
     ap.add_argument(
@@ -611,9 +619,12 @@ def main(argv=None) -> dict | None:
                         dict(block_v=512, programs_per_sm=32, num_warps=1, group=g, merge=m)
                         for g, m in ((0, "passes"), (32, "bitonic"))
                     ]  # fmt: skip
+                    + [dict(block_max=64)]
                     if dev.type != "cuda"
                     else None
                 )
+                if args.update_configs:
+                    cfgs = json.loads(args.update_configs)
                 rows += sweep_update_rows(c, empty_us, cfgs)
                 H.write_json(path, out)
                 best = min((r for r in rows if r["B"] == B and r["V"] == V and r["treeops_us"]),

@@ -436,9 +436,17 @@ def graft(op, B, V, N=60, k=8):
         ids = torch.randint(0, V, (B, N, k), generator=G, dtype=torch.int32)
         ws: dict = {}
 
+        block_max = int(op.split("_")[1]) if op.startswith("update_") else 0
+
         def launch():
-            kg.adjacency_update(table, owner, ws, tree.tokens, tree.num_nodes, lg, None, False)
-            kg.adjacency_update(table, owner, ws, tree.tokens, tree.num_nodes, None, ids, True)
+            # "update_M": the block-maxima method with M logits a block
+            saved = kg.UPDATE_TUNING.get("block_max", 0)
+            kg.UPDATE_TUNING["block_max"] = block_max
+            try:
+                kg.adjacency_update(table, owner, ws, tree.tokens, tree.num_nodes, lg, None, False)
+                kg.adjacency_update(table, owner, ws, tree.tokens, tree.num_nodes, None, ids, True)
+            finally:
+                kg.UPDATE_TUNING["block_max"] = saved
 
         return launch
 
@@ -668,7 +676,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
         out.append(compact(8, 32, 8, d, 16))
     out += [compact(8, 32, 8, 128, 16, stacked=False), compact(1, 4, 8, 128, 1)]
     for B, V in ((1, 32000), (64, 128256)):
-        for op in ("retrieve_merge", "retrieve", "tail", "update"):
+        for op in ("retrieve_merge", "retrieve", "tail", "update", "update_64", "update_128"):
             out.append(graft(op, B, V))
     out += [prune(1, 8, keep_tensor=False), prune(64, 256), prune(8, 2048)]  # 1-2 tiles
     # CAST's standalone ops: bench_cast's shapes (width: 100 candidates, K = 10; rerank: 800,

@@ -21,7 +21,9 @@ list's worst, so most blocks cost one max. Split 0 also claims the node's token 
 and the node whose index equals ``owner[token]`` writes the row and resets the owner to INT32_MAX
 (losers read either their winner's index or INT32_MAX, never their own), so the owner buffer is
 all INT32_MAX again after every update and no host sync or memset is needed. With ``topk_ids``
-stage 1 only claims.
+stage 1 only claims. With ``UPDATE_TUNING["block_max"]`` set, stage 1 keeps a max per block of
+logits instead of a list, and stage 2 (one program per node) ranks the blocks and rereads the
+best (``graft_update``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ from treeops._runtime import cdiv, interpreted, pow2
 from treeops.tree import Tree
 
 from ._launch import direct, scratch
-from .graft_update import _claim_kernel, _topk_partial_kernel, _update_write_kernel
+from .graft_update import (
+    _block_max_kernel,
+    _block_top_kernel,
+    _claim_kernel,
+    _topk_partial_kernel,
+    _update_write_kernel,
+)
 
 INT32_MAX = 2**31 - 1
 _BIG = tl.constexpr(1 << 30)
@@ -634,16 +642,20 @@ UPDATE_TUNING = {
     "num_warps": 1,
     "group": 0,
     "merge": "bitonic",
+    "block_max": 0,
 }
 """The update's configuration on the GPU. Stage 1: logits per block, programs per SM that the
 splits of V aim for, warps per program, and the top-k method: ``group`` 0 keeps a running list
 that a block's best key enters while it beats the worst; ``group`` g > 0 keeps the largest
 maxima of groups of g logits and rereads those groups (``_update_group``). The write stage:
 ``merge`` "passes" (K dependent max passes over the splits' lists) or "bitonic" (one top-KB a
-row). ``bench/bench_graft.py --sweep-update`` varies it; the splits it implies are part of
-``update_workspace_key``, so a table's cached workspace follows it. H200, V 128,256, µs
-(bench/results/h200/graft_update_sweep.json): the bitonic merge 21.15 against 21.57 at B 1,
-434.4 against 435.4 at B 64; groups of 16 (2,048-logit blocks) 19.2 at B 1 but 576 at B 64."""
+row). ``block_max`` m > 0 replaces both: stage 1 keeps one max per m logits (a float max per
+logit, no order keys), stage 2 rereads each node's k best blocks (``_update_by_block_maxima``;
+untimed on the GPU, hence off). ``bench/bench_graft.py --sweep-update`` varies it; the splits
+and the method are part of ``update_workspace_key``, so a table's cached workspace follows it.
+H200, V 128,256, µs (bench/results/h200/graft_update_sweep.json): the bitonic merge 21.15
+against 21.57 at B 1, 434.4 against 435.4 at B 64; groups of 16 (2,048-logit blocks) 19.2 at B 1
+but 576 at B 64."""
 
 
 def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
@@ -675,19 +687,60 @@ _MAX_CHUNK = 1 << 16
 """A split's ids fit the 16 bits that bf16 order keys give them (kernels.graft_update)."""
 
 
-def update_workspace_key(n_flat: int, V: int, K: int, device: torch.device) -> tuple[int, int, int]:
-    """(nodes, splits of V, padded k): the key, and the sizes, of ``adjacency_update``'s partial
-    top-k workspace for ``n_flat`` nodes of V logits and a table of width K."""
+def update_splits(n_flat: int, V: int, device: torch.device) -> int:
+    """Stage 1's splits of V per node (``_splits``, at least enough that a split's ids fit the
+    16 bits of a bf16 order key, and none empty)."""
     block_v = _update_block_v()
     S = max(_splits(n_flat, V, block_v, device), cdiv(V, _MAX_CHUNK))
-    S = cdiv(V, _chunk(V, S, block_v))
-    return n_flat, S, max(pow2(K), 2)
+    return cdiv(V, _chunk(V, S, block_v))
+
+
+def _update_block_max() -> int:
+    """Logits per block of the block-maxima method (``UPDATE_TUNING["block_max"]``, at most a
+    stage-1 block), or 0: the top-k lists."""
+    mb = UPDATE_TUNING.get("block_max", 0)
+    return min(mb, _update_block_v()) if mb else 0
+
+
+def update_workspace_key(n_flat: int, V: int, K: int, device: torch.device) -> tuple[int, int, int]:
+    """(nodes, float32 slots a node, int32 slots a node): the key, and the sizes, of
+    ``adjacency_update``'s workspace for ``n_flat`` nodes of V logits and a table of width K:
+    each split's top-k list (S * padded k slots of both), or with the block-maxima method each
+    block's value key (cdiv(V, block) int32 slots; one float32 slot, unused)."""
+    mb = _update_block_max()
+    if mb:
+        return n_flat, 1, cdiv(V, mb)
+    slots = update_splits(n_flat, V, device) * max(pow2(K), 2)
+    return n_flat, slots, slots
 
 
 def _chunk(V: int, S: int, block_v: int) -> int:
     """Ids per split: V / S rounded up to whole blocks (at most ``_MAX_CHUNK`` when V / S is,
     since ``block_v`` divides it)."""
     return cdiv(cdiv(V, S), block_v) * block_v
+
+
+def _update_by_block_maxima(
+    table, owner, ws_key, tokens, num_nodes, logits, S, chunk, mb, last_wins
+) -> None:  # fmt: skip
+    """The update's block-maxima method (``graft_update._block_max_kernel`` then
+    ``_block_top_kernel``): stage 1 keeps a max per ``mb`` logits, stage 2 rereads each winning
+    node's K best blocks."""
+    V, K = table.shape
+    B, N = tokens.shape
+    n_flat = B * N
+    KB = max(pow2(K), 2)
+    common = (tokens, num_nodes, owner)
+    direct(_block_max_kernel).launch(
+        (n_flat, S), logits, *common, ws_key, N, V, n_flat, chunk, logits.stride(0),
+        logits.stride(1), BLOCK_V=_update_block_v(), MB=mb, LAST_WINS=last_wins,
+        num_warps=1 if interpreted() else UPDATE_TUNING["num_warps"],
+    )  # fmt: skip
+    direct(_block_top_kernel).launch(
+        (n_flat,), logits, *common, table, ws_key, N, V, n_flat, logits.stride(0),
+        logits.stride(1), K=K, KB=KB, NBP=max(pow2(cdiv(V, mb)), KB), MB=mb,
+        LAST_WINS=last_wins, num_warps=4,
+    )  # fmt: skip
 
 
 def adjacency_update(
@@ -715,15 +768,20 @@ def adjacency_update(
     try:
         if logits is not None:
             key = update_workspace_key(n_flat, V, K, logits.device)
-            _, S, _ = key
+            S = update_splits(n_flat, V, logits.device)
             block_v = _update_block_v()
             chunk = _chunk(V, S, block_v)
             if key not in workspace:
                 workspace[key] = (
-                    torch.empty(n_flat * S * KB, dtype=torch.float32, device=table.device),
-                    torch.empty(n_flat * S * KB, dtype=torch.int32, device=table.device),
+                    torch.empty(n_flat * key[1], dtype=torch.float32, device=table.device),
+                    torch.empty(n_flat * key[2], dtype=torch.int32, device=table.device),
                 )
             ws_val, ws_id = workspace[key]
+            mb = _update_block_max()
+            if mb:
+                _update_by_block_maxima(table, owner, ws_id, tokens, num_nodes, logits, S,
+                                        chunk, mb, last_wins)  # fmt: skip
+                return
             direct(_topk_partial_kernel).launch(
                 (n_flat, S),
                 logits,

@@ -21,6 +21,13 @@ rebuilt from (value key, id), by k dependent max passes or (``BITONIC``) one bit
 row, or reads the given ids, and the node whose claim equals ``owner[token]`` writes the row
 and resets the owner to INT32_MAX. A claim is the flattened node index (the lowest wins), or its
 mirror ``n_flat - 1 - index`` when the last one wins.
+
+The block-maxima method (``UPDATE_TUNING["block_max"]`` = MB > 0) moves the ranking out of the
+stream: ``_block_max_kernel``, grid (nodes, splits), stores one value key per block of MB logits
+(a float max per logit, where the lists above build an order key per logit), and
+``_block_top_kernel``, one program per node, ranks the node's block maxima, rereads its k best
+blocks and writes the winner's row (the build's per-row top-K does the same,
+``build_tree_vocab``).
 """
 
 from __future__ import annotations
@@ -287,3 +294,132 @@ def _update_write_kernel(
     m_w = win[:, None] & (o_k[None, :] < K)
     tl.store(table_ptr + tok[:, None] * K + o_k[None, :], b_row, mask=m_w)
     tl.store(owner_ptr + tok, tl.full([BLOCK_M], _I32MAX, tl.int32), mask=win)
+
+
+# the value key of -inf (0xFF800000 made monotone: 0x807FFFFF): a block whose best value key is
+# at or below it holds only -inf and NaN
+_VK_NEG_INF = tl.constexpr(-(2**31) + 0x7FFFFF)
+
+
+@triton.jit(do_not_specialize=["N", "n_flat"])
+def _block_max_kernel(
+    x_ptr,
+    tok_ptr,
+    num_ptr,
+    owner_ptr,
+    ws_key_ptr,
+    N,
+    V,
+    n_flat,
+    chunk,
+    stride_b,
+    stride_n,
+    BLOCK_V: tl.constexpr,
+    MB: tl.constexpr,
+    LAST_WINS: tl.constexpr,
+):
+    """Stage 1 of the block-maxima update, grid (nodes, splits of V): each program streams its
+    chunk of V once and stores, per block of MB logits, the value key of the block's largest
+    value with NaN left out (-inf for a block of NaN and -inf only) at ``ws_key[node, v // MB]``:
+    one float max per logit, no order keys. Split 0 claims the node's token as
+    ``_topk_partial_kernel`` does."""
+    i_f = tl.program_id(0).to(tl.int64)  # flattened node b*N + i
+    i_s = tl.program_id(1)
+    i_b = i_f // N
+    i_n = i_f % N
+    tok = tl.load(tok_ptr + i_f)
+    valid = (i_n < tl.load(num_ptr + i_b)) & (tok >= 0) & (tok < V)
+    if valid:
+        if i_s == 0:
+            if LAST_WINS:
+                claim = (n_flat - 1 - i_f).to(tl.int32)
+            else:
+                claim = i_f.to(tl.int32)
+            tl.atomic_min(owner_ptr + tok, claim)
+        p_x = x_ptr + i_b * stride_b + i_n * stride_n
+        p_k = ws_key_ptr + i_f * ((V + MB - 1) // MB)
+        lo = i_s * chunk
+        hi = tl.minimum(lo + chunk, V)
+        o_r = tl.arange(0, BLOCK_V // MB)
+        o_t = o_r[:, None] * MB + tl.arange(0, MB)[None, :]  # [blocks, MB] offsets in a tile
+        # chunks are whole tiles; the next tile is loaded ahead (raw 16-bit values where the
+        # logits are) so that two are in flight
+        b_next = tl.load(p_x + lo + o_t, mask=lo + o_t < V, other=-float("inf"))
+        for start in range(lo, hi, BLOCK_V):
+            b_x = b_next.to(tl.float32)
+            nxt = start + BLOCK_V
+            b_next = tl.load(p_x + nxt + o_t, mask=(nxt + o_t < V) & (nxt < hi),
+                             other=-float("inf"))  # fmt: skip
+            b_x = tl.where(b_x == b_x, b_x, -float("inf"))
+            b_max = tl.max(b_x, axis=1)
+            tl.store(p_k + start // MB + o_r, _value_key(b_max), mask=start + o_r * MB < V)
+
+
+@triton.jit(do_not_specialize=["N", "n_flat"])
+def _block_top_kernel(
+    x_ptr,
+    tok_ptr,
+    num_ptr,
+    owner_ptr,
+    table_ptr,
+    ws_key_ptr,
+    N,
+    V,
+    n_flat,
+    stride_b,
+    stride_n,
+    K: tl.constexpr,
+    KB: tl.constexpr,
+    NBP: tl.constexpr,
+    MB: tl.constexpr,
+    LAST_WINS: tl.constexpr,
+):
+    """Stage 2 of the block-maxima update, one program per node: the node whose claim equals
+    ``owner[token]`` takes its top-k and writes the row, then resets the owner to INT32_MAX.
+
+    The top-k lie in the K blocks ranked highest by (block max, lower block first) when the K-th
+    of them holds a value above -inf: a block ranked above the block of a top-k element holds a
+    larger value, or an equal one at a lower id, so fewer than K blocks rank above it; and K
+    blocks with a value above -inf mean no NaN or -inf is among the top-k, so leaving NaN out of
+    the maxima changes nothing. Those K blocks are read again (L2) and their keys ranked at once.
+    Otherwise (fewer than K blocks hold a value above -inf) the program ranks the whole row."""
+    i_f = tl.program_id(0).to(tl.int64)
+    i_b = i_f // N
+    i_n = i_f % N
+    tok = tl.load(tok_ptr + i_f)
+    valid = (i_n < tl.load(num_ptr + i_b)) & (tok >= 0) & (tok < V)
+    if LAST_WINS:
+        claim = (n_flat - 1 - i_f).to(tl.int32)
+    else:
+        claim = i_f.to(tl.int32)
+    owner = tl.load(owner_ptr + tok, mask=valid, other=-1)
+    if valid & (owner == claim):
+        NB = (V + MB - 1) // MB
+        p_x = x_ptr + i_b * stride_b + i_n * stride_n
+        o_g = tl.arange(0, NBP)
+        vk = tl.load(ws_key_ptr + i_f * NB + o_g, mask=o_g < NB, other=0)
+        b_key = (vk.to(tl.int64) << 32) | (_LOW32 - o_g.to(tl.int64))
+        b_key = tl.where(o_g < NB, b_key, _K64MIN)
+        top_b = tl.topk(b_key, KB)  # [KB] descending
+        o_k = tl.arange(0, KB)
+        kth = tl.sum(tl.where(o_k == K - 1, top_b >> 32, 0))  # the K-th block's value key
+        o_e = tl.arange(0, MB)
+        if (kth > _VK_NEG_INF) | (NB <= K):
+            has = (o_k < K) & (top_b != _K64MIN)
+            g = _local_of(top_b, False)
+            o_c = tl.where(has, g * MB, 0)[:, None] + o_e[None, :]  # [KB, MB] ids
+            m_c = has[:, None] & (o_c < V)
+            b_x = tl.load(p_x + o_c, mask=m_c, other=0.0).to(tl.float32)
+            top = tl.topk(tl.reshape(_order_key(b_x, o_c, m_c, False), [KB * MB]), KB)
+        else:
+            # the whole row, a tile of KB * MB ids at a time, merged into a running top-KB
+            o_v = tl.arange(0, KB * MB)
+            top = tl.full([KB], _K64MIN, tl.int64)
+            for start in range(0, V, KB * MB):
+                m_v = start + o_v < V
+                b_x = tl.load(p_x + start + o_v, mask=m_v, other=0.0).to(tl.float32)
+                both = tl.join(top, tl.topk(_order_key(b_x, start + o_v, m_v, False), KB))
+                top = tl.topk(tl.reshape(both, [2 * KB]), KB)
+        ids = tl.where(top != _K64MIN, _local_of(top, False), -1)
+        tl.store(table_ptr + tok * K + o_k, ids, mask=o_k < K)
+        tl.store(owner_ptr + tok, _I32MAX)

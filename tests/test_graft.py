@@ -7,7 +7,6 @@ references with exact integer equality.
 
 from __future__ import annotations
 
-import math
 import random
 from unittest.mock import patch
 
@@ -781,16 +780,19 @@ _SPECIALS = [0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, float("inf"), float("-inf"), f
     st.sampled_from([16, 32, 64]),
     st.integers(1, 300),
     st.sampled_from([1, 2, 5, 8, 16]),
-    st.sampled_from(["randn", "ties", "specials"]),
+    st.sampled_from(["randn", "ties", "specials", "masked"]),
     st.sampled_from([0, 1, 2, 4]),
     st.sampled_from(["passes", "bitonic"]),
+    st.sampled_from([0, 0, 1, 4, 16]),
 )
 def test_update_kernel_splits_and_special_values(
-    seed, dtype, splits, block_v, V, k, kind, group, merge
+    seed, dtype, splits, block_v, V, k, kind, group, merge, block_max
 ):
-    """Any split/block (V rarely their multiple; k >= V), ties, ±0, ±inf, NaN, either top-k
-    method (group 0: the running list; else group maxima, where a block holds KB groups) and
-    either merge of the splits' lists: the reference's."""
+    """Any split/block (V rarely their multiple; k >= V), ties, ±0, ±inf, NaN, rows of -inf and
+    NaN with a few values ("masked": fewer than k blocks may hold a value above -inf, where the
+    block-maxima method ranks the whole row), every top-k method (block_max > 0: block maxima,
+    group and merge unused; else group 0: the running list, or group maxima where a block holds
+    KB groups) and either merge of the splits' lists: the reference's."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     B, N = rng.randint(1, 2), rng.choice([1, 3, 6])
@@ -800,12 +802,17 @@ def test_update_kernel_splits_and_special_values(
         "randn": lambda: torch.randn(B, N, V, generator=g) * 3,
         "ties": lambda: torch.randint(-2, 2, (B, N, V), generator=g).float(),
         "specials": lambda: torch.tensor(_SPECIALS)[torch.randint(0, 9, (B, N, V), generator=g)],
+        "masked": lambda: torch.where(
+            torch.rand(B, N, V, generator=g) < 0.03,
+            torch.randn(B, N, V, generator=g),
+            torch.where(torch.rand(B, N, V, generator=g) < 0.5, float("-inf"), float("nan")),
+        ),
     }[kind]().to(dtype)
     lengths = torch.tensor([rng.randint(0, N) for _ in range(B)], dtype=torch.int32)
     with (
         patch.object(kern, "_splits", lambda n, v, b, d: splits),
         patch.object(kern, "_update_block_v", lambda: block_v),
-        patch.dict(kern.UPDATE_TUNING, {"group": group, "merge": merge}),
+        patch.dict(kern.UPDATE_TUNING, {"group": group, "merge": merge, "block_max": block_max}),
     ):
         for num, last in ((tree.num_nodes, False), (lengths, True)):
             want = torch.full((V, k), -1, dtype=torch.int32)
@@ -937,9 +944,11 @@ def test_opcheck_graft_and_prune_ops():
                      ref.graft_tail(pruned, tab, 3, 12))  # fmt: skip
 
 
-def test_update_op_workspace_key_is_the_launchers():
-    """The launcher caches its partial top-k buffers under ``update_workspace_key`` (which the
-    public update uses to pass them to the op), sized by it."""
+@pytest.mark.parametrize("block_max", [0, 16])
+def test_update_op_workspace_key_is_the_launchers(block_max, monkeypatch):
+    """The launcher caches its workspace under ``update_workspace_key`` (which the public
+    update uses to pass it to the op), sized by it, for either method."""
+    monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
     for V, k, n in ((50, 4, (2, 8)), (700, 3, (1, 3)), (7, 8, (3, 1))):
         ws: dict = {}
         tokens = torch.zeros(n, dtype=torch.int64)
@@ -948,9 +957,10 @@ def test_update_op_workspace_key_is_the_launchers():
         num = torch.full((n[0],), n[1], dtype=torch.int32)
         kern.adjacency_update(table, owner, ws, tokens, num, torch.randn(*n, V), None, False)
         key = kern.update_workspace_key(n[0] * n[1], V, k, table.device)
-        assert list(ws) == [key] and ws[key][0].numel() == math.prod(key)
+        assert list(ws) == [key]
+        assert [t.numel() for t in ws[key]] == [key[0] * key[1], key[0] * key[2]]
     for V in (65537, 128256, 300000):  # bf16 order keys hold a split's ids in 16 bits
-        S = kern.update_workspace_key(1, V, 8, torch.device("cpu"))[1]
+        S = kern.update_splits(1, V, torch.device("cpu"))
         assert kern._chunk(V, S, kern._update_block_v()) <= 1 << 16
 
 

@@ -154,14 +154,18 @@ def test_graft_is_graph_capturable():
     ],
 )
 @pytest.mark.parametrize(
-    "group,merge", [(0, "passes"), (0, "bitonic"), (16, "passes"), (64, "bitonic")]
-)
-def test_update_matches_reference(B, N, V, dtype, group, merge, monkeypatch):
-    """Both top-k methods of the update's stage 1 (group 0: the running list; else group
-    maxima of that many logits) and both merges of its write stage, with many ties, duplicate
-    tokens, top-k ids, warm start."""
+    "group,merge,block_max",
+    [(0, "passes", 0), (0, "bitonic", 0), (16, "passes", 0), (64, "bitonic", 0),
+     (0, "bitonic", 64), (0, "bitonic", 128), (0, "bitonic", 512)],
+)  # fmt: skip
+def test_update_matches_reference(B, N, V, dtype, group, merge, block_max, monkeypatch):
+    """Every top-k method of the update's stage 1 (group 0: the running list; else group
+    maxima of that many logits; block_max > 0: block maxima, whose stage 2 rereads each node's
+    k best blocks) and both merges of the lists' write stage, with many ties, duplicate tokens,
+    top-k ids, warm start."""
     monkeypatch.setitem(kern.UPDATE_TUNING, "group", group)
     monkeypatch.setitem(kern.UPDATE_TUNING, "merge", merge)
+    monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
     tree, tab, rng = batch(B, N, V, seed=B + N, keep=None)
     tree.tokens.copy_(tree.tokens % max(1, V // 7))  # duplicates across nodes and requests
     g = torch.Generator().manual_seed(B)
@@ -189,11 +193,12 @@ def test_update_matches_reference(B, N, V, dtype, group, merge, monkeypatch):
     assert torch.equal(table.table.cpu(), want)
 
 
-@pytest.mark.parametrize("group", [0, 32])
-def test_update_large_vocab_deterministic(group, monkeypatch):
+@pytest.mark.parametrize("group,block_max", [(0, 0), (32, 0), (0, 128)])
+def test_update_large_vocab_deterministic(group, block_max, monkeypatch):
     """V = 128256, bf16, 64 x 60 nodes: exact against a stable sort; the same table on reruns
-    (both top-k methods)."""
+    (each top-k method)."""
     monkeypatch.setitem(kern.UPDATE_TUNING, "group", group)
+    monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
     B, N, V, k = 64 if DEV == "cuda" else 2, 64, LARGE_V, 8
     tree, _, _ = batch(B, N, min(V, 5000), seed=11, keep=None)
     g = torch.Generator().manual_seed(3)
@@ -224,9 +229,39 @@ def test_update_large_vocab_deterministic(group, monkeypatch):
     assert (tables[0][untouched] == -1).all()
 
 
-def test_update_is_graph_capturable():
+@pytest.mark.parametrize("kind", ["specials", "masked"])
+@pytest.mark.parametrize("block_max", [0, 128])
+def test_update_special_values(kind, block_max, monkeypatch):
+    """±0, ±inf and NaN at a real vocabulary ("masked": -inf and NaN rows with 2 % values, so
+    that fewer than k blocks may hold a value above -inf and the block-maxima method ranks the
+    whole row): the reference's table, either method."""
+    monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
+    B, N, V = 4, 64, 32000
+    tree, tab, _ = batch(B, N, 5000, seed=5, keep=None)
+    g = torch.Generator().manual_seed(7)
+    pick = torch.randint(0, 9, (B, N, V), generator=g)
+    specials = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, *[float(x) for x in
+                             ("inf", "-inf", "nan")]])[pick]  # fmt: skip
+    if kind == "masked":
+        few = torch.rand(B, N, V, generator=g) < 0.02
+        rest = torch.where(pick % 2 == 0, float("-inf"), float("nan"))
+        logits = torch.where(few, torch.randn(B, N, V, generator=g), rest)
+    else:
+        logits = specials
+    logits = logits.to(torch.bfloat16)
+    want = tab.clone()
+    ref.adjacency_update(want, tree, logits)
+    table = AdjacencyTable(V, 8, device=DEV)
+    table.table.copy_(tab)
+    table.update(tree.to(DEV), logits.to(DEV))
+    assert torch.equal(table.table.cpu(), want)
+
+
+@pytest.mark.parametrize("block_max", [0, 128])
+def test_update_is_graph_capturable(block_max, monkeypatch):
     if DEV != "cuda":
         pytest.skip("CUDA graphs need CUDA")
+    monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
     B, N, V = 8, 64, 32000
     tree, tab, _ = batch(B, N, 5000, seed=2, keep=None)
     dtree = tree.to(DEV)

@@ -544,17 +544,16 @@ class AdjacencyTable:
     def _update_workspace(
         self, tokens: torch.Tensor, logits: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The CUDA update's partial top-k buffers for these shapes (cached per shape), or Nones
+        """The CUDA update's workspace for these shapes (cached per shape), or Nones
         (CPU table, ``topk_ids`` given, or no node)."""
         n_flat = tokens.numel()
         if logits is None or not self.table.is_cuda or n_flat == 0:
             return None, None
         key = _k.update_workspace_key(n_flat, self.vocab_size, self.k, self.device)
         if key not in self._workspace:
-            size = key[0] * key[1] * key[2]
             self._workspace[key] = (
-                torch.empty(size, dtype=torch.float32, device=self.device),
-                torch.empty(size, dtype=torch.int32, device=self.device),
+                torch.empty(key[0] * key[1], dtype=torch.float32, device=self.device),
+                torch.empty(key[0] * key[2], dtype=torch.int32, device=self.device),
             )
         return self._workspace[key]
 
