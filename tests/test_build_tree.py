@@ -469,6 +469,35 @@ def test_emit_into_out_and_reuse_state():
     assert st_.verify_count() == 8 and st_.width(0) == 3 and not st_.wants_next_layer()
 
 
+@pytest.mark.parametrize(
+    "depth,topk,budget,width,active",
+    [(3, 2, 6, None, [True, True]), (1, 4, 5, None, [True, False]), (4, 3, 9, 2, [False, False]),
+     (2, 3, 20, 5, [True, True])],
+)  # fmt: skip
+def test_static_policy_decisions_known_on_the_host(depth, topk, budget, width, active):
+    """A static policy's host answers (``width``, ``wants_next_layer``, ``verify_count``) come
+    from its sizes without reading the device: at every point they equal what the build wrote
+    there (widths W, flags but for the last layer, verify N: inactive requests and budgets past
+    the candidates included), and nothing is copied to a pinned buffer."""
+    from treeops.testing import NoHostSync
+
+    pol = treeops.EagleStatic(depth=depth, topk=topk, budget=budget, width=width)
+    st_ = start(pol, [3, 5], [4, 0], active)
+    g = torch.Generator().manual_seed(depth + topk)
+    assert st_.host_decisions is None and not st_.events
+    for i in range(depth):
+        treeops.build_tree_expand(torch.randn(2, pol.max_width, 13, generator=g), st_, pol)
+        with NoHostSync():
+            w, more = st_.width(i), st_.wants_next_layer()
+        assert w == int(st_.decisions[i]) == pol.max_width
+        assert more == bool(st_.decisions[depth + i]) == (i + 1 < depth)
+    treeops.build_tree_emit(st_, pol)
+    with NoHostSync():
+        n = st_.verify_count()
+    assert n == int(st_.verify[0]) == budget
+    assert list(st_.static_decisions) == st_.decisions.tolist()
+
+
 # ------------------------------------------------------- Triton kernels (interpreter) vs reference
 def _kb():
     """The kernels' launchers, called on a DraftState as the public ops' CUDA branch does."""

@@ -246,13 +246,19 @@ def test_issue_4_caps_reach_the_pinned_decisions():
 
 
 def test_decisions_published_on_the_current_stream():
-    """``publish`` records each decision point's event on the stream current at the call (a
-    side stream here, the kept stream objects of ``_runtime.current_stream``), so ``width``
-    waits for that stream's expand and reads its decision; back on the default stream, the
-    default stream's."""
+    """``publish`` (CAST's) records each decision point's event on the stream current at the
+    call (a side stream here, the kept stream objects of ``_runtime.current_stream``), so
+    ``width`` waits for that stream's expand and reads its decision; back on the default
+    stream, the default stream's."""
     from treeops import _runtime
 
-    pol = treeops.EagleStatic(depth=2, topk=3, budget=8)
+    flat = treeops.CostTable.from_functions(
+        lambda b, c, n: 100.0, lambda b, c, n: 10.0, [2], 1024, 2, 64
+    )
+    # C1 = 0: every width pays, so layer i's width is the frontier's 3 rows
+    pol = treeops.Cast(
+        C1=0.0, C2=0.0, C3=0.0, R=2, cost_table=flat, topk=3, max_width=3, max_depth=2, capacity=8
+    )
     side = torch.cuda.Stream()
     g = torch.Generator(device=DEV).manual_seed(6)
     logits = torch.randn(2, 3, 5000, device=DEV, generator=g)

@@ -87,10 +87,12 @@ class DraftState:
       ``verify`` [1] (nodes sent to verification) |
     | ``u_hist`` | [D] float32 | CAST: utility of the width chosen at each layer |
 
-    ``layer`` (a host int) counts the layers expanded this step. On CUDA the decisions are also
-    copied (non-blocking) to ``host_decisions``, a pinned buffer, after each expand/emit, with an
-    event per decision point; ``width(i)``, ``wants_next_layer()`` and ``verify_count()`` wait on
-    that event only (see ``publish`` for CUDA-graph replays).
+    ``layer`` (a host int) counts the layers expanded this step. A static policy's decisions are
+    its sizes (widths W, a flag for every layer but the last, verify N), so ``width(i)``,
+    ``wants_next_layer()`` and ``verify_count()`` answer from ``static_decisions`` without a
+    wait, and nothing is copied. Under CAST on CUDA the decisions are copied (non-blocking) to
+    ``host_decisions``, a pinned buffer, after each expand/emit, with an event per decision
+    point, and those methods wait on that event only (see ``publish`` for CUDA-graph replays).
     """
 
     root_tokens: torch.Tensor
@@ -107,6 +109,7 @@ class DraftState:
     workspace: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     host_decisions: torch.Tensor | None = field(default=None, repr=False)
     events: list[Any] = field(default_factory=list, repr=False)
+    static_decisions: tuple[int, ...] | None = field(default=None, repr=False)
     layer: int = 0
 
     @staticmethod
@@ -146,7 +149,11 @@ class DraftState:
             "sel": torch.zeros(B, N, dtype=torch.int32, device=dev),
             "pos": torch.zeros(B, D * C, dtype=torch.int32, device=dev),
         }
-        if dev.type == "cuda":
+        if not policy.is_cast:
+            # what the launches write for a static policy, known here (reference/build_tree.py)
+            flags = [int(i + 1 < D) for i in range(D)]
+            st.static_decisions = tuple([W] * D + flags + [N])
+        elif dev.type == "cuda":
             st.host_decisions = torch.zeros(2 * D + 1, dtype=torch.int32, pin_memory=True)
             st.events = [torch.cuda.Event() for _ in range(D + 1)]
         if policy.is_cast:
@@ -214,7 +221,7 @@ class DraftState:
         for f in STATE_TENSORS:
             setattr(c, f, getattr(self, f).to(device, copy=True))
         c.workspace = {k: v.to(device, copy=True) for k, v in self.workspace.items()}
-        c.host_decisions, c.events = None, []
+        c.host_decisions, c.events, c.static_decisions = None, [], None
         return c
 
     @property
@@ -240,14 +247,17 @@ class DraftState:
 
     def publish(self, point: int) -> None:
         """Copy the decisions to the pinned host buffer (non-blocking) and record decision point
-        ``point``'s event (layer i: ``i``; the rerank: ``max_depth``). The public ops do this
-        after each launch, except while a CUDA graph is being captured: a decoder replaying
-        captured expand/emit launches calls ``publish`` itself after each replay."""
+        ``point``'s event (layer i: ``i``; the rerank: ``max_depth``): CAST on CUDA (a static
+        policy's decisions are known on the host; nothing to do). The public ops do this after
+        each launch, except while a CUDA graph is being captured: a decoder replaying captured
+        expand/emit launches calls ``publish`` itself after each replay."""
         if self.host_decisions is not None and not torch.cuda.is_current_stream_capturing():
             self.host_decisions.copy_(self.decisions, non_blocking=True)
             self.events[point].record(_runtime.current_stream(self.decisions.device.index))
 
-    def _host(self, point: int) -> torch.Tensor:
+    def _host(self, point: int) -> torch.Tensor | tuple[int, ...]:
+        if self.static_decisions is not None:
+            return self.static_decisions
         if self.host_decisions is None:
             return self.decisions.cpu()
         self.events[point].synchronize()
