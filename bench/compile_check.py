@@ -592,6 +592,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             graft("retrieve", 8, 32000),
             graft("tail", 8, 32000),
             graft("update", 8, 32000),
+            graft("update_128", 8, 32000),
             prune(8, 64),
             cast(8, 100, 10),
             cast_stats(8, 4, 20),

@@ -55,6 +55,8 @@ def test_kernels_compile_for_gpu(tmp_path, arch):
         "_retrieve_kernel",
         "_topk_partial_kernel",
         "_update_write_kernel",
+        "_block_max_kernel",
+        "_block_top_kernel",
         "_claim_kernel",
         "_prune_kernel",
         "_checkpoint_kernel",
