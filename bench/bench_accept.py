@@ -585,6 +585,9 @@ def main() -> None:
         "and torch.topk, V = 8192 and 32000, N = 7 and 64: accept_topk.json",
     )
     ap.add_argument(
+        "--batches", default=None, help="comma-separated batch sizes (default 1,8,64; --quick 8)"
+    )
+    ap.add_argument(
         "--budget-s",
         type=float,
         default=240.0,
@@ -614,6 +617,8 @@ def main() -> None:
             FI_REASON = f"flashinfer.sampling not importable: {type(e).__name__}: {e}"[:300]
     empty_us = H.empty_kernel_us(DEV)
     Bs = [8] if args.quick else [1, 8, 64]
+    if args.batches:
+        Bs = [int(b) for b in args.batches.split(",")]
     Vs = [32000] if args.quick else [32000, 128256]
     if args.cpu_dry_run:
         Bs, Vs = [1, 2], [300]
