@@ -658,6 +658,9 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     # the K best blocks and the ranked candidates by tl.topk (the sweep's alternatives)
     for B, V in ((1, 32000), (64, 32000)):
         out.append(build("eagle", B, V, 64, blocks_topk=True, rank_topk=True))
+    # three stream tiles in flight (the sweep's alternative to two)
+    for B, V in ((64, 32000), (8, 128256)):
+        out.append(build("eagle", B, V, 64, stream_ahead=3))
     out += pdl_cases()
     # acceptance: greedy and sampling over both vocabularies, the top-k/top-p, logprob and
     # top-k-id variants, and the two-launch fallback

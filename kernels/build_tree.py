@@ -577,6 +577,7 @@ def expand(
     row_warps: int | None = None,
     blocks_topk: bool | None = None,
     rank_topk: bool = True,
+    stream_ahead: int = 2,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V], or [B, 1, V] (the root's row alone,
     at layer 0: the launch covers B rows, and the request's other candidate slots of the layer
@@ -609,7 +610,11 @@ def expand(
     (``bench_build_tree.py --ops sweep_topk``, a layer, defaults against both on): B 1, V 32,000
     13.5 -> 12.3 us; B 64, V 32,000 32.8 -> 30.7; B 64, V 128,256 70.5 -> 67.7; B 1, V 128,256
     (2,004 blocks of 64) 17.6 -> 17.2 with ``rank_topk`` alone and 20.3 with both: a ``tl.topk``
-    over 2,048 keys costs more than K reductions over them."""
+    over 2,048 keys costs more than K reductions over them. ``stream_ahead``: tiles each streaming
+    program loads ahead of the one it reduces (2, the default, or 3: more bytes in flight per
+    warp, where the one-warp programs' SM limit of 32 caps the warps; untimed)."""
+    if stream_ahead not in (2, 3):
+        raise ValueError(f"stream_ahead must be 2 or 3, got {stream_ahead}")
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
         raise ValueError(f"cand_cap must be 0 or a power of two >= 16, got {cand_cap}")
     if cand_tiles is not None and (cand_tiles < 1 or cand_tiles & (cand_tiles - 1)):
@@ -661,6 +666,7 @@ def expand(
             CHUNK=chunk,
             NT=n_blocks,
             PDL=pdl,
+            AHEAD=stream_ahead,
             num_warps=num_warps or 1,
             launch_pdl=pdl,
         )

@@ -126,33 +126,46 @@ def _block_maxima(b_raw, v0, v_hi, p_tmax, BLOCK_V: tl.constexpr, MB: tl.constex
 
 @triton.jit
 def _stream_tiles(
-    p_row, v_lo, v_hi, V, row_ok, p_tmax, BLOCK_V: tl.constexpr, MB: tl.constexpr
+    p_row, v_lo, v_hi, V, row_ok, p_tmax, BLOCK_V: tl.constexpr, MB: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):  # fmt: skip
     """Online max/sum of logits ``[v_lo, v_hi)`` of one row (whole tiles of ``BLOCK_V``), and the
     max of each block of ``MB`` tokens as its order-preserving int32 (``_ordered``) at
     ``p_tmax[v // MB]``: all the top-K pass needs to know which blocks to read
-    (``_top_of_tiles``)."""
+    (``_top_of_tiles``). ``AHEAD`` (2 or 3) tiles are loaded ahead of the one being reduced."""
     m_run = tl.sum(tl.zeros([2], tl.float32)) - float("inf")  # fp32 scalars (loop-carried)
     s_run = tl.sum(tl.zeros([2], tl.float32))
     if MB < BLOCK_V and row_ok:
         # a max per MB-token block: the top-K pass re-reads blocks of MB, not tiles
         b_n1 = _tile_blocks(p_row, v_lo, v_hi, V, BLOCK_V, MB)
         b_n2 = _tile_blocks(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V, MB)
+        if AHEAD == 3:
+            b_n3 = _tile_blocks(p_row, v_lo + 2 * BLOCK_V, v_hi, V, BLOCK_V, MB)
         for v0 in range(v_lo, v_hi, BLOCK_V):
-            b_raw, b_n1 = b_n1, b_n2
-            b_n2 = _tile_blocks(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V, MB)
+            if AHEAD == 3:
+                b_raw, b_n1, b_n2 = b_n1, b_n2, b_n3
+                b_n3 = _tile_blocks(p_row, v0 + 3 * BLOCK_V, v_hi, V, BLOCK_V, MB)
+            else:
+                b_raw, b_n1 = b_n1, b_n2
+                b_n2 = _tile_blocks(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V, MB)
             b_x, b_max = _block_maxima(b_raw, v0, v_hi, p_tmax, BLOCK_V, MB)
             m_new = tl.maximum(m_run, b_max)
             m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: no NaN
             s_run = s_run * tl.exp(m_run - m_use) + _sum_exp(b_x, m_use)
             m_run = m_new
     elif row_ok:
-        # two tiles in flight ahead of the one being reduced, as in _stream_row
+        # AHEAD tiles in flight ahead of the one being reduced, as in _stream_row
         b_n1 = _tile(p_row, v_lo, v_hi, V, BLOCK_V)
         b_n2 = _tile(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V)
+        if AHEAD == 3:
+            b_n3 = _tile(p_row, v_lo + 2 * BLOCK_V, v_hi, V, BLOCK_V)
         for v0 in range(v_lo, v_hi, BLOCK_V):
-            b_raw, b_n1 = b_n1, b_n2
-            b_n2 = _tile(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V)
+            if AHEAD == 3:
+                b_raw, b_n1, b_n2 = b_n1, b_n2, b_n3
+                b_n3 = _tile(p_row, v0 + 3 * BLOCK_V, v_hi, V, BLOCK_V)
+            else:
+                b_raw, b_n1 = b_n1, b_n2
+                b_n2 = _tile(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V)
             b_x = b_raw.to(tl.float32)
             # a float max, then the tile's rank key from that one scalar (+ 0.0: -0.0 to 0.0, as
             # _ordered needs): per element one max, not an integer transform and a max
@@ -355,6 +368,7 @@ def _stream_kernel(
     CHUNK: tl.constexpr,
     NT: tl.constexpr,  # blocks per row (columns of p_part_t)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (``_pdl``)
+    AHEAD: tl.constexpr,  # tiles loaded ahead of the one being reduced (2 or 3)
 ):
     """Step 1 of ``expand`` over (row, chunk) programs, ahead of the finishing launch: small
     (one-warp) programs, enough of them to fill the GPU at B = 1, each a pure stream (max, sum and
@@ -370,7 +384,7 @@ def _stream_kernel(
     v_lo = i_s * CHUNK
     v_hi = tl.minimum(v_lo + CHUNK, V)
     p_out = p_part_t + i_row.to(tl.int64) * NT
-    m_run, s_run = _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB)
+    m_run, s_run = _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB, AHEAD)
     o_part = i_p.to(tl.int64)
     tl.store(p_part_m + o_part, m_run)
     tl.store(p_part_s + o_part, s_run)
