@@ -1,10 +1,11 @@
 """Device time per kernel of one op call (torch.profiler, CUDA activity), at the small shapes
 where a replay's total hides which launch costs what: tree attention's split launch and merge
 (and the fused merge), greedy acceptance's one launch against its two-launch form and forced
-vocabulary splits, sampling acceptance's three launches (``--only sample``), one build layer's
-stream and per-row launches, and a whole build step's launches (``--only step``).
+vocabulary splits, sampling acceptance's three launches (``--only sample``), the table update's
+two stages by method (``--only update``), one build layer's stream and per-row launches, and a
+whole build step's launches (``--only step``).
 
-    python bench/kernel_times.py [--only attention,accept,sample,build,step] [--iters 30]
+    python bench/kernel_times.py [--only attention,accept,sample,update,build,step] [--iters 30]
         [--full-root]
 
 Prints one line per case: the kernels the call launched, each ``(launches per call, [median
@@ -28,6 +29,7 @@ ATTENTION_SHAPES = [(1, 512, 8), (1, 512, 64), (1, 1024, 64), (4, 512, 64), (1, 
 ACCEPT_SHAPES = [(1, 32000), (1, 128256), (8, 32000)]
 BUILD_SHAPES = [(1, 32000), (64, 32000), (1, 128256)]
 STEP_SHAPES = [(1, 32000), (64, 32000)]
+UPDATE_SHAPES = [(1, 128256), (8, 128256), (64, 32000)]
 FULL_ROOT = False  # ``--full-root``: the step's layer 0 from all W rows of its logits
 
 
@@ -120,6 +122,33 @@ def sample(iters: int) -> None:
                   f"{kernel_times(call, iters)}", flush=True)  # fmt: skip
 
 
+def update(iters: int) -> None:
+    """The successor-table update from logits (60 of 64 nodes a request, k = 8): stage 1 and
+    the write stage of the top-k lists (``block_max`` 0) and of the block-maxima method (128)."""
+    import torch
+
+    import treeops
+    from treeops.kernels import graft as kg
+
+    N = 64
+    for B, V in UPDATE_SHAPES:
+        par = torch.arange(-1, N - 1, dtype=torch.int32)[None].repeat(B, 1)
+        tree = treeops.Tree.from_parents(
+            par, torch.full((B,), 60, dtype=torch.int32), torch.randint(0, V, (B, N))
+        ).to("cuda")
+        logits = torch.randn(B, N, V, device="cuda", dtype=torch.bfloat16) * 3
+        saved = kg.UPDATE_TUNING["block_max"]
+        try:
+            for mb in (0, 128):
+                kg.UPDATE_TUNING["block_max"] = mb
+                table = treeops.AdjacencyTable(V, 8, device="cuda")
+                call = functools.partial(table.update, tree, logits)
+                print(f"update B {B} V {V} block_max {mb}: {kernel_times(call, iters)}",
+                      flush=True)  # fmt: skip
+        finally:
+            kg.UPDATE_TUNING["block_max"] = saved
+
+
 def build(iters: int) -> None:
     import torch
 
@@ -181,7 +210,7 @@ def main(argv=None) -> None:
     global FULL_ROOT
     FULL_ROOT = args.full_root
     for name in args.only.split(","):
-        cases = {"attention": attention, "accept": accept, "sample": sample}
+        cases = {"attention": attention, "accept": accept, "sample": sample, "update": update}
         cases.update(build=build, step=step)
         cases[name](args.iters)
 
