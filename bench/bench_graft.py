@@ -12,6 +12,11 @@ default 80-node template and k = 8:
   (fused top-8 over V + duplicate resolution), against ``torch.topk`` + ``scatter_reduce``;
 - ``update_ids``: the same from acceptance's ``topk_ids`` (no logits pass).
 
+``--sweep-update`` times the update's configurations instead (``graft_update_sweep.json``) and
+``--learn`` a decoder's per-step learning two ways (``graft_learn.json``): acceptance with the
+fused top-k ids then the update from them, against acceptance alone then the update from the
+logits.
+
 Every timed call is captured in a CUDA graph (``harness.graph_us``: R calls on rotated inputs
 per graph, so the L2 does not hold them) and replayed; the time per call is the median over
 replays (``treeops_eager_us``: one eager call, host included). The floor is max(bytes that
@@ -33,7 +38,7 @@ import harness as H
 import pytest
 import torch
 
-from treeops import AdjacencyTable, RankTemplate, Tree, graft, graft_tail, prune
+from treeops import AdjacencyTable, RankTemplate, Tree, accept_greedy, graft, graft_tail, prune
 from treeops.reference import graft as ref
 
 INT32_MAX = 2**31 - 1
@@ -465,6 +470,48 @@ def sweep_update_rows(c: dict, empty_us: float, configs=None) -> list[dict]:
     return rows
 
 
+def learn_rows(c: dict, empty_us: float, block_maxes=(0, 128)) -> list[dict]:
+    """What a decoder pays per step to teach the table the verified tree, two ways, on the same
+    logits: ``ids`` (acceptance with the fused top-k ids, then the update from them: what the
+    example decoder does) and ``logits`` (acceptance alone, then the update from the logits, under
+    each ``block_max`` of ``UPDATE_TUNING``). Both must leave the same acceptance and table;
+    graph replays over rotated logits."""
+    from treeops.kernels import graft as kg
+
+    timer = _timer(c["dev"])
+    V, k, dev, tree = c["V"], c["k"], c["dev"], c["tree"]
+    logits, base, want, nbytes, floor = update_inputs(c, empty_us)
+    first = accept_greedy(tree, logits[0])
+    rows = []
+
+    def by_ids(table, lg):
+        acc = accept_greedy(tree, lg, topk_ids=k)
+        table.update(tree, topk_ids=acc.topk)
+        return acc
+
+    def by_logits(table, lg):
+        acc = accept_greedy(tree, lg)
+        table.update(tree, lg)
+        return acc
+
+    saved = kg.UPDATE_TUNING["block_max"]
+    try:
+        for way, mb in [("ids", saved)] + [("logits", m) for m in block_maxes]:
+            kg.UPDATE_TUNING["block_max"] = mb
+            table = AdjacencyTable(V, k, device=dev)
+            table.table.copy_(base)
+            fn = by_ids if way == "ids" else by_logits
+            acc = fn(table, logits[0])
+            ok = torch.equal(table.table, want) and torch.equal(acc.accepted, first.accepted)
+            ok = ok and torch.equal(acc.bonus, first.bonus)
+            t = timer([(lambda lg=lg: fn(table, lg)) for lg in logits]) if ok else None
+            rows.append(_row("learn", c, way=way, block_max=mb, floor_us=floor, bytes=nbytes,
+                             match=ok, treeops_us=t))  # fmt: skip
+    finally:
+        kg.UPDATE_TUNING["block_max"] = saved
+    return rows
+
+
 def row_update_ids(c: dict, empty_us: float, time_treeops=None) -> dict:
     """``AdjacencyTable.update`` from ``topk_ids`` against its exact result, then timed."""
     timer = _timer(c["dev"])
@@ -577,6 +624,12 @@ def main(argv=None) -> dict | None:
         "graft_update_sweep.json",
     )
     ap.add_argument(
+        "--learn",
+        action="store_true",
+        help="only the table's learning per step: acceptance's top-k ids then the update from "
+        "them, against acceptance alone then the update from the logits: graft_learn.json",
+    )
+    ap.add_argument(
         "--update-configs",
         default=None,
         help="with --sweep-update: a JSON list of UPDATE_TUNING changes to time instead of the "
@@ -609,6 +662,16 @@ def main(argv=None) -> dict | None:
         rows=rows,
     )
     path = os.path.join(args.out, "graft.json")
+    if args.learn:
+        path = os.path.join(args.out, "graft_learn.json")
+        for V in [int(v) for v in args.vocabs.split(",")]:
+            for B in [int(b) for b in args.batches.split(",")]:
+                rows += learn_rows(setup(B, V, gen, dev), empty_us)
+                H.write_json(path, out)
+                for r in rows[-3:]:
+                    print(f"  learn V={V} B={B} {r['way']} block_max {r['block_max']}: "
+                          f"{r['treeops_us']} us (match {r['match']})", flush=True)  # fmt: skip
+        return out
     if args.sweep_update:
         path = os.path.join(args.out, "graft_update_sweep.json")
         for V in [int(v) for v in args.vocabs.split(",")]:
