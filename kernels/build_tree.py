@@ -232,8 +232,10 @@ def _expand_kernel(
             if i_b64 == 0:
                 tl.store(p_dec + layer, W)
                 tl.store(p_dec + D + layer, (layer + 1 < D).to(tl.int32))
-        elif _release_then_arrive(p_ctr + B, LANES, FENCE) == B - 1:
-            tl.store(p_ctr + B, 0)
+        else:
+            # what the decision reads that no program of this launch writes (the requests, the
+            # earlier layers' widths and utilities, the cost table), loaded before the arrival:
+            # its round trips overlap the fence and the atomic
             o_w = tl.arange(0, WP)
             m_w = o_w < W
             o_b = tl.arange(0, BP)
@@ -244,51 +246,54 @@ def _expand_kernel(
             b_wid = tl.load(p_dec + o_d, mask=o_d < layer, other=0)
             ctx = tl.maximum(tl.max(b_seq) + tl.sum(b_wid).to(tl.int64), 0)  # bucket >= 0
             bucket = tl.minimum(ctx // L, M - 1)
-            b_cum = tl.load(
-                p_cum + o_b[:, None] * CUMW + o_w[None, :],
-                mask=(m_b & b_a)[:, None] & m_w[None, :],
-                other=0.0,
-                cache_modifier=".cg",
-            )  # [BP, WP]
-            # Algorithm 1 on the sums U_k with threshold C1 * n_act: the batch mean's
-            # maximisers without its rounding (U / 3 breaks dyadic ties; the reference
-            # agrees)
-            n_act = tl.maximum(tl.sum(b_a.to(tl.int32)), 1).to(tl.float32)
-            b_U = tl.sum(b_cum, axis=0)  # [WP]
             t1 = tl.load(p_tab_t + bucket * NMAX)
             b_c = tl.load(p_tab_d + bucket * NMAX + o_w, mask=m_w, other=0.0) / t1
-            # k capped at the most valid next-frontier rows of an active request (written
-            # above by each request's last program, before its arrival): past it U is flat,
-            # and on a plateau of costs the largest k would name rows no request has
-            b_fv = tl.load(
-                p_fscore + o_b.to(tl.int64)[:, None] * W + o_w[None, :],
-                mask=(m_b & b_a)[:, None] & m_w[None, :],
-                other=-1.0,
-                cache_modifier=".cg",
-            )  # [BP, WP]
-            cap = tl.maximum(tl.max(tl.sum((b_fv >= 0).to(tl.int32), axis=1)), 1)
-            b_obj = tl.where(m_w & (o_w < cap), b_U - (C1 * n_act) * b_c, -float("inf"))
-            n = tl.max(tl.where(b_obj == tl.max(b_obj), o_w + 1, 0))
-            u_n = tl.sum(tl.where(o_w + 1 == n, b_U, 0.0)) / n_act
-            c_n = tl.sum(tl.where(o_w + 1 == n, b_c, 0.0))
-            tl.store(p_uhist + layer, u_n)
-            # FIFO [1, phi_0, .., phi_{i-1}], phi_j = u_{j+1} / u_j; its last R entries
-            u_j = tl.where(o_d == layer, u_n, tl.load(p_uhist + o_d, mask=o_d < layer, other=0.0))
+            u_prev = tl.load(p_uhist + o_d, mask=o_d < layer, other=0.0)
             u_jm1 = tl.load(p_uhist + o_d - 1, mask=(o_d >= 1) & (o_d <= layer), other=0.0)
-            phi = tl.where(u_jm1 > 0, u_j / tl.where(u_jm1 > 0, u_jm1, 1.0), 0.0)
-            e = tl.where(o_d == 0, 1.0, phi)
-            in_fifo = (o_d <= layer) & (o_d >= layer + 1 - R)
-            alpha = tl.sum(tl.where(in_fifo, e, 0.0)) / tl.minimum(layer + 1, R).to(tl.float32)
-            flag = (alpha * u_n / c_n >= C2) & (layer + 1 < D)
-            # trim every request's frontier to the batch width
-            o_b64 = o_b.to(tl.int64)
-            cut = m_b[:, None] & m_w[None, :] & (o_w[None, :] >= n)
-            o_fw = o_b64[:, None] * W + o_w[None, :]
-            tl.store(p_fscore + o_fw, tl.full([BP, WP], -1.0, tl.float32), mask=cut)
-            tl.store(p_fcand + o_fw, tl.full([BP, WP], -1, tl.int32), mask=cut)
-            tl.store(p_ftok + o_fw, tl.zeros([BP, WP], tl.int64), mask=cut)
-            tl.store(p_dec + layer, n)
-            tl.store(p_dec + D + layer, flag.to(tl.int32))
+            if _release_then_arrive(p_ctr + B, LANES, FENCE) == B - 1:
+                tl.store(p_ctr + B, 0)
+                b_cum = tl.load(
+                    p_cum + o_b[:, None] * CUMW + o_w[None, :],
+                    mask=(m_b & b_a)[:, None] & m_w[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )  # [BP, WP]
+                # Algorithm 1 on the sums U_k with threshold C1 * n_act: the batch mean's
+                # maximisers without its rounding (U / 3 breaks dyadic ties; the reference
+                # agrees)
+                n_act = tl.maximum(tl.sum(b_a.to(tl.int32)), 1).to(tl.float32)
+                b_U = tl.sum(b_cum, axis=0)  # [WP]
+                # k capped at the most valid next-frontier rows of an active request (written
+                # above by each request's last program, before its arrival): past it U is flat,
+                # and on a plateau of costs the largest k would name rows no request has
+                b_fv = tl.load(
+                    p_fscore + o_b.to(tl.int64)[:, None] * W + o_w[None, :],
+                    mask=(m_b & b_a)[:, None] & m_w[None, :],
+                    other=-1.0,
+                    cache_modifier=".cg",
+                )  # [BP, WP]
+                cap = tl.maximum(tl.max(tl.sum((b_fv >= 0).to(tl.int32), axis=1)), 1)
+                b_obj = tl.where(m_w & (o_w < cap), b_U - (C1 * n_act) * b_c, -float("inf"))
+                n = tl.max(tl.where(b_obj == tl.max(b_obj), o_w + 1, 0))
+                u_n = tl.sum(tl.where(o_w + 1 == n, b_U, 0.0)) / n_act
+                c_n = tl.sum(tl.where(o_w + 1 == n, b_c, 0.0))
+                tl.store(p_uhist + layer, u_n)
+                # FIFO [1, phi_0, .., phi_{i-1}], phi_j = u_{j+1} / u_j; its last R entries
+                u_j = tl.where(o_d == layer, u_n, u_prev)
+                phi = tl.where(u_jm1 > 0, u_j / tl.where(u_jm1 > 0, u_jm1, 1.0), 0.0)
+                e = tl.where(o_d == 0, 1.0, phi)
+                in_fifo = (o_d <= layer) & (o_d >= layer + 1 - R)
+                alpha = tl.sum(tl.where(in_fifo, e, 0.0)) / tl.minimum(layer + 1, R).to(tl.float32)
+                flag = (alpha * u_n / c_n >= C2) & (layer + 1 < D)
+                # trim every request's frontier to the batch width
+                o_b64 = o_b.to(tl.int64)
+                cut = m_b[:, None] & m_w[None, :] & (o_w[None, :] >= n)
+                o_fw = o_b64[:, None] * W + o_w[None, :]
+                tl.store(p_fscore + o_fw, tl.full([BP, WP], -1.0, tl.float32), mask=cut)
+                tl.store(p_fcand + o_fw, tl.full([BP, WP], -1, tl.int32), mask=cut)
+                tl.store(p_ftok + o_fw, tl.zeros([BP, WP], tl.int64), mask=cut)
+                tl.store(p_dec + layer, n)
+                tl.store(p_dec + D + layer, flag.to(tl.int32))
 
 
 @triton.jit(do_not_specialize=["n_layers", "D"])

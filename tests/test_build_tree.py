@@ -613,6 +613,20 @@ def test_kernels_named_large_case():
     run_both(cast, logits, [1, 2, 3], [10, 40, 5], [True, False, True], block_v=128)
 
 
+def test_kernels_cast_depth_rule_over_thresholds():
+    """CAST's depth rule reads the FIFO of utility ratios of every earlier layer (R = 3, up to 6
+    layers): kernels and reference agree layer by layer over a range of C2 thresholds, so that
+    some flags sit near the rule's boundary and a wrong earlier ratio flips them."""
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(6, 3, 4, 120, generator=g) * 2
+    for c2 in (0.0, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16):
+        cast = treeops.Cast(
+            C1=0.02, C2=c2, C3=0.01, R=3, cost_table=cost_table(9, 40), topk=3, max_width=4,
+            max_depth=6, capacity=40,
+        )  # fmt: skip
+        run_both(cast, logits, [1, 2, 3], [10, 40, 5], [True, True, True])
+
+
 def _root_row_policy(kind):
     if kind == "eagle":
         return treeops.EagleStatic(depth=3, topk=3, budget=12)
