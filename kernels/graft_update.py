@@ -67,6 +67,23 @@ def _order_key(x, local, m, KEY32: tl.constexpr):
     return key
 
 
+@triton.jit
+def _node_claim(tok_ptr, num_ptr, N, V, n_flat, LAST_WINS: tl.constexpr):
+    """The program's node (axis 0: the flattened index b*N + i): (index, b, i, its token, whether
+    it is valid — a node of the tree with a token in [0, V) — and its claim on the token: the
+    index, or its mirror ``n_flat - 1 - index`` when the last node wins)."""
+    i_f = tl.program_id(0).to(tl.int64)
+    i_b = i_f // N
+    i_n = i_f % N
+    tok = tl.load(tok_ptr + i_f)
+    valid = (i_n < tl.load(num_ptr + i_b)) & (tok >= 0) & (tok < V)
+    if LAST_WINS:
+        claim = (n_flat - 1 - i_f).to(tl.int32)
+    else:
+        claim = i_f.to(tl.int32)
+    return i_f, i_b, i_n, tok, valid, claim
+
+
 @triton.jit(do_not_specialize=["N", "n_flat"])
 def _topk_partial_kernel(
     x_ptr,
@@ -89,18 +106,10 @@ def _topk_partial_kernel(
     KEY32: tl.constexpr,
     LAST_WINS: tl.constexpr,
 ):
-    i_f = tl.program_id(0).to(tl.int64)  # flattened node b*N + i
+    i_f, i_b, i_n, tok, valid, claim = _node_claim(tok_ptr, num_ptr, N, V, n_flat, LAST_WINS)
     i_s = tl.program_id(1)
-    i_b = i_f // N
-    i_n = i_f % N
-    tok = tl.load(tok_ptr + i_f)
-    valid = (i_n < tl.load(num_ptr + i_b)) & (tok >= 0) & (tok < V)
     if valid:
         if i_s == 0:
-            if LAST_WINS:
-                claim = (n_flat - 1 - i_f).to(tl.int32)
-            else:
-                claim = i_f.to(tl.int32)
             tl.atomic_min(owner_ptr + tok, claim)
         o_k = tl.arange(0, KB)
         p_x = x_ptr + i_b * stride_b + i_n * stride_n
@@ -323,18 +332,10 @@ def _block_max_kernel(
     value with NaN left out (-inf for a block of NaN and -inf only) at ``ws_key[node, v // MB]``:
     one float max per logit, no order keys. Split 0 claims the node's token as
     ``_topk_partial_kernel`` does."""
-    i_f = tl.program_id(0).to(tl.int64)  # flattened node b*N + i
+    i_f, i_b, i_n, tok, valid, claim = _node_claim(tok_ptr, num_ptr, N, V, n_flat, LAST_WINS)
     i_s = tl.program_id(1)
-    i_b = i_f // N
-    i_n = i_f % N
-    tok = tl.load(tok_ptr + i_f)
-    valid = (i_n < tl.load(num_ptr + i_b)) & (tok >= 0) & (tok < V)
     if valid:
         if i_s == 0:
-            if LAST_WINS:
-                claim = (n_flat - 1 - i_f).to(tl.int32)
-            else:
-                claim = i_f.to(tl.int32)
             tl.atomic_min(owner_ptr + tok, claim)
         p_x = x_ptr + i_b * stride_b + i_n * stride_n
         p_k = ws_key_ptr + i_f * ((V + MB - 1) // MB)
@@ -383,15 +384,7 @@ def _block_top_kernel(
     blocks with a value above -inf mean no NaN or -inf is among the top-k, so leaving NaN out of
     the maxima changes nothing. Those K blocks are read again (L2) and their keys ranked at once.
     Otherwise (fewer than K blocks hold a value above -inf) the program ranks the whole row."""
-    i_f = tl.program_id(0).to(tl.int64)
-    i_b = i_f // N
-    i_n = i_f % N
-    tok = tl.load(tok_ptr + i_f)
-    valid = (i_n < tl.load(num_ptr + i_b)) & (tok >= 0) & (tok < V)
-    if LAST_WINS:
-        claim = (n_flat - 1 - i_f).to(tl.int32)
-    else:
-        claim = i_f.to(tl.int32)
+    i_f, i_b, i_n, tok, valid, claim = _node_claim(tok_ptr, num_ptr, N, V, n_flat, LAST_WINS)
     owner = tl.load(owner_ptr + tok, mask=valid, other=-1)
     if valid & (owner == claim):
         NB = (V + MB - 1) // MB
