@@ -35,6 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .build_tree_vocab import _tile_blocks
+
 _I32MAX = tl.constexpr(2**31 - 1)
 _K32MIN = tl.constexpr(-(2**31))
 _K64MIN = tl.constexpr(-(2**63))
@@ -342,15 +344,12 @@ def _block_max_kernel(
         lo = i_s * chunk
         hi = tl.minimum(lo + chunk, V)
         o_r = tl.arange(0, BLOCK_V // MB)
-        o_t = o_r[:, None] * MB + tl.arange(0, MB)[None, :]  # [blocks, MB] offsets in a tile
-        # chunks are whole tiles; the next tile is loaded ahead (raw 16-bit values where the
-        # logits are) so that two are in flight
-        b_next = tl.load(p_x + lo + o_t, mask=lo + o_t < V, other=-float("inf"))
+        # chunks are whole tiles, loaded as [blocks, MB] (the build's stream tile); the next is
+        # loaded ahead (raw 16-bit values where the logits are) so that two are in flight
+        b_next = _tile_blocks(p_x, lo, hi, V, BLOCK_V, MB)
         for start in range(lo, hi, BLOCK_V):
             b_x = b_next.to(tl.float32)
-            nxt = start + BLOCK_V
-            b_next = tl.load(p_x + nxt + o_t, mask=(nxt + o_t < V) & (nxt < hi),
-                             other=-float("inf"))  # fmt: skip
+            b_next = _tile_blocks(p_x, start + BLOCK_V, hi, V, BLOCK_V, MB)
             b_x = tl.where(b_x == b_x, b_x, -float("inf"))
             b_max = tl.max(b_x, axis=1)
             tl.store(p_k + start // MB + o_r, _value_key(b_max), mask=start + o_r * MB < V)
