@@ -9,6 +9,8 @@
 #         peers_bg  wait_peers (FlashInfer's JIT builds, bench/warm_peers.py, in the background;
 #         PEERS_ARGS="--only attention" builds one bench's)
 #         profile_step (a step's time per plan or, PROFILE_ARGS="--chains 6", one chain three ways)
+#         gluon_probe (bench/gluon_attention_probe.py: a Gluon prefix-attention kernel per config,
+#         each checked and timed against treeops' kernel in its own process; PROBE_ARGS)
 #         cache_save
 #         (<names>: comma list of op stems (tree_attention, build_tree, ...), decoder, or all). A stage may carry
 #         its own time limit: calibrate@240. pytest_bench: ``python -m pytest bench
@@ -111,6 +113,7 @@ for spec in "$@"; do
       echo $! >/tmp/treeops-peers.pid
       summary="$summary\n$(printf '%-34s started' "$stage")"; continue;;
     wait_peers) cmd="while kill -0 \$(cat /tmp/treeops-peers.pid) 2>/dev/null; do sleep 2; done; cat $OUT/warm_peers.log";;
+    gluon_probe) cmd="python3 bench/gluon_attention_probe.py --out $OUT/gluon_probe ${PROBE_ARGS:-}";;
     cache_save) cmd="cache_save";;
     *) echo "unknown stage $stage"; continue;;
   esac
