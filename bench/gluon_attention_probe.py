@@ -357,10 +357,10 @@ def isolated_rows(configs, out_dir) -> list[dict]:
         sub = os.path.join(out_dir, f"probe_{name}")
         cmd = [sys.executable, __file__, "--configs", name, "--out", sub]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             failed = proc.returncode != 0 and (proc.stdout + proc.stderr)[-600:]
         except subprocess.TimeoutExpired:
-            failed = "timed out after 300 s"
+            failed = "timed out after 120 s"
         path = os.path.join(sub, "gluon_attention_probe.json")
         rows = json.load(open(path))["rows"] if os.path.exists(path) else []
         for r in rows:
