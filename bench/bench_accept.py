@@ -222,21 +222,7 @@ def flashinfer_probs(fi, lg, T_rows, k_rows, p_rows, use_k: bool, use_p: bool):
 
 # ---------------------------------------------------------------------------- correctness
 def subset(tree: treeops.Tree, rows: int) -> treeops.Tree:
-    return treeops.Tree(
-        **{
-            f: getattr(tree, f)[:rows].cpu()
-            for f in (
-                "tokens",
-                "parents",
-                "num_nodes",
-                "depth",
-                "anc",
-                "first_child",
-                "next_sibling",
-                "scores",
-            )
-        }
-    )
+    return treeops.Tree(*(t[:rows].cpu() for t in tree.tensors()))
 
 
 def check_against_reference(tree, lg, res, sample=None, rows: int = 4) -> tuple[bool, str]:

@@ -218,19 +218,7 @@ def random_table(V: int, k: int, gen: torch.Generator, device) -> AdjacencyTable
 
 
 def tree_equal(a: Tree, b: Tree) -> bool:
-    return all(
-        torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu())
-        for f in (
-            "tokens",
-            "parents",
-            "num_nodes",
-            "depth",
-            "anc",
-            "first_child",
-            "next_sibling",
-            "scores",
-        )
-    )
+    return all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.tensors(), b.tensors()))
 
 
 def stable_topk_table(tokens, num_nodes, logits, k, V, base):

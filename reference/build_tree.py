@@ -144,17 +144,8 @@ def build_tree_emit(state: Any, policy: Any, *, out: Tree | None = None) -> Tree
     dev = state.active.device
     tree = Tree.from_parents(par.to(dev), num.to(dev), tok.to(dev), sc.to(dev))
     if out is not None:
-        for f in (
-            "tokens",
-            "parents",
-            "num_nodes",
-            "depth",
-            "anc",
-            "first_child",
-            "next_sibling",
-            "scores",
-        ):
-            getattr(out, f).copy_(getattr(tree, f))
+        for dst, src in zip(out.tensors(), tree.tensors(), strict=True):
+            dst.copy_(src)
         return out
     return tree
 

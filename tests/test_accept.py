@@ -385,21 +385,7 @@ def joint_check(tree, lg, T, k, p, K, run):
     leaves = midpoint_leaves(tree, lg, T, k, p, K)
     R = len(leaves)
     rep = lambda t: t.expand(R, *t.shape[1:]).contiguous()  # noqa: E731
-    big = treeops.Tree(
-        **{
-            f: rep(getattr(tree, f))
-            for f in (
-                "tokens",
-                "parents",
-                "num_nodes",
-                "depth",
-                "anc",
-                "first_child",
-                "next_sibling",
-                "scores",
-            )
-        }
-    )
+    big = treeops.Tree(*(rep(t) for t in tree.tensors()))
     u = torch.full((R, N), 0.5)
     for r, (a, *_) in enumerate(leaves):
         for node, val in a.items():

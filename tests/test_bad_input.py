@@ -305,16 +305,7 @@ STRIDES_OK = {
     "AdjacencyTable.retrieve": {"root_tokens"},
     "cast_width": {"scores", "costs"},  # PyTorch code, no kernel
 }
-TREE_FIELDS = (
-    "tokens",
-    "parents",
-    "num_nodes",
-    "depth",
-    "anc",
-    "first_child",
-    "next_sibling",
-    "scores",
-)
+TREE_FIELDS = treeops.Tree.FIELDS
 RETRIEVED_FIELDS = ("tokens", "parents", "depth", "num_nodes")
 
 

@@ -601,16 +601,7 @@ def test_bad_input_messages():
 from treeops.kernels import graft as kern  # noqa: E402
 from treeops.kernels import graft_tail as kern_tail  # noqa: E402
 
-TREE_FIELDS = (
-    "tokens",
-    "parents",
-    "num_nodes",
-    "depth",
-    "anc",
-    "first_child",
-    "next_sibling",
-    "scores",
-)
+TREE_FIELDS = treeops.Tree.FIELDS
 
 
 def assert_same_tree(got: treeops.Tree, want: treeops.Tree) -> None:
