@@ -116,6 +116,10 @@ def _install() -> None:
     # every launcher asks the SM count through treeops._runtime; the vocabulary-split choices
     # also take the GPU-only branch, as the launchers would for CUDA tensors
     _runtime.sm_count = lambda device: sms
+    # the Gluon attention forward launches on Hopper only: compile it for sm_90 from CPU tensors
+    from treeops.kernels import tree_attention_gluon
+
+    tree_attention_gluon.device_ok = lambda q: ARCH == 90
     _runtime.shared_memory = lambda device: shared
     gpu = torch.device("cuda", 0)
     for mod, fn, at in (
@@ -568,6 +572,13 @@ def decoder_fused(B, R, H, I, V, w=10, D=10, dtype=torch.bfloat16):
     return f"decoder_fused B={B} R={R} H={H} I={I} V={V} w={w} {dtype}", case
 
 
+def _gluon_candidate(d: int) -> dict:
+    """The first tree-attention sweep candidate of head dim ``d`` that takes the Gluon forward."""
+    from treeops.kernels import tree_attention as ta
+
+    return next(ov for ov in ta.CANDIDATES[d].values() if ov.get("gluon"))
+
+
 def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     bf, fp = torch.bfloat16, torch.float16
     if quick:
@@ -580,6 +591,9 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             attention(8, 64, 32, 8, 128, 4096, 16),
             attention(32, 64, 32, 8, 64, 2048, 16),
             attention(32, 64, 16, 4, 256, 2048, 16),
+            # the Gluon forward (kernels/tree_attention_gluon.py), split and unsplit
+            attention(2, 64, 32, 8, 128, 2048, 16, override=_gluon_candidate(128)),
+            attention(32, 64, 32, 8, 64, 2048, 16, override=_gluon_candidate(64)),
             kv_append(4, 64, 8, 128, 16),
             kv_append(4, 64, 8, 128, 16, hq=32),
             rope(4, 64, 32, 128),
@@ -725,7 +739,8 @@ def attention_configs(head_dims: list[int]) -> list[dict]:
                 q, kc, kc.clone(), bt, seq, tree.num_nodes, tree.anc, None, None, d**-0.5, out,
                 lse, override=ov,
             )  # fmt: skip
-            kernel = next(k for n, k in _COMPILED[start:] if n == "_tree_attn_fwd")
+            fwd = ("_tree_attn_fwd", "_tree_attn_fwd_gluon")
+            kernel = next(k for n, k in _COMPILED[start:] if n in fwd)
             rows.append(
                 {"D": d, "candidate": name, "B": B, "N": N, "ctx": ctx, "block_m": cfg.block_m,
                  "block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,

@@ -1,30 +1,22 @@
-"""A probe, not a treeops op: can a Gluon kernel overlap the softmax with the MMAs on Hopper?
+"""treeops' Gluon attention loop alone: does overlapping the softmax with the MMAs pay on Hopper?
 
     python bench/gluon_attention_probe.py --out DIR          # H200: correctness, then µs/TFLOP/s
     python bench/gluon_attention_probe.py --compile          # any machine: sm_90 registers etc.
 
 Tree attention's Triton kernel runs its prefix loop at about 255 TFLOP/s on the H200 where
-FlashInfer's causal prefill reaches about 516 (bench/attention_notes.md). Compiled for sm_90,
-Triton 3.6 waits for each tile's QK^T wgmma right after issuing it, and ptxas hoists the softmax
-above the next tile's wgmma when the scores are computed one tile ahead, so the exp2s never run
-while the tensor cores do (``--compile`` counts the MUFU.EX2 issued inside each HGMMA group).
-Gluon places the waits where the kernel says. This kernel is the prefix loop alone (every key
-visible, no tree mask, no split) written that way:
+FlashInfer's causal prefill reaches about 516 (bench/attention_notes.md); compiled for sm_90,
+Triton waits for each QK^T wgmma right after issuing it (docs/benchmarks.md, "Tree attention's
+softmax and MMAs"). ``kernels/tree_attention_gluon.py`` places the waits by hand. This probe runs
+its prefix loop (``_prefix``: every key visible, no tree tiles, no split) over ctx + n keys, so
+that the loop's own speed is measured apart from the rest of the kernel: one program per
+(request, KV head, tile of BLOCK_Q nodes) with the group's query heads packed into its rows, as
+treeops packs them.
 
-* one program per (request, KV head, tile of BLOCK_Q nodes): its M = BLOCK_Q x G_PAD rows are
-  the group's query heads of each node (as treeops packs them), Q in shared memory;
-* K and V tiles of BLOCK_N keys come through the block table with ``cp.async`` into rings of
-  LA + 2 stages, LA tiles ahead of use; the page ids are read one iteration before the copies
-  that use them;
-* iteration j issues QK^T of tile j + 1, waits for tile j's scores (issued an iteration earlier),
-  runs tile j's softmax while that wgmma is in flight, waits for tile j - 1's PV, rescales the
-  accumulator and issues tile j's PV without waiting for it. wgmma groups complete in order, so
-  "at most 2 pending" after the issue of S_{j+1} means S_j is done (pending: PV_{j-1}, S_{j+1}).
-
-The GPU run checks each configuration against an fp32 reference (every key visible) and times
-it against treeops' kernel on the same caches (which also masks the tree's keys: the same tiles,
-flops and bytes). If the probe is much faster, the tree tiles, the tail and split-KV are what a
-port into ``kernels/tree_attention.py`` adds. Writes ``DIR/gluon_attention_probe.json``.
+``--compile`` reports, per configuration, registers, spills, shared memory, how many exp2s ptxas
+issues while a wgmma is pending, and whether ptxas serialised the wgmmas (its note C7514). The
+GPU run checks each configuration against an fp32 reference (every key visible) and times it
+against treeops' kernel on the same caches (which masks the tree's keys: the same tiles, flops
+and bytes), each configuration in its own process. Writes ``DIR/gluon_attention_probe.json``.
 """
 
 from __future__ import annotations
@@ -40,11 +32,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+
+from treeops.kernels import tree_attention_gluon as KG
 
 LOG2E = 1.4426950408889634
 
@@ -67,78 +56,18 @@ CONFIGS = {
 SHAPES = [(8, 4032, 64), (32, 4032, 64), (64, 2016, 32), (16, 4096 - 128, 128), (4, 32640, 128)]
 
 
-@gluon.constexpr_function
-def _load_layout(D, num_warps):
-    """Blocked layout of a [rows, D] tile: 16-byte vectors along D, the rest of a warp on rows."""
-    tpw_d = min(32, D // 8)
-    return gl.BlockedLayout([1, 8], [32 // tpw_d, tpw_d], [num_warps, 1], [1, 0])
-
-
-@gluon.jit
-def _copy_tile(K, V, k_s, v_s, p_bt, t, o_n, o_d, off_kh, off_vh, s_kp, s_ks, s_vp, s_vs,
-               BLOCK_N: gl.constexpr, PAGE: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr,
-               n_tiles):  # fmt: skip
-    """cp.async of tile t's K and V (this KV head, through the block table) into their ring
-    stages t % SK and t % SV, as one commit group; past the last tile the copies are masked
-    (zero-filled)."""
-    pos = t * BLOCK_N + o_n
-    live = (pos * 0 + t) < n_tiles
-    page = gl.load(p_bt + pos // PAGE, mask=live, other=0).to(gl.int64)
-    slot = (pos % PAGE).to(gl.int64)
-    ok = live[:, None]
-    p_k = K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :]
-    cp.async_copy_global_to_shared(k_s.index(t % SK), p_k, mask=ok)
-    p_v = V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :]
-    cp.async_copy_global_to_shared(v_s.index(t % SV), p_v, mask=ok)
-    cp.commit_group()
-
-
-@gluon.jit
-def _landed(LA: gl.constexpr):
-    """Wait until all but the newest LA - 1 copy groups have landed, make them visible to the
-    wgmma's async proxy, and meet every warp (so that every warp is also past its previous
-    iteration's waits: the stages those read are free)."""
-    cp.wait_group(LA - 1)
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _softmax(s, m_i, l_i, qk_scale):
-    """Online softmax of one tile of scores: (p, alpha, m, l), log2 domain."""
-    s = s * qk_scale
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
-
-
-@gluon.jit
-def _pv(p, p_s, v, acc, P_IN_SMEM: gl.constexpr, p_op: gl.constexpr):
-    """Issue acc += p v (async): p as the wgmma's A operand in registers, or (``P_IN_SMEM``)
-    stored to ``p_s`` first, so that no register the in-flight wgmma reads can be reused by the
-    next softmax (ptxas otherwise waits for the wgmma before the next tile's exp2s)."""
-    if P_IN_SMEM:
-        p_s.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
-        return warpgroup_mma(p_s, v, acc, is_async=True)
-    else:
-        return warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), v, acc, is_async=True)
-
-
 @gluon.jit
 def _prefix_attn(Q, K, V, O, BT, n_nodes, n_tiles, qk_scale,
                  s_qb, s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_ob, s_on, s_oh, s_btb,
                  H_KV: gl.constexpr, G: gl.constexpr, G_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
                  BLOCK_N: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, LA: gl.constexpr,
                  P_IN_SMEM: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """treeops' Gluon prefix loop (``tree_attention_gluon._prefix``) over ``n_tiles`` full tiles
+    from key 0, framed by a Q load and an output store."""
     BLOCK_M: gl.constexpr = G_PAD * BLOCK_Q
-    # iteration j reads K_j (QK^T) and V_{j-1} (PV) and copies tile j + LA: into tile j-1's K
-    # stage and tile j-2's V stage, both free once every warp is past iteration j-1's waits
     SK: gl.constexpr = LA + 1
     SV: gl.constexpr = LA + 2
-    ld: gl.constexpr = _load_layout(D, num_warps)
+    ld: gl.constexpr = KG._load_layout(D, num_warps)
     s_mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -148,12 +77,12 @@ def _prefix_attn(Q, K, V, O, BT, n_nodes, n_tiles, qk_scale,
     p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=2)
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
 
     i_bh = gl.program_id(0)
     i_t = gl.program_id(1)
     i_b = (i_bh // H_KV).to(gl.int64)
     i_kvh = i_bh % H_KV
-
     # Q: row r is node i_t * BLOCK_Q + r // G_PAD, query head i_kvh * G + r % G_PAD
     o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     o_dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld)).to(gl.int64)
@@ -164,54 +93,20 @@ def _prefix_attn(Q, K, V, O, BT, n_nodes, n_tiles, qk_scale,
     p_q = Q + i_b * s_qb + (node * s_qn + head * s_qh)[:, None] + o_dl[None, :]
     cp.async_copy_global_to_shared(q_s, p_q, mask=q_ok[:, None])
     cp.commit_group()
-
     k_s = gl.allocate_shared_memory(gl.bfloat16, [SK, BLOCK_N, D], kv_sl)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [SV, BLOCK_N, D], kv_sl)
-    o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
-    p_bt = BT + i_b * s_btb
-    off_kh = i_kvh.to(gl.int64) * s_kh
-    off_vh = i_kvh.to(gl.int64) * s_vh
-    for t in gl.static_range(LA):  # tiles 0 .. LA-1 in flight before the first wait
-        _copy_tile(K, V, k_s, v_s, p_bt, t, o_n, o_dl, off_kh, off_vh, s_kp, s_ks, s_vp, s_vs,
-                   BLOCK_N, PAGE, SK, SV, n_tiles)  # fmt: skip
-    zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_mma)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], p_sl)
-
-    # tile 0: its scores and softmax; its PV waits for iteration 1 (or the end)
-    _landed(LA)
-    _copy_tile(K, V, k_s, v_s, p_bt, LA, o_n, o_dl, off_kh, off_vh, s_kp, s_ks, s_vp, s_vs,
-               BLOCK_N, PAGE, SK, SV, n_tiles)  # fmt: skip
-    s = warpgroup_mma(q_s, k_s.index(0).permute((1, 0)), zeros_s, use_acc=False)
+    o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_mma))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_mma))
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale)
     acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_mma)
-    # Iteration j (FlashAttention-3's intra-warpgroup overlap): QK^T of tile j and PV of tile
-    # j - 1 are issued back to back, the wait for the older (the scores) lets tile j's softmax
-    # run while the PV is on the tensor cores, and the iteration ends with nothing in flight
-    # (a wgmma pending across the loop's back edge makes ptxas serialise every wgmma).
-    for j in range(1, n_tiles):
-        _landed(LA)  # K_j and V_{j-1} landed; tile j-1's K and tile j-2's V stages are free
-        _copy_tile(K, V, k_s, v_s, p_bt, j + LA, o_n, o_dl, off_kh, off_vh, s_kp, s_ks, s_vp,
-                   s_vs, BLOCK_N, PAGE, SK, SV, n_tiles)  # fmt: skip
-        s_tok = warpgroup_mma(q_s, k_s.index(j % SK).permute((1, 0)), zeros_s, use_acc=False,
-                              is_async=True)  # fmt: skip
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
-        acc_tok = _pv(p, p_s, v_s.index((j - 1) % SV), acc, P_IN_SMEM, p_op)
-        s = warpgroup_mma_wait(1, deps=(s_tok,))  # the scores; the PV may still run
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale)
-        acc = warpgroup_mma_wait(0, deps=(acc_tok,))
-    # the last tile's PV (its V landed with the copies waited above)
-    cp.wait_group(0)
-    fence_async_shared()
-    gl.thread_barrier()
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
-    acc = warpgroup_mma_wait(0, deps=(_pv(p, p_s, v_s.index((n_tiles - 1) % SV), acc, P_IN_SMEM,
-                                          p_op),))  # fmt: skip
+    acc, m_i, l_i = KG._prefix(
+        K, V, q_s, k_s, v_s, p_s, BT + i_b * s_btb, 0, n_tiles, acc, m_i, l_i, qk_scale, o_n, o_dl,
+        i_kvh.to(gl.int64) * s_kh, i_kvh.to(gl.int64) * s_vh, s_kp, s_ks, s_vp, s_vs, s_mma, o_mma,
+        p_op, BLOCK_M, BLOCK_N, PAGE, LA, SK, SV, P_IN_SMEM,
+    )  # fmt: skip
 
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_mma))
-    out = acc / l_o[:, None]
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_mma))[:, None]
     o_mo = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_mma))
     o_do = gl.arange(0, D, layout=gl.SliceLayout(0, o_mma)).to(gl.int64)
     node_o = (i_t * BLOCK_Q + o_mo // G_PAD).to(gl.int64)

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from treeops._runtime import interpreted
 
+from . import tree_attention_gluon as _gluon
 from ._counters import arrival_counters, arrive
 from ._launch import direct
 from ._pdl import pdl_enter, use_pdl
@@ -515,6 +516,7 @@ class _Plan:
     wo_numel: int  # the partial outputs' share of the workspace
     grid: tuple[int, int, int]
     consts: dict  # the forward kernel's constexprs and launch options
+    gluon_consts: dict | None  # tree_attention_gluon's, where the configuration takes it
     merge_grid: tuple[int, int]
     merge_consts: dict
 
@@ -556,6 +558,12 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         ),
+        gluon_consts=dict(
+            G=H_q // H_kv, G_PAD=cfg.g_pad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, D=D,
+            PAGE_SIZE=page_size, NUM_SPLITS=S, SPLIT_MIN_LEN=cfg.split_min_len,
+            SPLIT_CHUNK=cfg.split_chunk, HAS_QS=has_qs, HAS_QL=has_ql, WRITE_LSE=has_lse,
+            LA=cfg.pipe, P_IN_SMEM=cfg.p_smem, num_warps=cfg.num_warps,
+        ) if cfg.gluon else None,
         merge_grid=(B * N, triton.cdiv(H_q, block_h)),
         merge_consts=dict(
             NUM_SPLITS=S, SPLIT_MIN_LEN=cfg.split_min_len, SPLIT_CHUNK=cfg.split_chunk,
@@ -619,13 +627,21 @@ def tree_attention_fwd(
     lse_strides = lse.stride() if has_lse else (0, 0, 0)
     qs = q_start if has_qs else seq_lens
     ql = q_len if has_ql else seq_lens
-    direct(_tree_attn_fwd).launch(
-        plan.grid,
-        q, k_cache, v_cache, block_table, seq_lens, num_nodes, anc, qs, ql, out, lse_t, wo, wl,
-        cnt, sm_scale * _LOG2E, q.shape[1], k_cache.shape[2], *q.stride(), *k_cache.stride(),
-        *v_cache.stride(), block_table.stride(0), anc.stride(0), anc.stride(1), *out.stride(),
-        *lse_strides, **plan.consts,
-    )  # fmt: skip
+    if plan.gluon_consts is not None and _gluon.launchable(q, k_cache, v_cache, out):
+        _gluon._tree_attn_fwd_gluon[plan.grid](
+            q, k_cache, v_cache, block_table, seq_lens, num_nodes, anc, qs, ql, out, lse_t, wo,
+            wl, sm_scale * _LOG2E, q.shape[1], k_cache.shape[2], *q.stride()[:3],
+            *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), anc.stride(0),
+            anc.stride(1), *out.stride()[:3], *lse_strides, **plan.gluon_consts,
+        )  # fmt: skip
+    else:
+        direct(_tree_attn_fwd).launch(
+            plan.grid,
+            q, k_cache, v_cache, block_table, seq_lens, num_nodes, anc, qs, ql, out, lse_t, wo,
+            wl, cnt, sm_scale * _LOG2E, q.shape[1], k_cache.shape[2], *q.stride(),
+            *k_cache.stride(), *v_cache.stride(), block_table.stride(0), anc.stride(0),
+            anc.stride(1), *out.stride(), *lse_strides, **plan.consts,
+        )  # fmt: skip
     if split and not plan.cfg.fused_merge:
         direct(_merge_splits).launch(
             plan.merge_grid,

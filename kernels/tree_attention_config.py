@@ -35,6 +35,10 @@ class AttnConfig:
     # split partial outputs stored in the inputs' 16-bit dtype instead of fp32 (half the
     # workspace bytes written and merged; the LSEs stay fp32)
     partial_half: bool = False
+    # the forward is tree_attention_gluon's (Hopper, 16-bit, D <= 128; ``pipe`` tiles copied
+    # ahead), its PV's P through shared memory with ``p_smem``
+    gluon: bool = False
+    p_smem: bool = False
 
     @property
     def block_m(self) -> int:
@@ -83,6 +87,7 @@ CANDIDATES: dict[int, dict[str, dict]] = {
         "m64_pipe3": dict(block_m=64, block_n=64, num_warps=4, pipe=3, **_PIPED),
         "m64_pipe4": dict(block_m=64, block_n=64, num_warps=4, pipe=4, **_PIPED),
         "m64_n128_pipe3": dict(block_m=64, block_n=128, num_warps=4, pipe=3, **_PIPED),
+        "gluon_m64_n128": dict(block_m=64, block_n=128, num_warps=4, pipe=1, gluon=True, **_PIPED),
     },
     128: {
         "default": {},
@@ -94,6 +99,11 @@ CANDIDATES: dict[int, dict[str, dict]] = {
         "m64_n32_pipe4": dict(block_m=64, block_n=32, num_warps=4, pipe=4, **_PIPED),
         "m128_st2": dict(block_m=128, block_n=64, num_warps=8, num_stages=2, prefetch=False),
         "m64_st2": dict(block_m=64, block_n=64, num_warps=4, num_stages=2, prefetch=False),
+        "gluon_m64_n128": dict(block_m=64, block_n=128, num_warps=4, pipe=1, gluon=True, **_PIPED),
+        "gluon_m128_n128_ps": dict(
+            block_m=128, block_n=128, num_warps=8, pipe=1, gluon=True, p_smem=True, **_PIPED
+        ),
+        "gluon_m128_n64": dict(block_m=128, block_n=64, num_warps=8, pipe=2, gluon=True, **_PIPED),
     },
     256: {
         "default": {},
@@ -238,6 +248,7 @@ def pick_config(
         # fp32 (a 128-row tile's Q and two K/V stages: 256 KiB) or a GPU with less shared memory
         block_m, block_n, warps, stages, prefetch = 64, 32, 8, 2, True
     pipe, warp_spec = 0, False
+    gluon = p_smem = False
     ppsm, min_chunk = PROGRAMS_PER_SM, MIN_CHUNK
     # an explicit split count splits every request that has the keys for it
     split_min_len = MIN_SPLIT_LEN if num_splits is None else 0
@@ -265,7 +276,16 @@ def pick_config(
         stages = override.get("num_stages", stages)
         pipe = override.get("pipe", pipe)
         warp_spec = override.get("warp_specialize", warp_spec)
+        gluon = bool(override.get("gluon", False))
+        p_smem = bool(override.get("p_smem", False))
+    # the Gluon forward: Hopper wgmma on 16-bit inputs, 128-key or 64-key tiles, D <= 128; the
+    # interpreter has no Gluon (the Triton kernel runs at the same tiles)
+    gluon = gluon and not interpret and elem_bytes == 2 and D <= 128 and block_n >= 64
+    if gluon:
+        pipe, fused, half = max(pipe, 1), False, False
     block_q = _block_q(block_m, g_pad, N)
+    # a wgmma tile is 16 rows a warp: fewer rows (a small tree) run the Triton kernel
+    gluon = gluon and block_q * g_pad >= 16 * warps
     m_tiles = triton.cdiv(N, block_q)
     if num_splits is None:
         base = B * H_kv * m_tiles
@@ -283,6 +303,8 @@ def pick_config(
         block_q, g_pad, block_n, num_splits, warps, stages, prefetch, pipe, warp_spec,
         split_min_len, split_chunk, bool(fused) and num_splits > 1,
         partial_half=bool(half) and num_splits > 1 and elem_bytes == 2,
+        gluon=gluon,
+        p_smem=gluon and p_smem,
     )  # fmt: skip
 
 

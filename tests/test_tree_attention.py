@@ -691,6 +691,52 @@ def test_small_tree_path_is_one_launch_from_capacities(monkeypatch):
     assert K.pick_config(8, 64, 32, 8, 128, 4096, 132, True).pipe == 0  # interpreter: its tiles
 
 
+def test_gluon_candidates_only_where_the_gluon_forward_applies():
+    """A "gluon" override takes tree_attention_gluon's forward in compiled runs of 16-bit inputs
+    at D <= 128 whose query tile holds 16 rows a warp; the interpreter, fp32, D 256, 32-key tiles
+    and small trees keep the Triton kernel at the same tiles. Never fused, never half partials,
+    at least one tile copied ahead."""
+    ov = K.CANDIDATES[128]["gluon_m64_n128"]
+    on = K.pick_config(8, 64, 32, 8, 128, 4096, 132, False, override=ov)
+    assert on.gluon and not on.p_smem and on.pipe >= 1 and (on.block_m, on.block_n) == (64, 128)
+    assert not K.pick_config(8, 64, 32, 8, 128, 4096, 132, True, override=ov).gluon
+    assert not K.pick_config(8, 64, 32, 8, 128, 4096, 132, False, override=ov, elem_bytes=4).gluon
+    assert not K.pick_config(8, 64, 16, 4, 256, 4096, 132, False, override=ov).gluon
+    assert not K.pick_config(
+        8, 64, 32, 8, 128, 4096, 132, False, override={**ov, "block_n": 32}
+    ).gluon
+    assert not K.pick_config(1, 8, 32, 8, 128, 4096, 132, False, override=ov).gluon  # 32 rows
+    ps = K.CANDIDATES[128]["gluon_m128_n128_ps"]
+    one = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False, override={**ps, "fused_merge": True,
+                        "partial_half": True})  # fmt: skip
+    assert one.gluon and one.p_smem and one.num_splits > 1
+    assert not one.fused_merge and not one.partial_half
+    assert not K.pick_config(8, 64, 32, 8, 128, 4096, 132, False).gluon  # never by default
+
+
+def test_gluon_forward_takes_only_calls_it_can_copy(monkeypatch):
+    """``launchable``: a Hopper device (``device_ok``), 16-bit q and caches of one dtype, D 64 or
+    128, unit last strides, 16-byte aligned pointers, other strides multiples of 8 elements."""
+    from treeops.kernels import tree_attention_gluon as KG
+
+    q = torch.zeros(2, 16, 8, 128, dtype=torch.bfloat16)
+    kc = torch.zeros(10, 16, 2, 128, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    assert not KG.launchable(q, kc, kc, out)  # a CPU tensor
+    monkeypatch.setattr(KG, "device_ok", lambda q: True)
+    assert KG.launchable(q, kc, kc, out) == KG.AVAILABLE
+    if not KG.AVAILABLE:
+        return
+    assert not KG.launchable(q.float(), kc.float(), kc.float(), out.float())
+    assert not KG.launchable(q, kc.half(), kc, out)
+    assert not KG.launchable(q[..., :96], kc[..., :96], kc[..., :96], out[..., :96])
+    assert not KG.launchable(q.transpose(2, 3), kc, kc, out)  # non-unit last stride
+    shifted = torch.zeros(kc.numel() + 8, dtype=kc.dtype)[4 : 4 + kc.numel()].view(kc.shape)
+    assert not KG.launchable(q, shifted, kc, out)  # 8 bytes past a 16-byte boundary
+    odd = torch.zeros(2, 16, 8, 132, dtype=torch.bfloat16)[..., :128]  # row stride 132
+    assert not KG.launchable(odd, kc, kc, out)
+
+
 def test_small_tree_path_through_the_launcher(monkeypatch):
     """SMALL_TREE routes a default launch through the small-tree path: same result as the
     reference, and no split workspace is needed."""

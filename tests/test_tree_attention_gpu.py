@@ -400,3 +400,31 @@ def test_memcheck_tuned_tiles(D):
     qs = torch.tensor([0, 3, 0], dtype=torch.int32, device=DEV)
     ql = torch.tensor([7, 20, 1], dtype=torch.int32, device=DEV)
     _check(q, kv, seq, tree, torch.float16, qs, ql, override=override, what=f"D={D} range")
+
+
+_GLUON = [(d, n) for d, c in K.CANDIDATES.items() for n, ov in c.items() if ov.get("gluon")]
+
+
+@pytest.mark.parametrize("D,name", _GLUON, ids=lambda x: str(x))
+@pytest.mark.parametrize("splits", [None, 3])
+def test_memcheck_gluon_tiles(D, name, splits):
+    """The Gluon forward (``tree_attention_gluon``), which it must be (not the Triton kernel it
+    falls back to), on a small ragged batch under compute-sanitizer: requests with several full
+    prefix tiles, a partial tail, no prefix at all, one node; a query range; unsplit and split
+    (the partials through ``_merge_splits``)."""
+    from treeops.kernels import tree_attention_gluon as KG
+
+    rng = random.Random(D + len(name))
+    B, N, lens = 3, 64, [700, 77, 0]
+    tree = _trees(B, N, ["random", "chain", "binary"], rng, sizes=[N, N - 5, 1])
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    kv = paged_kv([L + N for L in lens], 16, 8, D, torch.float16, rng, device=DEV)
+    q = torch.randn(B, N, 32, D, device=DEV, dtype=torch.float16)
+    override = K.CANDIDATES[D][name]
+    assert K.config_for(q, kv.k_cache, kv.block_table, splits, override).gluon
+    assert KG.launchable(q, kv.k_cache, kv.v_cache, torch.empty_like(q))
+    what = f"D={D} {name} splits={splits}"
+    _check(q, kv, seq, tree, torch.float16, num_splits=splits, override=override, what=what)
+    qs = torch.tensor([0, 3, 0], dtype=torch.int32, device=DEV)
+    ql = torch.tensor([7, 20, 1], dtype=torch.int32, device=DEV)
+    _check(q, kv, seq, tree, torch.float16, qs, ql, num_splits=splits, override=override, what=what)
