@@ -572,11 +572,12 @@ def decoder_fused(B, R, H, I, V, w=10, D=10, dtype=torch.bfloat16):
     return f"decoder_fused B={B} R={R} H={H} I={I} V={V} w={w} {dtype}", case
 
 
-def _gluon_candidate(d: int) -> dict:
-    """The first tree-attention sweep candidate of head dim ``d`` that takes the Gluon forward."""
+def _gluon_candidates() -> list[tuple[int, dict]]:
+    """(head dim, override) of every tree-attention sweep candidate that takes the Gluon
+    forward."""
     from treeops.kernels import tree_attention as ta
 
-    return next(ov for ov in ta.CANDIDATES[d].values() if ov.get("gluon"))
+    return [(d, ov) for d, c in ta.CANDIDATES.items() for ov in c.values() if ov.get("gluon")]
 
 
 def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
@@ -591,9 +592,13 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             attention(8, 64, 32, 8, 128, 4096, 16),
             attention(32, 64, 32, 8, 64, 2048, 16),
             attention(32, 64, 16, 4, 256, 2048, 16),
-            # the Gluon forward (kernels/tree_attention_gluon.py), split and unsplit
-            attention(2, 64, 32, 8, 128, 2048, 16, override=_gluon_candidate(128)),
-            attention(32, 64, 32, 8, 64, 2048, 16, override=_gluon_candidate(64)),
+            # the Gluon forward (kernels/tree_attention_gluon.py): every candidate, split and
+            # unsplit (ptxas allocates them differently)
+            *[
+                attention(B, 64, 32, 8, d, 2048, 16, override=ov)
+                for d, ov in _gluon_candidates()
+                for B in (2, 32)
+            ],
             kv_append(4, 64, 8, 128, 16),
             kv_append(4, 64, 8, 128, 16, hq=32),
             rope(4, 64, 32, 128),

@@ -88,6 +88,9 @@ CANDIDATES: dict[int, dict[str, dict]] = {
         "m64_pipe4": dict(block_m=64, block_n=64, num_warps=4, pipe=4, **_PIPED),
         "m64_n128_pipe3": dict(block_m=64, block_n=128, num_warps=4, pipe=3, **_PIPED),
         "gluon_m64_n128": dict(block_m=64, block_n=128, num_warps=4, pipe=1, gluon=True, **_PIPED),
+        "gluon_m128_n128_ps": dict(
+            block_m=128, block_n=128, num_warps=8, pipe=1, gluon=True, p_smem=True, **_PIPED
+        ),
     },
     128: {
         "default": {},
@@ -99,9 +102,8 @@ CANDIDATES: dict[int, dict[str, dict]] = {
         "m64_n32_pipe4": dict(block_m=64, block_n=32, num_warps=4, pipe=4, **_PIPED),
         "m128_st2": dict(block_m=128, block_n=64, num_warps=8, num_stages=2, prefetch=False),
         "m64_st2": dict(block_m=64, block_n=64, num_warps=4, num_stages=2, prefetch=False),
-        "gluon_m64_n128": dict(block_m=64, block_n=128, num_warps=4, pipe=1, gluon=True, **_PIPED),
-        "gluon_m128_n128_ps": dict(
-            block_m=128, block_n=128, num_warps=8, pipe=1, gluon=True, p_smem=True, **_PIPED
+        "gluon_m128_n64_ps": dict(
+            block_m=128, block_n=64, num_warps=8, pipe=2, gluon=True, p_smem=True, **_PIPED
         ),
         "gluon_m128_n64": dict(block_m=128, block_n=64, num_warps=8, pipe=2, gluon=True, **_PIPED),
     },

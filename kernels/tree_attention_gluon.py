@@ -75,17 +75,20 @@ if AVAILABLE:
         return gl.BlockedLayout([1, 8], [32 // tpw_d, tpw_d], [num_warps, 1], [1, 0])
 
     @gluon.jit
-    def _copy_tile(K, V, k_s, v_s, p_bt, k0, t, o_n, o_d, off_kh, off_vh, s_kp, s_ks, s_vp, s_vs,
+    def _pages(p_bt, k0, t, o_n, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, n_tiles):
+        """int64 page ids of full tile t's keys (k0 + t * BLOCK_N ...); 0 past the last tile."""
+        live = (o_n * 0 + t) < n_tiles
+        return gl.load(p_bt + (k0 + t * BLOCK_N + o_n) // PAGE, mask=live, other=0).to(gl.int64)
+
+    @gluon.jit
+    def _copy_tile(K, V, k_s, v_s, page, k0, t, o_n, o_d, off_kh, off_vh, s_kp, s_ks, s_vp, s_vs,
                    BLOCK_N: gl.constexpr, PAGE: gl.constexpr, SK: gl.constexpr,
                    SV: gl.constexpr, n_tiles):  # fmt: skip
-        """cp.async of full tile t (keys k0 + t * BLOCK_N ...) of K and V, this KV head, through
-        the block table, into ring stages t % SK and t % SV, as one commit group; past the last
-        tile the copies are masked (zero-filled) and the page ids not read."""
-        pos = k0 + t * BLOCK_N + o_n
-        live = (o_n * 0 + t) < n_tiles
-        page = gl.load(p_bt + pos // PAGE, mask=live, other=0).to(gl.int64)
-        slot = (pos % PAGE).to(gl.int64)
-        ok = live[:, None]
+        """cp.async of full tile t (keys k0 + t * BLOCK_N ..., on pages ``page``) of K and V,
+        this KV head, into ring stages t % SK and t % SV, as one commit group; past the last
+        tile the copies are masked (zero-filled)."""
+        slot = ((k0 + t * BLOCK_N + o_n) % PAGE).to(gl.int64)
+        ok = ((o_n * 0 + t) < n_tiles)[:, None]
         p_k = K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :]
         cp.async_copy_global_to_shared(k_s.index(t % SK), p_k, mask=ok)
         p_v = V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :]
@@ -130,25 +133,34 @@ if AVAILABLE:
                 PAGE: gl.constexpr, LA: gl.constexpr, SK: gl.constexpr, SV: gl.constexpr,
                 P_IN_SMEM: gl.constexpr):  # fmt: skip
         """``n_tiles`` >= 1 full prefix tiles from key ``k0``, every key visible, into the
-        running (acc, m, l); ends with no copy or wgmma in flight."""
+        running (acc, m, l); ends with no copy or wgmma in flight. Each iteration issues its two
+        wgmmas first, then the copies of tile j + LA (their page ids loaded an iteration
+        earlier, so no warp waits on the block table before issuing), then loads the next page
+        ids."""
         for t in gl.static_range(LA):  # tiles 0 .. LA-1 in flight before the first wait
-            _copy_tile(K, V, k_s, v_s, p_bt, k0, t, o_n, o_d, off_kh, off_vh, s_kp, s_ks, s_vp,
+            pg = _pages(p_bt, k0, t, o_n, BLOCK_N, PAGE, n_tiles)
+            _copy_tile(K, V, k_s, v_s, pg, k0, t, o_n, o_d, off_kh, off_vh, s_kp, s_ks, s_vp,
                        s_vs, BLOCK_N, PAGE, SK, SV, n_tiles)  # fmt: skip
+        pg = _pages(p_bt, k0, LA, o_n, BLOCK_N, PAGE, n_tiles)
         zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_mma)
         # tile 0: its scores and softmax; its PV waits for iteration 1 (or the end)
         _landed(LA)
-        _copy_tile(K, V, k_s, v_s, p_bt, k0, LA, o_n, o_d, off_kh, off_vh, s_kp, s_ks, s_vp,
-                   s_vs, BLOCK_N, PAGE, SK, SV, n_tiles)  # fmt: skip
-        s = warpgroup_mma(q_s, k_s.index(0).permute((1, 0)), zeros_s, use_acc=False)
+        s_tok = warpgroup_mma(q_s, k_s.index(0).permute((1, 0)), zeros_s, use_acc=False,
+                              is_async=True)  # fmt: skip
+        _copy_tile(K, V, k_s, v_s, pg, k0, LA, o_n, o_d, off_kh, off_vh, s_kp, s_ks, s_vp, s_vs,
+                   BLOCK_N, PAGE, SK, SV, n_tiles)  # fmt: skip
+        pg = _pages(p_bt, k0, LA + 1, o_n, BLOCK_N, PAGE, n_tiles)
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale)
         for j in range(1, n_tiles):
             _landed(LA)  # K_j, V_{j-1} landed; tile j-1's K and tile j-2's V stages are free
-            _copy_tile(K, V, k_s, v_s, p_bt, k0, j + LA, o_n, o_d, off_kh, off_vh, s_kp, s_ks,
-                       s_vp, s_vs, BLOCK_N, PAGE, SK, SV, n_tiles)  # fmt: skip
             s_tok = warpgroup_mma(q_s, k_s.index(j % SK).permute((1, 0)), zeros_s,
                                   use_acc=False, is_async=True)  # fmt: skip
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
             acc_tok = _pv(p, p_s, v_s.index((j - 1) % SV), acc, P_IN_SMEM, p_op)
+            _copy_tile(K, V, k_s, v_s, pg, k0, j + LA, o_n, o_d, off_kh, off_vh, s_kp, s_ks,
+                       s_vp, s_vs, BLOCK_N, PAGE, SK, SV, n_tiles)  # fmt: skip
+            pg = _pages(p_bt, k0, j + LA + 1, o_n, BLOCK_N, PAGE, n_tiles)
             s = warpgroup_mma_wait(1, deps=(s_tok,))  # the scores; the PV may still run
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(acc_tok,))

@@ -67,7 +67,7 @@ def test_kernels_compile_for_gpu(tmp_path, arch):
         assert r["regs"] * r["threads"] <= 65536 and r["shared_bytes"] <= shared_max, r
     if arch == 90:  # the H200's attention tiles spill at no head dim (64, 128, 256)
         att = [r for r in doc["rows"] if r["kernel"] in ("_tree_attn_fwd", "_tree_attn_fwd_gluon")]
-        assert sum(r["kernel"] == "_tree_attn_fwd_gluon" for r in att) == 2
+        assert sum(r["kernel"] == "_tree_attn_fwd_gluon" for r in att) >= 2
         assert {d for r in att for d in (64, 128, 256) if f"D={d} " in r["case"]} == {64, 128, 256}
         for r in att:
             assert r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0, r

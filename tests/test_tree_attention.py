@@ -696,7 +696,7 @@ def test_gluon_candidates_only_where_the_gluon_forward_applies():
     at D <= 128 whose query tile holds 16 rows a warp; the interpreter, fp32, D 256, 32-key tiles
     and small trees keep the Triton kernel at the same tiles. Never fused, never half partials,
     at least one tile copied ahead."""
-    ov = K.CANDIDATES[128]["gluon_m64_n128"]
+    ov = K.CANDIDATES[64]["gluon_m64_n128"]
     on = K.pick_config(8, 64, 32, 8, 128, 4096, 132, False, override=ov)
     assert on.gluon and not on.p_smem and on.pipe >= 1 and (on.block_m, on.block_n) == (64, 128)
     assert not K.pick_config(8, 64, 32, 8, 128, 4096, 132, True, override=ov).gluon
@@ -706,7 +706,7 @@ def test_gluon_candidates_only_where_the_gluon_forward_applies():
         8, 64, 32, 8, 128, 4096, 132, False, override={**ov, "block_n": 32}
     ).gluon
     assert not K.pick_config(1, 8, 32, 8, 128, 4096, 132, False, override=ov).gluon  # 32 rows
-    ps = K.CANDIDATES[128]["gluon_m128_n128_ps"]
+    ps = K.CANDIDATES[128]["gluon_m128_n64_ps"]
     one = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False, override={**ps, "fused_merge": True,
                         "partial_half": True})  # fmt: skip
     assert one.gluon and one.p_smem and one.num_splits > 1
