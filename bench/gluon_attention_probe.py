@@ -39,9 +39,9 @@ LOG2E = 1.4426950408889634
 
 # (block_m, block_n, num_warps, la, p_in_smem): M rows per program (64 per warpgroup), keys per
 # tile, warps, tiles loaded ahead, P through shared memory instead of registers. Compiled for
-# sm_90 (``--compile``), ptxas issues about half of the exp2s while a PV wgmma is pending in the
-# 128-key tiles (m64_n128_la1, m128_n128_la1_ps) and almost none in the others, which wait for
-# the PV before the exp2s; the GPU run says what that is worth.
+# sm_90 (``--compile``), every one issues the loop tile's exp2s while the PV wgmma is pending
+# (about half of all its exp2s: the rest are the first tile's); the GPU run says what that is
+# worth, and which tile and depth of copies ahead is fastest.
 CONFIGS = {
     "m128_n64_la1": (128, 64, 8, 1, False),
     "m128_n64_la2": (128, 64, 8, 2, False),
