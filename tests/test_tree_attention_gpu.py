@@ -407,19 +407,21 @@ _GLUON = [(d, n) for d, c in K.CANDIDATES.items() for n, ov in c.items() if ov.g
 
 @pytest.mark.parametrize("D,name", _GLUON, ids=lambda x: str(x))
 @pytest.mark.parametrize("splits", [None, 3])
-def test_memcheck_gluon_tiles(D, name, splits):
+@pytest.mark.parametrize("H_q,H_kv,page", [(32, 8, 16), (10, 2, 1)])
+def test_memcheck_gluon_tiles(D, name, splits, H_q, H_kv, page):
     """The Gluon forward (``tree_attention_gluon``), which it must be (not the Triton kernel it
     falls back to), on a small ragged batch under compute-sanitizer: requests with several full
     prefix tiles, a partial tail, no prefix at all, one node; a query range; unsplit and split
-    (the partials through ``_merge_splits``)."""
+    (the partials through ``_merge_splits``); GQA 4 on 16-slot pages and the trained pair's
+    heads (a group of 5 padded to 8 rows a node) on 1-slot pages."""
     from treeops.kernels import tree_attention_gluon as KG
 
-    rng = random.Random(D + len(name))
+    rng = random.Random(D + len(name) + H_q)
     B, N, lens = 3, 64, [700, 77, 0]
     tree = _trees(B, N, ["random", "chain", "binary"], rng, sizes=[N, N - 5, 1])
     seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    kv = paged_kv([L + N for L in lens], 16, 8, D, torch.float16, rng, device=DEV)
-    q = torch.randn(B, N, 32, D, device=DEV, dtype=torch.float16)
+    kv = paged_kv([L + N for L in lens], page, H_kv, D, torch.float16, rng, device=DEV)
+    q = torch.randn(B, N, H_q, D, device=DEV, dtype=torch.float16)
     override = K.CANDIDATES[D][name]
     assert K.config_for(q, kv.k_cache, kv.block_table, splits, override).gluon
     assert KG.launchable(q, kv.k_cache, kv.v_cache, torch.empty_like(q))
