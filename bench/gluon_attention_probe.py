@@ -48,7 +48,6 @@ CONFIGS = {
     "m128_n64_la2_ps": (128, 64, 8, 2, True),
     "m64_n64_la2": (64, 64, 4, 2, False),
     "m64_n128_la1": (64, 128, 4, 1, False),
-    "m128_n128_la1": (128, 128, 8, 1, False),
     "m128_n128_la1_ps": (128, 128, 8, 1, True),
 }
 # (B, ctx, n): the large shapes (32 query / 8 KV heads, D 128, page 16); ctx + n is a
