@@ -199,12 +199,17 @@ def kernel_fn(c: Case, override=None, num_splits=None, k_cache=None, v_cache=Non
 
 
 def config_of(c: Case, override=None) -> dict:
-    """The kernel configuration the launch picks (tiles, splits, warps, stages)."""
+    """The kernel configuration the launch picks (tiles, splits, warps, stages) and which
+    forward runs it (``forward``: "gluon" where a gluon configuration can launch, else
+    "triton")."""
     try:
         from treeops.kernels import tree_attention as K
+        from treeops.kernels import tree_attention_gluon as KG
 
         cfg = K.config_for(c.q, c.k_cache, c.block_table, None, override)
-        return dict(dataclasses.asdict(cfg), block_m=cfg.block_m)
+        gluon = cfg.gluon and KG.launchable(c.q, c.k_cache, c.v_cache, c.q)
+        return dict(dataclasses.asdict(cfg), block_m=cfg.block_m,
+                    forward="gluon" if gluon else "triton")  # fmt: skip
     except Exception as e:  # noqa: BLE001 - a record, not a measurement
         return {"unavailable": f"{type(e).__name__}: {e}"[:200]}
 
