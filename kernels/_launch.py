@@ -152,6 +152,9 @@ class Launcher:
         if ENABLED and isinstance(fn, JITFunction):
             self.params = [p.name for p in fn.params]
             self._sig = inspect.signature(fn.fn)
+            # launch options that are also parameters (a Gluon kernel's ``num_warps``): passed
+            # as parameters, and by name to ``JITFunction.run``, which reads them as both
+            self.options = tuple(o for o in OPTIONS if o not in self.params)
             self.launch: Callable = self._first
         else:  # the interpreter's InterpretedFunction: Triton's path always
             self.launch = self._triton
@@ -200,9 +203,9 @@ class Launcher:
             else:
                 ns[f"_t_default_{name}"] = p.default
                 sig_parts.append(f"{name}=_t_default_{name}")
-        sig = ", ".join(["_t_grid", *sig_parts, *(f"{o}=_t_missing" for o in OPTIONS)])
+        sig = ", ".join(["_t_grid", *sig_parts, *(f"{o}=_t_missing" for o in self.options)])
         args = ", ".join(names)
-        opts_key = ", ".join(f"{o}.__class__, {o}" for o in OPTIONS)
+        opts_key = ", ".join(f"{o}.__class__, {o}" for o in self.options)
         key = ", ".join(_key_expr(n, k) for n, k in zip(names, kinds, strict=True))
         ints = [n for n, k in zip(names, kinds, strict=True) if k in ("i", "n")]
         ints_ok = f"_t_ints_only(map(type, ({', '.join(ints)},)))" if ints else "True"
@@ -243,7 +246,7 @@ def launch({sig}, **_t_other):
             return _t_entry[3]
     else:
         _t_key = None
-    return _t_slow(_t_key, _t_grid, ({args},), ({", ".join(OPTIONS)},), _t_other)
+    return _t_slow(_t_key, _t_grid, ({args},), ({", ".join(self.options)},), _t_other)
 """
         ns.update(
             _t_dc=_driver_config,
@@ -269,9 +272,13 @@ def launch({sig}, **_t_other):
         """Launch through ``JITFunction.run``; remember the compiled kernel under ``key`` if the
         arguments have the kinds the key code was generated for."""
         self.misses += 1
-        kwargs = {o: v for o, v in zip(OPTIONS, options) if v is not _MISSING}
+        kwargs = {o: v for o, v in zip(self.options, options, strict=True) if v is not _MISSING}
         kwargs.update(other)
-        kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+        if len(self.options) < len(OPTIONS):  # an option among the parameters: all by name
+            kwargs.update(zip(self.params, args, strict=True))
+            kernel = self.fn.run(grid=grid, warmup=False, **kwargs)
+        else:
+            kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
         if STATE.rec is not None:  # a recorded call: this launch too, if it can be replayed
             if grid.__class__ is tuple and not other and hasattr(kernel, "function"):
                 STATE.rec.append((_entry(kernel), grid, args))

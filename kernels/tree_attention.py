@@ -628,7 +628,8 @@ def tree_attention_fwd(
     qs = q_start if has_qs else seq_lens
     ql = q_len if has_ql else seq_lens
     if plan.gluon_consts is not None and _gluon.launchable(q, k_cache, v_cache, out):
-        _gluon._tree_attn_fwd_gluon[plan.grid](
+        direct(_gluon._tree_attn_fwd_gluon).launch(
+            plan.grid,
             q, k_cache, v_cache, block_table, seq_lens, num_nodes, anc, qs, ql, out, lse_t, wo,
             wl, sm_scale * _LOG2E, q.shape[1], k_cache.shape[2], *q.stride()[:3],
             *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), anc.stride(0),

@@ -314,6 +314,7 @@ def stand_in_triton(monkeypatch):
 
     def stub_compile(self, key, signature, device, constexprs, options, attrs, warmup):
         kernel = self.device_caches[device][0][key] = _Stub()
+        kernel.options = options  # what the launch would have compiled with
         return kernel
 
     monkeypatch.setattr(JITFunction, "_do_compile", stub_compile)
@@ -363,6 +364,33 @@ def test_direct_launch_picks_tritons_kernel(stand_in_triton):
     assert lau.kinds == ("T", "T", "n", "i", "i", "f", "b", "c", "c")
     stub = next(iter(lau.cache.values()))[3]
     assert stub.launches >= 2  # launched directly, not only compiled
+
+
+def _probe_gluon_like(X, N, BLOCK: tl.constexpr, num_warps: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    tl.store(X + o, o, mask=o < N)
+
+
+def test_direct_launch_of_a_kernel_whose_parameter_is_a_launch_option(stand_in_triton):
+    """A Gluon kernel takes ``num_warps`` as a parameter, which ``JITFunction.run`` also reads as
+    the launch option: the direct launch passes it as the parameter, keys on it, and launches the
+    kernel Triton's own run picks for the same arguments (compiled with that many warps)."""
+    gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
+    fn = gluon_runtime.GluonJITFunction(_probe_gluon_like)
+    lau = _launch.Launcher(fn)
+    assert "num_warps" not in lau.options
+    x = torch.zeros(64, dtype=torch.int32)
+    for rnd in range(2):
+        for warps in (4, 8):
+            for block in (16, 32):
+                kw = dict(BLOCK=block, num_warps=warps)
+                got = lau.launch((1,), x, 10, **kw)
+                want, spec = _tritons_own(fn, (x, 10), kw)
+                assert got is want, (rnd, warps, block)
+                assert got.options.num_warps == warps
+        if rnd == 0:
+            assert lau.misses == 4 and len(lau.cache) == 4
+    assert lau.misses == 4  # the second round: every launch direct
 
 
 def test_direct_launch_falls_back_to_triton(stand_in_triton, monkeypatch):
