@@ -32,23 +32,33 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from treeops.kernels import tree_attention_gluon as KG
 
 LOG2E = 1.4426950408889634
 
-# (block_m, block_n, num_warps, la, p_in_smem): M rows per program (64 per warpgroup), keys per
-# tile, warps, tiles loaded ahead, P through shared memory instead of registers. Compiled for
-# sm_90 (``--compile``), every one issues the loop tile's exp2s while the PV wgmma is pending
-# (about half of all its exp2s: the rest are the first tile's); the GPU run says what that is
-# worth, and which tile and depth of copies ahead is fastest.
+# (block_m, block_n, num_warps, la, p_in_smem, ws): M rows per program (64 per warpgroup), keys
+# per tile, warps, tiles loaded ahead (``ws``: the ring's stages), P through shared memory instead
+# of registers, and warp specialisation (``_prefix_attn_ws``: one producer warp issues the
+# copies). Compiled for sm_90 (``--compile``), every one issues the loop tile's exp2s while the
+# PV wgmma is pending (about half of all its exp2s: the rest are the first tile's); the GPU run
+# says what that is worth, and which tile, depth of copies ahead and split of work is fastest.
 CONFIGS = {
-    "m128_n64_la1": (128, 64, 8, 1, False),
-    "m128_n64_la2": (128, 64, 8, 2, False),
-    "m128_n64_la2_ps": (128, 64, 8, 2, True),
-    "m64_n64_la2": (64, 64, 4, 2, False),
-    "m64_n128_la1": (64, 128, 4, 1, False),
-    "m128_n128_la1_ps": (128, 128, 8, 1, True),
+    "m128_n64_la1": (128, 64, 8, 1, False, False),
+    "m128_n64_la2": (128, 64, 8, 2, False, False),
+    "m128_n64_la2_ps": (128, 64, 8, 2, True, False),
+    "m64_n64_la2": (64, 64, 4, 2, False, False),
+    "m64_n128_la1": (64, 128, 4, 1, False, False),
+    "m128_n128_la1_ps": (128, 128, 8, 1, True, False),
+    "ws_m128_n64_s4": (128, 64, 8, 4, False, True),
+    "ws_m128_n64_s4_ps": (128, 64, 8, 4, True, True),
+    "ws_m64_n64_s4_ps": (64, 64, 4, 4, True, True),
 }
 # (B, ctx, n): the issue's large shapes (32 query / 8 KV heads, D 128, page 16); ctx + n is a
 # multiple of every config's BLOCK_N
@@ -115,11 +125,138 @@ def _prefix_attn(Q, K, V, O, BT, n_nodes, n_tiles, qk_scale,
     gl.store(p_o, out.to(gl.bfloat16), mask=ok_o[:, None])
 
 
+@gluon.jit
+def _ws_producer(K, V, BT, k_s, v_s, ready, empty, i_b, i_kvh, n_tiles, s_kp, s_ks, s_kh, s_vp,
+                 s_vs, s_vh, s_btb, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                 PAGE: gl.constexpr, S: gl.constexpr):  # fmt: skip
+    """One warp: tile t's K and V into stage t % S once the consumers released it, then an
+    arrival on ``ready[t % S]`` when this warp's copies have landed (32 arrivals a phase)."""
+    ld: gl.constexpr = KG._load_layout(D, 1)
+    o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, ld)).to(gl.int64)
+    p_bt = BT + i_b * s_btb
+    off_kh = i_kvh * s_kh
+    off_vh = i_kvh * s_vh
+    for t in range(n_tiles):
+        st = t % S
+        # stage st was last used by tile t - S; a fresh barrier passes the first round's wait
+        mbarrier.wait(empty.index(st), ((t // S) & 1) ^ 1)
+        pos = t * BLOCK_N + o_n
+        page = gl.load(p_bt + pos // PAGE).to(gl.int64)
+        slot = (pos % PAGE).to(gl.int64)
+        p_k = K + (page * s_kp + slot * s_ks + off_kh)[:, None] + o_d[None, :]
+        cp.async_copy_global_to_shared(k_s.index(st), p_k)
+        p_v = V + (page * s_vp + slot * s_vs + off_vh)[:, None] + o_d[None, :]
+        cp.async_copy_global_to_shared(v_s.index(st), p_v)
+        cp.mbarrier_arrive(ready.index(st), increment_count=False)
+
+
+@gluon.jit
+def _ws_consumer(q_s, k_s, v_s, p_s, ready, empty, n_tiles, qk_scale, O, i_b, i_kvh, i_t,
+                 n_nodes, s_ob, s_on, s_oh, G: gl.constexpr, G_PAD: gl.constexpr,
+                 BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                 S: gl.constexpr, P_IN_SMEM: gl.constexpr,
+                 num_warps: gl.constexpr):  # fmt: skip
+    """The loop of ``tree_attention_gluon._prefix`` with the copies in the producer warp: tile
+    j's K and V wait on ``ready``, and tile j - 1's stage goes back to the producer (``empty``)
+    once its PV is done."""
+    BLOCK_M: gl.constexpr = G_PAD * BLOCK_Q
+    s_mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D, 16]
+    )
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=2)
+    zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_mma)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_mma))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_mma))
+    acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_mma)
+    mbarrier.wait(ready.index(0), 0)
+    fence_async_shared()
+    s = warpgroup_mma(q_s, k_s.index(0).permute((1, 0)), zeros_s, use_acc=False)
+    p, alpha, m_i, l_i = KG._softmax(s, m_i, l_i, qk_scale)
+    for j in range(1, n_tiles):
+        mbarrier.wait(ready.index(j % S), (j // S) & 1)
+        fence_async_shared()
+        s_tok = warpgroup_mma(q_s, k_s.index(j % S).permute((1, 0)), zeros_s, use_acc=False,
+                              is_async=True)  # fmt: skip
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
+        acc_tok = KG._pv(p, p_s, v_s.index((j - 1) % S), acc, P_IN_SMEM, p_op)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        p, alpha, m_i, l_i = KG._softmax(s, m_i, l_i, qk_scale)
+        acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+        mbarrier.arrive(empty.index((j - 1) % S), count=1)  # tile j - 1 done with
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
+    acc_tok = KG._pv(p, p_s, v_s.index((n_tiles - 1) % S), acc, P_IN_SMEM, p_op)
+    acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_mma))[:, None]
+    o_mo = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_mma))
+    o_do = gl.arange(0, D, layout=gl.SliceLayout(0, o_mma)).to(gl.int64)
+    node_o = (i_t * BLOCK_Q + o_mo // G_PAD).to(gl.int64)
+    head_o = (i_kvh * G + o_mo % G_PAD).to(gl.int64)
+    ok_o = (node_o < n_nodes) & (o_mo % G_PAD < G)
+    p_o = O + i_b * s_ob + (node_o * s_on + head_o * s_oh)[:, None] + o_do[None, :]
+    gl.store(p_o, out.to(gl.bfloat16), mask=ok_o[:, None])
+
+
+@gluon.jit
+def _prefix_attn_ws(Q, K, V, O, BT, n_nodes, n_tiles, qk_scale,
+                    s_qb, s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_ob, s_on, s_oh, s_btb,
+                    H_KV: gl.constexpr, G: gl.constexpr, G_PAD: gl.constexpr,
+                    BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                    PAGE: gl.constexpr, S: gl.constexpr, P_IN_SMEM: gl.constexpr,
+                    num_warps: gl.constexpr):  # fmt: skip
+    """The probe's loop warp-specialised: ``num_warps`` consumer warps compute, one producer warp
+    copies K/V through the block table into an S-stage ring (mbarriers ``ready``/``empty``)."""
+    BLOCK_M: gl.constexpr = G_PAD * BLOCK_Q
+    ld: gl.constexpr = KG._load_layout(D, num_warps)
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
+    i_bh = gl.program_id(0)
+    i_t = gl.program_id(1)
+    i_b = (i_bh // H_KV).to(gl.int64)
+    i_kvh = (i_bh % H_KV).to(gl.int64)
+    o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    o_dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld)).to(gl.int64)
+    node = (i_t * BLOCK_Q + o_m // G_PAD).to(gl.int64)
+    head = (i_kvh * G + o_m % G_PAD).to(gl.int64)
+    q_ok = (node < n_nodes) & (o_m % G_PAD < G)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], q_sl)
+    p_q = Q + i_b * s_qb + (node * s_qn + head * s_qh)[:, None] + o_dl[None, :]
+    cp.async_copy_global_to_shared(q_s, p_q, mask=q_ok[:, None])
+    cp.commit_group()
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [S, BLOCK_N, D], kv_sl)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [S, BLOCK_N, D], kv_sl)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], p_sl)
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(S):
+        mbarrier.init(ready.index(i), count=32)  # the producer warp's 32 threads
+        mbarrier.init(empty.index(i), count=1)  # the consumers, once (a partition-wide arrive)
+    cp.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+    gl.warp_specialize(
+        [
+            (_ws_consumer, (q_s, k_s, v_s, p_s, ready, empty, n_tiles, qk_scale, O, i_b, i_kvh,
+                            i_t, n_nodes, s_ob, s_on, s_oh, G, G_PAD, BLOCK_Q, BLOCK_N, D, S,
+                            P_IN_SMEM, num_warps)),
+            (_ws_producer, (K, V, BT, k_s, v_s, ready, empty, i_b, i_kvh, n_tiles, s_kp, s_ks,
+                            s_kh, s_vp, s_vs, s_vh, s_btb, BLOCK_N, D, PAGE, S)),
+        ],
+        [1],
+        [64],
+    )  # fmt: skip
+
+
 def prefix_attention(q, k_cache, v_cache, block_table, kv_len, scale, out, config):
     """out [B, n, H_q, D] = softmax(q k^T * scale) v over the first ``kv_len`` keys of every
     request (all visible; ``kv_len`` a multiple of the config's BLOCK_N); bf16, unit last
     strides."""
-    block_m, block_n, warps, la, p_smem = CONFIGS[config]
+    block_m, block_n, warps, la, p_smem, ws = CONFIGS[config]
     B, n, hq, D = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -128,15 +265,20 @@ def prefix_attention(q, k_cache, v_cache, block_table, kv_len, scale, out, confi
     if kv_len % block_n or kv_len < block_n:
         raise ValueError(f"kv_len must be a positive multiple of {block_n}, got {kv_len}")
     grid = (B * hkv, triton.cdiv(n, block_q))
-    _prefix_attn[grid](
+    args = (
         q, k_cache, v_cache, out, block_table, n, kv_len // block_n, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2), block_table.stride(0),
-        H_KV=hkv, G=g, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, PAGE=page, LA=la,
-        P_IN_SMEM=p_smem,
-        num_warps=warps,
     )  # fmt: skip
+    tiles = dict(H_KV=hkv, G=g, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, PAGE=page)
+    if ws:
+        # the consumers' warps and the producer's warpgroup share the SM's 64K registers: a cap
+        # per thread over all of them (Gluon moves the producer's spare ones to the consumers)
+        cap = min(255, 65536 // (32 * (warps + 4))) // 8 * 8
+        _prefix_attn_ws[grid](*args, **tiles, S=la, P_IN_SMEM=p_smem, num_warps=warps, maxnreg=cap)
+    else:
+        _prefix_attn[grid](*args, **tiles, LA=la, P_IN_SMEM=p_smem, num_warps=warps)
     return out
 
 
