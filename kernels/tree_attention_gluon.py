@@ -7,10 +7,12 @@ softmax and MMAs"). Here each full prefix tile j issues QK^T of tile j and PV of
 to back, waits for the older (the scores), runs tile j's softmax while the PV is on the tensor
 cores, then waits for the PV (FlashAttention-3's intra-warpgroup overlap). K/V tiles come through
 the block table by ``cp.async`` into shared-memory rings ``LA`` tiles ahead of use (K: LA + 1
-stages, V: LA + 2: tile j - 1's K and tile j - 2's V are free at iteration j's barrier); their
-page ids are loaded with the copies. Every iteration ends with no wgmma in flight and the loop
-has no branch: a wgmma pending across the back edge, or waits under a branch, make ptxas
-serialise every wgmma (its note C7514), which ``bench/gluon_attention_probe.py --compile`` checks.
+stages, V: LA + 2: tile j - 1's K and tile j - 2's V are free at iteration j's barrier). Each
+iteration issues its two wgmmas before its copies, whose page ids were loaded an iteration
+earlier, so no warp waits on the block table before the tensor cores have work. Every iteration
+ends with no wgmma in flight and the loop has no branch: a wgmma pending across the back edge, or
+waits under a branch, make ptxas serialise every wgmma (its note C7514), which
+``bench/gluon_attention_probe.py --compile`` checks.
 
 The tail tile (keys up to the prefix length) and the tree's tiles (keys visible by the ``anc``
 words, as the Triton kernel reads them) run after the prefix, one synchronous tile at a time.
