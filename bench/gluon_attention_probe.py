@@ -66,6 +66,25 @@ SHAPES = [(8, 4032, 64), (32, 4032, 64), (64, 2016, 32), (16, 4096 - 128, 128), 
 
 
 @gluon.jit
+def _copy_q(Q, q_s, i_b, i_kvh, i_t, n_nodes, s_qb, s_qn, s_qh, G: gl.constexpr,
+            G_PAD: gl.constexpr, BLOCK_Q: gl.constexpr, D: gl.constexpr,
+            num_warps: gl.constexpr):  # fmt: skip
+    """cp.async of the program's Q tile into ``q_s`` (its own commit group): row r is node
+    i_t * BLOCK_Q + r // G_PAD, query head i_kvh * G + r % G_PAD; rows past the nodes or the
+    group are zero."""
+    BLOCK_M: gl.constexpr = G_PAD * BLOCK_Q
+    ld: gl.constexpr = KG._load_layout(D, num_warps)
+    o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, ld)).to(gl.int64)
+    node = (i_t * BLOCK_Q + o_m // G_PAD).to(gl.int64)
+    head = (i_kvh * G + o_m % G_PAD).to(gl.int64)
+    ok = (node < n_nodes) & (o_m % G_PAD < G)
+    p_q = Q + i_b * s_qb + (node * s_qn + head * s_qh)[:, None] + o_d[None, :]
+    cp.async_copy_global_to_shared(q_s, p_q, mask=ok[:, None])
+    cp.commit_group()
+
+
+@gluon.jit
 def _prefix_attn(Q, K, V, O, BT, n_nodes, n_tiles, qk_scale,
                  s_qb, s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_ob, s_on, s_oh, s_btb,
                  H_KV: gl.constexpr, G: gl.constexpr, G_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
@@ -92,16 +111,9 @@ def _prefix_attn(Q, K, V, O, BT, n_nodes, n_tiles, qk_scale,
     i_t = gl.program_id(1)
     i_b = (i_bh // H_KV).to(gl.int64)
     i_kvh = i_bh % H_KV
-    # Q: row r is node i_t * BLOCK_Q + r // G_PAD, query head i_kvh * G + r % G_PAD
-    o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-    o_dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld)).to(gl.int64)
-    node = (i_t * BLOCK_Q + o_m // G_PAD).to(gl.int64)
-    head = (i_kvh * G + o_m % G_PAD).to(gl.int64)
-    q_ok = (node < n_nodes) & (o_m % G_PAD < G)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], q_sl)
-    p_q = Q + i_b * s_qb + (node * s_qn + head * s_qh)[:, None] + o_dl[None, :]
-    cp.async_copy_global_to_shared(q_s, p_q, mask=q_ok[:, None])
-    cp.commit_group()
+    _copy_q(Q, q_s, i_b, i_kvh, i_t, n_nodes, s_qb, s_qn, s_qh, G, G_PAD, BLOCK_Q, D, num_warps)
+    o_dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld)).to(gl.int64)
     k_s = gl.allocate_shared_memory(gl.bfloat16, [SK, BLOCK_N, D], kv_sl)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [SV, BLOCK_N, D], kv_sl)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], p_sl)
@@ -211,22 +223,14 @@ def _prefix_attn_ws(Q, K, V, O, BT, n_nodes, n_tiles, qk_scale,
     """The probe's loop warp-specialised: ``num_warps`` consumer warps compute, one producer warp
     copies K/V through the block table into an S-stage ring (mbarriers ``ready``/``empty``)."""
     BLOCK_M: gl.constexpr = G_PAD * BLOCK_Q
-    ld: gl.constexpr = KG._load_layout(D, num_warps)
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
     i_bh = gl.program_id(0)
     i_t = gl.program_id(1)
     i_b = (i_bh // H_KV).to(gl.int64)
     i_kvh = (i_bh % H_KV).to(gl.int64)
-    o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-    o_dl = gl.arange(0, D, layout=gl.SliceLayout(0, ld)).to(gl.int64)
-    node = (i_t * BLOCK_Q + o_m // G_PAD).to(gl.int64)
-    head = (i_kvh * G + o_m % G_PAD).to(gl.int64)
-    q_ok = (node < n_nodes) & (o_m % G_PAD < G)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], q_sl)
-    p_q = Q + i_b * s_qb + (node * s_qn + head * s_qh)[:, None] + o_dl[None, :]
-    cp.async_copy_global_to_shared(q_s, p_q, mask=q_ok[:, None])
-    cp.commit_group()
+    _copy_q(Q, q_s, i_b, i_kvh, i_t, n_nodes, s_qb, s_qn, s_qh, G, G_PAD, BLOCK_Q, D, num_warps)
     k_s = gl.allocate_shared_memory(gl.bfloat16, [S, BLOCK_N, D], kv_sl)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [S, BLOCK_N, D], kv_sl)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
