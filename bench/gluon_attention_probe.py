@@ -85,6 +85,22 @@ def _copy_q(Q, q_s, i_b, i_kvh, i_t, n_nodes, s_qb, s_qn, s_qh, G: gl.constexpr,
 
 
 @gluon.jit
+def _store_out(O, acc, l_i, i_b, i_kvh, i_t, n_nodes, s_ob, s_on, s_oh, o_mma: gl.constexpr,
+               G: gl.constexpr, G_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
+               D: gl.constexpr):  # fmt: skip
+    """acc / l into the output rows of the program's tile (as ``_copy_q`` maps them)."""
+    BLOCK_M: gl.constexpr = G_PAD * BLOCK_Q
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_mma))[:, None]
+    o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_mma))
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_mma)).to(gl.int64)
+    node = (i_t * BLOCK_Q + o_m // G_PAD).to(gl.int64)
+    head = (i_kvh * G + o_m % G_PAD).to(gl.int64)
+    ok = (node < n_nodes) & (o_m % G_PAD < G)
+    p_o = O + i_b * s_ob + (node * s_on + head * s_oh)[:, None] + o_d[None, :]
+    gl.store(p_o, out.to(gl.bfloat16), mask=ok[:, None])
+
+
+@gluon.jit
 def _prefix_attn(Q, K, V, O, BT, n_nodes, n_tiles, qk_scale,
                  s_qb, s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_ob, s_on, s_oh, s_btb,
                  H_KV: gl.constexpr, G: gl.constexpr, G_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
@@ -127,14 +143,8 @@ def _prefix_attn(Q, K, V, O, BT, n_nodes, n_tiles, qk_scale,
         p_op, BLOCK_M, BLOCK_N, PAGE, LA, SK, SV, P_IN_SMEM,
     )  # fmt: skip
 
-    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_mma))[:, None]
-    o_mo = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_mma))
-    o_do = gl.arange(0, D, layout=gl.SliceLayout(0, o_mma)).to(gl.int64)
-    node_o = (i_t * BLOCK_Q + o_mo // G_PAD).to(gl.int64)
-    head_o = (i_kvh * G + o_mo % G_PAD).to(gl.int64)
-    ok_o = (node_o < n_nodes) & (o_mo % G_PAD < G)
-    p_o = O + i_b * s_ob + (node_o * s_on + head_o * s_oh)[:, None] + o_do[None, :]
-    gl.store(p_o, out.to(gl.bfloat16), mask=ok_o[:, None])
+    _store_out(O, acc, l_i, i_b, i_kvh, i_t, n_nodes, s_ob, s_on, s_oh, o_mma, G, G_PAD, BLOCK_Q,
+               D)  # fmt: skip
 
 
 @gluon.jit
@@ -203,14 +213,8 @@ def _ws_consumer(q_s, k_s, v_s, p_s, ready, empty, n_tiles, qk_scale, O, i_b, i_
     acc_tok = KG._pv(p, p_s, v_s.index((n_tiles - 1) % S), acc, P_IN_SMEM, p_op)
     acc = warpgroup_mma_wait(0, deps=(acc_tok,))
 
-    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_mma))[:, None]
-    o_mo = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_mma))
-    o_do = gl.arange(0, D, layout=gl.SliceLayout(0, o_mma)).to(gl.int64)
-    node_o = (i_t * BLOCK_Q + o_mo // G_PAD).to(gl.int64)
-    head_o = (i_kvh * G + o_mo % G_PAD).to(gl.int64)
-    ok_o = (node_o < n_nodes) & (o_mo % G_PAD < G)
-    p_o = O + i_b * s_ob + (node_o * s_on + head_o * s_oh)[:, None] + o_do[None, :]
-    gl.store(p_o, out.to(gl.bfloat16), mask=ok_o[:, None])
+    _store_out(O, acc, l_i, i_b, i_kvh, i_t, n_nodes, s_ob, s_on, s_oh, o_mma, G, G_PAD, BLOCK_Q,
+               D)  # fmt: skip
 
 
 @gluon.jit
