@@ -125,8 +125,9 @@ does. At D 256, "m64_prefetch" is the 64-row tile the built-in 128-row one repla
 ``{"small_tree": True}`` (the small-tree path) is a candidate wherever it applies."""
 
 TUNED: dict[int, str] = {64: "m64_n128_pipe3", 128: "m64_pipe3"}
-"""Head-dim class -> the CANDIDATES entry launched when no override is given and its tile fills
-the GPU unsplit (``_tuned_override``); other launches keep the built-in tiles. From the H200 sweep
+"""Head-dim class -> the CANDIDATES entry launched when no override is given, ``GLUON``'s tile
+does not apply and this one fills the GPU unsplit (``_tuned_override``); other launches keep the
+built-in tiles. From the H200 sweep
 (bench_tree_attention.py --sweep, bench/results/h200/tree_attention_sweep.json), unsplit shapes, µs
 built-in -> tuned: D 128 B 8 ctx 4,096 n 64 135.9 -> 123.3, B 32 520.0 -> 446.8, B 4 n 127
 137.9 -> 126.6, B 16 n 128 526.8 -> 454.0 ("m64_pipe4" within 1 % of it everywhere); D 64 B 32
@@ -135,6 +136,15 @@ ran slower with the m64 tiles (B 1 ctx 16,384 n 64: 85.7 -> 142.4: twice the que
 half the splits), so the rule keeps them off there. D 256 needs no entry: its built-in tile is
 the sweep's best at every shape, split or not."""
 
+GLUON: dict[int, str] = {64: "gluon_m64_n128", 128: "gluon_m128_n64"}
+"""Head-dim class -> the CANDIDATES entry launched by default (split or not) for 16-bit inputs at
+head dim 64 or 128 wherever its tile has at least 16 rows a warp (``_gluon_override``): the
+Gluon forward, whose softmax runs under the pending PV wgmma. H200 sweep (bench_tree_attention.py
+--sweep, session 33), µs, Triton kernel's default -> Gluon: D 128 B 1 ctx 16,384 n 64 (split)
+79.8 -> 56.9, B 8 ctx 4,096 n 64 132.1 -> 102.4, B 32 526.1 -> 401.9, B 4 n 127 132.7 -> 105.5,
+B 16 n 128 518.6 -> 400.2, B 1 ctx 1,024 n 64 15.9 -> 14.7; D 64 B 32 ctx 2,048 161.0 -> 131.4,
+B 8 ctx 4,096 75.0 -> 60.0. Elsewhere (fewer rows, fp32, D 256, another GPU: ``launchable``)
+``TUNED`` and the built-in tiles apply."""
 SMALL_TREE = False
 """Launch the small-tree path by default wherever it applies. Off: slower than the split launch
 where it applies (B 1, ctx 512, n 8: 17.6 against 8.6 µs; attention_latency, H200, session 29)."""
@@ -189,6 +199,17 @@ def _tuned_override(
     return override if fills else None
 
 
+def _gluon_override(N: int, g_pad: int, D: int, elem_bytes: int) -> dict | None:
+    """``GLUON``'s candidate for 16-bit inputs at head dim 64 or 128 where its query tile has at
+    least 16 rows a warp (a wgmma's M); None elsewhere."""
+    name = GLUON.get(head_dim_class(D))
+    if name is None or elem_bytes != 2 or D not in (64, 128):
+        return None
+    override = CANDIDATES[head_dim_class(D)][name]
+    rows = _block_q(override["block_m"], g_pad, N) * g_pad
+    return override if rows >= 16 * override["num_warps"] else None
+
+
 def small_tree_applies(N: int, g_pad: int, D: int, kv_capacity: int) -> bool:
     """Whether the small-tree path takes (N nodes, padded group g_pad, head dim D, block-table
     slots): few nodes, a short cache, and a tile that compiles spill-free on sm_90 (at D = 256
@@ -221,15 +242,17 @@ def pick_config(
     True`` takes the small-tree path where ``small_tree_applies`` (else it is ignored). An
     explicit ``num_splits`` splits every request into that many chunks (as far as it has keys);
     the automatic count is a cap each request lowers on the device from its own key count
-    (``MIN_SPLIT_LEN``, ``min_chunk``). Without an override, ``SMALL_TREE``, ``FUSED_MERGE`` and
-    ``TUNED`` choose among the candidates (compiled runs only)."""
+    (``MIN_SPLIT_LEN``, ``min_chunk``). Without an override, ``SMALL_TREE``, ``GLUON``,
+    ``FUSED_MERGE`` and ``TUNED`` choose among the candidates (compiled runs only)."""
     g = H_q // H_kv
     g_pad = triton.next_power_of_2(g)
     if override is None and not interpret:
         if SMALL_TREE and small_tree_applies(N, g_pad, D, kv_capacity):
             override = {"small_tree": True}
         else:
-            override = _tuned_override(B, N, H_kv, g_pad, D, sms, num_splits)
+            override = _gluon_override(N, g_pad, D, elem_bytes) or _tuned_override(
+                B, N, H_kv, g_pad, D, sms, num_splits
+            )
     # 8 warps at every head dim: with 4, the D = 64 and D = 256 tiles spill on sm_90 (76 and
     # 532 bytes per thread; bench/attention_notes.md), with 8 none does (checked in CI,
     # tests/test_compile_check.py)

@@ -629,9 +629,10 @@ def test_every_sweep_candidate_matches_reference(cand, tc, data):
 
 
 def test_candidates_pipeline_and_tuned_routes_only_unsplit_launches():
-    """The candidates leave the loads to Triton's pipeliner or are the default. A default launch
-    takes TUNED's candidate where that tile fills the GPU unsplit, the hand-prefetched built-in
-    tiles elsewhere (or where a split count above 1 is asked for); SMALL_TREE stays off."""
+    """The candidates leave the loads to Triton's pipeliner or are the default. Where the Gluon
+    tile does not apply (here: fp32), a default launch takes TUNED's candidate where that tile
+    fills the GPU unsplit, the hand-prefetched built-in tiles elsewhere (or where a split count
+    above 1 is asked for); SMALL_TREE stays off."""
     for d, cands in K.CANDIDATES.items():
         assert cands["default"] == {}
         for name, ov in cands.items():
@@ -642,12 +643,13 @@ def test_candidates_pipeline_and_tuned_routes_only_unsplit_launches():
     assert KC.SMALL_TREE is False
     for d, name in K.TUNED.items():
         assert name in K.CANDIDATES[d] and name != "default"
-    cfg = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False)  # 16 programs: split, built-in
+    f32 = dict(elem_bytes=4)
+    cfg = K.pick_config(1, 64, 32, 8, 128, 4096, 132, False, **f32)  # 16 programs: split
     assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (128, 64, 8, 1)
-    assert cfg.prefetch and cfg.pipe == 0 and cfg.num_splits > 1
-    # D 256: no TUNED entry; the built-in tile is two warpgroups of 64 rows in Triton's two-stage
-    # loop at 16-bit dtypes, 64 rows with the hand prefetch at fp32 (shared memory)
-    assert 256 not in K.TUNED
+    assert cfg.prefetch and cfg.pipe == 0 and cfg.num_splits > 1 and not cfg.gluon
+    # D 256: no TUNED or GLUON entry; the built-in tile is two warpgroups of 64 rows in Triton's
+    # two-stage loop at 16-bit dtypes, 64 rows with the hand prefetch at fp32 (shared memory)
+    assert 256 not in K.TUNED and 256 not in KC.GLUON
     # (or on a GPU with 99 KiB of shared memory a block)
     for elem, shared, want in [
         (2, 232448, (128, 32, 8, 2, False)),
@@ -656,16 +658,41 @@ def test_candidates_pipeline_and_tuned_routes_only_unsplit_launches():
     ]:
         c = K.pick_config(32, 64, 16, 4, 256, 4096, 132, False, elem_bytes=elem, max_shared=shared)
         assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.prefetch) == want, elem
+        assert not c.gluon
     for B, d in [(8, 128), (32, 64)]:  # the sweep's unsplit shapes
-        routed = K.pick_config(B, 64, 32, 8, d, 4096, 132, False)
+        routed = K.pick_config(B, 64, 32, 8, d, 4096, 132, False, **f32)
         tuned = K.CANDIDATES[d][K.TUNED[d]]
-        assert routed == K.pick_config(B, 64, 32, 8, d, 4096, 132, False, override=tuned)
+        assert routed == K.pick_config(B, 64, 32, 8, d, 4096, 132, False, override=tuned, **f32)
         assert routed.num_splits == 1 and routed.block_m == tuned["block_m"]
     # the boundary: 8 KV heads x 4 tiles of 16 nodes = 32 programs a request; 132 SMs
-    assert K.pick_config(5, 64, 32, 8, 128, 4096, 132, False).pipe == 3  # 160: a full wave
-    assert K.pick_config(4, 64, 32, 8, 128, 4096, 132, False).pipe == 0  # 128: built-in
-    forced = K.pick_config(8, 64, 32, 8, 128, 4096, 132, False, num_splits=2)
+    assert K.pick_config(5, 64, 32, 8, 128, 4096, 132, False, **f32).pipe == 3  # 160: a wave
+    assert K.pick_config(4, 64, 32, 8, 128, 4096, 132, False, **f32).pipe == 0  # 128: built-in
+    forced = K.pick_config(8, 64, 32, 8, 128, 4096, 132, False, num_splits=2, **f32)
     assert forced.pipe == 0 and forced.num_splits == 2
+
+
+def test_gluon_is_the_default_tile_where_it_applies():
+    """16-bit inputs at head dim 64 or 128: a default launch, split or not, takes GLUON's
+    candidate where its tile has 16 rows a warp; with fewer rows (a 16-node tree of 4 query
+    heads: 64 rows for 8 warps), fp32, another head dim or under the interpreter it does not."""
+    for d in (64, 128):
+        gl = K.CANDIDATES[d][KC.GLUON[d]]
+        for B, splits in [(1, None), (8, None), (32, None), (8, 2)]:
+            routed = K.pick_config(B, 64, 32, 8, d, 4096, 132, False, num_splits=splits)
+            assert routed.gluon, (d, B)
+            assert routed == K.pick_config(
+                B, 64, 32, 8, d, 4096, 132, False, num_splits=splits, override=gl
+            )
+        assert not K.pick_config(8, 64, 32, 8, d, 4096, 132, False, elem_bytes=4).gluon
+        assert not K.pick_config(8, 64, 32, 8, d, 4096, 132, True).gluon
+    # 16 nodes x 4 heads = 64 rows: enough for D 64's 4-warp tile, not for D 128's 8 warps
+    assert K.pick_config(64, 16, 32, 8, 64, 4096, 132, False).gluon
+    few = K.pick_config(64, 16, 32, 8, 128, 4096, 132, False)
+    assert not few.gluon
+    assert few == K.pick_config(
+        64, 16, 32, 8, 128, 4096, 132, False, override=K.CANDIDATES[128][K.TUNED[128]]
+    )
+    assert not K.pick_config(8, 64, 32, 8, 96, 4096, 132, False).gluon
 
 
 def test_small_tree_path_is_one_launch_from_capacities(monkeypatch):
@@ -683,6 +710,7 @@ def test_small_tree_path_is_one_launch_from_capacities(monkeypatch):
     monkeypatch.setattr(KC, "SMALL_TREE", True)
     assert K.pick_config(1, 8, 32, 8, 128, 528, 132, False) == cfg
     monkeypatch.setattr(KC, "SMALL_TREE", False)
+    monkeypatch.setattr(KC, "GLUON", {})  # TUNED routes where the Gluon tile does not
     monkeypatch.setattr(KC, "TUNED", {128: "m64_pipe2"})  # the routing, whatever TUNED holds
     tuned = K.pick_config(8, 64, 32, 8, 128, 4096, 132, False)
     assert tuned == K.pick_config(
@@ -711,7 +739,6 @@ def test_gluon_candidates_only_where_the_gluon_forward_applies():
                         "partial_half": True})  # fmt: skip
     assert one.gluon and one.p_smem and one.num_splits > 1
     assert not one.fused_merge and not one.partial_half
-    assert not K.pick_config(8, 64, 32, 8, 128, 4096, 132, False).gluon  # never by default
 
 
 def test_gluon_forward_takes_only_calls_it_can_copy(monkeypatch):
