@@ -460,10 +460,10 @@ def sweep_update_rows(c: dict, empty_us: float, configs=None) -> list[dict]:
 
 def learn_rows(c: dict, empty_us: float, block_maxes=(0, 128)) -> list[dict]:
     """What a decoder pays per step to teach the table the verified tree, two ways, on the same
-    logits: ``ids`` (acceptance with the fused top-k ids, then the update from them: what the
-    example decoder does) and ``logits`` (acceptance alone, then the update from the logits, under
-    each ``block_max`` of ``UPDATE_TUNING``). Both must leave the same acceptance and table;
-    graph replays over rotated logits."""
+    logits: ``ids`` (acceptance with the fused top-k ids, then the update from them) and
+    ``logits`` (acceptance alone, then the update from the logits, under each ``block_max`` of
+    ``UPDATE_TUNING``: what the example decoder does). Both must leave the same acceptance and
+    table; graph replays over rotated logits."""
     from treeops.kernels import graft as kg
 
     timer = _timer(c["dev"])

@@ -21,9 +21,9 @@ list's worst, so most blocks cost one max. Split 0 also claims the node's token 
 and the node whose index equals ``owner[token]`` writes the row and resets the owner to INT32_MAX
 (losers read either their winner's index or INT32_MAX, never their own), so the owner buffer is
 all INT32_MAX again after every update and no host sync or memset is needed. With ``topk_ids``
-stage 1 only claims. With ``UPDATE_TUNING["block_max"]`` set, stage 1 keeps a max per block of
-logits instead of a list, and stage 2 (one program per node) ranks the blocks and rereads the
-best (``graft_update``).
+stage 1 only claims. By default (``UPDATE_TUNING["block_max"]``: 64 or 128 logits by vocabulary;
+0 takes the lists above) stage 1 keeps a max per block of logits instead of a list, and stage 2
+(one program per node) ranks the blocks and rereads the best (``graft_update``).
 """
 
 from __future__ import annotations
@@ -642,7 +642,7 @@ UPDATE_TUNING = {
     "num_warps": 1,
     "group": 0,
     "merge": "bitonic",
-    "block_max": 0,
+    "block_max": None,
 }
 """The update's configuration on the GPU. Stage 1: logits per block, programs per SM that the
 splits of V aim for, warps per program, and the top-k method: ``group`` 0 keeps a running list
@@ -650,12 +650,18 @@ that a block's best key enters while it beats the worst; ``group`` g > 0 keeps t
 maxima of groups of g logits and rereads those groups (``_update_group``). The write stage:
 ``merge`` "passes" (K dependent max passes over the splits' lists) or "bitonic" (one top-KB a
 row). ``block_max`` m > 0 replaces both: stage 1 keeps one max per m logits (a float max per
-logit, no order keys), stage 2 rereads each node's k best blocks (``_update_by_block_maxima``;
-untimed on the GPU, hence off). ``bench/bench_graft.py --sweep-update`` varies it; the splits
-and the method are part of ``update_workspace_key``, so a table's cached workspace follows it.
-H200, V 128,256, µs (bench/results/h200/graft_update_sweep.json): the bitonic merge 21.15
-against 21.57 at B 1, 434.4 against 435.4 at B 64; groups of 16 (2,048-logit blocks) 19.2 at B 1
-but 576 at B 64."""
+logit, no order keys), stage 2 rereads each node's k best blocks (``_update_by_block_maxima``);
+0 keeps the lists; None (the default) takes m from the vocabulary (``_update_block_max``).
+``bench/bench_graft.py --sweep-update`` varies it; the splits and the method are part of
+``update_workspace_key``, so a table's cached workspace follows it. H200, µs
+(bench/results/h200/graft_update_sweep.json, session 33), B 1 / 8 / 64, lists -> m 64 -> m 128:
+V 32,000 11.3 / 30.7 / 132.9 -> 9.1 / 19.9 / 120.6 -> 9.5 / 21.1 / 129.1; V 128,256 20.8 / 77.4
+/ 439.6 -> 16.4 / 59.0 / 405.1 -> 14.2 / 53.7 / 366.7 (m 256: slower at both). Earlier, for the
+lists: the bitonic merge 21.15 against 21.57 µs at B 1 V 128,256; groups of 16 (2,048-logit
+blocks) 19.2 at B 1 but 576 at B 64."""
+BLOCK_MAX_SMALL_V = 65536
+"""Vocabularies up to this size take 64-logit block maxima, larger ones 128 (the fastest of 64,
+128 and 256 at every B of the sweep at V 32,000 and V 128,256; ``UPDATE_TUNING``)."""
 
 
 def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
@@ -695,10 +701,13 @@ def update_splits(n_flat: int, V: int, device: torch.device) -> int:
     return cdiv(V, _chunk(V, S, block_v))
 
 
-def _update_block_max() -> int:
-    """Logits per block of the block-maxima method (``UPDATE_TUNING["block_max"]``, at most a
+def _update_block_max(V: int) -> int:
+    """Logits per block of the block-maxima method for a vocabulary of V (``UPDATE_TUNING
+    ["block_max"]``, or by default 64 up to ``BLOCK_MAX_SMALL_V`` and 128 above; at most a
     stage-1 block), or 0: the top-k lists."""
-    mb = UPDATE_TUNING.get("block_max", 0)
+    mb = UPDATE_TUNING.get("block_max")
+    if mb is None:
+        mb = 64 if V <= BLOCK_MAX_SMALL_V else 128
     return min(mb, _update_block_v()) if mb else 0
 
 
@@ -707,7 +716,7 @@ def update_workspace_key(n_flat: int, V: int, K: int, device: torch.device) -> t
     ``adjacency_update``'s workspace for ``n_flat`` nodes of V logits and a table of width K:
     each split's top-k list (S * padded k slots of both), or with the block-maxima method each
     block's value key (cdiv(V, block) int32 slots; one float32 slot, unused)."""
-    mb = _update_block_max()
+    mb = _update_block_max(V)
     if mb:
         return n_flat, 1, cdiv(V, mb)
     slots = update_splits(n_flat, V, device) * max(pow2(K), 2)
@@ -777,7 +786,7 @@ def adjacency_update(
                     torch.empty(n_flat * key[2], dtype=torch.int32, device=table.device),
                 )
             ws_val, ws_id = workspace[key]
-            mb = _update_block_max()
+            mb = _update_block_max(V)
             if mb:
                 _update_by_block_maxima(table, owner, ws_id, tokens, num_nodes, logits, S,
                                         chunk, mb, last_wins)  # fmt: skip

@@ -200,17 +200,19 @@ class StepBody:
         """Acceptance (greedy or sampled; the successor table learns the tree), compaction of the
         target cache, and the accepted path."""
         c, table = self.carry, self.dec.table
-        kk = self.dec.graft.adjacency_k if table is not None else 0
         mnt = c.remaining.clamp(min=1)
         if self.greedy:
-            acc = accept_greedy(tree, logits, stop_ids=self.stops, max_new_tokens=mnt, topk_ids=kk)
+            acc = accept_greedy(tree, logits, stop_ids=self.stops, max_new_tokens=mnt)
         else:
             acc = accept_sample(
                 tree, logits, c.temperature, c.top_k, c.top_p, self.uniforms(n),
-                stop_ids=self.stops, max_new_tokens=mnt, topk_ids=kk,
+                stop_ids=self.stops, max_new_tokens=mnt,
             )  # fmt: skip
         if table is not None:
-            table.update(tree, topk_ids=acc.topk)
+            # from the logits, not acceptance's fused top-k ids: those cost acceptance an int64
+            # order key per logit, and the two passes together ran 1.4-2.6x faster on the H200
+            # (bench_graft.py --learn, docs/benchmarks.md)
+            table.update(tree, logits)
         tkv = self.tkv
         new_lens = compact_kv(
             tkv.k, tkv.v, tkv.block_table, c.seq_lens, tree, acc.accepted, acc.accept_len
