@@ -654,11 +654,11 @@ logit, no order keys), stage 2 rereads each node's k best blocks (``_update_by_b
 0 keeps the lists; None (the default) takes m from the vocabulary (``_update_block_max``).
 ``bench/bench_graft.py --sweep-update`` varies it; the splits and the method are part of
 ``update_workspace_key``, so a table's cached workspace follows it. H200, µs
-(bench/results/h200/graft_update_sweep.json, session 33), B 1 / 8 / 64, lists -> m 64 -> m 128:
+(bench/results/h200/graft_update_block_max.json, session 33), B 1 / 8 / 64, lists -> m 64 -> m 128:
 V 32,000 11.3 / 30.7 / 132.9 -> 9.1 / 19.9 / 120.6 -> 9.5 / 21.1 / 129.1; V 128,256 20.8 / 77.4
 / 439.6 -> 16.4 / 59.0 / 405.1 -> 14.2 / 53.7 / 366.7 (m 256: slower at both). Earlier, for the
-lists: the bitonic merge 21.15 against 21.57 µs at B 1 V 128,256; groups of 16 (2,048-logit
-blocks) 19.2 at B 1 but 576 at B 64."""
+lists (graft_update_sweep.json): the bitonic merge 21.15 against 21.57 µs at B 1 V 128,256;
+groups of 16 (2,048-logit blocks) 19.2 at B 1 but 576 at B 64."""
 BLOCK_MAX_SMALL_V = 65536
 """Vocabularies up to this size take 64-logit block maxima, larger ones 128 (the fastest of 64,
 128 and 256 at every B of the sweep at V 32,000 and V 128,256; ``UPDATE_TUNING``)."""

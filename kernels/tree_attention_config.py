@@ -125,16 +125,15 @@ does. At D 256, "m64_prefetch" is the 64-row tile the built-in 128-row one repla
 ``{"small_tree": True}`` (the small-tree path) is a candidate wherever it applies."""
 
 TUNED: dict[int, str] = {64: "m64_n128_pipe3", 128: "m64_pipe3"}
-"""Head-dim class -> the CANDIDATES entry launched when no override is given, ``GLUON``'s tile
-does not apply and this one fills the GPU unsplit (``_tuned_override``); other launches keep the
-built-in tiles. From the H200 sweep
-(bench_tree_attention.py --sweep, bench/results/h200/tree_attention_sweep.json), unsplit shapes, µs
-built-in -> tuned: D 128 B 8 ctx 4,096 n 64 135.9 -> 123.3, B 32 520.0 -> 446.8, B 4 n 127
-137.9 -> 126.6, B 16 n 128 526.8 -> 454.0 ("m64_pipe4" within 1 % of it everywhere); D 64 B 32
-ctx 2,048 198.9 -> 156.2, B 8 ctx 4,096 89.1 -> 77.7 (where "m64_pipe3" ran 98.6). Split shapes
-ran slower with the m64 tiles (B 1 ctx 16,384 n 64: 85.7 -> 142.4: twice the query tiles leave
-half the splits), so the rule keeps them off there. D 256 needs no entry: its built-in tile is
-the sweep's best at every shape, split or not."""
+"""Head-dim class -> the CANDIDATES entry launched when no override is given, ``GLUON``'s tile does
+not apply and this one fills the GPU unsplit (``_tuned_override``); other launches keep the built-in
+tiles. From the H200 sweep (bench_tree_attention.py --sweep,
+bench/results/h200/tree_attention_sweep.json), unsplit shapes, µs built-in -> tuned: D 128 B 8 ctx
+4,096 n 64 135.9 -> 123.3, B 32 520.0 -> 446.8, B 4 n 127 137.9 -> 126.6, B 16 n 128 526.8 -> 454.0
+("m64_pipe4" within 1 % of it everywhere); D 64 B 32 ctx 2,048 198.9 -> 156.2, B 8 ctx 4,096 89.1 ->
+77.7 (where "m64_pipe3" ran 98.6). Split shapes ran slower with the m64 tiles (B 1 ctx 16,384 n 64:
+85.7 -> 142.4: twice the query tiles leave half the splits), so the rule keeps them off there. D 256
+needs no entry: its built-in tile is the sweep's best at every shape, split or not."""
 
 GLUON: dict[int, str] = {64: "gluon_m64_n128", 128: "gluon_m128_n64"}
 """Head-dim class -> the CANDIDATES entry launched by default (split or not) for 16-bit inputs at
