@@ -106,6 +106,9 @@ CANDIDATES: dict[int, dict[str, dict]] = {
             block_m=128, block_n=64, num_warps=8, pipe=2, gluon=True, p_smem=True, **_PIPED
         ),
         "gluon_m128_n64": dict(block_m=128, block_n=64, num_warps=8, pipe=2, gluon=True, **_PIPED),
+        "gluon_m128_n128_ps": dict(
+            block_m=128, block_n=128, num_warps=8, pipe=1, gluon=True, p_smem=True, **_PIPED
+        ),
     },
     256: {
         "default": {},

@@ -274,17 +274,6 @@ if AVAILABLE:
         o_mo = gl.arange(0, BLOCK_M, layout=row_o)
         o_do = gl.arange(0, D, layout=gl.SliceLayout(0, o_mma)).to(gl.int64)
         h_o = (i_kvh * G + o_mo % G_PAD).to(gl.int64)
-        if (used == 1) and (i_s == 0):
-            # rows of the absolute tile i_t outside the query range: 0, LSE -inf (split
-            # requests: the merge kernel writes them)
-            r_abs = (i_t * BLOCK_Q + o_mo // G_PAD).to(gl.int64)
-            m_zero = (r_abs < N) & (o_mo % G_PAD < G) & ((r_abs < qs) | (r_abs >= q_end))
-            p_o = O + i_b * s_ob + (r_abs * s_on + h_o * s_oh)[:, None] + o_do[None, :]
-            zeros_o = gl.zeros([BLOCK_M, D], O.dtype.element_ty, layout=o_mma)
-            gl.store(p_o, zeros_o, mask=m_zero[:, None])
-            if WRITE_LSE:
-                neg = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_o)
-                gl.store(L + i_b * s_lb + r_abs * s_ln + h_o * s_lh, neg, mask=m_zero)
 
         if (qs + i_t * BLOCK_Q < q_end) and (i_s < used):
             q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dt)
@@ -370,3 +359,17 @@ if AVAILABLE:
                 p_wo = WO + (w_row + i_s)[:, None] * D + o_do[None, :]
                 gl.store(p_wo, b_o, mask=m_row[:, None])
                 gl.store(WL + w_row + i_s, lse, mask=m_row)
+
+        if (used == 1) and (i_s == 0):
+            # rows of the absolute tile i_t outside the query range: 0, LSE -inf (split
+            # requests: the merge kernel writes them). Written last: stored before the key
+            # loops, their [BLOCK_M, D] pointers were shared with the epilogue's and stayed live
+            # across them (a 128-key D 128 tile spilled 136-244 bytes unsplit)
+            r_abs = (i_t * BLOCK_Q + o_mo // G_PAD).to(gl.int64)
+            m_zero = (r_abs < N) & (o_mo % G_PAD < G) & ((r_abs < qs) | (r_abs >= q_end))
+            p_z = O + i_b * s_ob + (r_abs * s_on + h_o * s_oh)[:, None] + o_do[None, :]
+            zeros_o = gl.zeros([BLOCK_M, D], O.dtype.element_ty, layout=o_mma)
+            gl.store(p_z, zeros_o, mask=m_zero[:, None])
+            if WRITE_LSE:
+                neg = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_o)
+                gl.store(L + i_b * s_lb + r_abs * s_ln + h_o * s_lh, neg, mask=m_zero)
