@@ -146,6 +146,9 @@ CASES: dict[str, Callable[[], Callable[[], object]]] = {
     "prune_b64": lambda: _prune(64),
     "tree_attention_b8_ctx4096_n64": lambda: _tree_attention(8, 4096, 64),
     "tree_attention_b1_ctx512_n8": lambda: _tree_attention(1, 512, 8),
+    "tree_attention_b32_ctx4096_n64": lambda: _tree_attention(32, 4096, 64),
+    "tree_attention_b1_ctx16384_n64": lambda: _tree_attention(1, 16384, 64),
+    "tree_attention_b4_ctx32768_n128": lambda: _tree_attention(4, 32768, 128),
 }
 
 
