@@ -106,8 +106,9 @@ CANDIDATES: dict[int, dict[str, dict]] = {
             block_m=128, block_n=64, num_warps=8, pipe=2, gluon=True, p_smem=True, **_PIPED
         ),
         "gluon_m128_n64": dict(block_m=128, block_n=64, num_warps=8, pipe=2, gluon=True, **_PIPED),
-        "gluon_m128_n128_ps": dict(
-            block_m=128, block_n=128, num_warps=8, pipe=1, gluon=True, p_smem=True, **_PIPED
+        "gluon_m64_n64": dict(block_m=64, block_n=64, num_warps=4, pipe=1, gluon=True, **_PIPED),
+        "gluon_m64_n64_ps": dict(
+            block_m=64, block_n=64, num_warps=4, pipe=1, gluon=True, p_smem=True, **_PIPED
         ),
     },
     256: {
@@ -124,7 +125,10 @@ prefix loop as a ``tl.range(num_stages=N)`` instead of the hand prefetch; "m64" 
 ~83 KiB shared, <= 255 registers) fit two programs per SM, so one program's softmax can overlap
 the other's MMAs; "m64_n32_pipe4" (168 registers, ~50 KiB shared) could fit three; "stN" tiles
 leave every key loop (the tree's too) to Triton's N-stage pipeliner, as D 256's built-in tile
-does. At D 256, "m64_prefetch" is the 64-row tile the built-in 128-row one replaced.
+does. At D 256, "m64_prefetch" is the 64-row tile the built-in 128-row one replaced. "gluon_*" tiles
+run the Gluon forward; its "m64_n64" ones (one warpgroup, a one-tile lookahead: 99-108 KiB
+shared, about 200 registers) fit two programs per SM, so that one's softmax can run under the
+other's wgmmas.
 ``{"small_tree": True}`` (the small-tree path) is a candidate wherever it applies."""
 
 TUNED: dict[int, str] = {64: "m64_n128_pipe3", 128: "m64_pipe3"}
