@@ -715,10 +715,10 @@ def update_workspace_key(n_flat: int, V: int, K: int, device: torch.device) -> t
     """(nodes, float32 slots a node, int32 slots a node): the key, and the sizes, of
     ``adjacency_update``'s workspace for ``n_flat`` nodes of V logits and a table of width K:
     each split's top-k list (S * padded k slots of both), or with the block-maxima method each
-    block's value key (cdiv(V, block) int32 slots; one float32 slot, unused)."""
+    block's value key (cdiv(V, block) int32 slots and no float32 slot)."""
     mb = _update_block_max(V)
     if mb:
-        return n_flat, 1, cdiv(V, mb)
+        return n_flat, 0, cdiv(V, mb)
     slots = update_splits(n_flat, V, device) * max(pow2(K), 2)
     return n_flat, slots, slots
 

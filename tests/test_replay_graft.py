@@ -244,9 +244,9 @@ with bench_host.launchers_on_cpu():
         theirs = {tab.table.data_ptr(), tab._owner.data_ptr()}
         if name == "update_logits":
             # the int32 slots every update method launches (the block maxima, the default,
-            # leave the float32 ones unused)
+            # allocate no float32 ones: an empty tensor, whose null pointer names no buffer)
             mine |= {p[1].data_ptr() for p in tab2._workspace.values()}
-            theirs |= {t.data_ptr() for p in tab._workspace.values() for t in p}
+            theirs |= {t.data_ptr() for p in tab._workspace.values() for t in p if t.numel()}
         if name in ("retrieve", "graft", "tail"):  # these read the table only
             mine, theirs = {tab2.table.data_ptr()}, {tab.table.data_ptr()}
         own[name] = dict(replayed=reps.replays - n0, mine=mine <= seen, theirs=bool(theirs & seen))
