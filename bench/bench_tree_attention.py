@@ -480,11 +480,16 @@ SWEEP_SHAPES = [
     (16, 4096, 64, 16, 4, 256),
     (64, 1024, 16, 16, 4, 256),
     (8, 4096, 64, 32, 8, 64),
+    (4, 512, 64, HQ, HKV, D),
+    (1, 4096, 16, HQ, HKV, D),
+    (16, 512, 128, HQ, HKV, D),
 ]
 """(B, ctx, n, H_q, H_kv, D) the sweep times every candidate on: the docs/benchmarks.md shapes that
 fit, the 127-node tree, a 128-node tree at B 16 (compute-bound: where FlashInfer's causal kernel
 was 1.9x faster in session 20), D = 256 and D = 64 split and unsplit, two small trees (the
-small-tree path) and two more unsplit D = 128 grids (``TUNED`` routes unsplit launches only)."""
+small-tree path), two more unsplit D = 128 grids (``TUNED`` routes unsplit launches only), and
+the rows furthest from their targets in session 34's ``--shapes all``: the slowest two with a
+floor under 5 us and the one furthest behind FlashInfer's causal kernel (and its floor)."""
 
 
 def candidates(c: Case, names=None):
