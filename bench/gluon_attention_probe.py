@@ -43,23 +43,34 @@ from treeops.kernels import tree_attention_gluon as KG
 
 LOG2E = 1.4426950408889634
 
-# (block_m, block_n, num_warps, la, p_in_smem, ws): M rows per program (64 per warpgroup), keys
-# per tile, warps, tiles loaded ahead (``ws``: the ring's stages), P through shared memory instead
-# of registers, and warp specialisation (``_prefix_attn_ws``: one producer warp issues the
-# copies). Compiled for sm_90 (``--compile``), every one issues the loop tile's exp2s while the
-# PV wgmma is pending (about half of all its exp2s: the rest are the first tile's); the GPU run
-# says what that is worth, and which tile, depth of copies ahead and split of work is fastest.
+# (block_m, block_n, num_warps, la, p_in_smem, mode): M rows per program (64 per warpgroup), keys
+# per tile, warps, tiles loaded ahead (``ws``/``pp``: the ring's stages), P through shared memory
+# instead of registers, and the loop's form: "" as treeops runs it, "ws" warp-specialised
+# (``_prefix_attn_ws``: one producer warp issues the copies), "pp" ping-pong
+# (``_prefix_attn_pp``: two consumer warpgroups of 64 rows each, whose wgmmas take turns, and the
+# producer warp; ``num_warps`` is one warpgroup's). Compiled for sm_90 (``--compile``), the ""
+# forms issue the loop tile's exp2s while the PV wgmma is pending (about half of all their exp2s:
+# the rest are the first tile's); in the warp-specialised forms ptxas waits for the PV first (at
+# most 8 of 136 overlap at 64-key tiles, with or without the turns). The GPU run says what each
+# overlap is worth, and which tile, depth of copies ahead and split of work is fastest.
 CONFIGS = {
-    "m128_n64_la1": (128, 64, 8, 1, False, False),
-    "m128_n64_la2": (128, 64, 8, 2, False, False),
-    "m128_n64_la2_ps": (128, 64, 8, 2, True, False),
-    "m64_n64_la2": (64, 64, 4, 2, False, False),
-    "m64_n128_la1": (64, 128, 4, 1, False, False),
-    "m128_n128_la1_ps": (128, 128, 8, 1, True, False),
-    "ws_m128_n64_s4": (128, 64, 8, 4, False, True),
-    "ws_m128_n64_s4_ps": (128, 64, 8, 4, True, True),
-    "ws_m64_n64_s4_ps": (64, 64, 4, 4, True, True),
+    "m128_n64_la1": (128, 64, 8, 1, False, ""),
+    "m128_n64_la2": (128, 64, 8, 2, False, ""),
+    "m128_n64_la2_ps": (128, 64, 8, 2, True, ""),
+    "m64_n64_la2": (64, 64, 4, 2, False, ""),
+    "m64_n128_la1": (64, 128, 4, 1, False, ""),
+    "m128_n128_la1_ps": (128, 128, 8, 1, True, ""),
+    "ws_m128_n64_s4": (128, 64, 8, 4, False, "ws"),
+    "ws_m128_n64_s4_ps": (128, 64, 8, 4, True, "ws"),
+    "ws_m64_n64_s4_ps": (64, 64, 4, 4, True, "ws"),
+    "pp_m128_n64_s3": (128, 64, 4, 3, False, "pp"),
+    "pp_m128_n64_s4": (128, 64, 4, 4, False, "pp"),
 }
+PP_REGS = int(os.environ.get("PROBE_PP_REGS", "0"))
+PP_WORKER_REGS = int(os.environ.get("PROBE_PP_WORKER_REGS", "0"))
+PP_PRODUCER_REGS = int(os.environ.get("PROBE_PP_PRODUCER_REGS", "64"))
+"""Register caps for the "pp" configs (0: an even share); the environment sets them for a
+register sweep of the compile (``--compile``) and the GPU run alike."""
 # (B, ctx, n): the issue's large shapes (32 query / 8 KV heads, D 128, page 16); ctx + n is a
 # multiple of every config's BLOCK_N
 SHAPES = [(8, 4032, 64), (32, 4032, 64), (64, 2016, 32), (16, 4096 - 128, 128), (4, 32640, 128)]
@@ -260,11 +271,119 @@ def _prefix_attn_ws(Q, K, V, O, BT, n_nodes, n_tiles, qk_scale,
     )  # fmt: skip
 
 
+@gluon.jit
+def _pp_consumer(c: gl.constexpr, q_s, k_s, v_s, ready, empty, turn, n_tiles, qk_scale, O, i_b,
+                 i_kvh, i_t, n_nodes, s_ob, s_on, s_oh, G: gl.constexpr, G_PAD: gl.constexpr,
+                 BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                 S: gl.constexpr):  # fmt: skip
+    """Warpgroup ``c`` of two, on its 64 rows (nodes of half-tile 2 * i_t + c): the loop of
+    ``_ws_consumer`` (P in registers) with each iteration's two wgmmas issued only on this
+    warpgroup's turn (``turn[c]``), the turn passed to the other right after, so that one
+    warpgroup's softmax runs while the other's wgmmas hold the tensor cores. Warpgroup 0 starts
+    (a fresh barrier passes the parity-1 wait); each ring stage is released by both (``empty``
+    counts 2)."""
+    BLOCK_M: gl.constexpr = 64
+    s_mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
+    )
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=2)
+    mine = turn.index(c)
+    theirs = turn.index(1 - c)
+    q_c = q_s.index(c)
+    zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_mma)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_mma))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_mma))
+    acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_mma)
+    mbarrier.wait(ready.index(0), 0)
+    fence_async_shared()
+    mbarrier.wait(mine, 1 - c)
+    s_tok = warpgroup_mma(q_c, k_s.index(0).permute((1, 0)), zeros_s, use_acc=False,
+                          is_async=True)  # fmt: skip
+    mbarrier.arrive(theirs, count=1)
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    p, alpha, m_i, l_i = KG._softmax(s, m_i, l_i, qk_scale)
+    for j in range(1, n_tiles):
+        if j >= 2:
+            # tile j - 2's stage back to the producer (its PV was waited for last iteration;
+            # released here, not there, so that no side effect follows that wait and ptxas
+            # keeps the softmax's exp2s ahead of it)
+            mbarrier.arrive(empty.index((j - 2) % S), count=1)
+        mbarrier.wait(ready.index(j % S), (j // S) & 1)
+        fence_async_shared()
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
+        # turn j of this warpgroup: the other arrived once per tile before it
+        mbarrier.wait(mine, (j & 1) ^ (1 - c))
+        s_tok = warpgroup_mma(q_c, k_s.index(j % S).permute((1, 0)), zeros_s, use_acc=False,
+                              is_async=True)  # fmt: skip
+        acc_tok = KG._pv(p, p, v_s.index((j - 1) % S), acc, False, p_op)
+        mbarrier.arrive(theirs, count=1)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        p, alpha, m_i, l_i = KG._softmax(s, m_i, l_i, qk_scale)
+        acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_mma))[:, None]
+    acc_tok = KG._pv(p, p, v_s.index((n_tiles - 1) % S), acc, False, p_op)
+    acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+    _store_out(O, acc, l_i, i_b, i_kvh, 2 * i_t + c, n_nodes, s_ob, s_on, s_oh, o_mma, G, G_PAD,
+               BLOCK_Q // 2, D)  # fmt: skip
+
+
+@gluon.jit
+def _prefix_attn_pp(Q, K, V, O, BT, n_nodes, n_tiles, qk_scale,
+                    s_qb, s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_ob, s_on, s_oh, s_btb,
+                    H_KV: gl.constexpr, G: gl.constexpr, G_PAD: gl.constexpr,
+                    BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                    PAGE: gl.constexpr, S: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """FlashAttention-3's inter-warpgroup overlap on the probe's loop: two consumer warpgroups
+    (the default partition and a worker, 64 rows each, ``num_warps`` = 4) whose wgmmas take
+    turns (mbarriers ``turn``), and ``_ws_producer``'s warp filling an S-stage K/V ring."""
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
+    i_bh = gl.program_id(0)
+    i_t = gl.program_id(1)
+    i_b = (i_bh // H_KV).to(gl.int64)
+    i_kvh = (i_bh % H_KV).to(gl.int64)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D], q_sl)
+    for c in gl.static_range(2):
+        _copy_q(Q, q_s.index(c), i_b, i_kvh, 2 * i_t + c, n_nodes, s_qb, s_qn, s_qh, G, G_PAD,
+                BLOCK_Q // 2, D, num_warps)  # fmt: skip
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [S, BLOCK_N, D], kv_sl)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [S, BLOCK_N, D], kv_sl)
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(S):
+        mbarrier.init(ready.index(i), count=32)  # the producer warp's 32 threads
+        mbarrier.init(empty.index(i), count=2)  # each consumer warpgroup once
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    cp.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+    gl.warp_specialize(
+        [
+            (_pp_consumer, (0, q_s, k_s, v_s, ready, empty, turn, n_tiles, qk_scale, O, i_b,
+                            i_kvh, i_t, n_nodes, s_ob, s_on, s_oh, G, G_PAD, BLOCK_Q, BLOCK_N, D,
+                            S)),
+            (_pp_consumer, (1, q_s, k_s, v_s, ready, empty, turn, n_tiles, qk_scale, O, i_b,
+                            i_kvh, i_t, n_nodes, s_ob, s_on, s_oh, G, G_PAD, BLOCK_Q, BLOCK_N, D,
+                            S)),
+            (_ws_producer, (K, V, BT, k_s, v_s, ready, empty, i_b, i_kvh, n_tiles, s_kp, s_ks,
+                            s_kh, s_vp, s_vs, s_vh, s_btb, BLOCK_N, D, PAGE, S)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )  # fmt: skip
+
+
 def prefix_attention(q, k_cache, v_cache, block_table, kv_len, scale, out, config):
     """out [B, n, H_q, D] = softmax(q k^T * scale) v over the first ``kv_len`` keys of every
     request (all visible; ``kv_len`` a multiple of the config's BLOCK_N); bf16, unit last
     strides."""
-    block_m, block_n, warps, la, p_smem, ws = CONFIGS[config]
+    block_m, block_n, warps, la, p_smem, mode = CONFIGS[config]
     B, n, hq, D = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -280,11 +399,18 @@ def prefix_attention(q, k_cache, v_cache, block_table, kv_len, scale, out, confi
         out.stride(0), out.stride(1), out.stride(2), block_table.stride(0),
     )  # fmt: skip
     tiles = dict(H_KV=hkv, G=g, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, PAGE=page)
-    if ws:
+    if mode == "ws":
         # the consumers' warps and the producer's warpgroup share the SM's 64K registers: a cap
         # per thread over all of them (Gluon moves the producer's spare ones to the consumers)
         cap = min(255, 65536 // (32 * (warps + 4))) // 8 * 8
         _prefix_attn_ws[grid](*args, **tiles, S=la, P_IN_SMEM=p_smem, num_warps=warps, maxnreg=cap)
+    elif mode == "pp":
+        # three warpgroups' worth of registers (two consumers, the producer's warp padded to
+        # one): a cap per thread over all of them, the worker consumer given the same
+        cap = PP_REGS or min(255, 65536 // (32 * 3 * warps)) // 8 * 8
+        _prefix_attn_pp[grid](*args, **tiles, S=la, CONSUMER_REGS=PP_WORKER_REGS or cap,
+                              PRODUCER_REGS=PP_PRODUCER_REGS, num_warps=warps,
+                              maxnreg=cap)  # fmt: skip
     else:
         _prefix_attn[grid](*args, **tiles, LA=la, P_IN_SMEM=p_smem, num_warps=warps)
     return out
