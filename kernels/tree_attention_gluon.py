@@ -362,9 +362,9 @@ if AVAILABLE:
 
         if (used == 1) and (i_s == 0):
             # rows of the absolute tile i_t outside the query range: 0, LSE -inf (split
-            # requests: the merge kernel writes them). Written last: stored before the key
-            # loops, their [BLOCK_M, D] pointers were shared with the epilogue's and stayed live
-            # across them (a 128-key D 128 tile spilled 136-244 bytes unsplit)
+            # requests: the merge kernel writes them). Written after the key loops: before them,
+            # their [BLOCK_M, D] pointers would be shared with the epilogue's and stay live
+            # across the loops, which spills the 128-key tiles
             r_abs = (i_t * BLOCK_Q + o_mo // G_PAD).to(gl.int64)
             m_zero = (r_abs < N) & (o_mo % G_PAD < G) & ((r_abs < qs) | (r_abs >= q_end))
             p_z = O + i_b * s_ob + (r_abs * s_on + h_o * s_oh)[:, None] + o_do[None, :]
