@@ -77,6 +77,15 @@ SHAPES = [(8, 4032, 64), (32, 4032, 64), (64, 2016, 32), (16, 4096 - 128, 128), 
 
 
 @gluon.jit
+def _fresh_running(BLOCK_M: gl.constexpr, D: gl.constexpr, s_mma: gl.constexpr,
+                   o_mma: gl.constexpr):  # fmt: skip
+    """The online softmax's starting (row max -inf, row sum 0, accumulator 0) for BLOCK_M rows."""
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_mma))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_mma))
+    return m_i, l_i, gl.zeros([BLOCK_M, D], gl.float32, layout=o_mma)
+
+
+@gluon.jit
 def _copy_q(Q, q_s, i_b, i_kvh, i_t, n_nodes, s_qb, s_qn, s_qh, G: gl.constexpr,
             G_PAD: gl.constexpr, BLOCK_Q: gl.constexpr, D: gl.constexpr,
             num_warps: gl.constexpr):  # fmt: skip
@@ -145,9 +154,7 @@ def _prefix_attn(Q, K, V, O, BT, n_nodes, n_tiles, qk_scale,
     v_s = gl.allocate_shared_memory(gl.bfloat16, [SV, BLOCK_N, D], kv_sl)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], p_sl)
     o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_mma))
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_mma))
-    acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_mma)
+    m_i, l_i, acc = _fresh_running(BLOCK_M, D, s_mma, o_mma)
     acc, m_i, l_i = KG._prefix(
         K, V, q_s, k_s, v_s, p_s, BT + i_b * s_btb, 0, n_tiles, acc, m_i, l_i, qk_scale, o_n, o_dl,
         i_kvh.to(gl.int64) * s_kh, i_kvh.to(gl.int64) * s_vh, s_kp, s_ks, s_vp, s_vs, s_mma, o_mma,
@@ -202,9 +209,7 @@ def _ws_consumer(q_s, k_s, v_s, p_s, ready, empty, n_tiles, qk_scale, O, i_b, i_
     )
     p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=2)
     zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_mma)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_mma))
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_mma))
-    acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_mma)
+    m_i, l_i, acc = _fresh_running(BLOCK_M, D, s_mma, o_mma)
     mbarrier.wait(ready.index(0), 0)
     fence_async_shared()
     s = warpgroup_mma(q_s, k_s.index(0).permute((1, 0)), zeros_s, use_acc=False)
@@ -294,9 +299,7 @@ def _pp_consumer(c: gl.constexpr, q_s, k_s, v_s, ready, empty, turn, n_tiles, qk
     theirs = turn.index(1 - c)
     q_c = q_s.index(c)
     zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_mma)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_mma))
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_mma))
-    acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_mma)
+    m_i, l_i, acc = _fresh_running(BLOCK_M, D, s_mma, o_mma)
     mbarrier.wait(ready.index(0), 0)
     fence_async_shared()
     mbarrier.wait(mine, 1 - c)
