@@ -5,7 +5,9 @@ Why Gluon: compiled for sm_90, Triton waits for every QK^T wgmma right after iss
 program's softmax never runs while its tensor cores do (docs/benchmarks.md, "Tree attention's
 softmax and MMAs"). Here each full prefix tile j issues QK^T of tile j and PV of tile j - 1 back
 to back, waits for the older (the scores), runs tile j's softmax while the PV is on the tensor
-cores, then waits for the PV (FlashAttention-3's intra-warpgroup overlap). K/V tiles come through
+cores, then waits for the PV (FlashAttention-3's intra-warpgroup overlap). ptxas may still move
+that wait ahead of the exp2s: for sm_90 the unsplit 128x64 build keeps 34 of its 136 under the
+PV, the split one none (with P in shared memory, the other way round). K/V tiles come through
 the block table by ``cp.async`` into shared-memory rings ``LA`` tiles ahead of use (K: LA + 1
 stages, V: LA + 2: tile j - 1's K and tile j - 2's V are free at iteration j's barrier). Each
 iteration issues its two wgmmas before its copies, whose page ids were loaded an iteration
