@@ -93,15 +93,20 @@ OPS = (
     "adjacency_update_logits",
     "adjacency_retrieve",
     "graft",
+    "graft_out",
     "graft_merge",
+    "graft_merge_out",
     "graft_tail",
+    "graft_tail_out",
     "prune",
+    "prune_out",
     "prune_checkpoint",
 )
 """Every public op's entry point (``adjacency_update_logits``: the update from logits, which
-runs a second launch; ``build_tree_emit_out``: the emit into the caller's ``Tree`` (``out=``), as
-a decoder's step calls it, no allocation; ``*_prepared``: the op's call through
-``treeops.prepare``, its tensors rebound per call as a layer loop rebinds them). A plain call
+runs a second launch; ``build_tree_emit_out``, ``graft*_out`` and ``prune_out``: the call into
+the caller's ``Tree`` (``out=``), as a decoder's step makes it, no allocation; ``*_prepared``:
+the op's call through ``treeops.prepare``, its tensors rebound per call as a layer loop
+rebinds them). A plain call
 replays its recorded launches (``treeops.kernels._replay``) unless ``TREEOPS_REPLAY=0``."""
 
 REPLAYS_OF = {
@@ -119,8 +124,12 @@ REPLAYS_OF = {
     "adjacency_retrieve": ("treeops.graft", "_RETRIEVE_REPLAYS"),
     "graft": ("treeops.graft", "_GRAFT_REPLAYS"),
     "graft_merge": ("treeops.graft", "_GRAFT_MERGE_REPLAYS"),
+    "graft_out": ("treeops.graft", "_GRAFT_REPLAYS"),
+    "graft_merge_out": ("treeops.graft", "_GRAFT_MERGE_REPLAYS"),
     "graft_tail": ("treeops.graft_tail", "_GRAFT_TAIL_REPLAYS"),
+    "graft_tail_out": ("treeops.graft_tail", "_GRAFT_TAIL_REPLAYS"),
     "prune": ("treeops.prune", "_PRUNE_REPLAYS"),
+    "prune_out": ("treeops.prune", "_PRUNE_REPLAYS"),
     "prune_checkpoint": ("treeops.prune", "_CHECKPOINT_REPLAYS"),
     "cast_select": ("treeops.cast", "_REPLAYS", "select"),
     "cast_width": ("treeops.cast", "_REPLAYS", "width"),
@@ -184,6 +193,7 @@ def cases(dev: torch.device) -> dict[str, Call]:
         treeops.build_tree_emit(state, eagle)
 
     tree_out = treeops.Tree.empty(B, eagle.capacity, dev)
+    graft_out = treeops.Tree.empty(B, N, dev)  # the Graft ops' and prune's out= rows
 
     def emit_out():  # into the caller's tree, as a decoder's step does: no allocation
         state.layer = 1
@@ -228,9 +238,13 @@ def cases(dev: torch.device) -> dict[str, Call]:
         "adjacency_update_logits": lambda: table.update(tree, logits),
         "adjacency_retrieve": lambda: table.retrieve(tree.tokens[:, 0], template),
         "graft": lambda: treeops.graft(tree, table, template, N),
+        "graft_out": lambda: treeops.graft(tree, table, template, N, out=graft_out),
         "graft_merge": lambda: treeops.graft_merge(tree, retrieved, N),
+        "graft_merge_out": lambda: treeops.graft_merge(tree, retrieved, N, out=graft_out),
         "graft_tail": lambda: treeops.graft_tail(tree, table, 4, N),
+        "graft_tail_out": lambda: treeops.graft_tail(tree, table, 4, N, out=graft_out),
         "prune": lambda: treeops.prune(tree, 4),
+        "prune_out": lambda: treeops.prune(tree, 4, out=graft_out),
         "prune_checkpoint": lambda: ckpt.check(0, best, keep),
     }
     return calls

@@ -902,7 +902,8 @@ def test_opcheck_graft_and_prune_ops():
     B, N = tree.parents.shape
     for keep, keep_int in ((None, 4), (None, NO_PRUNE), (torch.tensor([2, 0]), 0)):
         keep = None if keep is None else keep.to(torch.int32)
-        _opcheck(ops.prune.default, (*tree.tensors(), keep, keep_int))
+        out = treeops.Tree.empty(B, N)
+        _opcheck(ops.prune.default, (*tree.tensors(), keep, keep_int, *out.tensors()))
     pruned = prune(tree, torch.tensor([6, NO_PRUNE], dtype=torch.int32))
     tpl = RankTemplate.balanced(2, 3)
     par, rank, dep = tpl.tensors("cpu")

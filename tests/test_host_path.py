@@ -459,6 +459,10 @@ def test_every_public_op_takes_the_direct_path(monkeypatch):
         "tree_attention_prepared": "tree_attention",  # a CPU call: the op's own (not replayed)
         "kv_append_prepared": "kv_append",
         "build_tree_emit_out": "build_tree_emit",  # the emit into a given tree
+        "graft_out": "graft",
+        "graft_merge_out": "graft_merge",
+        "graft_tail_out": "graft_tail",
+        "prune_out": "prune",
     }
     monkeypatch.setattr(_library, "DIRECT", 2)
     for case in OPS:

@@ -127,6 +127,40 @@ def test_public_prune_through_the_kernel(tree, seed):
         _library.DIRECT = saved
 
 
+@given(ragged_trees(capacities=(1, 8, 40)), st.integers(0, 2**31 - 1), st.booleans())
+def test_public_prune_into_out(tree, seed, kernel):
+    """``out=``: the same tree as a fresh result, written into the caller's buffers (full of
+    garbage before: every element is written) and returned as that object; through the CPU
+    reference and through the kernel."""
+    rng = random.Random(seed)
+    keep = rng.choice([torch.tensor([rng.choice(KEEPS) for _ in range(tree.batch_size)],
+                                    dtype=torch.int32), rng.choice(KEEPS)])  # fmt: skip
+    want = ref.prune(tree, keep)
+    saved = _library.DIRECT
+    if kernel:
+        _library.DIRECT = 2
+    try:
+        for _ in range(2):  # the second call of a signature is the memoised (replayed) one
+            out = poisoned(tree)
+            assert prune(tree, keep, out=out) is out
+            assert_same(out, want)
+    finally:
+        _library.DIRECT = saved
+
+
+def test_prune_out_is_checked():
+    rng = random.Random(4)
+    tree = make_tree([parents_of("random", 6, rng)] * 2, 8, 64, rng)
+    with pytest.raises(ValueError, match="Invalid out: it shares memory with tree"):
+        prune(tree, 3, out=tree)
+    with pytest.raises(ValueError, match=r"Invalid shape of out: expected a tree of shape \[2, 8"):
+        prune(tree, 3, out=treeops.Tree.empty(2, 4))
+    out = treeops.Tree.empty(2, 8)
+    prune(tree, 3, out=out)  # a signature whose checks passed: aliasing is still refused
+    with pytest.raises(ValueError, match="Invalid out: it shares memory with tree"):
+        prune(tree, 3, out=treeops.Tree(*tree.tensors()))
+
+
 @given(st.integers(0, 2**31 - 1), st.sampled_from([1, 3, 31, 32, 33, 100]))
 def test_checkpoint_kernel_matches_reference(seed, B):
     rng = random.Random(seed)
@@ -174,11 +208,13 @@ def test_prune_and_check_have_no_host_sync(cuda_backends):
     tree = make_tree([parents_of("random", 12, rng), []], 16, 64, rng)
     ck = PruneCheckpoints()
     keep, best = ck.start(2), torch.tensor([0.1, 0.9])
+    out = treeops.Tree.empty(2, 16)
     calls = [
         lambda: ck.check(0, best, keep),
         lambda: ck.check(3, best, keep),
         lambda: prune(tree, keep),
         lambda: prune(tree, 4),
+        lambda: prune(tree, 4, out=out),
     ]
     for call in calls:
         first = call()

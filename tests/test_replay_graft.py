@@ -202,9 +202,11 @@ with bench_host.launchers_on_cpu():
         name = f"tail_{count}_{budget}" + ("_out" if out else "") + (f"_max{mc}" if mc else "")
         res[name] = run(name, GT._GRAFT_TAIL_REPLAYS, graft_tail, tail(count, budget, out, mc))
 
-    for keep in (3, treeops.NO_PRUNE, "t"):
-        res[f"prune_{keep}"] = run(f"prune_{keep}", PR._PRUNE_REPLAYS, treeops.prune,
-                                   lambda: ((tree, i32(2, 4) if keep == "t" else keep), {}))
+    for keep, out in ((3, False), (treeops.NO_PRUNE, False), ("t", False), (5, True)):
+        name = f"prune_{keep}" + ("_out" if out else "")
+        kw = dict(out=treeops.Tree.uninitialized(B, N)) if out else {}
+        res[name] = run(name, PR._PRUNE_REPLAYS, treeops.prune,
+                        lambda: ((tree, i32(2, 4) if keep == "t" else keep), kw))
     ckpt = treeops.PruneCheckpoints()
     for step in (0, 1, 3):
         res[f"check_{step}"] = run(
@@ -307,7 +309,7 @@ _FRESH = {
     "graft_t_2_out": (0, 0),
     "tail_3_8": (8, 0), "tail_t_6": (8, 0), "tail_2_t_out": (0, 0), "tail_t_t_max4": (8, 0),
     "prune_3": (8, 0), f"prune_{treeops.NO_PRUNE}": (8, 0), "prune_t": (8, 0),
-    "check_0": (1, 0), "check_1": (1, 0), "check_3": (1, 0),
+    "prune_5_out": (0, 0), "check_0": (1, 0), "check_1": (1, 0), "check_3": (1, 0),
     "graft_two_tables": (8, 0), "tail_two_tables": (8, 0), "graft_two_templates": (8, 0),
 }  # fmt: skip
 
@@ -320,7 +322,8 @@ def test_graft_replays_launch_what_the_ops_launch():
     update from top-k ids and from logits (two launches each, the table's owner and cached
     workspace passed as inputs), the warm start with and without lengths, retrieval (a
     ``Retrieved`` back), ``graft_merge``, ``graft`` and ``graft_tail`` with int and tensor
-    budgets and counts, with and without ``out``, ``prune`` with an int and a tensor ``keep``,
+    budgets and counts, with and without ``out``, ``prune`` with an int and a tensor ``keep``
+    (and into ``out``),
     and checkpoints at and between the checkpoint steps."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _STAND_IN], capture_output=True, text=True,
@@ -402,6 +405,8 @@ def test_gpu_graft_replays_equal_the_ops(monkeypatch):
         outs.append(keep)
         outs += do(lambda: treeops.prune(tree, keep)).tensors()
         outs += do(lambda: treeops.prune(tree, 6)).tensors()
+        o = treeops.Tree.uninitialized(B, N, dev)
+        outs += do(lambda: treeops.prune(tree, keep, out=o)).tensors()
         return outs + [table.table, table._owner]
 
     counts = [r.replays for r in reps]

@@ -17,8 +17,8 @@ import torch
 
 from ._checks import check_positive_int, check_range, check_same_device, check_tensor, cuda_device
 from ._graft_types import NO_PRUNE
-from ._library import TREE, define
-from .graft import _PASSED, _key, _split
+from ._library import OUT_TREE, TREE, define
+from .graft import _PASSED, _check_out, _check_out_memory, _copy_into, _key, _result_tree, _split
 from .kernels import prune as _kp
 from .kernels._replay import MISS, Replays
 from .reference import graft as _ref
@@ -28,28 +28,20 @@ __all__ = ["PruneCheckpoints", "calibrate_thresholds", "prune"]
 
 
 def _prune_cuda(*args):
-    tree, keep, keep_int = args[:8], args[8], args[9]
-    out = tuple(torch.empty_like(t) for t in tree)
+    tree, keep, keep_int, out = args[:8], args[8], args[9], args[10:]
     with cuda_device(tree[1]):
         _kp.prune(tree, keep, keep_int, out)
-    return out
 
 
 def _prune_cpu(*args):
-    tree, keep, keep_int = Tree(*args[:8]), args[8], args[9]
-    return _ref.prune(tree, keep if keep is not None else keep_int).tensors()
-
-
-def _prune_fake(*args):
-    return tuple(t.new_empty(t.shape) for t in args[:8])
+    tree, keep, keep_int, out = Tree(*args[:8]), args[8], args[9], args[10:]
+    _copy_into(_ref.prune(tree, keep if keep is not None else keep_int), out)
 
 
 _prune_op = define(
-    f"prune({TREE}, Tensor? keep, int keep_int) -> "
-    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    f"prune({TREE}, Tensor? keep, int keep_int, {OUT_TREE}) -> ()",
     cpu=_prune_cpu,
     cuda=_prune_cuda,
-    fake=_prune_fake,
 )
 
 
@@ -77,17 +69,21 @@ _CHECKPOINT_REPLAYS = Replays("prune_checkpoint")
 are in its key."""
 
 
-def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tree:
+def prune(
+    tree: Tree, keep: torch.Tensor | int, *, out: Tree | None = None, validate: bool = False
+) -> Tree:
     """Keep the root and the top ``keep[b]`` draft nodes of each request.
 
     Nodes are in rank order (draft nodes by path score descending, ``parents[i] < i``), so the
     top ``keep`` by score are the first ``keep`` after the root, and they are ancestor-closed.
     ``keep`` is an int or a [B] int32 tensor; ``NO_PRUNE`` (and anything >= N) keeps all.
-    Returns a new ``Tree`` (padding and links past the new ``num_nodes`` cleared). No host sync.
+    Returns a new ``Tree`` (padding and links past the new ``num_nodes`` cleared), or ``out``
+    written: a ``Tree`` of the tree's shape and device, not the tree's memory (an engine's
+    step passes one to skip the eight allocations of a fresh tree). No host sync.
     Values are unchecked when ``validate=False`` (a malformed tree is undefined behaviour);
     ``validate=True`` checks the tree and ``keep`` (with a host sync).
     """
-    key, tensors = (None, ()) if validate else _key("prune", (tree,), (keep,), ())
+    key, tensors = (None, ()) if validate else _key("prune", (tree, out), (keep,), ())
     if _PASSED.get(key) is None:
         check_tree(tree, validate=validate)
         B = tree.batch_size
@@ -100,11 +96,18 @@ def prune(tree: Tree, keep: torch.Tensor | int, *, validate: bool = False) -> Tr
             raise ValueError(
                 f"Invalid value of keep: expected an int >= 0 or a [B] int32 tensor, got {keep!r}"
             )
+        _check_out(out, tree)
         _PASSED.put(key, True)
+    elif out is not None:
+        _check_out_memory(out, tree)
     res = _PRUNE_REPLAYS.run(key, tensors)
-    if res is MISS:
-        res = _PRUNE_REPLAYS.call(key, tensors, _prune_op, *tree.tensors(), *_split(keep, 0))
-    return Tree(*res)
+    if res is not MISS:
+        return res if out is None else out
+    result, out = _result_tree(out, tree)
+    _PRUNE_REPLAYS.call(
+        key, tensors, _prune_op, *tree.tensors(), *_split(keep, 0), *out.tensors(), result=result
+    )
+    return out
 
 
 @dataclass

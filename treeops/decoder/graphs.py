@@ -185,6 +185,7 @@ class PlanBuffers:
         # with grafting: the draft tree is emitted here, its best n - graft nodes kept and the
         # successor table's nodes merged in, into ``vin``
         self.emit = Tree.empty(B, policy.capacity, dev) if graft else None
+        self.pruned = Tree.empty(B, policy.capacity, dev) if graft else None
 
 
 class _StaticBatch:
@@ -246,6 +247,7 @@ class _StaticBatch:
         self.c_len = torch.zeros(B, dtype=torch.int32, device=dev)
         self.chains: dict[int, Tree] = {}
         self.emit_buf = Tree.empty(B, N, dev)
+        self.pruned_buf = Tree.empty(B, N, dev)  # the emitted tree pruned (Graft's policies)
         self.plans: dict[tuple, PlanBuffers] = {}
         self.default = self.plan_buffers(pol)
 

@@ -686,7 +686,7 @@ class StaticStep(StepBody):
         if keep is not None:
             tree = build_tree_emit(st, pol, out=sb.emit_buf)
             verify = early_stop_budget(tree, active, N, stop_now)
-            pruned = prune(tree, keep)
+            pruned = prune(tree, keep, out=sb.pruned_buf)
             dec.refill(pruned, verify, out=self.vin)
             sb.grafted.copy_(self.vin.num_nodes - pruned.num_nodes)
             if stop_now:  # the budget is the capacity: verify at its bucket
@@ -694,7 +694,8 @@ class StaticStep(StepBody):
                 return N
         elif pb.graft:  # λ-CAST with Graft: the plan's n - g best draft nodes, g retrieved
             tree = build_tree_emit(st, pol, out=pb.emit)
-            pruned = prune(tree, N - 1 - pb.graft)  # keep counts the nodes below the root
+            # keep counts the nodes below the root
+            pruned = prune(tree, N - 1 - pb.graft, out=pb.pruned)
             dec.refill(pruned, N, pb.graft, out=self.vin)
             sb.grafted.copy_(self.vin.num_nodes - pruned.num_nodes)
         else:
