@@ -542,6 +542,58 @@ def top_sweep_rows(empty_us: float, Bs, Vs, groups=None) -> list[dict]:
     return rows
 
 
+def pass1_sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
+    """Pass 1's load forms, each against the others in the same run: ``vector_loads`` (the
+    blocks' alignment told to the compiler: 16-byte loads; False: one element per load, the
+    code before it) x ``ahead`` (the next block loaded before this one is reduced), for greedy
+    at its default launch and at the sweep's best small-batch one (2,048-logit blocks, 16
+    splits, 4 warps: ``accept_sweep.json``), plain sampling and top-k 50 / top-p 0.9 sampling;
+    each configuration's outputs must equal the default launch's."""
+    rows = []
+    N = 64
+    forms = [(v, a) for v in (False, True) for a in (1, 2)]
+    for V in Vs:
+        for B in Bs:
+            tree, lgs, reps, floor = sweep_inputs(B, N, V, 16.0, empty_us)
+            T = torch.full((B,), 0.8, device=DEV)
+            u = torch.rand(B, N, device=DEV)
+            kinds = {
+                "greedy": (None, {}),
+                "greedy_s16": (None, dict(block_v=2048, num_splits=16, num_warps=4)),
+                "sample": ((T, torch.zeros(B, dtype=torch.int32, device=DEV),
+                            torch.ones(B, device=DEV), u), {}),
+                "sample_top": ((T, torch.full((B,), 50, dtype=torch.int32, device=DEV),
+                                torch.full((B,), 0.9, device=DEV), u), {}),
+            }  # fmt: skip
+            if V < 2048 * 16:
+                del kinds["greedy_s16"]  # fewer logits than the 16 splits' blocks
+            for kind, (smp, tune) in kinds.items():
+                extra = {}
+                if smp is not None:
+                    extra = dict(temperature=smp[0], top_k=smp[1], top_p=smp[2], uniforms=smp[3])
+                bases = [accept_launch(tree, x, **extra) for x in lgs]
+                ok, why = check_against_reference(tree, lgs[0], bases[0], smp)
+                assert ok, f"default {kind} launch differs from the reference: {why}"
+                for vec, ahead in forms:
+                    kw = dict(extra, **tune, vector_loads=vec, ahead=ahead)
+                    same = True
+                    for x, want in zip(lgs, bases):
+                        r = accept_launch(tree, x, **kw)
+                        same &= torch.equal(r.accepted, want.accepted)
+                        same &= torch.equal(r.bonus, want.bonus)
+                    t = graph_time_us(
+                        [lambda x=x, t=tree, kw=kw: accept_launch(t, x, **kw) for x in lgs], reps
+                    )
+                    rows.append(
+                        dict(op="pass1_sweep", kind=kind, B=B, N=N, V=V, vector_loads=vec,
+                             ahead=ahead, **tune, treeops_us=t, floor_us=floor,
+                             same_as_default=same)
+                    )  # fmt: skip
+                    print(f"  {kind} B={B} V={V} vector_loads={vec} ahead={ahead}: {t:.1f} us "
+                          f"same={same}", flush=True)  # fmt: skip
+    return rows
+
+
 FI_REASON = ""
 
 
@@ -563,6 +615,12 @@ def main() -> None:
         "--sweep-top",
         action="store_true",
         help="only top-k 50 / top-p 0.9 sampling over pass 1's group count: accept_top_sweep.json",
+    )
+    ap.add_argument(
+        "--sweep-pass1",
+        action="store_true",
+        help="only pass 1's load forms (vector loads, a block loaded ahead) for greedy, "
+        "sampling and top-k/top-p sampling: accept_pass1_sweep.json",
     )
     ap.add_argument(
         "--topk",
@@ -623,6 +681,11 @@ def main() -> None:
         rows = top_sweep_rows(empty_us, Bs, Vs, (16, 32) if args.cpu_dry_run else None)
         doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)
         H.write_json(os.path.join(args.out, "accept_top_sweep.json"), doc)
+        return
+    if args.sweep_pass1:
+        rows = pass1_sweep_rows(empty_us, Bs, Vs)
+        doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)
+        H.write_json(os.path.join(args.out, "accept_pass1_sweep.json"), doc)
         return
     if args.sweep:
         rows = sweep_rows(empty_us, Bs, Vs)

@@ -183,6 +183,10 @@ def resources(kernel) -> dict:
         "sass_instructions": len(sass),
         "ex2": sum("MUFU.EX2" in line for line in sass),
         "ex2_fixups": sum(re.search(r"FSETP\.GEU\.AND .*-126", line) is not None for line in sass),
+        # global loads of one 16-bit element: where a kernel streams bf16/fp16 rows, its loads
+        # should be 16-byte vectors (LDG.E.128); these mean the compiler could not prove the
+        # alignment and contiguity that needs
+        "ldg_16bit_scalar": sum(re.search(r"LDG\.E\.[US]16 ", line) is not None for line in sass),
     }
     row["problems"] = [
         p
@@ -351,7 +355,7 @@ def pdl_cases() -> list:
             with_pdl(attention(1, 64, 32, 8, 128, 32768, 16))]  # fmt: skip
 
 
-def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0):
+def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0, ahead=1):
     def case():
         from treeops.kernels.accept import accept_launch
 
@@ -375,12 +379,13 @@ def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0):
             return_logprobs=logprobs,
             topk_ids=topk_ids,
             phase=phase,
+            ahead=ahead,
             **kw,
         )
 
     return (
         f"accept {op} B={B} V={V} N={N} top_k={k} top_p={p} logprobs={logprobs} "
-        f"topk_ids={topk_ids} phase={phase}"
+        f"topk_ids={topk_ids} phase={phase}" + (f" ahead={ahead}" if ahead != 1 else "")
     ), case
 
 
@@ -694,6 +699,11 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
         accept("sample", 8, 128256, topk_ids=8),
         accept("greedy", 8, 32000, phase=1),
         accept("sample", 8, 32000, k=50, phase=1),
+        # pass 1 with the next block loaded ahead (the sweep's alternative), where it is meant
+        # to pay: launches too small to fill the memory pipeline
+        *(accept(op, 1, V, ahead=2) for op in ("greedy", "sample") for V in (32000, 128256)),
+        accept("sample", 1, 128256, k=50, p=0.9, ahead=2),
+        accept("greedy", 8, 32000, topk_ids=8, ahead=2),
     ]
     for d in (64, 128, 256):
         out.append(compact(8, 32, 8, d, 16))

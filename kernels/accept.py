@@ -121,6 +121,8 @@ def _accept_kernel(
     CAP: tl.constexpr,
     CAP_S: tl.constexpr,
     SUB: tl.constexpr,
+    AHEAD: tl.constexpr,  # pass 1's blocks in flight a program (1 or 2; ``_node_stats``)
+    VEC: tl.constexpr,  # pass 1's blocks known aligned: vector loads (``_node_stats``)
 ):
     """PHASE 0: pass 1, the request's last program walks (grid B*N*S; greedy). 1: pass 1 only
     (grid B*N*S). 2: the walk only (grid B). 5: sampling's pass 2, each node's kept set (grid
@@ -130,7 +132,7 @@ def _accept_kernel(
         _node_stats(
             pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp, p_wmax,
             p_warg, p_wse, p_wtkv, p_wtki, p_wcs, p_wcm, p_wgm, N, V, CHUNK, S, BLOCK_V,
-            NCH, K, K_PAD, SAMPLE, NEED_SE, GROUP, G_PAD
+            NCH, K, K_PAD, SAMPLE, NEED_SE, GROUP, G_PAD, AHEAD, VEC
         )  # fmt: skip
     if PHASE == 5:
         _finish_node(
@@ -225,7 +227,8 @@ _PLANS: dict[tuple, _Plan] = {}
 
 
 def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
-          block_v, num_pivots, cap, max_groups, num_warps) -> _Plan:  # fmt: skip
+          block_v, num_pivots, cap, max_groups, num_warps, ahead,
+          vector_loads) -> _Plan:  # fmt: skip
     # blocks and warps from the H200 sweep (bench_accept.py --sweep, accept_sweep.json): from
     # B*N = 512 (B 8 at N 64) every program is one split of a whole row and larger blocks keep
     # more bytes in flight: greedy 8,192 at 4 warps (B 64 V 32,000 71.7 against 78.7 us at 4,096
@@ -314,6 +317,8 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         # the candidates' small sort (the interpreter's tests reach both sizes)
         CAP_S=min(CAP, 128) if not interpreted() else max(CAP // 2, min(CAP, 2)),
         SUB=min(32, CAP),
+        AHEAD=ahead,
+        VEC=vector_loads,
         num_warps=num_warps,
     )
     # pass 2 of sampling: one program per node, a few KB of the row each; 4 warps
@@ -346,6 +351,8 @@ def accept_launch(
     cap: int | None = None,
     max_groups: int | None = None,
     num_warps: int | None = None,
+    ahead: int = 1,
+    vector_loads: bool = True,
 ) -> Acceptance:
     """Launch the acceptance kernels (greedy when ``uniforms`` is None). Inputs are assumed
     validated by ``treeops.accept``.
@@ -355,7 +362,9 @@ def accept_launch(
     fallback that needs no inter-program ordering. Sampling always takes three launches (pass 1,
     pass 2, the walk; the module docstring). ``num_splits``/``block_v`` override
     the defaults (tests use small ones to exercise the split and block loops); ``num_warps``
-    overrides pass 1's warps (the benchmark's sweep). ``workspace``:
+    overrides pass 1's warps, ``ahead`` (1 or 2) its blocks in flight a program and
+    ``vector_loads=False`` makes its logits loads one element each (the benchmark's sweep).
+    ``workspace``:
     ``(float32, int32, counters)`` buffers to use instead of the per-device cached scratch and
     counters (``_scratch``, ``arrival_counters``), for launches on concurrent streams.
 
@@ -363,6 +372,8 @@ def accept_launch(
     per such key."""
     if phase not in (0, 1):
         raise ValueError(f"Invalid value of phase: expected 0 or 1, got {phase!r}")
+    if ahead not in (1, 2):
+        raise ValueError(f"Invalid value of ahead: expected 1 or 2, got {ahead!r}")
     B, N, V = target_logits.shape
     dev = target_logits.device
     sample = uniforms is not None
@@ -372,7 +383,7 @@ def accept_launch(
     n_stop = stop_ids.shape[-1] if has_stop else 0
     has_budget = max_new_tokens is not None
     key = (B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
-           block_v, num_pivots, cap, max_groups, num_warps)  # fmt: skip
+           block_v, num_pivots, cap, max_groups, num_warps, ahead, bool(vector_loads))  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)

@@ -309,6 +309,16 @@ def _kept_set(
 
 
 @triton.jit
+def _block(p_row, s_lv, v0, v_end, V, BLOCK_V: tl.constexpr):
+    """The row's logits ``[v0, v0 + BLOCK_V)`` as loaded (-inf past V, and for a block at or
+    past ``v_end``, the split's end: the load ahead of a split's last block reads nothing). The
+    block-wide ``v0 < v_end`` is one predicate for every lane, so the load stays vectorised."""
+    o_v = v0 + tl.arange(0, BLOCK_V)
+    return tl.load(p_row + o_v.to(tl.int64) * s_lv, mask=(o_v < V) & (v0 < v_end),
+                   other=float("-inf"))  # fmt: skip
+
+
+@triton.jit
 def _node_stats(
     pid,
     p_logits,
@@ -339,12 +349,17 @@ def _node_stats(
     NEED_SE: tl.constexpr,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
+    AHEAD: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     """Pass 1 of program ``pid`` = (request, node, split): its split's max, lowest argmax and
     sum of ``exp((x - max) / T)`` (NEED_SE), the top-K (value, id) pairs (K > 0) and, sampling,
     each vocabulary block's mass (relative to the split's running max at that block) and, for
     top-k/top-p rows, the group maxima (the input of ``_lower_bound``). Splits are CHUNK tokens,
-    a multiple of BLOCK_V, so blocks and groups never straddle two programs."""
+    a multiple of BLOCK_V, so blocks and groups never straddle two programs. ``AHEAD`` 2: the
+    next block's load is issued before this block is reduced (two blocks in flight a program,
+    for launches too small to fill the GPU's memory pipeline); 1: one block at a time. ``VEC``:
+    the blocks' alignment told to the compiler (vector loads where the row allows them)."""
     i_s = (pid % S).to(tl.int32)
     i_n = ((pid // S) % N).to(tl.int32)
     i_b = pid // (S * N)
@@ -359,6 +374,12 @@ def _node_stats(
     p_cs = p_wcs + node * NCH
     p_cm = p_wcm + node * NCH
     v_start = i_s * CHUNK
+    if VEC:
+        # CHUNK is a multiple of BLOCK_V but not specialised (one compiled kernel for every
+        # split count): said so, every block's first token is known BLOCK_V-aligned, which with
+        # the row's 16-byte alignment (V and the strides specialised divisible by 16) lets the
+        # logits' loads be 16-byte vectors instead of one 16-bit load per element
+        v_start = tl.multiple_of(v_start, BLOCK_V)
     v_end = tl.minimum(v_start + CHUNK, V)
     trunc = False
     if SAMPLE:
@@ -378,16 +399,21 @@ def _node_stats(
     # V + j): below (above) every real element, never confused with one.
     tk = _pair_key(tl.where(o_k < K, float("-inf"), float("inf")), V + o_k)
     if active:
+        if AHEAD == 2:
+            b_next = _block(p_row, s_lv, v_start, v_end, V, BLOCK_V)
         for v0 in range(v_start, v_end, BLOCK_V):
             o_v = v0 + tl.arange(0, BLOCK_V)
             # the split's blocks are whole (CHUNK is a multiple of BLOCK_V) but the last, which
             # V cuts: "< V", V specialised divisible by 16, keeps the load vectorised ("< v_end"
             # would load one 16-bit value per instruction)
             m_v = o_v < V
+            if AHEAD == 2:
+                b_raw = b_next
+                b_next = _block(p_row, s_lv, v0 + BLOCK_V, v_end, V, BLOCK_V)
+            else:
+                b_raw = tl.load(p_row + o_v.to(tl.int64) * s_lv, mask=m_v, other=float("-inf"))
             # upcast right after the load: bf16 arithmetic is wrong under the interpreter
-            b_x = tl.load(p_row + o_v.to(tl.int64) * s_lv, mask=m_v, other=float("-inf")).to(
-                tl.float32
-            )
+            b_x = b_raw.to(tl.float32)
             if K > 0:
                 b_k = tl.where(m_v, _pair_key(b_x, o_v), KEY_NONE)
                 c = tl.max(b_k, axis=0)  # the block's max and its lowest argmax, in one

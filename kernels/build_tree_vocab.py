@@ -282,17 +282,19 @@ def _top_of_tiles(
         if row_ok:
             b_top = _top_of_tiles_merged(p_row, t_key, V, K, KP, BLOCK_V)
     elif row_ok:
-        # the K best tiles' first tokens (V: no such tile, not read) and the K-th one's max
+        # the K best tiles' first tokens (v_none: no such tile, not read; past V and, like
+        # every tile's first token, a multiple of BLOCK_V) and the K-th one's max
+        v_none = tl.cdiv(V, BLOCK_V) * BLOCK_V
         if BLOCKS_TOPK:
             # one bitonic top-KP of the tile keys (distinct but for the padding, which ranks
             # last) instead of K max-reductions in sequence
             t_top = tl.topk(t_key, KP)
             t_kth = tl.sum(tl.where(o_k == K - 1, t_top, 0))
             v0_k = (0x7FFFFFFF - (t_top & 0xFFFFFFFF)).to(tl.int32) * BLOCK_V
-            b_v0 = tl.where((o_k < K) & (t_top > -9223372036854775807 - 1), v0_k, V)
+            b_v0 = tl.where((o_k < K) & (t_top > -9223372036854775807 - 1), v0_k, v_none)
         else:
             t_rest = t_key
-            b_v0 = tl.zeros([KP], tl.int32) + V
+            b_v0 = tl.zeros([KP], tl.int32) + v_none
             t_kth = tl.max(t_key)
             for k in range(K):
                 t_kth = tl.max(t_rest)
@@ -308,7 +310,10 @@ def _top_of_tiles(
         n_c = tl.sum(tl.zeros([GT], tl.int32))
         for g in range(0, K, GT):
             v0_g = tl.sum(tl.where(o_k[None, :] == g + o_g[:, None], b_v0[None, :], 0), axis=1)
-            v0_g = tl.where(g + o_g < K, v0_g, V)
+            v0_g = tl.where(g + o_g < K, v0_g, v_none)
+            # every entry a tile's first token (or v_none): BLOCK_V-aligned, so the reads are
+            # 16-byte vectors where the row is 16-byte aligned
+            v0_g = tl.multiple_of(v0_g, BLOCK_V)
             o_v = v0_g[:, None] + o_b[None, :]  # [GT, BLOCK_V]
             m_v = o_v < V
             b_x = tl.load(p_row + o_v, mask=m_v, other=-float("inf")).to(tl.float32) + 0.0

@@ -122,15 +122,19 @@ def biased_logits(tree, V: int, rng: random.Random, ties: bool, dtype=torch.floa
     splits=st.sampled_from([1, 2, 3]),
     block=st.sampled_from([8, 16]),
     phase=st.sampled_from([0, 1]),
+    ahead=st.sampled_from([1, 2]),
 )
-def test_greedy_brute_force(case, seed, ties, splits, block, phase):
+def test_greedy_brute_force(case, seed, ties, splits, block, phase, ahead):
+    """``ahead`` 2: pass 1 loads each block before reducing the one before it (the load past a
+    split's last block masked off)."""
     rng = random.Random(seed)
     tree, V = case.tree, case.vocab
     lg = biased_logits(tree, V, rng, ties)
     want_ref = ref.accept_greedy(tree, lg, return_logprobs=True, topk_ids=3)
     got = run_kernel(
-        tree, lg, return_logprobs=True, topk_ids=3, num_splits=splits, block_v=block, phase=phase
-    )
+        tree, lg, return_logprobs=True, topk_ids=3, num_splits=splits, block_v=block,
+        phase=phase, ahead=ahead,
+    )  # fmt: skip
     for res in (want_ref, got):
         for b in range(tree.batch_size):
             n = int(tree.num_nodes[b])
@@ -541,10 +545,12 @@ def near_boundary(tree, lg, T, k, p, u, stops, bud):
     phase=st.sampled_from([0, 1]),
     cap=st.sampled_from([2, None]),
     splits=st.sampled_from([1, 2, 3]),
+    ahead=st.sampled_from([1, 2]),
 )
-def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase, cap, splits):
+def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase, cap, splits, ahead):
     """cap=2 forces the exact multi-pivot search; the default takes the candidate path wherever
-    the group maxima bound the threshold. ``splits`` vocabulary splits per node in pass 1."""
+    the group maxima bound the threshold. ``splits`` vocabulary splits per node in pass 1,
+    ``ahead`` its blocks in flight."""
     rng = random.Random(seed)
     tree, V = case.tree, case.vocab
     B = tree.batch_size
@@ -575,6 +581,7 @@ def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase, c
         phase=phase,
         cap=cap,
         num_splits=splits,
+        ahead=ahead,
     )
     assert_same(got, want, lp_tol=2e-4)
 
@@ -589,9 +596,10 @@ def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase, c
     groups=st.sampled_from([None, 4, 1000]),
     cap=st.sampled_from([None, 4]),
     phase=st.sampled_from([0, 1]),
+    ahead=st.sampled_from([1, 2]),
 )
 @settings(max_examples=20)
-def test_sample_splits_edge_cases(V, n, seed, spread, block, splits, groups, cap, phase):
+def test_sample_splits_edge_cases(V, n, seed, spread, block, splits, groups, cap, phase, ahead):
     """Kernel == reference at the edges of the split / group / candidate paths: tiny V, V not a
     multiple of the block, splits past the end of the row, few distinct logits (ties at the
     top-k and top-p cuts), top_k in {1, V - 1, V, > V}, top_p in {1, tiny, near 1}, one group
@@ -612,7 +620,7 @@ def test_sample_splits_edge_cases(V, n, seed, spread, block, splits, groups, cap
     got = accept_launch(
         tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u, return_logprobs=True,
         topk_ids=min(2, V), block_v=block, num_splits=splits, max_groups=groups, cap=cap,
-        phase=phase,
+        phase=phase, ahead=ahead,
     )  # fmt: skip
     assert_same(got, want, lp_tol=2e-4)
 
@@ -851,3 +859,12 @@ def test_opcheck_accept(extras):
         torch.ops.treeops.accept_sample.default,
         (*t.tensors(), logits, *sampling, stops, budget, k, *outs()),
     )
+
+
+def test_launch_refuses_bad_phase_and_ahead():
+    tree = make_tree([parents_of("chain", 3, random.Random(0))], 4, 16, random.Random(0))
+    lg = torch.randn(1, 4, 16)
+    with pytest.raises(ValueError, match="Invalid value of phase"):
+        accept_launch(tree, lg, phase=3)
+    with pytest.raises(ValueError, match="Invalid value of ahead"):
+        accept_launch(tree, lg, ahead=3)

@@ -65,6 +65,10 @@ def test_kernels_compile_for_gpu(tmp_path, arch):
         assert r["problems"] == [], r
         shared_max = {90: 232448, 89: 101376}[arch]
         assert r["regs"] * r["threads"] <= 65536 and r["shared_bytes"] <= shared_max, r
+    # greedy acceptance streams bf16 logits rows: in 16-byte vector loads, not one element each
+    # (the compiler must be told the split's blocks are aligned: kernels/accept_stats.py)
+    greedy = [r for r in doc["rows"] if r["kernel"] == "_accept_kernel" and "greedy" in r["case"]]
+    assert greedy and all(r["ldg_16bit_scalar"] == 0 for r in greedy), greedy
     if arch == 90:  # the H200's attention tiles spill at no head dim (64, 128, 256)
         att = [r for r in doc["rows"] if r["kernel"] in ("_tree_attn_fwd", "_tree_attn_fwd_gluon")]
         assert sum(r["kernel"] == "_tree_attn_fwd_gluon" for r in att) >= 2
