@@ -52,6 +52,7 @@ def _compact_kernel(
     D_PAD: tl.constexpr,
     DB: tl.constexpr,
     STACKED: tl.constexpr,
+    TABLE_ALIGNED: tl.constexpr,  # every layer's base address in the tables 16-byte aligned
 ):
     pid = tl.program_id(0).to(tl.int64)
     i_h = pid % H
@@ -63,6 +64,11 @@ def _compact_kernel(
     else:
         p_kl = tl.load(p_ktab + i_l).to(tl.pointer_type(p_k.dtype.element_ty))
         p_vl = tl.load(p_vtab + i_l).to(tl.pointer_type(p_v.dtype.element_ty))
+        if TABLE_ALIGNED:
+            # a loaded address has no known alignment: said (the host checked it), the rows'
+            # copies are 16-byte vectors as on the stacked path, not one element each
+            p_kl = tl.multiple_of(p_kl, 16)
+            p_vl = tl.multiple_of(p_vl, 16)
     s = tl.load(p_seq + i_b).to(tl.int64)
     n_acc = tl.load(p_len + i_b)
     o_d = tl.arange(0, D_PAD)
@@ -98,20 +104,21 @@ def _compact_kernel(
         tl.store(p_out + i_b, (s + n_acc.to(tl.int64)).to(tl.int32))
 
 
-_TABLES: dict[tuple, torch.Tensor] = {}
+_TABLES: dict[tuple, tuple[torch.Tensor, bool]] = {}
 
 
-def _pointer_table(layers) -> torch.Tensor:
-    """Device int64 table of the layers' base addresses, cached by (device, addresses): built
-    (one small host-to-device copy) on the first call only."""
+def _pointer_table(layers) -> tuple[torch.Tensor, bool]:
+    """Device int64 table of the layers' base addresses, and whether every one is 16-byte
+    aligned (what the kernel may be told of them), cached by (device, addresses): built (one
+    small host-to-device copy) on the first call only."""
     key = (layers[0].device, tuple(t.data_ptr() for t in layers))
-    tab = _TABLES.get(key)
-    if tab is None:
+    hit = _TABLES.get(key)
+    if hit is None:
         refuse_in_capture("compact_kv's table of layer addresses (per list of caches)")
         # never evicted: a CUDA graph captured with a table keeps reading it (a few bytes each)
         tab = torch.tensor(key[1], dtype=torch.int64).to(layers[0].device)
-        _TABLES[key] = tab
-    return tab
+        hit = _TABLES[key] = (tab, all(p % 16 == 0 for p in key[1]))
+    return hit
 
 
 def compact_kv_launch(
@@ -127,13 +134,15 @@ def compact_kv_launch(
         s_kl, s_vl = k0.stride(0), v0.stride(0)
         k_str, v_str = k0.stride()[1:], v0.stride()[1:]
         ktab = vtab = accept_len  # unused
+        aligned = False
         shape = k0.shape[1:]
     else:
         k0, v0 = k_caches[0], v_caches[0]
         L = len(k_caches)
         s_kl = s_vl = 0
         k_str, v_str = k0.stride(), v0.stride()
-        ktab, vtab = _pointer_table(k_caches), _pointer_table(v_caches)
+        (ktab, k_aligned), (vtab, v_aligned) = _pointer_table(k_caches), _pointer_table(v_caches)
+        aligned = k_aligned and v_aligned
         shape = k0.shape
     _, PS, H, D = shape
     if out is None:
@@ -164,6 +173,7 @@ def compact_kv_launch(
         D_PAD=pow2(D) if D else 0,  # triton.next_power_of_2's value, without its host cost
         DB=rows_per_step,
         STACKED=stacked,
+        TABLE_ALIGNED=aligned,
         num_warps=4 if D <= 128 else 8,
     )
     return out

@@ -223,6 +223,20 @@ def test_compact_long_paths_in_place(rows_per_step, stacked):
     assert ps == 4
 
 
+def test_pointer_table_says_whether_layers_are_aligned():
+    """A list of layers reaches the kernel through a table of their addresses; the kernel is
+    told they are 16-byte aligned (vector copies) only when every one is."""
+    from treeops.kernels import compact_kv as kc_mod
+
+    fresh = [torch.zeros(4, 16, 2, 8, dtype=torch.bfloat16) for _ in range(2)]
+    flat = torch.zeros(2 * 4 * 16 * 2 * 8 + 1, dtype=torch.bfloat16)
+    off = [flat[1:][i * 1024 : (i + 1) * 1024].view(4, 16, 2, 8) for i in range(2)]
+    tab, aligned = kc_mod._pointer_table(fresh)
+    assert aligned and tab.tolist() == [t.data_ptr() for t in fresh]
+    tab, aligned = kc_mod._pointer_table([fresh[0], off[1]])  # one layer 2 bytes off
+    assert not aligned and tab.tolist() == [fresh[0].data_ptr(), off[1].data_ptr()]
+
+
 def test_compact_after_acceptance_end_to_end():
     """accept_greedy -> compact_kv: the cache then holds root + accepted path contiguously."""
     rng = random.Random(4)

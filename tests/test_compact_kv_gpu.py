@@ -28,11 +28,28 @@ def _phys(bt: torch.Tensor, slots: torch.Tensor, ps: int):
     return bt.gather(1, (slots // ps).long()).long(), (slots % ps).long()
 
 
+def _misaligned_layers(c: torch.Tensor) -> list[torch.Tensor]:
+    """``c``'s layers as views of one buffer, each starting one element past a 16-byte
+    boundary (16-bit elements: 2 bytes off)."""
+    L, n = c.shape[0], c[0].numel()
+    flat = torch.empty(L * (n + 8) + 8, dtype=c.dtype, device=c.device)
+    out = []
+    for i in range(L):
+        v = flat[1 + i * (n + 8) : 1 + i * (n + 8) + n].view(c.shape[1:])
+        v.copy_(c[i])
+        out.append(v)
+    assert all(t.data_ptr() % 16 == 2 for t in out)
+    return out
+
+
 @pytest.mark.parametrize("page_size", [1, 16, None], ids=["ps1", "ps16", "contiguous"])
-@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "list"])
-def test_compact_gpu_stress(page_size, stacked):
+@pytest.mark.parametrize("layout", ["stacked", "list", "list_misaligned"])
+def test_compact_gpu_stress(page_size, layout):
     """Long accepted paths whose destinations are earlier sources (i_d = 2d and random
-    increasing paths): any ordering race in the in-place copy shows as a mismatch."""
+    increasing paths): any ordering race in the in-place copy shows as a mismatch. A list of
+    layers reaches the kernel through a pointer table, which it is told is 16-byte aligned
+    when every layer is (vector copies); ``list_misaligned``'s layers start 2 bytes off, so
+    the kernel must not be told so."""
     B, N, L, H, D = STRESS_SHAPE
     rng = random.Random(page_size or 0)
     seq = torch.tensor([rng.randint(0, 300) for _ in range(B)], dtype=torch.int32)
@@ -67,9 +84,15 @@ def test_compact_gpu_stress(page_size, stacked):
             alen[b] = len(path)
         accg, aleng = acc.to(DEV), alen.to(DEV)
         kc, vc = kc0.clone(), vc0.clone()
-        kk = kc if stacked else list(kc.unbind(0))
-        vv = vc if stacked else list(vc.unbind(0))
+        if layout == "stacked":
+            kk, vv = kc, vc
+        elif layout == "list":
+            kk, vv = list(kc.unbind(0)), list(vc.unbind(0))
+        else:  # each layer a view 2 bytes past a 16-byte boundary, filled from kc / vc
+            kk, vv = _misaligned_layers(kc), _misaligned_layers(vc)
         new = compact_kv_launch(kk, vv, btg, seqg, accg, aleng)
+        if layout == "list_misaligned":
+            kc, vc = torch.stack(kk), torch.stack(vv)
         assert torch.equal(new.cpu(), seq + alen)
         d = torch.arange(N, device=DEV)[None, :].expand(B, N)
         live = d < aleng[:, None]
