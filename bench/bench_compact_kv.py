@@ -90,6 +90,11 @@ def bench_compact_row(B: int, empty_us: float, time_treeops=None) -> dict:
     def run_treeops():
         return treeops.compact_kv(kc, vc, bt, seq, tree, acc, alen)
 
+    k_list, v_list = list(kc.unbind(0)), list(vc.unbind(0))  # an engine's per-layer caches
+
+    def run_treeops_list():
+        return treeops.compact_kv(k_list, v_list, bt, seq, tree, acc, alen)
+
     d = torch.arange(1, len(path), device=DEV)
 
     def run_torch():
@@ -109,7 +114,9 @@ def bench_compact_row(B: int, empty_us: float, time_treeops=None) -> dict:
     ok_t = check("treeops") and torch.equal(new, seq + alen)
     run_torch()
     ok_p = check("torch")
-    row.update(correct=ok_t, torch_correct=ok_p)
+    new = run_treeops_list()
+    ok_l = check("treeops list") and torch.equal(new, seq + alen)
+    row.update(correct=ok_t, torch_correct=ok_p, list_correct=ok_l)
     if not ok_t:
         row["note"] = "treeops output does not match the expected cache"
         return row
@@ -117,6 +124,8 @@ def bench_compact_row(B: int, empty_us: float, time_treeops=None) -> dict:
     row["treeops_us"] = time_treeops([run_treeops], reps)
     row["treeops_eager_us"] = H.eager_us(run_treeops, device=DEV)
     row["torch_us"] = graph_time_us([run_torch], reps)
+    if ok_l:  # the same copies through the layers' address table
+        row["treeops_list_us"] = time_treeops([run_treeops_list], reps)
     return row
 
 
@@ -149,6 +158,7 @@ def main(argv=None) -> dict:
         "B",
         "treeops_us",
         "treeops_eager_us",
+        "treeops_list_us",
         "torch_us",
         "floor_us",
         "treeops_over_floor",
