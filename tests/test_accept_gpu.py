@@ -49,6 +49,7 @@ def tree_batch(B: int, N: int, V: int, seed: int):
         (1, 64, 32000, torch.bfloat16),
         (9, 7, 151936, torch.bfloat16),
         (2, 16, 262144, torch.bfloat16),
+        (3, 16, 32001, torch.bfloat16),  # rows not 16-byte aligned: element loads
     ],
 )
 @pytest.mark.parametrize("phase", [0, 1])
@@ -63,9 +64,13 @@ def test_greedy_gpu_matches_reference(B, N, V, dtype, phase):
     assert torch.equal(pub.accepted.cpu(), want.accepted) and torch.equal(
         pub.bonus.cpu(), want.bonus
     )
-    # every split count gives the same answer
-    for s in (1, 8):
-        r = accept_launch(tg, lgg, num_splits=s, phase=phase, topk_ids=3)
+    # every split count, pass 1's element loads and its block loaded ahead give the same
+    # answer, and so do logits whose base is 2 bytes off (no vector load may assume alignment)
+    off = torch.empty(lgg.numel() + 1, dtype=lgg.dtype, device=DEV)[1:].view(lgg.shape)
+    off.copy_(lgg)
+    for s, x, kw in ((1, lgg, {}), (8, lgg, {}), (8, lgg, dict(ahead=2)),
+                     (8, lgg, dict(vector_loads=False)), (8, off, {})):  # fmt: skip
+        r = accept_launch(tg, x, num_splits=s, phase=phase, topk_ids=3, **kw)
         assert torch.equal(r.accepted.cpu(), want.accepted) and torch.equal(
             r.bonus.cpu(), want.bonus
         )
@@ -126,6 +131,13 @@ def test_sample_gpu_matches_reference(B, N, V, dtype, phase):
             phase=phase,
         )
         assert_same(Acc_cpu(got), want, lp_tol=5e-4)
+        if trial == 0:  # pass 1 with its next block loaded ahead
+            got = accept_launch(
+                tree.to(DEV), lg.to(DEV), temperature=args[0], top_k=args[1], top_p=args[2],
+                uniforms=args[3], stop_ids=stops.to(DEV), max_new_tokens=bud.to(DEV),
+                return_logprobs=True, topk_ids=4, phase=phase, ahead=2,
+            )  # fmt: skip
+            assert_same(Acc_cpu(got), want, lp_tol=5e-4)
 
 
 def test_cuda_graph_capture_and_replay():
