@@ -321,7 +321,12 @@ def bench_accept_row(
             torch.rand(B, N, device=DEV, generator=torch.Generator(device=DEV).manual_seed(c))
             for c in range(copies)
         ]
-        res = treeops.accept_sample(tree, lgs[0], T, k, p, us[0])
+        # a row without truncation is called as an engine would whose batch has none: without
+        # top-k / top-p tensors (no kept-set pass); ``treeops_tensor_params_us`` times the same
+        # row with all-off tensors (three launches)
+        plain = not (use_k or use_p)
+        k_arg, p_arg = (None, None) if plain else (k, p)
+        res = treeops.accept_sample(tree, lgs[0], T, k_arg, p_arg, us[0])
         ok, why = check_against_reference(tree, lgs[0], res, (T, k, p, us[0]))
         row.update(correct=ok, note=why, mean_accept_len=float(res.accept_len.float().mean()))
         if not ok:
@@ -332,20 +337,29 @@ def bench_accept_row(
         row["torch_agrees"] = agreement(path, L, bonus, res)
         pairs = list(zip(lgs, us))
         row["treeops_us"] = time_treeops(
-            [lambda x=x, u=u: treeops.accept_sample(tree, x, T, k, p, u) for x, u in pairs], reps
-        )
-        row["treeops_eager_us"] = H.eager_us(
-            lambda x=lgs[0], u=us[0]: treeops.accept_sample(tree, x, T, k, p, u), device=DEV
-        )
-        row["treeops_two_launch_us"] = graph_time_us(
-            [
-                lambda x=x, u=u: accept_launch(
-                    tree, x, temperature=T, top_k=k, top_p=p, uniforms=u, phase=1
-                )
-                for x, u in pairs
-            ],
+            [lambda x=x, u=u: treeops.accept_sample(tree, x, T, k_arg, p_arg, u)
+             for x, u in pairs],
             reps,
+        )  # fmt: skip
+        row["treeops_eager_us"] = H.eager_us(
+            lambda x=lgs[0], u=us[0]: treeops.accept_sample(tree, x, T, k_arg, p_arg, u),
+            device=DEV,
         )
+        if plain:
+            row["treeops_tensor_params_us"] = graph_time_us(
+                [lambda x=x, u=u: treeops.accept_sample(tree, x, T, k, p, u) for x, u in pairs],
+                reps,
+            )
+        if plain:  # the other form of the launch without a kept-set pass
+            row["treeops_one_launch_us"] = graph_time_us(
+                [
+                    lambda x=x, u=u: accept_launch(
+                        tree, x, temperature=T, top_k=None, top_p=None, uniforms=u, phase=0
+                    )
+                    for x, u in pairs
+                ],
+                reps,
+            )
         row["torch_step1_us"] = graph_time_us(
             [lambda x=x: torch_probs(x, T, k, p, use_k, use_p) for x in lgs], reps
         )
@@ -773,7 +787,7 @@ def main() -> None:
         "V",
         "T/k/p",
         "treeops",
-        "2-launch",
+        "other form",  # greedy: the walk launched apart; plain sampling: one launch
         "torch",
         "flashinfer",
         "floor",
@@ -791,7 +805,7 @@ def main() -> None:
             r.get("V"),
             tkp,
             r.get("treeops_us"),
-            r.get("treeops_two_launch_us"),
+            r.get("treeops_two_launch_us", r.get("treeops_one_launch_us")),
             r.get("torch_us"),
             r.get("flashinfer_us"),
             r["floor_us"],

@@ -362,13 +362,15 @@ def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0, ahea
         tree = _tree(B, N, N, V)
         lg = torch.randn(B, N, V, generator=G).to(torch.bfloat16)
         kw: dict = {}
-        if op == "sample":
+        if op in ("sample", "sample_plain"):
             kw = dict(
                 temperature=torch.full((B,), 0.8),
                 top_k=torch.full((B,), k, dtype=torch.int32),
                 top_p=torch.full((B,), p),
                 uniforms=torch.rand(B, N, generator=G),
             )
+            if op == "sample_plain":  # no top-k / top-p tensors: no kept-set pass
+                kw.update(top_k=None, top_p=None)
         stops = torch.tensor([0], dtype=torch.int64)
         budget = torch.full((B,), 100, dtype=torch.int32)
         return lambda: accept_launch(
@@ -704,6 +706,10 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
         *(accept(op, 1, V, ahead=2) for op in ("greedy", "sample") for V in (32000, 128256)),
         accept("sample", 1, 128256, k=50, p=0.9, ahead=2),
         accept("greedy", 8, 32000, topk_ids=8, ahead=2),
+        # sampling without top-k / top-p tensors: one launch (pass 1's last program walks) at
+        # B * N < 512, pass 1 and the walk from it
+        *(accept("sample_plain", B, V) for B in (1, 8) for V in (32000, 128256)),
+        accept("sample_plain", 1, 32000, logprobs=True, topk_ids=8),
     ]
     for d in (64, 128, 256):
         out.append(compact(8, 32, 8, d, 16))

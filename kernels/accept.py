@@ -10,7 +10,8 @@ the outputs and resets the counter to 0, so the launch can be replayed in a CUDA
 memset. ``phase=1`` splits the same code into two launches (node statistics, then one walker
 program per request) as a fallback.
 
-Sampling, three launches whatever ``phase``. Pass 1, the same split grid as greedy, reads every
+Sampling, three launches whatever ``phase`` (without top-k / top-p tensors, no pass 2:
+``PLAIN_SAMPLING_PHASE``). Pass 1, the same split grid as greedy, reads every
 logit once: per split the max, argmax and sum of ``exp((x - max) / T)``, each vocabulary block's
 mass (relative to the split's running max) and, for top-k/top-p rows, the maxima of groups of GROUP
 tokens. Pass 2, one program per node (``accept_thresh``): merges the partials into the node's max
@@ -123,8 +124,12 @@ def _accept_kernel(
     SUB: tl.constexpr,
     AHEAD: tl.constexpr,  # pass 1's blocks in flight a program (1 or 2; ``_node_stats``)
     VEC: tl.constexpr,  # pass 1's blocks known aligned: vector loads (``_node_stats``)
+    HAS_TOPK: tl.constexpr,  # sampling: the launch has top-k / top-p tensors (else off)
+    HAS_TOPP: tl.constexpr,
+    TRUNC: tl.constexpr,  # sampling: either (else no kept-set pass: PHASE 0 walks as greedy's)
 ):
-    """PHASE 0: pass 1, the request's last program walks (grid B*N*S; greedy). 1: pass 1 only
+    """PHASE 0: pass 1, the request's last program walks (grid B*N*S; greedy, and sampling
+    without top-k / top-p tensors). 1: pass 1 only
     (grid B*N*S). 2: the walk only (grid B). 5: sampling's pass 2, each node's kept set (grid
     B*N)."""
     pid = tl.program_id(0).to(tl.int64)
@@ -132,13 +137,14 @@ def _accept_kernel(
         _node_stats(
             pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp, p_wmax,
             p_warg, p_wse, p_wtkv, p_wtki, p_wcs, p_wcm, p_wgm, N, V, CHUNK, S, BLOCK_V,
-            NCH, K, K_PAD, SAMPLE, NEED_SE, GROUP, G_PAD, AHEAD, VEC
+            NCH, K, K_PAD, SAMPLE, NEED_SE, GROUP, G_PAD, AHEAD, VEC, HAS_TOPK, HAS_TOPP, TRUNC
         )  # fmt: skip
     if PHASE == 5:
         _finish_node(
             pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp, p_wmax,
             p_wse, p_wthr, p_wcut, p_wz, p_wcs, p_wcm, p_wgm, p_wcand, p_wsel, N, V, NCH, S,
-            S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, GC, READ, CAP, CAP_S, SUB
+            S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, GC, READ, CAP, CAP_S, SUB,
+            HAS_TOPK, HAS_TOPP
         )  # fmt: skip
     # PHASE 0: the request's last program to arrive walks; PHASE 2: one walker per request
     last = False
@@ -156,11 +162,19 @@ def _accept_kernel(
                 p_temp, p_uni, s_ub, p_stop, s_sb, n_stop, p_budget, p_wmax, p_warg, p_wse,
                 p_wtkv, p_wtki, p_wthr, p_wcut, p_wz, p_wcs, p_wcm, p_acc, p_len, p_bonus, p_lp,
                 p_topk, N, V, NCH, N_PAD, S, S_PAD, BLOCK_V, NCH_PAD, K, K_PAD, SAMPLE, HAS_STOP,
-                STOP_PAD, HAS_BUDGET, HAS_LP
+                STOP_PAD, HAS_BUDGET, HAS_LP, TRUNC
             )  # fmt: skip
             if PHASE != 2:
                 tl.store(p_count + i_b, 0)
 
+
+PLAIN_SAMPLING_PHASE = 1
+"""The launches of sampling without top-k / top-p tensors when ``accept_launch`` is given no
+``phase``: 1, pass 1 and then the walk (two launches; three with truncation). 0, one launch
+whose last program per request walks, is untimed: the walker's code raises the launch's
+registers from pass 1's 48 to 203 (V 32,000) and 255 (V 128,256) at B 1, 4 warps
+(``bench/compile_check.py``), so two programs fit an SM where ten did; ``bench_accept.py
+--sweep-pass1`` times both."""
 
 # every scratch buffer ever handed out stays alive: a CUDA graph captured with an older, smaller
 # one keeps using it after a larger launch made a new one
@@ -227,8 +241,8 @@ _PLANS: dict[tuple, _Plan] = {}
 
 
 def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
-          block_v, num_pivots, cap, max_groups, num_warps, ahead,
-          vector_loads) -> _Plan:  # fmt: skip
+          block_v, num_pivots, cap, max_groups, num_warps, ahead, vector_loads, has_topk,
+          has_topp) -> _Plan:  # fmt: skip
     # blocks and warps from the H200 sweep (bench_accept.py --sweep, accept_sweep.json): from
     # B*N = 512 (B 8 at N 64) every program is one split of a whole row and larger blocks keep
     # more bytes in flight: greedy 8,192 at 4 warps (B 64 V 32,000 71.7 against 78.7 us at 4,096
@@ -275,17 +289,18 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     GC = min(G_PAD, 16 if interpreted() else 512)
     CAP = pow2(cap)
     BNS = B * N * S
+    trunc = sample and (has_topk or has_topp)
     n_f = [
         BNS,
         BNS,
         BNS * K_PAD if K else 1,
         B * N * NCH if sample else 1,
         B * N * NCH if sample else 1,
-        B * N * G_PAD if sample else 1,
+        B * N * G_PAD if trunc else 1,
         B * N if sample else 1,
     ]
     n_i = [BNS, BNS * K_PAD if K else 1] + [B * N if sample else 1] * 2
-    n_i.append(B * N * G_PAD if sample else 1)
+    n_i.append(B * N * G_PAD if trunc else 1)
     if num_warps is None:
         # greedy's 4,096-logit blocks take 8 warps (below B*N = 512, or with top-K ids), its
         # 8,192 blocks and sampling's pass 1 and walk 4: the sweep had 4 warps at or below 8 at
@@ -319,6 +334,9 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         SUB=min(32, CAP),
         AHEAD=ahead,
         VEC=vector_loads,
+        HAS_TOPK=sample and has_topk,
+        HAS_TOPP=sample and has_topp,
+        TRUNC=trunc,
         num_warps=num_warps,
     )
     # pass 2 of sampling: one program per node, a few KB of the row each; 4 warps
@@ -326,7 +344,7 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     # the walker scans a whole block for a bonus token: 8 warps keep a 4,096 block unspilled
     walk_warps = 8 if block_v >= 4096 and not interpreted() else common["num_warps"]
     common_walk = dict(common, num_warps=walk_warps)
-    return _Plan(S, chunk, NCH, n_f, n_i, B * N * CAP if sample else 1, common, common2,
+    return _Plan(S, chunk, NCH, n_f, n_i, B * N * CAP if trunc else 1, common, common2,
                  common_walk)  # fmt: skip
 
 
@@ -345,7 +363,7 @@ def accept_launch(
     out: Acceptance | None = None,
     num_splits: int | None = None,
     block_v: int | None = None,
-    phase: Literal[0, 1] = 0,
+    phase: Literal[0, 1] | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     num_pivots: int = 16,
     cap: int | None = None,
@@ -357,20 +375,23 @@ def accept_launch(
     """Launch the acceptance kernels (greedy when ``uniforms`` is None). Inputs are assumed
     validated by ``treeops.accept``.
 
-    ``phase`` (greedy): 0 (default) lets the last program per request walk the tree after an
-    arrival counter, one launch; 1 launches the walk separately (one program per request), a
-    fallback that needs no inter-program ordering. Sampling always takes three launches (pass 1,
-    pass 2, the walk; the module docstring). ``num_splits``/``block_v`` override
-    the defaults (tests use small ones to exercise the split and block loops); ``num_warps``
-    overrides pass 1's warps, ``ahead`` (1 or 2) its blocks in flight a program and
-    ``vector_loads=False`` makes its logits loads one element each (the benchmark's sweep).
+    ``phase``: 0 lets the last program per request walk the tree after an arrival counter, one
+    launch; 1 launches the walk separately (one program per request), a fallback that needs no
+    inter-program ordering. Greedy takes 0 by default. Sampling takes three launches (pass 1,
+    pass 2, the walk; the module docstring) whatever ``phase``, or without ``top_k`` and
+    ``top_p`` tensors (no request truncates) no pass 2: ``PLAIN_SAMPLING_PHASE`` by default,
+    0 only where pass 1's blocks are 2,048 logits or fewer (else 1). ``num_splits`` and
+    ``block_v`` override the defaults (tests use small ones to exercise the split and block
+    loops); ``num_warps`` overrides pass 1's warps, ``ahead`` (1 or 2) its blocks in flight a
+    program and ``vector_loads=False`` makes its logits loads one element each (the
+    benchmark's sweep).
     ``workspace``:
     ``(float32, int32, counters)`` buffers to use instead of the per-device cached scratch and
     counters (``_scratch``, ``arrival_counters``), for launches on concurrent streams.
 
     Sizes, tiles and constexprs depend on shapes, flags and the device only and are computed once
     per such key."""
-    if phase not in (0, 1):
+    if phase not in (0, 1, None):
         raise ValueError(f"Invalid value of phase: expected 0 or 1, got {phase!r}")
     if ahead not in (1, 2):
         raise ValueError(f"Invalid value of ahead: expected 1 or 2, got {ahead!r}")
@@ -382,8 +403,10 @@ def accept_launch(
     has_stop = stop_ids is not None
     n_stop = stop_ids.shape[-1] if has_stop else 0
     has_budget = max_new_tokens is not None
+    has_topk, has_topp = top_k is not None, top_p is not None
     key = (B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
-           block_v, num_pivots, cap, max_groups, num_warps, ahead, bool(vector_loads))  # fmt: skip
+           block_v, num_pivots, cap, max_groups, num_warps, ahead, bool(vector_loads), has_topk,
+           has_topp)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)
@@ -426,8 +449,8 @@ def accept_launch(
         tp.stride(0),
         tree.num_nodes,
         temperature if sample else dummy_f,
-        top_k if sample else w_arg,
-        top_p if sample else dummy_f,
+        top_k if has_topk else w_arg,
+        top_p if has_topp else dummy_f,
         uniforms if sample else dummy_f,
         uniforms.stride(0) if sample else 0,
         stop_ids if has_stop else w_arg,
@@ -463,11 +486,22 @@ def accept_launch(
     S = plan.S
     kern = direct(_accept_kernel)
     if not sample:
-        if phase == 0:
+        if phase in (0, None):
             kern.launch((B * N * S,), *args, PHASE=0, **plan.common)
         else:
             kern.launch((B * N * S,), *args, PHASE=1, **plan.common)
             kern.launch((B,), *args, PHASE=2, **plan.common)
+        return out
+    if not plan.common["TRUNC"]:
+        # no top-k / top-p tensor: no kept sets to find. Pass 1's last program of each request
+        # walks, as greedy's does, where pass 1's warps can hold the walker's block scan
+        # (blocks of 2,048 logits or fewer: 4 warps); else pass 1, then the walk
+        phase = PLAIN_SAMPLING_PHASE if phase is None else phase
+        if phase == 0 and plan.common["BLOCK_V"] <= 2048:
+            kern.launch((B * N * S,), *args, PHASE=0, **plan.common)
+        else:
+            kern.launch((B * N * S,), *args, PHASE=1, **plan.common)
+            kern.launch((B,), *args, PHASE=2, **plan.common_walk)
         return out
     # sampling: pass 1 (statistics over vocabulary splits), pass 2 (each node's kept set), the
     # walk (one program per request)

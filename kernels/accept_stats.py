@@ -309,6 +309,20 @@ def _kept_set(
 
 
 @triton.jit
+def _truncations(p_topk_param, p_topp, i_b, V, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr):
+    """(top-k on, top-p on) for request ``i_b``: from its values where the launch has the
+    tensor, off where it has none."""
+    use_k = False
+    use_p = False
+    if HAS_TOPK:
+        k = tl.load(p_topk_param + i_b).to(tl.int32)
+        use_k = (k > 0) & (k < V)
+    if HAS_TOPP:
+        use_p = tl.load(p_topp + i_b).to(tl.float32) < 1.0
+    return use_k, use_p
+
+
+@triton.jit
 def _block(p_row, s_lv, v0, v_end, V, BLOCK_V: tl.constexpr):
     """The row's logits ``[v0, v0 + BLOCK_V)`` as loaded (-inf past V, and for a block at or
     past ``v_end``, the split's end: the load ahead of a split's last block reads nothing). The
@@ -351,6 +365,9 @@ def _node_stats(
     G_PAD: tl.constexpr,
     AHEAD: tl.constexpr,
     VEC: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_TOPP: tl.constexpr,
+    TRUNC: tl.constexpr,
 ):
     """Pass 1 of program ``pid`` = (request, node, split): its split's max, lowest argmax and
     sum of ``exp((x - max) / T)`` (NEED_SE), the top-K (value, id) pairs (K > 0) and, sampling,
@@ -359,7 +376,9 @@ def _node_stats(
     a multiple of BLOCK_V, so blocks and groups never straddle two programs. ``AHEAD`` 2: the
     next block's load is issued before this block is reduced (two blocks in flight a program,
     for launches too small to fill the GPU's memory pipeline); 1: one block at a time. ``VEC``:
-    the blocks' alignment told to the compiler (vector loads where the row allows them)."""
+    the blocks' alignment told to the compiler (vector loads where the row allows them).
+    ``HAS_TOPK`` / ``HAS_TOPP``: the launch has that per-request tensor (else the truncation is
+    off for every request); ``TRUNC``: either."""
     i_s = (pid % S).to(tl.int32)
     i_n = ((pid // S) % N).to(tl.int32)
     i_b = pid // (S * N)
@@ -383,11 +402,9 @@ def _node_stats(
     v_end = tl.minimum(v_start + CHUNK, V)
     trunc = False
     if SAMPLE:
-        k = tl.load(p_topk_param + i_b).to(tl.int32)
-        top_p = tl.load(p_topp + i_b).to(tl.float32)
-        use_k = (k > 0) & (k < V)
-        use_p = top_p < 1.0
-        trunc = active & (T_in > 0) & (use_k | use_p)
+        if TRUNC:  # else no request truncates: no group maxima for pass 2
+            use_k, use_p = _truncations(p_topk_param, p_topp, i_b, V, HAS_TOPK, HAS_TOPP)
+            trunc = active & (T_in > 0) & (use_k | use_p)
     p_gm = p_wgm + node * G_PAD
     m = tl.full([], float("-inf"), tl.float32)
     arg = tl.full([], BIG, tl.int32)

@@ -31,14 +31,19 @@ from .accept_stats import (
 
 
 @triton.jit
-def _row_params(i_b, i_n, p_num_nodes, p_temp, p_topk_param, p_topp, V):
+def _row_params(i_b, i_n, p_num_nodes, p_temp, p_topk_param, p_topp, V,
+                HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr):  # fmt: skip
     """(T, k, top_p, use_k, use_p, trunc) of node i_n of request i_b; trunc: an active
-    sampling node (T > 0) with top-k or top-p on."""
+    sampling node (T > 0) with top-k or top-p on (one the launch has no tensor for is off)."""
     n = tl.load(p_num_nodes + i_b)
     T_in = tl.load(p_temp + i_b).to(tl.float32)
     T = tl.where(T_in > 0, T_in, 1.0)
-    k = tl.load(p_topk_param + i_b).to(tl.int32)
-    top_p = tl.load(p_topp + i_b).to(tl.float32)
+    k = tl.zeros([], dtype=tl.int32)
+    top_p = tl.full([], 1.0, tl.float32)
+    if HAS_TOPK:
+        k = tl.load(p_topk_param + i_b).to(tl.int32)
+    if HAS_TOPP:
+        top_p = tl.load(p_topp + i_b).to(tl.float32)
     use_k = (k > 0) & (k < V)
     use_p = top_p < 1.0
     trunc = (i_n < n) & (T_in > 0) & (use_k | use_p)
@@ -94,6 +99,8 @@ def _finish_node(
     CAP: tl.constexpr,
     CAP_S: tl.constexpr,
     SUB: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_TOPP: tl.constexpr,
 ):
     """Pass 2 of node ``node`` = request * N + i: its kept set's threshold key, id cut and mass
     Z (``p_wthr``, ``p_wcut``, ``p_wz``; rows without top-k/top-p: INT32_MIN, V and the whole
@@ -101,7 +108,7 @@ def _finish_node(
     i_n = (node % N).to(tl.int32)
     i_b = node // N
     T, k, top_p, use_k, use_p, trunc = _row_params(
-        i_b, i_n, p_num_nodes, p_temp, p_topk_param, p_topp, V
+        i_b, i_n, p_num_nodes, p_temp, p_topk_param, p_topp, V, HAS_TOPK, HAS_TOPP
     )
     m, z = _merge_node(p_wmax, p_wse, node, T, S, S_PAD)
     thr = tl.full([], INT32_MIN, tl.int32)

@@ -224,6 +224,7 @@ def _walk(
     STOP_PAD: tl.constexpr,
     HAS_BUDGET: tl.constexpr,
     HAS_LP: tl.constexpr,
+    TRUNC: tl.constexpr,
 ):
     i_b = i_b.to(tl.int64)
     o = tl.arange(0, N_PAD)
@@ -247,10 +248,16 @@ def _walk(
     sc = tl.where(pm == float("-inf"), 0.0, tl.exp((pm - nm[:, None]) / T))
     nz = tl.sum(ps * sc, axis=1)  # Z of each node: sum of exp((x - max) / T)
     if SAMPLE:
-        # the kept sets of pass 3 (``accept_thresh``): threshold, id cut, mass
-        thr = tl.load(p_wthr + i_b * N + o, mask=valid, other=INT32_MIN, volatile=True)
-        cutv = tl.load(p_wcut + i_b * N + o, mask=valid, other=0, volatile=True)
-        nz = tl.load(p_wz + i_b * N + o, mask=valid, other=0.0, volatile=True)
+        if TRUNC:
+            # the kept sets of pass 2 (``accept_thresh``): threshold, id cut, mass
+            thr = tl.load(p_wthr + i_b * N + o, mask=valid, other=INT32_MIN, volatile=True)
+            cutv = tl.load(p_wcut + i_b * N + o, mask=valid, other=0, volatile=True)
+            nz = tl.load(p_wz + i_b * N + o, mask=valid, other=0.0, volatile=True)
+        else:
+            # no request truncates (no pass 2): every token kept, Z as merged above (what
+            # pass 2 stores for a row without top-k/top-p)
+            thr = tl.full([N_PAD], INT32_MIN, tl.int32)
+            cutv = tl.zeros([N_PAD], dtype=tl.int32) + V
     # walk: path[d] = node at depth d; em[q] = (q+1)-th emitted token; lp[q] its log-prob
     if SAMPLE:
         if T_in > 0:

@@ -237,7 +237,7 @@ def accept_sample(
     continues there; another token's piece makes it the bonus and the walk stops. If rounding
     leaves ``u`` past the end, the last piece of positive length is taken. Rows with
     ``temperature = 0`` are greedy. ``logprobs`` are ``log p_i`` of the emitted tokens (for
-    ``T = 0`` rows, ``log_softmax(logits)``).
+    ``T = 0`` rows, ``log_softmax(logits)``). ``top_k`` / ``top_p`` None: off for every request.
     """
     check_accept_inputs(
         tree,
@@ -256,10 +256,11 @@ def accept_sample(
     t = tree.to("cpu")
     lg = target_logits.detach().to("cpu", torch.float64)
     temp = temperature.detach().cpu().to(torch.float64).tolist()
-    tk = top_k.detach().cpu().tolist()
-    tp = top_p.detach().cpu().to(torch.float64).tolist()
-    uni = uniforms.detach().cpu().to(torch.float64)
     B, N = t.parents.shape
+    # None: top-k (top-p) off for every request
+    tk = [0] * B if top_k is None else top_k.detach().cpu().tolist()
+    tp = [1.0] * B if top_p is None else top_p.detach().cpu().to(torch.float64).tolist()
+    uni = uniforms.detach().cpu().to(torch.float64)
     results = []
     for b in range(B):
         n = int(t.num_nodes[b])

@@ -587,6 +587,44 @@ def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase, c
 
 
 @given(
+    case=trees(max_batch=3, capacities=(4, 8, 16), vocab=40),
+    seed=st.integers(0, 2**20),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    block=st.sampled_from([16, 64]),
+    phase=st.sampled_from([0, 1, None]),
+    splits=st.sampled_from([1, 2, 3]),
+    which=st.sampled_from(["neither", "top_k", "top_p"]),
+)
+def test_sample_without_truncation_tensors(case, seed, dtype, block, phase, splits, which):
+    """``top_k`` and/or ``top_p`` None (off for every request): the kernel (no pass 2 when both
+    are None: one launch with phase 0, the walk apart with phase 1) equals the reference given
+    the same Nones, which equals the reference given all-off tensors."""
+    rng = random.Random(seed)
+    tree, V = case.tree, case.vocab
+    B = tree.batch_size
+    lg = biased_logits(tree, V, rng, rng.random() < 0.5, dtype=dtype)
+    T = torch.tensor([rng.choice([0.0, 0.5, 1.0, 1.3]) for _ in range(B)])
+    k = torch.tensor([rng.choice([0, 2, 5, V]) for _ in range(B)], dtype=torch.int32)
+    p = torch.tensor([rng.choice([1.0, 0.9, 0.5]) for _ in range(B)])
+    k = None if which != "top_k" else k
+    p = None if which != "top_p" else p
+    u = torch.rand(B, tree.capacity, generator=torch.Generator().manual_seed(seed))
+    k_off = torch.zeros(B, dtype=torch.int32) if k is None else k
+    p_off = torch.ones(B) if p is None else p
+    if near_boundary(tree, lg, T, k_off, p_off, u, None, None):
+        return
+    want = ref.accept_sample(tree, lg, T, k_off, p_off, u, return_logprobs=True, topk_ids=2)
+    assert_same(ref.accept_sample(tree, lg, T, k, p, u, return_logprobs=True, topk_ids=2), want)
+    got = accept_launch(
+        tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u, return_logprobs=True,
+        topk_ids=2, block_v=block, phase=phase, num_splits=splits,
+    )  # fmt: skip
+    assert_same(got, want, lp_tol=2e-4)
+    pub = treeops.accept_sample(tree, lg, T, k, p, u, validate=True)  # the op, CPU reference
+    assert torch.equal(pub.accepted, want.accepted) and torch.equal(pub.bonus, want.bonus)
+
+
+@given(
     V=st.integers(1, 70),
     n=st.integers(1, 6),
     seed=st.integers(0, 2**20),
@@ -858,6 +896,11 @@ def test_opcheck_accept(extras):
     torch.library.opcheck(
         torch.ops.treeops.accept_sample.default,
         (*t.tensors(), logits, *sampling, stops, budget, k, *outs()),
+    )
+    # without top-k / top-p tensors (off for every request)
+    torch.library.opcheck(
+        torch.ops.treeops.accept_sample.default,
+        (*t.tensors(), logits, sampling[0], None, None, sampling[3], stops, budget, k, *outs()),
     )
 
 

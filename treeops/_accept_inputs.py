@@ -119,8 +119,13 @@ def _check_accept_inputs(
         check_tensor(
             "temperature", temperature, shape=("B",), dtype=f32, sizes=sizes, unit_last=True
         )
-        check_tensor("top_k", top_k, shape=("B",), dtype=_INT_DTYPES, sizes=sizes, unit_last=True)
-        check_tensor("top_p", top_p, shape=("B",), dtype=f32, sizes=sizes, unit_last=True)
+        # None: that truncation is off for every request (a launch without pass 2)
+        if top_k is not None:
+            check_tensor(
+                "top_k", top_k, shape=("B",), dtype=_INT_DTYPES, sizes=sizes, unit_last=True
+            )
+        if top_p is not None:
+            check_tensor("top_p", top_p, shape=("B",), dtype=f32, sizes=sizes, unit_last=True)
         check_tensor("uniforms", uniforms, shape=("B", "N"), dtype=torch.float32, sizes=sizes)
         if uniforms.stride(1) != 1 and uniforms.shape[1] > 1:
             raise ValueError(
@@ -166,8 +171,7 @@ def _check_accept_inputs(
             check_range("max_new_tokens", max_new_tokens[tree.num_nodes > 0], 1, None)
         if sampling:
             check_finite("temperature", temperature, nonnegative=True)
-            check_finite("top_p", top_p)
-            if bool(((top_p <= 0) | (top_p > 1)).any()):
+            if top_p is not None and bool(((top_p <= 0) | (top_p > 1)).any()):
                 raise ValueError(
                     f"Invalid value in top_p: expected values in (0, 1], got {top_p.tolist()}"
                 )

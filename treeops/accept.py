@@ -44,7 +44,7 @@ from .tree import Tree
 
 __all__ = ["Acceptance", "accept_greedy", "accept_sample"]
 
-_SAMPLING = "Tensor temperature, Tensor top_k, Tensor top_p, Tensor uniforms, "
+_SAMPLING = "Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor uniforms, "
 _OUTPUTS = (
     "Tensor? stop_ids, Tensor? max_new_tokens, int topk_ids, Tensor(a!) accepted, "
     "Tensor(b!) accept_len, Tensor(c!) bonus, Tensor(d!)? logprobs, Tensor(e!)? topk) -> ()"
@@ -189,8 +189,8 @@ def accept_sample(
     tree: Tree,
     target_logits: torch.Tensor,
     temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
     uniforms: torch.Tensor,
     *,
     stop_ids: torch.Tensor | None = None,
@@ -215,8 +215,11 @@ def accept_sample(
         tree, target_logits, stop_ids, max_new_tokens, topk_ids, out, validate: as in
             ``accept_greedy``.
         temperature: [B] float32, >= 0 (0 = greedy).
-        top_k: [B] int32/int64; <= 0 or >= V disables top-k.
-        top_p: [B] float32 in (0, 1]; 1 disables top-p.
+        top_k: [B] int32/int64; <= 0 or >= V disables top-k. None: off for every request.
+        top_p: [B] float32 in (0, 1]; 1 disables top-p. None: off for every request. With
+            both None the CUDA launch has no kept-set pass: pass 1's last program of each
+            request walks (one launch where pass 1's blocks are 2,048 logits or fewer, that
+            is B * N < 512; else two), where tensors, even all-off ones, take three.
         uniforms: [B, N] float32 in [0, 1), one per node (reproducible, graph safe; unit stride
             along N). The [B] inputs need unit stride.
         return_logprobs: also return ``log p_i`` of the emitted tokens (``T = 0`` rows:
