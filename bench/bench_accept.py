@@ -561,8 +561,9 @@ def pass1_sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
     blocks' alignment told to the compiler: 16-byte loads; False: one element per load, the
     code before it) x ``ahead`` (the next block loaded before this one is reduced), for greedy
     at its default launch and at the sweep's best small-batch one (2,048-logit blocks, 16
-    splits, 4 warps: ``accept_sweep.json``), plain sampling and top-k 50 / top-p 0.9 sampling;
-    each configuration's outputs must equal the default launch's."""
+    splits, 4 warps: ``accept_sweep.json``), plain sampling (all-off tensors; without them,
+    pass 1 and the walk, and the one launch) and top-k 50 / top-p 0.9 sampling; each
+    configuration's outputs must equal the default launch's."""
     rows = []
     N = 64
     forms = [(v, a) for v in (False, True) for a in (1, 2)]
@@ -578,6 +579,9 @@ def pass1_sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
                             torch.ones(B, device=DEV), u), {}),
                 "sample_top": ((T, torch.full((B,), 50, dtype=torch.int32, device=DEV),
                                 torch.full((B,), 0.9, device=DEV), u), {}),
+                # without top-k / top-p tensors: pass 1 and the walk, or one launch
+                "sample_none": ((T, None, None, u), dict(phase=1)),
+                "sample_none_fused": ((T, None, None, u), dict(phase=0)),
             }  # fmt: skip
             if V < 2048 * 16:
                 del kinds["greedy_s16"]  # fewer logits than the 16 splits' blocks
@@ -586,6 +590,9 @@ def pass1_sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
                 if smp is not None:
                     extra = dict(temperature=smp[0], top_k=smp[1], top_p=smp[2], uniforms=smp[3])
                 bases = [accept_launch(tree, x, **extra) for x in lgs]
+                if smp is not None and smp[1] is None:  # the reference's all-off tensors
+                    smp = (T, torch.zeros(B, dtype=torch.int32, device=DEV),
+                           torch.ones(B, device=DEV), u)  # fmt: skip
                 ok, why = check_against_reference(tree, lgs[0], bases[0], smp)
                 assert ok, f"default {kind} launch differs from the reference: {why}"
                 for vec, ahead in forms:
