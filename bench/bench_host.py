@@ -81,6 +81,7 @@ OPS = (
     "rope",
     "accept_greedy",
     "accept_sample",
+    "accept_sample_no_trunc",
     "compact_kv",
     "build_tree_expand",
     "build_tree_emit",
@@ -104,7 +105,8 @@ OPS = (
 )
 """Every public op's entry point (``adjacency_update_logits``: the update from logits, which
 runs a second launch; ``build_tree_emit_out``, ``graft*_out`` and ``prune_out``: the call into
-the caller's ``Tree`` (``out=``), as a decoder's step makes it, no allocation; ``*_prepared``:
+the caller's ``Tree`` (``out=``), as a decoder's step makes it, no allocation;
+``accept_sample_no_trunc``: without top-k / top-p tensors (two launches); ``*_prepared``:
 the op's call through ``treeops.prepare``, its tensors rebound per call as a layer loop
 rebinds them). A plain call
 replays its recorded launches (``treeops.kernels._replay``) unless ``TREEOPS_REPLAY=0``."""
@@ -115,6 +117,7 @@ REPLAYS_OF = {
     "rope": ("treeops.kv_append", "_ROPE_REPLAYS"),
     "accept_greedy": ("treeops.accept", "_GREEDY_REPLAYS"),
     "accept_sample": ("treeops.accept", "_SAMPLE_REPLAYS"),
+    "accept_sample_no_trunc": ("treeops.accept", "_SAMPLE_REPLAYS"),
     "compact_kv": ("treeops.compact_kv", "_REPLAYS"),
     "build_tree_expand": ("treeops.build_tree", "_EXPAND_REPLAYS"),
     "build_tree_emit": ("treeops.build_tree", "_EMIT_REPLAYS"),
@@ -224,6 +227,9 @@ def cases(dev: torch.device) -> dict[str, Call]:
         "rope": lambda: treeops.rope(q, pos),
         "accept_greedy": lambda: treeops.accept_greedy(tree, logits),
         "accept_sample": lambda: treeops.accept_sample(tree, logits, temp, top_k, top_p, uni),
+        "accept_sample_no_trunc": lambda: treeops.accept_sample(
+            tree, logits, temp, None, None, uni
+        ),
         "compact_kv": lambda: treeops.compact_kv(
             stacked_k, stacked_v, bt, sl, tree, acc.accepted, acc.accept_len
         ),

@@ -362,7 +362,7 @@ def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0, ahea
         tree = _tree(B, N, N, V)
         lg = torch.randn(B, N, V, generator=G).to(torch.bfloat16)
         kw: dict = {}
-        if op in ("sample", "sample_plain"):
+        if op in ("sample", "sample_plain", "sample_topp"):
             kw = dict(
                 temperature=torch.full((B,), 0.8),
                 top_k=torch.full((B,), k, dtype=torch.int32),
@@ -371,6 +371,8 @@ def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0, ahea
             )
             if op == "sample_plain":  # no top-k / top-p tensors: no kept-set pass
                 kw.update(top_k=None, top_p=None)
+            if op == "sample_topp":  # top-p alone: top-k off for every request
+                kw.update(top_k=None)
         stops = torch.tensor([0], dtype=torch.int64)
         budget = torch.full((B,), 100, dtype=torch.int32)
         return lambda: accept_launch(
@@ -710,6 +712,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
         # B * N < 512, pass 1 and the walk from it
         *(accept("sample_plain", B, V) for B in (1, 8) for V in (32000, 128256)),
         accept("sample_plain", 1, 32000, logprobs=True, topk_ids=8),
+        accept("sample_topp", 8, 32000, p=0.9),
     ]
     for d in (64, 128, 256):
         out.append(compact(8, 32, 8, d, 16))

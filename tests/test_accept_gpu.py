@@ -138,6 +138,18 @@ def test_sample_gpu_matches_reference(B, N, V, dtype, phase):
                 return_logprobs=True, topk_ids=4, phase=phase, ahead=2,
             )  # fmt: skip
             assert_same(Acc_cpu(got), want, lp_tol=5e-4)
+        # top-p alone (no top-k tensor: top-k off for every request)
+        if not near_boundary(tree, lg, T, torch.zeros_like(k), p, u, stops, bud):
+            want = ref.accept_sample(
+                tree, lg, T, None, p, u, stop_ids=stops, max_new_tokens=bud,
+                return_logprobs=True, topk_ids=4,
+            )  # fmt: skip
+            got = accept_launch(
+                tree.to(DEV), lg.to(DEV), temperature=args[0], top_k=None, top_p=args[2],
+                uniforms=args[3], stop_ids=stops.to(DEV), max_new_tokens=bud.to(DEV),
+                return_logprobs=True, topk_ids=4, phase=phase,
+            )  # fmt: skip
+            assert_same(Acc_cpu(got), want, lp_tol=5e-4)
         # without top-k / top-p tensors: no kept-set pass (one launch with phase 0 where the
         # blocks allow it, else pass 1 and the walk)
         if near_boundary(tree, lg, T, torch.zeros_like(k), torch.ones_like(p), u, stops, bud):

@@ -459,6 +459,7 @@ def test_every_public_op_takes_the_direct_path(monkeypatch):
         "tree_attention_prepared": "tree_attention",  # a CPU call: the op's own (not replayed)
         "kv_append_prepared": "kv_append",
         "build_tree_emit_out": "build_tree_emit",  # the emit into a given tree
+        "accept_sample_no_trunc": "accept_sample",
         "graft_out": "graft",
         "graft_merge_out": "graft_merge",
         "graft_tail_out": "graft_tail",
