@@ -98,7 +98,8 @@ def accept(iters: int) -> None:
 
 def sample(iters: int) -> None:
     """Sampling acceptance's three launches (statistics, kept sets, walk), plain and with
-    top-k 50 / top-p 0.9, on a chain of 64 nodes."""
+    top-k 50 / top-p 0.9, and its two without top-k / top-p tensors (statistics, walk), on a
+    chain of 64 nodes."""
     import torch
 
     import treeops
@@ -120,6 +121,10 @@ def sample(iters: int) -> None:
                                      top_k=top_k, top_p=top_p, uniforms=u)  # fmt: skip
             print(f"sampling accept B {B} V {V} top_k {k} top_p {p}: "
                   f"{kernel_times(call, iters)}", flush=True)  # fmt: skip
+        call = functools.partial(KA.accept_launch, tree, logits, temperature=temp, top_k=None,
+                                 top_p=None, uniforms=u, phase=1)  # fmt: skip
+        print(f"sampling accept B {B} V {V} without top-k / top-p tensors: "
+              f"{kernel_times(call, iters)}", flush=True)  # fmt: skip
 
 
 def update(iters: int) -> None:
