@@ -616,6 +616,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             accept("greedy", 8, 32000),
             accept("sample", 8, 32000, k=50, p=0.9),
             compact(8, 4, 8, 128, 16),
+            compact(8, 4, 8, 128, 16, stacked=False),
             graft("retrieve_merge", 8, 32000),
             graft("retrieve", 8, 32000),
             graft("tail", 8, 32000),

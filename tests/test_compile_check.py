@@ -69,6 +69,10 @@ def test_kernels_compile_for_gpu(tmp_path, arch):
     # (the compiler must be told the split's blocks are aligned: kernels/accept_stats.py)
     greedy = [r for r in doc["rows"] if r["kernel"] == "_accept_kernel" and "greedy" in r["case"]]
     assert greedy and all(r["ldg_16bit_scalar"] == 0 for r in greedy), greedy
+    # so does compaction, a list of layers (addresses from a table) as stacked caches
+    compact = [r for r in doc["rows"] if r["kernel"] == "_compact_kernel"]
+    assert any("stacked=False" in r["case"] for r in compact), compact
+    assert all(r["ldg_16bit_scalar"] == 0 for r in compact), compact
     if arch == 90:  # the H200's attention tiles spill at no head dim (64, 128, 256)
         att = [r for r in doc["rows"] if r["kernel"] in ("_tree_attn_fwd", "_tree_attn_fwd_gluon")]
         assert sum(r["kernel"] == "_tree_attn_fwd_gluon" for r in att) >= 2
