@@ -392,7 +392,7 @@ def accept_launch(
     Sizes, tiles and constexprs depend on shapes, flags and the device only and are computed once
     per such key."""
     if phase not in (0, 1, None):
-        raise ValueError(f"Invalid value of phase: expected 0 or 1, got {phase!r}")
+        raise ValueError(f"Invalid value of phase: expected 0, 1 or None, got {phase!r}")
     if ahead not in (1, 2):
         raise ValueError(f"Invalid value of ahead: expected 1 or 2, got {ahead!r}")
     B, N, V = target_logits.shape

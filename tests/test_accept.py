@@ -794,6 +794,10 @@ def _good():
         ),
         (lambda a: a.update(validate=True, top_p=torch.zeros(4)), "Invalid value in top_p"),
         (
+            lambda a: a.update(validate=True, top_p=torch.full((4,), float("nan"))),
+            "Invalid value in top_p: expected finite numbers",
+        ),
+        (
             lambda a: a.update(validate=True, temperature=-torch.ones(4)),
             "Invalid value in temperature",
         ),

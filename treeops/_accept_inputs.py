@@ -171,6 +171,8 @@ def _check_accept_inputs(
             check_range("max_new_tokens", max_new_tokens[tree.num_nodes > 0], 1, None)
         if sampling:
             check_finite("temperature", temperature, nonnegative=True)
+            if top_p is not None:
+                check_finite("top_p", top_p)
             if top_p is not None and bool(((top_p <= 0) | (top_p > 1)).any()):
                 raise ValueError(
                     f"Invalid value in top_p: expected values in (0, 1], got {top_p.tolist()}"

@@ -217,9 +217,8 @@ def accept_sample(
         temperature: [B] float32, >= 0 (0 = greedy).
         top_k: [B] int32/int64; <= 0 or >= V disables top-k. None: off for every request.
         top_p: [B] float32 in (0, 1]; 1 disables top-p. None: off for every request. With
-            both None the CUDA launch has no kept-set pass: pass 1's last program of each
-            request walks (one launch where pass 1's blocks are 2,048 logits or fewer, that
-            is B * N < 512; else two), where tensors, even all-off ones, take three.
+            both None the CUDA launch has no kept-set pass (two launches: pass 1, then the
+            walk), where tensors, even all-off ones, take three.
         uniforms: [B, N] float32 in [0, 1), one per node (reproducible, graph safe; unit stride
             along N). The [B] inputs need unit stride.
         return_logprobs: also return ``log p_i`` of the emitted tokens (``T = 0`` rows:
