@@ -670,6 +670,45 @@ def test_step_body_equals_eager_sampling(pair, policy):
     assert out[0] == out[1]
 
 
+def test_accept_mode_passes_truncation_only_where_a_request_truncates():
+    from treeops.decoder.results import AcceptMode
+
+    assert AcceptMode.of([SamplingParams(), SamplingParams(0.0, 5, 0.5)]) == AcceptMode(True)
+    plain = AcceptMode.of([SamplingParams(), SamplingParams(0.8)])
+    assert plain == AcceptMode(False, top_k=False, top_p=False)
+    mixed = [SamplingParams(0.8), SamplingParams(0.0, top_k=3), SamplingParams(1.0, top_p=0.9)]
+    assert AcceptMode.of(mixed) == AcceptMode(False, top_k=True, top_p=True)
+    assert AcceptMode.of([SamplingParams(1.0, top_k=4)]) == AcceptMode(False, True, False)
+
+
+@pytest.mark.parametrize("step", [False, True])
+def test_sampling_without_truncation_equals_all_off_tensors(pair, monkeypatch, step):
+    """A run where no request truncates passes no top-k / top-p tensors (one launch fewer): it
+    samples the tokens the all-off tensors give from the same uniforms, eager and step path."""
+    from treeops.decoder import results as R
+    from treeops.decoder import step as S
+
+    sp = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams()]
+    out, seen = [], []
+    accept_sample = S.accept_sample
+
+    def spy(tree, logits, temperature, top_k, top_p, *a, **kw):
+        seen.append((top_k is None, top_p is None))
+        return accept_sample(tree, logits, temperature, top_k, top_p, *a, **kw)
+
+    monkeypatch.setattr(S, "accept_sample", spy)
+    all_off = classmethod(lambda cls, per_req: cls(False, top_k=True, top_p=True))
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setattr(R.AcceptMode, "of", all_off)
+        dec = _step_decoder(pair, "EagleStatic", static_shapes=step, step_graphs=step)
+        g = torch.Generator().manual_seed(7)
+        out.append(dec.generate(PROMPTS, [6, 9, 4], sampling=sp, generator=g).tokens)
+        assert set(seen) == {(not forced, not forced)}
+        seen.clear()
+    assert out[0] == out[1]
+
+
 def test_step_graphs_flag_checks(pair):
     target, draft = pair
     cast = make_policy("Cast", depth=3, topk=3, budget=12, C3=0.1)  # thresholds: sizes in-step

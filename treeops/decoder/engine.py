@@ -14,8 +14,8 @@ How a step runs is the decoder's choice of path, the tokens being the same:
   buffers, every forward padded to a token bucket chosen on the host from the decisions treeops
   wrote to pinned memory, and with ``cuda_graphs`` each forward (verification, draft frontier,
   catch-up) a CUDA graph per (kind, batch size, bucket), captured on first use (``graphs.py``);
-* ``step_graphs`` (fixed-shape policies): the whole step one CUDA graph per (batch size, greedy or
-  sampling, number of stop ids), one host wait per step.
+* ``step_graphs`` (fixed-shape policies): the whole step one CUDA graph per (batch size,
+  ``AcceptMode``, number of stop ids), one host wait per step.
 
 ``kv_append`` has no row offset, so the draft's frontier-only write shifts its ``seq_lens`` base
 by ``q_start`` and passes depths relative to it (possibly negative).
@@ -94,7 +94,7 @@ class Decoder:
             the GPU time (slower; off, the host waits are measured and the rest is enqueue time).
         check_buckets: check on the host that no forward's bucket is smaller than its tokens
             (syncs; a ``RuntimeError`` if one is). Tests use it.
-        step_graphs: capture one CUDA graph per (batch size, greedy/sampling, number of stop
+        step_graphs: capture one CUDA graph per (batch size, ``AcceptMode``, number of stop
             ids) for a whole decoding step (all draft layers and tree builds, verification,
             acceptance, compaction, catch-up, the next step's state and the copy of the results
             to pinned memory) instead of one graph per forward with the tree ops eager between
@@ -292,12 +292,12 @@ class Decoder:
             )
         lockstep = self.tp is not None and self.tp.check_lockstep
         with torch.cuda.device(self._dev) if self._dev.type == "cuda" else nullcontext():
-            R, budget, per_req, greedy = check_requests(prompts, max_new_tokens, sampling)
+            R, budget, per_req, mode = check_requests(prompts, max_new_tokens, sampling)
             if max_batch is not None:
                 check_positive_int("max_batch", max_batch)
             B = R if max_batch is None else min(R, max_batch)
             g = generator or torch.Generator().manual_seed(0)
-            step, res, refill = self._start(prompts, budget, per_req, greedy, stop_ids, g, B)
+            step, res, refill = self._start(prompts, budget, per_req, mode, stop_ids, g, B)
             stop_set = set(int(x) for x in stop_ids or ())
             host_remaining = budget[:B]
             if isinstance(step, (WholeStep, EagerStep)):  # the planner's measure reads them
@@ -382,7 +382,7 @@ class Decoder:
             res.tokens_full = sum(sum(e) for e in res.emitted[: res.steps_full])
             return res
 
-    def _start(self, prompts, budget, per_req, greedy, stop_ids, g, B: int):
+    def _start(self, prompts, budget, per_req, mode, stop_ids, g, B: int):
         """Buffers for a batch of ``B`` rows (caches long enough for any of the requests), the
         first ``B`` requests' prefill, and the step of this decoder's path; returns (step,
         result, the ``_Refill`` that puts a waiting request into a row)."""
@@ -436,15 +436,15 @@ class Decoder:
 
         refill = _Refill(self, carry, tkv, dkv, prompts, budget, per_req)
         if not self.static:
-            return EagerStep(self, carry, tkv, dkv, res, greedy, stops, g), res, refill
+            return EagerStep(self, carry, tkv, dkv, res, mode, stops, g), res, refill
         if self.step_graphs:
 
             def make_body(pb) -> WholeStepBody:
-                return WholeStepBody(self, sb, greedy, stops, pb)
+                return WholeStepBody(self, sb, mode, stops, pb)
 
             ctx = max(len(p) for p in prompts[:B])
-            return WholeStep(self, sb, res, greedy, stops, g, make_body, ctx), res, refill
-        return StaticStep(self, sb, res, greedy, stops, g), res, refill
+            return WholeStep(self, sb, res, mode, stops, g, make_body, ctx), res, refill
+        return StaticStep(self, sb, res, mode, stops, g), res, refill
 
     def _prefill(self, prompts, seq_lens, tkv, dkv) -> tuple[torch.Tensor, torch.Tensor]:
         """Every request's ``prompt[:-1]`` through the target (and the draft) as a chain at

@@ -9,7 +9,7 @@ captured once and replayed every step. The token count of each forward is padded
 
 ``GraphRunner.replay`` runs one forward (kind ``verify``, ``draft`` or ``catchup``, one graph per
 (kind, batch size, token bucket)); ``GraphRunner.replay_step`` runs a whole step (one graph per
-(batch size, greedy or sampling, number of stop ids)). Without ``cuda_graphs`` both run their
+(batch size, ``results.AcceptMode``, number of stop ids)). Without ``cuda_graphs`` both run their
 bodies eagerly: the CPU tests check the graph path's logic that way.
 """
 
@@ -27,7 +27,7 @@ from .._draft_state import DraftState
 from ..tree import Tree, anc_words, bit_value
 from . import fused
 from .model import PagedKV, chain_tree
-from .results import DecodeResult
+from .results import AcceptMode, DecodeResult
 
 if TYPE_CHECKING:
     from .engine import Decoder
@@ -551,13 +551,13 @@ class WholeStep:
     update the planner, so a plan lags the statistics it follows by the steps in flight; the
     calibration goes to the device at a launch whenever the planner changed it."""
 
-    def __init__(self, dec: Decoder, sb: _StaticBatch, res: DecodeResult, greedy: bool, stops,
+    def __init__(self, dec: Decoder, sb: _StaticBatch, res: DecodeResult, mode: AcceptMode, stops,
                  generator: torch.Generator, make_body: Callable[..., Callable],
                  ctx: int = 0):  # fmt: skip
         self.dec, self.sb, self.res = dec, sb, res
-        self.greedy, self.stops, self.g = greedy, stops, generator
+        self.mode, self.stops, self.g = mode, stops, generator
         self.make_body = make_body
-        self.key = ("step", greedy, 0 if stops is None else stops.numel())
+        self.key = ("step", mode, 0 if stops is None else stops.numel())
         self.ctx = ctx  # the longest context: prompt + tokens emitted so far
         self.t_last = time.perf_counter()
         self.captures_seen = res.graphs_captured
@@ -595,7 +595,7 @@ class WholeStep:
         # this launch's pinned slot (uniforms in, results out): the next launch uses the other,
         # and the one after this launch's collection, when its copies have run
         slot, self.slot = self.slot, 1 - self.slot
-        if not self.greedy:  # the eager path's draw, in step order
+        if not self.mode.greedy:  # the eager path's draw, in step order
             u = torch.rand(B, dec.capacity, generator=self.g, out=sb.u_hosts[slot])
             sb.u.copy_(u, non_blocking=True)
         start = sb.step_starts[slot]

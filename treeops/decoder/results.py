@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SamplingParams", "DecodeResult", "check_requests", "absorb"]
+__all__ = ["SamplingParams", "AcceptMode", "DecodeResult", "check_requests", "absorb"]
 
 
 @dataclass
@@ -25,6 +25,28 @@ class SamplingParams:
             raise ValueError(f"Invalid top_k: expected an int, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"Invalid top_p: expected 0 < top_p <= 1, got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class AcceptMode:
+    """How a batch's steps accept: greedy when every request is; else sampled, with the top-k
+    (top-p) tensors passed only when some request of the run truncates that way. Known on the
+    host before the first step, and part of a step graph's key: without truncation,
+    ``accept_sample`` runs no kept-set pass (two launches instead of three)."""
+
+    greedy: bool
+    top_k: bool = False
+    top_p: bool = False
+
+    @classmethod
+    def of(cls, per_req: list[SamplingParams]) -> AcceptMode:
+        if all(sp.temperature <= 0 for sp in per_req):
+            return cls(greedy=True)
+        return cls(
+            greedy=False,
+            top_k=any(sp.top_k > 0 for sp in per_req),
+            top_p=any(sp.top_p < 1 for sp in per_req),
+        )
 
 
 @dataclass
@@ -117,9 +139,11 @@ class DecodeResult:
         }
 
 
-def check_requests(prompts, max_new_tokens, sampling) -> tuple[int, list[int], list, bool]:
-    """Checked per-request inputs of ``generate``: (B, budgets, SamplingParams each, all greedy).
-    A ``ValueError`` names the argument at fault."""
+def check_requests(
+    prompts, max_new_tokens, sampling
+) -> tuple[int, list[int], list[SamplingParams], AcceptMode]:
+    """Checked per-request inputs of ``generate``: (B, budgets, SamplingParams each, the
+    batch's ``AcceptMode``). A ``ValueError`` names the argument at fault."""
     B = len(prompts)
     if B == 0 or any(len(p) < 1 for p in prompts):
         raise ValueError("Invalid prompts: expected at least one prompt, each of 1+ tokens")
@@ -130,7 +154,7 @@ def check_requests(prompts, max_new_tokens, sampling) -> tuple[int, list[int], l
     per_req = samp if isinstance(samp, list) else [samp] * B
     if len(per_req) != B:
         raise ValueError(f"Invalid sampling: expected {B} SamplingParams, got {len(per_req)}")
-    return B, budget, per_req, all(sp.temperature <= 0 for sp in per_req)
+    return B, budget, per_req, AcceptMode.of(per_req)
 
 
 def absorb(res: DecodeResult, rows, cap: int, stop_set, remaining, active, req_of=None) -> int:

@@ -67,7 +67,7 @@ from .graphs import (
     planner_tokens,
 )
 from .model import PagedKV, chain_tree
-from .results import DecodeResult
+from .results import AcceptMode, DecodeResult
 
 if TYPE_CHECKING:
     from .engine import Decoder
@@ -161,10 +161,11 @@ class StepBody:
 
     grafted: torch.Tensor  # [B] int32: nodes Graft added this step per request
 
-    def __init__(self, dec: Decoder, carry: Carry, tkv: PagedKV, res: DecodeResult, greedy: bool,
-                 stops: torch.Tensor | None, generator: torch.Generator | None):  # fmt: skip
+    def __init__(self, dec: Decoder, carry: Carry, tkv: PagedKV, res: DecodeResult,
+                 mode: AcceptMode, stops: torch.Tensor | None,
+                 generator: torch.Generator | None):  # fmt: skip
         self.dec, self.carry, self.tkv, self.res = dec, carry, tkv, res
-        self.greedy, self.stops, self.g = greedy, stops, generator
+        self.mode, self.stops, self.g = mode, stops, generator
         self.B = carry.rows.shape[0]
 
     def clock(self) -> float:
@@ -201,11 +202,13 @@ class StepBody:
         target cache, and the accepted path."""
         c, table = self.carry, self.dec.table
         mnt = c.remaining.clamp(min=1)
-        if self.greedy:
+        mode = self.mode
+        if mode.greedy:
             acc = accept_greedy(tree, logits, stop_ids=self.stops, max_new_tokens=mnt)
-        else:
+        else:  # the truncation tensors only where some request truncates (no kept-set pass)
             acc = accept_sample(
-                tree, logits, c.temperature, c.top_k, c.top_p, self.uniforms(n),
+                tree, logits, c.temperature, c.top_k if mode.top_k else None,
+                c.top_p if mode.top_p else None, self.uniforms(n),
                 stop_ids=self.stops, max_new_tokens=mnt,
             )  # fmt: skip
         if table is not None:
@@ -322,8 +325,8 @@ class _HostFlag:
 class EagerStep(StepBody):
     """The eager path: fresh tensors each step, no buckets, no waits counted."""
 
-    def __init__(self, dec, carry, tkv, dkv, res, greedy, stops, generator):
-        super().__init__(dec, carry, tkv, res, greedy, stops, generator)
+    def __init__(self, dec, carry, tkv, dkv, res, mode, stops, generator):
+        super().__init__(dec, carry, tkv, res, mode, stops, generator)
         self.dkv = dkv
         self.state: DraftState | None = None
         self.tree: Tree | None = None
@@ -509,9 +512,9 @@ class StaticStep(StepBody):
     from pinned memory after one event wait each (``Decoder._wait``). ``pb``: the tree shape's
     buffers (default the decoder's own policy)."""
 
-    def __init__(self, dec, sb: _StaticBatch, res, greedy, stops, generator,
+    def __init__(self, dec, sb: _StaticBatch, res, mode, stops, generator,
                  pb: PlanBuffers | None = None):  # fmt: skip
-        super().__init__(dec, Carry.of(sb), sb.tkv, res, greedy, stops, generator)
+        super().__init__(dec, Carry.of(sb), sb.tkv, res, mode, stops, generator)
         self.sb = sb
         self.pb = sb.default if pb is None and dec.tree_policy is not None else pb
         self.grafted = sb.grafted
@@ -716,10 +719,10 @@ class WholeStepBody(StaticStep):
     host after the replay) and the next step's state in place. Its forwards are built once,
     outside any capture."""
 
-    def __init__(self, dec, sb: _StaticBatch, greedy: bool, stops,
+    def __init__(self, dec, sb: _StaticBatch, mode: AcceptMode, stops,
                  pb: PlanBuffers | None = None):  # fmt: skip
         # bookkeeping goes to a throwaway result: the host records the step after the replay
-        super().__init__(dec, sb, DecodeResult(tokens=[]), greedy, stops, None, pb)
+        super().__init__(dec, sb, DecodeResult(tokens=[]), mode, stops, None, pb)
         self.check_buckets = False
         pb = self.pb
         N = dec.capacity if pb is None else pb.capacity
