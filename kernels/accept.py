@@ -194,6 +194,22 @@ def default_splits(B: int, N: int, V: int, device: torch.device, block_v: int) -
     return s
 
 
+AHEAD_PROGRAMS_PER_SM = 4
+"""Pass 1 loads a block ahead (``ahead`` 2) when its launch has at most this many programs per
+SM: B 1 and B 8 at N 64 (512 programs on 132 SMs). Measured on an H100 (``bench_accept.py
+--sweep-pass1``, V 32,000, µs, one block / two in flight): greedy B 1 8.3 / 7.4, sampling B 1
+16.2 / 14.9, with top-k / top-p 26.2 / 24.9, B 8 sampling 30.0 / 28.1, greedy B 8 16.7 / 16.9;
+at B 64 (4,096 programs) two blocks in flight cost sampling 128.5 / 132.3 and 116.4 / 122.9
+without truncation tensors, where the launch's many programs already fill the memory pipeline."""
+
+
+def default_ahead(programs: int, device: torch.device) -> int:
+    """Blocks in flight per pass 1 program (1 or 2) for a launch of ``programs`` programs."""
+    if device.type != "cuda":
+        return 1
+    return 2 if programs <= AHEAD_PROGRAMS_PER_SM * _runtime.sm_count(device) else 1
+
+
 _SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _VIEWS: dict[tuple, tuple] = {}  # plan key -> (the scratch they view, its parts)
 
@@ -261,6 +277,8 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     # one per node and must stay light in registers
     block_t = max(16, min(block_v, 128 if sample else 512))
     S = num_splits if num_splits is not None else default_splits(B, N, V, dev, block_v)
+    if ahead is None:
+        ahead = default_ahead(B * N * S, dev)
     per_split = -(-V // S)
     chunk = -(-per_split // block_v) * block_v
     K_PAD = pow2(max(K, 1))
@@ -369,7 +387,7 @@ def accept_launch(
     cap: int | None = None,
     max_groups: int | None = None,
     num_warps: int | None = None,
-    ahead: int = 1,
+    ahead: int | None = None,
     vector_loads: bool = True,
 ) -> Acceptance:
     """Launch the acceptance kernels (greedy when ``uniforms`` is None). Inputs are assumed
@@ -382,9 +400,9 @@ def accept_launch(
     ``top_p`` tensors (no request truncates) no pass 2: ``PLAIN_SAMPLING_PHASE`` by default,
     0 only where pass 1's blocks are 2,048 logits or fewer (else 1). ``num_splits`` and
     ``block_v`` override the defaults (tests use small ones to exercise the split and block
-    loops); ``num_warps`` overrides pass 1's warps, ``ahead`` (1 or 2) its blocks in flight a
-    program and ``vector_loads=False`` makes its logits loads one element each (the
-    benchmark's sweep).
+    loops); ``num_warps`` overrides pass 1's warps, ``ahead`` (1 or 2; None:
+    ``default_ahead``) its blocks in flight a program, and ``vector_loads=False`` makes its
+    logits loads one element each (the benchmark's sweep).
     ``workspace``:
     ``(float32, int32, counters)`` buffers to use instead of the per-device cached scratch and
     counters (``_scratch``, ``arrival_counters``), for launches on concurrent streams.
@@ -393,8 +411,8 @@ def accept_launch(
     per such key."""
     if phase not in (0, 1, None):
         raise ValueError(f"Invalid value of phase: expected 0, 1 or None, got {phase!r}")
-    if ahead not in (1, 2):
-        raise ValueError(f"Invalid value of ahead: expected 1 or 2, got {ahead!r}")
+    if ahead not in (1, 2, None):
+        raise ValueError(f"Invalid value of ahead: expected 1, 2 or None, got {ahead!r}")
     B, N, V = target_logits.shape
     dev = target_logits.device
     sample = uniforms is not None

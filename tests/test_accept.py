@@ -908,6 +908,20 @@ def test_opcheck_accept(extras):
     )
 
 
+def test_default_ahead_loads_a_block_ahead_only_in_small_launches(monkeypatch):
+    """Two blocks in flight where pass 1 has few programs per SM (B 1 and 8 at N 64 on 132
+    SMs), one from B 64; always one off CUDA (the interpreter)."""
+    from treeops.kernels import accept as KA
+
+    monkeypatch.setattr(KA._runtime, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert KA.default_ahead(1 * 64 * 8, cuda) == 2
+    assert KA.default_ahead(8 * 64, cuda) == 2
+    assert KA.default_ahead(KA.AHEAD_PROGRAMS_PER_SM * 132 + 1, cuda) == 1
+    assert KA.default_ahead(64 * 64, cuda) == 1
+    assert KA.default_ahead(8, torch.device("cpu")) == 1
+
+
 def test_launch_refuses_bad_phase_and_ahead():
     tree = make_tree([parents_of("chain", 3, random.Random(0))], 4, 16, random.Random(0))
     lg = torch.randn(1, 4, 16)
