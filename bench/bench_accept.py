@@ -517,11 +517,21 @@ def sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
     return rows
 
 
-def top_sweep_rows(empty_us: float, Bs, Vs, groups=None) -> list[dict]:
-    """Top-k 50 / top-p 0.9 sampling over ``max_groups`` (the group maxima pass 1 leaves for
-    pass 2's threshold bound: more groups, fewer tokens reread; 512 is the one-level bound of
-    earlier commits); each configuration's outputs must equal the default launch's."""
-    groups = groups or (512, 1024, 2048, 4096)
+def top_sweep_configs(cpu: bool = False) -> list[dict]:
+    """The launch overrides ``--sweep-top`` times: pass 1's group count (the group maxima pass 2
+    bounds the threshold with: more groups, fewer tokens reread; 512 is the one-level bound of
+    earlier commits), then pass 2's reread tile x its warps at the default group count (a
+    smaller tile takes fewer registers, so more programs an SM, for more serial reads)."""
+    if cpu:
+        return [dict(max_groups=16), dict(reread=16, pass2_warps=4)]
+    groups = [dict(max_groups=g) for g in (512, 1024, 2048, 4096)]
+    tiles = [dict(reread=r, pass2_warps=w) for r in (256, 512, 1024) for w in (4, 8)]
+    return groups + tiles
+
+
+def top_sweep_rows(empty_us: float, Bs, Vs, configs: list[dict]) -> list[dict]:
+    """Top-k 50 / top-p 0.9 sampling at each launch override of ``configs`` (keyword arguments
+    of ``accept_launch``); each configuration's outputs must equal the default launch's."""
     rows = []
     N = 64
     for V in Vs:
@@ -534,25 +544,25 @@ def top_sweep_rows(empty_us: float, Bs, Vs, groups=None) -> list[dict]:
             sbs = [treeops.accept_sample(tree, x, T, k, p, u) for x in lgs]
             ok, why = check_against_reference(tree, lgs[0], sbs[0], (T, k, p, u))
             assert ok, f"default top-k/top-p launch differs from the reference: {why}"
-            for g in groups:
+            for cfg in configs:
                 same = True
                 for x, want in zip(lgs, sbs):
                     r = accept_launch(tree, x, temperature=T, top_k=k, top_p=p, uniforms=u,
-                                      max_groups=g)  # fmt: skip
+                                      **cfg)  # fmt: skip
                     same &= torch.equal(r.accepted, want.accepted)
                     same &= torch.equal(r.bonus, want.bonus)
                 t = graph_time_us(
-                    [lambda x=x, g=g, tr=tree, T=T, k=k, p=p, u=u: accept_launch(
-                        tr, x, temperature=T, top_k=k, top_p=p, uniforms=u, max_groups=g)
+                    [lambda x=x, tr=tree, T=T, k=k, p=p, u=u, cfg=cfg: accept_launch(
+                        tr, x, temperature=T, top_k=k, top_p=p, uniforms=u, **cfg)
                      for x in lgs],
                     reps,
                 )  # fmt: skip
                 rows.append(
-                    dict(op="top_sweep", B=B, N=N, V=V, top_k=50, top_p=0.9, max_groups=g,
+                    dict(op="top_sweep", B=B, N=N, V=V, top_k=50, top_p=0.9, **cfg,
                          treeops_us=t, floor_us=floor, same_as_default=same)
                 )  # fmt: skip
-                print(f"  top-k/top-p B={B} V={V} max_groups={g}: {t:.1f} us same={same}",
-                      flush=True)  # fmt: skip
+                what = " ".join(f"{a}={b}" for a, b in cfg.items())
+                print(f"  top-k/top-p B={B} V={V} {what}: {t:.1f} us same={same}", flush=True)
     return rows
 
 
@@ -635,7 +645,8 @@ def main() -> None:
     ap.add_argument(
         "--sweep-top",
         action="store_true",
-        help="only top-k 50 / top-p 0.9 sampling over pass 1's group count: accept_top_sweep.json",
+        help="only top-k 50 / top-p 0.9 sampling over pass 1's group count and pass 2's reread "
+        "tile x warps: accept_top_sweep.json",
     )
     ap.add_argument(
         "--sweep-pass1",
@@ -699,7 +710,7 @@ def main() -> None:
                   f"{r.get('torch_us', float('nan')):.1f}, floor {r['floor_us']:.1f}")  # fmt: skip
         return
     if args.sweep_top:
-        rows = top_sweep_rows(empty_us, Bs, Vs, (16, 32) if args.cpu_dry_run else None)
+        rows = top_sweep_rows(empty_us, Bs, Vs, top_sweep_configs(args.cpu_dry_run))
         doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)
         H.write_json(os.path.join(args.out, "accept_top_sweep.json"), doc)
         return

@@ -355,7 +355,7 @@ def pdl_cases() -> list:
             with_pdl(attention(1, 64, 32, 8, 128, 32768, 16))]  # fmt: skip
 
 
-def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0, ahead=1):
+def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0, ahead=1, **tune):
     def case():
         from treeops.kernels.accept import accept_launch
 
@@ -385,11 +385,14 @@ def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0, ahea
             phase=phase,
             ahead=ahead,
             **kw,
+            **tune,
         )
 
     return (
         f"accept {op} B={B} V={V} N={N} top_k={k} top_p={p} logprobs={logprobs} "
-        f"topk_ids={topk_ids} phase={phase}" + (f" ahead={ahead}" if ahead != 1 else "")
+        f"topk_ids={topk_ids} phase={phase}"
+        + (f" ahead={ahead}" if ahead != 1 else "")
+        + "".join(f" {a}={b}" for a, b in tune.items())
     ), case
 
 
@@ -714,6 +717,13 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
         *(accept("sample_plain", B, V) for B in (1, 8) for V in (32000, 128256)),
         accept("sample_plain", 1, 32000, logprobs=True, topk_ids=8),
         accept("sample_topp", 8, 32000, p=0.9),
+        # the kept-set pass's reread tile x warps (bench_accept.py --sweep-top)
+        *(
+            accept("sample", 64, 32000, k=50, p=0.9, reread=r, pass2_warps=w)
+            for r in (256, 512)
+            for w in (4, 8)
+        ),
+        accept("sample", 64, 32000, k=50, p=0.9, pass2_warps=8),
     ]
     for d in (64, 128, 256):
         out.append(compact(8, 32, 8, d, 16))

@@ -258,7 +258,7 @@ _PLANS: dict[tuple, _Plan] = {}
 
 def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
           block_v, num_pivots, cap, max_groups, num_warps, ahead, vector_loads, has_topk,
-          has_topp) -> _Plan:  # fmt: skip
+          has_topp, reread, pass2_warps) -> _Plan:  # fmt: skip
     # blocks and warps from the H200 sweep (bench_accept.py --sweep, accept_sweep.json): from
     # B*N = 512 (B 8 at N 64) every program is one split of a whole row and larger blocks keep
     # more bytes in flight: greedy 8,192 at 4 warps (B 64 V 32,000 71.7 against 78.7 us at 4,096
@@ -345,7 +345,9 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         GROUP=group,
         G_PAD=G_PAD,
         GC=GC,
-        READ=max(group, 64 if interpreted() else 1024),
+        # the candidates' reread tile: its [READ] keys and ids set pass 2's registers (1,024:
+        # 158 at B 64 V 32,000, 4 warps; 512: 120; 256: 96), fewer tokens a read more reads
+        READ=max(group, reread or (64 if interpreted() else 1024)),
         CAP=CAP,
         # the candidates' small sort (the interpreter's tests reach both sizes)
         CAP_S=min(CAP, 128) if not interpreted() else max(CAP // 2, min(CAP, 2)),
@@ -358,7 +360,7 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         num_warps=num_warps,
     )
     # pass 2 of sampling: one program per node, a few KB of the row each; 4 warps
-    common2 = dict(common, num_warps=4 if not interpreted() else num_warps)
+    common2 = dict(common, num_warps=pass2_warps or (4 if not interpreted() else num_warps))
     # the walker scans a whole block for a bonus token: 8 warps keep a 4,096 block unspilled
     walk_warps = 8 if block_v >= 4096 and not interpreted() else common["num_warps"]
     common_walk = dict(common, num_warps=walk_warps)
@@ -389,6 +391,8 @@ def accept_launch(
     num_warps: int | None = None,
     ahead: int | None = None,
     vector_loads: bool = True,
+    reread: int | None = None,
+    pass2_warps: int | None = None,
 ) -> Acceptance:
     """Launch the acceptance kernels (greedy when ``uniforms`` is None). Inputs are assumed
     validated by ``treeops.accept``.
@@ -402,7 +406,9 @@ def accept_launch(
     ``block_v`` override the defaults (tests use small ones to exercise the split and block
     loops); ``num_warps`` overrides pass 1's warps, ``ahead`` (1 or 2; None:
     ``default_ahead``) its blocks in flight a program, and ``vector_loads=False`` makes its
-    logits loads one element each (the benchmark's sweep).
+    logits loads one element each; ``reread`` (tokens, a power of two) is the tile in which
+    pass 2 rereads candidate groups and ``pass2_warps`` pass 2's warps (the benchmark's
+    sweeps).
     ``workspace``:
     ``(float32, int32, counters)`` buffers to use instead of the per-device cached scratch and
     counters (``_scratch``, ``arrival_counters``), for launches on concurrent streams.
@@ -413,6 +419,11 @@ def accept_launch(
         raise ValueError(f"Invalid value of phase: expected 0, 1 or None, got {phase!r}")
     if ahead not in (1, 2, None):
         raise ValueError(f"Invalid value of ahead: expected 1, 2 or None, got {ahead!r}")
+    if reread is not None and (reread < 1 or reread & (reread - 1)):
+        raise ValueError(f"Invalid value of reread: expected a power of two, got {reread!r}")
+    if pass2_warps not in (None, 1, 2, 4, 8, 16):
+        raise ValueError(f"Invalid value of pass2_warps: expected 1-16, a power of two, got "
+                         f"{pass2_warps!r}")  # fmt: skip
     B, N, V = target_logits.shape
     dev = target_logits.device
     sample = uniforms is not None
@@ -424,7 +435,7 @@ def accept_launch(
     has_topk, has_topp = top_k is not None, top_p is not None
     key = (B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
            block_v, num_pivots, cap, max_groups, num_warps, ahead, bool(vector_loads), has_topk,
-           has_topp)  # fmt: skip
+           has_topp, reread, pass2_warps)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)

@@ -180,14 +180,17 @@ def _lower_bound(
 
     Coarse groups are disjoint sets of tokens, so k of them reaching L means k tokens do; the
     fine maxima then tell ``_gather_candidates`` which GROUP-token groups to reread."""
-    o_f = tl.arange(0, G_PAD)
     n_g = (V + GROUP - 1) // GROUP
-    gm = tl.load(p_gm + o_f, mask=o_f < n_g, other=float("-inf"), volatile=True)
     R: tl.constexpr = G_PAD // GC
-    if R > 1:
-        gm = tl.max(tl.reshape(gm, [GC, R]), axis=1)
-    n_c = (n_g + R - 1) // R  # coarse groups holding a token
     o_g = tl.arange(0, GC)
+    # coarse group c is fine groups [c R, c R + R): one strided [GC] load per offset keeps GC
+    # values live instead of G_PAD (a [G_PAD] load took registers enough to halve the
+    # programs an SM holds; the maxima are a few KB per node, in L2)
+    gm = tl.full([GC], float("-inf"), tl.float32)
+    for r in tl.static_range(R):
+        o_f = o_g * R + r
+        gm = tl.maximum(gm, tl.load(p_gm + o_f, mask=o_f < n_g, other=float("-inf"), volatile=True))
+    n_c = (n_g + R - 1) // R  # coarse groups holding a token
     gs = tl.sort(gm, descending=True)
     L = tl.full([], float("-inf"), tl.float32)
     ok = n_c > 0
@@ -207,20 +210,25 @@ def _lower_bound(
 
 @triton.jit
 def _gather_candidates(p_row, stride_v, V, L, p_gm, p_sel, p_cand, GROUP: tl.constexpr,
-                       G_PAD: tl.constexpr, CAP: tl.constexpr, READ: tl.constexpr):  # fmt: skip
+                       G_PAD: tl.constexpr, GC: tl.constexpr, CAP: tl.constexpr,
+                       READ: tl.constexpr):  # fmt: skip
     """Store every token of the row with logit >= L into ``p_cand`` [CAP] as (key << 32 |
     (2^31 - 1 - id)) int64 (the first CAP of them, in no particular order) and return how many
     there are (possibly > CAP). Reads only the groups whose maximum (``p_gm`` [G_PAD]) reaches
     L, READ // GROUP of them (at least one) at a time; their ids go through ``p_sel`` [G_PAD]
     int32. Each such read waits on the one before (the running count), so fine groups, few
-    tokens each, are what keeps the number of reads low."""
-    o_g = tl.arange(0, G_PAD)
+    tokens each, are what keeps the number of reads low. The group maxima are scanned GC at a
+    time (registers for GC values, not G_PAD), their selected ids appended in order."""
     n_g = (V + GROUP - 1) // GROUP
-    gm = tl.load(p_gm + o_g, mask=o_g < n_g, other=float("-inf"), volatile=True)
-    sel_g = (o_g < n_g) & (gm >= L)
-    pos = tl.cumsum(sel_g.to(tl.int32), 0) - 1
-    n_sel = tl.sum(sel_g.to(tl.int32), axis=0)
-    tl.store(p_sel + pos, o_g, mask=sel_g)
+    o_c = tl.arange(0, GC)
+    n_sel = tl.zeros([], dtype=tl.int32)
+    for g0 in tl.static_range(0, G_PAD, GC):
+        o_g = g0 + o_c
+        gm = tl.load(p_gm + o_g, mask=o_g < n_g, other=float("-inf"), volatile=True)
+        sel_g = (o_g < n_g) & (gm >= L)
+        pos = n_sel + tl.cumsum(sel_g.to(tl.int32), 0) - 1
+        tl.store(p_sel + pos, o_g, mask=sel_g)
+        n_sel += tl.sum(sel_g.to(tl.int32), axis=0)
     tl.debug_barrier()  # the group ids are read back by other threads of this program
     R: tl.constexpr = READ // GROUP if GROUP < READ else 1
     o_t = tl.arange(0, GROUP)

@@ -635,13 +635,17 @@ def test_sample_without_truncation_tensors(case, seed, dtype, block, phase, spli
     cap=st.sampled_from([None, 4]),
     phase=st.sampled_from([0, 1]),
     ahead=st.sampled_from([1, 2]),
+    reread=st.sampled_from([None, 1, 8, 32]),
 )
 @settings(max_examples=20)
-def test_sample_splits_edge_cases(V, n, seed, spread, block, splits, groups, cap, phase, ahead):
+def test_sample_splits_edge_cases(
+    V, n, seed, spread, block, splits, groups, cap, phase, ahead, reread
+):
     """Kernel == reference at the edges of the split / group / candidate paths: tiny V, V not a
     multiple of the block, splits past the end of the row, few distinct logits (ties at the
     top-k and top-p cuts), top_k in {1, V - 1, V, > V}, top_p in {1, tiny, near 1}, one group
-    per token or very few groups (k above the group count: the exact search), few slots."""
+    per token or very few groups (k above the group count: the exact search), few slots, and
+    candidate rereads of one group at a time up to many."""
     rng = random.Random(seed)
     tree = make_tree([parents_of("random", n, rng), parents_of("chain", n, rng)], 6, V, rng)
     g = torch.Generator().manual_seed(seed)
@@ -658,7 +662,7 @@ def test_sample_splits_edge_cases(V, n, seed, spread, block, splits, groups, cap
     got = accept_launch(
         tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u, return_logprobs=True,
         topk_ids=min(2, V), block_v=block, num_splits=splits, max_groups=groups, cap=cap,
-        phase=phase, ahead=ahead,
+        phase=phase, ahead=ahead, reread=reread,
     )  # fmt: skip
     assert_same(got, want, lp_tol=2e-4)
 
@@ -929,3 +933,7 @@ def test_launch_refuses_bad_phase_and_ahead():
         accept_launch(tree, lg, phase=3)
     with pytest.raises(ValueError, match="Invalid value of ahead"):
         accept_launch(tree, lg, ahead=3)
+    with pytest.raises(ValueError, match="Invalid value of reread"):
+        accept_launch(tree, lg, reread=48)
+    with pytest.raises(ValueError, match="Invalid value of pass2_warps"):
+        accept_launch(tree, lg, pass2_warps=3)

@@ -131,11 +131,15 @@ def test_sample_gpu_matches_reference(B, N, V, dtype, phase):
             phase=phase,
         )
         assert_same(Acc_cpu(got), want, lp_tol=5e-4)
-        if trial == 0:  # pass 1 with its next block loaded ahead
+        # pass 1 with one block and two in flight (the default takes either by the launch's
+        # size), and pass 2's reread tiles and warps of the sweep
+        tunes = (dict(ahead=1), dict(ahead=2), dict(reread=256, pass2_warps=8),
+                 dict(reread=512, pass2_warps=2))  # fmt: skip
+        for tune in tunes if trial == 0 else ():
             got = accept_launch(
                 tree.to(DEV), lg.to(DEV), temperature=args[0], top_k=args[1], top_p=args[2],
                 uniforms=args[3], stop_ids=stops.to(DEV), max_new_tokens=bud.to(DEV),
-                return_logprobs=True, topk_ids=4, phase=phase, ahead=2,
+                return_logprobs=True, topk_ids=4, phase=phase, **tune,
             )  # fmt: skip
             assert_same(Acc_cpu(got), want, lp_tol=5e-4)
         # top-p alone (no top-k tensor: top-k off for every request)
