@@ -457,10 +457,11 @@ def sweep_inputs(B: int, N: int, V: int, boost: float, empty_us: float):
     return tree, lgs, reps, H.floor_us(nbytes, empty_us=empty_us)
 
 
-def sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
+def sweep_rows(empty_us: float, Bs, Vs, rows: list | None = None) -> list[dict]:
     """Greedy (and temperature-only sampling) over launch configurations: vocabulary splits per
-    node and block sizes; each configuration's outputs must equal the default launch's."""
-    rows = []
+    node and block sizes; each configuration's outputs must equal the default launch's. Rows
+    go to ``rows`` (a ``harness.SavedRows`` saves each as it comes), returned."""
+    rows = [] if rows is None else rows
     N = 64
     for V in Vs:
         for B in Bs:
@@ -529,10 +530,12 @@ def top_sweep_configs(cpu: bool = False) -> list[dict]:
     return groups + tiles
 
 
-def top_sweep_rows(empty_us: float, Bs, Vs, configs: list[dict]) -> list[dict]:
+def top_sweep_rows(empty_us: float, Bs, Vs, configs: list[dict],
+                   rows: list | None = None) -> list[dict]:  # fmt: skip
     """Top-k 50 / top-p 0.9 sampling at each launch override of ``configs`` (keyword arguments
-    of ``accept_launch``); each configuration's outputs must equal the default launch's."""
-    rows = []
+    of ``accept_launch``); each configuration's outputs must equal the default launch's. Rows
+    go to ``rows`` as in ``sweep_rows``."""
+    rows = [] if rows is None else rows
     N = 64
     for V in Vs:
         for B in Bs:
@@ -566,15 +569,16 @@ def top_sweep_rows(empty_us: float, Bs, Vs, configs: list[dict]) -> list[dict]:
     return rows
 
 
-def pass1_sweep_rows(empty_us: float, Bs, Vs) -> list[dict]:
+def pass1_sweep_rows(empty_us: float, Bs, Vs, rows: list | None = None) -> list[dict]:
     """Pass 1's load forms, each against the others in the same run: ``vector_loads`` (the
     blocks' alignment told to the compiler: 16-byte loads; False: one element per load, the
     code before it) x ``ahead`` (the next block loaded before this one is reduced), for greedy
     at its default launch and at the sweep's best small-batch one (2,048-logit blocks, 16
     splits, 4 warps: ``accept_sweep.json``), plain sampling (all-off tensors; without them,
     pass 1 and the walk, and the one launch) and top-k 50 / top-p 0.9 sampling; each
-    configuration's outputs must equal the default launch's."""
-    rows = []
+    configuration's outputs must equal the default launch's. Rows go to ``rows`` as in
+    ``sweep_rows``."""
+    rows = [] if rows is None else rows
     N = 64
     forms = [(v, a) for v in (False, True) for a in (1, 2)]
     for V in Vs:
@@ -709,20 +713,21 @@ def main() -> None:
                   f"{r.get('greedy_alone_us', float('nan')):.1f}, greedy + torch.topk "
                   f"{r.get('torch_us', float('nan')):.1f}, floor {r['floor_us']:.1f}")  # fmt: skip
         return
+
+    def saved(name: str) -> H.SavedRows:
+        """The sweep's rows, its JSON rewritten with each (a stage's time limit keeps them)."""
+        head = H.result_doc(DEV, empty_kernel_graph_us=empty_us)
+        return H.SavedRows(os.path.join(args.out, name), lambda rows: dict(head, rows=rows))
+
     if args.sweep_top:
-        rows = top_sweep_rows(empty_us, Bs, Vs, top_sweep_configs(args.cpu_dry_run))
-        doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)
-        H.write_json(os.path.join(args.out, "accept_top_sweep.json"), doc)
+        configs = top_sweep_configs(args.cpu_dry_run)
+        top_sweep_rows(empty_us, Bs, Vs, configs, saved("accept_top_sweep.json"))
         return
     if args.sweep_pass1:
-        rows = pass1_sweep_rows(empty_us, Bs, Vs)
-        doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)
-        H.write_json(os.path.join(args.out, "accept_pass1_sweep.json"), doc)
+        pass1_sweep_rows(empty_us, Bs, Vs, saved("accept_pass1_sweep.json"))
         return
     if args.sweep:
-        rows = sweep_rows(empty_us, Bs, Vs)
-        doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)
-        H.write_json(os.path.join(args.out, "accept_sweep.json"), doc)
+        rows = sweep_rows(empty_us, Bs, Vs, saved("accept_sweep.json"))
         for op in ("greedy_sweep", "sampling_sweep"):
             for V in Vs:
                 for B in Bs:

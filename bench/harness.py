@@ -342,6 +342,19 @@ def write_json(path: str, doc: dict) -> str:
     return path
 
 
+class SavedRows(list):
+    """Rows that rewrite ``path`` each time one is appended (``doc(rows)`` builds the document),
+    so a run stopped at its stage's time limit keeps every row it measured."""
+
+    def __init__(self, path: str, doc: Callable[[list[dict]], dict]):
+        super().__init__()
+        self.path, self.doc = path, doc
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        write_json(self.path, self.doc(list(self)))
+
+
 def ratios(rows: Iterable[dict], peers: Sequence[str] = ("torch",)) -> None:
     """Add ``treeops_over_floor`` and ``treeops_over_<peer>`` to rows with a treeops time."""
     for r in rows:

@@ -109,3 +109,15 @@ def test_every_bench_script_is_in_the_benchmarks_doc():
     assert scripts, "no scripts found under bench/"
     missing = [name for name in scripts if f"bench/{name}" not in doc]
     assert not missing, f"not in docs/benchmarks.md: {missing}"
+
+
+def test_saved_rows_rewrite_their_file_with_each_row(tmp_path):
+    """A sweep stopped at its time limit keeps the rows it measured: the file holds every row
+    appended so far, after each append."""
+    path = str(tmp_path / "sweep.json")
+    rows = H.SavedRows(path, lambda rs: {"gpu": "x", "rows": rs})
+    rows.append({"B": 1, "us": 2.0})
+    assert json.load(open(path)) == {"gpu": "x", "rows": [{"B": 1, "us": 2.0}]}
+    rows.append({"B": 8, "us": 3.0})
+    assert [r["B"] for r in json.load(open(path))["rows"]] == [1, 8]
+    assert rows == [{"B": 1, "us": 2.0}, {"B": 8, "us": 3.0}]
