@@ -515,6 +515,7 @@ def sweep(shapes, names=None):
         fl = floor_us(B, ctx, n, hq, hkv, d)[0]
         shape = dict(B=B, ctx=ctx, n=n, hq=hq, hkv=hkv, d=d, floor_us=round(fl, 2))
         rot = Rotation(c)
+        first = len(rows)
         for name, ov in candidates(c, names):
             # "default" passes {}: the built-in tiles, not what TUNED routes a launch to
             r = dict(shape, candidate=name, override=ov, config=config_of(c, ov))
@@ -531,7 +532,7 @@ def sweep(shapes, names=None):
                 r["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             rows.append(r)
             print(json.dumps(r), flush=True)
-        timed = [r for r in rows[-len(candidates(c, names)) :] if r.get("us") is not None]
+        timed = [r for r in rows[first:] if r.get("us") is not None]
         if timed:
             win = min(timed, key=lambda r: r["us"])
             dflt = next((r["us"] for r in timed if r["candidate"] == "default"), None)

@@ -287,15 +287,15 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     # and CAP candidate slots, the last two sorted in registers (512 each on the GPU; 16 and 64
     # under the interpreter, whose tl.sort takes about a second for 1024 elements). Pass 2
     # rereads ~k groups one READ-token tile after another, each read waiting on the last: finer
-    # groups make fewer reads for a float per group more written by pass 1. The group count is
-    # the H200's best at top-k 50 / top-p 0.9 (bench_accept.py --sweep-top,
-    # accept_top_sweep.json): 2,048 below B*N = 512 (B 1 V 128,256: 48.9 us against 56.6 at 512
-    # groups and 71.1 at 4,096), 4,096 from it (B 64: 651.7 against 741.6 and 801.6 at 2,048;
-    # V 32,000 B 64 alone had 512 best, 311.7 against 361.6)
+    # groups make fewer reads for a float per group more written by pass 1. 2,048 groups: the
+    # best or within 4 % of it at top-k 50 / top-p 0.9 since pass 2 scans the maxima GC at a time
+    # (bench_accept.py --sweep-top, H100, session 37, µs at 512 / 1,024 / 2,048 / 4,096 groups:
+    # B 64 V 32,000 326 / 287 / 286 / 350, V 128,256 799 / 696 / 653 / 672; B 8 V 32,000 60 /
+    # 55 / 57 / 68; B 1 V 32,000 29 / 25 / 26 / 29)
     if cap is None:
         cap = 64 if interpreted() else 512
     if max_groups is None:
-        max_groups = 64 if interpreted() else (4096 if wide else 2048)
+        max_groups = 64 if interpreted() else 2048
         if not interpreted():
             # the group maxima and their selected ids take 8 bytes per group and node of
             # scratch: at most 2^24 groups in all (128 MB, reached at B*N = 4,096), fewer per
