@@ -146,7 +146,7 @@ bench/results/h200/tree_attention_sweep.json), unsplit shapes, µs built-in -> t
 85.7 -> 142.4: twice the query tiles leave half the splits), so the rule keeps them off there. D 256
 needs no entry: its built-in tile is the sweep's best at every shape, split or not."""
 
-GLUON: dict[int, str] = {64: "gluon_m64_n128", 128: "gluon_m64_n64_2per_sm"}
+GLUON: dict[int, str] = {64: "gluon_m64_n128", 128: "gluon_m128_n64"}
 """Head-dim class -> the CANDIDATES entry launched by default (split or not) for 16-bit inputs at
 head dim 64 or 128 wherever its tile has at least 16 rows a warp (``_gluon_override``): the Gluon
 forward (``tree_attention_gluon``: its softmax issued under the pending PV wgmma). H200 sweep
