@@ -110,7 +110,7 @@ CANDIDATES: dict[int, dict[str, dict]] = {
         "gluon_m64_n64_ps": dict(
             block_m=64, block_n=64, num_warps=4, pipe=1, gluon=True, p_smem=True, **_PIPED
         ),
-        # two programs an SM fit this tile: split counts sized for two waves' worth of programs
+        # two programs an SM fit this tile (99 KiB shared): split counts sized to fill them both
         "gluon_m64_n64_2per_sm": dict(
             block_m=64, block_n=64, num_warps=4, pipe=1, gluon=True, programs_per_sm=2, **_PIPED
         ),
