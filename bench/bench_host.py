@@ -19,6 +19,8 @@ Two measurements per op:
 * CUDA, when a GPU is there: ``eager_us`` (``harness.eager_us``: a call and a device sync,
   perf_counter) minus ``replay_us`` (``harness.graph_us``: the same call replayed in a CUDA
   graph) = ``overhead_us``, the host time an eager call adds (the sync's latency included);
+  ``return_us``: from a call's start to its return, after a sync (the host's part of
+  ``eager_us``; the rest is the wait for the device);
   ``loop_us``: back-to-back eager calls and one sync, per call (the host's cost where, as at
   these shapes, the device keeps up); ``gpu_launch_misses`` as above, for the GPU loops. Then the
   same GPU columns from a fresh process through the old paths, as ``old_*`` (``--no-compare``
@@ -38,6 +40,7 @@ import collections
 import contextlib
 import gc
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -407,6 +410,20 @@ def _launches_on(direct: dict, real_run) -> None:
         lau.launch = launch
 
 
+def _return_us(fn, n: int) -> float:
+    """Median µs from an eager call's start to its return, each call after a device sync: the
+    host's part of ``eager_us``. What ``eager_us`` adds is the wait for the device (the launch's
+    latency, the kernels, the sync itself)."""
+    ts = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
 def cuda_rows(ops: list[str], quick: bool) -> dict[str, dict]:
     """``eager_us`` (a call and a sync), ``replay_us`` (CUDA graph), ``overhead_us`` (their
     difference) and ``loop_us``: wall time per call of back-to-back eager calls with one sync at
@@ -419,6 +436,7 @@ def cuda_rows(ops: list[str], quick: bool) -> dict[str, dict]:
         fn, row = calls[op], {}
         try:
             row["eager_us"] = harness.eager_us(fn, iters=n)
+            row["return_us"] = _return_us(fn, n)
             row["replay_us"] = harness.graph_us([fn], reps=20)
             row["overhead_us"] = row["eager_us"] - row["replay_us"]
             torch.cuda.synchronize()
@@ -450,7 +468,7 @@ def baseline_rows(quick: bool) -> dict[str, dict]:
     out = {}
     for name, fn in calls.items():
         try:
-            row = {"eager_us": harness.eager_us(fn, iters=n)}
+            row = {"eager_us": harness.eager_us(fn, iters=n), "return_us": _return_us(fn, n)}
             row["replay_us"] = harness.graph_us([fn], reps=20)
             row["overhead_us"] = row["eager_us"] - row["replay_us"]
             torch.cuda.synchronize()
