@@ -369,7 +369,6 @@ def _emit_kernel(
     NP: tl.constexpr,
     BP: tl.constexpr,
     LOG_D: tl.constexpr,
-    WP: tl.constexpr,
     DOT_T: tl.constexpr,
     CAST: tl.constexpr,
     PDL: tl.constexpr,
@@ -442,17 +441,14 @@ def _emit_kernel(
     b_af = b_am.to(DOT_T)  # [NP, NP]
     for _ in tl.static_range(LOG_D):
         b_af = tl.where(tl.dot(b_af, b_af) > 0, 1.0, 0.0).to(DOT_T)
-    b_dep = tl.where(live, tl.sum(b_af.to(tl.float32), axis=1).to(tl.int32) - 1, 0)
-    # the ancestor words as two more products, by place values: node c's bit of word c // 32,
-    # its low and its high 16 bits apart (powers of two below 2^16 are exact in fp16, sums of
-    # distinct ones in the fp32 accumulator), so no [NP, NP] integer tile is held beside b_af
-    o_w = tl.arange(0, WP)
-    bit = o_c % 32
-    in_word = (o_c // 32)[:, None] == o_w[None, :]  # [NP, WP]
-    place = (1 << (bit % 16)).to(tl.float32)[:, None]
-    b_lo = tl.dot(b_af, tl.where(in_word & (bit < 16)[:, None], place, 0.0).to(DOT_T))
-    b_hi = tl.dot(b_af, tl.where(in_word & (bit >= 16)[:, None], place, 0.0).to(DOT_T))
-    b_anc = b_lo.to(tl.int32) | (b_hi.to(tl.int32) << 16)  # [NP, WP]
+    b_ai = (b_af > 0).to(tl.int32)
+    b_dep = tl.where(live, tl.sum(b_ai, axis=1) - 1, 0)
+    # the ancestor words: node c's bit of word c // 32 (distinct bits: their sum is their or).
+    # Not as products by place values ([NP, NP] x [NP, NP // 32]): that tl.dot read shared memory
+    # out of range on an H100 (compute-sanitizer, Triton 3.6) where the interpreter was exact.
+    b_bits = tl.where(b_ai != 0, (1 << (o_c % 32))[None, :], 0)
+    b_anc = tl.sum(tl.reshape(b_bits, [NP, NP // 32, 32]), axis=2)  # [NP, NP // 32]
+    o_w = tl.arange(0, NP // 32)
 
     o_out = i_b * N + o_n
     tl.store(p_tok + o_out, b_tok, mask=m_n)
@@ -836,7 +832,6 @@ def emit(
         NP=NP,
         BP=pow2(B),
         LOG_D=max(0, (D - 1).bit_length()),
-        WP=max(16, NP // 32),  # the ancestor words' product: tl.dot's 16 columns at least
         DOT_T=tl.float32 if interpreted() else tl.float16,
         CAST=cast is not None,
         PDL=pdl,
