@@ -673,8 +673,8 @@ def test_candidates_pipeline_and_tuned_routes_only_unsplit_launches():
 
 def test_gluon_is_the_default_tile_where_it_applies():
     """16-bit inputs at head dim 64 or 128: a default launch, split or not, takes GLUON's
-    candidate where its tile has 16 rows a warp; with fewer rows (a 16-node tree of 4 query
-    heads: 64 rows for 8 warps), fp32, another head dim or under the interpreter it does not."""
+    candidate where its tile has 16 rows a warp; with fewer rows (an 8-node tree of 4 query
+    heads: 32 rows for 4 warps), fp32, another head dim or under the interpreter it does not."""
     for d in (64, 128):
         gl = K.CANDIDATES[d][KC.GLUON[d]]
         for B, splits in [(1, None), (8, None), (32, None), (8, 2)]:
@@ -685,12 +685,12 @@ def test_gluon_is_the_default_tile_where_it_applies():
             )
         assert not K.pick_config(8, 64, 32, 8, d, 4096, 132, False, elem_bytes=4).gluon
         assert not K.pick_config(8, 64, 32, 8, d, 4096, 132, True).gluon
-    # 16 nodes x 4 heads = 64 rows: enough for D 64's 4-warp tile, not for D 128's 8 warps
-    assert K.pick_config(64, 16, 32, 8, 64, 4096, 132, False).gluon
-    few = K.pick_config(64, 16, 32, 8, 128, 4096, 132, False)
+        # 16 nodes x 4 heads = 64 rows: enough for both head dims' 4-warp tiles
+        assert K.pick_config(64, 16, 32, 8, d, 4096, 132, False).gluon
+    few = K.pick_config(64, 8, 32, 8, 128, 4096, 132, False)
     assert not few.gluon
     assert few == K.pick_config(
-        64, 16, 32, 8, 128, 4096, 132, False, override=K.CANDIDATES[128][K.TUNED[128]]
+        64, 8, 32, 8, 128, 4096, 132, False, override=K.CANDIDATES[128][K.TUNED[128]]
     )
     assert not K.pick_config(8, 64, 32, 8, 96, 4096, 132, False).gluon
 
