@@ -153,12 +153,12 @@ forward (``tree_attention_gluon``: its softmax issued under the pending PV wgmma
 (bench_tree_attention.py --sweep, session 33), µs, Triton kernel's default -> Gluon: D 128 B 1 ctx
 16,384 n 64 (split) 79.8 -> 56.9, B 8 ctx 4,096 n 64 132.1 -> 102.4, B 32 526.1 -> 401.9, B 4 n 127
 132.7 -> 105.5, B 16 n 128 518.6 -> 400.2, B 1 ctx 1,024 n 64 15.9 -> 14.7; D 64 B 32 ctx 2,048
-161.0 -> 131.4, B 8 ctx 4,096 75.0 -> 60.0. At D 128 the 64-row tile of 4 warps, its split count sized for two
-programs an SM, replaced the 128-row tile of 8 (H100 sweep, session 38, 13 layout shapes, µs
-128-row -> it): faster on 12, by 4-30 % (B 16 ctx 4,096 n 128 386.7 -> 356.8, B 1 ctx 1,024 n
-64 15.7 -> 14.7; 16-node trees, which the 8-warp tile left to the Triton kernel: B 64 ctx 512
-95.4 -> 67.3, B 1 ctx 4,096 22.5 -> 18.5), 5.6 % slower at B 1 ctx 16,384 n 64 (58.2 -> 61.4).
-Elsewhere (fewer rows, fp32, D 256, another GPU:
+161.0 -> 131.4, B 8 ctx 4,096 75.0 -> 60.0. At D 128 the 64-row tile of 4 warps, its split
+count sized for two programs an SM, replaced the 128-row tile of 8 (H100 sweep, session 38, 13
+layout shapes, µs 128-row -> it): faster on 12, by 4-30 % (B 16 ctx 4,096 n 128 386.7 -> 356.8,
+B 1 ctx 1,024 n 64 15.7 -> 14.7; 16-node trees, which the 8-warp tile left to the Triton kernel:
+B 64 ctx 512 95.4 -> 67.3, B 1 ctx 4,096 22.5 -> 18.5), 5.6 % slower at B 1 ctx 16,384 n 64
+(58.2 -> 61.4). Elsewhere (fewer rows, fp32, D 256, another GPU:
 ``launchable``) ``TUNED`` and the built-in tiles apply."""
 SMALL_TREE = False
 """Launch the small-tree path by default wherever it applies. Off: slower than the split launch
