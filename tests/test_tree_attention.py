@@ -695,6 +695,26 @@ def test_gluon_is_the_default_tile_where_it_applies():
     assert not K.pick_config(8, 64, 32, 8, 96, 4096, 132, False).gluon
 
 
+def test_two_programs_an_sm_double_the_splits_of_an_underfilled_grid():
+    """D 128's default tile sizes its split count for two programs an SM: where one program an
+    SM leaves the GPU half empty (B 1: 8 KV heads x 4 query tiles = 32 unsplit programs on 132
+    SMs) it takes twice the splits of the same tile at one an SM; a grid that fills the GPU
+    unsplit stays unsplit."""
+    one = K.CANDIDATES[128]["gluon_m64_n64"]
+    two = K.CANDIDATES[128][KC.GLUON[128]]
+    assert two.get("programs_per_sm") == 2
+    for B, cap, want_one, want_two in [
+        (1, 16384 + 64, 4, 8),
+        (1, 1024 + 64, 4, 8),
+        (8, 4160, 1, 1),
+    ]:
+        assert (
+            K.pick_config(B, 64, 32, 8, 128, cap, 132, False, override=one).num_splits == want_one
+        )
+        got = K.pick_config(B, 64, 32, 8, 128, cap, 132, False)
+        assert got.gluon and got.num_splits == want_two, (B, cap, got)
+
+
 def test_small_tree_path_is_one_launch_from_capacities(monkeypatch):
     """Few nodes and a short block table: one query tile holding every node and head of the
     group, no split (so no merge launch); chosen from capacities only, ignored where it does not
