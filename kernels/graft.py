@@ -36,10 +36,8 @@ from treeops import _runtime
 from treeops._runtime import cdiv, interpreted, pow2
 from treeops.tree import Tree
 
-from ._counters import arrival_counters
 from ._launch import direct, scratch
 from .graft_update import (
-    _block_fused_kernel,
     _block_max_kernel,
     _block_top_kernel,
     _claim_kernel,
@@ -645,7 +643,6 @@ UPDATE_TUNING = {
     "group": 0,
     "merge": "bitonic",
     "block_max": None,
-    "fused_nodes": 0,
 }
 """The update's configuration on the GPU. Stage 1: logits per block, programs per SM that the
 splits of V aim for, warps per program, and the top-k method: ``group`` 0 keeps a running list
@@ -655,8 +652,6 @@ maxima of groups of g logits and rereads those groups (``_update_group``). The w
 row). ``block_max`` m > 0 replaces both: stage 1 keeps one max per m logits (a float max per
 logit, no order keys), stage 2 rereads each node's k best blocks (``_update_by_block_maxima``);
 0 keeps the lists; None (the default) takes m from the vocabulary (``_update_block_max``).
-``fused_nodes`` n > 0: launches of at most n nodes run the block-maxima method in one launch
-(``_update_by_block_maxima``).
 ``bench/bench_graft.py --sweep-update`` varies it; the splits and the method are part of
 ``update_workspace_key``, so a table's cached workspace follows it. H200, µs
 (bench/results/h200/graft_update_block_max.json, session 33), B 1 / 8 / 64, lists -> m 64 -> m 128:
@@ -737,35 +732,23 @@ def _chunk(V: int, S: int, block_v: int) -> int:
 def _update_by_block_maxima(
     table, owner, ws_key, tokens, num_nodes, logits, S, chunk, mb, last_wins
 ) -> None:  # fmt: skip
-    """The update's block-maxima method: stage 1 keeps a max per ``mb`` logits, stage 2 rereads
-    each winning node's K best blocks. Two launches (``graft_update._block_max_kernel`` then
-    ``_block_top_kernel``, the owner claims deciding the winners), or, for at most
-    ``UPDATE_TUNING["fused_nodes"]`` nodes, one (``_block_fused_kernel``: the winners from every
-    node's token, the last split of a node ranking it; no launch boundary between the stages)."""
+    """The update's block-maxima method (``graft_update._block_max_kernel`` then
+    ``_block_top_kernel``): stage 1 keeps a max per ``mb`` logits, stage 2 rereads each winning
+    node's K best blocks."""
     V, K = table.shape
     B, N = tokens.shape
     n_flat = B * N
     KB = max(pow2(K), 2)
-    NBP = max(pow2(cdiv(V, mb)), KB)
-    warps = 1 if interpreted() else UPDATE_TUNING["num_warps"]
-    if n_flat <= UPDATE_TUNING.get("fused_nodes", 0):
-        cnt = arrival_counters(logits.device, n_flat)
-        direct(_block_fused_kernel).launch(
-            (n_flat, S), logits, tokens, num_nodes, table, ws_key, cnt, N, V, n_flat, chunk,
-            logits.stride(0), logits.stride(1), S, K=K, KB=KB, NBP=NBP,
-            NFP=max(pow2(n_flat), 2), BLOCK_V=_update_block_v(), MB=mb, LAST_WINS=last_wins,
-            FENCE=not interpreted(), num_warps=warps,
-        )  # fmt: skip
-        return
     common = (tokens, num_nodes, owner)
     direct(_block_max_kernel).launch(
         (n_flat, S), logits, *common, ws_key, N, V, n_flat, chunk, logits.stride(0),
         logits.stride(1), BLOCK_V=_update_block_v(), MB=mb, LAST_WINS=last_wins,
-        num_warps=warps,
+        num_warps=1 if interpreted() else UPDATE_TUNING["num_warps"],
     )  # fmt: skip
     direct(_block_top_kernel).launch(
         (n_flat,), logits, *common, table, ws_key, N, V, n_flat, logits.stride(0),
-        logits.stride(1), K=K, KB=KB, NBP=NBP, MB=mb, LAST_WINS=last_wins, num_warps=4,
+        logits.stride(1), K=K, KB=KB, NBP=max(pow2(cdiv(V, mb)), KB), MB=mb,
+        LAST_WINS=last_wins, num_warps=4,
     )  # fmt: skip
 
 

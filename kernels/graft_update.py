@@ -35,7 +35,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._counters import arrive
 from .build_tree_vocab import _tile_blocks
 
 _I32MAX = tl.constexpr(2**31 - 1)
@@ -343,66 +342,17 @@ def _block_max_kernel(
         p_x = x_ptr + i_b * stride_b + i_n * stride_n
         p_k = ws_key_ptr + i_f * ((V + MB - 1) // MB)
         lo = i_s * chunk
-        _stream_block_maxima(p_x, p_k, lo, tl.minimum(lo + chunk, V), V, BLOCK_V, MB)
-
-
-@triton.jit
-def _stream_block_maxima(p_x, p_k, lo, hi, V, BLOCK_V: tl.constexpr, MB: tl.constexpr):
-    """Store, per block of MB logits of ``p_x[lo:hi]``, the value key of the block's largest
-    value with NaN left out (-inf for a block of NaN and -inf only) at ``p_k[v // MB]``."""
-    o_r = tl.arange(0, BLOCK_V // MB)
-    # chunks are whole tiles, loaded as [blocks, MB] (the build's stream tile); the next is
-    # loaded ahead (raw 16-bit values where the logits are) so that two are in flight
-    b_next = _tile_blocks(p_x, lo, hi, V, BLOCK_V, MB)
-    for start in range(lo, hi, BLOCK_V):
-        b_x = b_next.to(tl.float32)
-        b_next = _tile_blocks(p_x, start + BLOCK_V, hi, V, BLOCK_V, MB)
-        b_x = tl.where(b_x == b_x, b_x, -float("inf"))
-        b_max = tl.max(b_x, axis=1)
-        tl.store(p_k + start // MB + o_r, _value_key(b_max), mask=start + o_r * MB < V)
-
-
-@triton.jit
-def _write_top_of_blocks(
-    p_x, p_k, p_row, V, K: tl.constexpr, KB: tl.constexpr, NBP: tl.constexpr, MB: tl.constexpr,
-    VOLATILE: tl.constexpr,
-):  # fmt: skip
-    """Write the top-k ids of the row ``p_x`` [V] to ``p_row`` [K] from its block maxima' value
-    keys ``p_k`` [cdiv(V, MB)] (``VOLATILE``: written by other programs of this launch).
-
-    The top-k lie in the K blocks ranked highest by (block max, lower block first) when the K-th
-    of them holds a value above -inf: a block ranked above the block of a top-k element holds a
-    larger value, or an equal one at a lower id, so fewer than K blocks rank above it; and K
-    blocks with a value above -inf mean no NaN or -inf is among the top-k, so leaving NaN out of
-    the maxima changes nothing. Those K blocks are read again (L2) and their keys ranked at once.
-    Otherwise (fewer than K blocks hold a value above -inf) the whole row is ranked."""
-    NB = (V + MB - 1) // MB
-    o_g = tl.arange(0, NBP)
-    vk = tl.load(p_k + o_g, mask=o_g < NB, other=0, volatile=VOLATILE)
-    b_key = (vk.to(tl.int64) << 32) | (_LOW32 - o_g.to(tl.int64))
-    b_key = tl.where(o_g < NB, b_key, _K64MIN)
-    top_b = tl.topk(b_key, KB)  # [KB] descending
-    o_k = tl.arange(0, KB)
-    kth = tl.sum(tl.where(o_k == K - 1, top_b >> 32, 0))  # the K-th block's value key
-    o_e = tl.arange(0, MB)
-    if (kth > _VK_NEG_INF) | (NB <= K):
-        has = (o_k < K) & (top_b != _K64MIN)
-        g = _local_of(top_b, False)
-        o_c = tl.where(has, g * MB, 0)[:, None] + o_e[None, :]  # [KB, MB] ids
-        m_c = has[:, None] & (o_c < V)
-        b_x = tl.load(p_x + o_c, mask=m_c, other=0.0).to(tl.float32)
-        top = tl.topk(tl.reshape(_order_key(b_x, o_c, m_c, False), [KB * MB]), KB)
-    else:
-        # the whole row, a tile of KB * MB ids at a time, merged into a running top-KB
-        o_v = tl.arange(0, KB * MB)
-        top = tl.full([KB], _K64MIN, tl.int64)
-        for start in range(0, V, KB * MB):
-            m_v = start + o_v < V
-            b_x = tl.load(p_x + start + o_v, mask=m_v, other=0.0).to(tl.float32)
-            both = tl.join(top, tl.topk(_order_key(b_x, start + o_v, m_v, False), KB))
-            top = tl.topk(tl.reshape(both, [2 * KB]), KB)
-    ids = tl.where(top != _K64MIN, _local_of(top, False), -1)
-    tl.store(p_row + o_k, ids, mask=o_k < K)
+        hi = tl.minimum(lo + chunk, V)
+        o_r = tl.arange(0, BLOCK_V // MB)
+        # chunks are whole tiles, loaded as [blocks, MB] (the build's stream tile); the next is
+        # loaded ahead (raw 16-bit values where the logits are) so that two are in flight
+        b_next = _tile_blocks(p_x, lo, hi, V, BLOCK_V, MB)
+        for start in range(lo, hi, BLOCK_V):
+            b_x = b_next.to(tl.float32)
+            b_next = _tile_blocks(p_x, start + BLOCK_V, hi, V, BLOCK_V, MB)
+            b_x = tl.where(b_x == b_x, b_x, -float("inf"))
+            b_max = tl.max(b_x, axis=1)
+            tl.store(p_k + start // MB + o_r, _value_key(b_max), mask=start + o_r * MB < V)
 
 
 @triton.jit(do_not_specialize=["N", "n_flat"])
@@ -425,75 +375,43 @@ def _block_top_kernel(
     LAST_WINS: tl.constexpr,
 ):
     """Stage 2 of the block-maxima update, one program per node: the node whose claim equals
-    ``owner[token]`` takes its top-k from its block maxima (``_write_top_of_blocks``) and writes
-    the row, then resets the owner to INT32_MAX."""
+    ``owner[token]`` takes its top-k and writes the row, then resets the owner to INT32_MAX.
+
+    The top-k lie in the K blocks ranked highest by (block max, lower block first) when the K-th
+    of them holds a value above -inf: a block ranked above the block of a top-k element holds a
+    larger value, or an equal one at a lower id, so fewer than K blocks rank above it; and K
+    blocks with a value above -inf mean no NaN or -inf is among the top-k, so leaving NaN out of
+    the maxima changes nothing. Those K blocks are read again (L2) and their keys ranked at once.
+    Otherwise (fewer than K blocks hold a value above -inf) the program ranks the whole row."""
     i_f, i_b, i_n, tok, valid, claim = _node_claim(tok_ptr, num_ptr, N, V, n_flat, LAST_WINS)
     owner = tl.load(owner_ptr + tok, mask=valid, other=-1)
     if valid & (owner == claim):
         NB = (V + MB - 1) // MB
         p_x = x_ptr + i_b * stride_b + i_n * stride_n
-        _write_top_of_blocks(p_x, ws_key_ptr + i_f * NB, table_ptr + tok * K, V, K, KB, NBP, MB,
-                             False)  # fmt: skip
+        o_g = tl.arange(0, NBP)
+        vk = tl.load(ws_key_ptr + i_f * NB + o_g, mask=o_g < NB, other=0)
+        b_key = (vk.to(tl.int64) << 32) | (_LOW32 - o_g.to(tl.int64))
+        b_key = tl.where(o_g < NB, b_key, _K64MIN)
+        top_b = tl.topk(b_key, KB)  # [KB] descending
+        o_k = tl.arange(0, KB)
+        kth = tl.sum(tl.where(o_k == K - 1, top_b >> 32, 0))  # the K-th block's value key
+        o_e = tl.arange(0, MB)
+        if (kth > _VK_NEG_INF) | (NB <= K):
+            has = (o_k < K) & (top_b != _K64MIN)
+            g = _local_of(top_b, False)
+            o_c = tl.where(has, g * MB, 0)[:, None] + o_e[None, :]  # [KB, MB] ids
+            m_c = has[:, None] & (o_c < V)
+            b_x = tl.load(p_x + o_c, mask=m_c, other=0.0).to(tl.float32)
+            top = tl.topk(tl.reshape(_order_key(b_x, o_c, m_c, False), [KB * MB]), KB)
+        else:
+            # the whole row, a tile of KB * MB ids at a time, merged into a running top-KB
+            o_v = tl.arange(0, KB * MB)
+            top = tl.full([KB], _K64MIN, tl.int64)
+            for start in range(0, V, KB * MB):
+                m_v = start + o_v < V
+                b_x = tl.load(p_x + start + o_v, mask=m_v, other=0.0).to(tl.float32)
+                both = tl.join(top, tl.topk(_order_key(b_x, start + o_v, m_v, False), KB))
+                top = tl.topk(tl.reshape(both, [2 * KB]), KB)
+        ids = tl.where(top != _K64MIN, _local_of(top, False), -1)
+        tl.store(table_ptr + tok * K + o_k, ids, mask=o_k < K)
         tl.store(owner_ptr + tok, _I32MAX)
-
-
-@triton.jit
-def _wins_its_token(tok_ptr, num_ptr, N, V, n_flat, tok, claim, NFP: tl.constexpr,
-                    LAST_WINS: tl.constexpr):  # fmt: skip
-    """Whether no valid node of the launch's ``n_flat`` (<= NFP) holds ``tok`` with a lower
-    claim than ``claim``: the owner protocol's winner, found by reading every node's token."""
-    o_j = tl.arange(0, NFP).to(tl.int64)
-    m_j = o_j < n_flat
-    tok_j = tl.load(tok_ptr + o_j, mask=m_j, other=-1)
-    num_j = tl.load(num_ptr + o_j // N, mask=m_j, other=0)
-    valid_j = m_j & (o_j % N < num_j) & (tok_j >= 0) & (tok_j < V)
-    if LAST_WINS:
-        claim_j = (n_flat - 1 - o_j).to(tl.int32)
-    else:
-        claim_j = o_j.to(tl.int32)
-    beaten = valid_j & (tok_j == tok) & (claim_j < claim)
-    return tl.max(beaten.to(tl.int32), axis=0) == 0
-
-
-@triton.jit(do_not_specialize=["N", "n_flat", "S"])
-def _block_fused_kernel(
-    x_ptr,
-    tok_ptr,
-    num_ptr,
-    table_ptr,
-    ws_key_ptr,
-    cnt_ptr,
-    N,
-    V,
-    n_flat,
-    chunk,
-    stride_b,
-    stride_n,
-    S,
-    K: tl.constexpr,
-    KB: tl.constexpr,
-    NBP: tl.constexpr,
-    NFP: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    MB: tl.constexpr,
-    LAST_WINS: tl.constexpr,
-    FENCE: tl.constexpr,
-):
-    """The block-maxima update in one launch, grid (nodes, S splits of V), for launches of at
-    most NFP nodes. Each program decides its node's win from every node's token
-    (``_wins_its_token``; no owner claims, so none to reset), and only a winner's splits stream
-    their chunk's block maxima; the last of them to arrive at the node's counter (``cnt_ptr``,
-    zero between launches) ranks the node's maxima and writes its row
-    (``_write_top_of_blocks``), then zeroes the counter."""
-    i_f, i_b, i_n, tok, valid, claim = _node_claim(tok_ptr, num_ptr, N, V, n_flat, LAST_WINS)
-    if valid:
-        if _wins_its_token(tok_ptr, num_ptr, N, V, n_flat, tok, claim, NFP, LAST_WINS):
-            NB = (V + MB - 1) // MB
-            p_x = x_ptr + i_b * stride_b + i_n * stride_n
-            p_k = ws_key_ptr + i_f * NB
-            lo = tl.program_id(1) * chunk
-            _stream_block_maxima(p_x, p_k, lo, tl.minimum(lo + chunk, V), V, BLOCK_V, MB)
-            if arrive(cnt_ptr + i_f, FENCE) == S - 1:
-                # the acquire above makes every split's maxima visible to these loads
-                _write_top_of_blocks(p_x, p_k, table_ptr + tok * K, V, K, KB, NBP, MB, True)
-                tl.atomic_xchg(cnt_ptr + i_f, 0, sem="relaxed", scope="gpu")

@@ -154,17 +154,15 @@ def test_graft_is_graph_capturable():
     ],
 )
 @pytest.mark.parametrize(
-    "group,merge,block_max,fused",
-    [(0, "passes", 0, 0), (0, "bitonic", 0, 0), (16, "passes", 0, 0), (64, "bitonic", 0, 0),
-     (0, "bitonic", 64, 0), (0, "bitonic", 128, 0), (0, "bitonic", 512, 0),
-     (0, "bitonic", 64, 4096), (0, "bitonic", 128, 4096)],
+    "group,merge,block_max",
+    [(0, "passes", 0), (0, "bitonic", 0), (16, "passes", 0), (64, "bitonic", 0),
+     (0, "bitonic", 64), (0, "bitonic", 128), (0, "bitonic", 512)],
 )  # fmt: skip
-def test_update_matches_reference(B, N, V, dtype, group, merge, block_max, fused, monkeypatch):
+def test_update_matches_reference(B, N, V, dtype, group, merge, block_max, monkeypatch):
     """Every top-k method of the update's stage 1 (group 0: the running list; else group
     maxima of that many logits; block_max > 0: block maxima, whose stage 2 rereads each node's
-    k best blocks, in a second launch or, ``fused`` nodes or fewer, in the same one) and both
-    merges of the lists' write stage, with many ties, duplicate tokens, top-k ids, warm start."""
-    monkeypatch.setitem(kern.UPDATE_TUNING, "fused_nodes", fused)
+    k best blocks) and both merges of the lists' write stage, with many ties, duplicate tokens,
+    top-k ids, warm start."""
     monkeypatch.setitem(kern.UPDATE_TUNING, "group", group)
     monkeypatch.setitem(kern.UPDATE_TUNING, "merge", merge)
     monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
@@ -195,13 +193,10 @@ def test_update_matches_reference(B, N, V, dtype, group, merge, block_max, fused
     assert torch.equal(table.table.cpu(), want)
 
 
-@pytest.mark.parametrize(
-    "group,block_max,fused", [(0, 0, 0), (32, 0, 0), (0, 128, 0), (0, 128, 4096)]
-)
-def test_update_large_vocab_deterministic(group, block_max, fused, monkeypatch):
-    """V = 128256, bf16, 64 x 64 nodes: exact against a stable sort; the same table on reruns
-    (each top-k method; the block maxima in two launches and in one)."""
-    monkeypatch.setitem(kern.UPDATE_TUNING, "fused_nodes", fused)
+@pytest.mark.parametrize("group,block_max", [(0, 0), (32, 0), (0, 128)])
+def test_update_large_vocab_deterministic(group, block_max, monkeypatch):
+    """V = 128256, bf16, 64 x 60 nodes: exact against a stable sort; the same table on reruns
+    (each top-k method)."""
     monkeypatch.setitem(kern.UPDATE_TUNING, "group", group)
     monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
     B, N, V, k = 64 if DEV == "cuda" else 2, 64, LARGE_V, 8
@@ -235,13 +230,12 @@ def test_update_large_vocab_deterministic(group, block_max, fused, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["specials", "masked"])
-@pytest.mark.parametrize("block_max,fused", [(0, 0), (128, 0), (128, 4096)])
-def test_update_special_values(kind, block_max, fused, monkeypatch):
+@pytest.mark.parametrize("block_max", [0, 128])
+def test_update_special_values(kind, block_max, monkeypatch):
     """±0, ±inf and NaN at a real vocabulary ("masked": -inf and NaN rows with 2 % values, so
     that fewer than k blocks may hold a value above -inf and the block-maxima method ranks the
-    whole row): the reference's table, either method, the block maxima in one launch too."""
+    whole row): the reference's table, either method."""
     monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
-    monkeypatch.setitem(kern.UPDATE_TUNING, "fused_nodes", fused)
     B, N, V = 4, 64, 32000
     tree, _, _ = batch(B, N, 5000, seed=5, keep=None)  # tokens below 5,000
     g = torch.Generator().manual_seed(7)
@@ -262,12 +256,11 @@ def test_update_special_values(kind, block_max, fused, monkeypatch):
     assert torch.equal(table.table.cpu(), want)
 
 
-@pytest.mark.parametrize("block_max,fused", [(0, 0), (128, 0), (128, 4096)])
-def test_update_is_graph_capturable(block_max, fused, monkeypatch):
+@pytest.mark.parametrize("block_max", [0, 128])
+def test_update_is_graph_capturable(block_max, monkeypatch):
     if DEV != "cuda":
         pytest.skip("CUDA graphs need CUDA")
     monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
-    monkeypatch.setitem(kern.UPDATE_TUNING, "fused_nodes", fused)
     B, N, V = 8, 64, 32000
     tree, tab, _ = batch(B, N, 5000, seed=2, keep=None)
     dtree = tree.to(DEV)
