@@ -643,6 +643,7 @@ UPDATE_TUNING = {
     "group": 0,
     "merge": "bitonic",
     "block_max": None,
+    "rank32": False,
 }
 """The update's configuration on the GPU. Stage 1: logits per block, programs per SM that the
 splits of V aim for, warps per program, and the top-k method: ``group`` 0 keeps a running list
@@ -652,6 +653,7 @@ maxima of groups of g logits and rereads those groups (``_update_group``). The w
 row). ``block_max`` m > 0 replaces both: stage 1 keeps one max per m logits (a float max per
 logit, no order keys), stage 2 rereads each node's k best blocks (``_update_by_block_maxima``);
 0 keeps the lists; None (the default) takes m from the vocabulary (``_update_block_max``).
+``rank32``: stage 2 of the block maxima ranks int32 keys where the logits are bf16.
 ``bench/bench_graft.py --sweep-update`` varies it; the splits and the method are part of
 ``update_workspace_key``, so a table's cached workspace follows it. H200, µs
 (bench/results/h200/graft_update_block_max.json, session 33), B 1 / 8 / 64, lists -> m 64 -> m 128:
@@ -748,7 +750,8 @@ def _update_by_block_maxima(
     direct(_block_top_kernel).launch(
         (n_flat,), logits, *common, table, ws_key, N, V, n_flat, logits.stride(0),
         logits.stride(1), K=K, KB=KB, NBP=max(pow2(cdiv(V, mb)), KB), MB=mb,
-        LAST_WINS=last_wins, num_warps=4,
+        LAST_WINS=last_wins, KEY32=UPDATE_TUNING["rank32"] and logits.dtype == torch.bfloat16,
+        num_warps=4,
     )  # fmt: skip
 
 

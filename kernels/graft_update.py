@@ -310,6 +310,7 @@ def _update_write_kernel(
 # the value key of -inf (0xFF800000 made monotone: 0x807FFFFF): a block whose best value key is
 # at or below it holds only -inf and NaN
 _VK_NEG_INF = tl.constexpr(-(2**31) + 0x7FFFFF)
+_VK16_NEG_INF = tl.constexpr((-(2**31) + 0x7FFFFF) & -65536)  # its top 16 bits (KEY32)
 
 
 @triton.jit(do_not_specialize=["N", "n_flat"])
@@ -373,9 +374,12 @@ def _block_top_kernel(
     NBP: tl.constexpr,
     MB: tl.constexpr,
     LAST_WINS: tl.constexpr,
+    KEY32: tl.constexpr,
 ):
     """Stage 2 of the block-maxima update, one program per node: the node whose claim equals
     ``owner[token]`` takes its top-k and writes the row, then resets the owner to INT32_MAX.
+    ``KEY32`` (bf16 logits, whose value keys are exact in their top 16 bits): both rankings on
+    int32 keys, (value key's top 16 bits, 65535 - position), instead of int64 ones.
 
     The top-k lie in the K blocks ranked highest by (block max, lower block first) when the K-th
     of them holds a value above -inf: a block ranked above the block of a top-k element holds a
@@ -390,19 +394,41 @@ def _block_top_kernel(
         p_x = x_ptr + i_b * stride_b + i_n * stride_n
         o_g = tl.arange(0, NBP)
         vk = tl.load(ws_key_ptr + i_f * NB + o_g, mask=o_g < NB, other=0)
-        b_key = (vk.to(tl.int64) << 32) | (_LOW32 - o_g.to(tl.int64))
-        b_key = tl.where(o_g < NB, b_key, _K64MIN)
-        top_b = tl.topk(b_key, KB)  # [KB] descending
         o_k = tl.arange(0, KB)
-        kth = tl.sum(tl.where(o_k == K - 1, top_b >> 32, 0))  # the K-th block's value key
         o_e = tl.arange(0, MB)
-        if (kth > _VK_NEG_INF) | (NB <= K):
-            has = (o_k < K) & (top_b != _K64MIN)
-            g = _local_of(top_b, False)
+        if KEY32:
+            b_key = tl.where(o_g < NB, (vk & -65536) | (65535 - o_g), _K32MIN)
+            top_b = tl.topk(b_key, KB)  # [KB] descending
+            kth = tl.sum(tl.where(o_k == K - 1, top_b & -65536, 0))  # the K-th block's max
+            found = top_b != _K32MIN
+            above_inf = kth > _VK16_NEG_INF
+        else:
+            b_key = (vk.to(tl.int64) << 32) | (_LOW32 - o_g.to(tl.int64))
+            b_key = tl.where(o_g < NB, b_key, _K64MIN)
+            top_b = tl.topk(b_key, KB)  # [KB] descending
+            kth = tl.sum(tl.where(o_k == K - 1, top_b >> 32, 0))  # the K-th block's value key
+            found = top_b != _K64MIN
+            above_inf = kth > _VK_NEG_INF
+        if above_inf | (NB <= K):
+            has = (o_k < K) & found
+            g = _local_of(top_b, KEY32)
+            if KEY32:
+                # the blocks in id order, so that a key's position in the [KB, MB] tile orders
+                # as its id does (ties: the lower id first)
+                g = tl.sort(tl.where(has, g, _I32MAX))
+                has = g != _I32MAX
             o_c = tl.where(has, g * MB, 0)[:, None] + o_e[None, :]  # [KB, MB] ids
             m_c = has[:, None] & (o_c < V)
             b_x = tl.load(p_x + o_c, mask=m_c, other=0.0).to(tl.float32)
-            top = tl.topk(tl.reshape(_order_key(b_x, o_c, m_c, False), [KB * MB]), KB)
+            if KEY32:
+                o_p = o_k[:, None] * MB + o_e[None, :]  # [KB, MB] positions (< 2^16)
+                top_p = tl.topk(tl.reshape(_order_key(b_x, o_p, m_c, True), [KB * MB]), KB)
+                p_top = _local_of(top_p, True)
+                g_top = tl.sum(tl.where(o_k[None, :] == (p_top // MB)[:, None], g[None, :], 0), 1)
+                top_ids = tl.where(top_p != _K32MIN, g_top * MB + p_top % MB, -1)
+            else:
+                top = tl.topk(tl.reshape(_order_key(b_x, o_c, m_c, False), [KB * MB]), KB)
+                top_ids = tl.where(top != _K64MIN, _local_of(top, False), -1)
         else:
             # the whole row, a tile of KB * MB ids at a time, merged into a running top-KB
             o_v = tl.arange(0, KB * MB)
@@ -412,6 +438,6 @@ def _block_top_kernel(
                 b_x = tl.load(p_x + start + o_v, mask=m_v, other=0.0).to(tl.float32)
                 both = tl.join(top, tl.topk(_order_key(b_x, start + o_v, m_v, False), KB))
                 top = tl.topk(tl.reshape(both, [2 * KB]), KB)
-        ids = tl.where(top != _K64MIN, _local_of(top, False), -1)
-        tl.store(table_ptr + tok * K + o_k, ids, mask=o_k < K)
+            top_ids = tl.where(top != _K64MIN, _local_of(top, False), -1)
+        tl.store(table_ptr + tok * K + o_k, top_ids, mask=o_k < K)
         tl.store(owner_ptr + tok, _I32MAX)

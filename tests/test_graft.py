@@ -775,15 +775,17 @@ _SPECIALS = [0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, float("inf"), float("-inf"), f
     st.sampled_from([0, 1, 2, 4]),
     st.sampled_from(["passes", "bitonic"]),
     st.sampled_from([0, 0, 1, 4, 16]),
+    st.booleans(),
 )
 def test_update_kernel_splits_and_special_values(
-    seed, dtype, splits, block_v, V, k, kind, group, merge, block_max
+    seed, dtype, splits, block_v, V, k, kind, group, merge, block_max, rank32
 ):
     """Any split/block (V rarely their multiple; k >= V), ties, ±0, ±inf, NaN, rows of -inf and
     NaN with a few values ("masked": fewer than k blocks may hold a value above -inf, where the
     block-maxima method ranks the whole row), every top-k method (block_max > 0: block maxima,
-    group and merge unused; else group 0: the running list, or group maxima where a block holds
-    KB groups) and either merge of the splits' lists: the reference's."""
+    ranked on int64 keys or, ``rank32`` with bf16 logits, int32 ones; group and merge unused;
+    else group 0: the running list, or group maxima where a block holds KB groups) and either
+    merge of the splits' lists: the reference's."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     B, N = rng.randint(1, 2), rng.choice([1, 3, 6])
@@ -803,7 +805,10 @@ def test_update_kernel_splits_and_special_values(
     with (
         patch.object(kern, "_splits", lambda n, v, b, d: splits),
         patch.object(kern, "_update_block_v", lambda: block_v),
-        patch.dict(kern.UPDATE_TUNING, {"group": group, "merge": merge, "block_max": block_max}),
+        patch.dict(
+            kern.UPDATE_TUNING,
+            {"group": group, "merge": merge, "block_max": block_max, "rank32": rank32},
+        ),
     ):
         for num, last in ((tree.num_nodes, False), (lengths, True)):
             want = torch.full((V, k), -1, dtype=torch.int32)

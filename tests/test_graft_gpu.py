@@ -154,15 +154,17 @@ def test_graft_is_graph_capturable():
     ],
 )
 @pytest.mark.parametrize(
-    "group,merge,block_max",
-    [(0, "passes", 0), (0, "bitonic", 0), (16, "passes", 0), (64, "bitonic", 0),
-     (0, "bitonic", 64), (0, "bitonic", 128), (0, "bitonic", 512)],
+    "group,merge,block_max,rank32",
+    [(0, "passes", 0, False), (0, "bitonic", 0, False), (16, "passes", 0, False),
+     (64, "bitonic", 0, False), (0, "bitonic", 64, False), (0, "bitonic", 128, False),
+     (0, "bitonic", 512, False), (0, "bitonic", 64, True), (0, "bitonic", 128, True)],
 )  # fmt: skip
-def test_update_matches_reference(B, N, V, dtype, group, merge, block_max, monkeypatch):
+def test_update_matches_reference(B, N, V, dtype, group, merge, block_max, rank32, monkeypatch):
     """Every top-k method of the update's stage 1 (group 0: the running list; else group
     maxima of that many logits; block_max > 0: block maxima, whose stage 2 rereads each node's
-    k best blocks) and both merges of the lists' write stage, with many ties, duplicate tokens,
-    top-k ids, warm start."""
+    k best blocks, ranking int32 keys with ``rank32`` where the logits are bf16) and both merges
+    of the lists' write stage, with many ties, duplicate tokens, top-k ids, warm start."""
+    monkeypatch.setitem(kern.UPDATE_TUNING, "rank32", rank32)
     monkeypatch.setitem(kern.UPDATE_TUNING, "group", group)
     monkeypatch.setitem(kern.UPDATE_TUNING, "merge", merge)
     monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
@@ -193,10 +195,13 @@ def test_update_matches_reference(B, N, V, dtype, group, merge, block_max, monke
     assert torch.equal(table.table.cpu(), want)
 
 
-@pytest.mark.parametrize("group,block_max", [(0, 0), (32, 0), (0, 128)])
-def test_update_large_vocab_deterministic(group, block_max, monkeypatch):
+@pytest.mark.parametrize(
+    "group,block_max,rank32", [(0, 0, False), (32, 0, False), (0, 128, False), (0, 128, True)]
+)
+def test_update_large_vocab_deterministic(group, block_max, rank32, monkeypatch):
     """V = 128256, bf16, 64 x 60 nodes: exact against a stable sort; the same table on reruns
-    (each top-k method)."""
+    (each top-k method; the block maxima ranked on int64 and on int32 keys)."""
+    monkeypatch.setitem(kern.UPDATE_TUNING, "rank32", rank32)
     monkeypatch.setitem(kern.UPDATE_TUNING, "group", group)
     monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
     B, N, V, k = 64 if DEV == "cuda" else 2, 64, LARGE_V, 8
@@ -230,12 +235,13 @@ def test_update_large_vocab_deterministic(group, block_max, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["specials", "masked"])
-@pytest.mark.parametrize("block_max", [0, 128])
-def test_update_special_values(kind, block_max, monkeypatch):
+@pytest.mark.parametrize("block_max,rank32", [(0, False), (128, False), (128, True)])
+def test_update_special_values(kind, block_max, rank32, monkeypatch):
     """±0, ±inf and NaN at a real vocabulary ("masked": -inf and NaN rows with 2 % values, so
     that fewer than k blocks may hold a value above -inf and the block-maxima method ranks the
-    whole row): the reference's table, either method."""
+    whole row): the reference's table, either method, either key width."""
     monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
+    monkeypatch.setitem(kern.UPDATE_TUNING, "rank32", rank32)
     B, N, V = 4, 64, 32000
     tree, _, _ = batch(B, N, 5000, seed=5, keep=None)  # tokens below 5,000
     g = torch.Generator().manual_seed(7)
