@@ -643,7 +643,7 @@ UPDATE_TUNING = {
     "group": 0,
     "merge": "bitonic",
     "block_max": None,
-    "rank32": False,
+    "rank32": True,
 }
 """The update's configuration on the GPU. Stage 1: logits per block, programs per SM that the
 splits of V aim for, warps per program, and the top-k method: ``group`` 0 keeps a running list
@@ -653,7 +653,11 @@ maxima of groups of g logits and rereads those groups (``_update_group``). The w
 row). ``block_max`` m > 0 replaces both: stage 1 keeps one max per m logits (a float max per
 logit, no order keys), stage 2 rereads each node's k best blocks (``_update_by_block_maxima``);
 0 keeps the lists; None (the default) takes m from the vocabulary (``_update_block_max``).
-``rank32``: stage 2 of the block maxima ranks int32 keys where the logits are bf16.
+``rank32``: stage 2 of the block maxima ranks int32 keys where the logits are bf16 (their value
+keys are exact in 16 bits), int64 ones otherwise; on an H100 (session 39,
+bench/results/h100/graft_update_rank32_s39.json) int32 keys took 4-16 % off every row: B 1 / 8 /
+64 at V 32,000 9.1 / 22.3 / 143 -> 8.6 / 20.5 / 129.5 µs, at V 128,256 15.2 / 64.6 / 450-491 ->
+13.4 / 59.9 / 414.
 ``bench/bench_graft.py --sweep-update`` varies it; the splits and the method are part of
 ``update_workspace_key``, so a table's cached workspace follows it. H200, µs
 (bench/results/h200/graft_update_block_max.json, session 33), B 1 / 8 / 64, lists -> m 64 -> m 128:
