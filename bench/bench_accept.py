@@ -528,7 +528,7 @@ def top_sweep_configs(cpu: bool = False) -> list[dict]:
     if cpu:
         return [dict(max_groups=16), dict(reread=16, pass2_warps=4)]
     groups = [dict(max_groups=g) for g in (1024, 2048, 4096)]
-    tiles = [dict(reread=r, pass2_warps=4) for r in (256, 512)]
+    tiles = [dict(reread=r, pass2_warps=4) for r in (256, 1024)]
     return groups + tiles
 
 

@@ -203,6 +203,16 @@ at B 64 (4,096 programs) two blocks in flight cost sampling 128.5 / 132.3 and 11
 without truncation tensors, where the launch's many programs already fill the memory pipeline."""
 
 
+REREAD_TOKENS = 512
+"""Pass 2's reread tile (tokens): the candidate groups are read this many tokens at a time. Its
+[READ] keys and ids set pass 2's registers at B 64, V 32,000, 4 warps (1,024: 158; 512: 120;
+256: 96): a smaller tile fits more programs an SM and takes more reads one after another.
+Measured on an H100 at 2,048 groups (``bench_accept.py --sweep-top --batches 8,64``, top-k 50 /
+top-p 0.9, µs, 1,024 / 512 / 256 tokens): B 8 V 32,000 56.7 / 48.4 / 50.5; B 64 289.2 / 267.1 /
+288.2; B 8 V 128,256 108.8 / 96.4 / 104.5; B 64 650.0 / 621.3 / 684.3. At B 1 (4,096 groups,
+session 37) 1,024 and 512 tied: 25.5 / 25.8."""
+
+
 def default_ahead(programs: int, device: torch.device) -> int:
     """Blocks in flight per pass 1 program (1 or 2) for a launch of ``programs`` programs."""
     if device.type != "cuda":
@@ -345,9 +355,7 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         GROUP=group,
         G_PAD=G_PAD,
         GC=GC,
-        # the candidates' reread tile: its [READ] keys and ids set pass 2's registers (1,024:
-        # 158 at B 64 V 32,000, 4 warps; 512: 120; 256: 96), fewer tokens a read more reads
-        READ=max(group, reread or (64 if interpreted() else 1024)),
+        READ=max(group, reread or (64 if interpreted() else REREAD_TOKENS)),
         CAP=CAP,
         # the candidates' small sort (the interpreter's tests reach both sizes)
         CAP_S=min(CAP, 128) if not interpreted() else max(CAP // 2, min(CAP, 2)),
