@@ -720,7 +720,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
         # the kept-set pass's reread tile x warps (bench_accept.py --sweep-top)
         *(
             accept("sample", 64, 32000, k=50, p=0.9, reread=r, pass2_warps=w)
-            for r in (256, 512)
+            for r in (256, 1024)
             for w in (4, 8)
         ),
         accept("sample", 64, 32000, k=50, p=0.9, pass2_warps=8),

@@ -205,8 +205,9 @@ without truncation tensors, where the launch's many programs already fill the me
 
 REREAD_TOKENS = 512
 """Pass 2's reread tile (tokens): the candidate groups are read this many tokens at a time. Its
-[READ] keys and ids set pass 2's registers at B 64, V 32,000, 4 warps (1,024: 158; 512: 120;
-256: 96): a smaller tile fits more programs an SM and takes more reads one after another.
+[READ] keys and ids set pass 2's registers at B 64, V 32,000, 4 warps (``bench/compile_check.py``,
+sm_90: 1,024: 159; 512: 128; 256: 123): a smaller tile fits more programs an SM (four at 512,
+three at 1,024) and takes more reads one after another.
 Measured on an H100 at 2,048 groups (``bench_accept.py --sweep-top --batches 8,64``, top-k 50 /
 top-p 0.9, µs, 1,024 / 512 / 256 tokens): B 8 V 32,000 56.7 / 48.4 / 50.5; B 64 289.2 / 267.1 /
 288.2; B 8 V 128,256 108.8 / 96.4 / 104.5; B 64 650.0 / 621.3 / 684.3. At B 1 (4,096 groups,
