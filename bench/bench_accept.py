@@ -522,14 +522,14 @@ def top_sweep_configs(cpu: bool = False) -> list[dict]:
     """The launch overrides ``--sweep-top`` times: pass 1's group count (the group maxima pass 2
     bounds the threshold with: more groups, fewer tokens reread; 2,048 is the default), then
     pass 2's reread tile at the default group count (a smaller tile takes fewer registers, so
-    more programs an SM, for more serial reads). 512 groups and 8 warps for pass 2 are left out:
-    they lost at every B on the H100 (docs/benchmarks.md, session 37); a configuration costs
-    about 10 s of compiling a row."""
+    more programs an SM, for more serial reads), then its reads issued one ahead. 512 groups
+    and 8 warps for pass 2 are left out: they lost at every B on the H100 (docs/benchmarks.md,
+    session 37); a configuration costs about 10 s of compiling a row."""
     if cpu:
-        return [dict(max_groups=16), dict(reread=16, pass2_warps=4)]
+        return [dict(max_groups=16), dict(reread=16, pass2_warps=4), dict(reread_ahead=True)]
     groups = [dict(max_groups=g) for g in (1024, 2048, 4096)]
     tiles = [dict(reread=r, pass2_warps=4) for r in (256, 1024)]
-    return groups + tiles
+    return groups + tiles + [dict(reread_ahead=True)]
 
 
 def top_sweep_rows(empty_us: float, Bs, Vs, configs: list[dict],

@@ -119,6 +119,7 @@ def _accept_kernel(
     G_PAD: tl.constexpr,
     GC: tl.constexpr,
     READ: tl.constexpr,
+    READ_AHEAD: tl.constexpr,  # pass 2: the next candidate read issued before the current's use
     CAP: tl.constexpr,
     CAP_S: tl.constexpr,
     SUB: tl.constexpr,
@@ -143,8 +144,8 @@ def _accept_kernel(
         _finish_node(
             pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp, p_wmax,
             p_wse, p_wthr, p_wcut, p_wz, p_wcs, p_wcm, p_wgm, p_wcand, p_wsel, N, V, NCH, S,
-            S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, GC, READ, CAP, CAP_S, SUB,
-            HAS_TOPK, HAS_TOPP
+            S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, GC, READ, READ_AHEAD, CAP,
+            CAP_S, SUB, HAS_TOPK, HAS_TOPP
         )  # fmt: skip
     # PHASE 0: the request's last program to arrive walks; PHASE 2: one walker per request
     last = False
@@ -214,6 +215,12 @@ top-p 0.9, µs, 1,024 / 512 / 256 tokens): B 8 V 32,000 56.7 / 48.4 / 50.5; B 64
 session 37) 1,024 and 512 tied: 25.5 / 25.8."""
 
 
+REREAD_AHEAD = False
+"""Whether pass 2 issues each candidate read before it compacts the one before (two reads in
+flight where a row's candidate groups take several: about k / (REREAD_TOKENS / GROUP) reads, 7
+for top-k 50 at V 128,256). Off until ``bench_accept.py --sweep-top`` times it."""
+
+
 def default_ahead(programs: int, device: torch.device) -> int:
     """Blocks in flight per pass 1 program (1 or 2) for a launch of ``programs`` programs."""
     if device.type != "cuda":
@@ -269,7 +276,7 @@ _PLANS: dict[tuple, _Plan] = {}
 
 def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
           block_v, num_pivots, cap, max_groups, num_warps, ahead, vector_loads, has_topk,
-          has_topp, reread, pass2_warps) -> _Plan:  # fmt: skip
+          has_topp, reread, pass2_warps, reread_ahead) -> _Plan:  # fmt: skip
     # blocks and warps from the H200 sweep (bench_accept.py --sweep, accept_sweep.json): from
     # B*N = 512 (B 8 at N 64) every program is one split of a whole row and larger blocks keep
     # more bytes in flight: greedy 8,192 at 4 warps (B 64 V 32,000 71.7 against 78.7 us at 4,096
@@ -357,6 +364,7 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         G_PAD=G_PAD,
         GC=GC,
         READ=max(group, reread or (64 if interpreted() else REREAD_TOKENS)),
+        READ_AHEAD=REREAD_AHEAD if reread_ahead is None else reread_ahead,
         CAP=CAP,
         # the candidates' small sort (the interpreter's tests reach both sizes)
         CAP_S=min(CAP, 128) if not interpreted() else max(CAP // 2, min(CAP, 2)),
@@ -402,6 +410,7 @@ def accept_launch(
     vector_loads: bool = True,
     reread: int | None = None,
     pass2_warps: int | None = None,
+    reread_ahead: bool | None = None,
 ) -> Acceptance:
     """Launch the acceptance kernels (greedy when ``uniforms`` is None). Inputs are assumed
     validated by ``treeops.accept``.
@@ -416,7 +425,8 @@ def accept_launch(
     loops); ``num_warps`` overrides pass 1's warps, ``ahead`` (1 or 2; None:
     ``default_ahead``) its blocks in flight a program, and ``vector_loads=False`` makes its
     logits loads one element each; ``reread`` (tokens, a power of two) is the tile in which
-    pass 2 rereads candidate groups and ``pass2_warps`` pass 2's warps (the benchmark's
+    pass 2 rereads candidate groups, ``reread_ahead`` whether it issues each such read before the
+    last is used (None: ``REREAD_AHEAD``) and ``pass2_warps`` pass 2's warps (the benchmark's
     sweeps).
     ``workspace``:
     ``(float32, int32, counters)`` buffers to use instead of the per-device cached scratch and
@@ -444,7 +454,7 @@ def accept_launch(
     has_topk, has_topp = top_k is not None, top_p is not None
     key = (B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
            block_v, num_pivots, cap, max_groups, num_warps, ahead, bool(vector_loads), has_topk,
-           has_topp, reread, pass2_warps)  # fmt: skip
+           has_topp, reread, pass2_warps, reread_ahead)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)
