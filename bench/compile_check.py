@@ -693,6 +693,9 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     # three stream tiles in flight (the sweep's alternative to two)
     for B, V in ((64, 32000), (8, 128256)):
         out.append(build("eagle", B, V, 64, stream_ahead=3))
+    # the candidates' tile reads issued one ahead (the sweep's alternative)
+    for B, V in ((1, 32000), (64, 32000), (64, 128256)):
+        out.append(build("eagle", B, V, 64, cand_ahead=True))
     out += pdl_cases()
     # acceptance: greedy and sampling over both vocabularies, the top-k/top-p, logprob and
     # top-k-id variants, and the two-launch fallback

@@ -142,6 +142,7 @@ def _expand_kernel(
     CAP: tl.constexpr,  # split > 1: most candidates ranked at once (else the tile-by-tile merge)
     BLOCKS_TOPK: tl.constexpr,  # split > 1: the K best blocks by one tl.topk (else K reductions)
     RANK_TOPK: tl.constexpr,  # split > 1: the ranked candidates by one tl.topk (else compares)
+    CAND_AHEAD: tl.constexpr,  # split > 1: each read of the candidates' tiles issued one ahead
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
     CAST: tl.constexpr,  # CAST's width/depth decision; else EAGLE's fixed width
@@ -163,7 +164,20 @@ def _expand_kernel(
         m_run, s_run = _combine_softmax(p_part_m, p_part_s, i_row.to(tl.int64), SPLIT, SP)
         p_part = p_part_t + i_row.to(tl.int64) * NT
         b_top = _top_of_tiles(
-            p_row, p_part, V, row_ok, K, KP, MB, NT, NTP, GT, CAP, BLOCKS_TOPK, RANK_TOPK
+            p_row,
+            p_part,
+            V,
+            row_ok,
+            K,
+            KP,
+            MB,
+            NT,
+            NTP,
+            GT,
+            CAP,
+            BLOCKS_TOPK,
+            RANK_TOPK,
+            CAND_AHEAD,
         )
     else:
         m_run, s_run, b_top = _stream_row(p_row, 0, V, V, row_ok, K, KP, BLOCK_V)
@@ -587,6 +601,7 @@ def expand(
     blocks_topk: bool | None = None,
     rank_topk: bool = True,
     stream_ahead: int = 2,
+    cand_ahead: bool = False,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V], or [B, 1, V] (the root's row alone,
     at layer 0: the launch covers B rows, and the request's other candidate slots of the layer
@@ -621,7 +636,9 @@ def expand(
     (2,004 blocks of 64) 17.6 -> 17.2 with ``rank_topk`` alone and 20.3 with both: a ``tl.topk``
     over 2,048 keys costs more than K reductions over them. ``stream_ahead``: tiles each streaming
     program loads ahead of the one it reduces (2, the default, or 3: more bytes in flight per
-    warp, where the one-warp programs' SM limit of 32 caps the warps; untimed)."""
+    warp, where the one-warp programs' SM limit of 32 caps the warps; untimed). ``cand_ahead``:
+    the top-K's reads of ``cand_tiles`` blocks at a time each issued before the one before is
+    compacted (two in flight; untimed)."""
     if stream_ahead not in (2, 3):
         raise ValueError(f"stream_ahead must be 2 or 3, got {stream_ahead}")
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
@@ -736,6 +753,7 @@ def expand(
         # K = 1: one max is the whole ranking (and tl.topk of 1 fails to build)
         BLOCKS_TOPK=split > 1 and blocks_topk and KP > 1 and pow2(n_blocks) >= KP,
         RANK_TOPK=split > 1 and rank_topk and KP > 1 and cand_cap >= KP,
+        CAND_AHEAD=split > 1 and cand_ahead,
         LANES=32 * warps,
         FENCE=not interpreted(),
         CAST=cast is not None,

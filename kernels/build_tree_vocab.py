@@ -240,6 +240,22 @@ def _top_of_tiles_merged(p_row, t_key, V, K: tl.constexpr, KP: tl.constexpr, BLO
 
 
 @triton.jit
+def _read_tiles(p_row, b_v0, g, V, v_none, K: tl.constexpr, KP: tl.constexpr, GT: tl.constexpr,
+                BLOCK_V: tl.constexpr):  # fmt: skip
+    """Tiles ``g .. g + GT`` of the K whose first tokens are ``b_v0`` [KP] (v_none: none, and
+    past K none): their [GT, BLOCK_V] token ids and raw logits (-inf past V)."""
+    o_k = tl.arange(0, KP)
+    o_g = tl.arange(0, GT)
+    v0_g = tl.sum(tl.where(o_k[None, :] == g + o_g[:, None], b_v0[None, :], 0), axis=1)
+    v0_g = tl.where(g + o_g < K, v0_g, v_none)
+    # every entry a tile's first token (or v_none): BLOCK_V-aligned, so the reads are 16-byte
+    # vectors where the row is 16-byte aligned
+    v0_g = tl.multiple_of(v0_g, BLOCK_V)
+    o_v = v0_g[:, None] + tl.arange(0, BLOCK_V)[None, :]  # [GT, BLOCK_V]
+    return o_v, tl.load(p_row + o_v, mask=o_v < V, other=-float("inf"))
+
+
+@triton.jit
 def _top_of_tiles(
     p_row,
     p_tmax,
@@ -254,6 +270,7 @@ def _top_of_tiles(
     CAP: tl.constexpr,
     BLOCKS_TOPK: tl.constexpr,
     RANK_TOPK: tl.constexpr,
+    CAND_AHEAD: tl.constexpr,
 ):
     """The row's top-K packed keys, reading only the tiles that can hold them.
 
@@ -264,7 +281,9 @@ def _top_of_tiles(
     ``T``, so the row's K-th largest logit is at least ``T``: the top-K are among the elements
     of those K tiles with a logit >= ``T``. Those are read ``GT`` tiles at a time, and the
     tokens at or above ``T`` are compacted (a prefix sum) into ``p_tmax``'s row, whose tile
-    maxima are in registers by then and which the next ``_stream_kernel`` launch rewrites.
+    maxima are in registers by then and which the next ``_stream_kernel`` launch rewrites
+    (``CAND_AHEAD``: each read of GT tiles issued before the one before is compacted, as the
+    reads' addresses do not depend on the running count).
     When they fit (at most ``min(CAP, NT)``; at least K qualify, the K tiles' maxima), their keys
     are ranked at once: a constant number of block-wide steps instead of a reduction per
     candidate. Otherwise (many equal logits), or always with ``CAP`` = 0,
@@ -305,18 +324,17 @@ def _top_of_tiles(
         thr = (t_kth >> 32).to(tl.int32)
         # every tile max is in registers (the reductions above waited on the loads): the row's
         # slots of p_tmax are free for the candidate tokens
-        o_g = tl.arange(0, GT)
-        o_b = tl.arange(0, BLOCK_V)
         n_c = tl.sum(tl.zeros([GT], tl.int32))
+        if CAND_AHEAD:
+            o_n, b_n = _read_tiles(p_row, b_v0, 0, V, v_none, K, KP, GT, BLOCK_V)
         for g in range(0, K, GT):
-            v0_g = tl.sum(tl.where(o_k[None, :] == g + o_g[:, None], b_v0[None, :], 0), axis=1)
-            v0_g = tl.where(g + o_g < K, v0_g, v_none)
-            # every entry a tile's first token (or v_none): BLOCK_V-aligned, so the reads are
-            # 16-byte vectors where the row is 16-byte aligned
-            v0_g = tl.multiple_of(v0_g, BLOCK_V)
-            o_v = v0_g[:, None] + o_b[None, :]  # [GT, BLOCK_V]
+            if CAND_AHEAD:
+                o_v, b_raw = o_n, b_n
+                o_n, b_n = _read_tiles(p_row, b_v0, g + GT, V, v_none, K, KP, GT, BLOCK_V)
+            else:
+                o_v, b_raw = _read_tiles(p_row, b_v0, g, V, v_none, K, KP, GT, BLOCK_V)
             m_v = o_v < V
-            b_x = tl.load(p_row + o_v, mask=m_v, other=-float("inf")).to(tl.float32) + 0.0
+            b_x = b_raw.to(tl.float32) + 0.0
             c_i = (m_v & (_ordered(b_x) >= thr)).to(tl.int32)
             n_g = tl.sum(c_i, axis=1)  # [GT]
             pos = n_c + (tl.cumsum(n_g, 0) - n_g)[:, None] + tl.cumsum(c_i, axis=1) - 1

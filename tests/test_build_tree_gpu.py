@@ -177,10 +177,12 @@ def test_top_k_methods_agree(B, V, ties):
                (64, 4, 256, 4), (32, 8, 512, 4), (32, 16, 512, 4), (32, 4, 128, 4),
                (32, 8, 32, 4), (0, 1, 64, 4), (32, 2, None, 2), (32, 4, None, 8),
                (32, 4, None, 4, "blocks_topk", "rank_topk"), (32, 1, None, 4, "blocks_topk"),
-               (16, 4, 64, 4, "rank_topk"), (32, None, None, None, "defaults")]  # fmt: skip
+               (16, 4, 64, 4, "rank_topk"), (32, None, None, None, "defaults"),
+               (32, 1, None, 4, "cand_ahead"), (32, 4, None, 4, "cand_ahead")]  # fmt: skip
     for cap, tiles, mb, rw, *topks in configs:
         st = treeops.DraftState.new(pol, roots, seq)
         kw = {} if "defaults" in topks else {k: k in topks for k in ("blocks_topk", "rank_topk")}
+        kw["cand_ahead"] = "cand_ahead" in topks
         for i, x in enumerate(logits):
             _launch_expand(
                 x, st, pol, cand_cap=cap, cand_tiles=tiles, max_block=mb, row_warps=rw, **kw
