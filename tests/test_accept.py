@@ -546,11 +546,14 @@ def near_boundary(tree, lg, T, k, p, u, stops, bud):
     cap=st.sampled_from([2, None]),
     splits=st.sampled_from([1, 2, 3]),
     ahead=st.sampled_from([1, 2]),
+    gather=st.booleans(),
 )
-def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase, cap, splits, ahead):
+def test_sample_kernel_equals_reference(
+    case, seed, ties, dtype, block, phase, cap, splits, ahead, gather
+):
     """cap=2 forces the exact multi-pivot search; the default takes the candidate path wherever
     the group maxima bound the threshold. ``splits`` vocabulary splits per node in pass 1,
-    ``ahead`` its blocks in flight."""
+    ``ahead`` its blocks in flight, ``gather`` the walk's children's logits read before it."""
     rng = random.Random(seed)
     tree, V = case.tree, case.vocab
     B = tree.batch_size
@@ -582,6 +585,7 @@ def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase, c
         cap=cap,
         num_splits=splits,
         ahead=ahead,
+        walk_gather=gather,
     )
     assert_same(got, want, lp_tol=2e-4)
 
