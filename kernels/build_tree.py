@@ -164,21 +164,9 @@ def _expand_kernel(
         m_run, s_run = _combine_softmax(p_part_m, p_part_s, i_row.to(tl.int64), SPLIT, SP)
         p_part = p_part_t + i_row.to(tl.int64) * NT
         b_top = _top_of_tiles(
-            p_row,
-            p_part,
-            V,
-            row_ok,
-            K,
-            KP,
-            MB,
-            NT,
-            NTP,
-            GT,
-            CAP,
-            BLOCKS_TOPK,
-            RANK_TOPK,
-            CAND_AHEAD,
-        )
+            p_row, p_part, V, row_ok, K, KP, MB, NT, NTP, GT, CAP, BLOCKS_TOPK, RANK_TOPK,
+            CAND_AHEAD
+        )  # fmt: skip
     else:
         m_run, s_run, b_top = _stream_row(p_row, 0, V, V, row_ok, K, KP, BLOCK_V)
     o_k = tl.arange(0, KP)
