@@ -751,11 +751,13 @@ def _update_by_block_maxima(
         logits.stride(1), BLOCK_V=_update_block_v(), MB=mb, LAST_WINS=last_wins,
         num_warps=1 if interpreted() else UPDATE_TUNING["num_warps"],
     )  # fmt: skip
+    # int32 keys hold 16 bits of a bf16 value and 16 of a block index or tile position
+    key32 = (UPDATE_TUNING["rank32"] and logits.dtype == torch.bfloat16
+             and max(cdiv(V, mb), KB * mb) <= 1 << 16)  # fmt: skip
     direct(_block_top_kernel).launch(
         (n_flat,), logits, *common, table, ws_key, N, V, n_flat, logits.stride(0),
         logits.stride(1), K=K, KB=KB, NBP=max(pow2(cdiv(V, mb)), KB), MB=mb,
-        LAST_WINS=last_wins, KEY32=UPDATE_TUNING["rank32"] and logits.dtype == torch.bfloat16,
-        num_warps=4,
+        LAST_WINS=last_wins, KEY32=key32, num_warps=4,
     )  # fmt: skip
 
 
