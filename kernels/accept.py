@@ -373,7 +373,7 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         G_PAD=G_PAD,
         GC=GC,
         READ=max(group, reread or (64 if interpreted() else REREAD_TOKENS)),
-        READ_AHEAD=REREAD_AHEAD if reread_ahead is None else reread_ahead,
+        READ_AHEAD=reread_ahead,
         CAP=CAP,
         # the candidates' small sort (the interpreter's tests reach both sizes)
         CAP_S=min(CAP, 128) if not interpreted() else max(CAP // 2, min(CAP, 2)),
@@ -470,7 +470,8 @@ def accept_launch(
     has_topk, has_topp = top_k is not None, top_p is not None
     key = (B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
            block_v, num_pivots, cap, max_groups, num_warps, ahead, bool(vector_loads), has_topk,
-           has_topp, reread, pass2_warps, reread_ahead,
+           has_topp, reread, pass2_warps,
+           REREAD_AHEAD if reread_ahead is None else bool(reread_ahead),
            WALK_GATHER if walk_gather is None else bool(walk_gather))  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
