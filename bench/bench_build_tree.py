@@ -405,10 +405,11 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False, extra=()):
     # and the K best blocks or the ranked candidates by one tl.topk each, at the default blocks
     for bt, rt in ((True, False), (False, True), (True, True)):
         tunes[f"blocks_topk={bt},rank_topk={rt}"] = dict(blocks_topk=bt, rank_topk=rt)
-    # and the candidates' tile reads issued one ahead, at the default and at 1 and 4 a read
-    for tiles in (None, 1, 4):
-        tunes[f"cand_ahead=True,cand_tiles={tiles or 'auto'}"] = dict(
-            cand_ahead=True, cand_tiles=tiles
+    # and the candidates' tile reads issued one at a time (the default issues them one ahead),
+    # and one ahead at 1 and 4 a read
+    for ahead, tiles in ((False, None), (True, 1), (True, 4)):
+        tunes[f"cand_ahead={ahead},cand_tiles={tiles or 'auto'}"] = dict(
+            cand_ahead=ahead, cand_tiles=tiles
         )
     for tune in extra:
         tunes[",".join(f"{k}={v}" for k, v in tune.items())] = dict(tune)
