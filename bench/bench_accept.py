@@ -522,16 +522,14 @@ def top_sweep_configs(cpu: bool = False) -> list[dict]:
     """The launch overrides ``--sweep-top`` times: pass 1's group count (the group maxima pass 2
     bounds the threshold with: more groups, fewer tokens reread; 2,048 is the default), then
     pass 2's reread tile at the default group count (a smaller tile takes fewer registers, so
-    more programs an SM, for more serial reads), then its reads issued one ahead, then the
-    walk's children's logits gathered before it starts. 512 groups
-    and 8 warps for pass 2 are left out: they lost at every B on the H100 (docs/benchmarks.md,
-    session 37); a configuration costs about 10 s of compiling a row."""
+    more programs an SM, for more serial reads). 512 groups and 8 warps for pass 2 are left out:
+    they lost at every B on the H100 (docs/benchmarks.md, session 37); a configuration costs
+    about 10 s of compiling a row."""
     if cpu:
-        return [dict(max_groups=16), dict(reread=16, pass2_warps=4), dict(reread_ahead=True),
-                dict(walk_gather=True)]  # fmt: skip
+        return [dict(max_groups=16), dict(reread=16, pass2_warps=4)]
     groups = [dict(max_groups=g) for g in (1024, 2048, 4096)]
     tiles = [dict(reread=r, pass2_warps=4) for r in (256, 1024)]
-    return groups + tiles + [dict(reread_ahead=True), dict(walk_gather=True)]
+    return groups + tiles
 
 
 def top_sweep_rows(empty_us: float, Bs, Vs, configs: list[dict],
@@ -600,8 +598,6 @@ def pass1_sweep_rows(empty_us: float, Bs, Vs, rows: list | None = None) -> list[
                 # without top-k / top-p tensors: pass 1 and the walk, or one launch
                 "sample_none": ((T, None, None, u), dict(phase=1)),
                 "sample_none_fused": ((T, None, None, u), dict(phase=0)),
-                # and the walk's children's logits gathered before it starts
-                "sample_none_gather": ((T, None, None, u), dict(phase=1, walk_gather=True)),
             }  # fmt: skip
             if V < 2048 * 16:
                 del kinds["greedy_s16"]  # fewer logits than the 16 splits' blocks

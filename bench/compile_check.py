@@ -727,13 +727,6 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
             for w in (4, 8)
         ),
         accept("sample", 64, 32000, k=50, p=0.9, pass2_warps=8),
-        # the candidate reads issued one ahead (off by default)
-        *(
-            accept("sample", B, V, k=50, p=0.9, reread_ahead=True)
-            for B, V in ((1, 128256), (64, 32000))
-        ),
-        # the walk's children's logits gathered before it (off by default)
-        *(accept("sample", B, V, walk_gather=True) for B in (1, 64) for V in (32000, 128256)),
     ]
     for d in (64, 128, 256):
         out.append(compact(8, 32, 8, d, 16))

@@ -119,7 +119,6 @@ def _accept_kernel(
     G_PAD: tl.constexpr,
     GC: tl.constexpr,
     READ: tl.constexpr,
-    READ_AHEAD: tl.constexpr,  # pass 2: the next candidate read issued before the current's use
     CAP: tl.constexpr,
     CAP_S: tl.constexpr,
     SUB: tl.constexpr,
@@ -128,7 +127,6 @@ def _accept_kernel(
     HAS_TOPK: tl.constexpr,  # sampling: the launch has top-k / top-p tensors (else off)
     HAS_TOPP: tl.constexpr,
     TRUNC: tl.constexpr,  # sampling: either (else no kept-set pass: PHASE 0 walks as greedy's)
-    GATHER: tl.constexpr,  # sampling's walk: the children's logits gathered before it
 ):
     """PHASE 0: pass 1, the request's last program walks (grid B*N*S; greedy, and sampling
     without top-k / top-p tensors). 1: pass 1 only
@@ -145,8 +143,8 @@ def _accept_kernel(
         _finish_node(
             pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp, p_wmax,
             p_wse, p_wthr, p_wcut, p_wz, p_wcs, p_wcm, p_wgm, p_wcand, p_wsel, N, V, NCH, S,
-            S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, GC, READ, READ_AHEAD, CAP,
-            CAP_S, SUB, HAS_TOPK, HAS_TOPP
+            S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, GC, READ, CAP, CAP_S, SUB,
+            HAS_TOPK, HAS_TOPP
         )  # fmt: skip
     # PHASE 0: the request's last program to arrive walks; PHASE 2: one walker per request
     last = False
@@ -164,7 +162,7 @@ def _accept_kernel(
                 p_temp, p_uni, s_ub, p_stop, s_sb, n_stop, p_budget, p_wmax, p_warg, p_wse,
                 p_wtkv, p_wtki, p_wthr, p_wcut, p_wz, p_wcs, p_wcm, p_acc, p_len, p_bonus, p_lp,
                 p_topk, N, V, NCH, N_PAD, S, S_PAD, BLOCK_V, NCH_PAD, K, K_PAD, SAMPLE, HAS_STOP,
-                STOP_PAD, HAS_BUDGET, HAS_LP, TRUNC, GATHER
+                STOP_PAD, HAS_BUDGET, HAS_LP, TRUNC
             )  # fmt: skip
             if PHASE != 2:
                 tl.store(p_count + i_b, 0)
@@ -214,20 +212,6 @@ Measured on an H100 at 2,048 groups (``bench_accept.py --sweep-top --batches 8,6
 top-p 0.9, µs, 1,024 / 512 / 256 tokens): B 8 V 32,000 56.7 / 48.4 / 50.5; B 64 289.2 / 267.1 /
 288.2; B 8 V 128,256 108.8 / 96.4 / 104.5; B 64 650.0 / 621.3 / 684.3. At B 1 (4,096 groups,
 session 37) 1,024 and 512 tied: 25.5 / 25.8."""
-
-
-REREAD_AHEAD = False
-"""Whether pass 2 issues each candidate read before it compacts the one before (two reads in
-flight where a row's candidate groups take several: about k / (REREAD_TOKENS / GROUP) reads, 7
-for top-k 50 at V 128,256). Off until ``bench_accept.py --sweep-top`` times it."""
-
-
-WALK_GATHER = False
-"""Whether the sampling walk reads every node's logit at its parent's row (and every node's
-uniform) before it starts: one gather of N values, after which a step's children come from
-registers; otherwise each step reads its children's logits, a round trip that waits on the step
-before (the walk's 6-8 µs at every shape, one step per accepted token). The same values either
-way. Off until ``bench_accept.py --sweep-pass1`` times it."""
 
 
 def default_ahead(programs: int, device: torch.device) -> int:
@@ -285,7 +269,7 @@ _PLANS: dict[tuple, _Plan] = {}
 
 def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
           block_v, num_pivots, cap, max_groups, num_warps, ahead, vector_loads, has_topk,
-          has_topp, reread, pass2_warps, reread_ahead, walk_gather) -> _Plan:  # fmt: skip
+          has_topp, reread, pass2_warps) -> _Plan:  # fmt: skip
     # blocks and warps from the H200 sweep (bench_accept.py --sweep, accept_sweep.json): from
     # B*N = 512 (B 8 at N 64) every program is one split of a whole row and larger blocks keep
     # more bytes in flight: greedy 8,192 at 4 warps (B 64 V 32,000 71.7 against 78.7 us at 4,096
@@ -373,7 +357,6 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         G_PAD=G_PAD,
         GC=GC,
         READ=max(group, reread or (64 if interpreted() else REREAD_TOKENS)),
-        READ_AHEAD=reread_ahead,
         CAP=CAP,
         # the candidates' small sort (the interpreter's tests reach both sizes)
         CAP_S=min(CAP, 128) if not interpreted() else max(CAP // 2, min(CAP, 2)),
@@ -383,17 +366,12 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         HAS_TOPK=sample and has_topk,
         HAS_TOPP=sample and has_topp,
         TRUNC=trunc,
-        GATHER=walk_gather,
         num_warps=num_warps,
     )
     # pass 2 of sampling: one program per node, a few KB of the row each; 4 warps
     common2 = dict(common, num_warps=pass2_warps or (4 if not interpreted() else num_warps))
-    # the walker scans a whole block for a bonus token and, on a rejection, splits a node's
-    # children's mass by vocabulary block in an [N, NCH] tile: 8 warps keep a 4,096 block
-    # unspilled, and with the gathered children's logits a tile of more than 2,048 (B 1 at
-    # V 128,256: 64 x 64; 255 registers and 20 bytes of spill at 4 warps, 191 at 8)
-    big = block_v >= 4096 or (walk_gather and pow2(N) * pow2(NCH) > 2048)
-    walk_warps = 8 if big and not interpreted() else common["num_warps"]
+    # the walker scans a whole block for a bonus token: 8 warps keep a 4,096 block unspilled
+    walk_warps = 8 if block_v >= 4096 and not interpreted() else common["num_warps"]
     common_walk = dict(common, num_warps=walk_warps)
     return _Plan(S, chunk, NCH, n_f, n_i, B * N * CAP if trunc else 1, common, common2,
                  common_walk)  # fmt: skip
@@ -424,8 +402,6 @@ def accept_launch(
     vector_loads: bool = True,
     reread: int | None = None,
     pass2_warps: int | None = None,
-    reread_ahead: bool | None = None,
-    walk_gather: bool | None = None,
 ) -> Acceptance:
     """Launch the acceptance kernels (greedy when ``uniforms`` is None). Inputs are assumed
     validated by ``treeops.accept``.
@@ -440,10 +416,8 @@ def accept_launch(
     loops); ``num_warps`` overrides pass 1's warps, ``ahead`` (1 or 2; None:
     ``default_ahead``) its blocks in flight a program, and ``vector_loads=False`` makes its
     logits loads one element each; ``reread`` (tokens, a power of two) is the tile in which
-    pass 2 rereads candidate groups, ``reread_ahead`` whether it issues each such read before the
-    last is used (None: ``REREAD_AHEAD``), ``pass2_warps`` pass 2's warps and ``walk_gather``
-    whether the sampling walk gathers its children's logits before it starts (None:
-    ``WALK_GATHER``) (the benchmark's sweeps).
+    pass 2 rereads candidate groups and ``pass2_warps`` pass 2's warps (the benchmark's
+    sweeps).
     ``workspace``:
     ``(float32, int32, counters)`` buffers to use instead of the per-device cached scratch and
     counters (``_scratch``, ``arrival_counters``), for launches on concurrent streams.
@@ -470,9 +444,7 @@ def accept_launch(
     has_topk, has_topp = top_k is not None, top_p is not None
     key = (B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
            block_v, num_pivots, cap, max_groups, num_warps, ahead, bool(vector_loads), has_topk,
-           has_topp, reread, pass2_warps,
-           REREAD_AHEAD if reread_ahead is None else bool(reread_ahead),
-           WALK_GATHER if walk_gather is None else bool(walk_gather))  # fmt: skip
+           has_topp, reread, pass2_warps)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)

@@ -209,31 +209,16 @@ def _lower_bound(
 
 
 @triton.jit
-def _read_groups(p_row, stride_v, V, p_sel, n_sel, r0, R: tl.constexpr, GROUP: tl.constexpr):
-    """Selected groups ``r0 .. r0 + R`` of ``p_sel`` (fewer past ``n_sel``): their [R, GROUP]
-    token ids, which are in the row, and logits (-inf elsewhere)."""
-    o_r = r0 + tl.arange(0, R)
-    m_r = o_r < n_sel
-    gid = tl.load(p_sel + o_r, mask=m_r, other=0, volatile=True)
-    tid = gid[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [R, GROUP] token ids
-    m_t = m_r[:, None] & (tid < V)
-    x = tl.load(p_row + tid.to(tl.int64) * stride_v, mask=m_t, other=float("-inf"))
-    return tid, m_t, x
-
-
-@triton.jit
 def _gather_candidates(p_row, stride_v, V, L, p_gm, p_sel, p_cand, GROUP: tl.constexpr,
                        G_PAD: tl.constexpr, GC: tl.constexpr, CAP: tl.constexpr,
-                       READ: tl.constexpr, READ_AHEAD: tl.constexpr):  # fmt: skip
+                       READ: tl.constexpr):  # fmt: skip
     """Store every token of the row with logit >= L into ``p_cand`` [CAP] as (key << 32 |
     (2^31 - 1 - id)) int64 (the first CAP of them, in no particular order) and return how many
     there are (possibly > CAP). Reads only the groups whose maximum (``p_gm`` [G_PAD]) reaches
     L, READ // GROUP of them (at least one) at a time; their ids go through ``p_sel`` [G_PAD]
-    int32. Each such read's stores wait on the one before (the running count), so fine groups,
-    few tokens each, are what keeps the number of reads low; with ``READ_AHEAD`` the next read
-    is issued before the current one is compacted (two in flight, its tile's registers more).
-    The group maxima are scanned GC at a time (registers for GC values, not G_PAD), their
-    selected ids appended in order."""
+    int32. Each such read waits on the one before (the running count), so fine groups, few
+    tokens each, are what keeps the number of reads low. The group maxima are scanned GC at a
+    time (registers for GC values, not G_PAD), their selected ids appended in order."""
     n_g = (V + GROUP - 1) // GROUP
     o_c = tl.arange(0, GC)
     n_sel = tl.zeros([], dtype=tl.int32)
@@ -246,16 +231,17 @@ def _gather_candidates(p_row, stride_v, V, L, p_gm, p_sel, p_cand, GROUP: tl.con
         n_sel += tl.sum(sel_g.to(tl.int32), axis=0)
     tl.debug_barrier()  # the group ids are read back by other threads of this program
     R: tl.constexpr = READ // GROUP if GROUP < READ else 1
+    o_t = tl.arange(0, GROUP)
     count = tl.zeros([], dtype=tl.int32)
-    if READ_AHEAD:
-        tid_n, m_n, x_n = _read_groups(p_row, stride_v, V, p_sel, n_sel, 0, R, GROUP)
     for r0 in range(0, n_sel, R):
-        if READ_AHEAD:
-            tid, m_t, x = tid_n, m_n, x_n.to(tl.float32)
-            tid_n, m_n, x_n = _read_groups(p_row, stride_v, V, p_sel, n_sel, r0 + R, R, GROUP)
-        else:
-            tid, m_t, x = _read_groups(p_row, stride_v, V, p_sel, n_sel, r0, R, GROUP)
-            x = x.to(tl.float32)
+        o_r = r0 + tl.arange(0, R)
+        m_r = o_r < n_sel
+        gid = tl.load(p_sel + o_r, mask=m_r, other=0, volatile=True)
+        tid = gid[:, None] * GROUP + o_t[None, :]  # [R, GROUP] token ids
+        m_t = m_r[:, None] & (tid < V)
+        x = tl.load(p_row + tid.to(tl.int64) * stride_v, mask=m_t, other=float("-inf")).to(
+            tl.float32
+        )
         sel = tl.reshape(m_t & (x >= L), [R * GROUP])
         x1 = tl.reshape(x, [R * GROUP])
         t1 = tl.reshape(tid, [R * GROUP])

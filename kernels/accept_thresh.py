@@ -96,7 +96,6 @@ def _finish_node(
     G_PAD: tl.constexpr,
     GC: tl.constexpr,
     READ: tl.constexpr,
-    READ_AHEAD: tl.constexpr,
     CAP: tl.constexpr,
     CAP_S: tl.constexpr,
     SUB: tl.constexpr,
@@ -125,7 +124,7 @@ def _finish_node(
             p_sel = p_wsel + node * G_PAD
             p_cand = p_wcand + node * CAP
             count = _gather_candidates(
-                p_row, s_lv, V, L, p_gm, p_sel, p_cand, GROUP, G_PAD, GC, CAP, READ, READ_AHEAD
+                p_row, s_lv, V, L, p_gm, p_sel, p_cand, GROUP, G_PAD, GC, CAP, READ
             )
         # sorted in CAP_S slots when the candidates fit (the usual top-k: about k of them), a
         # sort of a quarter of the size, else in CAP

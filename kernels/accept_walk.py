@@ -69,13 +69,10 @@ def _sample_walk(
     N_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     NCH_PAD: tl.constexpr,
-    GATHER: tl.constexpr,
 ):
     """docs/design.md op 7's interval rule, node by node, in unnormalised weights: u * Z is laid out
     as the kept children's weights in sibling (= index) order, then every other kept token's
-    weight in id order. ``GATHER``: every node's logit at its parent's row and its uniform are
-    read before the walk, so that a step reads its children's from registers instead of after a
-    round trip that waits on the step before."""
+    weight in id order."""
     o = tl.arange(0, N_PAD)
     path = tl.where(o == 0, 0, -1)
     em = tl.full([N_PAD], -1, tl.int64)
@@ -97,27 +94,15 @@ def _sample_walk(
         > 0
     )
     cand = valid & (o > 0) & ~dup & (tok >= 0) & (tok < V)
-    p_req = p_logits + i_b * s_lb
-    if GATHER:
-        x_par = tl.load(
-            p_req + tl.maximum(par, 0).to(tl.int64) * s_ln + tok * s_lv,
-            mask=cand & (par >= 0),
-            other=float("-inf"),
-        ).to(tl.float32)
-        u_all = tl.load(p_uni + i_b * s_ub + o, mask=o < n, other=0.0).to(tl.float32)
     while going:
         m_c = tl.sum(tl.where(o == cur, nm, 0.0), axis=0)
         z_c = tl.sum(tl.where(o == cur, nz, 0.0), axis=0)
         thr_c = tl.sum(tl.where(o == cur, thr, 0), axis=0)
         cut_c = tl.sum(tl.where(o == cur, cutv, 0), axis=0)
-        p_row = p_req + cur.to(tl.int64) * s_ln
+        u = tl.load(p_uni + i_b * s_ub + cur).to(tl.float32)
+        p_row = p_logits + i_b * s_lb + cur.to(tl.int64) * s_ln
         ch = cand & (par == cur)
-        if GATHER:
-            u = tl.sum(tl.where(o == cur, u_all, 0.0), axis=0)
-            xc = tl.where(ch, x_par, float("-inf"))
-        else:
-            u = tl.load(p_uni + i_b * s_ub + cur).to(tl.float32)
-            xc = tl.load(p_row + tok * s_lv, mask=ch, other=float("-inf")).to(tl.float32)
+        xc = tl.load(p_row + tok * s_lv, mask=ch, other=float("-inf")).to(tl.float32)
         wc = tl.where(
             ch & _kept(_key(xc), tok.to(tl.int32), thr_c, cut_c), _weight(xc, m_c, T), 0.0
         )
@@ -240,7 +225,6 @@ def _walk(
     HAS_BUDGET: tl.constexpr,
     HAS_LP: tl.constexpr,
     TRUNC: tl.constexpr,
-    GATHER: tl.constexpr,
 ):
     i_b = i_b.to(tl.int64)
     o = tl.arange(0, N_PAD)
@@ -279,7 +263,7 @@ def _walk(
         if T_in > 0:
             path, em, lp, L = _sample_walk(
                 i_b, p_logits, s_lb, s_ln, s_lv, p_uni, s_ub, n, valid, par, tok, nm, nz, thr,
-                cutv, p_wcs, p_wcm, T, N, V, NCH, N_PAD, BLOCK_V, NCH_PAD, GATHER
+                cutv, p_wcs, p_wcm, T, N, V, NCH, N_PAD, BLOCK_V, NCH_PAD
             )  # fmt: skip
         else:
             path, em, lp, L = _greedy_walk(n, valid, par, tok, arg, nz, N, N_PAD)

@@ -546,14 +546,11 @@ def near_boundary(tree, lg, T, k, p, u, stops, bud):
     cap=st.sampled_from([2, None]),
     splits=st.sampled_from([1, 2, 3]),
     ahead=st.sampled_from([1, 2]),
-    gather=st.booleans(),
 )
-def test_sample_kernel_equals_reference(
-    case, seed, ties, dtype, block, phase, cap, splits, ahead, gather
-):
+def test_sample_kernel_equals_reference(case, seed, ties, dtype, block, phase, cap, splits, ahead):
     """cap=2 forces the exact multi-pivot search; the default takes the candidate path wherever
     the group maxima bound the threshold. ``splits`` vocabulary splits per node in pass 1,
-    ``ahead`` its blocks in flight, ``gather`` the walk's children's logits read before it."""
+    ``ahead`` its blocks in flight."""
     rng = random.Random(seed)
     tree, V = case.tree, case.vocab
     B = tree.batch_size
@@ -585,7 +582,6 @@ def test_sample_kernel_equals_reference(
         cap=cap,
         num_splits=splits,
         ahead=ahead,
-        walk_gather=gather,
     )
     assert_same(got, want, lp_tol=2e-4)
 
@@ -640,17 +636,16 @@ def test_sample_without_truncation_tensors(case, seed, dtype, block, phase, spli
     phase=st.sampled_from([0, 1]),
     ahead=st.sampled_from([1, 2]),
     reread=st.sampled_from([None, 1, 8, 32]),
-    reread_ahead=st.booleans(),
 )
 @settings(max_examples=20)
 def test_sample_splits_edge_cases(
-    V, n, seed, spread, block, splits, groups, cap, phase, ahead, reread, reread_ahead
+    V, n, seed, spread, block, splits, groups, cap, phase, ahead, reread
 ):
     """Kernel == reference at the edges of the split / group / candidate paths: tiny V, V not a
     multiple of the block, splits past the end of the row, few distinct logits (ties at the
     top-k and top-p cuts), top_k in {1, V - 1, V, > V}, top_p in {1, tiny, near 1}, one group
     per token or very few groups (k above the group count: the exact search), few slots, and
-    candidate rereads of one group at a time up to many, each issued after the last or ahead."""
+    candidate rereads of one group at a time up to many."""
     rng = random.Random(seed)
     tree = make_tree([parents_of("random", n, rng), parents_of("chain", n, rng)], 6, V, rng)
     g = torch.Generator().manual_seed(seed)
@@ -667,7 +662,7 @@ def test_sample_splits_edge_cases(
     got = accept_launch(
         tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u, return_logprobs=True,
         topk_ids=min(2, V), block_v=block, num_splits=splits, max_groups=groups, cap=cap,
-        phase=phase, ahead=ahead, reread=reread, reread_ahead=reread_ahead,
+        phase=phase, ahead=ahead, reread=reread,
     )  # fmt: skip
     assert_same(got, want, lp_tol=2e-4)
 
