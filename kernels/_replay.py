@@ -61,15 +61,6 @@ MISS = object()
 MAX_ENTRIES = 256
 """Signatures recorded per op; the table is emptied when full."""
 
-PACK_RESULTS = os.environ.get("TREEOPS_PACK_RESULTS", "1") != "0"
-"""Whether a replay makes its results as views of one allocation (the default) rather than one
-allocation each, as the op does (``TREEOPS_PACK_RESULTS=0``: ``bench/bench_host.py`` times the
-two)."""
-
-RESULT_ALIGN = 128
-"""Byte alignment of each result storage's segment in a replay's one allocation for its
-results (Triton specialises on 16-byte alignment; 128 keeps a row's first load one line)."""
-
 MAX_MISSED = 3
 """Recordings of a signature whose launches went through Triton's own path before it is left
 to the op for good."""
@@ -235,42 +226,6 @@ def _compile(name: str, tensors: tuple, launches, result) -> tuple[Callable, str
         for i, b in enumerate(bufs)
     }
 
-    # the storages the op made its results in: one allocation per replay for all of them, each
-    # storage a RESULT_ALIGN-aligned segment of it and each result a view at its offset there
-    # (one allocator call, and one free, instead of one per result)
-    seg: dict[int, int] = {}  # storage -> its byte offset in the results' allocation
-    size = 0
-    for t in results:
-        sp = t.untyped_storage().data_ptr()
-        empty = not t.untyped_storage().nbytes()
-        if not PACK_RESULTS or empty or sp in seg or any(t is a for _, a in args):
-            continue
-        if sp in arg_storages:
-            raise NotReplayable("a result is a view of an argument")
-        if sp % 16:
-            raise NotReplayable("a buffer the op made is not 16-byte aligned")
-        seg[sp] = size
-        size += -(-t.untyped_storage().nbytes() // RESULT_ALIGN) * RESULT_ALIGN
-    if seg:
-        if len({t.device for t in results}) != 1:
-            raise NotReplayable("the results are on several devices")
-        ns["VR"] = results[0].device
-        head.append(f"    R = _empty({size}, dtype=_u8, device=VR)")
-        head.append("    bR = R.data_ptr()")
-        views: dict[torch.dtype, str] = {}
-        for r, t in enumerate(results):
-            sp = t.untyped_storage().data_ptr()
-            if sp not in seg:
-                continue
-            if t.dtype not in views:
-                views[t.dtype] = f"R{len(views)}"
-                ns[f"D{views[t.dtype]}"] = t.dtype
-                head.append(f"    {views[t.dtype]} = R.view(D{views[t.dtype]})")
-            off = seg[sp] + t.data_ptr() - sp
-            ns[f"So{r}"], ns[f"To{r}"] = tuple(t.shape), t.stride()
-            offset = off // t.element_size()
-            head.append(f"    o{r} = {views[t.dtype]}.as_strided(So{r}, To{r}, {offset})")
-
     def fresh(a: torch.Tensor) -> str:
         """The base pointer's name of a fresh buffer in place of the op's own ``a``'s storage."""
         sp = a.untyped_storage().data_ptr()
@@ -278,9 +233,7 @@ def _compile(name: str, tensors: tuple, launches, result) -> tuple[Callable, str
             return made[sp]
         n = len(made)
         owner = next((r for r in results if r.untyped_storage().data_ptr() == sp), None)
-        if sp in seg:  # results' storage: its segment of the results' allocation
-            head.append(f"    b{n} = bR + {seg[sp]}" if seg[sp] else f"    b{n} = bR")
-        elif owner is not None:  # a result (empty, or PACK_RESULTS off): made as the op made it
+        if owner is not None:  # a result: made as the op made it, returned
             if owner.storage_offset() or owner.untyped_storage().nbytes() != _extent(owner):
                 raise NotReplayable("a result is a view of a buffer the op made")
             r = next(x for x, t in enumerate(results) if t is owner)
@@ -333,8 +286,7 @@ def _compile(name: str, tensors: tuple, launches, result) -> tuple[Callable, str
                 cells.append(f"{base} + {off}" if off else base)
         lines.append(launch_line(j, entry, grid, cells, ns))
     for t in results:  # a result no launch wrote (an empty tensor): made too
-        sp = t.untyped_storage().data_ptr()
-        if not any(t is a for _, a in args) and sp not in made and sp not in seg:
+        if not any(t is a for _, a in args) and t.untyped_storage().data_ptr() not in made:
             fresh(t)
     ptrs = [f"    p{k} = t[{k}].data_ptr()" for k in sorted(used)]
     check = " | ".join(sorted(aligned)) or "0"

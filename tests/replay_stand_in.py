@@ -9,10 +9,8 @@ argument, pointers as the input or result they point into with the offset (the o
 buffers by their offsets to each other). A ``Tree`` among the inputs or as the result counts as
 its eight tensors. It returns a dict: ``replayed`` (replays in the second call), ``same`` (the
 launches equal), ``launches``, ``meta`` (the results' shapes, strides and dtypes equal),
-``fresh_bytes`` / ``fresh_results`` (the op's own scratch buffers and the results a replay makes
-per call), ``result_allocs`` (the allocations those results take: one, shared, where there are
-any), ``returned_inputs``, ``returned_none``. The script ends by printing
-``"RESULT" + json.dumps(res)``.
+``fresh_bytes`` / ``fresh_results`` (what the replay allocates per call), ``returned_inputs``,
+``returned_none``. The script ends by printing ``"RESULT" + json.dumps(res)``.
 """
 
 PRELUDE = r"""
@@ -38,24 +36,19 @@ def norm(args, inputs, results):
     # own, byte offset)
     out = []
     own = []
-    # an input's storage (a launch may read a view the op made of it); a result's own bytes (a
-    # replay makes the results views of one allocation)
-    size = lambda t, name: (t.untyped_storage().nbytes() if name == "in" else
-                            t.element_size() * (1 + sum((n - 1) * s for n, s in
-                                                        zip(t.shape, t.stride()))))
-    within = lambda p, t, name: 0 <= p - t.data_ptr() < max(size(t, name), 1)
+    within = lambda p, t: 0 <= p - t.data_ptr() < max(t.untyped_storage().nbytes(), 1)
     for x in args:
         p = x.data_ptr() if isinstance(x, torch.Tensor) else x
         if type(p) is int and p > BIG:
             for name, ts in (("in", inputs), ("res", results)):
                 hit = [(k, p - t.data_ptr()) for k, t in enumerate(ts)
-                       if t is not None and within(p, t, name)]
+                       if t is not None and within(p, t)]
                 if hit:
                     out.append((name, *hit[0]))
                     break
             else:
                 hit = [(label, i, p - b.data_ptr()) for label, bufs in NAMED
-                       for i, b in enumerate(bufs) if within(p, b, "in")]
+                       for i, b in enumerate(bufs) if within(p, b)]
                 if hit:
                     out.append(("named", *hit[0]))
                 else:
@@ -95,9 +88,7 @@ def run(name, replays, op, make):
     meta = lambda r: [(tuple(t.shape), t.stride(), str(t.dtype)) for t in rs(r)]
     fresh = all(not any(t is x for x in ins) for t in rs(got_r) if not any(t is x for x in ins))
     res = dict(replayed=replayed, same=g == w, launches=len(got), meta=meta(got_r) == meta(want_r),
-               fresh_bytes=src.count("_empty(") - src.count("R = _empty("),
-               fresh_results=src.count("_empty_strided(") + src.count(".as_strided("),
-               result_allocs=src.count("R = _empty(") + src.count("_empty_strided("),
+               fresh_bytes=src.count("_empty("), fresh_results=src.count("_empty_strided("),
                returned_inputs=[any(t is x for x in ins) for t in rs(got_r)],
                returned_none=got_r is None)
     return res
