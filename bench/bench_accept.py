@@ -765,7 +765,7 @@ def main() -> None:
         H.ratios(rows, ("torch", "flashinfer"))
         out = H.result_doc(
             DEV,
-            hbm_bytes_per_s=H.HBM_BYTES_PER_S,
+            hbm_bytes_per_s=H.ceilings()["hbm_bytes_per_s"],
             empty_kernel_graph_us=empty_us,
             wall_s=round(time.time() - t_start, 1),
             rows=rows,

@@ -146,8 +146,8 @@ def main(argv=None) -> dict:
     empty_us = H.empty_kernel_us(DEV)
     rows: list[dict] = []
     path = os.path.join(args.out, "compact_kv.json")
-    doc = H.result_doc(DEV, hbm_bytes_per_s=H.HBM_BYTES_PER_S, empty_kernel_graph_us=empty_us,
-                       rows=rows)  # fmt: skip
+    doc = H.result_doc(DEV, hbm_bytes_per_s=H.ceilings()["hbm_bytes_per_s"],
+                       empty_kernel_graph_us=empty_us, rows=rows)  # fmt: skip
     for B in (int(b) for b in args.batches.split(",")):
         rows.append(bench_compact_row(B, empty_us))
         H.ratios(rows)

@@ -65,7 +65,7 @@ what it measured):
    them; ``count_kernels``), with ``kernels_per_layer`` (÷ ``target_layers``), the per-step
    kernel mix and graph launches;
    ``step_us`` (decode time per step) beside ``weight_read_floor_us``: the target's weight
-   bytes (layers, final norm, LM head) ÷ 4.3 TB/s (``harness.HBM_BYTES_PER_S``), the floor of an
+   bytes (layers, final norm, LM head) ÷ the copy rate (``harness.ceilings``), the floor of an
    autoregressive step. The autoregressive row of every B prints all three.
 
 Writes ``DIR/e2e.json`` (``gpu``, ``versions``, ``commit``, ``model``, ``cost_table``, ``rows``)
@@ -308,7 +308,7 @@ def weight_read_bytes(target: Target) -> int:
 
 def weight_read_floor_us(target: Target) -> float:
     """The weight-read floor of one target forward (an autoregressive step): weight bytes /
-    ``harness.HBM_BYTES_PER_S`` (4.3 TB/s, the H200's measured copy rate), in µs."""
+    the copy rate (``harness.ceilings``: 4.3 TB/s on the H200), in µs."""
     return H.bytes_floor_us(weight_read_bytes(target))
 
 

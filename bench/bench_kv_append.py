@@ -187,7 +187,7 @@ def main(argv=None) -> dict:
     dims = (2, 64, 8, 40) if args.dry_run else (HKV, D, N, CTX)
     empty_us = H.empty_kernel_us(dev)
     rows: list[dict] = []
-    doc = H.result_doc(dev, commit_id=args.commit, hbm_bytes_per_s=H.HBM_BYTES_PER_S,
+    doc = H.result_doc(dev, commit_id=args.commit, hbm_bytes_per_s=H.ceilings()["hbm_bytes_per_s"],
                        empty_kernel_graph_us=empty_us, rows=rows)  # fmt: skip
     path = os.path.join(args.out, "kv_append.json")
     for B in (int(b) for b in args.batches.split(",")):

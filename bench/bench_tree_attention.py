@@ -731,7 +731,7 @@ def main(argv=None):
     result = H.result_doc(
         commit_id=args.commit,
         layout=dict(hq=HQ, hkv=HKV, d=D, page=PAGE),  # rows name their own heads and D
-        floor=dict(bandwidth=H.HBM_BYTES_PER_S, flops=H.ATTENTION_FLOPS_PER_S),
+        floor=dict(bandwidth=H.ceilings()["hbm_bytes_per_s"], flops=H.ceilings()["flops_per_s"]),
         rows=[],
     )
     # what starting a graph replay costs: an empty kernel alone in a graph, and 100 of them

@@ -9,10 +9,13 @@ device sync, median); ``eager_us(fn, host=False)`` times back-to-back calls with
 (the fallback for a peer that cannot be captured). On a CPU device both time wall-clock calls
 (the scripts' dry runs).
 
-Floors. ``HBM_BYTES_PER_S`` is the H200's measured device-to-device copy rate and
-``ATTENTION_FLOPS_PER_S`` its dense bf16 rate (docs/benchmarks.md); ``floor_us(bytes, flops)``
-is the largest of bytes / rate, flops / rate and an empty Triton kernel replayed in a CUDA graph
-(``empty_kernel_us``, measured once per process): no launch is faster than that.
+Floors. ``ceilings()`` gives the rates a floor divides by: on an H200 (and on a CPU) its measured
+device-to-device copy rate ``HBM_BYTES_PER_S`` and dense bf16 rate ``ATTENTION_FLOPS_PER_S``
+(docs/benchmarks.md); on any other GPU the same two measured in this process, once (a 1 GiB
+copy, an 8,192-cube bf16 matmul), so an H100's rows are held to an H100's floor.
+``floor_us(bytes, flops)`` is the largest of bytes / rate, flops / rate and an empty Triton
+kernel replayed in a CUDA graph (``empty_kernel_us``, measured once per process): no launch is
+faster than that. ``result_doc`` records the rates used.
 
 pytest-benchmark. ``benchmark_graph(benchmark, calls, reps)`` runs the same graph replays
 through ``benchmark.pedantic`` with a clock that advances by each replay's device time per call,
@@ -198,16 +201,63 @@ def empty_kernel_us(device: Any = "cuda") -> float:
     return _EMPTY_US[key]
 
 
+_CEILINGS: dict[str, Any] = {}
+
+
+def ceilings() -> dict[str, Any]:
+    """The floors' rates on the current device: ``hbm_bytes_per_s`` (copy, bytes read +
+    written), ``flops_per_s`` (dense bf16 matmul) and ``source``: the H200's measured constants
+    there and without a GPU, else measured once per process on this GPU (medians over CUDA
+    events: ten copies of 1 GiB, five 8,192-cube matmuls)."""
+    if _CEILINGS:
+        return _CEILINGS
+    name = gpu_name() if needs_cuda() is None else "cpu"
+    if name == "cpu" or "H200" in name:
+        _CEILINGS.update(hbm_bytes_per_s=HBM_BYTES_PER_S, flops_per_s=ATTENTION_FLOPS_PER_S,
+                         source="H200, measured (docs/benchmarks.md)")  # fmt: skip
+        return _CEILINGS
+    _CEILINGS.update(hbm_bytes_per_s=_copy_rate(), flops_per_s=_matmul_rate(),
+                     source=f"{name}, measured in this process")  # fmt: skip
+    return _CEILINGS
+
+
+def _copy_rate(nbytes: int = 1 << 30) -> float:
+    """Bytes read + written per second by a device-to-device copy of ``nbytes``."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return round(2 * nbytes / _event_median_s(lambda: y.copy_(x), 10), -9)
+
+
+def _matmul_rate(n: int = 8192) -> float:
+    """Dense bf16 flops per second of an n-cube matmul."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return round(2 * n**3 / _event_median_s(lambda: a @ a, 5), -12)
+
+
+def _event_median_s(fn: Call, iters: int) -> float:
+    """Median seconds of ``fn`` on the current stream (two warm-up calls first)."""
+    fn(), fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def bytes_floor_us(nbytes: float) -> float:
-    return nbytes / HBM_BYTES_PER_S * 1e6
+    return nbytes / ceilings()["hbm_bytes_per_s"] * 1e6
 
 
 def flops_floor_us(flops: float) -> float:
-    return flops / ATTENTION_FLOPS_PER_S * 1e6
+    return flops / ceilings()["flops_per_s"] * 1e6
 
 
 def floor_us(nbytes: float = 0, flops: float = 0, empty_us: float | None = None) -> float:
-    """max(bytes / HBM_BYTES_PER_S, flops / ATTENTION_FLOPS_PER_S, empty kernel) in µs."""
+    """max(bytes / copy rate, flops / matmul rate (``ceilings``), empty kernel) in µs."""
     return max(bytes_floor_us(nbytes), flops_floor_us(flops), empty_us or 0.0)
 
 
@@ -319,14 +369,16 @@ def commit(explicit: str | None = None, mark_dirty: bool = False) -> str:
 
 
 def result_doc(device: Any = None, commit_id: str | None = None, **fields: Any) -> dict:
-    """A results document: ``gpu``, ``gpu_facts``, ``versions``, ``commit``, ``date``, then
-    ``fields`` (``rows`` and the script's own settings)."""
+    """A results document: ``gpu``, ``gpu_facts``, ``versions``, ``commit``, ``date``,
+    ``ceilings`` (the floors' rates), then ``fields`` (``rows`` and the script's own
+    settings)."""
     doc = {
         "gpu": gpu_name(device),
         "gpu_facts": gpu_facts(device),
         "versions": versions(),
         "commit": commit(commit_id),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "ceilings": dict(ceilings()),
     }
     doc.update(fields)
     return doc

@@ -25,6 +25,9 @@ def test_floors():
     assert H.floor_us(4.3e5, 0, empty_us=0.5) == 0.5
     assert H.floor_us(0, 790e9) == pytest.approx(1e3)
     assert H.empty_kernel_us("cpu") == 0.0
+    # without a GPU (and on an H200) the rates are the H200's measured constants
+    assert H.ceilings()["hbm_bytes_per_s"] == H.HBM_BYTES_PER_S
+    assert H.ceilings()["flops_per_s"] == H.ATTENTION_FLOPS_PER_S
 
 
 def test_wall_and_eager_timing_on_the_cpu():
