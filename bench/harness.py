@@ -191,9 +191,11 @@ _EMPTY_US: dict[str, float] = {}
 
 def empty_kernel_us(device: Any = "cuda") -> float:
     """An empty Triton kernel replayed in a CUDA graph, µs per launch (0 on a CPU device);
-    measured once per device and process."""
+    measured once per device and process, with ``ceilings`` (the scripts call this first, so
+    neither is measured while a graph captures)."""
     if not _is_cuda(device):
         return 0.0
+    ceilings()
     key = str(torch.device(device))
     if key not in _EMPTY_US:
         x = torch.zeros(1, device=device)
@@ -212,6 +214,8 @@ def ceilings() -> dict[str, Any]:
     if _CEILINGS:
         return _CEILINGS
     name = gpu_name() if needs_cuda() is None else "cpu"
+    if name != "cpu" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("harness.ceilings() measures: call it before capturing a graph")
     if name == "cpu" or "H200" in name:
         _CEILINGS.update(hbm_bytes_per_s=HBM_BYTES_PER_S, flops_per_s=ATTENTION_FLOPS_PER_S,
                          source="H200, measured (docs/benchmarks.md)")  # fmt: skip
