@@ -693,9 +693,9 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     # three stream tiles in flight (the sweep's alternative to two)
     for B, V in ((64, 32000), (8, 128256)):
         out.append(build("eagle", B, V, 64, stream_ahead=3))
-    # the candidates' tile reads issued one ahead (the sweep's alternative)
+    # the candidates' tile reads issued one at a time (the sweep's alternative to one ahead)
     for B, V in ((1, 32000), (64, 32000), (64, 128256)):
-        out.append(build("eagle", B, V, 64, cand_ahead=True))
+        out.append(build("eagle", B, V, 64, cand_ahead=False))
     out += pdl_cases()
     # acceptance: greedy and sampling over both vocabularies, the top-k/top-p, logprob and
     # top-k-id variants, and the two-launch fallback
