@@ -51,70 +51,47 @@ def _attn_label(r: Row) -> str:
     return f"B {r['B']}, ctx {r['ctx']:,}, n {r['n']}{extra}"
 
 
+def _extreme(rows: list[Row], num: str, den: str, pick=min) -> tuple[float, Row] | None:
+    """The row whose ``num / den`` is ``pick``'s (min or max) among rows with both, and it."""
+    xs = [r for r in rows if _num(r, num) and _num(r, den)]
+    if not xs:
+        return None
+    w = pick(xs, key=lambda r: r[num] / r[den])
+    return w[num] / w[den], w
+
+
 def attention(rows: list[Row]) -> list[tuple[str, str, str]]:
     """The tree-attention standings: (what, now, target) rows."""
     out = []
     d128 = [r for r in rows if r.get("D") == 128 and r.get("H_q") == 32 and r.get("hkv") == 8]
     five = [r for r in d128 if (r["B"], r["ctx"], r["n"]) in ISSUE_SHAPES]
-    sp = [
-        r["flashinfer_custom_us"] / r["treeops_us"]
-        for r in five
-        if _num(r, "flashinfer_custom_us") and _num(r, "treeops_us")
-    ]
-    if sp:
+    lo = _extreme(five, "flashinfer_custom_us", "treeops_us", min)
+    hi = _extreme(five, "flashinfer_custom_us", "treeops_us", max)
+    if lo and hi:
+        n = sum(_num(r, "flashinfer_custom_us") and _num(r, "treeops_us") for r in five)
+        now = f"{lo[0]:.2f}–{hi[0]:.2f}× ({n} of 5 shapes)"
         out.append(
-            (
-                "tree attention vs FlashInfer custom mask, the issue's five shapes",
-                f"{min(sp):.2f}–{max(sp):.2f}× ({len(sp)} of 5 shapes)",
-                "≥ 3×",
-            )
+            ("tree attention vs FlashInfer custom mask, the issue's five shapes", now, "≥ 3×")
         )
-    both = [r for r in rows if _num(r, "flashinfer_causal_us") and _num(r, "treeops_us")]
-    if both:
-        w = min(both, key=lambda r: r["flashinfer_causal_us"] / r["treeops_us"])
+    causal = _extreme(rows, "flashinfer_causal_us", "treeops_us", min)
+    if causal:
+        both = [r for r in rows if _num(r, "flashinfer_causal_us") and _num(r, "treeops_us")]
         n_ok = sum(r["flashinfer_causal_us"] >= r["treeops_us"] for r in both)
-        out.append(
-            (
-                "tree attention vs FlashInfer causal, every row",
-                f"{w['flashinfer_causal_us'] / w['treeops_us']:.2f}× ({_attn_label(w)}); "
-                f"{n_ok} of {len(both)} rows ≥ 1",
-                "≥ 1×",
-            )
-        )
-    big = [r for r in rows if _num(r, "treeops_us") and r.get("floor_us", 0) >= 20]
-    small = [r for r in rows if _num(r, "treeops_us") and r.get("floor_us", 99) < 5]
+        now = f"{causal[0]:.2f}× ({_attn_label(causal[1])}); {n_ok} of {len(both)} rows ≥ 1"
+        out.append(("tree attention vs FlashInfer causal, every row", now, "≥ 1×"))
+    big = _extreme([r for r in rows if r.get("floor_us", 0) >= 20], "treeops_us", "floor_us", max)
     if big:
-        w = max(big, key=lambda r: r["treeops_us"] / r["floor_us"])
-        out.append(
-            (
-                "tree attention, floor ≥ 20 µs",
-                f"{w['treeops_us'] / w['floor_us']:.2f}× ({_attn_label(w)})",
-                "≤ 1.5×",
-            )
-        )
+        now = f"{big[0]:.2f}× ({_attn_label(big[1])})"
+        out.append(("tree attention, floor ≥ 20 µs", now, "≤ 1.5×"))
+    small = [r for r in rows if _num(r, "treeops_us") and r.get("floor_us", 99) < 5]
     if small:
         w = max(small, key=lambda r: r["treeops_us"])
-        out.append(
-            (
-                "tree attention, floor < 5 µs",
-                f"{w['treeops_us']:.1f} µs ({_attn_label(w)})",
-                "< 8 µs",
-            )
-        )
-    d256 = [
-        r
-        for r in rows
-        if r.get("D") == 256 and _num(r, "flashinfer_custom_us") and _num(r, "treeops_us")
-    ]
+        now = f"{w['treeops_us']:.1f} µs ({_attn_label(w)})"
+        out.append(("tree attention, floor < 5 µs", now, "< 8 µs"))
+    d256 = _extreme([r for r in rows if r.get("D") == 256], "flashinfer_custom_us", "treeops_us")
     if d256:
-        w = min(d256, key=lambda r: r["flashinfer_custom_us"] / r["treeops_us"])
-        out.append(
-            (
-                "tree attention, head dim 256 vs FlashInfer custom mask",
-                f"{w['flashinfer_custom_us'] / w['treeops_us']:.2f}× ({_attn_label(w)})",
-                "≥ 1.2×",
-            )
-        )
+        now = f"{d256[0]:.2f}× ({_attn_label(d256[1])})"
+        out.append(("tree attention, head dim 256 vs FlashInfer custom mask", now, "≥ 1.2×"))
     return out
 
 

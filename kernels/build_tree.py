@@ -626,7 +626,8 @@ def expand(
     program loads ahead of the one it reduces (2, the default, or 3: more bytes in flight per
     warp, where the one-warp programs' SM limit of 32 caps the warps; untimed). ``cand_ahead``
     (default on): the top-K's reads of ``cand_tiles`` blocks at a time each issued before the one
-    before is compacted (two in flight); the H100's sweep had it 2-4 % faster on every row."""
+    before is compacted (two in flight); two H100 sweeps had it 1.5-4.5 % faster on every row
+    (``bench_build_tree.py --ops sweep_topk``, docs/benchmarks.md)."""
     if stream_ahead not in (2, 3):
         raise ValueError(f"stream_ahead must be 2 or 3, got {stream_ahead}")
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
