@@ -591,16 +591,17 @@ def split_study():
 LATENCY_SHAPES = [(1, 512, 8), (1, 512, 64), (1, 1024, 64), (4, 512, 64), (1, 4096, 16)]
 
 
-def latency_study():
-    """Where a small tree's time goes, per shape of LATENCY_SHAPES (default layout): the
+def latency_study(shapes=LATENCY_SHAPES, counts=SPLIT_COUNTS, peers=True):
+    """Where a small tree's time goes, per shape of ``shapes`` (default layout): the
     automatic launch, the automatic split with its merge in the forward kernel (``auto_fused``:
     one launch), the automatic split with 16-bit partial outputs (``auto_half``: half the
     workspace bytes), the small-tree path where it applies (``small``, and ``small_fused`` split
-    as the automatic launch is) and each split count of SPLIT_COUNTS, chained over rotated cache
+    as the automatic launch is) and each split count of ``counts``, chained over rotated cache
     copies (cold K/V, ``*_cold``) and chained on one cache (the L2 holds it, ``*_warm``),
-    FlashInfer's causal prefill both ways; every output checked first. Rows: µs per call."""
+    FlashInfer's causal prefill both ways (unless not ``peers``); every output checked first.
+    Rows: µs per call."""
     rows = []
-    for B, ctx, n in LATENCY_SHAPES:
+    for B, ctx, n in shapes:
         c = Case(B, ctx, n)
         ref = c.reference()
         rot = Rotation(c)
@@ -612,7 +613,7 @@ def latency_study():
             fused_small = {"small_tree": True, "fused_merge": True}
             variants += [("small", None, {"small_tree": True}),
                          ("small_fused", row["auto_splits"], fused_small)]  # fmt: skip
-        variants += [(f"s{k}", k, None) for k in SPLIT_COUNTS]
+        variants += [(f"s{k}", k, None) for k in counts]
 
         for name, k, ov in variants:
             try:
@@ -628,6 +629,8 @@ def latency_study():
             except Exception as e:  # noqa: BLE001 - a failing variant is a result
                 row[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         try:
+            if not peers:
+                raise RuntimeError("peers not timed (--no-peers)")
             make = flashinfer_paged(c, True)[0]
             row["fi_causal_warm"] = round(H.graph_us([make(c.k_cache, c.v_cache)], 24), 2)
             row["fi_causal_cold"] = round(rot.time(make)[0], 2)
@@ -722,6 +725,16 @@ def main(argv=None):
         help="only the small-tree study: split counts, cold and warm caches, FlashInfer's "
         "causal prefill (LATENCY_SHAPES); writes DIR/attention_latency.json",
     )
+    ap.add_argument(
+        "--split-counts",
+        help="with --latency: the forced split counts (comma list; default "
+        + ",".join(map(str, SPLIT_COUNTS))
+        + ")",
+    )
+    ap.add_argument(
+        "--latency-shapes",
+        help="with --latency: the shapes as B:ctx:n (comma list; default LATENCY_SHAPES)",
+    )
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--commit", default=None)
@@ -739,7 +752,13 @@ def main(argv=None):
         single=round(H.graph_us([_empty_call()]), 2), chained=round(H.empty_kernel_us(), 2)
     )
     if args.latency:
-        result["latency"] = latency_study()
+        shapes = LATENCY_SHAPES
+        if args.latency_shapes:
+            shapes = [tuple(map(int, x.split(":"))) for x in args.latency_shapes.split(",")]
+        counts = SPLIT_COUNTS
+        if args.split_counts:
+            counts = tuple(int(x) for x in args.split_counts.split(","))
+        result["latency"] = latency_study(shapes, counts, not args.no_peers)
         H.write_json(os.path.join(args.out, "attention_latency.json"), result)
         return
     if args.splits:
