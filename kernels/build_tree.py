@@ -590,6 +590,7 @@ def expand(
     rank_topk: bool = True,
     stream_ahead: int = 2,
     cand_ahead: bool = True,
+    stream_lanes: bool = False,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V], or [B, 1, V] (the root's row alone,
     at layer 0: the launch covers B rows, and the request's other candidate slots of the layer
@@ -627,7 +628,10 @@ def expand(
     warp, where the one-warp programs' SM limit of 32 caps the warps; untimed). ``cand_ahead``
     (default on): the top-K's reads of ``cand_tiles`` blocks at a time each issued before the one
     before is compacted (two in flight); two H100 sweeps had it 1.5-4.5 % faster on every row
-    (``bench_build_tree.py --ops sweep_topk``, docs/benchmarks.md)."""
+    (``bench_build_tree.py --ops sweep_topk``, docs/benchmarks.md). ``stream_lanes``: the
+    streaming programs keep the softmax's max and sum per 16-byte vector of logits and reduce
+    them across the warp once per chunk, not per tile (``_stream_tiles_lanes``; two tiles ahead,
+    ``stream_ahead`` ignored)."""
     if stream_ahead not in (2, 3):
         raise ValueError(f"stream_ahead must be 2 or 3, got {stream_ahead}")
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
@@ -682,6 +686,7 @@ def expand(
             NT=n_blocks,
             PDL=pdl,
             AHEAD=stream_ahead,
+            VEC=min(16 // logits.element_size(), max_block) if stream_lanes else 0,
             num_warps=num_warps or 1,
             launch_pdl=pdl,
         )

@@ -179,6 +179,56 @@ def _stream_tiles(
 
 
 @triton.jit
+def _tile_lanes(p_row, v0, v_hi, V, BLOCK_V: tl.constexpr, MB: tl.constexpr, VEC: tl.constexpr):
+    """``_tile`` as [BLOCK_V // MB, MB // VEC, VEC]: one MB-token block per row, split into
+    VEC-token vectors (VEC 16-bit logits: one 16-byte load, so a thread holds whole vectors and
+    a reduction over the last axis stays in its registers)."""
+    o_v = (
+        v0
+        + tl.arange(0, BLOCK_V // MB)[:, None, None] * MB
+        + tl.arange(0, MB // VEC)[None, :, None] * VEC
+        + tl.arange(0, VEC)[None, None, :]
+    )
+    return tl.load(p_row + o_v, mask=(o_v < V) & (v0 < v_hi), other=-float("inf"))
+
+
+@triton.jit
+def _stream_tiles_lanes(
+    p_row, v_lo, v_hi, V, row_ok, p_tmax, BLOCK_V: tl.constexpr, MB: tl.constexpr,
+    VEC: tl.constexpr,
+):  # fmt: skip
+    """``_stream_tiles`` (two tiles ahead) with the softmax's max and sum kept per vector
+    (each thread's own VEC tokens: an online max/sum per register) and reduced across threads
+    once, after the chunk, instead of a tile max and a tile sum across the warp per tile: per
+    tile, only the block maxima cross threads. An extra exp2 per vector and tile (the rescale)
+    buys the removal of the per-tile shuffle chains that every exp2 of the tile waited on."""
+    NB: tl.constexpr = BLOCK_V // MB
+    MV: tl.constexpr = MB // VEC
+    m_vec = tl.full([NB, MV], -float("inf"), tl.float32)
+    s_vec = tl.zeros([NB, MV], tl.float32)
+    if row_ok:
+        o_r = tl.arange(0, NB)
+        b_n1 = _tile_lanes(p_row, v_lo, v_hi, V, BLOCK_V, MB, VEC)
+        b_n2 = _tile_lanes(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V, MB, VEC)
+        for v0 in range(v_lo, v_hi, BLOCK_V):
+            b_raw, b_n1 = b_n1, b_n2
+            b_n2 = _tile_lanes(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V, MB, VEC)
+            b_x = b_raw.to(tl.float32)
+            r_max = tl.max(b_x, axis=2)  # [NB, MV], in each thread's registers
+            b_bm = tl.max(r_max, axis=1) + 0.0  # -0.0 to 0.0, as _ordered needs
+            tl.store(p_tmax + v0 // MB + o_r, _ordered(b_bm), mask=v0 + o_r * MB < v_hi)
+            m_new = tl.maximum(m_vec, r_max)
+            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: no NaN
+            e_x = tl.exp2(b_x * 1.4426950408889634 - (m_use * 1.4426950408889634)[:, :, None])
+            s_vec = s_vec * tl.exp2((m_vec - m_use) * 1.4426950408889634) + tl.sum(e_x, axis=2)
+            m_vec = m_new
+    m_run = tl.max(tl.max(m_vec, axis=1), axis=0)
+    m_use = tl.where(m_run == -float("inf"), 0.0, m_run)
+    s_run = tl.sum(tl.sum(s_vec * tl.exp2((m_vec - m_use) * 1.4426950408889634), axis=1), axis=0)
+    return m_run, s_run
+
+
+@triton.jit
 def _combine_softmax(p_part_m, p_part_s, o_row, SPLIT: tl.constexpr, SP: tl.constexpr):
     """Merge the SPLIT partial (max, sum) of one row (written by other programs)."""
     o_s = tl.arange(0, SP)
@@ -392,6 +442,7 @@ def _stream_kernel(
     NT: tl.constexpr,  # blocks per row (columns of p_part_t)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (``_pdl``)
     AHEAD: tl.constexpr,  # tiles loaded ahead of the one being reduced (2 or 3)
+    VEC: tl.constexpr,  # > 0: max and sum per VEC-token vector (``_stream_tiles_lanes``)
 ):
     """Step 1 of ``expand`` over (row, chunk) programs, ahead of the finishing launch: small
     (one-warp) programs, enough of them to fill the GPU at B = 1, each a pure stream (max, sum and
@@ -407,7 +458,10 @@ def _stream_kernel(
     v_lo = i_s * CHUNK
     v_hi = tl.minimum(v_lo + CHUNK, V)
     p_out = p_part_t + i_row.to(tl.int64) * NT
-    m_run, s_run = _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB, AHEAD)
+    if VEC > 0:
+        m_run, s_run = _stream_tiles_lanes(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB, VEC)
+    else:
+        m_run, s_run = _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB, AHEAD)
     o_part = i_p.to(tl.int64)
     tl.store(p_part_m + o_part, m_run)
     tl.store(p_part_s + o_part, s_run)
