@@ -690,9 +690,10 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     # the K best blocks and the ranked candidates by tl.topk (the sweep's alternatives)
     for B, V in ((1, 32000), (64, 32000)):
         out.append(build("eagle", B, V, 64, blocks_topk=True, rank_topk=True))
-    # three stream tiles in flight (the sweep's alternative to two)
-    for B, V in ((64, 32000), (8, 128256)):
-        out.append(build("eagle", B, V, 64, stream_ahead=3))
+    # the stream's max and sum per tile, two or three tiles in flight (the sweep's alternatives
+    # to a max and sum per vector)
+    for B, V, ahead in ((64, 32000, 2), (1, 128256, 2), (64, 32000, 3), (8, 128256, 3)):
+        out.append(build("eagle", B, V, 64, stream_lanes=False, stream_ahead=ahead))
     # the candidates' tile reads issued one at a time (the sweep's alternative to one ahead)
     for B, V in ((1, 32000), (64, 32000), (64, 128256)):
         out.append(build("eagle", B, V, 64, cand_ahead=False))

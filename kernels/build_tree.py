@@ -590,7 +590,7 @@ def expand(
     rank_topk: bool = True,
     stream_ahead: int = 2,
     cand_ahead: bool = True,
-    stream_lanes: bool = False,
+    stream_lanes: bool = True,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V], or [B, 1, V] (the root's row alone,
     at layer 0: the launch covers B rows, and the request's other candidate slots of the layer
@@ -647,8 +647,6 @@ def expand(
             f"Invalid shape of logits: expected {W} rows a request, or 1 (the root's), got {RW}"
         )
     rows = B * RW  # the launch's logits rows: one program each, or SPLIT
-    if cand_tiles is None:
-        cand_tiles = 4 if rows <= _runtime.sm_count(logits.device) else 1
     K, D = topk, cand_scores.shape[1]
     C = W * K
     block_v, split = expand_tiling(rows, V, logits.device, block_v, split)
@@ -657,6 +655,8 @@ def expand(
         max_block = expand_max_block(rows, V, block_v, logits.device)
     if max_block < 1 or max_block > block_v or max_block & (max_block - 1):
         raise ValueError(f"max_block must be a power of two <= block_v ({block_v}): {max_block}")
+    if cand_tiles is None:
+        cand_tiles = 4 if rows <= _runtime.sm_count(logits.device) or max_block <= 128 else 1
     n_blocks = cdiv(V, max_block)
     KP = pow2(K)
     if blocks_topk is None:

@@ -160,8 +160,8 @@ def test_top_k_methods_agree(B, V, ties):
     cap take the merge), a max recorded per 512-token tile or per block of 256 to 32 tokens
     (``max_block``; None: the default), per-row programs of 2 or 8 warps (``row_warps``), the K
     best blocks or the ranked candidates by one ``tl.topk`` (``blocks_topk``, ``rank_topk``; off
-    unless named), the stream's max and sum per vector (``stream_lanes``) and the launcher's
-    defaults (``defaults``), give exactly the tile-by-tile
+    unless named), the stream's max and sum per tile (``tile_stats``: ``stream_lanes`` off) and
+    the launcher's defaults (``defaults``), give exactly the tile-by-tile
     merge's (``cand_cap`` 0) tokens, parents and frontier: integers, compared exactly."""
     pol = _policy("eagle", B=B, D=2)
     W = pol.max_width
@@ -180,15 +180,14 @@ def test_top_k_methods_agree(B, V, ties):
                (32, 4, None, 4, "blocks_topk", "rank_topk"), (32, 1, None, 4, "blocks_topk"),
                (16, 4, 64, 4, "rank_topk"), (32, None, None, None, "defaults"),
                (32, 1, None, 4, "cand_ahead"), (32, 4, None, 4, "cand_ahead"),
-               (32, 4, None, 4, "stream_lanes"), (32, 1, 64, 4, "stream_lanes"),
-               (32, 1, 512, 4, "stream_lanes"),
-               (32, None, None, None, "defaults", "stream_lanes")]  # fmt: skip
+               (32, 4, None, 4, "tile_stats"), (32, 1, 64, 4, "tile_stats"),
+               (32, 1, 512, 4, "tile_stats")]  # fmt: skip
     for cap, tiles, mb, rw, *topks in configs:
         st = treeops.DraftState.new(pol, roots, seq)
         named = ("blocks_topk", "rank_topk", "cand_ahead")
         kw = {} if "defaults" in topks else {k: k in topks for k in named}
-        if "stream_lanes" in topks:
-            kw["stream_lanes"] = True
+        if "tile_stats" in topks:
+            kw["stream_lanes"] = False
         for i, x in enumerate(logits):
             _launch_expand(
                 x, st, pol, cand_cap=cap, cand_tiles=tiles, max_block=mb, row_warps=rw, **kw
