@@ -562,6 +562,17 @@ def split_workspace(
     return ws["part_m"], ws["part_s"], ws["part_t"]
 
 
+STREAM_LANES_MIN_BLOCK = 128
+"""The stream keeps its max and sum per vector (``expand``'s ``stream_lanes``) where a recorded
+maximum covers at least this many tokens. H100, one EAGLE layer (W = K = 10, V 32,000 unless
+noted), µs, per tile -> per vector, old and new defaults in one call (``bench/ab_trees.sh``, the
+old twice): B 32 21.1 / 21.1 -> 20.0, B 64 30.8 -> 29.7 (128-token blocks; with the four blocks
+a read below); the sweep (``--ops sweep_topk``): B 64 30.9 -> 30.2, B 1 V 128,256 14.8 -> 14.5,
+B 64 V 128,256 77.2 -> 76.8; B 1 (64-token blocks) 11.07 / 11.07 -> 11.15, so it stays per
+tile there. Per tile, a tile's max and sum each crossed the warp (17 shuffles a tile at 128-token
+blocks, 197 instructions); per vector only the block maxima do (3; 173)."""
+
+
 def expand(
     logits: torch.Tensor,
     *,
@@ -590,7 +601,7 @@ def expand(
     rank_topk: bool = True,
     stream_ahead: int = 2,
     cand_ahead: bool = True,
-    stream_lanes: bool = True,
+    stream_lanes: bool | None = None,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V], or [B, 1, V] (the root's row alone,
     at layer 0: the launch covers B rows, and the request's other candidate slots of the layer
@@ -612,9 +623,11 @@ def expand(
     records, i.e. per block the top-K pass may re-read, and ``cand_tiles`` (a power of two) how
     many such blocks are read at once (more: fewer block-wide steps, more registers, so fewer
     resident programs at large B). By default 4 when every logits row's program has an SM to
-    itself, else 1: the H200's sweep (``bench_build_tree.py --ops sweep_topk``, 64- and
-    128-token blocks) had B 1 at 16.8 against 19.1 us (1 block a read) and B 64 at 39.1 against
-    41.6 (4 a read). ``row_warps``: warps of the per-row programs when split > 1 (default 4).
+    itself or blocks are 128 tokens or fewer, else 1: the H200's sweep (``bench_build_tree.py
+    --ops sweep_topk``, 64- and 128-token blocks) had B 1 at 16.8 against 19.1 us (1 block a
+    read); at B 64, V 32,000 (128-token blocks) three H100 sweeps had 4 a read at 30.3 / 29.8 /
+    29.4 against 1 at 31.3 / 30.9 / 30.2, and at B 64, V 128,256 (512-token blocks) 87.9 against
+    77.2. ``row_warps``: warps of the per-row programs when split > 1 (default 4).
     ``blocks_topk`` finds the K best blocks with one ``tl.topk`` (where K > 1 and a row has at
     least pow2(K) blocks) instead of K max-reductions over the row's block maxima; by default
     (None) where pow2(blocks a row) <= ``BLOCKS_TOPK_MAX``. ``rank_topk`` (default on) ranks the
@@ -631,7 +644,8 @@ def expand(
     (``bench_build_tree.py --ops sweep_topk``, docs/benchmarks.md). ``stream_lanes``: the
     streaming programs keep the softmax's max and sum per 16-byte vector of logits and reduce
     them across the warp once per chunk, not per tile (``_stream_tiles_lanes``; two tiles ahead,
-    ``stream_ahead`` ignored)."""
+    ``stream_ahead`` ignored); by default (None) where blocks are ``STREAM_LANES_MIN_BLOCK``
+    tokens or more."""
     if stream_ahead not in (2, 3):
         raise ValueError(f"stream_ahead must be 2 or 3, got {stream_ahead}")
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
@@ -657,6 +671,8 @@ def expand(
         raise ValueError(f"max_block must be a power of two <= block_v ({block_v}): {max_block}")
     if cand_tiles is None:
         cand_tiles = 4 if rows <= _runtime.sm_count(logits.device) or max_block <= 128 else 1
+    if stream_lanes is None:
+        stream_lanes = max_block >= STREAM_LANES_MIN_BLOCK
     n_blocks = cdiv(V, max_block)
     KP = pow2(K)
     if blocks_topk is None:
