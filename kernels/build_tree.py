@@ -564,13 +564,19 @@ def split_workspace(
 
 STREAM_LANES_MIN_BLOCK = 128
 """The stream keeps its max and sum per vector (``expand``'s ``stream_lanes``) where a recorded
-maximum covers at least this many tokens. H100, one EAGLE layer (W = K = 10, V 32,000 unless
-noted), µs, per tile -> per vector, old and new defaults in one call (``bench/ab_trees.sh``, the
-old twice): B 32 21.1 / 21.1 -> 20.0, B 64 30.8 -> 29.7 (128-token blocks; with the four blocks
-a read below); the sweep (``--ops sweep_topk``): B 64 30.9 -> 30.2, B 1 V 128,256 14.8 -> 14.5,
-B 64 V 128,256 77.2 -> 76.8; B 1 (64-token blocks) 11.07 / 11.07 -> 11.15, so it stays per
-tile there. Per tile, a tile's max and sum each crossed the warp (17 shuffles a tile at 128-token
-blocks, 197 instructions); per vector only the block maxima do (3; 173)."""
+maximum covers at least this many tokens and less than a tile (a max per tile already reduces
+once a tile). Per tile, a tile's max and sum each crossed the warp (17 shuffles a tile at
+128-token blocks, 197 instructions in the loop); per vector only the block maxima do (3; 173).
+One EAGLE layer (W = K = 10), µs, per tile -> per vector, graph replays:
+
+| GPU, how | B 64 V 32,000 | B 32 V 32,000 | B 1 V 128,256 | B 1 V 32,000 | B 64 V 128,256 |
+| --- | --- | --- | --- | --- | --- |
+| H200, sweep | 27.6 -> 26.7 | | 14.45 -> 14.05 | 10.58 -> 10.64 | 64.8 -> 65.9 |
+| H100, sweep | 30.9 -> 30.2 | | 14.8 -> 14.5 | 11.07 -> 11.14 | 77.2 -> 76.8 |
+| H100, A/B | 30.8 -> 29.7 | 21.1 -> 20.0 | | 11.07 -> 11.15 | |
+
+(blocks: 128 tokens at B 32-64 V 32,000 and B 1 V 128,256, 64 at B 1 V 32,000, a 512-token tile
+at B 64 V 128,256; the A/B rows also have four blocks a read at B 32-64, ``bench/ab_trees.sh``.)"""
 
 
 def expand(
@@ -645,7 +651,7 @@ def expand(
     streaming programs keep the softmax's max and sum per 16-byte vector of logits and reduce
     them across the warp once per chunk, not per tile (``_stream_tiles_lanes``; two tiles ahead,
     ``stream_ahead`` ignored); by default (None) where blocks are ``STREAM_LANES_MIN_BLOCK``
-    tokens or more."""
+    tokens or more and smaller than a tile."""
     if stream_ahead not in (2, 3):
         raise ValueError(f"stream_ahead must be 2 or 3, got {stream_ahead}")
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
@@ -672,7 +678,7 @@ def expand(
     if cand_tiles is None:
         cand_tiles = 4 if rows <= _runtime.sm_count(logits.device) or max_block <= 128 else 1
     if stream_lanes is None:
-        stream_lanes = max_block >= STREAM_LANES_MIN_BLOCK
+        stream_lanes = STREAM_LANES_MIN_BLOCK <= max_block < block_v
     n_blocks = cdiv(V, max_block)
     KP = pow2(K)
     if blocks_topk is None:
