@@ -143,6 +143,8 @@ def _expand_kernel(
     BLOCKS_TOPK: tl.constexpr,  # split > 1: the K best blocks by one tl.topk (else K reductions)
     RANK_TOPK: tl.constexpr,  # split > 1: the ranked candidates by one tl.topk (else compares)
     CAND_AHEAD: tl.constexpr,  # split > 1: each read of the candidates' tiles issued one ahead
+    CAND_KEYS: tl.constexpr,  # split > 1: candidates' logits stored beside their tokens
+    FRONT_TOKENS: tl.constexpr,  # the request's candidate tokens loaded with their scores
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
     CAST: tl.constexpr,  # CAST's width/depth decision; else EAGLE's fixed width
@@ -165,7 +167,7 @@ def _expand_kernel(
         p_part = p_part_t + i_row.to(tl.int64) * NT
         b_top = _top_of_tiles(
             p_row, p_part, V, row_ok, K, KP, MB, NT, NTP, GT, CAP, BLOCKS_TOPK, RANK_TOPK,
-            CAND_AHEAD
+            CAND_AHEAD, CAND_KEYS
         )  # fmt: skip
     else:
         m_run, s_run, b_top = _stream_row(p_row, 0, V, V, row_ok, K, KP, BLOCK_V)
@@ -209,18 +211,32 @@ def _expand_kernel(
         # chunks of the scores re-read from L2, one round trip after another: 3 (B 1) to 7 (B 64)
         # us more per layer on the H200. Position r < W is the next frontier's row r; its
         # ``cum`` the score sum of the candidates at or above it
+        if FRONT_TOKENS:
+            # issued with the scores: the frontier's tokens are picked from registers below
+            # instead of gathered after the sort, one L2 round trip later
+            b_ct = tl.load(
+                p_ctok + i_b64 * (D * C) + layer * C + o_c, mask=m_c, other=0,
+                cache_modifier=".cg",
+            )  # fmt: skip
         s_key = tl.sort(_cand_key(b_s, o_c, C, CPAD), descending=True)
         ok_r = s_key >= 0
         r_slot = tl.where(ok_r, 0x7FFFFFFF - (s_key & 0xFFFFFFFF), 0).to(tl.int32)
         r_score = tl.where(ok_r, (s_key >> 32).to(tl.int32).to(tl.float32, bitcast=True), -1.0)
         r_cum = tl.cumsum(tl.maximum(r_score, 0.0), 0)
         sel = o_c < W
-        r_tok = tl.load(
-            p_ctok + i_b64 * (D * C) + layer * C + r_slot,
-            mask=sel & ok_r,
-            other=0,
-            cache_modifier=".cg",
-        )
+        if FRONT_TOKENS:
+            # row r < W of the frontier takes candidate r_slot[r]: a [WP, CPAD] selection
+            o_r = tl.arange(0, WP)
+            f_slot = tl.sum(tl.where(o_c[None, :] == o_r[:, None], r_slot[None, :], 0), axis=1)
+            f_tok = tl.sum(tl.where(o_c[None, :] == f_slot[:, None], b_ct[None, :], 0), axis=1)
+            r_tok = tl.sum(tl.where(o_r[None, :] == o_c[:, None], f_tok[None, :], 0), axis=1)
+        else:
+            r_tok = tl.load(
+                p_ctok + i_b64 * (D * C) + layer * C + r_slot,
+                mask=sel & ok_r,
+                other=0,
+                cache_modifier=".cg",
+            )
         o_f = i_b64 * W + o_c
         tl.store(p_fscore + o_f, r_score, mask=sel)
         tl.store(p_fcand + o_f, tl.where(ok_r, layer * C + r_slot, -1), mask=sel)
@@ -608,6 +624,8 @@ def expand(
     stream_ahead: int = 2,
     cand_ahead: bool = True,
     stream_lanes: bool | None = None,
+    cand_keys: bool = False,
+    front_tokens: bool = False,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V], or [B, 1, V] (the root's row alone,
     at layer 0: the launch covers B rows, and the request's other candidate slots of the layer
@@ -651,7 +669,12 @@ def expand(
     streaming programs keep the softmax's max and sum per 16-byte vector of logits and reduce
     them across the warp once per chunk, not per tile (``_stream_tiles_lanes``; two tiles ahead,
     ``stream_ahead`` ignored); by default (None) where blocks are ``STREAM_LANES_MIN_BLOCK``
-    tokens or more and smaller than a tile."""
+    tokens or more and smaller than a tile. ``cand_keys`` (off; untimed): the ranked candidates'
+    logits stored beside their tokens in the row's scratch, so the ranking reloads them instead
+    of gathering them from the logits (one L2 round trip fewer a row; where the scratch holds
+    2 ``cand_cap``). ``front_tokens`` (off; untimed): the request's last row loads its W*K
+    candidates' tokens with their scores and picks the next frontier's from registers (one round
+    trip fewer a request)."""
     if stream_ahead not in (2, 3):
         raise ValueError(f"stream_ahead must be 2 or 3, got {stream_ahead}")
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
@@ -770,6 +793,8 @@ def expand(
         BLOCKS_TOPK=split > 1 and blocks_topk and KP > 1 and pow2(n_blocks) >= KP,
         RANK_TOPK=split > 1 and rank_topk and KP > 1 and cand_cap >= KP,
         CAND_AHEAD=split > 1 and cand_ahead,
+        CAND_KEYS=split > 1 and cand_keys,
+        FRONT_TOKENS=front_tokens,
         LANES=32 * warps,
         FENCE=not interpreted(),
         CAST=cast is not None,

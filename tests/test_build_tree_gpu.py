@@ -160,9 +160,11 @@ def test_top_k_methods_agree(B, V, ties):
     cap take the merge), a max recorded per 512-token tile or per block of 256 to 32 tokens
     (``max_block``; None: the default), per-row programs of 2 or 8 warps (``row_warps``), the K
     best blocks or the ranked candidates by one ``tl.topk`` (``blocks_topk``, ``rank_topk``; off
-    unless named), the stream's max and sum per tile (``tile_stats``: ``stream_lanes`` off) and
-    the launcher's defaults (``defaults``), give exactly the tile-by-tile
-    merge's (``cand_cap`` 0) tokens, parents and frontier: integers, compared exactly."""
+    unless named), the stream's max and sum per tile (``tile_stats``: ``stream_lanes`` off), the
+    candidates' logits kept beside their tokens (``cand_keys``), the frontier's tokens from
+    registers (``front_tokens``) and the launcher's defaults (``defaults``), give exactly the
+    tile-by-tile merge's (``cand_cap`` 0) tokens, parents and frontier: integers, compared
+    exactly."""
     pol = _policy("eagle", B=B, D=2)
     W = pol.max_width
     g = torch.Generator(device=DEV).manual_seed(B + V + ties)
@@ -181,13 +183,17 @@ def test_top_k_methods_agree(B, V, ties):
                (16, 4, 64, 4, "rank_topk"), (32, None, None, None, "defaults"),
                (32, 1, None, 4, "cand_ahead"), (32, 4, None, 4, "cand_ahead"),
                (32, 4, None, 4, "tile_stats"), (32, 1, 64, 4, "tile_stats"),
-               (32, 1, 512, 4, "tile_stats")]  # fmt: skip
+               (32, 1, 512, 4, "tile_stats"), (32, 4, None, 4, "cand_keys", "front_tokens"),
+               (32, 1, None, 4, "cand_keys")]  # fmt: skip
     for cap, tiles, mb, rw, *topks in configs:
         st = treeops.DraftState.new(pol, roots, seq)
         named = ("blocks_topk", "rank_topk", "cand_ahead")
         kw = {} if "defaults" in topks else {k: k in topks for k in named}
         if "tile_stats" in topks:
             kw["stream_lanes"] = False
+        for name in ("cand_keys", "front_tokens"):
+            if name in topks:
+                kw[name] = True
         for i, x in enumerate(logits):
             _launch_expand(
                 x, st, pol, cand_cap=cap, cand_tiles=tiles, max_block=mb, row_warps=rw, **kw
