@@ -143,7 +143,7 @@ def _expand_kernel(
     BLOCKS_TOPK: tl.constexpr,  # split > 1: the K best blocks by one tl.topk (else K reductions)
     RANK_TOPK: tl.constexpr,  # split > 1: the ranked candidates by one tl.topk (else compares)
     CAND_AHEAD: tl.constexpr,  # split > 1: each read of the candidates' tiles issued one ahead
-    CAND_KEYS: tl.constexpr,  # split > 1: candidates' logits stored beside their tokens
+    CAND_KEYS: tl.constexpr,  # split > 1: candidates stored as packed keys (no logit gather)
     FRONT_TOKENS: tl.constexpr,  # the request's candidate tokens loaded with their scores
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
@@ -669,10 +669,10 @@ def expand(
     streaming programs keep the softmax's max and sum per 16-byte vector of logits and reduce
     them across the warp once per chunk, not per tile (``_stream_tiles_lanes``; two tiles ahead,
     ``stream_ahead`` ignored); by default (None) where blocks are ``STREAM_LANES_MIN_BLOCK``
-    tokens or more and smaller than a tile. ``cand_keys`` (off; untimed): the ranked candidates'
-    logits stored beside their tokens in the row's scratch, so the ranking reloads them instead
-    of gathering them from the logits (one L2 round trip fewer a row; where the scratch holds
-    2 ``cand_cap``). ``front_tokens`` (off; untimed): the request's last row loads its W*K
+    tokens or more and smaller than a tile. ``cand_keys`` (off; untimed): the candidates stored
+    as packed int64 keys in the row's scratch, so the ranking reloads the keys instead of
+    reloading tokens and gathering their logits (one L2 round trip fewer a row; where the row's
+    block count is even and at least 2 ``cand_cap``). ``front_tokens`` (off; untimed): the request's last row loads its W*K
     candidates' tokens with their scores and picks the next frontier's from registers (one round
     trip fewer a request)."""
     if stream_ahead not in (2, 3):

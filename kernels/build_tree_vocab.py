@@ -340,9 +340,8 @@ def _top_of_tiles(
     candidate. ``CAND_KEYS`` (with ``RANK_TOPK``, where the row's NT int32 slots hold CAP int64
     ones: NT even and >= 2 CAP): each candidate is stored as its packed key, so the ranking
     reloads the keys in one round trip instead of reloading the tokens, then gathering their
-    logits from the row.
-    Otherwise (many equal logits), or always with ``CAP`` = 0, ``_top_of_tiles_merged`` takes
-    the row. Either way the result is the exact top-K by packed
+    logits from the row. Otherwise (many equal logits), or always with ``CAP`` = 0,
+    ``_top_of_tiles_merged`` takes the row. Either way the result is the exact top-K by packed
     key."""
     o_t = tl.arange(0, NTP)
     m_t = o_t < NT
@@ -378,7 +377,7 @@ def _top_of_tiles(
         # fewer than K tiles: the smallest key, so every logit of the row qualifies
         thr = (t_kth >> 32).to(tl.int32)
         # the row's NT int32 slots as NT / 2 int64 ones (8-byte aligned: NT even)
-        KEYS_BESIDE: tl.constexpr = CAND_KEYS and RANK_TOPK and 2 * CAP <= NT and NT % 2 == 0
+        KEYS_STORED: tl.constexpr = CAND_KEYS and RANK_TOPK and 2 * CAP <= NT and NT % 2 == 0
         p_keys = p_tmax.to(tl.pointer_type(tl.int64))
         # every tile max is in registers (the reductions above waited on the loads): the row's
         # slots of p_tmax are free for the candidate tokens
@@ -397,7 +396,7 @@ def _top_of_tiles(
             c_i = (m_v & (b_o >= thr)).to(tl.int32)
             n_g = tl.sum(c_i, axis=1)  # [GT]
             pos = n_c + (tl.cumsum(n_g, 0) - n_g)[:, None] + tl.cumsum(c_i, axis=1) - 1
-            if KEYS_BESIDE:
+            if KEYS_STORED:
                 c_k = (b_o.to(tl.int64) << 32) | (0x7FFFFFFF - o_v).to(tl.int64)
                 tl.store(p_keys + pos, c_k, mask=(c_i != 0) & (pos < CAP))
             else:
@@ -407,7 +406,7 @@ def _top_of_tiles(
         if (n_c <= CAP) & (n_c <= NT):
             o_c = tl.arange(0, CAP)
             m_c = o_c < n_c
-            if KEYS_BESIDE:
+            if KEYS_STORED:
                 c_key = tl.load(p_keys + o_c, mask=m_c, other=0, cache_modifier=".cg")
             else:
                 c_tok = tl.load(p_tmax + o_c, mask=m_c, other=0, cache_modifier=".cg")
