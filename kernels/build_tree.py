@@ -672,9 +672,9 @@ def expand(
     tokens or more and smaller than a tile. ``cand_keys`` (off; untimed): the candidates stored
     as packed int64 keys in the row's scratch, so the ranking reloads the keys instead of
     reloading tokens and gathering their logits (one L2 round trip fewer a row; where the row's
-    block count is even and at least 2 ``cand_cap``). ``front_tokens`` (off; untimed): the request's last row loads its W*K
-    candidates' tokens with their scores and picks the next frontier's from registers (one round
-    trip fewer a request)."""
+    block count is even and at least 2 ``cand_cap``). ``front_tokens`` (off; untimed): the
+    request's last row loads its W*K candidates' tokens with their scores and picks the next
+    frontier's from registers (one round trip fewer a request)."""
     if stream_ahead not in (2, 3):
         raise ValueError(f"stream_ahead must be 2 or 3, got {stream_ahead}")
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
