@@ -694,7 +694,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     # to a max and sum per vector)
     for B, V, ahead in ((64, 32000, 2), (1, 128256, 2), (64, 32000, 3), (8, 128256, 3)):
         out.append(build("eagle", B, V, 64, stream_lanes=False, stream_ahead=ahead))
-    # the candidates' logits beside their tokens and the frontier's tokens from registers
+    # the candidates stored as packed keys and the frontier's tokens from registers
     for B, V in ((1, 32000), (64, 32000), (1, 128256)):
         out.append(build("eagle", B, V, 64, cand_keys=True, front_tokens=True))
     # the candidates' tile reads issued one at a time (the sweep's alternative to one ahead)

@@ -225,11 +225,7 @@ def _expand_kernel(
         r_cum = tl.cumsum(tl.maximum(r_score, 0.0), 0)
         sel = o_c < W
         if FRONT_TOKENS:
-            # row r < W of the frontier takes candidate r_slot[r]: a [WP, CPAD] selection
-            o_r = tl.arange(0, WP)
-            f_slot = tl.sum(tl.where(o_c[None, :] == o_r[:, None], r_slot[None, :], 0), axis=1)
-            f_tok = tl.sum(tl.where(o_c[None, :] == f_slot[:, None], b_ct[None, :], 0), axis=1)
-            r_tok = tl.sum(tl.where(o_r[None, :] == o_c[:, None], f_tok[None, :], 0), axis=1)
+            r_tok = tl.gather(b_ct, r_slot, 0)  # row r of the frontier: candidate r_slot[r]
         else:
             r_tok = tl.load(
                 p_ctok + i_b64 * (D * C) + layer * C + r_slot,

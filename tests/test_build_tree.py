@@ -577,7 +577,7 @@ def test_streamed_expand_any_split_matches_reference(case, split, block_v, per_t
     a tile (``max_block`` = block_v / per_tile; the last block of a chunk or of V partly or
     wholly past it), two or three tiles loaded ahead (``stream_ahead``) or the max and sum kept
     per vector (``stream_lanes``), the K best blocks re-read, and (``keys``) 16 candidates ranked
-    at once with their logits stored beside their tokens where the row has 32 blocks or more
+    at once, stored as packed keys where the row has an even count of 32 blocks or more
     (``cand_keys``) and the frontier's tokens picked from registers (``front_tokens``): the
     reference's states and tree."""
     policy, logits, roots, seq, active = case
@@ -597,8 +597,8 @@ def test_streamed_expand_any_split_matches_reference(case, split, block_v, per_t
 def test_streamed_expand_long_chunks_match_reference(ahead, max_block):
     """Chunks of many tiles (V 300 in two chunks of 19 tiles of 8), so that every tile the
     stream loads ahead (``stream_ahead``, or two with ``stream_lanes``) is reduced in its turn:
-    the reference's states and tree. ``keys``: 150 blocks a row, so the candidates' logits fit
-    beside their tokens (``cand_keys``), and the frontier's tokens picked from registers
+    the reference's states and tree. ``keys``: 150 blocks a row, so the candidates fit the
+    row's scratch as packed keys (``cand_keys``), and the frontier's tokens picked from registers
     (``front_tokens``)."""
     keys = ahead == "keys"
     lanes = ahead in ("lanes", "keys")

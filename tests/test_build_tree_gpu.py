@@ -161,7 +161,7 @@ def test_top_k_methods_agree(B, V, ties):
     (``max_block``; None: the default), per-row programs of 2 or 8 warps (``row_warps``), the K
     best blocks or the ranked candidates by one ``tl.topk`` (``blocks_topk``, ``rank_topk``; off
     unless named), the stream's max and sum per tile (``tile_stats``: ``stream_lanes`` off), the
-    candidates' logits kept beside their tokens (``cand_keys``), the frontier's tokens from
+    candidates stored as packed keys (``cand_keys``), the frontier's tokens from
     registers (``front_tokens``) and the launcher's defaults (``defaults``), give exactly the
     tile-by-tile merge's (``cand_cap`` 0) tokens, parents and frontier: integers, compared
     exactly."""
