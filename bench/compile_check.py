@@ -319,10 +319,10 @@ def build(kind, B, V, N, dtype=torch.bfloat16, **tuning):
     return f"build {kind} B={B} V={V} N={N} {dtype}{extra}", case
 
 
-def with_pdl(named_case):
+def with_pdl(named_case, mode: int = 1):
     """A case with every launch that supports it taking programmatic dependent launch
-    (kernels/_pdl.py), as ``TREEOPS_PDL=1`` makes it on an sm_90 GPU: the griddepcontrol
-    variants compiled."""
+    (kernels/_pdl.py), as ``TREEOPS_PDL=1`` (``mode`` 1, the next kernel released late) or
+    ``early`` (2) makes it on an sm_90 GPU: the griddepcontrol variants compiled."""
     name, case = named_case
 
     def pdl_case():
@@ -333,7 +333,7 @@ def with_pdl(named_case):
 
         def run():
             saved = kb.use_pdl, ta.use_pdl
-            kb.use_pdl = ta.use_pdl = lambda device: True
+            kb.use_pdl = ta.use_pdl = lambda device: mode
             ta._PLANS.clear()  # plans keep their launch options
             try:
                 return launch()
@@ -343,7 +343,7 @@ def with_pdl(named_case):
 
         return run
 
-    return name + " pdl", pdl_case
+    return name + (" pdl" if mode == 1 else " pdl early"), pdl_case
 
 
 def pdl_cases() -> list:
@@ -351,7 +351,7 @@ def pdl_cases() -> list:
     which has no griddepcontrol (``kernels._pdl.use_pdl`` never takes PDL there)."""
     if ARCH < 90:
         return []
-    return [with_pdl(build("eagle", 8, 32000, 64)),
+    return [with_pdl(build("eagle", 8, 32000, 64)), with_pdl(build("eagle", 8, 32000, 64), 2),
             with_pdl(attention(1, 64, 32, 8, 128, 32768, 16))]  # fmt: skip
 
 
@@ -694,9 +694,6 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     # to a max and sum per vector)
     for B, V, ahead in ((64, 32000, 2), (1, 128256, 2), (64, 32000, 3), (8, 128256, 3)):
         out.append(build("eagle", B, V, 64, stream_lanes=False, stream_ahead=ahead))
-    # the candidates stored as packed keys and the frontier's tokens from registers
-    for B, V in ((1, 32000), (64, 32000), (1, 128256)):
-        out.append(build("eagle", B, V, 64, cand_keys=True, front_tokens=True))
     # the candidates' tile reads issued one at a time (the sweep's alternative to one ahead)
     for B, V in ((1, 32000), (64, 32000), (64, 128256)):
         out.append(build("eagle", B, V, 64, cand_ahead=False))

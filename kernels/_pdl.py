@@ -9,12 +9,15 @@ on the H200 (an empty kernel chained: 0.65 µs), and a draft layer is two launch
 The contract, kept by ``pdl_enter`` as a kernel's first statement: a kernel launched with PDL
 waits (``griddepcontrol.wait``: every earlier kernel on the stream complete, its writes visible)
 before it reads or writes any global memory, so nothing it does can race with the kernel before
-it; and it lets the kernel after it launch at once (that kernel waits the same way, or, launched
-without PDL, starts after this one completes as usual). ``launch_pdl`` and the kernel's ``PDL``
-constexpr must therefore be the same value (``use_pdl``).
+it, wherever that kernel let it launch. The kernel after it launches once this one's programs
+have all run ``pdl_release`` (``PDL_LATE``: placed after a kernel's main work, so dependents
+wait in SM slots only through its tail) or at once (``PDL_EARLY``: ``pdl_enter`` releases it);
+a kernel launched without PDL starts after this one completes, as usual. ``launch_pdl`` must be
+on exactly where the kernel's ``PDL`` constexpr is not ``PDL_OFF`` (``use_pdl``).
 
-Off unless ``TREEOPS_PDL=1`` (read at import): on the H200 it made the B = 64 draft step slower
-(315.5 -> 377.2 us) and the B = 1 one too (140.1 -> 144.9); docs/design.md has the figures.
+Off unless ``TREEOPS_PDL`` is ``1`` (late release) or ``early`` (read at import): released early
+on the H200 it made the B = 64 draft step slower (315.5 -> 377.2 us) and the B = 1 one too
+(140.1 -> 144.9); docs/design.md has the figures.
 """
 
 from __future__ import annotations
@@ -29,8 +32,18 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from treeops._runtime import interpreted
 
-ENABLED = os.environ.get("TREEOPS_PDL") == "1"
-"""Whether launches that support it use PDL (``TREEOPS_PDL=1``; off by default)."""
+# a kernel's ``PDL`` constexpr (constexpr globals, as the kernels compare against them): launched
+# plainly; with PDL, the next kernel released at ``pdl_release``; or at ``pdl_enter``
+PDL_OFF = tl.constexpr(0)
+PDL_LATE = tl.constexpr(1)
+PDL_EARLY = tl.constexpr(2)
+
+_MODES = {"0": 0, "": 0, "1": 1, "early": 2}
+_VALUE = os.environ.get("TREEOPS_PDL", "")
+if _VALUE not in _MODES:
+    raise ValueError(f"TREEOPS_PDL must be 0, 1 or early, got {_VALUE!r}")
+MODE = _MODES[_VALUE]
+"""What launches that support PDL use (``TREEOPS_PDL``; 0, ``PDL_OFF``, by default)."""
 
 
 @functools.cache
@@ -38,18 +51,30 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether a launch on ``device`` takes PDL: enabled, compiled (the interpreter runs programs
-    one after another, with no inline assembly), and a GPU of compute capability 9.0 or later."""
-    if not ENABLED or device.type != "cuda" or interpreted():
-        return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+def use_pdl(device: torch.device) -> int:
+    """The ``PDL`` constexpr of a launch on ``device``: ``MODE`` where it is compiled (the
+    interpreter runs programs one after another, with no inline assembly) for a GPU of compute
+    capability 9.0 or later, else ``PDL_OFF``. Launch with ``launch_pdl=bool(pdl)``."""
+    if MODE == 0 or device.type != "cuda" or interpreted():
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return MODE if _capable(index) else 0
 
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """A PDL-launched kernel's first statement (nothing when ``PDL`` is off): let the next kernel
-    launch, then wait for the one before to complete (see the module docstring)."""
-    if PDL:
+    """A kernel's first statement (nothing when ``PDL`` is ``PDL_OFF``): wait for the kernel
+    before to complete, after letting the next one launch where ``PDL`` is ``PDL_EARLY``."""
+    if PDL == PDL_EARLY:
         gdc_launch_dependents()
+    if PDL != PDL_OFF:
         gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the next kernel launch (where ``PDL`` is ``PDL_LATE``): called by every program, outside
+    any branch, once the kernel's main work is issued; the next kernel still waits for this one to
+    complete before it touches memory (``pdl_enter``)."""
+    if PDL == PDL_LATE:
+        gdc_launch_dependents()

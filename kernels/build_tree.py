@@ -50,7 +50,7 @@ from treeops._runtime import cdiv, interpreted, pow2, refuse_in_capture
 from treeops.tree import Tree, anc_words
 
 from ._launch import direct
-from ._pdl import pdl_enter, use_pdl
+from ._pdl import pdl_enter, pdl_release, use_pdl
 from .build_tree_vocab import (
     _combine_softmax,
     _stream_kernel,
@@ -143,8 +143,6 @@ def _expand_kernel(
     BLOCKS_TOPK: tl.constexpr,  # split > 1: the K best blocks by one tl.topk (else K reductions)
     RANK_TOPK: tl.constexpr,  # split > 1: the ranked candidates by one tl.topk (else compares)
     CAND_AHEAD: tl.constexpr,  # split > 1: each read of the candidates' tiles issued one ahead
-    CAND_KEYS: tl.constexpr,  # split > 1: candidates stored as packed keys (no logit gather)
-    FRONT_TOKENS: tl.constexpr,  # the request's candidate tokens loaded with their scores
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
     CAST: tl.constexpr,  # CAST's width/depth decision; else EAGLE's fixed width
@@ -167,7 +165,7 @@ def _expand_kernel(
         p_part = p_part_t + i_row.to(tl.int64) * NT
         b_top = _top_of_tiles(
             p_row, p_part, V, row_ok, K, KP, MB, NT, NTP, GT, CAP, BLOCKS_TOPK, RANK_TOPK,
-            CAND_AHEAD, CAND_KEYS
+            CAND_AHEAD
         )  # fmt: skip
     else:
         m_run, s_run, b_top = _stream_row(p_row, 0, V, V, row_ok, K, KP, BLOCK_V)
@@ -199,6 +197,7 @@ def _expand_kernel(
         tl.store(p_ctok + o_ed, tl.zeros([CPAD], tl.int64), mask=m_e)
         tl.store(p_cpar + o_ed, tl.full([CPAD], -1, tl.int32), mask=m_e)
 
+    pdl_release(PDL)  # what is left is the request's last row: the next launch may be placed
     # ---- 3. last row of the request: rank its W*K candidates, write the next frontier
     if _release_then_arrive(p_ctr + i_b64, LANES, FENCE) == RW - 1:
         tl.store(p_ctr + i_b64, 0)
@@ -210,29 +209,19 @@ def _expand_kernel(
         # >= 0 and carrying score bits and slot). Ranking by pairwise compares instead took
         # chunks of the scores re-read from L2, one round trip after another: 3 (B 1) to 7 (B 64)
         # us more per layer on the H200. Position r < W is the next frontier's row r; its
-        # ``cum`` the score sum of the candidates at or above it
-        if FRONT_TOKENS:
-            # issued with the scores: the frontier's tokens are picked from registers below
-            # instead of gathered after the sort, one L2 round trip later
-            b_ct = tl.load(
-                p_ctok + i_b64 * (D * C) + layer * C + o_c, mask=m_c, other=0,
-                cache_modifier=".cg",
-            )  # fmt: skip
+        # ``cum`` the score sum of the candidates at or above it. The tokens are loaded with
+        # the scores and the frontier's picked from registers after the sort: a load after it
+        # is one L2 round trip more (0.1-0.3 us a layer on the H200)
+        b_ct = tl.load(
+            p_ctok + i_b64 * (D * C) + layer * C + o_c, mask=m_c, other=0, cache_modifier=".cg"
+        )
         s_key = tl.sort(_cand_key(b_s, o_c, C, CPAD), descending=True)
         ok_r = s_key >= 0
         r_slot = tl.where(ok_r, 0x7FFFFFFF - (s_key & 0xFFFFFFFF), 0).to(tl.int32)
         r_score = tl.where(ok_r, (s_key >> 32).to(tl.int32).to(tl.float32, bitcast=True), -1.0)
         r_cum = tl.cumsum(tl.maximum(r_score, 0.0), 0)
         sel = o_c < W
-        if FRONT_TOKENS:
-            r_tok = tl.gather(b_ct, r_slot, 0)  # row r of the frontier: candidate r_slot[r]
-        else:
-            r_tok = tl.load(
-                p_ctok + i_b64 * (D * C) + layer * C + r_slot,
-                mask=sel & ok_r,
-                other=0,
-                cache_modifier=".cg",
-            )
+        r_tok = tl.gather(b_ct, r_slot, 0)  # row r of the frontier: candidate r_slot[r]
         o_f = i_b64 * W + o_c
         tl.store(p_fscore + o_f, r_score, mask=sel)
         tl.store(p_fcand + o_f, tl.where(ok_r, layer * C + r_slot, -1), mask=sel)
@@ -341,6 +330,7 @@ def _select_kernel(
     ok_j = (b_top >= 0) & (o_j < N - 1)
     c_idx = (0x7FFFFFFF - (b_top & 0xFFFFFFFF)).to(tl.int32)
     c_s = tl.where(ok_j, _unordered((b_top >> 32).to(tl.int32)), 0.0)
+    pdl_release(PDL)
     tl.store(p_sel + i_b * N + o_j, tl.where(ok_j, c_idx, -1), mask=o_j < N - 1)
     tl.store(p_pos + i_b * (D * C) + c_idx, o_j + 1, mask=ok_j)
     # utilities of the rerank: 1 (root) + the j best scores, at column j
@@ -620,8 +610,6 @@ def expand(
     stream_ahead: int = 2,
     cand_ahead: bool = True,
     stream_lanes: bool | None = None,
-    cand_keys: bool = False,
-    front_tokens: bool = False,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V], or [B, 1, V] (the root's row alone,
     at layer 0: the launch covers B rows, and the request's other candidate slots of the layer
@@ -665,12 +653,7 @@ def expand(
     streaming programs keep the softmax's max and sum per 16-byte vector of logits and reduce
     them across the warp once per chunk, not per tile (``_stream_tiles_lanes``; two tiles ahead,
     ``stream_ahead`` ignored); by default (None) where blocks are ``STREAM_LANES_MIN_BLOCK``
-    tokens or more and smaller than a tile. ``cand_keys`` (off; untimed): the candidates stored
-    as packed int64 keys in the row's scratch, so the ranking reloads the keys instead of
-    reloading tokens and gathering their logits (one L2 round trip fewer a row; where the row's
-    block count is even and at least 2 ``cand_cap``). ``front_tokens`` (off; untimed): the
-    request's last row loads its W*K candidates' tokens with their scores and picks the next
-    frontier's from registers (one round trip fewer a request)."""
+    tokens or more and smaller than a tile."""
     if stream_ahead not in (2, 3):
         raise ValueError(f"stream_ahead must be 2 or 3, got {stream_ahead}")
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
@@ -729,7 +712,7 @@ def expand(
             AHEAD=stream_ahead,
             VEC=min(16 // logits.element_size(), max_block) if stream_lanes else 0,
             num_warps=num_warps or 1,
-            launch_pdl=pdl,
+            launch_pdl=pdl > 0,
         )
         warps = row_warps or (1 if interpreted() else 4)
     else:
@@ -789,14 +772,12 @@ def expand(
         BLOCKS_TOPK=split > 1 and blocks_topk and KP > 1 and pow2(n_blocks) >= KP,
         RANK_TOPK=split > 1 and rank_topk and KP > 1 and cand_cap >= KP,
         CAND_AHEAD=split > 1 and cand_ahead,
-        CAND_KEYS=split > 1 and cand_keys,
-        FRONT_TOKENS=front_tokens,
         LANES=32 * warps,
         FENCE=not interpreted(),
         CAST=cast is not None,
         PDL=pdl,
         num_warps=warps,
-        launch_pdl=pdl,
+        launch_pdl=pdl > 0,
     )
 
 
@@ -850,7 +831,7 @@ def emit(
         NP=NP,
         PDL=pdl,
         num_warps=warps,
-        launch_pdl=pdl,
+        launch_pdl=pdl > 0,
     )
     direct(_emit_kernel).launch(
         (B,),
@@ -891,6 +872,6 @@ def emit(
         CAST=cast is not None,
         PDL=pdl,
         num_warps=warps,
-        launch_pdl=pdl,
+        launch_pdl=pdl > 0,
     )
     return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_enter
+from ._pdl import pdl_enter, pdl_release
 
 
 @triton.jit
@@ -321,7 +321,6 @@ def _top_of_tiles(
     BLOCKS_TOPK: tl.constexpr,
     RANK_TOPK: tl.constexpr,
     CAND_AHEAD: tl.constexpr,
-    CAND_KEYS: tl.constexpr,
 ):
     """The row's top-K packed keys, reading only the tiles that can hold them.
 
@@ -337,10 +336,7 @@ def _top_of_tiles(
     reads' addresses do not depend on the running count).
     When they fit (at most ``min(CAP, NT)``; at least K qualify, the K tiles' maxima), their keys
     are ranked at once: a constant number of block-wide steps instead of a reduction per
-    candidate. ``CAND_KEYS`` (with ``RANK_TOPK``, where the row's NT int32 slots hold CAP int64
-    ones: NT even and >= 2 CAP): each candidate is stored as its packed key, so the ranking
-    reloads the keys in one round trip instead of reloading the tokens, then gathering their
-    logits from the row. Otherwise (many equal logits), or always with ``CAP`` = 0,
+    candidate. Otherwise (many equal logits), or always with ``CAP`` = 0,
     ``_top_of_tiles_merged`` takes the row. Either way the result is the exact top-K by packed
     key."""
     o_t = tl.arange(0, NTP)
@@ -376,9 +372,6 @@ def _top_of_tiles(
                 b_v0 = tl.where((o_k == k) & (t_kth > -9223372036854775807 - 1), v0, b_v0)
         # fewer than K tiles: the smallest key, so every logit of the row qualifies
         thr = (t_kth >> 32).to(tl.int32)
-        # the row's NT int32 slots as NT / 2 int64 ones (8-byte aligned: NT even)
-        KEYS_STORED: tl.constexpr = CAND_KEYS and RANK_TOPK and 2 * CAP <= NT and NT % 2 == 0
-        p_keys = p_tmax.to(tl.pointer_type(tl.int64))
         # every tile max is in registers (the reductions above waited on the loads): the row's
         # slots of p_tmax are free for the candidate tokens
         n_c = tl.sum(tl.zeros([GT], tl.int32))
@@ -392,26 +385,18 @@ def _top_of_tiles(
                 o_v, b_raw = _read_tiles(p_row, b_v0, g, V, v_none, K, KP, GT, BLOCK_V)
             m_v = o_v < V
             b_x = b_raw.to(tl.float32) + 0.0
-            b_o = _ordered(b_x)
-            c_i = (m_v & (b_o >= thr)).to(tl.int32)
+            c_i = (m_v & (_ordered(b_x) >= thr)).to(tl.int32)
             n_g = tl.sum(c_i, axis=1)  # [GT]
             pos = n_c + (tl.cumsum(n_g, 0) - n_g)[:, None] + tl.cumsum(c_i, axis=1) - 1
-            if KEYS_STORED:
-                c_k = (b_o.to(tl.int64) << 32) | (0x7FFFFFFF - o_v).to(tl.int64)
-                tl.store(p_keys + pos, c_k, mask=(c_i != 0) & (pos < CAP))
-            else:
-                tl.store(p_tmax + pos, o_v, mask=(c_i != 0) & (pos < NT))
+            tl.store(p_tmax + pos, o_v, mask=(c_i != 0) & (pos < NT))
             n_c += tl.sum(n_g)
         tl.debug_barrier()  # every thread's candidates written before any is read back
         if (n_c <= CAP) & (n_c <= NT):
             o_c = tl.arange(0, CAP)
             m_c = o_c < n_c
-            if KEYS_STORED:
-                c_key = tl.load(p_keys + o_c, mask=m_c, other=0, cache_modifier=".cg")
-            else:
-                c_tok = tl.load(p_tmax + o_c, mask=m_c, other=0, cache_modifier=".cg")
-                c_x = tl.load(p_row + c_tok, mask=m_c, other=-float("inf")).to(tl.float32) + 0.0
-                c_key = (_ordered(c_x).to(tl.int64) << 32) | (0x7FFFFFFF - c_tok).to(tl.int64)
+            c_tok = tl.load(p_tmax + o_c, mask=m_c, other=0, cache_modifier=".cg")
+            c_x = tl.load(p_row + c_tok, mask=m_c, other=-float("inf")).to(tl.float32) + 0.0
+            c_key = (_ordered(c_x).to(tl.int64) << 32) | (0x7FFFFFFF - c_tok).to(tl.int64)
             c_key = tl.where(m_c, c_key, -9223372036854775807 - 1)
             if RANK_TOPK:
                 # the K best in registers (one bitonic top-KP; padding ranks last)
@@ -477,6 +462,7 @@ def _stream_kernel(
         m_run, s_run = _stream_tiles_lanes(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB, VEC)
     else:
         m_run, s_run = _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB, AHEAD)
+    pdl_release(PDL)
     o_part = i_p.to(tl.int64)
     tl.store(p_part_m + o_part, m_run)
     tl.store(p_part_s + o_part, s_run)

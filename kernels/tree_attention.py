@@ -553,7 +553,7 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
             WARP_SPEC=cfg.warp_spec,
             FUSED_MERGE=cfg.fused_merge,
             FENCE=cfg.fused_merge and not interpreted(),
-            PDL=pdl, launch_pdl=pdl,  # the constexpr and the launch option agree (_pdl)
+            PDL=pdl, launch_pdl=pdl > 0,  # the constexpr and the launch option agree (_pdl)
             PARTIAL_HALF=cfg.partial_half,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -571,7 +571,7 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
             BLOCK_H=block_h,
             D=D,
             HAS_QS=has_qs, HAS_QL=has_ql, WRITE_LSE=has_lse,
-            PDL=pdl, launch_pdl=pdl,
+            PDL=pdl, launch_pdl=pdl > 0,
             PARTIAL_HALF=cfg.partial_half,
             num_warps=4,
         ),

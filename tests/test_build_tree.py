@@ -568,7 +568,7 @@ def test_kernels_match_reference(case, root_row):
     st.integers(2, 12),
     st.sampled_from([4, 8, 16]),
     st.sampled_from([1, 2, 4]),
-    st.sampled_from([2, 3, "lanes", "keys"]),
+    st.sampled_from([2, 3, "lanes"]),
 )
 def test_streamed_expand_any_split_matches_reference(case, split, block_v, per_tile, ahead):
     """The two-launch expand (one-warp chunk programs, then one program per row merging them) at
@@ -576,39 +576,27 @@ def test_streamed_expand_any_split_matches_reference(case, split, block_v, per_t
     none past V), tiles that rarely divide V, K up to V, a max recorded per tile or per block of
     a tile (``max_block`` = block_v / per_tile; the last block of a chunk or of V partly or
     wholly past it), two or three tiles loaded ahead (``stream_ahead``) or the max and sum kept
-    per vector (``stream_lanes``), the K best blocks re-read, and (``keys``) 16 candidates ranked
-    at once, stored as packed keys where the row has an even count of 32 blocks or more
-    (``cand_keys``) and the frontier's tokens picked from registers (``front_tokens``): the
-    reference's states and tree."""
+    per vector (``stream_lanes``), the K best blocks re-read: the reference's states and tree."""
     policy, logits, roots, seq, active = case
-    keys = ahead == "keys"
-    lanes = ahead in ("lanes", "keys")
-    extra = dict(cand_cap=16, cand_keys=True, front_tokens=True) if keys else {}
+    lanes = ahead == "lanes"
     run_both(
         policy, logits, roots, seq, active, block_v=block_v, split=split,
         max_block=block_v // per_tile, stream_ahead=2 if lanes else ahead, stream_lanes=lanes,
-        **extra,
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "ahead, max_block", [(2, 8), (3, 8), (3, 2), ("lanes", 8), ("lanes", 4), ("keys", 2)]
-)
+@pytest.mark.parametrize("ahead, max_block", [(2, 8), (3, 8), (3, 2), ("lanes", 8), ("lanes", 4)])
 def test_streamed_expand_long_chunks_match_reference(ahead, max_block):
     """Chunks of many tiles (V 300 in two chunks of 19 tiles of 8), so that every tile the
     stream loads ahead (``stream_ahead``, or two with ``stream_lanes``) is reduced in its turn:
-    the reference's states and tree. ``keys``: 150 blocks a row, so the candidates fit the
-    row's scratch as packed keys (``cand_keys``), and the frontier's tokens picked from registers
-    (``front_tokens``)."""
-    keys = ahead == "keys"
-    lanes = ahead in ("lanes", "keys")
-    extra = dict(cand_keys=True, front_tokens=True) if keys else {}
+    the reference's states and tree."""
+    lanes = ahead == "lanes"
     g = torch.Generator().manual_seed((5 if lanes else ahead) + max_block)
     pol = treeops.EagleStatic(depth=3, topk=3, budget=12)
     logits = (torch.randn(3, 2, 3, 300, generator=g) * 3).to(torch.bfloat16)
     run_both(
         pol, logits, [1, 2], [10, 20], [True, True], block_v=8, split=2, max_block=max_block,
-        stream_ahead=2 if lanes else ahead, stream_lanes=lanes, **extra,
+        stream_ahead=2 if lanes else ahead, stream_lanes=lanes,
     )  # fmt: skip
 
 

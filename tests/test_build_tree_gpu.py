@@ -160,11 +160,9 @@ def test_top_k_methods_agree(B, V, ties):
     cap take the merge), a max recorded per 512-token tile or per block of 256 to 32 tokens
     (``max_block``; None: the default), per-row programs of 2 or 8 warps (``row_warps``), the K
     best blocks or the ranked candidates by one ``tl.topk`` (``blocks_topk``, ``rank_topk``; off
-    unless named), the stream's max and sum per tile (``tile_stats``: ``stream_lanes`` off), the
-    candidates stored as packed keys (``cand_keys``), the frontier's tokens from
-    registers (``front_tokens``) and the launcher's defaults (``defaults``), give exactly the
-    tile-by-tile merge's (``cand_cap`` 0) tokens, parents and frontier: integers, compared
-    exactly."""
+    unless named), the stream's max and sum per tile (``tile_stats``: ``stream_lanes`` off) and
+    the launcher's defaults (``defaults``), give exactly the tile-by-tile
+    merge's (``cand_cap`` 0) tokens, parents and frontier: integers, compared exactly."""
     pol = _policy("eagle", B=B, D=2)
     W = pol.max_width
     g = torch.Generator(device=DEV).manual_seed(B + V + ties)
@@ -183,17 +181,13 @@ def test_top_k_methods_agree(B, V, ties):
                (16, 4, 64, 4, "rank_topk"), (32, None, None, None, "defaults"),
                (32, 1, None, 4, "cand_ahead"), (32, 4, None, 4, "cand_ahead"),
                (32, 4, None, 4, "tile_stats"), (32, 1, 64, 4, "tile_stats"),
-               (32, 1, 512, 4, "tile_stats"), (32, 4, None, 4, "cand_keys", "front_tokens"),
-               (32, 1, None, 4, "cand_keys")]  # fmt: skip
+               (32, 1, 512, 4, "tile_stats")]  # fmt: skip
     for cap, tiles, mb, rw, *topks in configs:
         st = treeops.DraftState.new(pol, roots, seq)
         named = ("blocks_topk", "rank_topk", "cand_ahead")
         kw = {} if "defaults" in topks else {k: k in topks for k in named}
         if "tile_stats" in topks:
             kw["stream_lanes"] = False
-        for name in ("cand_keys", "front_tokens"):
-            if name in topks:
-                kw[name] = True
         for i, x in enumerate(logits):
             _launch_expand(
                 x, st, pol, cand_cap=cap, cand_tiles=tiles, max_block=mb, row_warps=rw, **kw
@@ -409,19 +403,23 @@ def test_captured_step_matches_eager(B):
         step.same(graphed, eager, rep)
 
 
+@pytest.mark.parametrize("mode", ["late", "early"])
 @pytest.mark.parametrize("B", [1, 64])
-def test_pdl_launches_match_plain(B, monkeypatch):
-    """Programmatic dependent launch (kernels/_pdl.py, ``TREEOPS_PDL=1``): a whole step (reset,
-    every layer's two launches, the emit's two) chained on one stream, eagerly and as a CUDA graph
-    replayed with new logits, gives bitwise the state and tree of plain launches (every PDL kernel
-    waits for the one before it before it touches memory)."""
+def test_pdl_launches_match_plain(B, mode, monkeypatch):
+    """Programmatic dependent launch (kernels/_pdl.py, ``TREEOPS_PDL=1`` or ``early``): a whole
+    step (reset, every layer's two launches, the emit's two) chained on one stream, eagerly and as
+    a CUDA graph replayed with new logits, gives bitwise the state and tree of plain launches
+    (every PDL kernel waits for the one before it before it touches memory), the next kernel
+    released after each kernel's main work or at its start."""
+    from treeops.kernels import _pdl
     from treeops.kernels import build_tree as kb
 
+    on = {"late": _pdl.PDL_LATE, "early": _pdl.PDL_EARLY}[mode].value
     step = _WholeStep(B, seed=B)
     plain, piped = step.new(), step.new()
     step.fill(0)
     step(*plain)  # compiles the plain launches
-    monkeypatch.setattr(kb, "use_pdl", lambda device: True)
+    monkeypatch.setattr(kb, "use_pdl", lambda device: on)
     graph = step.capture(*piped)  # the PDL launches compiled outside the capture
     for rep in range(12):
         step.fill(rep)
@@ -429,9 +427,9 @@ def test_pdl_launches_match_plain(B, monkeypatch):
             graph.replay()
         else:
             step(*piped)  # eager PDL launches
-        monkeypatch.setattr(kb, "use_pdl", lambda device: False)
+        monkeypatch.setattr(kb, "use_pdl", lambda device: 0)
         step(*plain)
-        monkeypatch.setattr(kb, "use_pdl", lambda device: True)
+        monkeypatch.setattr(kb, "use_pdl", lambda device: on)
         torch.cuda.synchronize()
         step.same(piped, plain, rep)
         assert int(piped[0].workspace["counters"].abs().sum()) == 0, rep
