@@ -333,7 +333,7 @@ def with_pdl(named_case, mode: int = 1):
 
         def run():
             saved = kb.use_pdl, ta.use_pdl
-            kb.use_pdl = ta.use_pdl = lambda device: mode
+            kb.use_pdl = ta.use_pdl = lambda device, default=0: mode
             ta._PLANS.clear()  # plans keep their launch options
             try:
                 return launch()

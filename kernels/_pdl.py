@@ -15,9 +15,10 @@ wait in SM slots only through its tail) or at once (``PDL_EARLY``: ``pdl_enter``
 a kernel launched without PDL starts after this one completes, as usual. ``launch_pdl`` must be
 on exactly where the kernel's ``PDL`` constexpr is not ``PDL_OFF`` (``use_pdl``).
 
-Off unless ``TREEOPS_PDL`` is ``1`` (late release) or ``early`` (read at import): released early
-on the H200 it made the B = 64 draft step slower (315.5 -> 377.2 us) and the B = 1 one too
-(140.1 -> 144.9); docs/design.md has the figures.
+``TREEOPS_PDL`` (read at import) sets every launch: ``0`` off, ``1`` late release, ``early``.
+Unset, the build's launches release late and tree attention's launch plainly. Timed on the
+H200 (docs/design.md): late release made the whole B = 64 EAGLE step 1.3 % faster and the B = 1
+one 2 %; early release made the B = 64 step 4.5 % slower. Attention's late release is untimed.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ PDL_OFF = tl.constexpr(0)
 PDL_LATE = tl.constexpr(1)
 PDL_EARLY = tl.constexpr(2)
 
-_MODES = {"0": 0, "": 0, "1": 1, "early": 2}
-_VALUE = os.environ.get("TREEOPS_PDL", "")
-if _VALUE not in _MODES:
+_MODES = {"0": 0, "1": 1, "early": 2}
+_VALUE = os.environ.get("TREEOPS_PDL")
+if _VALUE is not None and _VALUE not in _MODES:
     raise ValueError(f"TREEOPS_PDL must be 0, 1 or early, got {_VALUE!r}")
-MODE = _MODES[_VALUE]
-"""What launches that support PDL use (``TREEOPS_PDL``; 0, ``PDL_OFF``, by default)."""
+MODE = None if _VALUE is None else _MODES[_VALUE]
+"""What every launch that supports PDL uses (``TREEOPS_PDL``); None: each op's default."""
 
 
 @functools.cache
@@ -51,14 +52,16 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def use_pdl(device: torch.device) -> int:
-    """The ``PDL`` constexpr of a launch on ``device``: ``MODE`` where it is compiled (the
-    interpreter runs programs one after another, with no inline assembly) for a GPU of compute
-    capability 9.0 or later, else ``PDL_OFF``. Launch with ``launch_pdl=bool(pdl)``."""
-    if MODE == 0 or device.type != "cuda" or interpreted():
+def use_pdl(device: torch.device, default: int = 0) -> int:
+    """The ``PDL`` constexpr of a launch on ``device``: ``MODE``, or the op's ``default`` where
+    ``TREEOPS_PDL`` is unset, where it is compiled (the interpreter runs programs one after
+    another, with no inline assembly) for a GPU of compute capability 9.0 or later, else
+    ``PDL_OFF``. Launch with ``launch_pdl=pdl > 0``."""
+    mode = default if MODE is None else MODE
+    if mode == 0 or device.type != "cuda" or interpreted():
         return 0
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return MODE if _capable(index) else 0
+    return mode if _capable(index) else 0
 
 
 @triton.jit

@@ -50,7 +50,7 @@ from treeops._runtime import cdiv, interpreted, pow2, refuse_in_capture
 from treeops.tree import Tree, anc_words
 
 from ._launch import direct
-from ._pdl import pdl_enter, pdl_release, use_pdl
+from ._pdl import PDL_LATE, pdl_enter, pdl_release, use_pdl
 from .build_tree_vocab import (
     _combine_softmax,
     _stream_kernel,
@@ -686,7 +686,7 @@ def expand(
     if blocks_topk is None:
         blocks_topk = pow2(n_blocks) <= BLOCKS_TOPK_MAX
     ws = workspace
-    pdl = use_pdl(logits.device)
+    pdl = use_pdl(logits.device, PDL_LATE.value)
     if split > 1:
         pm, ps, pt = split_workspace(workspace, rows, split, n_blocks, logits.device)
         # step 1 in one-warp programs of its own launch, the rest one program per row
@@ -815,7 +815,7 @@ def emit(
     # [NP, NP] tiles: past 64 nodes 8 warps keep the per-thread registers in bounds
     # (bench/compile_check.py reports them)
     warps = 1 if interpreted() else (4 if NP <= 64 else 8)
-    pdl = use_pdl(dev)
+    pdl = use_pdl(dev, PDL_LATE.value)
     direct(_select_kernel).launch(
         (B,),
         cand_scores,

@@ -419,7 +419,7 @@ def test_pdl_launches_match_plain(B, mode, monkeypatch):
     plain, piped = step.new(), step.new()
     step.fill(0)
     step(*plain)  # compiles the plain launches
-    monkeypatch.setattr(kb, "use_pdl", lambda device: on)
+    monkeypatch.setattr(kb, "use_pdl", lambda device, default=0: on)
     graph = step.capture(*piped)  # the PDL launches compiled outside the capture
     for rep in range(12):
         step.fill(rep)
@@ -427,9 +427,9 @@ def test_pdl_launches_match_plain(B, mode, monkeypatch):
             graph.replay()
         else:
             step(*piped)  # eager PDL launches
-        monkeypatch.setattr(kb, "use_pdl", lambda device: 0)
+        monkeypatch.setattr(kb, "use_pdl", lambda device, default=0: 0)
         step(*plain)
-        monkeypatch.setattr(kb, "use_pdl", lambda device: on)
+        monkeypatch.setattr(kb, "use_pdl", lambda device, default=0: on)
         torch.cuda.synchronize()
         step.same(piped, plain, rep)
         assert int(piped[0].workspace["counters"].abs().sum()) == 0, rep

@@ -212,7 +212,7 @@ def test_pdl_launches_match_plain(B, ctx, monkeypatch):
             )  # fmt: skip
 
     def pdl(on):
-        monkeypatch.setattr(K, "use_pdl", lambda device: int(on))
+        monkeypatch.setattr(K, "use_pdl", lambda device, default=0: int(on))
         K._PLANS.clear()  # plans keep their launch options
 
     pdl(True)
