@@ -711,6 +711,7 @@ def expand(
             PDL=pdl,
             AHEAD=stream_ahead,
             VEC=min(16 // logits.element_size(), max_block) if stream_lanes else 0,
+            WARPS=num_warps or 1,
             num_warps=num_warps or 1,
             launch_pdl=pdl > 0,
         )

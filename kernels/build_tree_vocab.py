@@ -179,23 +179,32 @@ def _stream_tiles(
 
 
 @triton.jit
-def _tile_lanes(p_row, v0, v_hi, V, BLOCK_V: tl.constexpr, MB: tl.constexpr, VEC: tl.constexpr):
+def _tile_lanes(
+    p_row, v0, v_hi, V, BLOCK_V: tl.constexpr, MB: tl.constexpr, VEC: tl.constexpr,
+    WARPS: tl.constexpr,
+):  # fmt: skip
     """``_tile`` as [BLOCK_V // MB, MB // VEC, VEC]: one MB-token block per row, split into
     VEC-token vectors (VEC 16-bit logits: one 16-byte load, so a thread holds whole vectors and
-    a reduction over the last axis stays in its registers)."""
-    o_v = (
-        v0
-        + tl.arange(0, BLOCK_V // MB)[:, None, None] * MB
-        + tl.arange(0, MB // VEC)[None, :, None] * VEC
-        + tl.arange(0, VEC)[None, None, :]
-    )
-    return tl.load(p_row + o_v, mask=(o_v < V) & (v0 < v_hi), other=-float("inf"))
+    a reduction over the last axis stays in its registers). With more than one warp the tile is
+    loaded as [MB // VEC, BLOCK_V // MB, VEC] and permuted, which places the warps along the
+    blocks: a block's max then never crosses a warp (loaded as blocks first, the warps split
+    each block's vectors, and every tile's block maxima went through shared memory)."""
+    o_b = tl.arange(0, BLOCK_V // MB) * MB
+    o_m = tl.arange(0, MB // VEC) * VEC
+    o_e = tl.arange(0, VEC)[None, None, :]
+    if WARPS > 1:
+        o_v = v0 + o_m[:, None, None] + o_b[None, :, None] + o_e
+        x = tl.load(p_row + o_v, mask=(o_v < V) & (v0 < v_hi), other=-float("inf"))
+        return tl.permute(x, (1, 0, 2))
+    else:
+        o_v = v0 + o_b[:, None, None] + o_m[None, :, None] + o_e
+        return tl.load(p_row + o_v, mask=(o_v < V) & (v0 < v_hi), other=-float("inf"))
 
 
 @triton.jit
 def _stream_tiles_lanes(
     p_row, v_lo, v_hi, V, row_ok, p_tmax, BLOCK_V: tl.constexpr, MB: tl.constexpr,
-    VEC: tl.constexpr,
+    VEC: tl.constexpr, WARPS: tl.constexpr,
 ):  # fmt: skip
     """``_stream_tiles`` (two tiles ahead) with the softmax's max and sum kept per vector
     (each thread's own VEC tokens: an online max/sum per register) and reduced across threads
@@ -208,11 +217,11 @@ def _stream_tiles_lanes(
     s_vec = tl.zeros([NB, MV], tl.float32)
     if row_ok:
         o_r = tl.arange(0, NB)
-        b_n1 = _tile_lanes(p_row, v_lo, v_hi, V, BLOCK_V, MB, VEC)
-        b_n2 = _tile_lanes(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V, MB, VEC)
+        b_n1 = _tile_lanes(p_row, v_lo, v_hi, V, BLOCK_V, MB, VEC, WARPS)
+        b_n2 = _tile_lanes(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V, MB, VEC, WARPS)
         for v0 in range(v_lo, v_hi, BLOCK_V):
             b_raw, b_n1 = b_n1, b_n2
-            b_n2 = _tile_lanes(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V, MB, VEC)
+            b_n2 = _tile_lanes(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V, MB, VEC, WARPS)
             b_x = b_raw.to(tl.float32)
             r_max = tl.max(b_x, axis=2)  # [NB, MV], in each thread's registers
             b_bm = tl.max(r_max, axis=1) + 0.0  # -0.0 to 0.0, as _ordered needs
@@ -443,6 +452,7 @@ def _stream_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (``_pdl``)
     AHEAD: tl.constexpr,  # tiles loaded ahead of the one being reduced (2 or 3)
     VEC: tl.constexpr,  # > 0: max and sum per VEC-token vector (``_stream_tiles_lanes``)
+    WARPS: tl.constexpr,  # the launch's num_warps (the per-vector tile's layout)
 ):
     """Step 1 of ``expand`` over (row, chunk) programs, ahead of the finishing launch: small
     (one-warp) programs, enough of them to fill the GPU at B = 1, each a pure stream (max, sum and
@@ -459,7 +469,9 @@ def _stream_kernel(
     v_hi = tl.minimum(v_lo + CHUNK, V)
     p_out = p_part_t + i_row.to(tl.int64) * NT
     if VEC > 0:
-        m_run, s_run = _stream_tiles_lanes(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB, VEC)
+        m_run, s_run = _stream_tiles_lanes(
+            p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB, VEC, WARPS
+        )
     else:
         m_run, s_run = _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB, AHEAD)
     pdl_release(PDL)

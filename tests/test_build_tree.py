@@ -585,18 +585,25 @@ def test_streamed_expand_any_split_matches_reference(case, split, block_v, per_t
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("ahead, max_block", [(2, 8), (3, 8), (3, 2), ("lanes", 8), ("lanes", 4)])
-def test_streamed_expand_long_chunks_match_reference(ahead, max_block):
-    """Chunks of many tiles (V 300 in two chunks of 19 tiles of 8), so that every tile the
-    stream loads ahead (``stream_ahead``, or two with ``stream_lanes``) is reduced in its turn:
-    the reference's states and tree."""
+@pytest.mark.parametrize(
+    "ahead, block_v, max_block, warps",
+    [(2, 8, 8, 1), (3, 8, 8, 1), (3, 8, 2, 1), ("lanes", 8, 8, 1), ("lanes", 8, 4, 1),
+     ("lanes", 32, 16, 2), ("lanes", 64, 16, 2)],
+)  # fmt: skip
+def test_streamed_expand_long_chunks_match_reference(ahead, block_v, max_block, warps):
+    """Chunks of many tiles (V 300 in two chunks of up to 19 tiles of 8), so that every tile the
+    stream loads ahead (``stream_ahead``, or two with ``stream_lanes``) is reduced in its turn;
+    and per-vector statistics in two-warp programs (``num_warps``: the tile loaded vectors
+    first, [2, 2, 8] or [2, 4, 8], and permuted to blocks first): the reference's states and
+    tree."""
     lanes = ahead == "lanes"
     g = torch.Generator().manual_seed((5 if lanes else ahead) + max_block)
     pol = treeops.EagleStatic(depth=3, topk=3, budget=12)
     logits = (torch.randn(3, 2, 3, 300, generator=g) * 3).to(torch.bfloat16)
     run_both(
-        pol, logits, [1, 2], [10, 20], [True, True], block_v=8, split=2, max_block=max_block,
-        stream_ahead=2 if lanes else ahead, stream_lanes=lanes,
+        pol, logits, [1, 2], [10, 20], [True, True], block_v=block_v, split=2,
+        max_block=max_block, stream_ahead=2 if lanes else ahead, stream_lanes=lanes,
+        num_warps=warps,
     )  # fmt: skip
 
 

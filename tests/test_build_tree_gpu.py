@@ -160,8 +160,9 @@ def test_top_k_methods_agree(B, V, ties):
     cap take the merge), a max recorded per 512-token tile or per block of 256 to 32 tokens
     (``max_block``; None: the default), per-row programs of 2 or 8 warps (``row_warps``), the K
     best blocks or the ranked candidates by one ``tl.topk`` (``blocks_topk``, ``rank_topk``; off
-    unless named), the stream's max and sum per tile (``tile_stats``: ``stream_lanes`` off) and
-    the launcher's defaults (``defaults``), give exactly the tile-by-tile
+    unless named), the stream's max and sum per tile (``tile_stats``: ``stream_lanes`` off),
+    two-warp streaming programs over 1,024-token tiles (``two_warps``) and the launcher's
+    defaults (``defaults``), give exactly the tile-by-tile
     merge's (``cand_cap`` 0) tokens, parents and frontier: integers, compared exactly."""
     pol = _policy("eagle", B=B, D=2)
     W = pol.max_width
@@ -181,13 +182,16 @@ def test_top_k_methods_agree(B, V, ties):
                (16, 4, 64, 4, "rank_topk"), (32, None, None, None, "defaults"),
                (32, 1, None, 4, "cand_ahead"), (32, 4, None, 4, "cand_ahead"),
                (32, 4, None, 4, "tile_stats"), (32, 1, 64, 4, "tile_stats"),
-               (32, 1, 512, 4, "tile_stats")]  # fmt: skip
+               (32, 1, 512, 4, "tile_stats"), (32, 4, None, 4, "two_warps"),
+               (32, 1, 64, 4, "two_warps")]  # fmt: skip
     for cap, tiles, mb, rw, *topks in configs:
         st = treeops.DraftState.new(pol, roots, seq)
         named = ("blocks_topk", "rank_topk", "cand_ahead")
         kw = {} if "defaults" in topks else {k: k in topks for k in named}
         if "tile_stats" in topks:
             kw["stream_lanes"] = False
+        if "two_warps" in topks:  # the stream's programs of two warps over 1,024-token tiles
+            kw.update(block_v=1024, num_warps=2)
         for i, x in enumerate(logits):
             _launch_expand(
                 x, st, pol, cand_cap=cap, cand_tiles=tiles, max_block=mb, row_warps=rw, **kw
