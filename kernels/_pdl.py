@@ -12,9 +12,9 @@ before it reads or writes any global memory, so nothing it does can race with th
 it, wherever that kernel let it launch. The kernel after it launches once this one's programs
 have all run ``pdl_release`` (``PDL_LATE``: placed after a kernel's main work, so dependents
 wait in SM slots only through its tail; a kernel without it releases at exit) or at once
-(``PDL_EARLY``: ``pdl_enter`` releases it);
-a kernel launched without PDL starts after this one completes, as usual. ``launch_pdl`` must be
-on exactly where the kernel's ``PDL`` constexpr is not ``PDL_OFF`` (``use_pdl``).
+(``PDL_EARLY``: ``pdl_enter`` releases it); a kernel launched without PDL starts after this one
+completes, as usual. ``launch_pdl`` must be on exactly where the kernel's ``PDL`` constexpr is
+not ``PDL_OFF`` (``use_pdl``).
 
 ``TREEOPS_PDL`` (read at import) sets every launch: ``0`` off, ``1`` late release, ``early``.
 Unset, the build's launches release late and tree attention's launch plainly. Timed on the
