@@ -622,3 +622,32 @@ def test_scratch_is_kept_per_key_device_and_stream_and_fresh_in_capture(monkeypa
     c1, c2 = _launch.scratch(("test", 1), gpu, make), _launch.scratch(("test", 1), gpu, make)
     assert c1 is not c2 and len(made) == n + 2
     _launch._SCRATCH.clear()
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(None, "0 1"), ("0", "0 0"), ("1", "1 1"), ("early", "2 2"), ("on", "TREEOPS_PDL must be")],
+)
+def test_pdl_environment_sets_every_launch(value, expected):
+    """``TREEOPS_PDL`` (read at import, kernels/_pdl.py): unset, each op's default (the build's
+    late release, attention's none); ``0`` / ``1`` / ``early`` every launch; anything else a
+    ValueError naming the variable. ``MODE`` and the mode an op defaulting to late release gets
+    (the GPU check stubbed: CPU tensors never take PDL)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from treeops.kernels import _pdl; _pdl._capable = lambda i: True; "
+        "dev = torch.device('cuda', 0); "
+        "print(_pdl.use_pdl(dev), _pdl.use_pdl(dev, _pdl.PDL_LATE.value))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TREEOPS_PDL", "TRITON_INTERPRET")}
+    if value is not None:
+        env["TREEOPS_PDL"] = value
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if expected.startswith("TREEOPS_PDL"):
+        assert proc.returncode != 0
+        assert "ValueError: TREEOPS_PDL must be 0, 1 or early, got 'on'" in proc.stderr
+    else:
+        assert proc.returncode == 0 and proc.stdout.split() == expected.split(), proc.stderr
