@@ -37,6 +37,7 @@ from treeops._runtime import cdiv, interpreted, pow2
 from treeops.tree import Tree
 
 from ._launch import direct, scratch
+from ._pdl import PDL_LATE, use_pdl
 from .graft_update import (
     _block_max_kernel,
     _block_top_kernel,
@@ -746,10 +747,11 @@ def _update_by_block_maxima(
     n_flat = B * N
     KB = max(pow2(K), 2)
     common = (tokens, num_nodes, owner)
+    pdl = use_pdl(logits.device, PDL_LATE.value)
     direct(_block_max_kernel).launch(
         (n_flat, S), logits, *common, ws_key, N, V, n_flat, chunk, logits.stride(0),
-        logits.stride(1), BLOCK_V=_update_block_v(), MB=mb, LAST_WINS=last_wins,
-        num_warps=1 if interpreted() else UPDATE_TUNING["num_warps"],
+        logits.stride(1), BLOCK_V=_update_block_v(), MB=mb, LAST_WINS=last_wins, PDL=pdl,
+        num_warps=1 if interpreted() else UPDATE_TUNING["num_warps"], launch_pdl=pdl > 0,
     )  # fmt: skip
     # int32 keys hold 16 bits of a bf16 value and 16 of a block index or tile position
     key32 = (UPDATE_TUNING["rank32"] and logits.dtype == torch.bfloat16
@@ -757,7 +759,7 @@ def _update_by_block_maxima(
     direct(_block_top_kernel).launch(
         (n_flat,), logits, *common, table, ws_key, N, V, n_flat, logits.stride(0),
         logits.stride(1), K=K, KB=KB, NBP=max(pow2(cdiv(V, mb)), KB), MB=mb,
-        LAST_WINS=last_wins, KEY32=key32, num_warps=4,
+        LAST_WINS=last_wins, KEY32=key32, PDL=pdl, num_warps=4, launch_pdl=pdl > 0,
     )  # fmt: skip
 
 

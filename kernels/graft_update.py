@@ -35,6 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_enter, pdl_release
 from .build_tree_vocab import _tile_blocks
 
 _I32MAX = tl.constexpr(2**31 - 1)
@@ -329,12 +330,14 @@ def _block_max_kernel(
     BLOCK_V: tl.constexpr,
     MB: tl.constexpr,
     LAST_WINS: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (``_pdl``)
 ):
     """Stage 1 of the block-maxima update, grid (nodes, splits of V): each program streams its
     chunk of V once and stores, per block of MB logits, the value key of the block's largest
     value with NaN left out (-inf for a block of NaN and -inf only) at ``ws_key[node, v // MB]``:
     one float max per logit, no order keys. Split 0 claims the node's token as
     ``_topk_partial_kernel`` does."""
+    pdl_enter(PDL)
     i_f, i_b, i_n, tok, valid, claim = _node_claim(tok_ptr, num_ptr, N, V, n_flat, LAST_WINS)
     i_s = tl.program_id(1)
     if valid:
@@ -354,6 +357,7 @@ def _block_max_kernel(
             b_x = tl.where(b_x == b_x, b_x, -float("inf"))
             b_max = tl.max(b_x, axis=1)
             tl.store(p_k + start // MB + o_r, _value_key(b_max), mask=start + o_r * MB < V)
+    pdl_release(PDL)  # stage 2 may be placed; it waits for every block maximum (``pdl_enter``)
 
 
 @triton.jit(do_not_specialize=["N", "n_flat"])
@@ -375,6 +379,7 @@ def _block_top_kernel(
     MB: tl.constexpr,
     LAST_WINS: tl.constexpr,
     KEY32: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (``_pdl``)
 ):
     """Stage 2 of the block-maxima update, one program per node: the node whose claim equals
     ``owner[token]`` takes its top-k and writes the row, then resets the owner to INT32_MAX.
@@ -386,14 +391,22 @@ def _block_top_kernel(
     larger value, or an equal one at a lower id, so fewer than K blocks rank above it; and K
     blocks with a value above -inf mean no NaN or -inf is among the top-k, so leaving NaN out of
     the maxima changes nothing. Those K blocks are read again (L2) and their keys ranked at once.
-    Otherwise (fewer than K blocks hold a value above -inf) the program ranks the whole row."""
+    Otherwise (fewer than K blocks hold a value above -inf) the program ranks the whole row.
+
+    The node's block maxima are loaded before its claim is known (every node's row of the
+    workspace exists): the load is in flight while the token and then the owner are read, so
+    the ranking waits for two memory latencies, not three. Only the winner ranks: a token many
+    nodes share costs one ranking."""
+    pdl_enter(PDL)
     i_f, i_b, i_n, tok, valid, claim = _node_claim(tok_ptr, num_ptr, N, V, n_flat, LAST_WINS)
+    NB = (V + MB - 1) // MB
+    o_g = tl.arange(0, NBP)
+    # not masked by ``valid`` (which waits for the token): an invalid node's row of the
+    # workspace exists and is never used
+    vk = tl.load(ws_key_ptr + i_f * NB + o_g, mask=o_g < NB, other=0)
     owner = tl.load(owner_ptr + tok, mask=valid, other=-1)
     if valid & (owner == claim):
-        NB = (V + MB - 1) // MB
         p_x = x_ptr + i_b * stride_b + i_n * stride_n
-        o_g = tl.arange(0, NBP)
-        vk = tl.load(ws_key_ptr + i_f * NB + o_g, mask=o_g < NB, other=0)
         o_k = tl.arange(0, KB)
         o_e = tl.arange(0, MB)
         if KEY32:
