@@ -17,8 +17,8 @@ completes, as usual. ``launch_pdl`` must be on exactly where the kernel's ``PDL`
 not ``PDL_OFF`` (``use_pdl``).
 
 ``TREEOPS_PDL`` (read at import) sets every launch: ``0`` off, ``1`` late release, ``early``.
-Unset, the build's launches and the table update's (block maxima, then their ranking) release
-late and tree attention's launch plainly. Timed on the
+Unset, the build's launches release late and tree attention's and the table update's launch
+plainly. Timed on the
 H200 (docs/design.md): late release made the whole B = 64 EAGLE step 1.3 % faster and the B = 1
 one 2 %; early release made the B = 64 step 4.5 % slower. Attention's late release is untimed.
 """

@@ -514,10 +514,22 @@ def expand_tiling(
     if block_v is None:
         # one-warp streaming programs (split > 1): 16 logits per thread, two tiles in flight
         block_v = min(pow2(V), 256 if interpreted() else 512)
+        one_tile = block_v == 512 and _default_split(rows, V, 512, device) >= cdiv(V, 512)
+        if split is None and one_tile:
+            # each program would stream one tile (few rows, V 32,000 at B 1): half as many
+            # programs, each a 1,024-token tile over two warps (``stream_warps``); an H100 sweep
+            # had a B 1, V 32,000 layer at 9.1 against 10.5 us (docs/benchmarks.md)
+            block_v = 1024
     if split is None:
         split = _default_split(rows, V, block_v, device)
     chunk = cdiv(cdiv(V, split), block_v) * block_v  # ceil(V / split) in whole tiles
     return block_v, cdiv(V, chunk)
+
+
+def stream_warps(block_v: int) -> int:
+    """Warps of a streaming program by default: one for tiles of up to 512 tokens (16 logits a
+    thread), two for larger ones (the warps split the tile's blocks, ``_tile_lanes``)."""
+    return 1 if interpreted() or block_v <= 512 else 2
 
 
 BLOCKS_TOPK_MAX = 512
@@ -711,8 +723,8 @@ def expand(
             PDL=pdl,
             AHEAD=stream_ahead,
             VEC=min(16 // logits.element_size(), max_block) if stream_lanes else 0,
-            WARPS=num_warps or 1,
-            num_warps=num_warps or 1,
+            WARPS=num_warps or stream_warps(block_v),
+            num_warps=num_warps or stream_warps(block_v),
             launch_pdl=pdl > 0,
         )
         warps = row_warps or (1 if interpreted() else 4)

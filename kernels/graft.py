@@ -37,7 +37,7 @@ from treeops._runtime import cdiv, interpreted, pow2
 from treeops.tree import Tree
 
 from ._launch import direct, scratch
-from ._pdl import PDL_LATE, use_pdl
+from ._pdl import use_pdl
 from .graft_update import (
     _block_max_kernel,
     _block_top_kernel,
@@ -747,7 +747,9 @@ def _update_by_block_maxima(
     n_flat = B * N
     KB = max(pow2(K), 2)
     common = (tokens, num_nodes, owner)
-    pdl = use_pdl(logits.device, PDL_LATE.value)
+    # PDL only where ``TREEOPS_PDL`` asks: late release made B 1 slower on an H100 (V 32,000:
+    # 8.4 -> 10.5 us; docs/benchmarks.md)
+    pdl = use_pdl(logits.device)
     direct(_block_max_kernel).launch(
         (n_flat, S), logits, *common, ws_key, N, V, n_flat, chunk, logits.stride(0),
         logits.stride(1), BLOCK_V=_update_block_v(), MB=mb, LAST_WINS=last_wins, PDL=pdl,
