@@ -1084,3 +1084,29 @@ def test_streamed_expand_masked_vocab_matches_reference(split, block_v):
     logits[0, 0, :, 33] = 1.0  # the same best value in the first and last tiles
     logits[0, 0, :, 2] = 1.0
     run_both(pol, logits, [1, 2, 3], [5, 6, 7], [True, True, True], block_v=block_v, split=split)
+
+
+@pytest.mark.parametrize(
+    ("rows", "V", "want"),
+    [
+        (10, 32000, (1024, 32, 2)),  # B 1: one-warp programs would each stream one tile
+        (1, 32000, (1024, 32, 2)),  # the root's row alone
+        (80, 32000, (512, 32, 1)),  # B 8: two 512-token tiles a program
+        (640, 32000, (512, 6, 1)),  # B 64: 32 one-warp programs an SM
+        (10, 128256, (512, 63, 1)),  # V 128,256: the split cap (64) leaves four tiles a program
+    ],
+)
+def test_expand_tiling_takes_two_warp_tiles_where_one_warp_streams_one_tile(
+    monkeypatch, rows, V, want
+):
+    """The compiled launcher's default tiling on a 132-SM GPU (the H100's and H200's count):
+    1,024-token tiles over two-warp programs exactly where one-warp programs of 512-token tiles
+    would each stream a single tile; elsewhere one warp and 512."""
+    kb = importlib.import_module("treeops.kernels.build_tree")
+    monkeypatch.setattr(kb, "interpreted", lambda: False)
+    monkeypatch.setattr(kb._runtime, "sm_count", lambda device: 132)
+    block_v, split = kb.expand_tiling(rows, V, torch.device("cuda"))
+    assert (block_v, split, kb.stream_warps(block_v)) == want
+    # an explicit tile or split keeps the caller's choice
+    assert kb.expand_tiling(rows, V, torch.device("cuda"), block_v=512)[0] == 512
+    assert kb.expand_tiling(rows, V, torch.device("cuda"), split=8)[0] == 512
