@@ -101,7 +101,7 @@ def _sample_walk(
     m_x = cand & (par >= 0) & (par < n)
     x_all = tl.load(p_req + par.to(tl.int64) * s_ln + tok * s_lv, mask=m_x, other=float("-inf"))
     x_all = x_all.to(tl.float32)
-    u_all = tl.load(p_uni + i_b * s_ub + o, mask=valid, other=0.0).to(tl.float32)
+    u_all = tl.load(p_uni + i_b * s_ub + o, mask=o < N, other=0.0).to(tl.float32)
     while going:
         m_c = tl.sum(tl.where(o == cur, nm, 0.0), axis=0)
         z_c = tl.sum(tl.where(o == cur, nz, 0.0), axis=0)
@@ -237,9 +237,13 @@ def _walk(
     i_b = i_b.to(tl.int64)
     o = tl.arange(0, N_PAD)
     n = tl.load(p_num_nodes + i_b)
+    # the per-node loads are masked by the buffers' bounds (o < N), not by n, and the nodes past
+    # n are set aside after them: they are issued beside n's load instead of waiting for it
+    in_n = o < N
     valid = o < n
-    par = tl.load(p_parents + i_b * s_pb + o, mask=valid, other=-1)
-    tok = tl.load(p_tokens + i_b * s_tb + o, mask=valid, other=-1).to(tl.int64)
+    par = tl.where(valid, tl.load(p_parents + i_b * s_pb + o, mask=in_n, other=-1), -1)
+    tok = tl.load(p_tokens + i_b * s_tb + o, mask=in_n, other=-1)
+    tok = tl.where(valid, tok, -1).to(tl.int64)
     T = 1.0
     if SAMPLE:
         T_in = tl.load(p_temp + i_b).to(tl.float32)
@@ -247,10 +251,12 @@ def _walk(
     # merge the per-split partials of every node: [N_PAD, S_PAD]
     o_s = tl.arange(0, S_PAD)
     o_ns = (i_b * N + o[:, None]) * S + o_s[None, :]
+    m_in = in_n[:, None] & (o_s[None, :] < S)
     m_ns = valid[:, None] & (o_s[None, :] < S)
-    pm = tl.load(p_wmax + o_ns, mask=m_ns, other=float("-inf"), volatile=True)
-    pa = tl.load(p_warg + o_ns, mask=m_ns, other=BIG, volatile=True)
-    ps = tl.load(p_wse + o_ns, mask=m_ns, other=0.0, volatile=True)
+    pm = tl.load(p_wmax + o_ns, mask=m_in, other=float("-inf"), volatile=True)
+    pm = tl.where(m_ns, pm, float("-inf"))
+    pa = tl.where(m_ns, tl.load(p_warg + o_ns, mask=m_in, other=BIG, volatile=True), BIG)
+    ps = tl.where(m_ns, tl.load(p_wse + o_ns, mask=m_in, other=0.0, volatile=True), 0.0)
     nm = tl.max(pm, axis=1)
     arg = tl.min(tl.where(pm == nm[:, None], pa, BIG), axis=1)
     sc = tl.where(pm == float("-inf"), 0.0, tl.exp((pm - nm[:, None]) / T))
@@ -258,9 +264,14 @@ def _walk(
     if SAMPLE:
         if TRUNC:
             # the kept sets of pass 2 (``accept_thresh``): threshold, id cut, mass
-            thr = tl.load(p_wthr + i_b * N + o, mask=valid, other=INT32_MIN, volatile=True)
-            cutv = tl.load(p_wcut + i_b * N + o, mask=valid, other=0, volatile=True)
-            nz = tl.load(p_wz + i_b * N + o, mask=valid, other=0.0, volatile=True)
+            thr = tl.load(p_wthr + i_b * N + o, mask=in_n, other=INT32_MIN, volatile=True)
+            thr = tl.where(valid, thr, INT32_MIN)
+            cutv = tl.where(
+                valid, tl.load(p_wcut + i_b * N + o, mask=in_n, other=0, volatile=True), 0
+            )
+            nz = tl.where(
+                valid, tl.load(p_wz + i_b * N + o, mask=in_n, other=0.0, volatile=True), 0.0
+            )
         else:
             # no request truncates (no pass 2): every token kept, Z as merged above (what
             # pass 2 stores for a row without top-k/top-p)
