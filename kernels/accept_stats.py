@@ -423,9 +423,11 @@ def _node_stats(
     # min-reduction the buffer's worst. Empty slots are (-inf, V + j), padding slots (+inf,
     # V + j): below (above) every real element, never confused with one.
     tk = _pair_key(tl.where(o_k < K, float("-inf"), float("inf")), V + o_k)
+    if AHEAD == 2:
+        # the first block is loaded before ``active`` is known (every node's row exists): in the
+        # small launches that take AHEAD 2 the load then leaves beside num_nodes', not after it
+        b_next = _block(p_row, s_lv, v_start, v_end, V, BLOCK_V)
     if active:
-        if AHEAD == 2:
-            b_next = _block(p_row, s_lv, v_start, v_end, V, BLOCK_V)
         for v0 in range(v_start, v_end, BLOCK_V):
             o_v = v0 + tl.arange(0, BLOCK_V)
             # the split's blocks are whole (CHUNK is a multiple of BLOCK_V) but the last, which
