@@ -526,6 +526,21 @@ def expand_tiling(
     return block_v, cdiv(V, chunk)
 
 
+STREAM_EARLY_MAX_BYTES = 4 << 20
+"""The largest launch (logits bytes of all its rows) whose streaming programs load their first
+tiles before they know whether their row is in use (``early_tile_loads``)."""
+
+
+def early_tile_loads(rows: int, V: int, element_size: int) -> bool:
+    """Whether the streaming programs load their first tiles before their row's state (the
+    frontier score and the request's flag, written by the launch before): the loads then leave
+    with those, not after them, one memory latency less a program. A row not in use (a narrow
+    CAST frontier, an idle request) then costs its first tiles' bytes, which only launches of
+    at most ``STREAM_EARLY_MAX_BYTES`` of logits afford: B 1, where each program streams a tile
+    or a few and the latency is most of its time."""
+    return rows * V * element_size <= STREAM_EARLY_MAX_BYTES
+
+
 def stream_warps(block_v: int) -> int:
     """Warps of a streaming program by default: one for tiles of up to 512 tokens (16 logits a
     thread), two for larger ones (the warps split the tile's blocks, ``_tile_lanes``)."""
@@ -622,6 +637,7 @@ def expand(
     stream_ahead: int = 2,
     cand_ahead: bool = True,
     stream_lanes: bool | None = None,
+    stream_early: bool | None = None,
 ) -> None:
     """Expand draft layer ``layer`` over ``logits`` [B, W, V], or [B, 1, V] (the root's row alone,
     at layer 0: the launch covers B rows, and the request's other candidate slots of the layer
@@ -665,7 +681,9 @@ def expand(
     streaming programs keep the softmax's max and sum per 16-byte vector of logits and reduce
     them across the warp once per chunk, not per tile (``_stream_tiles_lanes``; two tiles ahead,
     ``stream_ahead`` ignored); by default (None) where blocks are ``STREAM_LANES_MIN_BLOCK``
-    tokens or more and smaller than a tile."""
+    tokens or more and smaller than a tile. ``stream_early``: the streaming programs load their
+    first tiles before their row's state is known (where blocks are smaller than a tile); by
+    default (None) ``early_tile_loads``' rule, launches of at most ``STREAM_EARLY_MAX_BYTES``."""
     if stream_ahead not in (2, 3):
         raise ValueError(f"stream_ahead must be 2 or 3, got {stream_ahead}")
     if cand_cap != 0 and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
@@ -724,6 +742,9 @@ def expand(
             AHEAD=stream_ahead,
             VEC=min(16 // logits.element_size(), max_block) if stream_lanes else 0,
             WARPS=num_warps or stream_warps(block_v),
+            EARLY=early_tile_loads(rows, V, logits.element_size())
+            if stream_early is None
+            else stream_early,
             num_warps=num_warps or stream_warps(block_v),
             launch_pdl=pdl > 0,
         )

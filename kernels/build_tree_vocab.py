@@ -127,32 +127,40 @@ def _block_maxima(b_raw, v0, v_hi, p_tmax, BLOCK_V: tl.constexpr, MB: tl.constex
 @triton.jit
 def _stream_tiles(
     p_row, v_lo, v_hi, V, row_ok, p_tmax, BLOCK_V: tl.constexpr, MB: tl.constexpr,
-    AHEAD: tl.constexpr,
+    AHEAD: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Online max/sum of logits ``[v_lo, v_hi)`` of one row (whole tiles of ``BLOCK_V``), and the
     max of each block of ``MB`` tokens as its order-preserving int32 (``_ordered``) at
     ``p_tmax[v // MB]``: all the top-K pass needs to know which blocks to read
-    (``_top_of_tiles``). ``AHEAD`` (2 or 3) tiles are loaded ahead of the one being reduced."""
+    (``_top_of_tiles``). ``AHEAD`` (2 or 3) tiles are loaded ahead of the one being reduced.
+    ``EARLY`` (with MB < BLOCK_V): the first tiles are loaded before ``row_ok`` is known."""
     m_run = tl.sum(tl.zeros([2], tl.float32)) - float("inf")  # fp32 scalars (loop-carried)
     s_run = tl.sum(tl.zeros([2], tl.float32))
-    if MB < BLOCK_V and row_ok:
+    if MB < BLOCK_V:
         # a max per MB-token block: the top-K pass re-reads blocks of MB, not tiles
-        b_n1 = _tile_blocks(p_row, v_lo, v_hi, V, BLOCK_V, MB)
-        b_n2 = _tile_blocks(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V, MB)
-        if AHEAD == 3:
-            b_n3 = _tile_blocks(p_row, v_lo + 2 * BLOCK_V, v_hi, V, BLOCK_V, MB)
-        for v0 in range(v_lo, v_hi, BLOCK_V):
+        if EARLY:
+            b_n1 = _tile_blocks(p_row, v_lo, v_hi, V, BLOCK_V, MB)
+            b_n2 = _tile_blocks(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V, MB)
             if AHEAD == 3:
-                b_raw, b_n1, b_n2 = b_n1, b_n2, b_n3
-                b_n3 = _tile_blocks(p_row, v0 + 3 * BLOCK_V, v_hi, V, BLOCK_V, MB)
-            else:
-                b_raw, b_n1 = b_n1, b_n2
-                b_n2 = _tile_blocks(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V, MB)
-            b_x, b_max = _block_maxima(b_raw, v0, v_hi, p_tmax, BLOCK_V, MB)
-            m_new = tl.maximum(m_run, b_max)
-            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: no NaN
-            s_run = s_run * tl.exp(m_run - m_use) + _sum_exp(b_x, m_use)
-            m_run = m_new
+                b_n3 = _tile_blocks(p_row, v_lo + 2 * BLOCK_V, v_hi, V, BLOCK_V, MB)
+        if row_ok:
+            if not EARLY:
+                b_n1 = _tile_blocks(p_row, v_lo, v_hi, V, BLOCK_V, MB)
+                b_n2 = _tile_blocks(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V, MB)
+                if AHEAD == 3:
+                    b_n3 = _tile_blocks(p_row, v_lo + 2 * BLOCK_V, v_hi, V, BLOCK_V, MB)
+            for v0 in range(v_lo, v_hi, BLOCK_V):
+                if AHEAD == 3:
+                    b_raw, b_n1, b_n2 = b_n1, b_n2, b_n3
+                    b_n3 = _tile_blocks(p_row, v0 + 3 * BLOCK_V, v_hi, V, BLOCK_V, MB)
+                else:
+                    b_raw, b_n1 = b_n1, b_n2
+                    b_n2 = _tile_blocks(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V, MB)
+                b_x, b_max = _block_maxima(b_raw, v0, v_hi, p_tmax, BLOCK_V, MB)
+                m_new = tl.maximum(m_run, b_max)
+                m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: no NaN
+                s_run = s_run * tl.exp(m_run - m_use) + _sum_exp(b_x, m_use)
+                m_run = m_new
     elif row_ok:
         # AHEAD tiles in flight ahead of the one being reduced, as in _stream_row
         b_n1 = _tile(p_row, v_lo, v_hi, V, BLOCK_V)
@@ -204,21 +212,26 @@ def _tile_lanes(
 @triton.jit
 def _stream_tiles_lanes(
     p_row, v_lo, v_hi, V, row_ok, p_tmax, BLOCK_V: tl.constexpr, MB: tl.constexpr,
-    VEC: tl.constexpr, WARPS: tl.constexpr,
+    VEC: tl.constexpr, WARPS: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """``_stream_tiles`` (two tiles ahead) with the softmax's max and sum kept per vector
     (each thread's own VEC tokens: an online max/sum per register) and reduced across threads
     once, after the chunk, instead of a tile max and a tile sum across the warp per tile: per
     tile, only the block maxima cross threads. An extra exp2 per vector and tile (the rescale)
-    buys the removal of the per-tile shuffle chains that every exp2 of the tile waited on."""
+    buys the removal of the per-tile shuffle chains that every exp2 of the tile waited on.
+    ``EARLY``: the first two tiles are loaded before ``row_ok`` is known."""
     NB: tl.constexpr = BLOCK_V // MB
     MV: tl.constexpr = MB // VEC
     m_vec = tl.full([NB, MV], -float("inf"), tl.float32)
     s_vec = tl.zeros([NB, MV], tl.float32)
-    if row_ok:
-        o_r = tl.arange(0, NB)
+    if EARLY:
         b_n1 = _tile_lanes(p_row, v_lo, v_hi, V, BLOCK_V, MB, VEC, WARPS)
         b_n2 = _tile_lanes(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V, MB, VEC, WARPS)
+    if row_ok:
+        o_r = tl.arange(0, NB)
+        if not EARLY:
+            b_n1 = _tile_lanes(p_row, v_lo, v_hi, V, BLOCK_V, MB, VEC, WARPS)
+            b_n2 = _tile_lanes(p_row, v_lo + BLOCK_V, v_hi, V, BLOCK_V, MB, VEC, WARPS)
         for v0 in range(v_lo, v_hi, BLOCK_V):
             b_raw, b_n1 = b_n1, b_n2
             b_n2 = _tile_lanes(p_row, v0 + 2 * BLOCK_V, v_hi, V, BLOCK_V, MB, VEC, WARPS)
@@ -453,6 +466,7 @@ def _stream_kernel(
     AHEAD: tl.constexpr,  # tiles loaded ahead of the one being reduced (2 or 3)
     VEC: tl.constexpr,  # > 0: max and sum per VEC-token vector (``_stream_tiles_lanes``)
     WARPS: tl.constexpr,  # the launch's num_warps (the per-vector tile's layout)
+    EARLY: tl.constexpr,  # the first tiles loaded before the row's state (``early_tile_loads``)
 ):
     """Step 1 of ``expand`` over (row, chunk) programs, ahead of the finishing launch: small
     (one-warp) programs, enough of them to fill the GPU at B = 1, each a pure stream (max, sum and
@@ -470,10 +484,10 @@ def _stream_kernel(
     p_out = p_part_t + i_row.to(tl.int64) * NT
     if VEC > 0:
         m_run, s_run = _stream_tiles_lanes(
-            p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB, VEC, WARPS
+            p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB, VEC, WARPS, EARLY
         )
     else:
-        m_run, s_run = _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB, AHEAD)
+        m_run, s_run = _stream_tiles(p_row, v_lo, v_hi, V, row_ok, p_out, BLOCK_V, MB, AHEAD, EARLY)
     pdl_release(PDL)
     o_part = i_p.to(tl.int64)
     tl.store(p_part_m + o_part, m_run)

@@ -569,19 +569,23 @@ def test_kernels_match_reference(case, root_row):
     st.sampled_from([4, 8, 16]),
     st.sampled_from([1, 2, 4]),
     st.sampled_from([2, 3, "lanes"]),
+    st.booleans(),
 )
-def test_streamed_expand_any_split_matches_reference(case, split, block_v, per_tile, ahead):
+def test_streamed_expand_any_split_matches_reference(case, split, block_v, per_tile, ahead, early):
     """The two-launch expand (one-warp chunk programs, then one program per row merging them) at
     up to 12 chunks per row (rounded to whole tiles, so some chunks hold fewer than K logits or
     none past V), tiles that rarely divide V, K up to V, a max recorded per tile or per block of
     a tile (``max_block`` = block_v / per_tile; the last block of a chunk or of V partly or
     wholly past it), two or three tiles loaded ahead (``stream_ahead``) or the max and sum kept
-    per vector (``stream_lanes``), the K best blocks re-read: the reference's states and tree."""
+    per vector (``stream_lanes``), the first tiles loaded before the row's state or after
+    (``stream_early``: idle requests and unused frontier rows then stream tiles whose results
+    nothing reads), the K best blocks re-read: the reference's states and tree."""
     policy, logits, roots, seq, active = case
     lanes = ahead == "lanes"
     run_both(
         policy, logits, roots, seq, active, block_v=block_v, split=split,
         max_block=block_v // per_tile, stream_ahead=2 if lanes else ahead, stream_lanes=lanes,
+        stream_early=early,
     )  # fmt: skip
 
 
