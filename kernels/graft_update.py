@@ -340,17 +340,19 @@ def _block_max_kernel(
     pdl_enter(PDL)
     i_f, i_b, i_n, tok, valid, claim = _node_claim(tok_ptr, num_ptr, N, V, n_flat, LAST_WINS)
     i_s = tl.program_id(1)
+    p_x = x_ptr + i_b * stride_b + i_n * stride_n
+    lo = i_s * chunk
+    hi = tl.minimum(lo + chunk, V)
+    # chunks are whole tiles, loaded as [blocks, MB] (the build's stream tile); the next is
+    # loaded ahead (raw 16-bit values where the logits are) so that two are in flight. The first
+    # is loaded before the node is known valid (every node's row exists): its load leaves beside
+    # the token's, not after it, for one tile of an invalid node's row
+    b_next = _tile_blocks(p_x, lo, hi, V, BLOCK_V, MB)
     if valid:
         if i_s == 0:
             tl.atomic_min(owner_ptr + tok, claim)
-        p_x = x_ptr + i_b * stride_b + i_n * stride_n
         p_k = ws_key_ptr + i_f * ((V + MB - 1) // MB)
-        lo = i_s * chunk
-        hi = tl.minimum(lo + chunk, V)
         o_r = tl.arange(0, BLOCK_V // MB)
-        # chunks are whole tiles, loaded as [blocks, MB] (the build's stream tile); the next is
-        # loaded ahead (raw 16-bit values where the logits are) so that two are in flight
-        b_next = _tile_blocks(p_x, lo, hi, V, BLOCK_V, MB)
         for start in range(lo, hi, BLOCK_V):
             b_x = b_next.to(tl.float32)
             b_next = _tile_blocks(p_x, start + BLOCK_V, hi, V, BLOCK_V, MB)
