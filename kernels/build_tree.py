@@ -517,8 +517,7 @@ def expand_tiling(
         one_tile = block_v == 512 and _default_split(rows, V, 512, device) >= cdiv(V, 512)
         if split is None and one_tile:
             # each program would stream one tile (few rows, V 32,000 at B 1): half as many
-            # programs, each a 1,024-token tile over two warps (``stream_warps``); an H100 sweep
-            # had a B 1, V 32,000 layer at 9.1 against 10.5 us (docs/benchmarks.md)
+            # programs, 1,024-token tiles over two warps (``stream_warps``; docs/design.md)
             block_v = 1024
     if split is None:
         split = _default_split(rows, V, block_v, device)
@@ -527,8 +526,7 @@ def expand_tiling(
 
 
 STREAM_EARLY_MAX_BYTES = 4 << 20
-"""The largest launch (logits bytes of all its rows) whose streaming programs load their first
-tiles before they know whether their row is in use (``early_tile_loads``)."""
+"""The most logits bytes (all rows) of a launch whose streams load early (``early_tile_loads``)."""
 
 
 def early_tile_loads(rows: int, V: int, element_size: int) -> bool:
@@ -558,12 +556,8 @@ def expand_max_block(rows: int, V: int, block_v: int, device: torch.device) -> i
     logits re-read, and more maxima to rank. Where every row's program has an SM to itself
     (``rows`` <= SMs) 64, or more where that leaves over 1,024 blocks a row (V 128,256 takes
     128); else at most 256 blocks a row (ranking more costs more than the re-read saves once
-    programs share SMs); never more than ``block_v``. The H200's sweep (``bench_build_tree.py
-    --ops sweep_topk``, against a max per 512-token tile): B 1 16.8 against 19.3 us at V 32,000
-    and 20.0 against 21.8 at V 128,256; B 64 39.1 against 41.9 at V 32,000 (128-token blocks),
-    and at V 128,256 the tile (256 or 128: 81.4, 80.0 against 76.1). With the ``tl.topk``
-    ranks, V 128,256 in 128-token blocks against 64: B 1 16.4 against 17.3 us, B 8 22.1 against
-    23.2 (``logs/2026-12-04_s30_calls.txt``)."""
+    programs share SMs); never more than ``block_v``. Each choice won the H200's sweeps
+    (``bench_build_tree.py --ops sweep_topk``; docs/benchmarks.md, sessions 28 and 30)."""
     if device.type == "cuda" and rows <= _runtime.sm_count(device):
         return min(max(pow2(cdiv(V, 1024)), 64), block_v)
     return min(max(pow2(cdiv(V, 256)), 16), block_v)
@@ -659,25 +653,20 @@ def expand(
     records, i.e. per block the top-K pass may re-read, and ``cand_tiles`` (a power of two) how
     many such blocks are read at once (more: fewer block-wide steps, more registers, so fewer
     resident programs at large B). By default 4 when every logits row's program has an SM to
-    itself or blocks are 128 tokens or fewer, else 1: the H200's sweep (``bench_build_tree.py
-    --ops sweep_topk``, 64- and 128-token blocks) had B 1 at 16.8 against 19.1 us (1 block a
-    read); at B 64, V 32,000 (128-token blocks) three H100 sweeps had 4 a read at 30.3 / 29.8 /
-    29.4 against 1 at 31.3 / 30.9 / 30.2, and at B 64, V 128,256 (512-token blocks) 87.9 against
-    77.2. ``row_warps``: warps of the per-row programs when split > 1 (default 4).
+    itself or blocks are 128 tokens or fewer, else 1 (``bench_build_tree.py --ops sweep_topk``'s
+    sweeps, docs/benchmarks.md). ``row_warps``: warps of the per-row programs when split > 1
+    (default 4).
     ``blocks_topk`` finds the K best blocks with one ``tl.topk`` (where K > 1 and a row has at
     least pow2(K) blocks) instead of K max-reductions over the row's block maxima; by default
     (None) where pow2(blocks a row) <= ``BLOCKS_TOPK_MAX``. ``rank_topk`` (default on) ranks the
     K best candidates with one (where K > 1 and ``cand_cap`` >= pow2(K)) instead of pairwise
-    compares against re-read chunks. The same result either way; the H200's sweep
-    (``bench_build_tree.py --ops sweep_topk``, a layer, defaults against both on): B 1, V 32,000
-    13.5 -> 12.3 us; B 64, V 32,000 32.8 -> 30.7; B 64, V 128,256 70.5 -> 67.7; B 1, V 128,256
-    (2,004 blocks of 64) 17.6 -> 17.2 with ``rank_topk`` alone and 20.3 with both: a ``tl.topk``
-    over 2,048 keys costs more than K reductions over them. ``stream_ahead``: tiles each streaming
+    compares against re-read chunks. The same result either way; a ``tl.topk`` over 2,048 keys
+    costs more than K reductions over them (the H200's sweep, docs/benchmarks.md session 30).
+    ``stream_ahead``: tiles each streaming
     program loads ahead of the one it reduces (2, the default, or 3: more bytes in flight per
     warp, where the one-warp programs' SM limit of 32 caps the warps; untimed). ``cand_ahead``
     (default on): the top-K's reads of ``cand_tiles`` blocks at a time each issued before the one
-    before is compacted (two in flight); two H100 sweeps had it 1.5-4.5 % faster on every row
-    (``bench_build_tree.py --ops sweep_topk``, docs/benchmarks.md). ``stream_lanes``: the
+    before is compacted (two in flight; 1.5-4.5 % faster on every swept row). ``stream_lanes``: the
     streaming programs keep the softmax's max and sum per 16-byte vector of logits and reduce
     them across the warp once per chunk, not per tile (``_stream_tiles_lanes``; two tiles ahead,
     ``stream_ahead`` ignored); by default (None) where blocks are ``STREAM_LANES_MIN_BLOCK``
