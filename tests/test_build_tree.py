@@ -1114,3 +1114,13 @@ def test_expand_tiling_takes_two_warp_tiles_where_one_warp_streams_one_tile(
     # an explicit tile or split keeps the caller's choice
     assert kb.expand_tiling(rows, V, torch.device("cuda"), block_v=512)[0] == 512
     assert kb.expand_tiling(rows, V, torch.device("cuda"), split=8)[0] == 512
+
+
+def test_early_tile_loads_only_in_launches_of_at_most_4_mib_of_logits():
+    """The streams load their first tiles before their row's state only where the bytes of rows
+    nobody uses stay small: B 1 (10 rows) at V 32,000 and 128,256 in bf16, not B 8 or B 64."""
+    kb = importlib.import_module("treeops.kernels.build_tree")
+    assert kb.early_tile_loads(10, 32000, 2) and kb.early_tile_loads(10, 128256, 2)
+    assert kb.early_tile_loads(64, 32000, 2)  # the root-row launch at B 64: 4.1 MB
+    assert not kb.early_tile_loads(80, 32000, 2) and not kb.early_tile_loads(640, 32000, 2)
+    assert not kb.early_tile_loads(10, 128256, 4)  # fp32 logits: 5.1 MB
