@@ -111,7 +111,7 @@ def _install() -> None:
     )
     torch.cuda.get_device_properties = lambda *a, **k: props
     from treeops import _runtime
-    from treeops.kernels import accept, build_tree, graft
+    from treeops.kernels import accept, build_tree_tiling, graft
 
     # every launcher asks the SM count through treeops._runtime; the vocabulary-split choices
     # also take the GPU-only branch, as the launchers would for CUDA tensors
@@ -124,7 +124,7 @@ def _install() -> None:
     gpu = torch.device("cuda", 0)
     for mod, fn, at in (
         (accept, "default_splits", 3),  # (B, N, V, device, block_v)
-        (build_tree, "_default_split", 3),  # (rows, V, block_v, device)
+        (build_tree_tiling, "_default_split", 3),  # (rows, V, block_v, device)
         (graft, "_splits", 3),  # (n_flat, V, block_v, device)
     ):
         orig = getattr(mod, fn)

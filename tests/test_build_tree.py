@@ -982,7 +982,7 @@ def test_expand_op_split_workspace_is_the_launchers(monkeypatch):
     pretend GPU split of 3, ``_split_workspace`` builds the buffers ``_launch_expand`` builds."""
     tb = importlib.import_module("treeops.build_tree")  # treeops.build_tree is the function
 
-    monkeypatch.setattr(tb._kernels, "_default_split", lambda rows, V, block_v, dev: 3)
+    monkeypatch.setattr(tb._tiling, "_default_split", lambda rows, V, block_v, dev: 3)
     pol = treeops.EagleStatic(depth=2, topk=3, budget=6)
     logits = torch.randn(2, 3, 600)  # 3 chunks of one 256-token tile (the interpreter's)
     a, b = start(pol, [1, 2], [3, 4], [True, True]), start(pol, [1, 2], [3, 4], [True, True])
@@ -1106,21 +1106,21 @@ def test_expand_tiling_takes_two_warp_tiles_where_one_warp_streams_one_tile(
     """The compiled launcher's default tiling on a 132-SM GPU (the H100's and H200's count):
     1,024-token tiles over two-warp programs exactly where one-warp programs of 512-token tiles
     would each stream a single tile; elsewhere one warp and 512."""
-    kb = importlib.import_module("treeops.kernels.build_tree")
-    monkeypatch.setattr(kb, "interpreted", lambda: False)
-    monkeypatch.setattr(kb._runtime, "sm_count", lambda device: 132)
-    block_v, split = kb.expand_tiling(rows, V, torch.device("cuda"))
-    assert (block_v, split, kb.stream_warps(block_v)) == want
+    kt = importlib.import_module("treeops.kernels.build_tree_tiling")
+    monkeypatch.setattr(kt, "interpreted", lambda: False)
+    monkeypatch.setattr(kt._runtime, "sm_count", lambda device: 132)
+    block_v, split = kt.expand_tiling(rows, V, torch.device("cuda"))
+    assert (block_v, split, kt.stream_warps(block_v)) == want
     # an explicit tile or split keeps the caller's choice
-    assert kb.expand_tiling(rows, V, torch.device("cuda"), block_v=512)[0] == 512
-    assert kb.expand_tiling(rows, V, torch.device("cuda"), split=8)[0] == 512
+    assert kt.expand_tiling(rows, V, torch.device("cuda"), block_v=512)[0] == 512
+    assert kt.expand_tiling(rows, V, torch.device("cuda"), split=8)[0] == 512
 
 
 def test_early_tile_loads_only_in_launches_of_at_most_4_mib_of_logits():
     """The streams load their first tiles before their row's state only where the bytes of rows
     nobody uses stay small: B 1 (10 rows) at V 32,000 and 128,256 in bf16, not B 8 or B 64."""
-    kb = importlib.import_module("treeops.kernels.build_tree")
-    assert kb.early_tile_loads(10, 32000, 2) and kb.early_tile_loads(10, 128256, 2)
-    assert kb.early_tile_loads(64, 32000, 2)  # the root-row launch at B 64: 4.1 MB
-    assert not kb.early_tile_loads(80, 32000, 2) and not kb.early_tile_loads(640, 32000, 2)
-    assert not kb.early_tile_loads(10, 128256, 4)  # fp32 logits: 5.1 MB
+    kt = importlib.import_module("treeops.kernels.build_tree_tiling")
+    assert kt.early_tile_loads(10, 32000, 2) and kt.early_tile_loads(10, 128256, 2)
+    assert kt.early_tile_loads(64, 32000, 2)  # the root-row launch at B 64: 4.1 MB
+    assert not kt.early_tile_loads(80, 32000, 2) and not kt.early_tile_loads(640, 32000, 2)
+    assert not kt.early_tile_loads(10, 128256, 4)  # fp32 logits: 5.1 MB

@@ -9,7 +9,7 @@ import torch
 import treeops
 from treeops.build_tree import _launch_expand as launch_expand
 from treeops.kernels import _counters as kcount
-from treeops.kernels import build_tree as kb
+from treeops.kernels import build_tree_tiling as kt
 from treeops.kernels import compact_kv as kc
 from treeops.kernels import graft as kg
 from treeops.kernels import kv_append as kk
@@ -61,7 +61,7 @@ def test_expand_split_workspace_replaced_stays_alive():
     wide = torch.randn(2, 1, 4096)  # more splits x rows: a larger workspace
     launch_expand(wide, st, pol, split=8, block_v=256)
     assert st.workspace["part_m"] is not first
-    assert any(t is first for t in kb._RETIRED)
+    assert any(t is first for t in kt._RETIRED)
 
 
 def test_graft_claims_undone_when_the_write_launch_fails(monkeypatch):
@@ -114,7 +114,7 @@ def test_expand_split_workspace_replaced_when_rows_grow():
     launch_expand(wide, st, pol, split=2, block_v=256, max_block=256)  # 4 rows x 2 = 8 partials
     assert st.workspace["part_t"].shape == (4 * 16,)
     assert st.workspace["part_t"] is not tiles
-    assert any(t is tiles for t in kb._RETIRED)
+    assert any(t is tiles for t in kt._RETIRED)
 
 
 def test_expand_split_workspace_kept_when_layers_alternate_blocks(monkeypatch):

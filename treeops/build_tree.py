@@ -45,6 +45,7 @@ from ._library import OUT_TREE, define
 from ._runtime import cdiv
 from .cost_table import CostTable
 from .kernels import build_tree as _kernels
+from .kernels import build_tree_tiling as _tiling
 from .kernels._replay import MISS, Replays
 from .kernels.draft_reset import reset as _reset_launch
 from .reference import build_tree as _ref
@@ -331,11 +332,11 @@ def _split_workspace(logits: torch.Tensor, state: DraftState, topk: int) -> tupl
     ``state.workspace`` and sized by the launcher's own rules, or Nones when the launch has one
     program per row (always off the GPU)."""
     B, W, V = logits.shape
-    block_v, split = _kernels.expand_tiling(B * W, V, logits.device)
+    block_v, split = _tiling.expand_tiling(B * W, V, logits.device)
     if split <= 1:
         return None, None, None
-    blocks = cdiv(V, _kernels.expand_max_block(B * W, V, block_v, logits.device))
-    return _kernels.split_workspace(state.workspace, B * W, split, blocks, logits.device)
+    blocks = cdiv(V, _tiling.expand_max_block(B * W, V, block_v, logits.device))
+    return _tiling.split_workspace(state.workspace, B * W, split, blocks, logits.device)
 
 
 def _expand_cuda(
