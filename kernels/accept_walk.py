@@ -94,23 +94,15 @@ def _sample_walk(
         > 0
     )
     cand = valid & (o > 0) & ~dup & (tok >= 0) & (tok < V)
-    # every candidate's logit in its parent's row and every node's uniform, loaded at once: a
-    # step of the walk then reads registers (one step's two dependent loads were most of its
-    # time); a parent outside [0, n) is never the walk's node, so its child is never read
-    p_req = p_logits + i_b * s_lb
-    m_x = cand & (par >= 0) & (par < n)
-    x_all = tl.load(p_req + par.to(tl.int64) * s_ln + tok * s_lv, mask=m_x, other=float("-inf"))
-    x_all = x_all.to(tl.float32)
-    u_all = tl.load(p_uni + i_b * s_ub + o, mask=o < N, other=0.0).to(tl.float32)
     while going:
         m_c = tl.sum(tl.where(o == cur, nm, 0.0), axis=0)
         z_c = tl.sum(tl.where(o == cur, nz, 0.0), axis=0)
         thr_c = tl.sum(tl.where(o == cur, thr, 0), axis=0)
         cut_c = tl.sum(tl.where(o == cur, cutv, 0), axis=0)
-        u = tl.sum(tl.where(o == cur, u_all, 0.0), axis=0)
-        p_row = p_req + cur.to(tl.int64) * s_ln
+        u = tl.load(p_uni + i_b * s_ub + cur).to(tl.float32)
+        p_row = p_logits + i_b * s_lb + cur.to(tl.int64) * s_ln
         ch = cand & (par == cur)
-        xc = tl.where(ch, x_all, float("-inf"))
+        xc = tl.load(p_row + tok * s_lv, mask=ch, other=float("-inf")).to(tl.float32)
         wc = tl.where(
             ch & _kept(_key(xc), tok.to(tl.int32), thr_c, cut_c), _weight(xc, m_c, T), 0.0
         )
