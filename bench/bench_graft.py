@@ -450,8 +450,11 @@ def sweep_update_rows(c: dict, empty_us: float, configs=None) -> list[dict]:
             ok = torch.equal(table.table, want)
             t = timer([(lambda lg=lg: table.update(tree, lg)) for lg in logits]) if ok else None
             S = kg.update_splits(B * N, V, dev)
+            # the stage-1 block and warps in effect (``block_v`` None: ``update_tiling``'s rule)
+            tuning = dict(kg.UPDATE_TUNING)
+            tuning["block_v"], tuning["num_warps"] = kg.update_tiling(B * N, V, dev)
             rows.append(_row("update_sweep", c, floor_us=floor, match=ok, splits=S,
-                             treeops_us=t, **kg.UPDATE_TUNING))  # fmt: skip
+                             treeops_us=t, **tuning))  # fmt: skip
     finally:
         kg.UPDATE_TUNING.clear()
         kg.UPDATE_TUNING.update(default)

@@ -638,7 +638,7 @@ def retrieve(
 
 
 UPDATE_TUNING = {
-    "block_v": 512,
+    "block_v": None,
     "programs_per_sm": 32,
     "num_warps": 1,
     "group": 0,
@@ -646,8 +646,9 @@ UPDATE_TUNING = {
     "block_max": None,
     "rank32": True,
 }
-"""The update's configuration on the GPU. Stage 1: logits per block, programs per SM that the
-splits of V aim for, warps per program, and the top-k method: ``group`` 0 keeps a running list
+"""The update's configuration on the GPU. Stage 1: logits per block (None: the rule of
+``update_tiling``), programs per SM that the splits of V aim for, warps per program, and the
+top-k method: ``group`` 0 keeps a running list
 that a block's best key enters while it beats the worst; ``group`` g > 0 keeps the largest
 maxima of groups of g logits and rereads those groups (``_update_group``). The write stage:
 ``merge`` "passes" (K dependent max passes over the splits' lists) or "bitonic" (one top-KB a
@@ -684,8 +685,23 @@ def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
     return max(1, min(want, cdiv(V, block_v), 64))
 
 
-def _update_block_v() -> int:
-    return 256 if interpreted() else UPDATE_TUNING["block_v"]
+def update_tiling(n_flat: int, V: int, device: torch.device) -> tuple[int, int]:
+    """(logits per block, warps) of stage 1 for ``n_flat`` nodes of V logits: ``UPDATE_TUNING``'s,
+    where ``block_v`` is None 512 and one warp, except that the block-maxima method takes
+    1,024-logit blocks over two warps where, at that size, every program streams a single block
+    (B <= 2 at V 32,000: half the programs of one-warp 512-logit blocks, each of one or two
+    blocks). On an H100 that took B 1 V 32,000 from 8.36 to 7.78 µs and B 2 from 9.67 to 9.30;
+    elsewhere it lost or tied (B 8 V 32,000 20.05 -> 20.42; B 1 V 128,256 13.09 -> 13.11;
+    bench/results/h100/graft_update_two_warp_s44.json). Shapes and the SM count only."""
+    if interpreted():
+        return 256, 1
+    block_v, warps = UPDATE_TUNING["block_v"], UPDATE_TUNING["num_warps"]
+    if block_v is None:
+        block_v = 512
+        one_block = _splits(n_flat, V, 1024, device) >= cdiv(V, 1024)
+        if UPDATE_TUNING["block_max"] != 0 and one_block:
+            block_v, warps = 1024, max(warps, 2)
+    return block_v, warps
 
 
 def _update_group(block_v: int, KB: int) -> int:
@@ -703,19 +719,19 @@ _MAX_CHUNK = 1 << 16
 def update_splits(n_flat: int, V: int, device: torch.device) -> int:
     """Stage 1's splits of V per node (``_splits``, at least enough that a split's ids fit the
     16 bits of a bf16 order key, and none empty)."""
-    block_v = _update_block_v()
+    block_v = update_tiling(n_flat, V, device)[0]
     S = max(_splits(n_flat, V, block_v, device), cdiv(V, _MAX_CHUNK))
     return cdiv(V, _chunk(V, S, block_v))
 
 
-def _update_block_max(V: int) -> int:
+def _update_block_max(V: int, block_v: int) -> int:
     """Logits per block of the block-maxima method for a vocabulary of V (``UPDATE_TUNING
     ["block_max"]``, or by default 64 up to ``BLOCK_MAX_SMALL_V`` and 128 above; at most a
-    stage-1 block), or 0: the top-k lists."""
+    stage-1 block of ``block_v``), or 0: the top-k lists."""
     mb = UPDATE_TUNING.get("block_max")
     if mb is None:
         mb = 64 if V <= BLOCK_MAX_SMALL_V else 128
-    return min(mb, _update_block_v()) if mb else 0
+    return min(mb, block_v) if mb else 0
 
 
 def update_workspace_key(n_flat: int, V: int, K: int, device: torch.device) -> tuple[int, int, int]:
@@ -723,7 +739,7 @@ def update_workspace_key(n_flat: int, V: int, K: int, device: torch.device) -> t
     ``adjacency_update``'s workspace for ``n_flat`` nodes of V logits and a table of width K:
     each split's top-k list (S * padded k slots of both), or with the block-maxima method each
     block's value key (cdiv(V, block) int32 slots and no float32 slot)."""
-    mb = _update_block_max(V)
+    mb = _update_block_max(V, update_tiling(n_flat, V, device)[0])
     if mb:
         return n_flat, 0, cdiv(V, mb)
     slots = update_splits(n_flat, V, device) * max(pow2(K), 2)
@@ -737,7 +753,7 @@ def _chunk(V: int, S: int, block_v: int) -> int:
 
 
 def _update_by_block_maxima(
-    table, owner, ws_key, tokens, num_nodes, logits, S, chunk, mb, last_wins
+    table, owner, ws_key, tokens, num_nodes, logits, S, chunk, mb, last_wins, block_v, warps
 ) -> None:  # fmt: skip
     """The update's block-maxima method (``graft_update._block_max_kernel`` then
     ``_block_top_kernel``): stage 1 keeps a max per ``mb`` logits, stage 2 rereads each winning
@@ -752,8 +768,8 @@ def _update_by_block_maxima(
     pdl = use_pdl(logits.device)
     direct(_block_max_kernel).launch(
         (n_flat, S), logits, *common, ws_key, N, V, n_flat, chunk, logits.stride(0),
-        logits.stride(1), BLOCK_V=_update_block_v(), MB=mb, LAST_WINS=last_wins, PDL=pdl,
-        num_warps=1 if interpreted() else UPDATE_TUNING["num_warps"], launch_pdl=pdl > 0,
+        logits.stride(1), BLOCK_V=block_v, MB=mb, LAST_WINS=last_wins, PDL=pdl,
+        num_warps=warps, launch_pdl=pdl > 0,
     )  # fmt: skip
     # int32 keys hold 16 bits of a bf16 value and 16 of a block index or tile position
     key32 = (UPDATE_TUNING["rank32"] and logits.dtype == torch.bfloat16
@@ -791,7 +807,7 @@ def adjacency_update(
         if logits is not None:
             key = update_workspace_key(n_flat, V, K, logits.device)
             S = update_splits(n_flat, V, logits.device)
-            block_v = _update_block_v()
+            block_v, warps = update_tiling(n_flat, V, logits.device)
             chunk = _chunk(V, S, block_v)
             if key not in workspace:
                 workspace[key] = (
@@ -799,10 +815,10 @@ def adjacency_update(
                     torch.empty(n_flat * key[2], dtype=torch.int32, device=table.device),
                 )
             ws_val, ws_id = workspace[key]
-            mb = _update_block_max(V)
+            mb = _update_block_max(V, block_v)
             if mb:
                 _update_by_block_maxima(table, owner, ws_id, tokens, num_nodes, logits, S,
-                                        chunk, mb, last_wins)  # fmt: skip
+                                        chunk, mb, last_wins, block_v, warps)  # fmt: skip
                 return
             direct(_topk_partial_kernel).launch(
                 (n_flat, S),
@@ -825,7 +841,7 @@ def adjacency_update(
                 GROUP=_update_group(block_v, KB),
                 KEY32=logits.dtype == torch.bfloat16,
                 LAST_WINS=last_wins,
-                num_warps=1 if interpreted() else UPDATE_TUNING["num_warps"],
+                num_warps=warps,
             )
             n_cand = S * KB
             ids, s_ib, s_in, k_ids = ws_id, 0, 0, 0

@@ -804,7 +804,7 @@ def test_update_kernel_splits_and_special_values(
     lengths = torch.tensor([rng.randint(0, N) for _ in range(B)], dtype=torch.int32)
     with (
         patch.object(kern, "_splits", lambda n, v, b, d: splits),
-        patch.object(kern, "_update_block_v", lambda: block_v),
+        patch.object(kern, "update_tiling", lambda n, v, d: (block_v, 1)),
         patch.dict(
             kern.UPDATE_TUNING,
             {"group": group, "merge": merge, "block_max": block_max, "rank32": rank32},
@@ -941,6 +941,29 @@ def test_opcheck_graft_and_prune_ops():
                      ref.graft_tail(pruned, tab, 3, 12))  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "n_flat, V, tuning, want",
+    [
+        (64, 32000, {}, (1024, 2)),  # B 1: 32 programs a node, each one 1,024-logit block
+        (128, 32000, {}, (1024, 2)),  # B 2: as many splits as 1,024-logit blocks
+        (512, 32000, {}, (512, 1)),  # B 8: 8 splits of several blocks each
+        (64, 128256, {}, (512, 1)),  # V 128,256: the split cap (64) leaves blocks to stream
+        (64, 32000, {"block_max": 0}, (512, 1)),  # the top-k lists keep their blocks
+        (64, 32000, {"block_v": 512}, (512, 1)),  # a configured block is kept
+    ],
+)
+def test_update_tiling_takes_two_warp_blocks_where_each_program_streams_one(
+    monkeypatch, n_flat, V, tuning, want
+):
+    """Stage 1's default tiling on a 132-SM GPU (the H100's and H200's count): 1,024-logit
+    blocks over two warps exactly where every program would stream a single one of them."""
+    monkeypatch.setattr(kern, "interpreted", lambda: False)
+    monkeypatch.setattr(kern._runtime, "sm_count", lambda device: 132)
+    for name, value in tuning.items():
+        monkeypatch.setitem(kern.UPDATE_TUNING, name, value)
+    assert kern.update_tiling(n_flat, V, torch.device("cuda")) == want
+
+
 @pytest.mark.parametrize("block_max", [0, 16])
 def test_update_op_workspace_key_is_the_launchers(block_max, monkeypatch):
     """The launcher caches its workspace under ``update_workspace_key`` (which the public
@@ -958,7 +981,8 @@ def test_update_op_workspace_key_is_the_launchers(block_max, monkeypatch):
         assert [t.numel() for t in ws[key]] == [key[0] * key[1], key[0] * key[2]]
     for V in (65537, 128256, 300000):  # bf16 order keys hold a split's ids in 16 bits
         S = kern.update_splits(1, V, torch.device("cpu"))
-        assert kern._chunk(V, S, kern._update_block_v()) <= 1 << 16
+        block_v = kern.update_tiling(1, V, torch.device("cpu"))[0]
+        assert kern._chunk(V, S, block_v) <= 1 << 16
 
 
 # ----------------------------------------------------------------------------- graft_tail
