@@ -689,10 +689,9 @@ def update_tiling(n_flat: int, V: int, device: torch.device) -> tuple[int, int]:
     """(logits per block, warps) of stage 1 for ``n_flat`` nodes of V logits: ``UPDATE_TUNING``'s,
     where ``block_v`` is None 512 and one warp, except that the block-maxima method takes
     1,024-logit blocks over two warps where, at that size, every program streams a single block
-    (B <= 2 at V 32,000: half the programs of one-warp 512-logit blocks, each of one or two
-    blocks). On an H100 that took B 1 V 32,000 from 8.36 to 7.78 µs and B 2 from 9.67 to 9.30;
-    elsewhere it lost or tied (B 8 V 32,000 20.05 -> 20.42; B 1 V 128,256 13.09 -> 13.11;
-    bench/results/h100/graft_update_two_warp_s44.json). Shapes and the SM count only."""
+    (B <= 2 at V 32,000 on 132 SMs: half the programs of one-warp 512-logit blocks, each of one
+    or two blocks); elsewhere two warps lose or tie (docs/design.md, op 6, the update).
+    Shapes and the SM count only, so a captured launch keeps its tiling."""
     if interpreted():
         return 256, 1
     block_v, warps = UPDATE_TUNING["block_v"], UPDATE_TUNING["num_warps"]
