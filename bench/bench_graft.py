@@ -417,11 +417,12 @@ def row_update(c: dict, empty_us: float, time_treeops=None) -> dict:
 
 def sweep_update_rows(c: dict, empty_us: float, configs=None) -> list[dict]:
     """``AdjacencyTable.update`` from bf16 logits under each configuration
-    (``kernels.graft.UPDATE_TUNING``: block, programs per SM, warps, top-k method, merge), each
-    checked against the exact result first; the default configuration is restored afterwards."""
+    (``kernels.graft_update.UPDATE_TUNING``: block, programs per SM, warps, top-k method,
+    merge), each checked against the exact result first; the default configuration is restored
+    afterwards."""
     import itertools
 
-    from treeops.kernels import graft as kg
+    from treeops.kernels import graft_update as kg
 
     timer = _timer(c["dev"])
     B, N, V, k, dev = c["B"], c["N"], c["V"], c["k"], c["dev"]
@@ -467,7 +468,7 @@ def learn_rows(c: dict, empty_us: float, block_maxes=(0, 128)) -> list[dict]:
     ``logits`` (acceptance alone, then the update from the logits, under each ``block_max`` of
     ``UPDATE_TUNING``: what the example decoder does). Both must leave the same acceptance and
     table; graph replays over rotated logits."""
-    from treeops.kernels import graft as kg
+    from treeops.kernels import graft_update as kg
 
     timer = _timer(c["dev"])
     V, k, dev, tree = c["V"], c["k"], c["dev"], c["tree"]
@@ -611,7 +612,7 @@ def main(argv=None) -> dict | None:
     ap.add_argument(
         "--sweep-update",
         action="store_true",
-        help="only the update's configurations (kernels.graft.UPDATE_TUNING): "
+        help="only the update's configurations (kernels.graft_update.UPDATE_TUNING): "
         "graft_update_sweep.json",
     )
     ap.add_argument(

@@ -111,7 +111,7 @@ def _install() -> None:
     )
     torch.cuda.get_device_properties = lambda *a, **k: props
     from treeops import _runtime
-    from treeops.kernels import accept, build_tree_tiling, graft
+    from treeops.kernels import accept, build_tree_tiling, graft_update
 
     # every launcher asks the SM count through treeops._runtime; the vocabulary-split choices
     # also take the GPU-only branch, as the launchers would for CUDA tensors
@@ -125,7 +125,7 @@ def _install() -> None:
     for mod, fn, at in (
         (accept, "default_splits", 3),  # (B, N, V, device, block_v)
         (build_tree_tiling, "_default_split", 3),  # (rows, V, block_v, device)
-        (graft, "_splits", 3),  # (n_flat, V, block_v, device)
+        (graft_update, "_splits", 3),  # (n_flat, V, block_v, device)
     ):
         orig = getattr(mod, fn)
         setattr(mod, fn, lambda *a, _f=orig, _i=at: _f(*a[:_i], gpu, *a[_i + 1 :]))
@@ -327,7 +327,7 @@ def with_pdl(named_case, mode: int = 1):
 
     def pdl_case():
         from treeops.kernels import build_tree as kb
-        from treeops.kernels import graft as kg
+        from treeops.kernels import graft_update as kg
         from treeops.kernels import tree_attention as ta
 
         launch = case()
@@ -424,6 +424,7 @@ def graft(op, B, V, N=60, k=8):
     def case():
         import treeops
         from treeops.kernels import graft as kg
+        from treeops.kernels import graft_update as kgu
 
         table = torch.randint(-1, V, (V, k), generator=G, dtype=torch.int32)
         tpl = treeops.RankTemplate.default()
@@ -449,7 +450,7 @@ def graft(op, B, V, N=60, k=8):
             tree = _tree(B, N, 24, V)
             return lambda: kt.graft_tail(tree, table, 8, N, 8)
         # update from logits, and from acceptance's top-k ids
-        owner = torch.full((V,), kg.INT32_MAX, dtype=torch.int32)
+        owner = torch.full((V,), kgu.INT32_MAX, dtype=torch.int32)
         tree = _tree(B, N, N, V)
         lg = torch.randn(B, N, V, generator=G).to(torch.bfloat16)
         ids = torch.randint(0, V, (B, N, k), generator=G, dtype=torch.int32)
@@ -459,13 +460,13 @@ def graft(op, B, V, N=60, k=8):
 
         def launch():
             # "update_M": the block-maxima method with M logits a block
-            saved = kg.UPDATE_TUNING.get("block_max", 0)
-            kg.UPDATE_TUNING["block_max"] = block_max
+            saved = kgu.UPDATE_TUNING.get("block_max", 0)
+            kgu.UPDATE_TUNING["block_max"] = block_max
             try:
-                kg.adjacency_update(table, owner, ws, tree.tokens, tree.num_nodes, lg, None, False)
-                kg.adjacency_update(table, owner, ws, tree.tokens, tree.num_nodes, None, ids, True)
+                kgu.adjacency_update(table, owner, ws, tree.tokens, tree.num_nodes, lg, None, False)
+                kgu.adjacency_update(table, owner, ws, tree.tokens, tree.num_nodes, None, ids, True)
             finally:
-                kg.UPDATE_TUNING["block_max"] = saved
+                kgu.UPDATE_TUNING["block_max"] = saved
 
         return launch
 

@@ -133,7 +133,7 @@ def update(iters: int) -> None:
     import torch
 
     import treeops
-    from treeops.kernels import graft as kg
+    from treeops.kernels import graft_update as kg
 
     N = 64
     for B, V in UPDATE_SHAPES:

@@ -1,4 +1,16 @@
-"""Graft's adjacency-table update kernels (launched by ``treeops.kernels.graft.adjacency_update``).
+"""Graft's adjacency-table update: its kernels and their launcher, ``adjacency_update``.
+
+``adjacency_update``: stage 1, grid (nodes, splits of V, about 32 one-warp programs per SM): each
+program streams its chunk of V once and keeps a running top-k of integer order keys (value desc,
+id asc; below); a block enters the running list only while its best key beats the
+list's worst, so most blocks cost one max. Split 0 also claims the node's token with
+``atomic_min(owner[token], flat index)``. Stage 2, grid (node blocks): merge the splits' lists,
+and the node whose index equals ``owner[token]`` writes the row and resets the owner to INT32_MAX
+(losers read either their winner's index or INT32_MAX, never their own), so the owner buffer is
+all INT32_MAX again after every update and no host sync or memset is needed. With ``topk_ids``
+stage 1 only claims. By default (``UPDATE_TUNING["block_max"]``: 64 or 128 logits by vocabulary;
+0 takes the lists above) stage 1 keeps a max per block of logits instead of a list, and stage 2
+(one program per node) ranks the blocks and rereads the best (below).
 
 Top-k order is one integer compare: every logit gets an *order key* whose signed order is
 (value descending, id ascending). The value part is ``_value_key`` (the float's bits made
@@ -32,13 +44,20 @@ blocks and writes the winner's row (the build's per-row top-K does the same,
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_enter, pdl_release
+from treeops import _runtime
+from treeops._runtime import cdiv, interpreted, pow2
+
+from ._launch import direct
+from ._pdl import pdl_enter, pdl_release, use_pdl
 from .build_tree_vocab import _tile_blocks
 
-_I32MAX = tl.constexpr(2**31 - 1)
+INT32_MAX = 2**31 - 1
+
+_I32MAX = tl.constexpr(INT32_MAX)
 _K32MIN = tl.constexpr(-(2**31))
 _K64MIN = tl.constexpr(-(2**63))
 _K64MAX = tl.constexpr(2**63 - 1)
@@ -456,3 +475,271 @@ def _block_top_kernel(
             top_ids = tl.where(top != _K64MIN, _local_of(top, False), -1)
         tl.store(table_ptr + tok * K + o_k, top_ids, mask=o_k < K)
         tl.store(owner_ptr + tok, _I32MAX)
+
+
+# --------------------------------------------------------------------------------- launcher
+def _contig(name: str, t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"Invalid layout of {name}: expected a contiguous tensor")
+    return t
+
+
+UPDATE_TUNING = {
+    "block_v": None,
+    "programs_per_sm": 32,
+    "num_warps": 1,
+    "group": 0,
+    "merge": "bitonic",
+    "block_max": None,
+    "rank32": True,
+}
+"""The update's configuration on the GPU. Stage 1: logits per block (None: the rule of
+``update_tiling``), programs per SM that the splits of V aim for, warps per program, and the
+top-k method: ``group`` 0 keeps a running list
+that a block's best key enters while it beats the worst; ``group`` g > 0 keeps the largest
+maxima of groups of g logits and rereads those groups (``_update_group``). The write stage:
+``merge`` "passes" (K dependent max passes over the splits' lists) or "bitonic" (one top-KB a
+row). ``block_max`` m > 0 replaces both: stage 1 keeps one max per m logits (a float max per
+logit, no order keys), stage 2 rereads each node's k best blocks (``_update_by_block_maxima``);
+0 keeps the lists; None (the default) takes m from the vocabulary (``_update_block_max``).
+``rank32``: stage 2 of the block maxima ranks int32 keys where the logits are bf16 (their value
+keys are exact in 16 bits), int64 ones otherwise; on an H100 (session 39,
+bench/results/h100/graft_update_rank32_s39.json) int32 keys took 4-16 % off every row: B 1 / 8 /
+64 at V 32,000 9.1 / 22.3 / 143 -> 8.6 / 20.5 / 129.5 µs, at V 128,256 15.2 / 64.6 / 450-491 ->
+13.4 / 59.9 / 414.
+``bench/bench_graft.py --sweep-update`` varies it; the splits and the method are part of
+``update_workspace_key``, so a table's cached workspace follows it. H200, µs
+(bench/results/h200/graft_update_block_max.json, session 33), B 1 / 8 / 64, lists -> m 64 -> m 128:
+V 32,000 11.3 / 30.7 / 132.9 -> 9.1 / 19.9 / 120.6 -> 9.5 / 21.1 / 129.1; V 128,256 20.8 / 77.4
+/ 439.6 -> 16.4 / 59.0 / 405.1 -> 14.2 / 53.7 / 366.7 (m 256: slower at both). Earlier, for the
+lists (graft_update_sweep.json): the bitonic merge 21.15 against 21.57 µs at B 1 V 128,256;
+groups of 16 (2,048-logit blocks) 19.2 at B 1 but 576 at B 64."""
+BLOCK_MAX_SMALL_V = 65536
+"""Vocabularies up to this size take 64-logit block maxima, larger ones 128 (the fastest of 64,
+128 and 256 at every B of the sweep at V 32,000 and V 128,256; ``UPDATE_TUNING``)."""
+
+
+def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
+    """Splits of V per node: enough programs to fill the GPU (at most ``programs_per_sm`` of
+    them per SM, so that even one request's nodes stream at full bandwidth), at least one block
+    of V each. Rounded down: 32 one-warp programs are all an SM holds at once, and a few more
+    would run as a second wave (B 8's 480 nodes made 4,320 programs for 4,224 places). Depends
+    on shapes and the SM count only (fixed for a CUDA graph)."""
+    if device.type != "cuda":
+        return min(2, cdiv(V, block_v))
+    sms = _runtime.sm_count(device)
+    want = UPDATE_TUNING["programs_per_sm"] * sms // max(n_flat, 1)
+    return max(1, min(want, cdiv(V, block_v), 64))
+
+
+def update_tiling(n_flat: int, V: int, device: torch.device) -> tuple[int, int]:
+    """(logits per block, warps) of stage 1 for ``n_flat`` nodes of V logits: ``UPDATE_TUNING``'s,
+    where ``block_v`` is None 512 and one warp, except that the block-maxima method takes
+    1,024-logit blocks over two warps where, at that size, every program streams a single block
+    (B <= 2 at V 32,000 on 132 SMs: half the programs of one-warp 512-logit blocks, each of one
+    or two blocks); elsewhere two warps lose or tie (docs/design.md, op 6, the update).
+    Shapes and the SM count only, so a captured launch keeps its tiling."""
+    if interpreted():
+        return 256, 1
+    block_v, warps = UPDATE_TUNING["block_v"], UPDATE_TUNING["num_warps"]
+    if block_v is None:
+        block_v = 512
+        one_block = _splits(n_flat, V, 1024, device) >= cdiv(V, 1024)
+        if UPDATE_TUNING["block_max"] != 0 and one_block:
+            block_v, warps = 1024, max(warps, 2)
+    return block_v, warps
+
+
+def _update_group(block_v: int, KB: int) -> int:
+    """Stage 1's group size (0: the running-list method): ``UPDATE_TUNING["group"]`` where a
+    block holds at least KB groups of it (the bitonic top-KB runs over a block's group maxima),
+    else 0."""
+    g = UPDATE_TUNING["group"]
+    return g if g > 0 and block_v // g >= KB else 0
+
+
+_MAX_CHUNK = 1 << 16
+"""A split's ids fit the 16 bits that bf16 order keys give them (the kernels above)."""
+
+
+def update_splits(n_flat: int, V: int, device: torch.device) -> int:
+    """Stage 1's splits of V per node (``_splits``, at least enough that a split's ids fit the
+    16 bits of a bf16 order key, and none empty)."""
+    block_v = update_tiling(n_flat, V, device)[0]
+    S = max(_splits(n_flat, V, block_v, device), cdiv(V, _MAX_CHUNK))
+    return cdiv(V, _chunk(V, S, block_v))
+
+
+def _update_block_max(V: int, block_v: int) -> int:
+    """Logits per block of the block-maxima method for a vocabulary of V (``UPDATE_TUNING
+    ["block_max"]``, or by default 64 up to ``BLOCK_MAX_SMALL_V`` and 128 above; at most a
+    stage-1 block of ``block_v``), or 0: the top-k lists."""
+    mb = UPDATE_TUNING.get("block_max")
+    if mb is None:
+        mb = 64 if V <= BLOCK_MAX_SMALL_V else 128
+    return min(mb, block_v) if mb else 0
+
+
+def update_workspace_key(n_flat: int, V: int, K: int, device: torch.device) -> tuple[int, int, int]:
+    """(nodes, float32 slots a node, int32 slots a node): the key, and the sizes, of
+    ``adjacency_update``'s workspace for ``n_flat`` nodes of V logits and a table of width K:
+    each split's top-k list (S * padded k slots of both), or with the block-maxima method each
+    block's value key (cdiv(V, block) int32 slots and no float32 slot)."""
+    mb = _update_block_max(V, update_tiling(n_flat, V, device)[0])
+    if mb:
+        return n_flat, 0, cdiv(V, mb)
+    slots = update_splits(n_flat, V, device) * max(pow2(K), 2)
+    return n_flat, slots, slots
+
+
+def _chunk(V: int, S: int, block_v: int) -> int:
+    """Ids per split: V / S rounded up to whole blocks (at most ``_MAX_CHUNK`` when V / S is,
+    since ``block_v`` divides it)."""
+    return cdiv(cdiv(V, S), block_v) * block_v
+
+
+def _update_by_block_maxima(
+    table, owner, ws_key, tokens, num_nodes, logits, S, chunk, mb, last_wins, block_v, warps
+) -> None:  # fmt: skip
+    """The update's block-maxima method (``graft_update._block_max_kernel`` then
+    ``_block_top_kernel``): stage 1 keeps a max per ``mb`` logits, stage 2 rereads each winning
+    node's K best blocks."""
+    V, K = table.shape
+    B, N = tokens.shape
+    n_flat = B * N
+    KB = max(pow2(K), 2)
+    common = (tokens, num_nodes, owner)
+    # PDL only where ``TREEOPS_PDL`` asks: late release made B 1 slower on an H100 (V 32,000:
+    # 8.4 -> 10.5 us; docs/benchmarks.md)
+    pdl = use_pdl(logits.device)
+    direct(_block_max_kernel).launch(
+        (n_flat, S), logits, *common, ws_key, N, V, n_flat, chunk, logits.stride(0),
+        logits.stride(1), BLOCK_V=block_v, MB=mb, LAST_WINS=last_wins, PDL=pdl,
+        num_warps=warps, launch_pdl=pdl > 0,
+    )  # fmt: skip
+    # int32 keys hold 16 bits of a bf16 value and 16 of a block index or tile position
+    key32 = (UPDATE_TUNING["rank32"] and logits.dtype == torch.bfloat16
+             and max(cdiv(V, mb), KB * mb) <= 1 << 16)  # fmt: skip
+    direct(_block_top_kernel).launch(
+        (n_flat,), logits, *common, table, ws_key, N, V, n_flat, logits.stride(0),
+        logits.stride(1), K=K, KB=KB, NBP=max(pow2(cdiv(V, mb)), KB), MB=mb,
+        LAST_WINS=last_wins, KEY32=key32, PDL=pdl, num_warps=4, launch_pdl=pdl > 0,
+    )  # fmt: skip
+
+
+def adjacency_update(
+    table: torch.Tensor,
+    owner: torch.Tensor,
+    workspace: dict,
+    tokens: torch.Tensor,
+    num_nodes: torch.Tensor,
+    logits: torch.Tensor | None,
+    topk_ids: torch.Tensor | None,
+    last_wins: bool,
+) -> None:
+    """``table[tokens[b, i]] = top-k(logits[b, i])`` (or ``topk_ids[b, i, :k]``) for
+    ``i < num_nodes[b]``; duplicate tokens: lowest flattened index wins (highest when
+    ``last_wins``). ``owner`` [V] int32 must be all INT32_MAX (it is again afterwards)."""
+    V, K = table.shape
+    B, N = tokens.shape
+    n_flat = B * N
+    KB = max(pow2(K), 2)
+    _contig("tokens", tokens)
+    if n_flat == 0:
+        return
+    # from the first launch on, a failure undoes the claims: only the write launch's winners
+    # reset them, and a stale claim would block its token's row from every later update
+    try:
+        if logits is not None:
+            key = update_workspace_key(n_flat, V, K, logits.device)
+            S = update_splits(n_flat, V, logits.device)
+            block_v, warps = update_tiling(n_flat, V, logits.device)
+            chunk = _chunk(V, S, block_v)
+            if key not in workspace:
+                workspace[key] = (
+                    torch.empty(n_flat * key[1], dtype=torch.float32, device=table.device),
+                    torch.empty(n_flat * key[2], dtype=torch.int32, device=table.device),
+                )
+            ws_val, ws_id = workspace[key]
+            mb = _update_block_max(V, block_v)
+            if mb:
+                _update_by_block_maxima(table, owner, ws_id, tokens, num_nodes, logits, S,
+                                        chunk, mb, last_wins, block_v, warps)  # fmt: skip
+                return
+            direct(_topk_partial_kernel).launch(
+                (n_flat, S),
+                logits,
+                tokens,
+                num_nodes,
+                owner,
+                ws_val,
+                ws_id,
+                N,
+                V,
+                n_flat,
+                chunk,
+                logits.stride(0),
+                logits.stride(1),
+                K=K,
+                KB=KB,
+                S=S,
+                BLOCK_V=block_v,
+                GROUP=_update_group(block_v, KB),
+                KEY32=logits.dtype == torch.bfloat16,
+                LAST_WINS=last_wins,
+                num_warps=warps,
+            )
+            n_cand = S * KB
+            ids, s_ib, s_in, k_ids = ws_id, 0, 0, 0
+        else:
+            assert topk_ids is not None
+            # before any launch: a claim left behind by a failed call would block later updates
+            if topk_ids.stride(2) != 1 and topk_ids.shape[2] > 1:  # the rule of treeops._checks
+                raise ValueError(
+                    "Invalid stride of topk_ids: expected the last dimension contiguous"
+                )
+            direct(_claim_kernel).launch(
+                (cdiv(n_flat, 256),),
+                tokens,
+                num_nodes,
+                owner,
+                N,
+                V,
+                n_flat,
+                BLOCK=256,
+                LAST_WINS=last_wins,
+            )
+            ws_val, ws_id = table, table  # unused
+            n_cand = KB
+            ids, k_ids = topk_ids, topk_ids.shape[2]
+            s_ib, s_in = topk_ids.stride(0), topk_ids.stride(1)
+        C = pow2(n_cand)
+        block_m = max(1, min(64, 512 // C))
+        direct(_update_write_kernel).launch(
+            (cdiv(n_flat, block_m),),
+            tokens,
+            num_nodes,
+            owner,
+            table,
+            ws_val,
+            ws_id,
+            ids,
+            N,
+            V,
+            n_flat,
+            k_ids,
+            s_ib,
+            s_in,
+            n_cand,
+            K=K,
+            KB=KB,
+            C=C,
+            BLOCK_M=block_m,
+            FROM_LOGITS=logits is not None,
+            BITONIC=UPDATE_TUNING["merge"] == "bitonic",
+            LAST_WINS=last_wins,
+            num_warps=4,
+        )
+    except BaseException:
+        owner.fill_(INT32_MAX)
+        raise

@@ -11,7 +11,7 @@ from treeops.build_tree import _launch_expand as launch_expand
 from treeops.kernels import _counters as kcount
 from treeops.kernels import build_tree_tiling as kt
 from treeops.kernels import compact_kv as kc
-from treeops.kernels import graft as kg
+from treeops.kernels import graft_update as kgu
 from treeops.kernels import kv_append as kk
 
 
@@ -67,7 +67,7 @@ def test_expand_split_workspace_replaced_stays_alive():
 def test_graft_claims_undone_when_the_write_launch_fails(monkeypatch):
     V, K = 50, 4
     table = torch.full((V, K), -1, dtype=torch.int32)
-    owner = torch.full((V,), kg.INT32_MAX, dtype=torch.int32)
+    owner = torch.full((V,), kgu.INT32_MAX, dtype=torch.int32)
     tokens = torch.tensor([[3, 7, 3], [9, 3, 1]])
     num = torch.tensor([3, 3], dtype=torch.int32)
     ids = torch.randint(0, V, (2, 3, K), dtype=torch.int32)
@@ -76,16 +76,16 @@ def test_graft_claims_undone_when_the_write_launch_fails(monkeypatch):
     class Failing:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                seen["claimed"] = int((owner != kg.INT32_MAX).sum())
+                seen["claimed"] = int((owner != kgu.INT32_MAX).sum())
                 raise KeyboardInterrupt  # e.g. interrupted between the two launches
 
             return launch
 
-    monkeypatch.setattr(kg, "_update_write_kernel", Failing())
+    monkeypatch.setattr(kgu, "_update_write_kernel", Failing())
     with pytest.raises(KeyboardInterrupt):
-        kg.adjacency_update(table, owner, {}, tokens, num, None, ids, False)
+        kgu.adjacency_update(table, owner, {}, tokens, num, None, ids, False)
     assert seen["claimed"] > 0  # the claim kernel did claim tokens before the failure
-    assert bool((owner == kg.INT32_MAX).all())  # ... and every claim was undone
+    assert bool((owner == kgu.INT32_MAX).all())  # ... and every claim was undone
 
 
 def test_attention_batch_beyond_the_grid_is_refused():

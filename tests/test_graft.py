@@ -600,6 +600,7 @@ def test_bad_input_messages():
 
 from treeops.kernels import graft as kern  # noqa: E402
 from treeops.kernels import graft_tail as kern_tail  # noqa: E402
+from treeops.kernels import graft_update as kern_update  # noqa: E402
 
 TREE_FIELDS = treeops.Tree.FIELDS
 
@@ -716,9 +717,9 @@ def test_graft_kernel_default_template_budget_60():
 
 
 def run_update_kernel(table, tokens, num, logits=None, ids=None, last_wins=False):
-    owner = torch.full((table.shape[0],), kern.INT32_MAX, dtype=torch.int32)
-    kern.adjacency_update(table, owner, {}, tokens, num, logits, ids, last_wins)
-    assert (owner == kern.INT32_MAX).all()  # every claim released
+    owner = torch.full((table.shape[0],), kern_update.INT32_MAX, dtype=torch.int32)
+    kern_update.adjacency_update(table, owner, {}, tokens, num, logits, ids, last_wins)
+    assert (owner == kern_update.INT32_MAX).all()  # every claim released
 
 
 @given(
@@ -803,10 +804,10 @@ def test_update_kernel_splits_and_special_values(
     }[kind]().to(dtype)
     lengths = torch.tensor([rng.randint(0, N) for _ in range(B)], dtype=torch.int32)
     with (
-        patch.object(kern, "_splits", lambda n, v, b, d: splits),
-        patch.object(kern, "update_tiling", lambda n, v, d: (block_v, 1)),
+        patch.object(kern_update, "_splits", lambda n, v, b, d: splits),
+        patch.object(kern_update, "update_tiling", lambda n, v, d: (block_v, 1)),
         patch.dict(
-            kern.UPDATE_TUNING,
+            kern_update.UPDATE_TUNING,
             {"group": group, "merge": merge, "block_max": block_max, "rank32": rank32},
         ),
     ):
@@ -839,7 +840,7 @@ def test_out_buffers():
 def test_update_kernel_rejects_strided_ids_before_claiming():
     """A topk_ids whose last dim is strided is refused before the claim launch, so the owner
     buffer stays all INT32_MAX and a later update is not blocked by a stale claim."""
-    from treeops.kernels.graft import adjacency_update
+    from treeops.kernels.graft_update import adjacency_update
 
     V, k = 50, 4
     table = torch.full((V, k), -1, dtype=torch.int32)
@@ -957,32 +958,32 @@ def test_update_tiling_takes_two_warp_blocks_where_each_program_streams_one(
 ):
     """Stage 1's default tiling on a 132-SM GPU (the H100's and H200's count): 1,024-logit
     blocks over two warps exactly where every program would stream a single one of them."""
-    monkeypatch.setattr(kern, "interpreted", lambda: False)
-    monkeypatch.setattr(kern._runtime, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kern_update, "interpreted", lambda: False)
+    monkeypatch.setattr(kern_update._runtime, "sm_count", lambda device: 132)
     for name, value in tuning.items():
-        monkeypatch.setitem(kern.UPDATE_TUNING, name, value)
-    assert kern.update_tiling(n_flat, V, torch.device("cuda")) == want
+        monkeypatch.setitem(kern_update.UPDATE_TUNING, name, value)
+    assert kern_update.update_tiling(n_flat, V, torch.device("cuda")) == want
 
 
 @pytest.mark.parametrize("block_max", [0, 16])
 def test_update_op_workspace_key_is_the_launchers(block_max, monkeypatch):
     """The launcher caches its workspace under ``update_workspace_key`` (which the public
     update uses to pass it to the op), sized by it, for either method."""
-    monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "block_max", block_max)
     for V, k, n in ((50, 4, (2, 8)), (700, 3, (1, 3)), (7, 8, (3, 1))):
         ws: dict = {}
         tokens = torch.zeros(n, dtype=torch.int64)
         table = torch.full((V, k), -1, dtype=torch.int32)
-        owner = torch.full((V,), kern.INT32_MAX, dtype=torch.int32)
+        owner = torch.full((V,), kern_update.INT32_MAX, dtype=torch.int32)
         num = torch.full((n[0],), n[1], dtype=torch.int32)
-        kern.adjacency_update(table, owner, ws, tokens, num, torch.randn(*n, V), None, False)
-        key = kern.update_workspace_key(n[0] * n[1], V, k, table.device)
+        kern_update.adjacency_update(table, owner, ws, tokens, num, torch.randn(*n, V), None, False)
+        key = kern_update.update_workspace_key(n[0] * n[1], V, k, table.device)
         assert list(ws) == [key]
         assert [t.numel() for t in ws[key]] == [key[0] * key[1], key[0] * key[2]]
     for V in (65537, 128256, 300000):  # bf16 order keys hold a split's ids in 16 bits
-        S = kern.update_splits(1, V, torch.device("cpu"))
-        block_v = kern.update_tiling(1, V, torch.device("cpu"))[0]
-        assert kern._chunk(V, S, block_v) <= 1 << 16
+        S = kern_update.update_splits(1, V, torch.device("cpu"))
+        block_v = kern_update.update_tiling(1, V, torch.device("cpu"))[0]
+        assert kern_update._chunk(V, S, block_v) <= 1 << 16
 
 
 # ----------------------------------------------------------------------------- graft_tail

@@ -21,7 +21,7 @@ import torch
 import treeops
 from strategies import make_tree, parents_of
 from treeops import NO_PRUNE, AdjacencyTable, RankTemplate, graft, graft_merge, prune
-from treeops.kernels import graft as kern
+from treeops.kernels import graft_update as kern_update
 from treeops.reference import graft as ref
 
 pytestmark = pytest.mark.gpu
@@ -164,10 +164,10 @@ def test_update_matches_reference(B, N, V, dtype, group, merge, block_max, rank3
     maxima of that many logits; block_max > 0: block maxima, whose stage 2 rereads each node's
     k best blocks, ranking int32 keys with ``rank32`` where the logits are bf16) and both merges
     of the lists' write stage, with many ties, duplicate tokens, top-k ids, warm start."""
-    monkeypatch.setitem(kern.UPDATE_TUNING, "rank32", rank32)
-    monkeypatch.setitem(kern.UPDATE_TUNING, "group", group)
-    monkeypatch.setitem(kern.UPDATE_TUNING, "merge", merge)
-    monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "rank32", rank32)
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "group", group)
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "merge", merge)
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "block_max", block_max)
     tree, tab, rng = batch(B, N, V, seed=B + N, keep=None)
     tree.tokens.copy_(tree.tokens % max(1, V // 7))  # duplicates across nodes and requests
     g = torch.Generator().manual_seed(B)
@@ -180,7 +180,7 @@ def test_update_matches_reference(B, N, V, dtype, group, merge, block_max, rank3
     table.update(dtree, logits.to(DEV))
     assert torch.equal(table.table.cpu(), want)
     if table._owner is not None:
-        assert (table._owner == kern.INT32_MAX).all()
+        assert (table._owner == kern_update.INT32_MAX).all()
     ids = torch.randint(-1, V, (B, N, 6), generator=g, dtype=torch.int32)
     want = tab.clone()
     ref.adjacency_update(want, tree, None, ids)
@@ -201,9 +201,9 @@ def test_update_matches_reference(B, N, V, dtype, group, merge, block_max, rank3
 def test_update_large_vocab_deterministic(group, block_max, rank32, monkeypatch):
     """V = 128256, bf16, 64 x 60 nodes: exact against a stable sort; the same table on reruns
     (each top-k method; the block maxima ranked on int64 and on int32 keys)."""
-    monkeypatch.setitem(kern.UPDATE_TUNING, "rank32", rank32)
-    monkeypatch.setitem(kern.UPDATE_TUNING, "group", group)
-    monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "rank32", rank32)
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "group", group)
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "block_max", block_max)
     B, N, V, k = 64 if DEV == "cuda" else 2, 64, LARGE_V, 8
     tree, _, _ = batch(B, N, min(V, 5000), seed=11, keep=None)
     g = torch.Generator().manual_seed(3)
@@ -240,8 +240,8 @@ def test_update_special_values(kind, block_max, rank32, monkeypatch):
     """±0, ±inf and NaN at a real vocabulary ("masked": -inf and NaN rows with 2 % values, so
     that fewer than k blocks may hold a value above -inf and the block-maxima method ranks the
     whole row): the reference's table, either method, either key width."""
-    monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
-    monkeypatch.setitem(kern.UPDATE_TUNING, "rank32", rank32)
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "block_max", block_max)
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "rank32", rank32)
     B, N, V = 4, 64, 32000
     tree, _, _ = batch(B, N, 5000, seed=5, keep=None)  # tokens below 5,000
     g = torch.Generator().manual_seed(7)
@@ -266,7 +266,7 @@ def test_update_special_values(kind, block_max, rank32, monkeypatch):
 def test_update_is_graph_capturable(block_max, monkeypatch):
     if DEV != "cuda":
         pytest.skip("CUDA graphs need CUDA")
-    monkeypatch.setitem(kern.UPDATE_TUNING, "block_max", block_max)
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "block_max", block_max)
     B, N, V = 8, 64, 32000
     tree, tab, _ = batch(B, N, 5000, seed=2, keep=None)
     dtree = tree.to(DEV)
@@ -289,7 +289,7 @@ def test_update_is_graph_capturable(block_max, monkeypatch):
         want = torch.full((V, 8), -1, dtype=torch.int32)
         ref.adjacency_update(want, tree, logits.cpu())
         assert torch.equal(table.table.cpu(), want)
-        assert (table._owner == kern.INT32_MAX).all()
+        assert (table._owner == kern_update.INT32_MAX).all()
 
 
 def test_prune_and_checkpoints_on_device():

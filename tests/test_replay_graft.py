@@ -26,6 +26,7 @@ GR, GT = sys.modules["treeops.graft"], sys.modules["treeops.graft_tail"]
 PR = sys.modules["treeops.prune"]
 from treeops.kernels import _launch
 from treeops.kernels import graft as KG
+from treeops.kernels import graft_update as KGU
 
 # every _launch.scratch set handed out (held, so that no address is reused): the graft kernels'
 # sets are several allocations, whose offsets to each other differ between a replay (the cached
@@ -53,7 +54,7 @@ class CudaLike(treeops.AdjacencyTable):
     def _update_workspace(self, tokens, logits):
         if logits is None or tokens.numel() == 0:
             return None, None
-        key = KG.update_workspace_key(tokens.numel(), self.vocab_size, self.k, self.device)
+        key = KGU.update_workspace_key(tokens.numel(), self.vocab_size, self.k, self.device)
         if key not in self._workspace:
             n = key[0] * key[1] * key[2]
             self._workspace[key] = (torch.empty(n), torch.empty(n, dtype=torch.int32))
@@ -275,12 +276,12 @@ with bench_host.launchers_on_cpu():
     n0 = GR._UPDATE_REPLAYS.replays
     tab.update(tree, topk_ids=topk0)
     n1 = GR._UPDATE_REPLAYS.replays
-    was = dict(KG.UPDATE_TUNING)
-    KG.UPDATE_TUNING["merge"] = "passes"
+    was = dict(KGU.UPDATE_TUNING)
+    KGU.UPDATE_TUNING["merge"] = "passes"
     try:
         tab.update(tree, topk_ids=topk0)
     finally:
-        KG.UPDATE_TUNING.clear(); KG.UPDATE_TUNING.update(was)
+        KGU.UPDATE_TUNING.clear(); KGU.UPDATE_TUNING.update(was)
     n2 = GR._UPDATE_REPLAYS.replays
     o = treeops.Tree.uninitialized(B, N)
     treeops.graft(tree, tab, tpl, 6, out=o)

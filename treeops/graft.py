@@ -56,6 +56,7 @@ from ._checks import (
 from ._graft_types import NO_PRUNE, RankTemplate, Retrieved
 from ._library import OUT_TREE, TREE, define
 from .kernels import graft as _k
+from .kernels import graft_update as _ku
 from .kernels._replay import MISS, Replays
 from .reference import graft as _ref
 from .tree import Tree, check_tree
@@ -86,10 +87,10 @@ def _update_launch(table, owner, ws_val, ws_id, tokens, num, logits, topk_ids, l
     B, N = tokens.shape
     ws = {}
     if ws_val is not None:
-        key = _k.update_workspace_key(B * N, table.shape[0], table.shape[1], table.device)
+        key = _ku.update_workspace_key(B * N, table.shape[0], table.shape[1], table.device)
         ws[key] = (ws_val, ws_id)
     with cuda_device(table):
-        _k.adjacency_update(table, owner, ws, tokens, num, logits, topk_ids, last_wins=last_wins)
+        _ku.adjacency_update(table, owner, ws, tokens, num, logits, topk_ids, last_wins=last_wins)
 
 
 def _adjacency_update_cuda(table, owner, ws_val, ws_id, *rest):
@@ -286,10 +287,11 @@ so their pointers must be re-read per call."""
 
 
 def _tuning() -> tuple:
-    """The update's launch configuration (``kernels.graft.UPDATE_TUNING``: block, warps, top-k
-    method, merge, hence the splits of V): part of the update's keys, so that a recorded update
-    is not replayed under another configuration (``bench/bench_graft.py``'s sweep changes it)."""
-    return tuple(_k.UPDATE_TUNING.items())
+    """The update's launch configuration (``kernels.graft_update.UPDATE_TUNING``: block, warps,
+    top-k method, merge, hence the splits of V): part of the update's keys, so that a recorded
+    update is not replayed under another configuration (``bench/bench_graft.py``'s sweep changes
+    it)."""
+    return tuple(_ku.UPDATE_TUNING.items())
 
 
 def _check_budget(budget: torch.Tensor | int, B: int, dev: torch.device, N: int) -> None:
@@ -549,7 +551,7 @@ class AdjacencyTable:
         n_flat = tokens.numel()
         if logits is None or not self.table.is_cuda or n_flat == 0:
             return None, None
-        key = _k.update_workspace_key(n_flat, self.vocab_size, self.k, self.device)
+        key = _ku.update_workspace_key(n_flat, self.vocab_size, self.k, self.device)
         if key not in self._workspace:
             self._workspace[key] = (
                 torch.empty(key[0] * key[1], dtype=torch.float32, device=self.device),
