@@ -533,9 +533,9 @@ def _splits(n_flat: int, V: int, block_v: int, device: torch.device) -> int:
 
 
 def update_tiling(n_flat: int, V: int, device: torch.device) -> tuple[int, int]:
-    """(logits per block, warps) of stage 1 for ``n_flat`` nodes of V logits: ``UPDATE_TUNING``'s,
-    where ``block_v`` is None 512 and one warp, except that the block-maxima method takes
-    1,024-logit blocks over two warps where, at that size, every program streams a single block
+    """(logits per block, warps) of stage 1 for ``n_flat`` nodes of V logits: ``UPDATE_TUNING``'s;
+    its ``block_v`` None means 512 logits over its warps, except that the block-maxima method
+    takes 1,024-logit blocks over two warps where, at that size, every program streams one block
     (B <= 2 at V 32,000 on 132 SMs: half the programs of one-warp 512-logit blocks, each of one
     or two blocks); elsewhere two warps lose or tie (docs/design.md, op 6, the update).
     Shapes and the SM count only, so a captured launch keeps its tiling."""
