@@ -562,10 +562,12 @@ _MAX_CHUNK = 1 << 16
 """A split's ids fit the 16 bits that bf16 order keys give them (the kernels above)."""
 
 
-def update_splits(n_flat: int, V: int, device: torch.device) -> int:
+def update_splits(n_flat: int, V: int, device: torch.device, block_v: int | None = None) -> int:
     """Stage 1's splits of V per node (``_splits``, at least enough that a split's ids fit the
-    16 bits of a bf16 order key, and none empty)."""
-    block_v = update_tiling(n_flat, V, device)[0]
+    16 bits of a bf16 order key, and none empty) for blocks of ``block_v`` logits (default
+    ``update_tiling``'s)."""
+    if block_v is None:
+        block_v = update_tiling(n_flat, V, device)[0]
     S = max(_splits(n_flat, V, block_v, device), cdiv(V, _MAX_CHUNK))
     return cdiv(V, _chunk(V, S, block_v))
 
@@ -652,8 +654,8 @@ def adjacency_update(
     try:
         if logits is not None:
             key = update_workspace_key(n_flat, V, K, logits.device)
-            S = update_splits(n_flat, V, logits.device)
             block_v, warps = update_tiling(n_flat, V, logits.device)
+            S = update_splits(n_flat, V, logits.device, block_v)
             chunk = _chunk(V, S, block_v)
             if key not in workspace:
                 workspace[key] = (
