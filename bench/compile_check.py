@@ -126,6 +126,7 @@ def _install() -> None:
         (accept, "default_splits", 3),  # (B, N, V, device, block_v)
         (build_tree_tiling, "_default_split", 3),  # (rows, V, block_v, device)
         (graft_update, "_splits", 3),  # (n_flat, V, block_v, device)
+        (graft_update, "_rank_all", 1),  # (n_flat, device)
     ):
         orig = getattr(mod, fn)
         setattr(mod, fn, lambda *a, _f=orig, _i=at: _f(*a[:_i], gpu, *a[_i + 1 :]))
@@ -743,6 +744,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     for B, V in ((1, 32000), (64, 128256)):
         for op in ("retrieve_merge", "retrieve", "tail", "update", "update_64", "update_128"):
             out.append(graft(op, B, V))
+    out.append(graft("update_128", 1, 128256))  # the update's default at B 1, V 128,256
     out += [prune(1, 8, keep_tensor=False), prune(64, 256), prune(8, 2048)]  # 1-2 tiles
     # CAST's standalone ops: bench_cast's shapes (width: 100 candidates, K = 10; rerank: 800,
     # K = 64), a large batch, a tree capacity of 256 and the largest tile, 16-bit scores

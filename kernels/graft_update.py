@@ -400,6 +400,7 @@ def _block_top_kernel(
     MB: tl.constexpr,
     LAST_WINS: tl.constexpr,
     KEY32: tl.constexpr,
+    RANK_ALL: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (``_pdl``)
 ):
     """Stage 2 of the block-maxima update, one program per node: the node whose claim equals
@@ -416,8 +417,10 @@ def _block_top_kernel(
 
     The node's block maxima are loaded before its claim is known (every node's row of the
     workspace exists): the load is in flight while the token and then the owner are read, so
-    the ranking waits for two memory latencies, not three. Only the winner ranks: a token many
-    nodes share costs one ranking."""
+    the ranking waits for two memory latencies, not three. ``RANK_ALL`` (launches where every
+    node has an SM): every valid node ranks and only the winner stores, so the owner's load,
+    which waits for the token's, is off the ranking's path: one memory latency less. Otherwise
+    only the winner ranks: a token many nodes share costs one ranking."""
     pdl_enter(PDL)
     i_f, i_b, i_n, tok, valid, claim = _node_claim(tok_ptr, num_ptr, N, V, n_flat, LAST_WINS)
     NB = (V + MB - 1) // MB
@@ -426,7 +429,11 @@ def _block_top_kernel(
     # workspace exists and is never used
     vk = tl.load(ws_key_ptr + i_f * NB + o_g, mask=o_g < NB, other=0)
     owner = tl.load(owner_ptr + tok, mask=valid, other=-1)
-    if valid & (owner == claim):
+    if RANK_ALL:
+        ranks = valid
+    else:
+        ranks = valid & (owner == claim)
+    if ranks:
         p_x = x_ptr + i_b * stride_b + i_n * stride_n
         o_k = tl.arange(0, KB)
         o_e = tl.arange(0, MB)
@@ -473,8 +480,9 @@ def _block_top_kernel(
                 both = tl.join(top, tl.topk(_order_key(b_x, start + o_v, m_v, False), KB))
                 top = tl.topk(tl.reshape(both, [2 * KB]), KB)
             top_ids = tl.where(top != _K64MIN, _local_of(top, False), -1)
-        tl.store(table_ptr + tok * K + o_k, top_ids, mask=o_k < K)
-        tl.store(owner_ptr + tok, _I32MAX)
+        if owner == claim:
+            tl.store(table_ptr + tok * K + o_k, top_ids, mask=o_k < K)
+            tl.store(owner_ptr + tok, _I32MAX)
 
 
 # --------------------------------------------------------------------------------- launcher
@@ -492,6 +500,7 @@ UPDATE_TUNING = {
     "merge": "bitonic",
     "block_max": None,
     "rank32": True,
+    "rank_all": None,
 }
 """The update's configuration on the GPU. Stage 1: logits per block (None: the rule of
 ``update_tiling``), programs per SM that the splits of V aim for, warps per program, and the
@@ -507,6 +516,9 @@ keys are exact in 16 bits), int64 ones otherwise; on an H100 (session 39,
 bench/results/h100/graft_update_rank32_s39.json) int32 keys took 4-16 % off every row: B 1 / 8 /
 64 at V 32,000 9.1 / 22.3 / 143 -> 8.6 / 20.5 / 129.5 µs, at V 128,256 15.2 / 64.6 / 450-491 ->
 13.4 / 59.9 / 414.
+``rank_all``: stage 2 of the block maxima ranks every valid node's row, not only the winner's,
+so that no ranking waits for the owner's load (None: where the nodes are at most the SMs,
+``_rank_all``).
 ``bench/bench_graft.py --sweep-update`` varies it; the splits and the method are part of
 ``update_workspace_key``, so a table's cached workspace follows it. H200, µs
 (bench/results/h200/graft_update_block_max.json, session 33), B 1 / 8 / 64, lists -> m 64 -> m 128:
@@ -572,6 +584,15 @@ def update_splits(n_flat: int, V: int, device: torch.device, block_v: int | None
     return cdiv(V, _chunk(V, S, block_v))
 
 
+def _rank_all(n_flat: int, device: torch.device) -> bool:
+    """Whether stage 2 of the block maxima ranks every valid node (``UPDATE_TUNING["rank_all"]``,
+    None: where each node's program has an SM to itself, so a loser's ranking delays no one)."""
+    rank_all = UPDATE_TUNING.get("rank_all")
+    if rank_all is None:
+        return device.type == "cuda" and n_flat <= _runtime.sm_count(device)
+    return bool(rank_all)
+
+
 def _update_block_max(V: int, block_v: int) -> int:
     """Logits per block of the block-maxima method for a vocabulary of V (``UPDATE_TUNING
     ["block_max"]``, or by default 64 up to ``BLOCK_MAX_SMALL_V`` and 128 above; at most a
@@ -625,7 +646,8 @@ def _update_by_block_maxima(
     direct(_block_top_kernel).launch(
         (n_flat,), logits, *common, table, ws_key, N, V, n_flat, logits.stride(0),
         logits.stride(1), K=K, KB=KB, NBP=max(pow2(cdiv(V, mb)), KB), MB=mb,
-        LAST_WINS=last_wins, KEY32=key32, PDL=pdl, num_warps=4, launch_pdl=pdl > 0,
+        LAST_WINS=last_wins, KEY32=key32, RANK_ALL=_rank_all(n_flat, logits.device), PDL=pdl,
+        num_warps=4, launch_pdl=pdl > 0,
     )  # fmt: skip
 
 

@@ -777,14 +777,16 @@ _SPECIALS = [0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, float("inf"), float("-inf"), f
     st.sampled_from(["passes", "bitonic"]),
     st.sampled_from([0, 0, 1, 4, 16]),
     st.booleans(),
+    st.booleans(),
 )
 def test_update_kernel_splits_and_special_values(
-    seed, dtype, splits, block_v, V, k, kind, group, merge, block_max, rank32
+    seed, dtype, splits, block_v, V, k, kind, group, merge, block_max, rank32, rank_all
 ):
     """Any split/block (V rarely their multiple; k >= V), ties, ±0, ±inf, NaN, rows of -inf and
     NaN with a few values ("masked": fewer than k blocks may hold a value above -inf, where the
     block-maxima method ranks the whole row), every top-k method (block_max > 0: block maxima,
-    ranked on int64 keys or, ``rank32`` with bf16 logits, int32 ones; group and merge unused;
+    ranked on int64 keys or, ``rank32`` with bf16 logits, int32 ones, by the winner alone or,
+    ``rank_all``, by every node of a shared token (4 distinct tokens); group and merge unused;
     else group 0: the running list, or group maxima where a block holds KB groups) and either
     merge of the splits' lists: the reference's."""
     rng = random.Random(seed)
@@ -808,7 +810,13 @@ def test_update_kernel_splits_and_special_values(
         patch.object(kern_update, "update_tiling", lambda n, v, d: (block_v, 1)),
         patch.dict(
             kern_update.UPDATE_TUNING,
-            {"group": group, "merge": merge, "block_max": block_max, "rank32": rank32},
+            {
+                "group": group,
+                "merge": merge,
+                "block_max": block_max,
+                "rank32": rank32,
+                "rank_all": rank_all,
+            },  # fmt: skip
         ),
     ):
         for num, last in ((tree.num_nodes, False), (lengths, True)):
@@ -963,6 +971,20 @@ def test_update_tiling_takes_two_warp_blocks_where_each_program_streams_one(
     for name, value in tuning.items():
         monkeypatch.setitem(kern_update.UPDATE_TUNING, name, value)
     assert kern_update.update_tiling(n_flat, V, torch.device("cuda")) == want
+
+
+@pytest.mark.parametrize(
+    "n_flat, rank_all, want",
+    [(64, None, True), (132, None, True), (133, None, False), (4096, None, False),
+     (4096, True, True), (64, False, False)],
+)  # fmt: skip
+def test_update_ranks_every_node_where_each_has_an_sm(monkeypatch, n_flat, rank_all, want):
+    """Stage 2 of the block maxima ranks every valid node's row (not only the winner's) exactly
+    where the launch's programs are at most the SMs (132 here), unless configured."""
+    monkeypatch.setattr(kern_update._runtime, "sm_count", lambda device: 132)
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "rank_all", rank_all)
+    assert kern_update._rank_all(n_flat, torch.device("cuda")) is want
+    assert kern_update._rank_all(n_flat, torch.device("cpu")) is (rank_all is True)
 
 
 @pytest.mark.parametrize("block_max", [0, 16])

@@ -154,16 +154,23 @@ def test_graft_is_graph_capturable():
     ],
 )
 @pytest.mark.parametrize(
-    "group,merge,block_max,rank32",
-    [(0, "passes", 0, False), (0, "bitonic", 0, False), (16, "passes", 0, False),
-     (64, "bitonic", 0, False), (0, "bitonic", 64, False), (0, "bitonic", 128, False),
-     (0, "bitonic", 512, False), (0, "bitonic", 64, True), (0, "bitonic", 128, True)],
+    "group,merge,block_max,rank32,rank_all",
+    [(0, "passes", 0, False, None), (0, "bitonic", 0, False, None), (16, "passes", 0, False, None),
+     (64, "bitonic", 0, False, None), (0, "bitonic", 64, False, None),
+     (0, "bitonic", 128, False, None), (0, "bitonic", 512, False, None),
+     (0, "bitonic", 64, True, None), (0, "bitonic", 128, True, None),
+     (0, "bitonic", 128, True, True), (0, "bitonic", 64, False, True),
+     (0, "bitonic", 128, True, False)],
 )  # fmt: skip
-def test_update_matches_reference(B, N, V, dtype, group, merge, block_max, rank32, monkeypatch):
+def test_update_matches_reference(
+    B, N, V, dtype, group, merge, block_max, rank32, rank_all, monkeypatch
+):
     """Every top-k method of the update's stage 1 (group 0: the running list; else group
     maxima of that many logits; block_max > 0: block maxima, whose stage 2 rereads each node's
-    k best blocks, ranking int32 keys with ``rank32`` where the logits are bf16) and both merges
-    of the lists' write stage, with many ties, duplicate tokens, top-k ids, warm start."""
+    k best blocks, ranking int32 keys with ``rank32`` where the logits are bf16, by the winner
+    of a token alone or, ``rank_all``, by each of its nodes; None: the launcher's rule) and both
+    merges of the lists' write stage, with many ties, duplicate tokens, top-k ids, warm start."""
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "rank_all", rank_all)
     monkeypatch.setitem(kern_update.UPDATE_TUNING, "rank32", rank32)
     monkeypatch.setitem(kern_update.UPDATE_TUNING, "group", group)
     monkeypatch.setitem(kern_update.UPDATE_TUNING, "merge", merge)
