@@ -167,10 +167,6 @@ def _expand_kernel(
     # ---- 1. the row's softmax and top-K: streamed here, or merged from _stream_kernel's parts
     b_fs = tl.load(p_fscore + i_b64 * W + i_r)
     b_act = tl.load(p_active + i_b64) != 0
-    # the row's frontier candidate (its candidates' parent) with the row's state, not after the
-    # top-K: the candidates' stores wait for it, and a load after the top-K's barriers and
-    # stores is one L2 round trip more on the row's path
-    b_par = tl.load(p_fcand + i_b64 * W + i_r)
     row_ok = (b_fs >= 0) & b_act
     p_row = p_logits + i_b64 * s_lb + i_r.to(tl.int64) * s_lw
     if SPLIT > 1:
@@ -193,6 +189,7 @@ def _expand_kernel(
     m_fin = tl.where(m_run == -float("inf"), 0.0, m_run)
     b_p = tl.exp(b_logit - m_fin) / s_run
     b_score = b_fs * b_p
+    b_par = tl.load(p_fcand + i_b64 * W + i_r)
     o_slot = i_b64 * (D * C) + layer * C + i_r * K
     m_k = o_k < K
     o_dst = o_slot + tl.where(row_ok, b_rank, o_k)
