@@ -501,6 +501,7 @@ UPDATE_TUNING = {
     "block_max": None,
     "rank32": True,
     "rank_all": None,
+    "rank_warps": 4,
 }
 """The update's configuration on the GPU. Stage 1: logits per block (None: the rule of
 ``update_tiling``), programs per SM that the splits of V aim for, warps per program, and the
@@ -518,7 +519,9 @@ bench/results/h100/graft_update_rank32_s39.json) int32 keys took 4-16 % off ever
 13.4 / 59.9 / 414.
 ``rank_all``: stage 2 of the block maxima ranks every valid node's row, not only the winner's,
 so that no ranking waits for the owner's load (None: where the nodes are at most the SMs,
-``_rank_all``).
+``_rank_all``; on an H100, session 45, B 1 V 128,256 13.26 -> 13.0 us, 1-2 % at B 1 and 2).
+``rank_warps``: the warps of a stage-2 program of the block maxima (its two bitonic rankings of
+about 1,024 keys each).
 ``bench/bench_graft.py --sweep-update`` varies it; the splits and the method are part of
 ``update_workspace_key``, so a table's cached workspace follows it. H200, µs
 (bench/results/h200/graft_update_block_max.json, session 33), B 1 / 8 / 64, lists -> m 64 -> m 128:
@@ -647,7 +650,7 @@ def _update_by_block_maxima(
         (n_flat,), logits, *common, table, ws_key, N, V, n_flat, logits.stride(0),
         logits.stride(1), K=K, KB=KB, NBP=max(pow2(cdiv(V, mb)), KB), MB=mb,
         LAST_WINS=last_wins, KEY32=key32, RANK_ALL=_rank_all(n_flat, logits.device), PDL=pdl,
-        num_warps=4, launch_pdl=pdl > 0,
+        num_warps=UPDATE_TUNING.get("rank_warps", 4), launch_pdl=pdl > 0,
     )  # fmt: skip
 
 
