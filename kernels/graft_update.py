@@ -628,8 +628,8 @@ def _update_by_block_maxima(
     table, owner, ws_key, tokens, num_nodes, logits, S, chunk, mb, last_wins, block_v, warps
 ) -> None:  # fmt: skip
     """The update's block-maxima method (``graft_update._block_max_kernel`` then
-    ``_block_top_kernel``): stage 1 keeps a max per ``mb`` logits, stage 2 rereads each winning
-    node's K best blocks."""
+    ``_block_top_kernel``): stage 1 keeps a max per ``mb`` logits, stage 2 rereads the K best
+    blocks of each winning node (of every valid node where ``_rank_all``; only winners store)."""
     V, K = table.shape
     B, N = tokens.shape
     n_flat = B * N
