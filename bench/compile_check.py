@@ -127,6 +127,7 @@ def _install() -> None:
         (build_tree_tiling, "_default_split", 3),  # (rows, V, block_v, device)
         (graft_update, "_splits", 3),  # (n_flat, V, block_v, device)
         (graft_update, "_rank_all", 1),  # (n_flat, device)
+        (graft_update, "_rank_warps", 1),  # (n_flat, device)
     ):
         orig = getattr(mod, fn)
         setattr(mod, fn, lambda *a, _f=orig, _i=at: _f(*a[:_i], gpu, *a[_i + 1 :]))

@@ -501,7 +501,7 @@ UPDATE_TUNING = {
     "block_max": None,
     "rank32": True,
     "rank_all": None,
-    "rank_warps": 4,
+    "rank_warps": None,
 }
 """The update's configuration on the GPU. Stage 1: logits per block (None: the rule of
 ``update_tiling``), programs per SM that the splits of V aim for, warps per program, and the
@@ -521,7 +521,10 @@ bench/results/h100/graft_update_rank32_s39.json) int32 keys took 4-16 % off ever
 so that no ranking waits for the owner's load (None: where the nodes are at most the SMs,
 ``_rank_all``; on an H100, session 45, B 1 V 128,256 13.26 -> 13.0 us, 1-2 % at B 1 and 2).
 ``rank_warps``: the warps of a stage-2 program of the block maxima (its two bitonic rankings of
-about 1,024 keys each).
+about 1,024 keys each; None: ``_rank_warps``, 4 where each node's program has an SM, else 2; on
+an H100, session 46, bench/results/h100/graft_update_rank_warps_s46.json, 4 -> 2 warps: B 8 / 64
+at V 32,000 20.1 / 128.7 -> 19.1 / 122.2 µs, at V 128,256 58.8 / 410-447 -> 58.8 / 413.7; B 1
+13.0 -> 15.3 at V 128,256 and 7.7 -> 8.0 at V 32,000; 8 warps slower at every B).
 ``bench/bench_graft.py --sweep-update`` varies it; the splits and the method are part of
 ``update_workspace_key``, so a table's cached workspace follows it. H200, µs
 (bench/results/h200/graft_update_block_max.json, session 33), B 1 / 8 / 64, lists -> m 64 -> m 128:
@@ -596,6 +599,17 @@ def _rank_all(n_flat: int, device: torch.device) -> bool:
     return bool(rank_all)
 
 
+def _rank_warps(n_flat: int, device: torch.device) -> int:
+    """Warps of a stage-2 program of the block maxima (``UPDATE_TUNING["rank_warps"]``, None: 4
+    where each node's program has an SM to itself, so its two rankings are the launch's latency;
+    else 2, where programs queue for the SMs and fewer warps a ranking keep more of them
+    resident)."""
+    warps = UPDATE_TUNING.get("rank_warps")
+    if warps is None:
+        return 4 if device.type != "cuda" or n_flat <= _runtime.sm_count(device) else 2
+    return int(warps)
+
+
 def _update_block_max(V: int, block_v: int) -> int:
     """Logits per block of the block-maxima method for a vocabulary of V (``UPDATE_TUNING
     ["block_max"]``, or by default 64 up to ``BLOCK_MAX_SMALL_V`` and 128 above; at most a
@@ -650,7 +664,7 @@ def _update_by_block_maxima(
         (n_flat,), logits, *common, table, ws_key, N, V, n_flat, logits.stride(0),
         logits.stride(1), K=K, KB=KB, NBP=max(pow2(cdiv(V, mb)), KB), MB=mb,
         LAST_WINS=last_wins, KEY32=key32, RANK_ALL=_rank_all(n_flat, logits.device), PDL=pdl,
-        num_warps=UPDATE_TUNING.get("rank_warps", 4), launch_pdl=pdl > 0,
+        num_warps=_rank_warps(n_flat, logits.device), launch_pdl=pdl > 0,
     )  # fmt: skip
 
 

@@ -987,6 +987,21 @@ def test_update_ranks_every_node_where_each_has_an_sm(monkeypatch, n_flat, rank_
     assert kern_update._rank_all(n_flat, torch.device("cpu")) is (rank_all is True)
 
 
+@pytest.mark.parametrize(
+    "n_flat, rank_warps, want",
+    [(64, None, 4), (132, None, 4), (133, None, 2), (4096, None, 2), (4096, 8, 8), (64, 2, 2)],
+)  # fmt: skip
+def test_update_ranks_with_two_warps_where_nodes_outnumber_the_sms(
+    monkeypatch, n_flat, rank_warps, want
+):
+    """Stage 2's programs take 4 warps where each has an SM (132 here) and 2 where they queue
+    for them, unless configured."""
+    monkeypatch.setattr(kern_update._runtime, "sm_count", lambda device: 132)
+    monkeypatch.setitem(kern_update.UPDATE_TUNING, "rank_warps", rank_warps)
+    assert kern_update._rank_warps(n_flat, torch.device("cuda")) == want
+    assert kern_update._rank_warps(n_flat, torch.device("cpu")) == (rank_warps or 4)
+
+
 @pytest.mark.parametrize("block_max", [0, 16])
 def test_update_op_workspace_key_is_the_launchers(block_max, monkeypatch):
     """The launcher caches its workspace under ``update_workspace_key`` (which the public
