@@ -27,7 +27,7 @@ streams the row itself:
   in a CUDA graph. Every writer releases at GPU scope before a barrier and the arrival atomic;
   readers of other programs' data load with ``.cg`` (L2, not a stale L1).
 
-``emit`` — two launches, one program per request each:
+``emit`` — one program per request; under CAST two launches:
   1. top ``N - 1`` of the step's candidates by packed key (score bits << 32 | (2^31 - 1 - index)),
      a bitonic ``tl.topk``; writes the selection, each selected candidate's node position, and
      the prefix sums CAST's rerank needs;
@@ -35,6 +35,8 @@ streams the row itself:
      [B, N] prefix sums — a few KB, cheaper than a third launch — k capped at 1 + the most
      selected candidates of an active request), then emits its request's tree:
      tokens, parents, depth, ``anc`` (walking candidate parents, at most D steps), links.
+  EAGLE's count is N, which no request's selection changes, so its emit is launch 2 alone, each
+  program ranking its own request's candidates first (``SELECT``).
 """
 
 from __future__ import annotations
@@ -384,12 +386,15 @@ def _emit_kernel(
     LOG_D: tl.constexpr,
     DOT_T: tl.constexpr,
     CAST: tl.constexpr,
+    SELECT: tl.constexpr,  # rank the request's candidates here (TP: their padded count + 1)
+    TP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     i_b = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, NP)
     m_n = o_n < N
+    base = i_b * (D * C)
     if CAST:
         o_b = tl.arange(0, BP)
         m_b = o_b < B
@@ -421,21 +426,37 @@ def _emit_kernel(
         tl.store(p_dec + 2 * D, n)
 
     act = tl.load(p_active + i_b) != 0
-    b_sel = tl.load(
-        p_sel + i_b * N + o_n - 1, mask=(o_n >= 1) & m_n, other=-1
-    )  # node j <- sel[j-1]
+    if SELECT:
+        # the select launch's ranking, with the root as a key above every candidate's (slot
+        # TP - 1, past the candidates), so that node j is the j-th key
+        o_t = tl.arange(0, TP)
+        b_s = tl.load(p_cscore + base + o_t, mask=o_t < n_layers * C, other=-1.0)
+        b_key = tl.where(
+            b_s >= 0,
+            (b_s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - o_t).to(tl.int64),
+            -9223372036854775807 - 1,
+        )
+        b_top = tl.topk(tl.where(o_t == TP - 1, 9223372036854775807, b_key), NP)
+        c_idx = (0x7FFFFFFF - (b_top & 0xFFFFFFFF)).to(tl.int32)
+        b_sel = tl.where((b_top >= 0) & (o_n >= 1) & m_n, c_idx, -1)
+        # each selected candidate's node, for its children's parents below
+        tl.store(p_pos + base + b_sel, o_n, mask=b_sel >= 0)
+        tl.debug_barrier()
+    else:
+        b_sel = tl.load(
+            p_sel + i_b * N + o_n - 1, mask=(o_n >= 1) & m_n, other=-1
+        )  # node j <- sel[j-1]
     have = tl.sum(((b_sel >= 0) & (o_n >= 1) & m_n).to(tl.int32))
     m = tl.where(act, tl.minimum(n, 1 + have), 0)
     live = o_n < m
     cand = live & (o_n >= 1)
-    base = i_b * (D * C)
     b_tok = tl.load(p_ctok + base + b_sel, mask=cand, other=0)
     b_tok = tl.where(live & (o_n == 0), tl.load(p_root + i_b), b_tok)
     b_sc = tl.load(p_cscore + base + b_sel, mask=cand, other=0.0)
     b_sc = tl.where(live & (o_n == 0), 1.0, b_sc)
     b_pc = tl.load(p_cpar + base + b_sel, mask=cand, other=-1)
-    b_par = tl.where(b_pc >= 0, tl.load(p_pos + base + b_pc, mask=cand & (b_pc >= 0), other=0), 0)
-    b_par = tl.where(cand, b_par, -1)  # [NP]
+    b_pos = tl.load(p_pos + base + b_pc, mask=cand & (b_pc >= 0), other=0, cache_modifier=".cg")
+    b_par = tl.where(cand, tl.where(b_pc >= 0, b_pos, 0), -1)  # [NP]
 
     # links (before the ancestor matrix, so their [NP, NP] tiles are dead by then): first child
     # = smallest child index; next sibling = next larger index, same parent
@@ -736,23 +757,28 @@ def emit(
     # (bench/compile_check.py reports them)
     warps = 1 if interpreted() else (4 if NP <= 64 else 8)
     pdl = use_pdl(dev, PDL_LATE.value)
-    direct(_select_kernel).launch(
-        (B,),
-        cand_scores,
-        ws["sel"],
-        ws["pos"],
-        ws["cum"],
-        layer,
-        D=D,
-        C=C,
-        N=N,
-        CUMW=ws["cum"].shape[1],
-        TP=TP,
-        NP=NP,
-        PDL=pdl,
-        num_warps=warps,
-        launch_pdl=pdl > 0,
-    )
+    # EAGLE's verify count is N: no request's tree waits for the others' selections, so each
+    # emit program ranks its own candidates (one launch); CAST's count reads every request's
+    # prefix sums, which the select launch writes first
+    select = cast is None
+    if not select:
+        direct(_select_kernel).launch(
+            (B,),
+            cand_scores,
+            ws["sel"],
+            ws["pos"],
+            ws["cum"],
+            layer,
+            D=D,
+            C=C,
+            N=N,
+            CUMW=ws["cum"].shape[1],
+            TP=TP,
+            NP=NP,
+            PDL=pdl,
+            num_warps=warps,
+            launch_pdl=pdl > 0,
+        )
     direct(_emit_kernel).launch(
         (B,),
         cand_tokens,
@@ -789,7 +815,9 @@ def emit(
         BP=pow2(B),
         LOG_D=max(0, (D - 1).bit_length()),
         DOT_T=tl.float32 if interpreted() else tl.float16,
-        CAST=cast is not None,
+        CAST=not select,
+        SELECT=select,
+        TP=max(pow2(D * C + 1), NP) if select else 1,
         PDL=pdl,
         num_warps=warps,
         launch_pdl=pdl > 0,
