@@ -157,17 +157,19 @@ def test_replay_launches_what_the_op_launches(stand_in):
     assert len(cases) == 2 * (3 + 4), cases
     for name in cases:
         r = res[name]
+        # EAGLE's emit ranks in its one launch; CAST's selects first (its count reads all requests)
+        emit_launches = 1 if name.startswith("eagle") else 2
         assert r["replayed"] == 1 and r["same"] and r["meta"], (name, r)
         if "_expand_" in name:
             assert r["launches"] == 1 and r["returned_none"], (name, r)
             assert (r["fresh_results"], r["fresh_bytes"]) == (0, 0), (name, r)
             assert r["layer_after"] == int(name.rsplit("_", 1)[1]) + 1, (name, r)
         elif "_emit_out_" in name:
-            assert r["launches"] == 2 and r["returned_inputs"] == [True] * 8, (name, r)
+            assert r["launches"] == emit_launches and r["returned_inputs"] == [True] * 8, (name, r)
             assert r["out_back"], (name, r)  # the given Tree object itself, replayed or not
             assert (r["fresh_results"], r["fresh_bytes"]) == (0, 0), (name, r)
         else:
-            assert r["launches"] == 2 and r["returned_inputs"] == [False] * 8, (name, r)
+            assert r["launches"] == emit_launches and r["returned_inputs"] == [False] * 8, (name, r)
             assert (r["fresh_results"], r["fresh_bytes"]) == (8, 0), (name, r)
 
 
