@@ -10,7 +10,7 @@ reranks the candidates into a ``Tree``::
         treeops.build_tree_expand(logits, state, policy)                # one launch
         if not state.wants_next_layer():                                # one event wait
             break
-    tree = treeops.build_tree_emit(state, policy)                       # two launches
+    tree = treeops.build_tree_emit(state, policy)                       # one launch (CAST: two)
 
 or, with a callable for the draft forward, ``tree = treeops.build_tree(policy, draft_fn,
 root_tokens, seq_lens)``. Expand and emit are the custom ops ``torch.ops.treeops.build_tree_expand``
