@@ -411,8 +411,9 @@ def test_captured_step_matches_eager(B):
 @pytest.mark.parametrize("B", [1, 64])
 def test_pdl_launches_match_plain(B, mode, monkeypatch):
     """Programmatic dependent launch (kernels/_pdl.py, ``TREEOPS_PDL=1`` or ``early``): a whole
-    step (reset, every layer's two launches, the emit's one or two) chained on one stream, eagerly and as
-    a CUDA graph replayed with new logits, gives bitwise the state and tree of plain launches
+    step (reset, every layer's two launches, the emit's one or two) chained on one stream,
+    eagerly and as a CUDA graph replayed with new logits, gives bitwise the state and tree of plain
+    launches
     (every PDL kernel waits for the one before it before it touches memory), the next kernel
     released after each kernel's main work or at its start."""
     from treeops.kernels import _pdl
