@@ -439,9 +439,6 @@ def _emit_kernel(
         b_top = tl.topk(tl.where(o_t == TP - 1, 9223372036854775807, b_key), NP)
         c_idx = (0x7FFFFFFF - (b_top & 0xFFFFFFFF)).to(tl.int32)
         b_sel = tl.where((b_top >= 0) & (o_n >= 1) & m_n, c_idx, -1)
-        # each selected candidate's node, for its children's parents below
-        tl.store(p_pos + base + b_sel, o_n, mask=b_sel >= 0)
-        tl.debug_barrier()
     else:
         b_sel = tl.load(
             p_sel + i_b * N + o_n - 1, mask=(o_n >= 1) & m_n, other=-1
@@ -455,8 +452,17 @@ def _emit_kernel(
     b_sc = tl.load(p_cscore + base + b_sel, mask=cand, other=0.0)
     b_sc = tl.where(live & (o_n == 0), 1.0, b_sc)
     b_pc = tl.load(p_cpar + base + b_sel, mask=cand, other=-1)
-    b_pos = tl.load(p_pos + base + b_pc, mask=cand & (b_pc >= 0), other=0, cache_modifier=".cg")
-    b_par = tl.where(cand, tl.where(b_pc >= 0, b_pos, 0), -1)  # [NP]
+    if SELECT:
+        # a selected candidate's parent is selected too, ranked above it (its path score is at
+        # least the child's and its index lower): the node whose candidate it is, found by
+        # compares (the positions through memory: an L2 round trip, 1 us more on an H100)
+        hit = (b_pc[:, None] == b_sel[None, :]) & (b_sel[None, :] >= 0)  # [NP(child), NP]
+        b_par = tl.max(tl.where(hit, o_n[None, :], 0), axis=1)
+    else:
+        b_par = tl.where(
+            b_pc >= 0, tl.load(p_pos + base + b_pc, mask=cand & (b_pc >= 0), other=0), 0
+        )
+    b_par = tl.where(cand, b_par, -1)  # [NP]
 
     # links (before the ancestor matrix, so their [NP, NP] tiles are dead by then): first child
     # = smallest child index; next sibling = next larger index, same parent
