@@ -758,15 +758,15 @@ def emit(
     ws = workspace
     costs = cast if cast is not None else _no_cast(decisions)
     NP = max(pow2(N), 32)  # >= 32: whole anc words, and tl.dot's minimum
-    TP = max(pow2(D * C), NP)
-    # [NP, NP] tiles: past 64 nodes 8 warps keep the per-thread registers in bounds
-    # (bench/compile_check.py reports them)
-    warps = 1 if interpreted() else (4 if NP <= 64 else 8)
-    pdl = use_pdl(dev, PDL_LATE.value)
     # EAGLE's verify count is N: no request's tree waits for the others' selections, so each
     # emit program ranks its own candidates (one launch); CAST's count reads every request's
     # prefix sums, which the select launch writes first
     select = cast is None
+    TP = max(pow2(D * C + select), NP)  # the ranked keys: the candidates (and the root's, EAGLE)
+    # [NP, NP] tiles: past 64 nodes 8 warps keep the per-thread registers in bounds
+    # (bench/compile_check.py reports them)
+    warps = 1 if interpreted() else (4 if NP <= 64 else 8)
+    pdl = use_pdl(dev, PDL_LATE.value)
     if not select:
         direct(_select_kernel).launch(
             (B,),
@@ -823,7 +823,7 @@ def emit(
         DOT_T=tl.float32 if interpreted() else tl.float16,
         CAST=not select,
         SELECT=select,
-        TP=max(pow2(D * C + 1), NP) if select else 1,
+        TP=TP,
         PDL=pdl,
         num_warps=warps,
         launch_pdl=pdl > 0,
