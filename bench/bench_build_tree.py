@@ -10,6 +10,9 @@ Rows (docs/design.md op 3), W = top-k = 10, depth 8, bf16 draft logits:
   ``rerank_build``  rerank the 8 layers' candidates and emit the Tree, B x N (x policy);
   ``step``          a whole decoding step of bookkeeping: reset, 8 expand steps, rerank + emit
                     (EAGLE static depth), B x V x N.
+Sweeps (``--ops``, times only): ``sweep`` the expand launch's tilings and top-K methods at layer
+1, ``sweep_topk`` the ``tl.topk`` options alone, ``sweep_root`` layer 0's tilings over the root's
+row ([B, 1, V]) per B; ``--tunes`` adds launcher tunings to each.
 For each row, on the same inputs in one process: ``treeops_us`` (the public ops'
 launches replayed in a CUDA graph, ``harness.graph_us``), ``treeops_eager_us`` (one eager call,
 host included), ``torch_us`` (the same step written in PyTorch without host syncs, replayed in a
@@ -427,6 +430,49 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False, extra=()):
     return row
 
 
+def row_sweep_root(B, V, table, dev, empty_us, extra=()):
+    """Layer 0 from the root's row alone ([B, 1, V], as a step's first expand reads it) under
+    tilings of its B-row launch: the default, the programs per row (``split``: 1 streams each
+    row in its own program) at 512- and 1,024-token tiles, the tokens per recorded maximum, and
+    ``extra`` launcher tunings. Times only (the layer and step rows check the defaults)."""
+    from treeops.build_tree import _launch_expand  # the CUDA branch with the launcher's tuning
+
+    pol = make_policy("eagle", 64, table)
+    bufs = [x[:, :1] for x in logits_buffers(B, V, dev)]
+    st, roots, seq = fresh_state(pol, B, V, dev)
+    st.reset(roots, seq)
+    row = dict(
+        op="root_sweep",
+        policy="eagle",
+        B=B,
+        N=None,
+        V=V,
+        floor_us=round(H.floor_us(B * V * 2, empty_us=empty_us), 2),
+        configs={},
+    )
+    tunes = {"default": {}}
+    for bv, sp in itertools.product((512, 1024), (1, 2, 4, 8, 16, 32, 64)):
+        nw = 4 if sp == 1 else (1 if bv == 512 else 2)  # split 1: the per-row program streams
+        tunes[f"block_v={bv},warps={nw},split={sp}"] = dict(block_v=bv, num_warps=nw, split=sp)
+    for mb in (64, 128, 256):
+        tunes[f"max_block={mb}"] = dict(max_block=mb)
+    for tune in extra:
+        tunes[",".join(f"{k}={v}" for k, v in tune.items())] = dict(tune)
+    for name, tune in tunes.items():
+        try:
+            st.layer = 0
+            _launch_expand(bufs[0], st, pol, **tune)
+            t = time_graph([lambda x=x, t=tune: _launch_expand(x, st, pol, **t) for x in bufs], dev)
+            row["configs"][name] = round(t, 2)
+        except Exception as e:  # noqa: BLE001
+            row["configs"][name] = f"{type(e).__name__}: {e}"[:200]
+    ok = {k: v for k, v in row["configs"].items() if isinstance(v, float)}
+    if ok:
+        best = min(ok, key=ok.get)
+        row["best"], row["treeops_us"] = best, ok[best]
+    return row
+
+
 def prepared(kind, B, N, V, table, dev):
     """A state after DEPTH expand steps (treeops and PyTorch fed the same logits)."""
     pol = make_policy(kind, N, table)
@@ -574,8 +620,8 @@ def main(argv=None):
     ap.add_argument(
         "--ops",
         default="layer,rerank_build,step",
-        help="comma-separated; add 'sweep' for the expand kernel's tile sweep, or 'sweep_topk'"
-        " for its top-K methods alone",
+        help="comma-separated; add 'sweep' for the expand kernel's tile sweep, 'sweep_topk'"
+        " for its top-K methods alone, or 'sweep_root' for layer 0's tilings (the root's row)",
     )
     ap.add_argument("--table", default=None, help="a CostTable JSON for the CAST rows")
     ap.add_argument(
@@ -671,6 +717,9 @@ def main(argv=None):
             for V in Vs:
                 for N in Ns:
                     run(row_step, B, N, V, table, dev, empty_us, args.quick, N == Ns[0])
+    if "sweep_root" in ops:  # a compile per configuration
+        for B in Bs:
+            run(row_sweep_root, B, Vs[0], table, dev, empty_us, extra)
     if "sweep" in ops or "sweep_topk" in ops:  # last: a compile per configuration
         for B, V in dict.fromkeys(
             ((Bs[-1], Vs[0]), (Bs[0], Vs[-1]), (Bs[0], Vs[0]), (Bs[-1], Vs[-1]))
@@ -705,9 +754,9 @@ def print_table(rows, empty_us):
         if "error" in r:
             print(f"{r['op']} {r.get('args')}: ERROR {r['error']}")
             continue
-        if r["op"] == "layer_sweep":
+        if r["op"] in ("layer_sweep", "root_sweep"):
             print(
-                f"layer sweep B={r['B']} V={r['V']} floor {r['floor_us']}: best {r.get('best')} "
+                f"{r['op']} B={r['B']} V={r['V']} floor {r['floor_us']}: best {r.get('best')} "
                 f"{r.get('treeops_us')} us; {r['configs']}"
             )
             continue
