@@ -362,6 +362,28 @@ def row_layer(kind, B, V, table, dev, empty_us, quick, time_treeops=None):
     return row
 
 
+def time_tunes(row, tunes, extra, bufs, st, pol, dev):
+    """Each of ``tunes`` ({name: launcher tuning}) and ``extra`` (tunings named by their items)
+    of the expand launch at the state's layer, replayed over ``bufs``, into ``row["configs"]``
+    (µs, or the error a tuning raised); the fastest into ``row["best"]`` and ``treeops_us``."""
+    from treeops.build_tree import _launch_expand  # the CUDA branch with the launcher's tuning
+
+    for tune in extra:
+        tunes[",".join(f"{k}={v}" for k, v in tune.items())] = dict(tune)
+    for name, tune in tunes.items():
+        try:
+            _launch_expand(bufs[0], st, pol, **tune)
+            t = time_graph([lambda x=x, t=tune: _launch_expand(x, st, pol, **t) for x in bufs], dev)
+            row["configs"][name] = round(t, 2)
+        except Exception as e:  # noqa: BLE001
+            row["configs"][name] = f"{type(e).__name__}: {e}"[:200]
+    ok = {k: v for k, v in row["configs"].items() if isinstance(v, float)}
+    if ok:
+        best = min(ok, key=ok.get)
+        row["best"], row["treeops_us"] = best, ok[best]
+    return row
+
+
 def row_sweep(B, V, table, dev, empty_us, topk_only=False, extra=()):
     """The expand launch's tiling on one shape (the defaults are set from this): the vocabulary
     tile, the programs per row (``split``; None: the default rule, ``expand_tiling``) and the
@@ -369,8 +391,6 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False, extra=()):
     then, at the default tiling, the split top-K's method (``cand_cap``, ``cand_tiles``, or the
     tokens per recorded maximum: ``max_block``). ``topk_only``: the defaults against the
     ``tl.topk`` options alone; ``extra``: launcher tunings (dicts) timed besides."""
-    from treeops.build_tree import _launch_expand  # the CUDA branch with the launcher's tuning
-
     pol = make_policy("eagle", 64, table)
     bufs = logits_buffers(B, V, dev)
     st, _, _ = fresh_state(pol, B, V, dev)
@@ -414,20 +434,7 @@ def row_sweep(B, V, table, dev, empty_us, topk_only=False, extra=()):
         tunes[f"cand_ahead={ahead},cand_tiles={tiles or 'auto'}"] = dict(
             cand_ahead=ahead, cand_tiles=tiles
         )
-    for tune in extra:
-        tunes[",".join(f"{k}={v}" for k, v in tune.items())] = dict(tune)
-    for name, tune in tunes.items():
-        try:
-            _launch_expand(bufs[1], st, pol, **tune)
-            t = time_graph([lambda x=x, t=tune: _launch_expand(x, st, pol, **t) for x in bufs], dev)
-            row["configs"][name] = round(t, 2)
-        except Exception as e:  # noqa: BLE001
-            row["configs"][name] = f"{type(e).__name__}: {e}"[:200]
-    ok = {k: v for k, v in row["configs"].items() if isinstance(v, float)}
-    if ok:
-        best = min(ok, key=ok.get)
-        row["best"], row["treeops_us"] = best, ok[best]
-    return row
+    return time_tunes(row, tunes, extra, bufs, st, pol, dev)
 
 
 def row_sweep_root(B, V, table, dev, empty_us, extra=()):
@@ -435,8 +442,6 @@ def row_sweep_root(B, V, table, dev, empty_us, extra=()):
     tilings of its B-row launch: the default, the programs per row (``split``: 1 streams each
     row in its own program) at 512- and 1,024-token tiles, the tokens per recorded maximum, and
     ``extra`` launcher tunings. Times only (the layer and step rows check the defaults)."""
-    from treeops.build_tree import _launch_expand  # the CUDA branch with the launcher's tuning
-
     pol = make_policy("eagle", 64, table)
     bufs = [x[:, :1] for x in logits_buffers(B, V, dev)]
     st, roots, seq = fresh_state(pol, B, V, dev)
@@ -456,21 +461,8 @@ def row_sweep_root(B, V, table, dev, empty_us, extra=()):
         tunes[f"block_v={bv},warps={nw},split={sp}"] = dict(block_v=bv, num_warps=nw, split=sp)
     for mb in (64, 128, 256):
         tunes[f"max_block={mb}"] = dict(max_block=mb)
-    for tune in extra:
-        tunes[",".join(f"{k}={v}" for k, v in tune.items())] = dict(tune)
-    for name, tune in tunes.items():
-        try:
-            st.layer = 0
-            _launch_expand(bufs[0], st, pol, **tune)
-            t = time_graph([lambda x=x, t=tune: _launch_expand(x, st, pol, **t) for x in bufs], dev)
-            row["configs"][name] = round(t, 2)
-        except Exception as e:  # noqa: BLE001
-            row["configs"][name] = f"{type(e).__name__}: {e}"[:200]
-    ok = {k: v for k, v in row["configs"].items() if isinstance(v, float)}
-    if ok:
-        best = min(ok, key=ok.get)
-        row["best"], row["treeops_us"] = best, ok[best]
-    return row
+    st.layer = 0
+    return time_tunes(row, tunes, extra, bufs, st, pol, dev)
 
 
 def prepared(kind, B, N, V, table, dev):
