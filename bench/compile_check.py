@@ -703,9 +703,6 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     # the candidates' tile reads issued one at a time (the sweep's alternative to one ahead)
     for B, V in ((1, 32000), (64, 32000), (64, 128256)):
         out.append(build("eagle", B, V, 64, cand_ahead=False))
-    # the candidates' tiles ranked in registers (the sweep's alternative to the compaction)
-    for B, V in ((1, 32000), (64, 32000), (1, 128256), (64, 128256)):
-        out.append(build("eagle", B, V, 64, cand_topk=True))
     # two-warp streaming programs (each warp its own vectors: with per-vector statistics only the
     # chunk's last reduction crosses warps), fewer chunks a row so that one wave holds them
     for B, V, bv, split in ((64, 32000, 1024, 4), (64, 32000, 512, 5), (32, 32000, 1024, 8)):

@@ -154,7 +154,6 @@ def _expand_kernel(
     BLOCKS_TOPK: tl.constexpr,  # split > 1: the K best blocks by one tl.topk (else K reductions)
     RANK_TOPK: tl.constexpr,  # split > 1: the ranked candidates by one tl.topk (else compares)
     CAND_AHEAD: tl.constexpr,  # split > 1: each read of the candidates' tiles issued one ahead
-    CAND_TOPK: tl.constexpr,  # split > 1: the candidates' tiles ranked in registers (tl.topk)
     LANES: tl.constexpr,  # threads per program (one fence each)
     FENCE: tl.constexpr,  # GPU-scope fences before arrivals (off in the interpreter)
     CAST: tl.constexpr,  # CAST's width/depth decision; else EAGLE's fixed width
@@ -177,7 +176,7 @@ def _expand_kernel(
         p_part = p_part_t + i_row.to(tl.int64) * NT
         b_top = _top_of_tiles(
             p_row, p_part, V, row_ok, K, KP, MB, NT, NTP, GT, CAP, BLOCKS_TOPK, RANK_TOPK,
-            CAND_AHEAD, CAND_TOPK
+            CAND_AHEAD
         )  # fmt: skip
     else:
         m_run, s_run, b_top = _stream_row(p_row, 0, V, V, row_ok, K, KP, BLOCK_V)
@@ -555,7 +554,6 @@ def expand(
     rank_topk: bool = True,
     stream_ahead: int = 2,
     cand_ahead: bool = True,
-    cand_topk: bool = False,
     stream_lanes: bool | None = None,
     stream_early: bool | None = None,
 ) -> None:
@@ -592,10 +590,7 @@ def expand(
     program loads ahead of the one it reduces (2, the default, or 3: more bytes in flight per
     warp, where the one-warp programs' SM limit of 32 caps the warps; untimed). ``cand_ahead``
     (default on): the top-K's reads of ``cand_tiles`` blocks at a time each issued before the one
-    before is compacted (two in flight; 1.5-4.5 % faster on every swept row). ``cand_topk``
-    (default off): those blocks' tokens ranked in registers by ``tl.topk`` (a block's best then
-    the running best; ``_top_of_read_tiles``) instead of compacted through memory and ranked after
-    a second read; ``cand_cap`` then only chooses it over the merge (0). ``stream_lanes``: the
+    before is compacted (two in flight; 1.5-4.5 % faster on every swept row). ``stream_lanes``: the
     streaming programs keep the softmax's max and sum per 16-byte vector of logits and reduce
     them across the warp once per chunk, not per tile (``_stream_tiles_lanes``; two tiles ahead,
     ``stream_ahead`` ignored); by default (None) where blocks are ``STREAM_LANES_MIN_BLOCK``
@@ -724,7 +719,6 @@ def expand(
         BLOCKS_TOPK=split > 1 and blocks_topk and KP > 1 and pow2(n_blocks) >= KP,
         RANK_TOPK=split > 1 and rank_topk and KP > 1 and cand_cap >= KP,
         CAND_AHEAD=split > 1 and cand_ahead,
-        CAND_TOPK=split > 1 and cand_topk and KP > 1 and max_block >= KP,
         LANES=32 * warps,
         FENCE=not interpreted(),
         CAST=cast is not None,

@@ -328,32 +328,6 @@ def _read_tiles(p_row, b_v0, g, V, v_none, K: tl.constexpr, KP: tl.constexpr, GT
 
 
 @triton.jit
-def _top_of_read_tiles(p_row, b_v0, V, v_none, K: tl.constexpr, KP: tl.constexpr, GT: tl.constexpr,
-                       BLOCK_V: tl.constexpr, CAND_AHEAD: tl.constexpr):  # fmt: skip
-    """The best KP packed keys of the K tiles whose first tokens are ``b_v0`` (v_none: no tile),
-    read GT at a time (``CAND_AHEAD``: each read issued before the one before is ranked): a
-    tile's keys cut to its best KP by one bitonic ``tl.topk``, the GT tiles' and the running
-    best KP merged by another. A tile holds at most K of the row's top K, so its best KP hold
-    them. Tokens past V (and unread tiles) rank lowest."""
-    b_top = tl.full([KP], -9223372036854775807 - 1, tl.int64)
-    if CAND_AHEAD:
-        o_n, b_n = _read_tiles(p_row, b_v0, 0, V, v_none, K, KP, GT, BLOCK_V)
-    for g in range(0, K, GT):
-        if CAND_AHEAD:
-            o_v, b_raw = o_n, b_n
-            o_n, b_n = _read_tiles(p_row, b_v0, g + GT, V, v_none, K, KP, GT, BLOCK_V)
-        else:
-            o_v, b_raw = _read_tiles(p_row, b_v0, g, V, v_none, K, KP, GT, BLOCK_V)
-        b_x = b_raw.to(tl.float32) + 0.0  # -0.0 as 0.0, as _ordered needs
-        g_key = (_ordered(b_x).to(tl.int64) << 32) | (0x7FFFFFFF - o_v).to(tl.int64)
-        g_key = tl.where(o_v < V, g_key, -9223372036854775807 - 1)
-        g_top = tl.reshape(tl.topk(g_key, KP), [GT * KP])  # each tile's best KP
-        both = tl.reshape(tl.join(b_top, tl.topk(g_top, KP)), [2 * KP])
-        b_top = tl.topk(both, KP)
-    return b_top
-
-
-@triton.jit
 def _top_of_tiles(
     p_row,
     p_tmax,
@@ -369,7 +343,6 @@ def _top_of_tiles(
     BLOCKS_TOPK: tl.constexpr,
     RANK_TOPK: tl.constexpr,
     CAND_AHEAD: tl.constexpr,
-    CAND_TOPK: tl.constexpr,
 ):
     """The row's top-K packed keys, reading only the tiles that can hold them.
 
@@ -386,10 +359,8 @@ def _top_of_tiles(
     When they fit (at most ``min(CAP, NT)``; at least K qualify, the K tiles' maxima), their keys
     are ranked at once: a constant number of block-wide steps instead of a reduction per
     candidate. Otherwise (many equal logits), or always with ``CAP`` = 0,
-    ``_top_of_tiles_merged`` takes the row. ``CAND_TOPK`` ranks the K tiles' tokens in
-    registers instead: each read's keys cut to their best KP by one ``tl.topk`` per tile, merged
-    into the running best KP by another (no compaction, store or second read; any number of
-    equal logits). Either way the result is the exact top-K by packed key."""
+    ``_top_of_tiles_merged`` takes the row. Either way the result is the exact top-K by packed
+    key."""
     o_t = tl.arange(0, NTP)
     m_t = o_t < NT
     b_tm = tl.load(p_tmax + o_t, mask=m_t, other=0, cache_modifier=".cg")  # (unused if not row_ok)
@@ -421,77 +392,55 @@ def _top_of_tiles(
                 t_rest = tl.where(t_rest == t_kth, -9223372036854775807 - 1, t_rest)
                 v0 = (0x7FFFFFFF - (t_kth & 0xFFFFFFFF)).to(tl.int32) * BLOCK_V
                 b_v0 = tl.where((o_k == k) & (t_kth > -9223372036854775807 - 1), v0, b_v0)
-        if CAND_TOPK:
-            b_reg = _top_of_read_tiles(p_row, b_v0, V, v_none, K, KP, GT, BLOCK_V, CAND_AHEAD)
-            b_top = tl.where(o_k < K, b_reg, b_top)
-        else:
-            b_top = _top_of_tiles_compacted(
-                p_row, p_tmax, V, b_v0, v_none, t_key, t_kth, b_top, K, KP, BLOCK_V, NT, GT, CAP,
-                RANK_TOPK, CAND_AHEAD
-            )  # fmt: skip
-    return b_top
-
-
-@triton.jit
-def _top_of_tiles_compacted(
-    p_row, p_tmax, V, b_v0, v_none, t_key, t_kth, b_top, K: tl.constexpr, KP: tl.constexpr,
-    BLOCK_V: tl.constexpr, NT: tl.constexpr, GT: tl.constexpr, CAP: tl.constexpr,
-    RANK_TOPK: tl.constexpr, CAND_AHEAD: tl.constexpr,
-):  # fmt: skip
-    """``_top_of_tiles``' default ranking of the K tiles (first tokens ``b_v0``; ``t_kth``: the
-    K-th tile's key): their tokens at or above the K-th tile's max compacted into ``p_tmax``'s
-    row, then ranked at once where at most ``min(CAP, NT)``, else ``_top_of_tiles_merged``."""
-    o_k = tl.arange(0, KP)
-    key_min = tl.full([KP], -9223372036854775807 - 1, tl.int64)
-    # fewer than K tiles: the smallest key, so every logit of the row qualifies
-    thr = (t_kth >> 32).to(tl.int32)
-    # every tile max is in registers (the reductions above waited on the loads): the row's
-    # slots of p_tmax are free for the candidate tokens
-    n_c = tl.sum(tl.zeros([GT], tl.int32))
-    if CAND_AHEAD:
-        o_n, b_n = _read_tiles(p_row, b_v0, 0, V, v_none, K, KP, GT, BLOCK_V)
-    for g in range(0, K, GT):
+        # fewer than K tiles: the smallest key, so every logit of the row qualifies
+        thr = (t_kth >> 32).to(tl.int32)
+        # every tile max is in registers (the reductions above waited on the loads): the row's
+        # slots of p_tmax are free for the candidate tokens
+        n_c = tl.sum(tl.zeros([GT], tl.int32))
         if CAND_AHEAD:
-            o_v, b_raw = o_n, b_n
-            o_n, b_n = _read_tiles(p_row, b_v0, g + GT, V, v_none, K, KP, GT, BLOCK_V)
+            o_n, b_n = _read_tiles(p_row, b_v0, 0, V, v_none, K, KP, GT, BLOCK_V)
+        for g in range(0, K, GT):
+            if CAND_AHEAD:
+                o_v, b_raw = o_n, b_n
+                o_n, b_n = _read_tiles(p_row, b_v0, g + GT, V, v_none, K, KP, GT, BLOCK_V)
+            else:
+                o_v, b_raw = _read_tiles(p_row, b_v0, g, V, v_none, K, KP, GT, BLOCK_V)
+            m_v = o_v < V
+            b_x = b_raw.to(tl.float32) + 0.0
+            c_i = (m_v & (_ordered(b_x) >= thr)).to(tl.int32)
+            n_g = tl.sum(c_i, axis=1)  # [GT]
+            pos = n_c + (tl.cumsum(n_g, 0) - n_g)[:, None] + tl.cumsum(c_i, axis=1) - 1
+            tl.store(p_tmax + pos, o_v, mask=(c_i != 0) & (pos < NT))
+            n_c += tl.sum(n_g)
+        tl.debug_barrier()  # every thread's candidates written before any is read back
+        if (n_c <= CAP) & (n_c <= NT):
+            o_c = tl.arange(0, CAP)
+            m_c = o_c < n_c
+            c_tok = tl.load(p_tmax + o_c, mask=m_c, other=0, cache_modifier=".cg")
+            c_x = tl.load(p_row + c_tok, mask=m_c, other=-float("inf")).to(tl.float32) + 0.0
+            c_key = (_ordered(c_x).to(tl.int64) << 32) | (0x7FFFFFFF - c_tok).to(tl.int64)
+            c_key = tl.where(m_c, c_key, -9223372036854775807 - 1)
+            if RANK_TOPK:
+                # the K best in registers (one bitonic top-KP; padding ranks last)
+                b_top = tl.where(o_k < K, tl.topk(c_key, KP), b_top)
+            else:
+                # keys are distinct; padding (all equal) ranks n_c >= K: never among the first
+                # K. Against chunks of 16 read again: a [CAP, CAP] compare at once would set
+                # the register budget of the whole kernel (and so its occupancy at large B)
+                c_rank = tl.zeros([CAP], tl.int32)
+                for j0 in tl.static_range(0, CAP, 16):
+                    o_j = j0 + tl.arange(0, 16)
+                    m_j = o_j < n_c
+                    j_tok = tl.load(p_tmax + o_j, mask=m_j, other=0, cache_modifier=".cg")
+                    j_x = tl.load(p_row + j_tok, mask=m_j, other=-float("inf")).to(tl.float32)
+                    j_x = j_x + 0.0
+                    j_key = (_ordered(j_x).to(tl.int64) << 32) | (0x7FFFFFFF - j_tok).to(tl.int64)
+                    j_key = tl.where(m_j, j_key, -9223372036854775807 - 1)
+                    c_rank += tl.sum((j_key[None, :] > c_key[:, None]).to(tl.int32), axis=1)
+                b_sel = tl.where(c_rank[None, :] == o_k[:, None], c_key[None, :], key_min[:, None])
+                b_top = tl.where(o_k < K, tl.max(b_sel, axis=1), b_top)
         else:
-            o_v, b_raw = _read_tiles(p_row, b_v0, g, V, v_none, K, KP, GT, BLOCK_V)
-        m_v = o_v < V
-        b_x = b_raw.to(tl.float32) + 0.0
-        c_i = (m_v & (_ordered(b_x) >= thr)).to(tl.int32)
-        n_g = tl.sum(c_i, axis=1)  # [GT]
-        pos = n_c + (tl.cumsum(n_g, 0) - n_g)[:, None] + tl.cumsum(c_i, axis=1) - 1
-        tl.store(p_tmax + pos, o_v, mask=(c_i != 0) & (pos < NT))
-        n_c += tl.sum(n_g)
-    tl.debug_barrier()  # every thread's candidates written before any is read back
-    if (n_c <= CAP) & (n_c <= NT):
-        o_c = tl.arange(0, CAP)
-        m_c = o_c < n_c
-        c_tok = tl.load(p_tmax + o_c, mask=m_c, other=0, cache_modifier=".cg")
-        c_x = tl.load(p_row + c_tok, mask=m_c, other=-float("inf")).to(tl.float32) + 0.0
-        c_key = (_ordered(c_x).to(tl.int64) << 32) | (0x7FFFFFFF - c_tok).to(tl.int64)
-        c_key = tl.where(m_c, c_key, -9223372036854775807 - 1)
-        if RANK_TOPK:
-            # the K best in registers (one bitonic top-KP; padding ranks last)
-            b_top = tl.where(o_k < K, tl.topk(c_key, KP), b_top)
-        else:
-            # keys are distinct; padding (all equal) ranks n_c >= K: never among the first
-            # K. Against chunks of 16 read again: a [CAP, CAP] compare at once would set
-            # the register budget of the whole kernel (and so its occupancy at large B)
-            c_rank = tl.zeros([CAP], tl.int32)
-            for j0 in tl.static_range(0, CAP, 16):
-                o_j = j0 + tl.arange(0, 16)
-                m_j = o_j < n_c
-                j_tok = tl.load(p_tmax + o_j, mask=m_j, other=0, cache_modifier=".cg")
-                j_x = tl.load(p_row + j_tok, mask=m_j, other=-float("inf")).to(tl.float32)
-                j_x = j_x + 0.0
-                j_key = (_ordered(j_x).to(tl.int64) << 32) | (0x7FFFFFFF - j_tok).to(tl.int64)
-                j_key = tl.where(m_j, j_key, -9223372036854775807 - 1)
-                c_rank += tl.sum((j_key[None, :] > c_key[:, None]).to(tl.int32), axis=1)
-            b_sel = tl.where(c_rank[None, :] == o_k[:, None], c_key[None, :], key_min[:, None])
-            b_top = tl.where(o_k < K, tl.max(b_sel, axis=1), b_top)
-    else:
-        b_top = _top_of_tiles_merged(p_row, t_key, V, K, KP, BLOCK_V)
+            b_top = _top_of_tiles_merged(p_row, t_key, V, K, KP, BLOCK_V)
     return b_top
 
 
