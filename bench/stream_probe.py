@@ -5,7 +5,9 @@ Over [B, 10, V] bf16 logits (a layer's): ``torch.amax`` and ``torch.logsumexp`` 
 plain Triton kernel (one program per row chunk, an online max and sum of exp2 per lane, no block
 maxima) over tiles of 512-4,096 logits, 1-8 warps, a split filling 8 or 32 programs an SM, and
 with Triton's software pipelining of the tile loads (``num_stages`` 3) or without. CUDA-graph
-replay medians over rotated copies (``harness.graph_us``), µs; writes ``$OUT/stream_probe.json``.
+replay medians over rotated copies (``harness.graph_us``), µs, beside the bytes' floor
+(``harness.bytes_floor_us``: this GPU's measured rate); writes ``$OUT/stream_probe.json``
+(``harness.result_doc``), each row as it completes.
 
     OUT=dir python3 bench/stream_probe.py
 """
@@ -33,6 +35,8 @@ def _stat1d(
     BLOCK: tl.constexpr,
     STAGES: tl.constexpr,
 ):
+    """One program per (row, chunk of CHUNK logits): the chunk's max and sum of exp(x - max),
+    kept per lane and reduced once at the end, into ``p_m`` / ``p_s`` at the program's index."""
     pid = tl.program_id(0)
     row = pid // SPLIT
     c = pid % SPLIT
@@ -73,19 +77,21 @@ def main():
         sys.exit(f"stream_probe: {why}")
     out = os.environ.get("OUT", "/tmp")
     dev = "cuda"
-    res = []
+    MAX_SPLIT = 64
+    doc = H.result_doc(what="plain row-stat kernels and torch reductions over [B, 10, V] bf16")
+    doc["rows"] = []
     for B, V in [(64, 32000), (8, 32000), (64, 128256), (1, 128256)]:
         W = 10
         nbytes = B * W * V * 2
         copies, reps = H.rotation(nbytes)
         xs = [torch.randn(B, W, V, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
-        m = torch.empty(B * W * 256, device=dev)
+        m = torch.empty(B * W * MAX_SPLIT, device=dev)  # a partial per (row, chunk)
         s = torch.empty_like(m)
 
         def t(fn, xs=xs, reps=reps):
             return H.graph_us([lambda x=x: fn(x) for x in xs], reps)
 
-        row = dict(B=B, V=V, MB=nbytes / 1e6, floor_us=nbytes / 4.3e12 * 1e6)
+        row = dict(B=B, V=V, MB=nbytes / 1e6, floor_us=H.bytes_floor_us(nbytes))
         row["torch_amax"] = t(lambda x: torch.amax(x, -1))
         row["torch_logsumexp"] = t(lambda x: torch.logsumexp(x, -1))
         best = (1e9, None)
@@ -93,7 +99,7 @@ def main():
         rows = B * W
         for block, warps in [(512, 1), (1024, 4), (2048, 4), (4096, 8)]:
             for per_sm in (8, 32):
-                split = max(1, min(64, (per_sm * sms) // rows))
+                split = max(1, min(MAX_SPLIT, (per_sm * sms) // rows))
                 split = min(split, triton.cdiv(V, block))
                 for stages in (1, 3):
                     key = f"b{block}_w{warps}_split{split}_st{stages}"
@@ -116,10 +122,10 @@ def main():
             json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}),
             flush=True,
         )
-        res.append(row)
+        doc["rows"].append(row)
+        H.write_json(os.path.join(out, "stream_probe.json"), doc)
         del xs
         torch.cuda.empty_cache()
-    json.dump(res, open(os.path.join(out, "stream_probe.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":
