@@ -328,6 +328,7 @@ def with_pdl(named_case, mode: int = 1):
     name, case = named_case
 
     def pdl_case():
+        from treeops.kernels import accept as ka
         from treeops.kernels import build_tree as kb
         from treeops.kernels import graft_update as kg
         from treeops.kernels import tree_attention as ta
@@ -335,13 +336,15 @@ def with_pdl(named_case, mode: int = 1):
         launch = case()
 
         def run():
-            saved = kb.use_pdl, kg.use_pdl, ta.use_pdl
-            kb.use_pdl = kg.use_pdl = ta.use_pdl = lambda device, default=0: mode
-            ta._PLANS.clear()  # plans keep their launch options
+            saved = ka.use_pdl, kb.use_pdl, kg.use_pdl, ta.use_pdl
+            ka.use_pdl = kb.use_pdl = kg.use_pdl = ta.use_pdl = lambda device, default=0: mode
+            ka._PLANS.clear()  # plans keep their launch options
+            ta._PLANS.clear()
             try:
                 return launch()
             finally:
-                kb.use_pdl, kg.use_pdl, ta.use_pdl = saved
+                ka.use_pdl, kb.use_pdl, kg.use_pdl, ta.use_pdl = saved
+                ka._PLANS.clear()
                 ta._PLANS.clear()
 
         return run
@@ -350,13 +353,15 @@ def with_pdl(named_case, mode: int = 1):
 
 
 def pdl_cases() -> list:
-    """The build's, the table update's and attention's kernels as ``TREEOPS_PDL=1`` launches
-    them; none below sm_90, which has no griddepcontrol (``kernels._pdl.use_pdl`` never takes
-    PDL there)."""
+    """The build's, the table update's, sampling acceptance's and attention's kernels as
+    ``TREEOPS_PDL=1`` launches them; none below sm_90, which has no griddepcontrol
+    (``kernels._pdl.use_pdl`` never takes PDL there)."""
     if ARCH < 90:
         return []
     return [with_pdl(build("eagle", 8, 32000, 64)), with_pdl(build("eagle", 8, 32000, 64), 2),
             with_pdl(graft("update_128", 8, 128256)),
+            with_pdl(accept("sample", 1, 128256, k=50, p=0.9)),
+            with_pdl(accept("sample_plain", 1, 32000)),
             with_pdl(attention(1, 64, 32, 8, 128, 32768, 16))]  # fmt: skip
 
 

@@ -17,10 +17,12 @@ completes, as usual. ``launch_pdl`` must be on exactly where the kernel's ``PDL`
 not ``PDL_OFF`` (``use_pdl``).
 
 ``TREEOPS_PDL`` (read at import) sets every launch: ``0`` off, ``1`` late release, ``early``.
-Unset, the build's launches release late and tree attention's and the table update's launch
-plainly. Timed on the
-H200 (docs/design.md): late release made the whole B = 64 EAGLE step 1.3 % faster and the B = 1
-one 2 %; early release made the B = 64 step 4.5 % slower. Attention's late release is untimed.
+Unset, the build's and tree attention's launches release late, sampling acceptance's where a
+launch's programs fit beside the one before (``kernels/accept.py``), and the table update's
+launch plainly. Timed on the H200 (docs/design.md): late release made the whole B = 64 EAGLE step
+1.3 % faster and the B = 1 one 2 %; early release made the B = 64 step 4.5 % slower. On an H100
+(session 48, docs/benchmarks.md): tree attention's small split shapes 3-6 % faster, sampling
+acceptance at B = 1 about 1 µs (4-7 %).
 """
 
 from __future__ import annotations

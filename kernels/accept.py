@@ -47,6 +47,7 @@ from treeops.tree import Tree
 
 from ._counters import arrival_counters, arrive
 from ._launch import direct, kept
+from ._pdl import PDL_LATE, pdl_enter, pdl_release, use_pdl
 from .accept_stats import _node_stats
 from .accept_thresh import _finish_node
 from .accept_walk import _walk
@@ -127,11 +128,13 @@ def _accept_kernel(
     HAS_TOPK: tl.constexpr,  # sampling: the launch has top-k / top-p tensors (else off)
     HAS_TOPP: tl.constexpr,
     TRUNC: tl.constexpr,  # sampling: either (else no kept-set pass: PHASE 0 walks as greedy's)
+    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (``_pdl``)
 ):
     """PHASE 0: pass 1, the request's last program walks (grid B*N*S; greedy, and sampling
     without top-k / top-p tensors). 1: pass 1 only
     (grid B*N*S). 2: the walk only (grid B). 5: sampling's pass 2, each node's kept set (grid
     B*N)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0).to(tl.int64)
     if PHASE <= 1:
         _node_stats(
@@ -146,6 +149,9 @@ def _accept_kernel(
             S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, GC, READ, CAP, CAP_S, SUB,
             HAS_TOPK, HAS_TOPP
         )  # fmt: skip
+    # the next launch (pass 2 after pass 1, the walk after pass 2) may be placed now; it waits
+    # for this one to complete before it reads what this one stored
+    pdl_release(PDL)
     # PHASE 0: the request's last program to arrive walks; PHASE 2: one walker per request
     last = False
     if PHASE == 2:
@@ -318,6 +324,14 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     GC = min(G_PAD, 16 if interpreted() else 512)
     CAP = pow2(cap)
     BNS = B * N * S
+    # sampling's launches chained by programmatic dependent launch where the next launch's
+    # programs fit beside the one before (pass 2: one per node; B * N at most the SMs): an H100
+    # in session 48 (docs/benchmarks.md), plain -> PDL, us: B 1 V 32,000 with top-k / top-p
+    # 26.56 -> 25.47, without 13.87 -> 12.98, V 128,256 41.78 -> 40.72 and 20.5 -> 19.45; at B 8,
+    # where pass 2's 512 programs take SM slots from pass 1's last wave, 49.81 -> 50.61
+    pdl = 0
+    if sample and dev.type == "cuda":
+        pdl = use_pdl(dev, PDL_LATE.value if B * N <= _runtime.sm_count(dev) else 0)
     trunc = sample and (has_topk or has_topp)
     n_f = [
         BNS,
@@ -366,6 +380,10 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         HAS_TOPK=sample and has_topk,
         HAS_TOPP=sample and has_topp,
         TRUNC=trunc,
+        # sampling's launches follow one another with programmatic dependent launch: each is
+        # placed while the one before finishes (kernels/_pdl.py; greedy is one launch)
+        PDL=pdl,
+        launch_pdl=pdl > 0,
         num_warps=num_warps,
     )
     # pass 2 of sampling: one program per node, a few KB of the row each; 4 warps

@@ -35,7 +35,7 @@ from treeops._runtime import interpreted
 from . import tree_attention_gluon as _gluon
 from ._counters import arrival_counters, arrive
 from ._launch import direct
-from ._pdl import pdl_enter, use_pdl
+from ._pdl import PDL_LATE, pdl_enter, use_pdl
 
 # the launch configuration, re-exported for readers of this module; its module globals
 # (SMALL_TREE, FUSED_MERGE, TUNED, ...) are read where they live: rebind them on
@@ -532,7 +532,11 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
     S = cfg.num_splits
     s_pad = triton.next_power_of_2(S)
     block_h = min(triton.next_power_of_2(H_q), max(1, 4096 // (s_pad * D)))
-    pdl = use_pdl(q.device)
+    # the forward and the merge launched with programmatic dependent launch, the next kernel
+    # released after the key loops: on an H100 in session 48 (docs/benchmarks.md) 3-6 % faster at
+    # every small split shape (B 1 ctx 1,024 n 64 chained on cold caches 14.65 -> 13.82 us), 1 % at
+    # B 1 ctx 16,384 and unsplit B 8 ctx 4,096
+    pdl = use_pdl(q.device, PDL_LATE.value)
     return _Plan(
         cfg=cfg,
         need=workspace_numel(B, N, H_q, D, cfg),
@@ -563,6 +567,7 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
             PAGE_SIZE=page_size, NUM_SPLITS=S, SPLIT_MIN_LEN=cfg.split_min_len,
             SPLIT_CHUNK=cfg.split_chunk, HAS_QS=has_qs, HAS_QL=has_ql, WRITE_LSE=has_lse,
             LA=cfg.pipe, P_IN_SMEM=cfg.p_smem, num_warps=cfg.num_warps,
+            PDL=pdl, launch_pdl=pdl > 0,
         ) if cfg.gluon else None,
         merge_grid=(B * N, triton.cdiv(H_q, block_h)),
         merge_consts=dict(

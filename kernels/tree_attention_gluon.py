@@ -19,7 +19,9 @@ waits under a branch, make ptxas serialise every wgmma (its note C7514), which
 The tail tile (keys up to the prefix length) and the tree's tiles (keys visible by the ``anc``
 words, as the Triton kernel reads them) run after the prefix, one synchronous tile at a time.
 Rows outside the query range are written as the Triton kernel writes them (0 and LSE -inf); split
-launches write fp32 partials and LSEs for ``_merge_splits``.
+launches write fp32 partials and LSEs for ``_merge_splits``. Launched with programmatic dependent
+launch (kernels/_pdl.py), a program waits for the kernel before it first, and lets the merge be
+placed once its key loops are done.
 
 A launch configuration chooses this kernel with ``gluon=True`` (``tree_attention_config``): 16-bit
 q and caches, head dim 64 or 128, unit last strides and 16-byte aligned rows (``launchable``);
@@ -107,6 +109,31 @@ if AVAILABLE:
         cp.wait_group(LA - 1)
         fence_async_shared()
         gl.thread_barrier()
+
+    @gluon.jit
+    def _griddepcontrol(WAIT: gl.constexpr):
+        """``griddepcontrol.wait`` (``WAIT``) or ``.launch_dependents``, as kernels/_pdl.py's
+        Triton helpers issue them."""
+        if WAIT:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [],
+                                      dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+        else:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                      dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def _pdl_enter(PDL: gl.constexpr):
+        """kernels/_pdl.py's ``pdl_enter`` in Gluon (PDL 0 off, 1 late release, 2 early)."""
+        if PDL == 2:
+            _griddepcontrol(False)
+        if PDL != 0:
+            _griddepcontrol(True)
+
+    @gluon.jit
+    def _pdl_release(PDL: gl.constexpr):
+        """kernels/_pdl.py's ``pdl_release`` in Gluon."""
+        if PDL == 1:
+            _griddepcontrol(False)
 
     @gluon.jit
     def _softmax(s, m_i, l_i, qk_scale):
@@ -233,7 +260,7 @@ if AVAILABLE:
                              SPLIT_MIN_LEN: gl.constexpr, SPLIT_CHUNK: gl.constexpr,
                              HAS_QS: gl.constexpr, HAS_QL: gl.constexpr,
                              WRITE_LSE: gl.constexpr, LA: gl.constexpr, P_IN_SMEM: gl.constexpr,
-                             num_warps: gl.constexpr):  # fmt: skip
+                             num_warps: gl.constexpr, PDL: gl.constexpr = 0):  # fmt: skip
         BLOCK_M: gl.constexpr = G_PAD * BLOCK_Q
         SK: gl.constexpr = LA + 1
         SV: gl.constexpr = LA + 2
@@ -249,6 +276,7 @@ if AVAILABLE:
         row_s: gl.constexpr = gl.SliceLayout(1, s_mma)
         row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
 
+        _pdl_enter(PDL)
         i_t = gl.program_id(0)
         i_bh = gl.program_id(1).to(gl.int64)
         i_s = gl.program_id(2)
@@ -340,6 +368,9 @@ if AVAILABLE:
                     s_mma, o_mma, p_op, BLOCK_M, BLOCK_N, PAGE_SIZE, True, P_IN_SMEM,
                 )  # fmt: skip
 
+            # the next launch (the merge) may be placed while the epilogues store; a
+            # program that skips this branch releases it by exiting
+            _pdl_release(PDL)
             l_o = gl.convert_layout(l_i, row_o)
             m_o = gl.convert_layout(m_i, row_o)
             seen = l_o > 0.0

@@ -232,6 +232,63 @@ def test_cuda_graph_capture_and_replay():
     assert all(int(c.abs().sum()) == 0 for c in kc._COUNTERS.values())
 
 
+@pytest.mark.parametrize("trunc", [True, False])
+@pytest.mark.parametrize("B,V", [(1, 128256), (8, 32000)])
+def test_sample_pdl_matches_plain(B, V, trunc, monkeypatch):
+    """Sampling's launches chained by programmatic dependent launch (kernels/_pdl.py, the
+    default on sm_90) give bitwise the results of plain launches, eagerly and replayed in a CUDA
+    graph with new logits and uniforms: every launch waits for the one before it before it
+    touches memory, wherever the one before released it."""
+    from treeops.kernels import _pdl
+
+    if DEV == "cpu" or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    N = 64
+    tree, rng = tree_batch(B, N, V, seed=B + V)
+    tree = tree.to(DEV)
+    lg = torch.empty(B, N, V, device=DEV, dtype=torch.bfloat16)
+    u = torch.empty(B, N, device=DEV)
+    T = torch.tensor([[0.7, 1.0, 1.3, 0.0][b % 4] for b in range(B)], device=DEV)
+    k = torch.tensor([[50, 0, 1000, 20][b % 4] for b in range(B)], device=DEV, dtype=torch.int32)
+    p = torch.tensor([[0.9, 0.8, 1.0, 0.95][b % 4] for b in range(B)], device=DEV)
+    kw = dict(top_k=k, top_p=p) if trunc else dict(top_k=None, top_p=None)
+
+    def launch(pdl: int) -> treeops.Acceptance:
+        monkeypatch.setattr(kacc, "use_pdl", lambda device, default=0: pdl)
+        kacc._PLANS.clear()  # a plan keeps its launch options
+        try:
+            return accept_launch(tree, lg, temperature=T, uniforms=u, return_logprobs=True, **kw)
+        finally:
+            kacc._PLANS.clear()
+
+    def fill(seed: int) -> None:
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        cpu_lg = biased_logits(tree.to("cpu"), V, random.Random(seed), ties=False,
+                               dtype=torch.bfloat16, boost=3.0)  # fmt: skip
+        lg.copy_(cpu_lg.to(DEV))
+        u.copy_(torch.rand(B, N, device=DEV, generator=g))
+
+    on = _pdl.PDL_LATE.value
+    fill(0)
+    launch(0), launch(on)  # compile both outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    monkeypatch.setattr(kacc, "use_pdl", lambda device, default=0: on)
+    kacc._PLANS.clear()
+    with torch.cuda.graph(graph):
+        static = accept_launch(tree, lg, temperature=T, uniforms=u, return_logprobs=True, **kw)
+    for rep in range(1, 7):
+        fill(rep)
+        if rep % 2:
+            graph.replay()
+            piped = static
+        else:
+            piped = launch(on)
+        plain = launch(0)
+        torch.cuda.synchronize()
+        assert_same(Acc_cpu(piped), Acc_cpu(plain), lp_tol=0.0)
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
 )
