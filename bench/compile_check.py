@@ -328,22 +328,27 @@ def with_pdl(named_case, mode: int = 1):
     name, case = named_case
 
     def pdl_case():
+        from treeops.kernels import _pdl
         from treeops.kernels import accept as ka
         from treeops.kernels import build_tree as kb
         from treeops.kernels import graft_update as kg
         from treeops.kernels import tree_attention as ta
 
         launch = case()
+        # the launchers that ask use_pdl by name, and those that ask through _pdl.pdl_options
+        users = (ka, kb, kg, ta, _pdl)
 
         def run():
-            saved = ka.use_pdl, kb.use_pdl, kg.use_pdl, ta.use_pdl
-            ka.use_pdl = kb.use_pdl = kg.use_pdl = ta.use_pdl = lambda device, default=0: mode
+            saved = [m.use_pdl for m in users]
+            for m in users:
+                m.use_pdl = lambda device, default=0: mode
             ka._PLANS.clear()  # plans keep their launch options
             ta._PLANS.clear()
             try:
                 return launch()
             finally:
-                ka.use_pdl, kb.use_pdl, kg.use_pdl, ta.use_pdl = saved
+                for m, f in zip(users, saved):
+                    m.use_pdl = f
                 ka._PLANS.clear()
                 ta._PLANS.clear()
 
@@ -353,16 +358,21 @@ def with_pdl(named_case, mode: int = 1):
 
 
 def pdl_cases() -> list:
-    """The build's, the table update's, sampling acceptance's and attention's kernels as
-    ``TREEOPS_PDL=1`` launches them; none below sm_90, which has no griddepcontrol
-    (``kernels._pdl.use_pdl`` never takes PDL there)."""
+    """Every launcher's kernels as ``TREEOPS_PDL=1`` launches them (one case of each); none
+    below sm_90, which has no griddepcontrol (``kernels._pdl.use_pdl`` never takes PDL there)."""
     if ARCH < 90:
         return []
     return [with_pdl(build("eagle", 8, 32000, 64)), with_pdl(build("eagle", 8, 32000, 64), 2),
             with_pdl(graft("update_128", 8, 128256)),
             with_pdl(accept("sample", 1, 128256, k=50, p=0.9)),
-            with_pdl(accept("sample_plain", 1, 32000)),
-            with_pdl(attention(1, 64, 32, 8, 128, 32768, 16))]  # fmt: skip
+            with_pdl(accept("sample_plain", 1, 32000)), with_pdl(accept("greedy", 8, 32000)),
+            with_pdl(attention(1, 64, 32, 8, 128, 32768, 16)),
+            with_pdl(kv_append(4, 64, 8, 128, 16, hq=32)), with_pdl(rope(4, 64, 32, 128)),
+            with_pdl(compact(8, 4, 8, 128, 16)), with_pdl(compact(8, 4, 8, 128, 16, stacked=False)),
+            with_pdl(graft("retrieve_merge", 8, 32000)), with_pdl(graft("retrieve", 8, 32000)),
+            with_pdl(graft("tail", 8, 32000)),
+            with_pdl(prune(8, 64)), with_pdl(cast(8, 100, 10)),
+            with_pdl(cast_stats(8, 4, 20))]  # fmt: skip
 
 
 def accept(op, B, V, N=64, k=0, p=1.0, logprobs=False, topk_ids=0, phase=0, ahead=1, **tune):

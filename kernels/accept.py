@@ -47,7 +47,7 @@ from treeops.tree import Tree
 
 from ._counters import arrival_counters, arrive
 from ._launch import direct, kept
-from ._pdl import PDL_LATE, pdl_enter, pdl_release, use_pdl
+from ._pdl import PDL_LATE, first_launch_pdl, pdl_enter, pdl_release, use_pdl
 from .accept_stats import _node_stats
 from .accept_thresh import _finish_node
 from .accept_walk import _walk
@@ -381,16 +381,17 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         HAS_TOPP=sample and has_topp,
         TRUNC=trunc,
         # sampling's launches follow one another with programmatic dependent launch: each is
-        # placed while the one before finishes (kernels/_pdl.py; greedy is one launch)
+        # placed while the one before finishes; the first starts as usual (kernels/_pdl.py)
         PDL=pdl,
-        launch_pdl=pdl > 0,
+        launch_pdl=first_launch_pdl(pdl),
         num_warps=num_warps,
     )
     # pass 2 of sampling: one program per node, a few KB of the row each; 4 warps
-    common2 = dict(common, num_warps=pass2_warps or (4 if not interpreted() else num_warps))
+    common2 = dict(common, launch_pdl=pdl > 0,
+                   num_warps=pass2_warps or (4 if not interpreted() else num_warps))  # fmt: skip
     # the walker scans a whole block for a bonus token: 8 warps keep a 4,096 block unspilled
     walk_warps = 8 if block_v >= 4096 and not interpreted() else common["num_warps"]
-    common_walk = dict(common, num_warps=walk_warps)
+    common_walk = dict(common, launch_pdl=pdl > 0, num_warps=walk_warps)
     return _Plan(S, chunk, NCH, n_f, n_i, B * N * CAP if trunc else 1, common, common2,
                  common_walk)  # fmt: skip
 

@@ -38,6 +38,7 @@ import triton.language as tl
 from treeops._runtime import interpreted, pow2
 
 from ._launch import direct
+from ._pdl import pdl_enter, pdl_options
 
 __all__ = [
     "MAX_TILE",
@@ -55,7 +56,10 @@ table's ``n_max``)."""
 
 
 @triton.jit(do_not_specialize=["K", "C"])
-def _cast_select_kernel(p_u, p_c, p_out, K, stride_u, stride_c, C, BK: tl.constexpr):
+def _cast_select_kernel(
+    p_u, p_c, p_out, K, stride_u, stride_c, C, BK: tl.constexpr, PDL: tl.constexpr = 0
+):
+    pdl_enter(PDL)
     o = tl.arange(0, BK)
     best = tl.sum(tl.zeros([BK], tl.float32), axis=0) - float("inf")  # fp32 scalars
     arg = tl.sum(tl.zeros([BK], tl.int32), axis=0)
@@ -101,7 +105,9 @@ def _cast_utility_kernel(
     BB: tl.constexpr,  # rows per tile
     KP: tl.constexpr,  # utilities held: pow2(min(K, M + ROOT)), at least 2
     CW: tl.constexpr,  # columns per tile (>= KP)
+    PDL: tl.constexpr = 0,
 ):
+    pdl_enter(PDL)
     o_r = tl.arange(0, BB)
     o_k = tl.arange(0, KP)
     o_w = tl.arange(0, CW)
@@ -169,7 +175,9 @@ def _cast_depth_kernel(
     p_u, p_c, p_out, n, R, stride_u, C2,
     p_seq, p_unit, p_w, B, stride_q, stride_cm, stride_c, stride_un, L, MC,
     RP: tl.constexpr, TABLE: tl.constexpr, BQ: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):  # fmt: skip
+    pdl_enter(PDL)
     cnt = tl.minimum(R, n)  # FIFO entries that count: the last min(R, i + 1)
     o = tl.arange(0, RP)
     i = (n - cnt + o).to(tl.int64)  # FIFO entry i: 1 for i = 0, else u[i] / u[i - 1]
@@ -218,7 +226,7 @@ def cast_select_launch(u: torch.Tensor, c: torch.Tensor, C: float, out: torch.Te
     direct(_cast_select_kernel).launch(
         (1,),
         u, c, out, K, u.stride(0), c.stride(0), float(C), BK=BK,
-        num_warps=1 if interpreted() else 4,
+        **pdl_options(u.device), num_warps=1 if interpreted() else 4,
     )  # fmt: skip
 
 
@@ -259,6 +267,7 @@ def _utility_launch(scores, costs, C, active, out, root: bool, seq_lens=None, co
         BB=BB,
         KP=KP,
         CW=CW,
+        **pdl_options(scores.device),
         num_warps=warps,
     )
 
@@ -324,5 +333,5 @@ def cast_depth_launch(
         c.stride(1) if table else 0, unit.stride(0) if table else 0,
         int(context_len) if table else 1, c.shape[0] if table else 1,
         RP=pow2(min(int(R), n)), TABLE=table, BQ=min(pow2(B), 8 if interpreted() else 1024),
-        num_warps=1,
+        **pdl_options(u_hist.device), num_warps=1,
     )  # fmt: skip

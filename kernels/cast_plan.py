@@ -32,6 +32,7 @@ import triton.language as tl
 from treeops._runtime import pow2
 
 from ._launch import direct
+from ._pdl import pdl_enter, pdl_options
 
 __all__ = ["step_stats_launch"]
 
@@ -73,7 +74,9 @@ def _stats_rows_kernel(
     S: tl.constexpr,  # workspace row: D * W + N + 2 * NB (+ 2 with HAS_GRAFT)
     ZP: tl.constexpr,  # pow2(D * W) >= the undrafted layers' columns, (D - d) * W
     HAS_GRAFT: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     act = tl.load(p_act + b) != 0
     # ---- calibrated probabilities [DP, CP]
@@ -140,7 +143,9 @@ def _stats_reduce_kernel(
     S: tl.constexpr,
     BP: tl.constexpr,  # pow2 tile over the batch for the active count
     BS: tl.constexpr,  # columns per program
+    PDL: tl.constexpr = 0,
 ):
+    pdl_enter(PDL)
     o = tl.program_id(0) * BS + tl.arange(0, BS)
     m = o < S
     n_act = tl.sum(tl.zeros([BP], tl.int32), 0)
@@ -179,10 +184,10 @@ def step_stats_launch(
         act if grafted is None else grafted, accepted.shape[1], ts.stride(0), td.stride(0),
         accepted.stride(0), d=d, C=C, DP=DP, CP=CP, D=D, W=W, N=N, F=DP * CP, n=n,
         NP=max(2, pow2(n)), NB=bins, NBP=pow2(bins), S=S, ZP=max(2, pow2(D * W)),
-        HAS_GRAFT=grafted is not None,
+        HAS_GRAFT=grafted is not None, **pdl_options(out.device),
     )  # fmt: skip
     BS = 256
     direct(_stats_reduce_kernel).launch(
         (triton.cdiv(S, BS),), part, act, out, B,
-        CURVES=D * W + N, SB=SB, S=S, BP=min(pow2(B), 1024), BS=BS,
+        CURVES=D * W + N, SB=SB, S=S, BP=min(pow2(B), 1024), BS=BS, **pdl_options(out.device),
     )  # fmt: skip

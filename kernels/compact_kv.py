@@ -19,6 +19,7 @@ import triton.language as tl
 from treeops._runtime import pow2, refuse_in_capture
 
 from ._launch import direct
+from ._pdl import pdl_enter, pdl_options
 
 
 @triton.jit(do_not_specialize=["N", "L", "H"])
@@ -53,7 +54,9 @@ def _compact_kernel(
     DB: tl.constexpr,
     STACKED: tl.constexpr,
     TABLE_ALIGNED: tl.constexpr,  # every layer's base address in the tables 16-byte aligned
+    PDL: tl.constexpr = 0,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0).to(tl.int64)
     i_h = pid % H
     i_l = (pid // H) % L
@@ -174,6 +177,7 @@ def compact_kv_launch(
         DB=rows_per_step,
         STACKED=stacked,
         TABLE_ALIGNED=aligned,
+        **pdl_options(accepted.device),
         num_warps=4 if D <= 128 else 8,
     )
     return out

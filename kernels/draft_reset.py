@@ -17,6 +17,7 @@ import triton.language as tl
 from treeops._runtime import pow2
 
 from ._launch import direct
+from ._pdl import pdl_enter, pdl_options
 
 
 @triton.jit(do_not_specialize=["B", "s_root", "s_seq", "s_act"])
@@ -42,7 +43,9 @@ def _reset_kernel(
     D: tl.constexpr,
     DP: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl_enter(PDL)
     i = tl.program_id(0)
     i64 = i.to(tl.int64)
     root = tl.load(p_root_in + i64 * s_root)
@@ -99,5 +102,6 @@ def reset(state, root_tokens: torch.Tensor, seq_lens: torch.Tensor, active) -> N
         D=D,
         DP=pow2(max(ND, D)),
         HAS_ACTIVE=has_active,
+        **pdl_options(root_tokens.device),
         num_warps=1,
     )

@@ -26,6 +26,7 @@ from treeops._runtime import pow2
 from treeops.tree import Tree
 
 from ._launch import direct, scratch
+from ._pdl import pdl_enter, pdl_options
 from .graft_update import INT32_MAX, _contig
 
 _BIG = tl.constexpr(1 << 30)
@@ -161,7 +162,9 @@ def _graft_kernel(
     FROM_TABLE: tl.constexpr,
     BUDGET_T: tl.constexpr,
     COUNT_T: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl_enter(PDL)
     i_b = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, NB)  # [NB] output / draft node index
     o_j = tl.arange(0, TB)  # [TB] retrieved node index
@@ -377,7 +380,9 @@ def _retrieve_kernel(
     K: tl.constexpr,
     TB: tl.constexpr,
     COUNT_T: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl_enter(PDL)
     i_b = tl.program_id(0).to(tl.int64)
     o_j = tl.arange(0, TB)
     m_t = o_j < T
@@ -551,6 +556,7 @@ def graft_fused(
         FROM_TABLE=from_table,
         BUDGET_T=budget_t,
         COUNT_T=count_t,
+        **pdl_options(dev),
         num_warps=4,
     )
     return out
@@ -607,6 +613,7 @@ def retrieve(
         K=K,
         TB=TB,
         COUNT_T=count_t,
+        **pdl_options(dev),
         num_warps=_num_warps(TB, 1),
     )
     return tok, par, dep, num

@@ -11,6 +11,7 @@ from treeops._runtime import pow2
 from treeops.tree import Tree
 
 from ._launch import direct
+from ._pdl import pdl_enter, pdl_options
 from .graft import _contig_fields
 
 
@@ -48,11 +49,13 @@ def _graft_tail_kernel(
     G: tl.constexpr,  # the most chain nodes a request can get (a bound of count)
     BUDGET_T: tl.constexpr,
     COUNT_T: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     """One program per request: the tree copied to the output, then below its best leaf (the
     highest score among nodes without a child, the lowest index on ties) a chain of up to
     ``count`` nodes, each ``table[token above, 0]``, while the request holds fewer than
     ``min(budget, N)`` nodes."""
+    pdl_enter(PDL)
     i_b = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, NB)
     o_w = tl.arange(0, WB)
@@ -155,6 +158,7 @@ def graft_tail(
         G=max(1, min(int(max_count), N)),
         BUDGET_T=budget_t,
         COUNT_T=count_t,
+        **pdl_options(table.device),
         num_warps=4 if NB >= 128 else 2,
     )
     return out

@@ -19,6 +19,7 @@ from treeops._runtime import cdiv, interpreted, pow2, refuse_in_capture
 from treeops.reference.kv_append import rope_inv_freq
 
 from ._launch import direct, kept
+from ._pdl import pdl_enter, pdl_options
 
 
 @triton.jit(do_not_specialize=["N", "H_KV"])
@@ -64,7 +65,9 @@ def _kv_append(
     PAGE_SIZE: tl.constexpr,
     HAS_DEPTH: tl.constexpr,
     HAS_Q: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl_enter(PDL)
     i_bt = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     n_tiles = tl.cdiv(N, BLOCK_T)
@@ -171,6 +174,7 @@ def kv_append_fwd(
         PAGE_SIZE=k_cache.shape[1],
         HAS_DEPTH=depth is not None,
         HAS_Q=q is not None,
+        **pdl_options(k.device),
         num_warps=4,
     )
 
@@ -184,7 +188,9 @@ def _rope(
     s_yb, s_yn, s_yh,  # out's last stride is 1
     H_PAD: tl.constexpr,
     HALF: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):  # fmt: skip
+    pdl_enter(PDL)
     # one program per (b, n) row: every head of that row shares one position's cos/sin
     i_row = tl.program_id(0).to(tl.int64)
     i_b = i_row // N
@@ -225,5 +231,6 @@ def rope_fwd(x: torch.Tensor, positions: torch.Tensor, theta: float, out: torch.
         *out.stride()[:3],
         H_PAD=pow2(H),
         HALF=D // 2,
+        **pdl_options(x.device),
         num_warps=1 if interpreted() else (4 if H * D >= 4096 else 2),
     )

@@ -24,6 +24,7 @@ import triton.language as tl
 from treeops._runtime import cdiv, pow2
 
 from ._launch import direct
+from ._pdl import pdl_enter, pdl_options
 
 NO_PRUNE = 1 << 30
 _NO_PRUNE = tl.constexpr(NO_PRUNE)
@@ -57,7 +58,9 @@ def _prune_kernel(
     BLOCK: tl.constexpr,
     BLOCK_A: tl.constexpr,
     KEEP_T: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl_enter(PDL)
     i_b = tl.program_id(0).to(tl.int64)
     nn = tl.load(num_ptr + i_b)
     if KEEP_T:
@@ -91,7 +94,17 @@ def _prune_kernel(
 
 
 @triton.jit(do_not_specialize=["B", "keep_value"])
-def _checkpoint_kernel(keep_ptr, best_ptr, stop_ptr, B, keep_value, threshold, BLOCK: tl.constexpr):
+def _checkpoint_kernel(
+    keep_ptr,
+    best_ptr,
+    stop_ptr,
+    B,
+    keep_value,
+    threshold,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = 0,
+):
+    pdl_enter(PDL)
     o_b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o_b < B
     b_keep = tl.load(keep_ptr + o_b, mask=m, other=0)
@@ -139,7 +152,7 @@ def prune(
         BLOCK=block,
         BLOCK_A=block_a,
         KEEP_T=keep_t,
-        num_warps=_num_warps(max(block, block_a)),
+        **pdl_options(tok.device), num_warps=_num_warps(max(block, block_a)),
     )  # fmt: skip
 
 
@@ -158,5 +171,5 @@ def checkpoint(
     block = min(max(pow2(B), 32), MAX_BLOCK)
     direct(_checkpoint_kernel).launch(
         (cdiv(B, block),), keep, best_score, stop, B, keep_value, threshold, BLOCK=block,
-        num_warps=1 if block <= 128 else 4,
+        **pdl_options(keep.device), num_warps=1 if block <= 128 else 4,
     )  # fmt: skip

@@ -35,7 +35,7 @@ from treeops._runtime import interpreted
 from . import tree_attention_gluon as _gluon
 from ._counters import arrival_counters, arrive
 from ._launch import direct
-from ._pdl import PDL_LATE, pdl_enter, use_pdl
+from ._pdl import first_launch_pdl, pdl_enter, use_pdl
 
 # the launch configuration, re-exported for readers of this module; its module globals
 # (SMALL_TREE, FUSED_MERGE, TUNED, ...) are read where they live: rebind them on
@@ -532,11 +532,12 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
     S = cfg.num_splits
     s_pad = triton.next_power_of_2(S)
     block_h = min(triton.next_power_of_2(H_q), max(1, 4096 // (s_pad * D)))
-    # the forward and the merge launched with programmatic dependent launch, the next kernel
-    # released after the key loops: on an H100 in session 48 (docs/benchmarks.md) 3-6 % faster at
-    # every small split shape (B 1 ctx 1,024 n 64 chained on cold caches 14.65 -> 13.82 us), 1 % at
-    # B 1 ctx 16,384 and unsplit B 8 ctx 4,096
-    pdl = use_pdl(q.device, PDL_LATE.value)
+    # plain launches unless TREEOPS_PDL asks for PDL (then the merge follows the forward, which
+    # releases it after its key loops). On an H100 in session 48 (docs/benchmarks.md) both
+    # launches with PDL made chains of attention calls 3-6 % faster at small split shapes (B 1
+    # ctx 1,024 n 64 on cold caches 14.65 -> 13.82 us), but the merge alone with PDL made whole
+    # decoding steps no faster (chain B 16 1,499 -> 1,509 us), so it is not the default
+    pdl = use_pdl(q.device)
     return _Plan(
         cfg=cfg,
         need=workspace_numel(B, N, H_q, D, cfg),
@@ -557,7 +558,7 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
             WARP_SPEC=cfg.warp_spec,
             FUSED_MERGE=cfg.fused_merge,
             FENCE=cfg.fused_merge and not interpreted(),
-            PDL=pdl, launch_pdl=pdl > 0,  # the constexpr and the launch option agree (_pdl)
+            PDL=pdl, launch_pdl=first_launch_pdl(pdl),  # the op's first launch (_pdl)
             PARTIAL_HALF=cfg.partial_half,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -567,7 +568,7 @@ def _plan(q, k_cache, block_table, has_qs, has_ql, has_lse, num_splits, override
             PAGE_SIZE=page_size, NUM_SPLITS=S, SPLIT_MIN_LEN=cfg.split_min_len,
             SPLIT_CHUNK=cfg.split_chunk, HAS_QS=has_qs, HAS_QL=has_ql, WRITE_LSE=has_lse,
             LA=cfg.pipe, P_IN_SMEM=cfg.p_smem, num_warps=cfg.num_warps,
-            PDL=pdl, launch_pdl=pdl > 0,
+            PDL=pdl, launch_pdl=first_launch_pdl(pdl),
         ) if cfg.gluon else None,
         merge_grid=(B * N, triton.cdiv(H_q, block_h)),
         merge_consts=dict(

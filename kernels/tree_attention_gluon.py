@@ -19,9 +19,9 @@ waits under a branch, make ptxas serialise every wgmma (its note C7514), which
 The tail tile (keys up to the prefix length) and the tree's tiles (keys visible by the ``anc``
 words, as the Triton kernel reads them) run after the prefix, one synchronous tile at a time.
 Rows outside the query range are written as the Triton kernel writes them (0 and LSE -inf); split
-launches write fp32 partials and LSEs for ``_merge_splits``. Launched with programmatic dependent
-launch (kernels/_pdl.py), a program waits for the kernel before it first, and lets the merge be
-placed once its key loops are done.
+launches write fp32 partials and LSEs for ``_merge_splits``. With ``TREEOPS_PDL`` set
+(kernels/_pdl.py), a program waits for the kernel before it first, and lets the merge be placed
+once its key loops are done.
 
 A launch configuration chooses this kernel with ``gluon=True`` (``tree_attention_config``): 16-bit
 q and caches, head dim 64 or 128, unit last strides and 16-byte aligned rows (``launchable``);

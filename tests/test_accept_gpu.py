@@ -235,10 +235,11 @@ def test_cuda_graph_capture_and_replay():
 @pytest.mark.parametrize("trunc", [True, False])
 @pytest.mark.parametrize("B,V", [(1, 128256), (8, 32000)])
 def test_sample_pdl_matches_plain(B, V, trunc, monkeypatch):
-    """Sampling's launches chained by programmatic dependent launch (kernels/_pdl.py, the
-    default on sm_90) give bitwise the results of plain launches, eagerly and replayed in a CUDA
-    graph with new logits and uniforms: every launch waits for the one before it before it
-    touches memory, wherever the one before released it."""
+    """Sampling's pass 2 and walk chained to pass 1 by programmatic dependent launch
+    (kernels/_pdl.py; the default on sm_90 where B * N is at most the SMs, forced here) give
+    bitwise the results of plain launches, eagerly and replayed in a CUDA graph with new logits
+    and uniforms: every launch waits for the one before it before it touches memory, wherever
+    the one before released it."""
     from treeops.kernels import _pdl
 
     if DEV == "cpu" or torch.cuda.get_device_capability()[0] < 9:
