@@ -326,9 +326,10 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     BNS = B * N * S
     # sampling's launches chained by programmatic dependent launch where the next launch's
     # programs fit beside the one before (pass 2: one per node; B * N at most the SMs): an H100
-    # in session 48 (docs/benchmarks.md), plain -> PDL, us: B 1 V 32,000 with top-k / top-p
-    # 26.56 -> 25.47, without 13.87 -> 12.98, V 128,256 41.78 -> 40.72 and 20.5 -> 19.45; at B 8,
-    # where pass 2's 512 programs take SM slots from pass 1's last wave, 49.81 -> 50.61
+    # in session 48 (docs/benchmarks.md), plain -> PDL (pass 1 on PDL too), us: B 1 V 32,000
+    # with top-k / top-p 26.56 -> 25.47, without 13.87 -> 12.98, V 128,256 41.78 -> 40.72 and
+    # 20.5 -> 19.45; at B 8, where pass 2's 512 programs take SM slots from pass 1's last wave,
+    # 49.81 -> 50.61. As chosen (pass 1 plain), B 2, N 8, V 64 chained: 7.14 -> 6.34
     pdl = 0
     if sample and dev.type == "cuda":
         pdl = use_pdl(dev, PDL_LATE.value if B * N <= _runtime.sm_count(dev) else 0)
