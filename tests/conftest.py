@@ -16,6 +16,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+# pytest-xdist workers share the machine's cores: each takes its share for the CPU references.
+# With torch's default (every core in every worker) the acceptance GPU file had not finished
+# after 290 s at -n 8 or -n 16 on a 16-core H100 host; with 2 threads a worker
+# (bench/run_h200.sh) it takes 116 s at -n 8
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 settings.register_profile(
     "ci",
     max_examples=25,
