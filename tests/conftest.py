@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 # pytest-xdist workers share the machine's cores: each takes its share for the CPU references.
 # With torch's default (every core in every worker) the acceptance GPU file had not finished
-# after 290 s at -n 8 or -n 16 on a 16-core H100 host; with 2 threads a worker
+# after 280-290 s at -n 8 or -n 16 on a 16-core H100 host; with 2 threads a worker
 # (bench/run_h200.sh) it takes 116 s at -n 8
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
