@@ -123,6 +123,7 @@ def _accept_kernel(
     CAP: tl.constexpr,
     CAP_S: tl.constexpr,
     SUB: tl.constexpr,
+    MASS_TILE: tl.constexpr,  # pass 2: the kept set's block masses from registers up to this tile
     AHEAD: tl.constexpr,  # pass 1's blocks in flight a program (1 or 2; ``_node_stats``)
     VEC: tl.constexpr,  # pass 1's blocks known aligned: vector loads (``_node_stats``)
     HAS_TOPK: tl.constexpr,  # sampling: the launch has top-k / top-p tensors (else off)
@@ -147,7 +148,7 @@ def _accept_kernel(
             pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp, p_wmax,
             p_wse, p_wthr, p_wcut, p_wz, p_wcs, p_wcm, p_wgm, p_wcand, p_wsel, N, V, NCH, S,
             S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, GC, READ, CAP, CAP_S, SUB,
-            HAS_TOPK, HAS_TOPP
+            MASS_TILE, HAS_TOPK, HAS_TOPP
         )  # fmt: skip
     # the next launch (pass 2 after pass 1, the walk after pass 2) may be placed now; it waits
     # for this one to complete before it reads what this one stored
@@ -289,6 +290,16 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
             block_v = 4096 if wide else 2048
         else:
             block_v = 8192 if wide and not K else 4096
+            # a split keeps at least two blocks, so below B*N = 512 a short vocabulary in 4,096-
+            # logit blocks cannot have the programs to fill the GPU twice: 2,048 (at 4 warps)
+            # where that gives more splits. H100 sweep, session 49 (accept_sweep.json), us at
+            # 4,096 / 2,048: B 1 V 32,000 7.33 / 6.96, B 2 8.67 / 8.18; at V 128,256 4,096
+            # fills the GPU already and stays (B 1 11.05 against 11.11 at 2,048)
+            if not wide and not K and dev.type == "cuda":
+                s4096 = default_splits(B, N, V, dev, 4096)
+                if B * N * s4096 < 2 * _runtime.sm_count(dev):
+                    if default_splits(B, N, V, dev, 2048) > s4096:
+                        block_v = 2048
         block_v = min(block_v, pow2(V))
     # the exact search's [BLOCK_T, NPIV] tile: small for sampling, whose pass 2 programs are
     # one per node and must stay light in registers
@@ -347,8 +358,9 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     n_i.append(B * N * G_PAD if trunc else 1)
     if num_warps is None:
         # greedy's 4,096-logit blocks take 8 warps (below B*N = 512, or with top-K ids), its
-        # 8,192 blocks and sampling's pass 1 and walk 4: the sweep had 4 warps at or below 8 at
-        # every B and V for those (sampling B 64 V 32,000: 118.7 against 157.6 us at 2,048)
+        # 2,048 and 8,192 blocks and sampling's pass 1 and walk 4: the sweep had 4 warps at or
+        # below 8 at every B and V for those (sampling B 64 V 32,000: 118.7 against 157.6 us at
+        # 2,048)
         greedy8 = not sample and block_v == 4096 and (not wide or K > 0)
         num_warps = 8 if greedy8 and not interpreted() else 4
     common = dict(
@@ -376,6 +388,10 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
         # the candidates' small sort (the interpreter's tests reach both sizes)
         CAP_S=min(CAP, 128) if not interpreted() else max(CAP // 2, min(CAP, 2)),
         SUB=min(32, CAP),
+        # the kept set's [candidates, blocks] tile summed in registers where it has at most this
+        # many entries (64 a thread at 4 warps), else the sorted candidates are reread SUB at a
+        # time (the interpreter's tests reach both)
+        MASS_TILE=8192 if not interpreted() else 256,
         AHEAD=ahead,
         VEC=vector_loads,
         HAS_TOPK=sample and has_topk,

@@ -270,6 +270,7 @@ def _kept_set(
     NCH_PAD: tl.constexpr,
     CAP: tl.constexpr,
     SUB: tl.constexpr,
+    MASS_TILE: tl.constexpr,
 ):
     """Kept set of a top-k/top-p row from its ``count`` (<= CAP) candidates (every token above
     a lower bound of the threshold, in any order), sorted in registers by (logit desc, id asc).
@@ -295,22 +296,30 @@ def _kept_set(
     cut = tl.sum(tl.where(o_c == C - 1, id_s, 0), axis=0)
     w_s = tl.where(o_c < C, w_s, 0.0)
     z = tl.sum(w_s, axis=0)
-    # per-block kept mass for the walker, from the kept tokens (SUB of them at a time)
-    tl.debug_barrier()  # every thread read the unsorted slots before they are overwritten
-    tl.store(p_cand + o_c, srt)
-    tl.debug_barrier()
+    # per-block kept mass for the walker, from the kept tokens
     o_b = tl.arange(0, NCH_PAD)
-    acc = tl.zeros([NCH_PAD], dtype=tl.float32)
-    for c0 in range(0, C, SUB):
-        o_s = c0 + tl.arange(0, SUB)
-        m_s = o_s < C
-        p_s = tl.load(p_cand + o_s, mask=m_s, other=0)
-        i_s = (2147483647 - (p_s & 0xFFFFFFFF)).to(tl.int32)
-        w = tl.where(m_s, _weight(_unkey((p_s >> 32).to(tl.int32)), m, T), 0.0)
-        blk = i_s // BLOCK_V
-        acc += tl.sum(
-            tl.where(m_s[:, None] & (blk[:, None] == o_b[None, :]), w[:, None], 0.0), axis=0
+    if CAP * NCH_PAD <= MASS_TILE:
+        # from the sorted candidates in registers (a [CAP, NCH_PAD] tile of at most MASS_TILE
+        # entries): no store and reread through memory
+        acc = tl.sum(
+            tl.where((id_s // BLOCK_V)[:, None] == o_b[None, :], w_s[:, None], 0.0), axis=0
         )
+    else:
+        # SUB of them at a time, reread from the sorted slots
+        tl.debug_barrier()  # every thread read the unsorted slots before they are overwritten
+        tl.store(p_cand + o_c, srt)
+        tl.debug_barrier()
+        acc = tl.zeros([NCH_PAD], dtype=tl.float32)
+        for c0 in range(0, C, SUB):
+            o_s = c0 + tl.arange(0, SUB)
+            m_s = o_s < C
+            p_s = tl.load(p_cand + o_s, mask=m_s, other=0)
+            i_s = (2147483647 - (p_s & 0xFFFFFFFF)).to(tl.int32)
+            w = tl.where(m_s, _weight(_unkey((p_s >> 32).to(tl.int32)), m, T), 0.0)
+            blk = i_s // BLOCK_V
+            acc += tl.sum(
+                tl.where(m_s[:, None] & (blk[:, None] == o_b[None, :]), w[:, None], 0.0), axis=0
+            )
     tl.store(p_cs + o_b, acc, mask=o_b < NCH)
     tl.store(p_cm + o_b, m + tl.zeros([NCH_PAD], dtype=tl.float32), mask=o_b < NCH)
     return thr, cut, z

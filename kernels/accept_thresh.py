@@ -99,6 +99,7 @@ def _finish_node(
     CAP: tl.constexpr,
     CAP_S: tl.constexpr,
     SUB: tl.constexpr,
+    MASS_TILE: tl.constexpr,
     HAS_TOPK: tl.constexpr,
     HAS_TOPP: tl.constexpr,
 ):
@@ -130,10 +131,12 @@ def _finish_node(
         # sort of a quarter of the size, else in CAP
         if ok & (count <= CAP_S):
             thr, cut, z = _kept_set(p_wcand + node * CAP, count, m, T, z, k, top_p, use_k, use_p,
-                                    p_cs, p_cm, NCH, BLOCK_V, NCH_PAD, CAP_S, SUB)  # fmt: skip
+                                    p_cs, p_cm, NCH, BLOCK_V, NCH_PAD, CAP_S, SUB,
+                                    MASS_TILE)  # fmt: skip
         elif ok & (count <= CAP):
             thr, cut, z = _kept_set(p_wcand + node * CAP, count, m, T, z, k, top_p, use_k, use_p,
-                                    p_cs, p_cm, NCH, BLOCK_V, NCH_PAD, CAP, SUB)  # fmt: skip
+                                    p_cs, p_cm, NCH, BLOCK_V, NCH_PAD, CAP, SUB,
+                                    MASS_TILE)  # fmt: skip
         else:
             # exact multi-pivot search over the whole row (wide nucleus, k beyond the groups)
             hi = _key(m) + 1
