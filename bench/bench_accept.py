@@ -670,6 +670,9 @@ def main() -> None:
         "--batches", default=None, help="comma-separated batch sizes (default 1,8,64; --quick 8)"
     )
     ap.add_argument(
+        "--vocabs", default=None, help="comma-separated vocabulary sizes (default 32000,128256)"
+    )
+    ap.add_argument(
         "--budget-s",
         type=float,
         default=240.0,
@@ -702,6 +705,8 @@ def main() -> None:
     if args.batches:
         Bs = [int(b) for b in args.batches.split(",")]
     Vs = [32000] if args.quick else [32000, 128256]
+    if args.vocabs:
+        Vs = [int(v) for v in args.vocabs.split(",")]
     if args.cpu_dry_run:
         Bs, Vs = [1, 2], [300]
     if args.topk:
