@@ -188,15 +188,25 @@ registers from pass 1's 48 to 203 (V 32,000) and 255 (V 128,256) at B 1, 4 warps
 _RETIRED: list[torch.Tensor] = []
 
 
-def default_splits(B: int, N: int, V: int, device: torch.device, block_v: int) -> int:
+def default_splits(
+    B: int, N: int, V: int, device: torch.device, block_v: int, topk_ids: bool = False
+) -> int:
     """Vocabulary splits per node in pass 1 (greedy and sampling): enough programs to fill the
-    GPU twice over, each split at least two blocks long. Depends on capacities and the SM count
-    only."""
+    GPU twice over, each split at least one block long (two with top-K ids, ``topk_ids``).
+    Depends on capacities and the SM count only.
+
+    One block, not two, lets B 1 V 32,000 split eight ways in 2,048-logit blocks instead of
+    four (H100, session 50, us, two runs each: greedy 6.84 / 6.86 -> 6.32 / 6.32, sampling
+    13.64 / 13.76 -> 12.64 / 12.58, top-k 50 / top-p 0.9 25.48 / 25.43 -> 24.60 / 24.69).
+    Greedy with top-K ids keeps two: its walker merges every split's K candidates, and with
+    one-block splits top-8 at B 1 N 64 V 32,000 ran 19.49 -> 20.8 us (4 splits, not 2), though
+    at N 7 it paid (17.55 -> 13.34)."""
     if device.type != "cuda":
         return 1
     sms = _runtime.sm_count(device)
+    min_blocks = 2 if topk_ids else 1
     s = 1
-    while B * N * s < 2 * sms and s * 2 * block_v * 2 <= V and s < 16:
+    while B * N * s < 2 * sms and s * 2 * block_v * min_blocks <= V and s < 16:
         s *= 2
     return s
 
@@ -290,21 +300,21 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
             block_v = 4096 if wide else 2048
         else:
             block_v = 8192 if wide and not K else 4096
-            # a split keeps at least two blocks, so below B*N = 512 a short vocabulary in 4,096-
-            # logit blocks cannot have the programs to fill the GPU twice: 2,048 (at 4 warps)
-            # where that gives more splits. H100 sweep, session 49 (accept_sweep.json), us at
-            # 4,096 / 2,048: B 1 V 32,000 7.33 / 6.96, B 2 8.67 / 8.18; at V 128,256 4,096
-            # fills the GPU already and stays (B 1 11.05 against 11.11 at 2,048)
+            # below B*N = 512 the splits are short: where a split of 4,096-logit blocks would
+            # hold fewer than two of them, 2,048 (at 4 warps). H100 sweep, session 49
+            # (accept_sweep_s49.json), us, 4,096 at 8 warps / 2,048 at the splits each takes:
+            # B 1 V 32,000 6.69 (4 splits) / 6.41 (8), B 2 8.44 / 8.18 (4 each); V 128,256
+            # keeps 4,096 (B 1, 8 splits: 11.05 / 11.11; B 2, 4: 16.44 / 17.42)
             if not wide and not K and dev.type == "cuda":
-                s4096 = default_splits(B, N, V, dev, 4096)
-                if B * N * s4096 < 2 * _runtime.sm_count(dev):
-                    if default_splits(B, N, V, dev, 2048) > s4096:
-                        block_v = 2048
+                if V < default_splits(B, N, V, dev, 4096) * 2 * 4096:
+                    block_v = 2048
         block_v = min(block_v, pow2(V))
     # the exact search's [BLOCK_T, NPIV] tile: small for sampling, whose pass 2 programs are
     # one per node and must stay light in registers
     block_t = max(16, min(block_v, 128 if sample else 512))
-    S = num_splits if num_splits is not None else default_splits(B, N, V, dev, block_v)
+    S = num_splits
+    if S is None:
+        S = default_splits(B, N, V, dev, block_v, topk_ids=K > 0)
     if ahead is None:
         ahead = default_ahead(B * N * S, dev)
     per_split = -(-V // S)
