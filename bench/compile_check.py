@@ -130,7 +130,7 @@ def _install() -> None:
         (graft_update, "_rank_warps", 1),  # (n_flat, device)
     ):
         orig = getattr(mod, fn)
-        setattr(mod, fn, lambda *a, _f=orig, _i=at: _f(*a[:_i], gpu, *a[_i + 1 :]))
+        setattr(mod, fn, lambda *a, _f=orig, _i=at, **kw: _f(*a[:_i], gpu, *a[_i + 1 :], **kw))
 
 
 def _tool(name: str) -> str:
