@@ -664,10 +664,13 @@ def main() -> None:
         "--topk",
         action="store_true",
         help="only greedy with the fused top-8 ids (Graft's table input) against greedy alone "
-        "and torch.topk, V = 8192 and 32000, N = 7 and 64: accept_topk.json",
+        "and torch.topk, V = 8192 and 32000, N = 7 and 64 (--topk-nodes): accept_topk.json",
     )
     ap.add_argument(
         "--batches", default=None, help="comma-separated batch sizes (default 1,8,64; --quick 8)"
+    )
+    ap.add_argument(
+        "--topk-nodes", default="7,64", help="--topk only: comma-separated node counts N"
     )
     ap.add_argument(
         "--vocabs", default=None, help="comma-separated vocabulary sizes (default 32000,128256)"
@@ -711,7 +714,7 @@ def main() -> None:
         Bs, Vs = [1, 2], [300]
     if args.topk:
         Vt = [300] if args.cpu_dry_run else [8192, 32000]
-        rows = topk_rows(empty_us, Bs, Vt, [7, 64])
+        rows = topk_rows(empty_us, Bs, Vt, [int(n) for n in args.topk_nodes.split(",")])
         doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)
         H.write_json(os.path.join(args.out, "accept_topk.json"), doc)
         for r in rows:
