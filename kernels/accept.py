@@ -178,10 +178,11 @@ def _accept_kernel(
 PLAIN_SAMPLING_PHASE = 1
 """The launches of sampling without top-k / top-p tensors when ``accept_launch`` is given no
 ``phase``: 1, pass 1 and then the walk (two launches; three with truncation). 0, one launch
-whose last program per request walks, is untimed: the walker's code raises the launch's
+whose last program per request walks, is slower: the walker's code raises the launch's
 registers from pass 1's 48 to 203 (V 32,000) and 255 (V 128,256) at B 1, 4 warps
-(``bench/compile_check.py``), so two programs fit an SM where ten did; ``bench_accept.py
---sweep-pass1`` times both."""
+(``bench/compile_check.py``), so two programs fit an SM where ten did. H100, session 50
+(``bench_accept.py``'s ``treeops_one_launch_us``), us, two launches / one: B 1 V 32,000 12.71 /
+15.37, V 128,256 21.61 / 28.20, B 2 V 128,256 31.45 / 40.72."""
 
 # every scratch buffer ever handed out stays alive: a CUDA graph captured with an older, smaller
 # one keeps using it after a larger launch made a new one
