@@ -926,6 +926,33 @@ def test_default_ahead_loads_a_block_ahead_only_in_small_launches(monkeypatch):
     assert KA.default_ahead(8, torch.device("cpu")) == 1
 
 
+def test_default_splits_and_blocks_from_capacities(monkeypatch):
+    """Pass 1's splits fill 132 SMs twice over, each at least one block long (two with top-K
+    ids), at most 16; greedy takes 2,048-logit blocks where a split of 4,096 would hold fewer
+    than two; one split off CUDA."""
+    from treeops.kernels import accept as KA
+
+    monkeypatch.setattr(KA._runtime, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert KA.default_splits(1, 64, 32000, cuda, 2048) == 8
+    assert KA.default_splits(1, 64, 32000, cuda, 4096) == 4
+    assert KA.default_splits(1, 64, 32000, cuda, 4096, topk_ids=True) == 2
+    assert KA.default_splits(8, 64, 32000, cuda, 4096) == 1  # 512 programs fill it already
+    assert KA.default_splits(1, 1, 10**6, cuda, 1024) == 16
+    assert KA.default_splits(1, 64, 3000, cuda, 2048) == 1  # no whole block for a second split
+    assert KA.default_splits(1, 64, 32000, torch.device("cpu"), 2048) == 1
+
+    def plan(B, N, V, K=0):
+        p = KA._plan(B, N, V, cuda, False, K, False, 0, False, False, None, None, 16, None,
+                     None, None, None, True, False, False, None, None)  # fmt: skip
+        return p.common["BLOCK_V"], p.S
+
+    assert plan(1, 64, 32000) == (2048, 8)
+    assert plan(2, 64, 32000) == (2048, 4)
+    assert plan(1, 64, 128256) == (4096, 8)
+    assert plan(1, 64, 32000, K=8) == (4096, 2)  # top-K ids keep 4,096 blocks, two a split
+
+
 def test_launch_refuses_bad_phase_and_ahead():
     tree = make_tree([parents_of("chain", 3, random.Random(0))], 4, 16, random.Random(0))
     lg = torch.randn(1, 4, 16)
