@@ -192,22 +192,30 @@ _RETIRED: list[torch.Tensor] = []
 def default_splits(
     B: int, N: int, V: int, device: torch.device, block_v: int, topk_ids: bool = False
 ) -> int:
-    """Vocabulary splits per node in pass 1 (greedy and sampling): enough programs to fill the
-    GPU twice over, each split at least one block long (two with top-K ids, ``topk_ids``).
-    Depends on capacities and the SM count only.
+    """Vocabulary splits per node in pass 1 (greedy and sampling), each at least one block long
+    and at most 16: enough programs to fill the GPU twice over, or with top-K ids
+    (``topk_ids``) to fill it once. Depends on capacities and the SM count only.
 
-    One block, not two, lets B 1 V 32,000 split eight ways in 2,048-logit blocks instead of
-    four (H100, session 50, us, two runs each: greedy 6.84 / 6.86 -> 6.32 / 6.32, sampling
-    13.64 / 13.76 -> 12.64 / 12.58, top-k 50 / top-p 0.9 25.48 / 25.43 -> 24.60 / 24.69).
-    Greedy with top-K ids keeps two: its walker merges every split's K candidates, and with
-    one-block splits top-8 at B 1 N 64 V 32,000 ran 19.49 -> 20.8 us (4 splits, not 2), though
-    at N 7 it paid (17.55 -> 13.34)."""
+    One-block splits let B 1 V 32,000 split eight ways in 2,048-logit blocks (H100, session
+    50, us, two runs each: greedy 6.84 / 6.86 -> 6.32 / 6.32, sampling 13.64 / 13.76 ->
+    12.64 / 12.58, top-k 50 / top-p 0.9 25.48 / 25.43 -> 24.60 / 24.69). With top-K ids the
+    walker merges every split's K candidates, so a second wave of programs costs more than it
+    streams (top-8, B 1 N 64 V 32,000: 19.49 us in 2 splits, 20.8 in 4), while below one wave
+    more splits pay (H100, session 51, top-8, us: B 1 N 7 V 32,000 17.77 -> 13.37 in 4 splits
+    instead of 2; B 1 N 64 V 8,192 13.58 -> 10.47 in 2 instead of 1; B 1 N 100 V 32,000
+    28.78 -> 26.51 in 1 instead of 2)."""
     if device.type != "cuda":
         return 1
     sms = _runtime.sm_count(device)
-    min_blocks = 2 if topk_ids else 1
     s = 1
-    while B * N * s < 2 * sms and s * 2 * block_v * min_blocks <= V and s < 16:
+    while s * 2 * block_v <= V and s < 16:
+        programs = B * N * s
+        if topk_ids:
+            full = 2 * programs > sms  # doubling would start a second wave
+        else:
+            full = programs >= 2 * sms
+        if full:
+            break
         s *= 2
     return s
 
