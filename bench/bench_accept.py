@@ -447,6 +447,60 @@ def topk_rows(empty_us: float, Bs, Vs, Ns, K: int = 8) -> list[dict]:
     return rows
 
 
+def topk_split_rows(empty_us: float, Bs, Vs, Ns, splits, K: int = 8) -> list[dict]:
+    """Acceptance with the top-``K`` ids at forced split counts of pass 1 (``num_splits``), for
+    greedy, temperature-only sampling and top-k 50 / top-p 0.9 sampling: how many splits the
+    walker's merge of every split's K candidates can afford. Each forced launch's accepted
+    path, bonus and top-K ids must equal the default launch's (``same_as_default``), and the
+    default's top-K ids the reference's."""
+    rows = []
+    for V in Vs:
+        for N in Ns:
+            for B in Bs:
+                seed = B * 131 + V + N
+                tree = bench_tree(B, N, V, seed)
+                nbytes = B * N * V * 2
+                copies, reps = rotation(nbytes)
+                lgs = [bench_logits(tree, V, seed + c, 4.0) for c in range(copies)]
+                T = torch.full((B,), 0.8, device=DEV)
+                k = torch.full((B,), 50, dtype=torch.int32, device=DEV)
+                p = torch.full((B,), 0.9, device=DEV)
+                u = torch.rand(B, N, device=DEV)
+                flavours = {
+                    "greedy_topk_split": {},
+                    "sample_topk_split": dict(temperature=T, uniforms=u),
+                    "sample_trunc_topk_split": dict(temperature=T, top_k=k, top_p=p, uniforms=u),
+                }
+                cpu = subset(tree, min(B, 4))
+                for op, kw in flavours.items():
+                    bases = [accept_launch(tree, x, topk_ids=K, **kw) for x in lgs]
+                    want = ref.accept_greedy(cpu, lgs[0][: cpu.parents.shape[0]].cpu(), topk_ids=K)
+                    ok = torch.equal(bases[0].topk[: cpu.parents.shape[0]].cpu(), want.topk)
+                    for S in [None, *splits]:
+                        if S is not None and S > 16:
+                            continue
+                        same = True
+                        for x, base in zip(lgs, bases):
+                            r = accept_launch(tree, x, topk_ids=K, num_splits=S, **kw)
+                            for name in ("accepted", "bonus", "topk"):
+                                same &= torch.equal(getattr(r, name), getattr(base, name))
+                        t = graph_time_us(
+                            [lambda x=x, t=tree, S=S, kw=kw: accept_launch(
+                                t, x, topk_ids=K, num_splits=S, **kw) for x in lgs],
+                            reps,
+                        )  # fmt: skip
+                        row = dict(op=op, B=B, N=N, V=V, K=K, splits=S or "default",
+                                   correct=ok, same_as_default=same, treeops_us=t,
+                                   floor_us=H.floor_us(nbytes, empty_us=empty_us))  # fmt: skip
+                        rows.append(row)
+                        print(f"{op} B={B} N={N} V={V} splits={row['splits']}: {t:.2f} us "
+                              f"same={same} correct={ok}", flush=True)  # fmt: skip
+                del lgs
+                if DEV == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
 def sweep_inputs(B: int, N: int, V: int, boost: float, empty_us: float):
     """A sweep's inputs at one (B, V): the bench tree, enough logits copies to rotate through
     (``rotation``), the graph replays per timing and the byte floor."""
@@ -667,6 +721,13 @@ def main() -> None:
         "and torch.topk, V = 8192 and 32000, N = 7 and 64 (--topk-nodes): accept_topk.json",
     )
     ap.add_argument(
+        "--topk-splits",
+        default=None,
+        help="only acceptance with the top-8 ids (greedy, sampling, top-k/top-p sampling) at "
+        "these forced split counts and the default, V = 8192 and 32000, N from --topk-nodes: "
+        "accept_topk_splits.json",
+    )
+    ap.add_argument(
         "--batches", default=None, help="comma-separated batch sizes (default 1,8,64; --quick 8)"
     )
     ap.add_argument(
@@ -712,6 +773,15 @@ def main() -> None:
         Vs = [int(v) for v in args.vocabs.split(",")]
     if args.cpu_dry_run:
         Bs, Vs = [1, 2], [300]
+    if args.topk_splits:
+        Vt = [300] if args.cpu_dry_run else [8192, 32000]
+        splits = [int(x) for x in args.topk_splits.split(",")]
+        rows = topk_split_rows(
+            empty_us, Bs, Vt, [int(n) for n in args.topk_nodes.split(",")], splits
+        )
+        doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)
+        H.write_json(os.path.join(args.out, "accept_topk_splits.json"), doc)
+        return
     if args.topk:
         Vt = [300] if args.cpu_dry_run else [8192, 32000]
         rows = topk_rows(empty_us, Bs, Vt, [int(n) for n in args.topk_nodes.split(",")])
