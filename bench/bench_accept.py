@@ -718,14 +718,15 @@ def main() -> None:
         "--topk",
         action="store_true",
         help="only greedy with the fused top-8 ids (Graft's table input) against greedy alone "
-        "and torch.topk, V = 8192 and 32000, N = 7 and 64 (--topk-nodes): accept_topk.json",
+        "and torch.topk, V = 8192 and 32000 (--vocabs), N = 7 and 64 (--topk-nodes): "
+        "accept_topk.json",
     )
     ap.add_argument(
         "--topk-splits",
         default=None,
         help="only acceptance with the top-8 ids (greedy, sampling, top-k/top-p sampling) at "
-        "these forced split counts and the default, V = 8192 and 32000, N from --topk-nodes: "
-        "accept_topk_splits.json",
+        "these forced split counts and the default ('default': the default alone), V = 8192 "
+        "and 32000 (--vocabs), N from --topk-nodes: accept_topk_splits.json",
     )
     ap.add_argument(
         "--batches", default=None, help="comma-separated batch sizes (default 1,8,64; --quick 8)"
@@ -773,9 +774,11 @@ def main() -> None:
         Vs = [int(v) for v in args.vocabs.split(",")]
     if args.cpu_dry_run:
         Bs, Vs = [1, 2], [300]
+    Vt = [int(v) for v in args.vocabs.split(",")] if args.vocabs else [8192, 32000]
+    if args.cpu_dry_run:
+        Vt = [300]
     if args.topk_splits:
-        Vt = [300] if args.cpu_dry_run else [8192, 32000]
-        splits = [int(x) for x in args.topk_splits.split(",")]
+        splits = [int(x) for x in args.topk_splits.split(",") if x != "default"]
         rows = topk_split_rows(
             empty_us, Bs, Vt, [int(n) for n in args.topk_nodes.split(",")], splits
         )
@@ -783,7 +786,6 @@ def main() -> None:
         H.write_json(os.path.join(args.out, "accept_topk_splits.json"), doc)
         return
     if args.topk:
-        Vt = [300] if args.cpu_dry_run else [8192, 32000]
         rows = topk_rows(empty_us, Bs, Vt, [int(n) for n in args.topk_nodes.split(",")])
         doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)
         H.write_json(os.path.join(args.out, "accept_topk.json"), doc)

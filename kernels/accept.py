@@ -190,32 +190,43 @@ _RETIRED: list[torch.Tensor] = []
 
 
 def default_splits(
-    B: int, N: int, V: int, device: torch.device, block_v: int, topk_ids: bool = False
+    B: int,
+    N: int,
+    V: int,
+    device: torch.device,
+    block_v: int,
+    topk_ids: bool = False,
+    sample: bool = False,
 ) -> int:
-    """Vocabulary splits per node in pass 1 (greedy and sampling), each at least one block long
-    and at most 16: enough programs to fill the GPU twice over, or with top-K ids
-    (``topk_ids``) to fill it once. Depends on capacities and the SM count only.
+    """Vocabulary splits per node in pass 1 (greedy, ``sample``: sampling), at most 16, each
+    at least one block long: enough programs to fill the GPU twice over. With top-K ids
+    (``topk_ids``) the walker merges every split's K candidates, so fewer: sampling's splits
+    double while the doubled launch stays within two programs per SM, greedy's (whose walker
+    runs in the same launch) within one, and greedy's last split may end in a partial block.
+    Depends on capacities and the SM count only.
 
     One-block splits let B 1 V 32,000 split eight ways in 2,048-logit blocks (H100, session
     50, us, two runs each: greedy 6.84 / 6.86 -> 6.32 / 6.32, sampling 13.64 / 13.76 ->
-    12.64 / 12.58, top-k 50 / top-p 0.9 25.48 / 25.43 -> 24.60 / 24.69). With top-K ids the
-    walker merges every split's K candidates, so a second wave of programs costs more than it
-    streams (top-8, B 1 N 64 V 32,000: 19.49 us in 2 splits, 20.8 in 4), while below one wave
-    more splits pay (H100, session 51, top-8, us: B 1 N 7 V 32,000 17.77 -> 13.37 in 4 splits
-    instead of 2; B 1 N 64 V 8,192 13.58 -> 10.47 in 2 instead of 1; B 1 N 100 V 32,000
-    28.78 -> 26.51 in 1 instead of 2)."""
+    12.64 / 12.58, top-k 50 / top-p 0.9 25.48 / 25.43 -> 24.60 / 24.69). With top-8 ids
+    (H100, session 51, us), greedy: B 1 N 64 V 32,000 19.49 in 2 splits, 20.8 in 4; B 1 N 7
+    V 32,000 17.77 in 2, 13.38 in 4, 9.95 in 8 (8 4,096-logit splits, the last partial); B 1
+    N 100 V 32,000 28.78 in 2, 26.51 in 1. Sampling (forced counts, ``bench_accept.py
+    --topk-splits``), temperature only / with top-k 50 and top-p 0.9: B 8 N 7 V 8,192 18.15 /
+    28.79 in 2, 15.47 / 26.6 in 4, 17.47 / 28.28 in 8; B 2 N 64 V 8,192 24.16 / 35.67 in 1,
+    22.54 / 33.1 in 2, 24.46 / 35.19 in 4."""
     if device.type != "cuda":
         return 1
     sms = _runtime.sm_count(device)
+    # the most programs a doubled launch may have: without top-K ids under four per SM (so a
+    # launch stops doubling at two per SM or more), with them two per SM (sampling) or one
+    if not topk_ids:
+        most = 4 * sms - 1
+    else:
+        most = 2 * sms if sample else sms
+    # splits of whole blocks; greedy's with top-K ids may end in a partial one
+    blocks = -(-V // block_v) if topk_ids and not sample else V // block_v
     s = 1
-    while s * 2 * block_v <= V and s < 16:
-        programs = B * N * s
-        if topk_ids:
-            full = 2 * programs > sms  # doubling would start a second wave
-        else:
-            full = programs >= 2 * sms
-        if full:
-            break
+    while 2 * s <= blocks and s < 16 and 2 * B * N * s <= most:
         s *= 2
     return s
 
@@ -323,7 +334,7 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     block_t = max(16, min(block_v, 128 if sample else 512))
     S = num_splits
     if S is None:
-        S = default_splits(B, N, V, dev, block_v, topk_ids=K > 0)
+        S = default_splits(B, N, V, dev, block_v, topk_ids=K > 0, sample=sample)
     if ahead is None:
         ahead = default_ahead(B * N * S, dev)
     per_split = -(-V // S)

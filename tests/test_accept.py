@@ -927,7 +927,7 @@ def test_default_ahead_loads_a_block_ahead_only_in_small_launches(monkeypatch):
 
 
 def test_default_splits_and_blocks_from_capacities(monkeypatch):
-    """Pass 1's splits fill 132 SMs twice over (once with top-K ids), each at least one block
+    """Pass 1's splits fill 132 SMs twice over (fewer with top-K ids), each at least one block
     long, at most 16; greedy takes 2,048-logit blocks where a split of 4,096 would hold fewer
     than two; one split off CUDA."""
     from treeops.kernels import accept as KA
@@ -937,9 +937,14 @@ def test_default_splits_and_blocks_from_capacities(monkeypatch):
     assert KA.default_splits(1, 64, 32000, cuda, 2048) == 8
     assert KA.default_splits(1, 64, 32000, cuda, 4096) == 4
     assert KA.default_splits(1, 64, 32000, cuda, 4096, topk_ids=True) == 2  # 128 programs
-    assert KA.default_splits(1, 7, 32000, cuda, 4096, topk_ids=True) == 4  # out of blocks
     assert KA.default_splits(1, 64, 8192, cuda, 4096, topk_ids=True) == 2
     assert KA.default_splits(1, 100, 32000, cuda, 4096, topk_ids=True) == 1  # 200 > 132
+    assert KA.default_splits(1, 7, 32000, cuda, 4096, topk_ids=True) == 8  # the last partial
+    # sampling with top-K ids: the doubled launch within two programs per SM, whole blocks
+    assert KA.default_splits(8, 7, 8192, cuda, 2048, topk_ids=True, sample=True) == 4
+    assert KA.default_splits(2, 64, 8192, cuda, 2048, topk_ids=True, sample=True) == 2
+    assert KA.default_splits(1, 100, 8192, cuda, 2048, topk_ids=True, sample=True) == 2
+    assert KA.default_splits(1, 7, 8192, cuda, 2048, topk_ids=True, sample=True) == 4
     assert KA.default_splits(8, 64, 32000, cuda, 4096) == 1  # 512 programs fill it already
     assert KA.default_splits(1, 1, 10**6, cuda, 1024) == 16
     assert KA.default_splits(1, 64, 3000, cuda, 2048) == 1  # no whole block for a second split
@@ -954,7 +959,7 @@ def test_default_splits_and_blocks_from_capacities(monkeypatch):
     assert plan(2, 64, 32000) == (2048, 4)
     assert plan(1, 64, 128256) == (4096, 8)
     assert plan(1, 64, 32000, K=8) == (4096, 2)  # top-K ids keep 4,096 blocks
-    assert plan(1, 7, 32000, K=8) == (4096, 4)
+    assert plan(1, 7, 32000, K=8) == (4096, 8)
 
 
 def test_launch_refuses_bad_phase_and_ahead():
