@@ -448,12 +448,15 @@ def topk_rows(empty_us: float, Bs, Vs, Ns, K: int = 8) -> list[dict]:
 
 
 def topk_split_rows(empty_us: float, Bs, Vs, Ns, splits, K: int = 8) -> list[dict]:
-    """Acceptance with the top-``K`` ids at forced split counts of pass 1 (``num_splits``), for
-    greedy, temperature-only sampling and top-k 50 / top-p 0.9 sampling: how many splits the
-    walker's merge of every split's K candidates can afford. Each forced launch's accepted
-    path, bonus and top-K ids must equal the default launch's (``same_as_default``), and the
-    default's top-K ids the reference's."""
+    """Acceptance at forced split counts of pass 1 (``num_splits``) and the default, for greedy,
+    temperature-only sampling and top-k 50 / top-p 0.9 sampling, with the top-``K`` ids (how
+    many splits the walker's merge of every split's K candidates can afford) or, K = 0,
+    without. Each forced launch's accepted path, bonus and top-K ids must equal the default
+    launch's (``same_as_default``; sampling may differ where a uniform falls within rounding
+    of a bucket's edge), and the default's the reference's (``correct``: the top-K ids, or with
+    K = 0 ``check_against_reference``)."""
     rows = []
+    tag = "_topk" if K else ""
     for V in Vs:
         for N in Ns:
             for B in Bs:
@@ -467,22 +470,30 @@ def topk_split_rows(empty_us: float, Bs, Vs, Ns, splits, K: int = 8) -> list[dic
                 p = torch.full((B,), 0.9, device=DEV)
                 u = torch.rand(B, N, device=DEV)
                 flavours = {
-                    "greedy_topk_split": {},
-                    "sample_topk_split": dict(temperature=T, uniforms=u),
-                    "sample_trunc_topk_split": dict(temperature=T, top_k=k, top_p=p, uniforms=u),
-                }
+                    "greedy": ({}, None),
+                    "sample": (dict(temperature=T, uniforms=u),
+                               (T, torch.zeros_like(k), torch.ones_like(p), u)),
+                    "sample_trunc": (dict(temperature=T, top_k=k, top_p=p, uniforms=u),
+                                     (T, k, p, u)),
+                }  # fmt: skip
                 cpu = subset(tree, min(B, 4))
-                for op, kw in flavours.items():
+                for flavour, (kw, samp) in flavours.items():
+                    op = f"{flavour}{tag}_split"
                     bases = [accept_launch(tree, x, topk_ids=K, **kw) for x in lgs]
-                    want = ref.accept_greedy(cpu, lgs[0][: cpu.parents.shape[0]].cpu(), topk_ids=K)
-                    ok = torch.equal(bases[0].topk[: cpu.parents.shape[0]].cpu(), want.topk)
+                    if K:
+                        want = ref.accept_greedy(
+                            cpu, lgs[0][: cpu.parents.shape[0]].cpu(), topk_ids=K
+                        )
+                        ok = torch.equal(bases[0].topk[: cpu.parents.shape[0]].cpu(), want.topk)
+                    else:
+                        ok = check_against_reference(tree, lgs[0], bases[0], samp)[0]
                     for S in [None, *splits]:
                         if S is not None and S > 16:
                             continue
                         same = True
                         for x, base in zip(lgs, bases):
                             r = accept_launch(tree, x, topk_ids=K, num_splits=S, **kw)
-                            for name in ("accepted", "bonus", "topk"):
+                            for name in ("accepted", "bonus") + (("topk",) if K else ()):
                                 same &= torch.equal(getattr(r, name), getattr(base, name))
                         t = graph_time_us(
                             [lambda x=x, t=tree, S=S, kw=kw: accept_launch(
@@ -724,9 +735,15 @@ def main() -> None:
     ap.add_argument(
         "--topk-splits",
         default=None,
-        help="only acceptance with the top-8 ids (greedy, sampling, top-k/top-p sampling) at "
-        "these forced split counts and the default ('default': the default alone), V = 8192 "
-        "and 32000 (--vocabs), N from --topk-nodes: accept_topk_splits.json",
+        help="only acceptance with the top-8 ids (--topk-ids; greedy, sampling, top-k/top-p "
+        "sampling) at these forced split counts and the default ('default': the default "
+        "alone), V = 8192 and 32000 (--vocabs), N from --topk-nodes: accept_topk_splits.json",
+    )
+    ap.add_argument(
+        "--topk-ids",
+        type=int,
+        default=8,
+        help="--topk-splits only: the top-K ids each launch returns (0: none)",
     )
     ap.add_argument(
         "--batches", default=None, help="comma-separated batch sizes (default 1,8,64; --quick 8)"
@@ -780,8 +797,9 @@ def main() -> None:
     if args.topk_splits:
         splits = [int(x) for x in args.topk_splits.split(",") if x != "default"]
         rows = topk_split_rows(
-            empty_us, Bs, Vt, [int(n) for n in args.topk_nodes.split(",")], splits
-        )
+            empty_us, Bs, Vt, [int(n) for n in args.topk_nodes.split(",")], splits,
+            K=args.topk_ids,
+        )  # fmt: skip
         doc = H.result_doc(DEV, empty_kernel_graph_us=empty_us, rows=rows)
         H.write_json(os.path.join(args.out, "accept_topk_splits.json"), doc)
         return
