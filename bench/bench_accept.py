@@ -404,12 +404,9 @@ def bench_accept_row(
     return row
 
 
-def topk_rows(empty_us: float, Bs, Vs, Ns, K: int = 8) -> list[dict]:
-    """Greedy acceptance with the target's top-``K`` ids of every node (``topk_ids``, what
-    Graft's successor table learns from) next to greedy alone over the same logits, and the
-    torch peer (``torch.topk`` over the logits, then the greedy op): what the fused top-K costs
-    on top of the acceptance. ids checked against the reference first."""
-    rows = []
+def topk_shapes(Bs, Vs, Ns):
+    """The top-K rows' inputs per shape, V outermost: (B, N, V, tree, logits copies to rotate
+    through, graph replays per timing, logits bytes)."""
     for V in Vs:
         for N in Ns:
             for B in Bs:
@@ -418,32 +415,42 @@ def topk_rows(empty_us: float, Bs, Vs, Ns, K: int = 8) -> list[dict]:
                 nbytes = B * N * V * 2
                 copies, reps = rotation(nbytes)
                 lgs = [bench_logits(tree, V, seed + c, 4.0) for c in range(copies)]
-                got = treeops.accept_greedy(tree, lgs[0], topk_ids=K)
-                cpu = subset(tree, min(B, 4))
-                want = ref.accept_greedy(cpu, lgs[0][: cpu.parents.shape[0]].cpu(), topk_ids=K)
-                ok = torch.equal(got.topk[: cpu.parents.shape[0]].cpu(), want.topk)
-                row = dict(op="greedy_topk", B=B, N=N, V=V, K=K, dtype="bfloat16", copies=copies,
-                           reps=reps, correct=ok, empty_kernel_us=empty_us,
-                           floor_us=H.floor_us(nbytes, empty_us=empty_us))  # fmt: skip
-                if ok:
-                    row["treeops_us"] = graph_time_us(
-                        [lambda x=x, t=tree: treeops.accept_greedy(t, x, topk_ids=K) for x in lgs],
-                        reps,
-                    )
-                    row["greedy_alone_us"] = graph_time_us(
-                        [lambda x=x, t=tree: treeops.accept_greedy(t, x) for x in lgs], reps
-                    )
-                    row["torch_us"] = graph_time_us(
-                        [
-                            lambda x=x, t=tree: (treeops.accept_greedy(t, x), torch.topk(x, K, -1))
-                            for x in lgs
-                        ],
-                        reps,
-                    )
-                rows.append(row)
+                yield B, N, V, tree, lgs, reps, nbytes
                 del lgs
                 if DEV == "cuda":
                     torch.cuda.empty_cache()
+
+
+def topk_rows(empty_us: float, Bs, Vs, Ns, K: int = 8) -> list[dict]:
+    """Greedy acceptance with the target's top-``K`` ids of every node (``topk_ids``, what
+    Graft's successor table learns from) next to greedy alone over the same logits, and the
+    torch peer (``torch.topk`` over the logits, then the greedy op): what the fused top-K costs
+    on top of the acceptance. ids checked against the reference first."""
+    rows = []
+    for B, N, V, tree, lgs, reps, nbytes in topk_shapes(Bs, Vs, Ns):
+        got = treeops.accept_greedy(tree, lgs[0], topk_ids=K)
+        cpu = subset(tree, min(B, 4))
+        want = ref.accept_greedy(cpu, lgs[0][: cpu.parents.shape[0]].cpu(), topk_ids=K)
+        ok = torch.equal(got.topk[: cpu.parents.shape[0]].cpu(), want.topk)
+        row = dict(op="greedy_topk", B=B, N=N, V=V, K=K, dtype="bfloat16", copies=len(lgs),
+                   reps=reps, correct=ok, empty_kernel_us=empty_us,
+                   floor_us=H.floor_us(nbytes, empty_us=empty_us))  # fmt: skip
+        if ok:
+            row["treeops_us"] = graph_time_us(
+                [lambda x=x, t=tree: treeops.accept_greedy(t, x, topk_ids=K) for x in lgs],
+                reps,
+            )
+            row["greedy_alone_us"] = graph_time_us(
+                [lambda x=x, t=tree: treeops.accept_greedy(t, x) for x in lgs], reps
+            )
+            row["torch_us"] = graph_time_us(
+                [
+                    lambda x=x, t=tree: (treeops.accept_greedy(t, x), torch.topk(x, K, -1))
+                    for x in lgs
+                ],
+                reps,
+            )
+        rows.append(row)
     return rows
 
 
@@ -457,58 +464,46 @@ def topk_split_rows(empty_us: float, Bs, Vs, Ns, splits, K: int = 8) -> list[dic
     K = 0 ``check_against_reference``)."""
     rows = []
     tag = "_topk" if K else ""
-    for V in Vs:
-        for N in Ns:
-            for B in Bs:
-                seed = B * 131 + V + N
-                tree = bench_tree(B, N, V, seed)
-                nbytes = B * N * V * 2
-                copies, reps = rotation(nbytes)
-                lgs = [bench_logits(tree, V, seed + c, 4.0) for c in range(copies)]
-                T = torch.full((B,), 0.8, device=DEV)
-                k = torch.full((B,), 50, dtype=torch.int32, device=DEV)
-                p = torch.full((B,), 0.9, device=DEV)
-                u = torch.rand(B, N, device=DEV)
-                flavours = {
-                    "greedy": ({}, None),
-                    "sample": (dict(temperature=T, uniforms=u),
-                               (T, torch.zeros_like(k), torch.ones_like(p), u)),
-                    "sample_trunc": (dict(temperature=T, top_k=k, top_p=p, uniforms=u),
-                                     (T, k, p, u)),
-                }  # fmt: skip
-                cpu = subset(tree, min(B, 4))
-                for flavour, (kw, samp) in flavours.items():
-                    op = f"{flavour}{tag}_split"
-                    bases = [accept_launch(tree, x, topk_ids=K, **kw) for x in lgs]
-                    if K:
-                        want = ref.accept_greedy(
-                            cpu, lgs[0][: cpu.parents.shape[0]].cpu(), topk_ids=K
-                        )
-                        ok = torch.equal(bases[0].topk[: cpu.parents.shape[0]].cpu(), want.topk)
-                    else:
-                        ok = check_against_reference(tree, lgs[0], bases[0], samp)[0]
-                    for S in [None, *splits]:
-                        if S is not None and S > 16:
-                            continue
-                        same = True
-                        for x, base in zip(lgs, bases):
-                            r = accept_launch(tree, x, topk_ids=K, num_splits=S, **kw)
-                            for name in ("accepted", "bonus") + (("topk",) if K else ()):
-                                same &= torch.equal(getattr(r, name), getattr(base, name))
-                        t = graph_time_us(
-                            [lambda x=x, t=tree, S=S, kw=kw: accept_launch(
-                                t, x, topk_ids=K, num_splits=S, **kw) for x in lgs],
-                            reps,
-                        )  # fmt: skip
-                        row = dict(op=op, B=B, N=N, V=V, K=K, splits=S or "default",
-                                   correct=ok, same_as_default=same, treeops_us=t,
-                                   floor_us=H.floor_us(nbytes, empty_us=empty_us))  # fmt: skip
-                        rows.append(row)
-                        print(f"{op} B={B} N={N} V={V} splits={row['splits']}: {t:.2f} us "
-                              f"same={same} correct={ok}", flush=True)  # fmt: skip
-                del lgs
-                if DEV == "cuda":
-                    torch.cuda.empty_cache()
+    for B, N, V, tree, lgs, reps, nbytes in topk_shapes(Bs, Vs, Ns):
+        T = torch.full((B,), 0.8, device=DEV)
+        k = torch.full((B,), 50, dtype=torch.int32, device=DEV)
+        p = torch.full((B,), 0.9, device=DEV)
+        u = torch.rand(B, N, device=DEV)
+        flavours = {
+            "greedy": ({}, None),
+            "sample": (dict(temperature=T, uniforms=u),
+                       (T, torch.zeros_like(k), torch.ones_like(p), u)),
+            "sample_trunc": (dict(temperature=T, top_k=k, top_p=p, uniforms=u),
+                             (T, k, p, u)),
+        }  # fmt: skip
+        cpu = subset(tree, min(B, 4))
+        for flavour, (kw, samp) in flavours.items():
+            op = f"{flavour}{tag}_split"
+            bases = [accept_launch(tree, x, topk_ids=K, **kw) for x in lgs]
+            if K:
+                want = ref.accept_greedy(cpu, lgs[0][: cpu.parents.shape[0]].cpu(), topk_ids=K)
+                ok = torch.equal(bases[0].topk[: cpu.parents.shape[0]].cpu(), want.topk)
+            else:
+                ok = check_against_reference(tree, lgs[0], bases[0], samp)[0]
+            for S in [None, *splits]:
+                if S is not None and S > 16:
+                    continue
+                same = True
+                for x, base in zip(lgs, bases):
+                    r = accept_launch(tree, x, topk_ids=K, num_splits=S, **kw)
+                    for name in ("accepted", "bonus") + (("topk",) if K else ()):
+                        same &= torch.equal(getattr(r, name), getattr(base, name))
+                t = graph_time_us(
+                    [lambda x=x, t=tree, S=S, kw=kw: accept_launch(
+                        t, x, topk_ids=K, num_splits=S, **kw) for x in lgs],
+                    reps,
+                )  # fmt: skip
+                row = dict(op=op, B=B, N=N, V=V, K=K, splits=S or "default",
+                           correct=ok, same_as_default=same, treeops_us=t,
+                           floor_us=H.floor_us(nbytes, empty_us=empty_us))  # fmt: skip
+                rows.append(row)
+                print(f"{op} B={B} N={N} V={V} splits={row['splits']}: {t:.2f} us "
+                      f"same={same} correct={ok}", flush=True)  # fmt: skip
     return rows
 
 
