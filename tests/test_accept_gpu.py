@@ -47,6 +47,7 @@ def tree_batch(B: int, N: int, V: int, seed: int):
         (3, 16, 32000, torch.float16),
         (2, 64, 128256, torch.float32),
         (1, 64, 32000, torch.bfloat16),
+        (1, 7, 32000, torch.bfloat16),  # top-K ids: 8 splits of 4,096, the last partial
         (9, 7, 151936, torch.bfloat16),
         (2, 16, 262144, torch.bfloat16),
         (3, 16, 32001, torch.bfloat16),  # rows not 16-byte aligned: element loads
