@@ -746,6 +746,9 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
         *(accept("sample_plain", B, V) for B in (1, 8) for V in (32000, 128256)),
         accept("sample_plain", 1, 32000, logprobs=True, topk_ids=8),
         accept("sample_topp", 8, 32000, p=0.9),
+        # large trees: the walker's [nodes, nodes] tiles (duplicate siblings)
+        accept("greedy", 1, 32000, N=256),
+        accept("sample", 1, 32000, N=256, k=50, p=0.9),
         # the kept-set pass's reread tile x warps (bench_accept.py --sweep-top)
         *(
             accept("sample", 64, 32000, k=50, p=0.9, reread=r, pass2_warps=w)

@@ -436,8 +436,11 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
     # pass 2 of sampling: one program per node, a few KB of the row each; 4 warps
     common2 = dict(common, launch_pdl=pdl > 0,
                    num_warps=pass2_warps or (4 if not interpreted() else num_warps))  # fmt: skip
-    # the walker scans a whole block for a bonus token: 8 warps keep a 4,096 block unspilled
-    walk_warps = 8 if block_v >= 4096 and not interpreted() else common["num_warps"]
+    # the walker scans a whole block for a bonus token and subtracts the children's weights
+    # from their blocks' masses ([nodes, blocks] in registers): 8 warps keep a 4,096 block or a
+    # 4,096-entry tile unspilled
+    big = block_v >= 4096 or pow2(N) * pow2(NCH) >= 4096
+    walk_warps = 8 if big and not interpreted() else common["num_warps"]
     common_walk = dict(common, launch_pdl=pdl > 0, num_warps=walk_warps)
     return _Plan(S, chunk, NCH, n_f, n_i, B * N * CAP if trunc else 1, common, common2,
                  common_walk)  # fmt: skip

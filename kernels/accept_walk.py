@@ -19,27 +19,28 @@ from .accept_stats import BIG, INT32_MIN, _kept, _key, _weight
 def _greedy_walk(n, valid, par, tok, arg, nz, N, N_PAD: tl.constexpr):
     """Follow the child whose token is the node's argmax; emit the argmax at every node."""
     o = tl.arange(0, N_PAD)
+    # node i continues the walk iff its token is its parent's argmax: every node's decision at
+    # once, so a step is one reduction (the current node's first such child)
+    par_s = tl.where(valid & (o > 0), par, 0).to(tl.int32)
+    acc = valid & (o > 0) & (tok == tl.gather(arg, par_s, 0).to(tl.int64))
     path = tl.where(o == 0, 0, -1)
-    em = tl.full([N_PAD], -1, tl.int64)
-    lp = tl.zeros([N_PAD], dtype=tl.float32)
     cur = tl.zeros([], dtype=tl.int32)
     L = tl.where(n > 0, 1, 0)
     going = n > 0
     while going:
-        am = tl.sum(tl.where(o == cur, arg, 0), axis=0)
-        z_c = tl.sum(tl.where(o == cur, nz, 0.0), axis=0)
-        # the argmax's weight is exp(0) = 1: log p = -log Z
-        lp = tl.where(o == L - 1, -tl.log(z_c), lp)
-        em = tl.where(o == L - 1, am.to(tl.int64), em)
-        nxt = tl.min(
-            tl.where(valid & (o > 0) & (par == cur) & (tok == am.to(tl.int64)), o, BIG), axis=0
-        )
+        nxt = tl.min(tl.where(acc & (par == cur), o, BIG), axis=0)
         going = nxt < BIG
         if going:
             path = tl.where(o == L, nxt, path)
             L += 1
             cur = nxt
             going = L <= N
+    # the q-th emitted token is the argmax at the q-th node of the path; its weight is
+    # exp(0) = 1, so log p = -log Z
+    on = o < L
+    at = tl.where(on, path, 0)
+    em = tl.where(on, tl.gather(arg, at, 0).to(tl.int64), -1)
+    lp = tl.where(on, -tl.log(tl.gather(nz, at, 0)), 0.0)
     return path, em, lp, L
 
 
@@ -70,16 +71,12 @@ def _sample_walk(
     BLOCK_V: tl.constexpr,
     NCH_PAD: tl.constexpr,
 ):
-    """docs/design.md op 7's interval rule, node by node, in unnormalised weights: u * Z is laid out
-    as the kept children's weights in sibling (= index) order, then every other kept token's
-    weight in id order."""
+    """docs/design.md op 7's interval rule, in unnormalised weights: at node c, u_c * Z_c is laid
+    out as c's kept children's weights in sibling (= index) order, then every other kept token's
+    weight in id order. A child's piece depends only on its parent's row and uniform, so every
+    child's logit and every uniform are loaded at once, before the first step: a step is then
+    register work, and only the node the walk stops at loads (its bonus token's scan)."""
     o = tl.arange(0, N_PAD)
-    path = tl.where(o == 0, 0, -1)
-    em = tl.full([N_PAD], -1, tl.int64)
-    lp = tl.zeros([N_PAD], dtype=tl.float32)
-    cur = tl.zeros([], dtype=tl.int32)
-    L = tl.where(n > 0, 1, 0)
-    going = n > 0
     # a token repeated among siblings counts once, at its first sibling
     dup = (
         tl.max(
@@ -94,23 +91,42 @@ def _sample_walk(
         > 0
     )
     cand = valid & (o > 0) & ~dup & (tok >= 0) & (tok < V)
+    # each child's kept weight and log-probability in its parent's row (one load of every
+    # child's logit), and each node's goal u * Z
+    par_s = tl.where(cand, par, 0).to(tl.int32)
+    m_p = tl.gather(nm, par_s, 0)
+    z_p = tl.gather(nz, par_s, 0)
+    x_v = tl.load(
+        p_logits + i_b * s_lb + par_s.to(tl.int64) * s_ln + tok * s_lv,
+        mask=cand,
+        other=float("-inf"),
+    ).to(tl.float32)
+    kept_v = _kept(_key(x_v), tok.to(tl.int32), tl.gather(thr, par_s, 0), tl.gather(cutv, par_s, 0))
+    w_v = tl.where(cand & kept_v, _weight(x_v, m_p, T), 0.0)
+    lp_v = (x_v - m_p) / T - tl.log(z_p)
+    u_all = tl.load(p_uni + i_b * s_ub + o, mask=o < N, other=0.0).to(tl.float32)
+    g_v = u_all * nz
+    path = tl.where(o == 0, 0, -1)
+    em = tl.full([N_PAD], -1, tl.int64)
+    lp = tl.zeros([N_PAD], dtype=tl.float32)
+    cur = tl.zeros([], dtype=tl.int32)
+    L = tl.where(n > 0, 1, 0)
+    bonus = tl.full([], -1, tl.int64)
+    bonus_lp = tl.zeros([], dtype=tl.float32)
+    going = n > 0
     while going:
-        m_c = tl.sum(tl.where(o == cur, nm, 0.0), axis=0)
-        z_c = tl.sum(tl.where(o == cur, nz, 0.0), axis=0)
-        thr_c = tl.sum(tl.where(o == cur, thr, 0), axis=0)
-        cut_c = tl.sum(tl.where(o == cur, cutv, 0), axis=0)
-        u = tl.load(p_uni + i_b * s_ub + cur).to(tl.float32)
-        p_row = p_logits + i_b * s_lb + cur.to(tl.int64) * s_ln
         ch = cand & (par == cur)
-        xc = tl.load(p_row + tok * s_lv, mask=ch, other=float("-inf")).to(tl.float32)
-        wc = tl.where(
-            ch & _kept(_key(xc), tok.to(tl.int32), thr_c, cut_c), _weight(xc, m_c, T), 0.0
-        )
-        cum = tl.cumsum(wc, 0)
-        goal = u * z_c
-        hit = tl.min(tl.where(ch & (wc > 0) & (cum > goal), o, BIG), axis=0)
+        wc = tl.where(ch, w_v, 0.0)
+        goal = tl.sum(tl.where(o == cur, g_v, 0.0), axis=0)
+        hit = tl.min(tl.where((wc > 0) & (tl.cumsum(wc, 0) > goal), o, BIG), axis=0)
         if hit == BIG:
-            # u lies past the children: scan every other kept token in id order
+            # u lies past the children (always, at a leaf): scan every other kept token in id
+            # order for the bonus token
+            m_c = tl.sum(tl.where(o == cur, nm, 0.0), axis=0)
+            z_c = tl.sum(tl.where(o == cur, nz, 0.0), axis=0)
+            thr_c = tl.sum(tl.where(o == cur, thr, 0), axis=0)
+            cut_c = tl.sum(tl.where(o == cur, cutv, 0), axis=0)
+            p_row = p_logits + i_b * s_lb + cur.to(tl.int64) * s_ln
             goal2 = goal - tl.sum(wc, axis=0)
             # first block whose cumulative non-child mass passes goal2, from the block masses
             # the node's program stored; the scan starts there (it moves on if rounding says
@@ -133,6 +149,9 @@ def _sample_walk(
             run = tl.sum(tl.where(o_c < c0, c_o, 0.0), axis=0)
             found = tl.full([], BIG, tl.int32)
             last = tl.full([], -1, tl.int32)
+            # the found and the last kept tokens' logits, taken from the block in registers
+            x_found = tl.zeros([], dtype=tl.float32)
+            x_last = tl.zeros([], dtype=tl.float32)
             v0 = c0 * BLOCK_V
             while (v0 < V) & (found == BIG):
                 o_v = v0 + tl.arange(0, BLOCK_V)
@@ -145,33 +164,40 @@ def _sample_walk(
                 rem = ch & (tok >= v0) & (tok < v0 + BLOCK_V)
                 while tl.max(rem.to(tl.int32), axis=0) > 0:
                     t = tl.min(tl.where(rem, tok, V), axis=0)
-                    b_w = tl.where(o_v.to(tl.int64) == t, 0.0, b_w)
+                    b_w = tl.where(o_v == t.to(tl.int32), 0.0, b_w)
                     rem = rem & (tok != t)
                 cs = run + tl.cumsum(b_w, 0)
                 found = tl.min(tl.where((b_w > 0) & (cs > goal2), o_v, BIG), axis=0)
-                last = tl.maximum(last, tl.max(tl.where(b_w > 0, o_v, -1), axis=0))
+                x_found = tl.sum(tl.where(o_v == found, b_x, 0.0), axis=0)
+                last_b = tl.max(tl.where(b_w > 0, o_v, -1), axis=0)
+                if last_b >= 0:
+                    last = last_b
+                    x_last = tl.sum(tl.where(o_v == last_b, b_x, 0.0), axis=0)
                 run += tl.sum(b_w, axis=0)
                 v0 += BLOCK_V
             if (found == BIG) & (last >= 0):
                 found = last
+                x_found = x_last
             if found == BIG:
                 # rounding past the end with every kept token a child: the last child's piece
                 hit = tl.max(tl.where(ch & (wc > 0), o, -1), axis=0)
                 hit = tl.where(hit < 0, BIG, hit)
             else:
-                x_b = tl.load(p_row + found.to(tl.int64) * s_lv).to(tl.float32)
-                lp = tl.where(o == L - 1, (x_b - m_c) / T - tl.log(z_c), lp)
-                em = tl.where(o == L - 1, found.to(tl.int64), em)
+                bonus = found.to(tl.int64)
+                bonus_lp = (x_found - m_c) / T - tl.log(z_c)
         if hit < BIG:
-            x_h = tl.sum(tl.where(o == hit, xc, 0.0), axis=0)
-            lp = tl.where(o == L - 1, (x_h - m_c) / T - tl.log(z_c), lp)
-            em = tl.where(o == L - 1, tl.sum(tl.where(o == hit, tok, 0), axis=0), em)
+            # the child's token, and its log-probability in its parent's row
             path = tl.where(o == L, hit, path)
+            em = tl.where(o == L - 1, tl.sum(tl.where(o == hit, tok, 0), axis=0), em)
+            lp = tl.where(o == L - 1, tl.sum(tl.where(o == hit, lp_v, 0.0), axis=0), lp)
             L += 1
             cur = hit
             going = L <= N
         else:
-            going = hit < 0
+            going = False
+    # the last emitted token is the bonus
+    em = tl.where(o == L - 1, bonus, em)
+    lp = tl.where(o == L - 1, bonus_lp, lp)
     return path, em, lp, L
 
 

@@ -701,6 +701,34 @@ def test_sample_top_k_top_p_kept_set_matches_reference_probs():
             assert got.logprobs[b, 0] == pytest.approx(math.log(dist[int(got.bonus[b])]), abs=1e-5)
 
 
+@pytest.mark.parametrize("big_first", [True, False])
+@pytest.mark.parametrize("top_k", [0, 8])
+def test_sample_u_near_one_with_every_kept_token_a_child(big_first, top_k):
+    """Every kept token is a child of the root, one weight 1 and seven far below its rounding,
+    u = 1 - 2**-24: in exact arithmetic u falls in a child's piece. The sums of the weights in
+    sibling order (the walk) and over the row (the normaliser) may round apart, leaving u past
+    the children: then the last child's piece is taken and the walk goes on from it. Either
+    way a child is accepted and the walk continues below it."""
+    V = 8
+    parents = [-1] + [0] * V + [1 if big_first else V]
+    tokens = [0] + list(range(V)) + [3]
+    tree = tree_from_lists([parents], [tokens], capacity=V + 2)
+    lg = torch.full((1, V + 2, V), -100.0)
+    big = 0 if big_first else V - 1
+    lg[0, 0] = -17.0  # weights exp(-17) < 2**-24 of the max's
+    lg[0, 0, big] = 0.0
+    lg[0, big + 1, 3] = 5.0  # below the big child, token 3 is the near-certain next
+    u = torch.full((1, V + 2), 1 - 2**-24)
+    T = torch.ones(1)
+    for run_k in ([None, None], [torch.tensor([top_k], dtype=torch.int32), torch.ones(1)]):
+        got = accept_launch(tree, lg, temperature=T, top_k=run_k[0], top_p=run_k[1], uniforms=u)
+        want = ref.accept_sample(tree, lg, T, torch.tensor([top_k]), torch.ones(1), u)
+        child = int(got.accepted[0, 1])
+        assert 1 <= child <= V, got
+        assert int(got.accept_len[0]) >= 2
+        assert int(want.accepted[0, 1]) >= 1
+
+
 def test_sample_large_vocab_named_case():
     """One larger case (V = 3001, several blocks) with top-k and top-p."""
     rng = random.Random(11)

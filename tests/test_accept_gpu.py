@@ -90,6 +90,8 @@ def Acc_cpu(r):
         (3, 16, 32000, torch.float32),
         (6, 32, 50000, torch.float16),
         (2, 16, 256000, torch.bfloat16),
+        # a large tree: the walker's [nodes, nodes] tiles at 256
+        (2, 200, 32000, torch.bfloat16),
     ],
 )
 @pytest.mark.parametrize("phase", [0, 1])
