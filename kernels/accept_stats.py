@@ -216,9 +216,10 @@ def _gather_candidates(p_row, stride_v, V, L, p_gm, p_sel, p_cand, GROUP: tl.con
     (2^31 - 1 - id)) int64 (the first CAP of them, in no particular order) and return how many
     there are (possibly > CAP). Reads only the groups whose maximum (``p_gm`` [G_PAD]) reaches
     L, READ // GROUP of them (at least one) at a time; their ids go through ``p_sel`` [G_PAD]
-    int32. Each such read waits on the one before (the running count), so fine groups, few
-    tokens each, are what keeps the number of reads low. The group maxima are scanned GC at a
-    time (registers for GC values, not G_PAD), their selected ids appended in order."""
+    int32, each read's ids loaded beside the read before (so a read is one memory latency, not
+    two). Each read waits on the one before (the running count), so fine groups, few tokens
+    each, are what keeps the number of reads low. The group maxima are scanned GC at a time
+    (registers for GC values, not G_PAD), their selected ids appended in order."""
     n_g = (V + GROUP - 1) // GROUP
     o_c = tl.arange(0, GC)
     n_sel = tl.zeros([], dtype=tl.int32)
@@ -233,15 +234,19 @@ def _gather_candidates(p_row, stride_v, V, L, p_gm, p_sel, p_cand, GROUP: tl.con
     R: tl.constexpr = READ // GROUP if GROUP < READ else 1
     o_t = tl.arange(0, GROUP)
     count = tl.zeros([], dtype=tl.int32)
+    o_R = tl.arange(0, R)
+    gid_next = tl.load(p_sel + o_R, mask=o_R < n_sel, other=0, volatile=True)
     for r0 in range(0, n_sel, R):
-        o_r = r0 + tl.arange(0, R)
+        o_r = r0 + o_R
         m_r = o_r < n_sel
-        gid = tl.load(p_sel + o_r, mask=m_r, other=0, volatile=True)
+        gid = gid_next
         tid = gid[:, None] * GROUP + o_t[None, :]  # [R, GROUP] token ids
         m_t = m_r[:, None] & (tid < V)
         x = tl.load(p_row + tid.to(tl.int64) * stride_v, mask=m_t, other=float("-inf")).to(
             tl.float32
         )
+        # the next read's group ids, in flight beside this read
+        gid_next = tl.load(p_sel + o_r + R, mask=o_r + R < n_sel, other=0, volatile=True)
         sel = tl.reshape(m_t & (x >= L), [R * GROUP])
         x1 = tl.reshape(x, [R * GROUP])
         t1 = tl.reshape(tid, [R * GROUP])
