@@ -202,8 +202,14 @@ def default_splits(
     at least one block long: enough programs to fill the GPU twice over. With top-K ids
     (``topk_ids``) the walker merges every split's K candidates, so fewer: sampling's splits
     double while the doubled launch stays within two programs per SM, greedy's (whose walker
-    runs in the same launch) within one, and greedy's last split may end in a partial block.
-    Depends on capacities and the SM count only.
+    runs in the same launch) within one. The last split may end in a partial block, except
+    sampling's with top-K ids. Depends on capacities and the SM count only.
+
+    A partial last split lets V 32,000 (15.6 blocks of 2,048) split 16 ways at B·N <= 32: H100,
+    session 53 (``bench_accept.py --topk-splits default --topk-ids 0 --topk-nodes 7,16``), us,
+    whole blocks -> a partial last one, greedy / sampling / top-k 50 and top-p 0.9: B 1 N 7
+    4.82 -> 4.22 / 8.39 -> 7.41 / 19.96 -> 18.94; B 4 N 7 6.09 -> 5.57 / 10.05 -> 9.48 / 22.64
+    -> 21.88; B 2 N 16 5.86 -> 5.91 / 10.47 -> 10.10 / 23.21 -> 22.81.
 
     One-block splits let B 1 V 32,000 split eight ways in 2,048-logit blocks (H100, session
     50, us, two runs each: greedy 6.84 / 6.86 -> 6.32 / 6.32, sampling 13.64 / 13.76 ->
@@ -223,8 +229,9 @@ def default_splits(
         most = 4 * sms - 1
     else:
         most = 2 * sms if sample else sms
-    # splits of whole blocks; greedy's with top-K ids may end in a partial one
-    blocks = -(-V // block_v) if topk_ids and not sample else V // block_v
+    # a split holds at least one block and may end in a partial one (the last split's), but
+    # sampling's with top-K ids keep whole blocks
+    blocks = V // block_v if topk_ids and sample else -(-V // block_v)
     s = 1
     while 2 * s <= blocks and s < 16 and 2 * B * N * s <= most:
         s *= 2

@@ -955,14 +955,14 @@ def test_default_ahead_loads_a_block_ahead_only_in_small_launches(monkeypatch):
 
 def test_default_splits_and_blocks_from_capacities(monkeypatch):
     """Pass 1's splits fill 132 SMs twice over (fewer with top-K ids), each at least one block
-    long, at most 16; greedy takes 2,048-logit blocks where a split of 4,096 would hold fewer
+    long (the last may be partial, but sampling's with top-K ids), at most 16; greedy takes 2,048-logit blocks where a split of 4,096 would hold fewer
     than two; one split off CUDA."""
     from treeops.kernels import accept as KA
 
     monkeypatch.setattr(KA._runtime, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
     assert KA.default_splits(1, 64, 32000, cuda, 2048) == 8
-    assert KA.default_splits(1, 64, 32000, cuda, 4096) == 4
+    assert KA.default_splits(1, 64, 32000, cuda, 4096) == 8  # 7.8 blocks: the last partial
     assert KA.default_splits(1, 64, 32000, cuda, 4096, topk_ids=True) == 2  # 128 programs
     assert KA.default_splits(1, 64, 8192, cuda, 4096, topk_ids=True) == 2
     assert KA.default_splits(1, 100, 32000, cuda, 4096, topk_ids=True) == 1  # 200 > 132
@@ -974,7 +974,12 @@ def test_default_splits_and_blocks_from_capacities(monkeypatch):
     assert KA.default_splits(1, 7, 8192, cuda, 2048, topk_ids=True, sample=True) == 4
     assert KA.default_splits(8, 64, 32000, cuda, 4096) == 1  # 512 programs fill it already
     assert KA.default_splits(1, 1, 10**6, cuda, 1024) == 16
-    assert KA.default_splits(1, 64, 3000, cuda, 2048) == 1  # no whole block for a second split
+    # the last split may be partial: 3,000 in two, 32,000 (15.6 blocks) in 16 at small B·N
+    assert KA.default_splits(1, 64, 3000, cuda, 2048) == 2
+    assert KA.default_splits(1, 64, 2048, cuda, 2048) == 1
+    assert KA.default_splits(1, 7, 32000, cuda, 2048) == 16
+    assert KA.default_splits(1, 7, 32000, cuda, 2048, sample=True) == 16
+    assert KA.default_splits(1, 7, 32000, cuda, 2048, topk_ids=True, sample=True) == 8
     assert KA.default_splits(1, 64, 32000, torch.device("cpu"), 2048) == 1
 
     def plan(B, N, V, K=0):
