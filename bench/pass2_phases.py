@@ -39,8 +39,8 @@ if HERE not in sys.path:
 
 from treeops.kernels.accept_stats import (  # noqa: E402
     _gather_candidates,
-    _key,
     _kept_set,
+    _key,
     _lower_bound,
     _unkey,
 )
@@ -248,12 +248,11 @@ def case(B: int, V: int, reps: int) -> list[dict]:
             kw = dict(zip(names, recs[1][2], strict=True))
             res = torch.empty(B * N, device="cuda")
             sub = {n: kw[n] for n in _pass2_upto.arg_names if n in kw}
-            warps = 4
             phases = {}
             for name, stop in STOPS.items():
 
-                def go(stop=stop):
-                    _pass2_upto[(B * N,)](res, **sub, STOP=stop, num_warps=warps)
+                def go(stop=stop, res=res, sub=sub):
+                    _pass2_upto[(B * N,)](res, **sub, STOP=stop, num_warps=4)
 
                 phases[name] = _graph_us(go, reps)
             row["pass2_phases_us"] = phases

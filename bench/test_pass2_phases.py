@@ -7,7 +7,6 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-
 from pass2_phases import _kth_largest
 
 

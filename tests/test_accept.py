@@ -955,8 +955,8 @@ def test_default_ahead_loads_a_block_ahead_only_in_small_launches(monkeypatch):
 
 def test_default_splits_and_blocks_from_capacities(monkeypatch):
     """Pass 1's splits fill 132 SMs twice over (fewer with top-K ids), each at least one block
-    long (the last may be partial, but sampling's with top-K ids), at most 16; greedy takes 2,048-logit blocks where a split of 4,096 would hold fewer
-    than two; one split off CUDA."""
+    long (the last may be partial, but sampling's with top-K ids), at most 16; greedy takes
+    2,048-logit blocks where a split of 4,096 would hold fewer than two; one split off CUDA."""
     from treeops.kernels import accept as KA
 
     monkeypatch.setattr(KA._runtime, "sm_count", lambda device: 132)
