@@ -17,7 +17,11 @@ so every phase's work is live:
 * ``kept``: + the kept set (a sort of CAP_S candidates, its masses per block): all of pass 2's
   fast path.
 
-    python bench/pass2_phases.py [--out F.json] [--reps 20]
+Top-p alone over these logits (standard normal: a nucleus of most of the row) takes pass 2's
+exact search instead; its rows time the whole op at each (tile, pivots) of ``EXACT_CONFIGS``
+(``exact_us``) and check that every configuration accepts the same tokens.
+
+    python bench/pass2_phases.py [--out F.json] [--reps 20] [--shapes 1x32000,8x32000]
 
 Prints a table (µs per launch, medians of replays) and writes the rows as JSON.
 """
@@ -47,6 +51,7 @@ from treeops.kernels.accept_stats import (  # noqa: E402
 from treeops.kernels.accept_thresh import _merge_node, _row_params  # noqa: E402
 
 SHAPES = [(1, 32000), (1, 128256), (2, 128256), (8, 32000)]
+EXACT_CONFIGS = [(128, 16), (512, 4), (1024, 2), (1024, 4), (2048, 1), (2048, 2)]
 STOPS = {"merge": 0, "bound": 1, "bound_max": 10, "bound_radix": 11, "gather": 2, "kept": 3}
 
 
@@ -156,8 +161,19 @@ def _pass2_upto(
 
 
 def _graph_us(launch, reps: int, replays: int = 50) -> float:
-    """Median µs per ``launch()`` over ``replays`` replays of a graph of ``reps`` of them."""
+    """Median µs per ``launch()`` over ``replays`` replays of a graph of ``reps`` of them
+    (fewer of both for a launch of a millisecond or more)."""
     import torch
+
+    t0 = torch.cuda.Event(enable_timing=True)
+    t1 = torch.cuda.Event(enable_timing=True)
+    launch()
+    t0.record()
+    launch()
+    t1.record()
+    t1.synchronize()
+    if t0.elapsed_time(t1) > 0.5:  # ms
+        reps, replays = 2, 5
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -215,6 +231,26 @@ def _relaunch(rec):
     return go
 
 
+def exact_sweep(call, reps: int) -> tuple[dict, bool]:
+    """The op at each (tile, pivots) of ``EXACT_CONFIGS``: µs, and whether every one accepted
+    what the first did."""
+    from treeops.kernels import accept as KA
+
+    times, outs = {}, []
+    for tile, piv in EXACT_CONFIGS:
+        KA._PLANS.clear()
+
+        def go(tile=tile, piv=piv):
+            return call(exact_tile=tile, num_pivots=piv)
+
+        r = go()
+        outs.append((r.accepted.clone(), r.accept_len.clone(), r.bonus.clone()))
+        times[f"{tile}x{piv}"] = _graph_us(go, reps)
+    KA._PLANS.clear()
+    same = all(all((a == b).all().item() for a, b in zip(o, outs[0])) for o in outs)
+    return times, same
+
+
 def case(B: int, V: int, reps: int) -> list[dict]:
     import torch
 
@@ -236,11 +272,13 @@ def case(B: int, V: int, reps: int) -> list[dict]:
         top_k = torch.full((B,), k, dtype=torch.int32, device="cuda")
         top_p = torch.full((B,), p, device="cuda")
 
-        def call(top_k=top_k, top_p=top_p):
+        def call(top_k=top_k, top_p=top_p, **kw):
             return KA.accept_launch(tree, logits, temperature=temp, top_k=top_k, top_p=top_p,
-                                    uniforms=u)  # fmt: skip
+                                    uniforms=u, **kw)  # fmt: skip
 
         row = dict(B=B, V=V, N=N, top_k=k, top_p=p, op_us=_graph_us(call, reps))
+        if (k, p) == (0, 0.9):
+            row["exact_us"], row["exact_same"] = exact_sweep(call, reps)
         recs = _recorded(call)
         row["launches_us"] = [_graph_us(_relaunch(r), reps) for r in recs]
         if (k, p) != (0, 1.0) and len(recs) == 3:
@@ -275,6 +313,10 @@ def main(argv=None) -> None:
         rows += case(B, V, a.reps)
     print(f"{'B':>3} {'V':>7} {'k':>3} {'p':>4} {'op':>7} | launches alone | pass 2 phases")
     for r in rows:
+        if "exact_us" in r:
+            print(f"{r['B']:>3} {r['V']:>7} top-p alone, exact search (tile x pivots, same: "
+                  f"{r['exact_same']}): "
+                  + " ".join(f"{c} {x:.1f}" for c, x in r["exact_us"].items()))  # fmt: skip
         ph = r.get("pass2_phases_us", {})
         print(f"{r['B']:>3} {r['V']:>7} {r['top_k']:>3} {r['top_p']:>4} {r['op_us']:7.2f} | "
               + " ".join(f"{x:6.2f}" for x in r["launches_us"]) + " | "

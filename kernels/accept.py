@@ -22,10 +22,11 @@ groups of GROUP tokens: a few KB), sorts the tokens >= L (at most CAP) by (logit
 ascending) and reads the kept set off them: the first C tokens, i.e. ``key(x_t) > thr or (key(x_t)
 == thr and t <= idcut)`` with ``key`` an order-preserving int32 image of the fp32 logit, its mass
 and its mass per vocabulary block. When k exceeds the number of groups or more than CAP tokens
-reach L (a wide nucleus), an exact multi-pivot search over the 2^32 keys runs instead (NPIV pivots
-per pass, 8 passes for NPIV = 16, plus tie and mass passes, by the node's program alone: slow,
-exact). Then a walker launch, one program per request, walks. (The walk fused into the request's
-last pass-2 program, as greedy's is into pass 1, measured slower on the H200 at every B: its code
+reach L (a wide nucleus), an exact multi-pivot search over the keys runs instead (NPIV pivots
+per pass: 8 passes for NPIV = 16 over fp32 logits, 4 over bf16 or fp16 ones, whose keys differ
+only in their high bits; plus tie and mass passes, by the node's program alone: slow, exact).
+Then a walker launch, one program per request, walks. (The walk fused into the request's last
+pass-2 program, as greedy's is into pass 1, measured slower on the H200 at every B: its code
 doubled pass 2's registers.)
 
 The walker finds the bonus token of a sampling node from the per-block kept masses, then scans
@@ -147,8 +148,8 @@ def _accept_kernel(
         _finish_node(
             pid, p_logits, s_lb, s_ln, s_lv, p_num_nodes, p_temp, p_topk_param, p_topp, p_wmax,
             p_wse, p_wthr, p_wcut, p_wz, p_wcs, p_wcm, p_wgm, p_wcand, p_wsel, N, V, NCH, S,
-            S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, GC, READ, CAP, CAP_S, SUB,
-            MASS_TILE, HAS_TOPK, HAS_TOPP
+            S_PAD, BLOCK_V, BLOCK_T, NPIV, NCH_PAD, GROUP, G_PAD, GC, READ, CAP, CAP_S,
+            SUB, MASS_TILE, HAS_TOPK, HAS_TOPP
         )  # fmt: skip
     # the next launch (pass 2 after pass 1, the walk after pass 2) may be placed now; it waits
     # for this one to complete before it reads what this one stored
@@ -311,9 +312,19 @@ class _Plan(NamedTuple):
 _PLANS: dict[tuple, _Plan] = {}
 
 
+EXACT_TILE = 1024
+"""Tokens an iteration of pass 2's exact search (a wide nucleus, or k past the group count):
+one program scans its node's row several times, an iteration's loads at a time, so the tile sets
+its speed; [EXACT_TILE, EXACT_PIVOTS] compares keep pass 2 at its registers (128 at 4 warps on
+sm_90, as at [128, 16]: ``bench/compile_check.py``)."""
+
+EXACT_PIVOTS = 4
+"""Pivots a pass of the exact search (``_count_search``)."""
+
+
 def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
           block_v, num_pivots, cap, max_groups, num_warps, ahead, vector_loads, has_topk,
-          has_topp, reread, pass2_warps) -> _Plan:  # fmt: skip
+          has_topp, reread, pass2_warps, exact_tile) -> _Plan:  # fmt: skip
     # blocks and warps from the H200 sweep (bench_accept.py --sweep, accept_sweep.json): from
     # B*N = 512 (B 8 at N 64) every program is one split of a whole row and larger blocks keep
     # more bytes in flight: greedy 8,192 at 4 warps (B 64 V 32,000 71.7 against 78.7 us at 4,096
@@ -342,9 +353,8 @@ def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget
                 if V < default_splits(B, N, V, dev, 4096) * 2 * 4096:
                     block_v = 2048
         block_v = min(block_v, pow2(V))
-    # the exact search's [BLOCK_T, NPIV] tile: small for sampling, whose pass 2 programs are
-    # one per node and must stay light in registers
-    block_t = max(16, min(block_v, 128 if sample else 512))
+    # the exact search's [BLOCK_T, NPIV] tile (sampling: ``EXACT_TILE``)
+    block_t = max(16, min(block_v, exact_tile if sample else 512))
     S = num_splits
     if S is None:
         S = default_splits(B, N, V, dev, block_v, topk_ids=K > 0, sample=sample)
@@ -476,7 +486,7 @@ def accept_launch(
     block_v: int | None = None,
     phase: Literal[0, 1] | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    num_pivots: int = 16,
+    num_pivots: int | None = None,
     cap: int | None = None,
     max_groups: int | None = None,
     num_warps: int | None = None,
@@ -484,6 +494,7 @@ def accept_launch(
     vector_loads: bool = True,
     reread: int | None = None,
     pass2_warps: int | None = None,
+    exact_tile: int | None = None,
 ) -> Acceptance:
     """Launch the acceptance kernels (greedy when ``uniforms`` is None). Inputs are assumed
     validated by ``treeops.accept``.
@@ -498,8 +509,9 @@ def accept_launch(
     loops); ``num_warps`` overrides pass 1's warps, ``ahead`` (1 or 2; None:
     ``default_ahead``) its blocks in flight a program, and ``vector_loads=False`` makes its
     logits loads one element each; ``reread`` (tokens, a power of two) is the tile in which
-    pass 2 rereads candidate groups and ``pass2_warps`` pass 2's warps (the benchmark's
-    sweeps).
+    pass 2 rereads candidate groups and ``pass2_warps`` pass 2's warps, ``exact_tile`` and
+    ``num_pivots`` the exact search's tokens an iteration and pivots a pass (default
+    ``EXACT_TILE``, ``EXACT_PIVOTS``; the benchmark's sweeps).
     ``workspace``:
     ``(float32, int32, counters)`` buffers to use instead of the per-device cached scratch and
     counters (``_scratch``, ``arrival_counters``), for launches on concurrent streams.
@@ -525,8 +537,9 @@ def accept_launch(
     has_budget = max_new_tokens is not None
     has_topk, has_topp = top_k is not None, top_p is not None
     key = (B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
-           block_v, num_pivots, cap, max_groups, num_warps, ahead, bool(vector_loads), has_topk,
-           has_topp, reread, pass2_warps)  # fmt: skip
+           block_v, num_pivots or EXACT_PIVOTS, cap, max_groups, num_warps, ahead,
+           bool(vector_loads), has_topk, has_topp, reread, pass2_warps,
+           exact_tile or EXACT_TILE)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)

@@ -55,13 +55,28 @@ def _count_search(
 ):
     """Largest key ``lo`` with f(lo) >= goal, f(P) = count (or mass) of kept-by-(thr0, cut0)
     tokens with key >= P. Invariant: f(lo) >= goal > f(hi) (f(hi) = 0 on entry). Returns
-    (lo, f(lo + 1))."""
+    (lo, f(lo + 1)).
+
+    A pass over the row places NPIV pivots in (lo, hi) and keeps the two around the goal. The
+    keys of bf16 (fp16) logits differ only above their low 16 (13) bits, so the search runs on
+    ``key >> SHIFT`` (order-preserving and one-to-one on those keys): half the passes. A pass
+    sums into [BLOCK, NPIV] slots, reduced once at its end, so that an iteration waits on its
+    loads only (one program scans the whole row)."""
+    SHIFT: tl.constexpr = (
+        16
+        if p_row.dtype.element_ty == tl.bfloat16
+        else (13 if p_row.dtype.element_ty == tl.float16 else 0)
+    )
     o_p = tl.arange(0, NPIV)
     f_hi = tl.zeros([], dtype=tl.float32)
+    # in SHIFT space: F(a) = f(a << SHIFT), so F(lo >> SHIFT) >= f(lo) >= goal and
+    # F(((hi - 1) >> SHIFT) + 1) <= f(hi) < goal
+    lo = lo >> SHIFT
+    hi = ((hi - 1) >> SHIFT) + 1
     while hi.to(tl.int64) - lo.to(tl.int64) > 1:
         span = hi.to(tl.int64) - lo.to(tl.int64)
         piv = (lo.to(tl.int64) + (span * (o_p + 1).to(tl.int64)) // (NPIV + 1)).to(tl.int32)
-        acc = tl.zeros([NPIV], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK, NPIV], dtype=tl.float32)
         for v0 in range(0, V, BLOCK):
             o_v = v0 + tl.arange(0, BLOCK)
             m_v = o_v < V
@@ -74,8 +89,9 @@ def _count_search(
                 b_w = tl.where(m_k, _weight(b_x, m, T), 0.0)
             else:
                 b_w = tl.where(m_k, 1.0, 0.0)
-            ge = b_k[:, None] >= piv[None, :]  # [BLOCK, NPIV]
-            acc += tl.sum(tl.where(ge, b_w[:, None], 0.0), axis=0)
+            ge = (b_k >> SHIFT)[:, None] >= piv[None, :]  # [BLOCK, NPIV]
+            acc2 += tl.where(ge, b_w[:, None], 0.0)
+        acc = tl.sum(acc2, axis=0)
         ok = acc >= goal
         new_lo = tl.max(tl.where(ok, piv, lo), axis=0)
         new_hi = tl.min(tl.where(ok, hi, piv), axis=0)
@@ -83,6 +99,10 @@ def _count_search(
         f_hi = tl.where(new_hi == hi, f_hi, f_new_hi)
         lo = new_lo
         hi = new_hi
+    # back to a whole key: the one key with these high bits (a negative key's low SHIFT bits
+    # are all ones, ``_key``'s image of a negative value)
+    if SHIFT > 0:
+        lo = (lo << SHIFT) | tl.where(lo < 0, (1 << SHIFT) - 1, 0)
     return lo, f_hi
 
 

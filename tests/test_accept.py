@@ -11,6 +11,8 @@ import random
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +20,7 @@ import treeops
 from helpers import small_step, tree_from_lists
 from strategies import logits_like, make_tree, parents_of, trees
 from treeops.kernels.accept import accept_launch
+from treeops.kernels.accept_stats import _count_search, _key
 from treeops.reference import accept as ref
 
 # interpreter noise: -inf - -inf in masked lanes, NumPy's scalar-conversion deprecation
@@ -667,6 +670,64 @@ def test_sample_splits_edge_cases(
     assert_same(got, want, lp_tol=2e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tile,pivots", [(16, 16), (32, 1), (64, 2)])
+def test_sample_exact_search_every_dtype(dtype, tile, pivots):
+    """The exact search (cap 4: every top-p row's candidates overflow it; k past the groups)
+    equals the reference for each logits dtype, whose keys it searches above their low 16
+    (bf16) or 13 (fp16) bits: logits of both signs with ties, so that negative keys (low bits
+    all ones) and the tie cut are reached; several tiles and pivot counts a pass."""
+    rng = random.Random(11)
+    V = 70
+    tree = make_tree([parents_of("random", 6, rng), parents_of("chain", 6, rng)], 6, V, rng)
+    g = torch.Generator().manual_seed(11)
+    lg = torch.randint(-12, 12, (2, 6, V), generator=g).float() * 0.37
+    lg[0] -= 5.0  # request 0's logits all negative, request 1's of both signs
+    lg = lg.to(dtype)
+    T = torch.tensor([0.9, 1.3])
+    k = torch.tensor([0, 60])  # top-p alone; k 60 above the 8 groups of 8 tokens
+    p = torch.tensor([0.85, 0.6])
+    for seed in range(3):
+        u = torch.rand(2, 6, generator=torch.Generator().manual_seed(seed))
+        if near_boundary(tree, lg, T, k, p, u, None, None):
+            continue
+        want = ref.accept_sample(tree, lg, T, k, p, u, return_logprobs=True)
+        got = accept_launch(
+            tree, lg, temperature=T, top_k=k, top_p=p, uniforms=u, return_logprobs=True,
+            block_v=64, num_splits=2, max_groups=8, cap=4, exact_tile=tile, num_pivots=pivots,
+        )  # fmt: skip
+        assert_same(got, want, lp_tol=2e-4)
+
+
+@triton.jit
+def _count_search_kernel(p_row, V, goal, p_out, BLOCK: tl.constexpr, NPIV: tl.constexpr):
+    o = tl.arange(0, 128)
+    m = tl.max(tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32), axis=0)
+    lo = tl.full([], -2147483648, tl.int32)
+    thr, f_gt = _count_search(p_row, 1, V, m, 1.0, lo, V, goal, lo, _key(m) + 1, False, BLOCK,
+                              NPIV)  # fmt: skip
+    tl.store(p_out, thr)
+    tl.store(p_out + 1, f_gt.to(tl.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_count_search_finds_the_kth_key(dtype):
+    """``_count_search`` by count: the k-th largest key of the row and how many keys are above
+    it, exactly, for each dtype (its search runs above their low 16 / 13 bits) and rows of
+    either sign with ties."""
+    g = torch.Generator().manual_seed(5)
+    for shift in (-6.0, 0.0, 6.0):
+        x = (torch.randint(-10, 10, (100,), generator=g).float() * 0.3 + shift).to(dtype)
+        bits = x.float().view(torch.int32)
+        keys = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        keys = torch.where(x.float() == 0, torch.zeros_like(keys), keys)
+        for k in (1, 7, 50, 100):
+            out = torch.zeros(2, dtype=torch.int32)
+            _count_search_kernel[(1,)](x, 100, float(k), out, BLOCK=32, NPIV=4)
+            kth = int(torch.sort(keys, descending=True).values[k - 1])
+            assert out.tolist() == [kth, int((keys > kth).sum())], (dtype, shift, k)
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_lossless_kernel_splits(splits):
     """The interval rule stays exactly lossless with the row split over programs in pass 1."""
@@ -984,7 +1045,7 @@ def test_default_splits_and_blocks_from_capacities(monkeypatch):
 
     def plan(B, N, V, K=0):
         p = KA._plan(B, N, V, cuda, False, K, False, 0, False, False, None, None, 16, None,
-                     None, None, None, True, False, False, None, None)  # fmt: skip
+                     None, None, None, True, False, False, None, None, KA.EXACT_TILE)  # fmt: skip
         return p.common["BLOCK_V"], p.S
 
     assert plan(1, 64, 32000) == (2048, 8)

@@ -135,9 +135,11 @@ def test_sample_gpu_matches_reference(B, N, V, dtype, phase):
         )
         assert_same(Acc_cpu(got), want, lp_tol=5e-4)
         # pass 1 with one block and two in flight (the default takes either by the launch's
-        # size), and pass 2's reread tiles and warps of the sweep
+        # size), pass 2's reread tiles and warps of the sweep
+        # and the exact search's tiles and pivots (rows with k 1,000 take it)
         tunes = (dict(ahead=1), dict(ahead=2), dict(reread=256, pass2_warps=8),
-                 dict(reread=512, pass2_warps=2))  # fmt: skip
+                 dict(reread=512, pass2_warps=2), dict(exact_tile=128, num_pivots=16),
+                 dict(exact_tile=2048, num_pivots=1))  # fmt: skip
         for tune in tunes if trial == 0 else ():
             got = accept_launch(
                 tree.to(DEV), lg.to(DEV), temperature=args[0], top_k=args[1], top_p=args[2],
