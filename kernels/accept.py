@@ -22,9 +22,10 @@ groups of GROUP tokens: a few KB), sorts the tokens >= L (at most CAP) by (logit
 ascending) and reads the kept set off them: the first C tokens, i.e. ``key(x_t) > thr or (key(x_t)
 == thr and t <= idcut)`` with ``key`` an order-preserving int32 image of the fp32 logit, its mass
 and its mass per vocabulary block. When k exceeds the number of groups or more than CAP tokens
-reach L (a wide nucleus), an exact multi-pivot search over the keys runs instead (NPIV pivots
-per pass: 8 passes for NPIV = 16 over fp32 logits, 4 over bf16 or fp16 ones, whose keys differ
-only in their high bits; plus tie and mass passes, by the node's program alone: slow, exact).
+reach L (a wide nucleus), an exact search over the keys runs instead (NPIV pivots a pass,
+``EXACT_PIVOTS``: a bisection, 32 passes over fp32 logits and 16 over bf16 ones, whose keys
+differ only in their high bits; plus tie and mass passes; by the node's program alone, in
+``EXACT_TILE``-token reads: hundreds of µs where the fast path takes tens, but exact).
 Then a walker launch, one program per request, walks. (The walk fused into the request's last
 pass-2 program, as greedy's is into pass 1, measured slower on the H200 at every B: its code
 doubled pass 2's registers.)
@@ -312,14 +313,19 @@ class _Plan(NamedTuple):
 _PLANS: dict[tuple, _Plan] = {}
 
 
-EXACT_TILE = 1024
+EXACT_TILE = 2048
 """Tokens an iteration of pass 2's exact search (a wide nucleus, or k past the group count):
 one program scans its node's row several times, an iteration's loads at a time, so the tile sets
 its speed; [EXACT_TILE, EXACT_PIVOTS] compares keep pass 2 at its registers (128 at 4 warps on
-sm_90, as at [128, 16]: ``bench/compile_check.py``)."""
+sm_90, as at [128, 16]: ``bench/compile_check.py``). Top-p 0.9 alone over standard-normal bf16
+logits (a nucleus of most of the row), B 1 N 64, H100, session 53 (``bench/pass2_phases.py``),
+us at tile x pivots: V 32,000 128x16 772, 512x4 376, 1024x2 258, 1024x4 336, 2048x1 221,
+2048x2 263; V 128,256 3,576 / 1,571 / 1,246 / 1,386 / 973 / 1,133 (the whole-key search
+at 128x16 before: 1,649 and 7,703)."""
 
-EXACT_PIVOTS = 4
-"""Pivots a pass of the exact search (``_count_search``)."""
+EXACT_PIVOTS = 1
+"""Pivots a pass of the exact search (``_count_search``): one, a bisection of the keys, with
+the widest tile (``EXACT_TILE``)."""
 
 
 def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,
