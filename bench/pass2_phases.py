@@ -117,8 +117,8 @@ def _pass2_upto(
     res = m + z
     if trunc:
         p_gm = p_wgm + node * G_PAD
-        if STOP == 10:
-            # the bound's loads, a max in place of the sort
+        if (STOP == 10) | (STOP == 11):
+            # the bound's loads, then a max in place of the sort (10) or the bitwise search (11)
             n_g = (V + GROUP - 1) // GROUP
             R: tl.constexpr = G_PAD // GC
             o_g = tl.arange(0, GC)
@@ -128,18 +128,10 @@ def _pass2_upto(
                 gm = tl.maximum(
                     gm, tl.load(p_gm + o_f, mask=o_f < n_g, other=float("-inf"), volatile=True)
                 )
-            res += tl.max(gm, axis=0)
-        elif STOP == 11:
-            n_g = (V + GROUP - 1) // GROUP
-            R: tl.constexpr = G_PAD // GC
-            o_g = tl.arange(0, GC)
-            gm = tl.full([GC], float("-inf"), tl.float32)
-            for r in tl.static_range(R):
-                o_f = o_g * R + r
-                gm = tl.maximum(
-                    gm, tl.load(p_gm + o_f, mask=o_f < n_g, other=float("-inf"), volatile=True)
-                )
-            res += _kth_largest(gm, tl.maximum(k, 1), GC)
+            if STOP == 10:
+                res += tl.max(gm, axis=0)
+            else:
+                res += _kth_largest(gm, tl.maximum(k, 1), GC)
         elif STOP >= 1:
             L, ok = _lower_bound(p_gm, V, m, T, z, k, top_p, use_k, G_PAD, GROUP, GC)
             res += L
