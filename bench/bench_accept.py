@@ -592,6 +592,19 @@ def top_sweep_configs(cpu: bool = False) -> list[dict]:
     return groups + tiles
 
 
+def wide_reread_configs(cpu: bool = False) -> list[dict]:
+    """The reread tiles ``--sweep-top-tiles`` times, for launches whose pass-2 programs have an
+    SM each (B·N at most the SMs, where registers cost no occupancy): at V 128,256 a node's
+    candidate groups take about 8 of the default's 512-token reads, each waiting on the last
+    (``bench/pass2_phases.py``). Each spill-free on sm_90 (``bench/compile_check.py``; 4,096
+    tokens spill at 4 warps)."""
+    if cpu:
+        return [dict(reread=32, pass2_warps=4), dict(reread=64, pass2_warps=8)]
+    return [dict(reread=512, pass2_warps=4), dict(reread=1024, pass2_warps=4),
+            dict(reread=2048, pass2_warps=4), dict(reread=2048, pass2_warps=8),
+            dict(reread=4096, pass2_warps=8)]  # fmt: skip
+
+
 def top_sweep_rows(empty_us: float, Bs, Vs, configs: list[dict],
                    rows: list | None = None) -> list[dict]:  # fmt: skip
     """Top-k 50 / top-p 0.9 sampling at each launch override of ``configs`` (keyword arguments
@@ -715,6 +728,12 @@ def main() -> None:
         "tile x warps: accept_top_sweep.json",
     )
     ap.add_argument(
+        "--sweep-top-tiles",
+        action="store_true",
+        help="only top-k 50 / top-p 0.9 sampling over pass 2's wide reread tiles x warps "
+        "(small B): accept_top_tiles.json",
+    )
+    ap.add_argument(
         "--sweep-pass1",
         action="store_true",
         help="only pass 1's load forms (vector loads, a block loaded ahead) for greedy, "
@@ -817,6 +836,10 @@ def main() -> None:
     if args.sweep_top:
         configs = top_sweep_configs(args.cpu_dry_run)
         top_sweep_rows(empty_us, Bs, Vs, configs, saved("accept_top_sweep.json"))
+        return
+    if args.sweep_top_tiles:
+        configs = wide_reread_configs(args.cpu_dry_run)
+        top_sweep_rows(empty_us, Bs, Vs, configs, saved("accept_top_tiles.json"))
         return
     if args.sweep_pass1:
         pass1_sweep_rows(empty_us, Bs, Vs, saved("accept_pass1_sweep.json"))
