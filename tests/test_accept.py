@@ -670,8 +670,11 @@ def test_sample_splits_edge_cases(
     assert_same(got, want, lp_tol=2e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("tile,pivots", [(16, 16), (32, 1), (64, 2)])
+@pytest.mark.parametrize(
+    "dtype,tile,pivots",
+    [(torch.bfloat16, 16, 16), (torch.float16, 32, 1), (torch.float32, 64, 2)],
+    ids=["bf16", "fp16", "fp32"],
+)
 def test_sample_exact_search_every_dtype(dtype, tile, pivots):
     """The exact search (cap 4: every top-p row's candidates overflow it; k past the groups)
     equals the reference for each logits dtype, whose keys it searches above their low 16
