@@ -530,6 +530,9 @@ def accept_launch(
         raise ValueError(f"Invalid value of ahead: expected 1, 2 or None, got {ahead!r}")
     if reread is not None and (reread < 1 or reread & (reread - 1)):
         raise ValueError(f"Invalid value of reread: expected a power of two, got {reread!r}")
+    for name, v in (("exact_tile", exact_tile), ("num_pivots", num_pivots)):
+        if v is not None and (v < 1 or v & (v - 1)):
+            raise ValueError(f"Invalid value of {name}: expected a power of two, got {v!r}")
     if pass2_warps not in (None, 1, 2, 4, 8, 16):
         raise ValueError(f"Invalid value of pass2_warps: expected 1-16, a power of two, got "
                          f"{pass2_warps!r}")  # fmt: skip

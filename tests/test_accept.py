@@ -1067,5 +1067,9 @@ def test_launch_refuses_bad_phase_and_ahead():
         accept_launch(tree, lg, ahead=3)
     with pytest.raises(ValueError, match="Invalid value of reread"):
         accept_launch(tree, lg, reread=48)
+    with pytest.raises(ValueError, match="Invalid value of exact_tile"):
+        accept_launch(tree, lg, exact_tile=1000)
+    with pytest.raises(ValueError, match="Invalid value of num_pivots"):
+        accept_launch(tree, lg, num_pivots=3)
     with pytest.raises(ValueError, match="Invalid value of pass2_warps"):
         accept_launch(tree, lg, pass2_warps=3)
