@@ -22,7 +22,7 @@ exact search instead; its rows time the whole op at each (tile, pivots) of ``EXA
 (``exact_us``) and check that every configuration accepts the same tokens.
 
     python bench/pass2_phases.py [--out F.json] [--reps 20] [--shapes 1x32000,8x32000]
-        [--no-exact]
+        [--no-exact] [--exact-configs 1024x1,2048x1,4096x1]
 
 Prints a table (µs per launch, medians of replays) and writes the rows as JSON.
 """
@@ -224,13 +224,13 @@ def _relaunch(rec):
     return go
 
 
-def exact_sweep(call, reps: int) -> tuple[dict, bool]:
-    """The op at each (tile, pivots) of ``EXACT_CONFIGS``: µs, and whether every one accepted
-    what the first did."""
+def exact_sweep(call, reps: int, configs=None) -> tuple[dict, bool]:
+    """The op at each (tile, pivots) of ``configs`` (default ``EXACT_CONFIGS``): µs, and
+    whether every one accepted what the first did."""
     from treeops.kernels import accept as KA
 
     times, outs = {}, []
-    for tile, piv in EXACT_CONFIGS:
+    for tile, piv in configs or EXACT_CONFIGS:
         KA._PLANS.clear()
 
         def go(tile=tile, piv=piv):
@@ -244,7 +244,7 @@ def exact_sweep(call, reps: int) -> tuple[dict, bool]:
     return times, same
 
 
-def case(B: int, V: int, reps: int, exact: bool = True) -> list[dict]:
+def case(B: int, V: int, reps: int, exact: bool = True, configs=None) -> list[dict]:
     import torch
 
     import treeops
@@ -271,7 +271,7 @@ def case(B: int, V: int, reps: int, exact: bool = True) -> list[dict]:
 
         row = dict(B=B, V=V, N=N, top_k=k, top_p=p, op_us=_graph_us(call, reps))
         if (k, p) == (0, 0.9) and exact:
-            row["exact_us"], row["exact_same"] = exact_sweep(call, reps)
+            row["exact_us"], row["exact_same"] = exact_sweep(call, reps, configs)
         recs = _recorded(call)
         row["launches_us"] = [_graph_us(_relaunch(r), reps) for r in recs]
         if (k, p) != (0, 1.0) and len(recs) == 3:
@@ -298,13 +298,18 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default=",".join(f"{b}x{v}" for b, v in SHAPES))
     ap.add_argument("--no-exact", action="store_true", help="leave out the exact search's sweep")
+    ap.add_argument("--exact-configs", default=None,
+                    help="the sweep's TILExPIVOTS,... (default EXACT_CONFIGS)")  # fmt: skip
     a = ap.parse_args(argv)
+    configs = None
+    if a.exact_configs:
+        configs = [tuple(int(x) for x in c.split("x")) for c in a.exact_configs.split(",")]
     import torch
 
     rows = []
     for s in a.shapes.split(","):
         B, V = (int(x) for x in s.split("x"))
-        rows += case(B, V, a.reps, not a.no_exact)
+        rows += case(B, V, a.reps, not a.no_exact, configs)
     print(f"{'B':>3} {'V':>7} {'k':>3} {'p':>4} {'op':>7} | launches alone | pass 2 phases")
     for r in rows:
         if "exact_us" in r:

@@ -671,24 +671,37 @@ def test_sample_splits_edge_cases(
 
 
 @pytest.mark.parametrize(
-    "dtype,tile,pivots",
-    [(torch.bfloat16, 16, 16), (torch.float16, 32, 1), (torch.float32, 64, 2)],
-    ids=["bf16", "fp16", "fp32"],
+    "dtype,tile,pivots,masked",
+    [
+        (torch.bfloat16, 16, 16, False),
+        (torch.float16, 32, 1, False),
+        (torch.float32, 64, 2, False),
+        (torch.bfloat16, 32, 1, True),
+        (torch.float32, 16, 4, True),
+    ],
+    ids=["bf16", "fp16", "fp32", "bf16-masked", "fp32-masked"],
 )
-def test_sample_exact_search_every_dtype(dtype, tile, pivots):
+def test_sample_exact_search_every_dtype(dtype, tile, pivots, masked):
     """The exact search (cap 4: every top-p row's candidates overflow it; k past the groups)
     equals the reference for each logits dtype, whose keys it searches above their low 16
     (bf16) or 13 (fp16) bits: logits of both signs with ties, so that negative keys (low bits
-    all ones) and the tie cut are reached; several tiles and pivot counts a pass."""
+    all ones) and the tie cut are reached; several tiles and pivot counts a pass. ``masked``:
+    request 1 also has -inf logits (a masked vocabulary) that its top-k 68 reaches, so that the
+    kept set's bound is -inf's key, and -0.0 beside 0.0 (one key, one value compare)."""
     rng = random.Random(11)
     V = 70
     tree = make_tree([parents_of("random", 6, rng), parents_of("chain", 6, rng)], 6, V, rng)
     g = torch.Generator().manual_seed(11)
     lg = torch.randint(-12, 12, (2, 6, V), generator=g).float() * 0.37
     lg[0] -= 5.0  # request 0's logits all negative, request 1's of both signs
+    if masked:
+        lg[1, :, 3:8] = float("-inf")
+        lg[1, :, 40:43] = -0.0
+        lg[1, :, 50:52] = 0.0
     lg = lg.to(dtype)
     T = torch.tensor([0.9, 1.3])
-    k = torch.tensor([0, 60])  # top-p alone; k 60 above the 8 groups of 8 tokens
+    # top-p alone; k 60 above the 8 groups of 8 tokens (68: into the -inf logits)
+    k = torch.tensor([0, 68 if masked else 60])
     p = torch.tensor([0.85, 0.6])
     for seed in range(3):
         u = torch.rand(2, 6, generator=torch.Generator().manual_seed(seed))
@@ -713,11 +726,12 @@ def _count_search_kernel(p_row, V, goal, p_out, BLOCK: tl.constexpr, NPIV: tl.co
     tl.store(p_out + 1, f_gt.to(tl.int32))
 
 
+@pytest.mark.parametrize("npiv", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_count_search_finds_the_kth_key(dtype):
+def test_count_search_finds_the_kth_key(dtype, npiv):
     """``_count_search`` by count: the k-th largest key of the row and how many keys are above
     it, exactly, for each dtype (its search runs above their low 16 / 13 bits) and rows of
-    either sign with ties."""
+    either sign with ties; a bisection (one pivot, its own accumulator) and four pivots."""
     g = torch.Generator().manual_seed(5)
     for shift in (-6.0, 0.0, 6.0):
         x = (torch.randint(-10, 10, (100,), generator=g).float() * 0.3 + shift).to(dtype)
@@ -726,9 +740,9 @@ def test_count_search_finds_the_kth_key(dtype):
         keys = torch.where(x.float() == 0, torch.zeros_like(keys), keys)
         for k in (1, 7, 50, 100):
             out = torch.zeros(2, dtype=torch.int32)
-            _count_search_kernel[(1,)](x, 100, float(k), out, BLOCK=32, NPIV=4)
+            _count_search_kernel[(1,)](x, 100, float(k), out, BLOCK=32, NPIV=npiv)
             kth = int(torch.sort(keys, descending=True).values[k - 1])
-            assert out.tolist() == [kth, int((keys > kth).sum())], (dtype, shift, k)
+            assert out.tolist() == [kth, int((keys > kth).sum())], (dtype, shift, k, npiv)
 
 
 @pytest.mark.parametrize("splits", [1, 4])
