@@ -672,14 +672,8 @@ def test_sample_splits_edge_cases(
 
 @pytest.mark.parametrize(
     "dtype,tile,pivots,masked",
-    [
-        (torch.bfloat16, 16, 16, False),
-        (torch.float16, 32, 1, False),
-        (torch.float32, 64, 2, False),
-        (torch.bfloat16, 32, 1, True),
-        (torch.float32, 16, 4, True),
-    ],
-    ids=["bf16", "fp16", "fp32", "bf16-masked", "fp32-masked"],
+    [(torch.bfloat16, 16, 16, True), (torch.float16, 32, 1, False), (torch.float32, 64, 2, True)],
+    ids=["bf16-masked", "fp16", "fp32-masked"],
 )
 def test_sample_exact_search_every_dtype(dtype, tile, pivots, masked):
     """The exact search (cap 4: every top-p row's candidates overflow it; k past the groups)
