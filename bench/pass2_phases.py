@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import triton
@@ -154,8 +153,9 @@ def _pass2_upto(
 
 
 def _graph_us(launch, reps: int, replays: int = 50) -> float:
-    """Median µs per ``launch()`` over ``replays`` replays of a graph of ``reps`` of them
-    (fewer of both for a launch of a millisecond or more)."""
+    """Median µs per ``launch()`` (``harness.graph_us``: ``replays`` replays of a graph of
+    ``reps`` of them; fewer of both for a launch of a millisecond or more)."""
+    import harness
     import torch
 
     t0 = torch.cuda.Event(enable_timing=True)
@@ -167,30 +167,7 @@ def _graph_us(launch, reps: int, replays: int = 50) -> float:
     t1.synchronize()
     if t0.elapsed_time(t1) > 0.5:  # ms
         reps, replays = 2, 5
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            launch()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            launch()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / reps)
-    return statistics.median(times)
+    return harness.graph_us([launch], reps, replays)
 
 
 def _recorded(call) -> list:
