@@ -76,22 +76,36 @@ def _count_search(
     while hi.to(tl.int64) - lo.to(tl.int64) > 1:
         span = hi.to(tl.int64) - lo.to(tl.int64)
         piv = (lo.to(tl.int64) + (span * (o_p + 1).to(tl.int64)) // (NPIV + 1)).to(tl.int32)
+        # one pivot: a [BLOCK] accumulator in the load's layout (a [BLOCK, 1] tile would take
+        # the loaded tile through shared memory, and a barrier, every iteration)
+        piv1 = tl.max(piv, axis=0)
+        acc1 = tl.zeros([BLOCK], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK, NPIV], dtype=tl.float32)
+        # each iteration issues the next tile's loads before it counts this one: one program
+        # streams the row, so a tile's memory latency is otherwise waited out in full
+        o_b = tl.arange(0, BLOCK)
+        nxt = tl.load(p_row + o_b.to(tl.int64) * stride_v, mask=o_b < V, other=float("-inf"))
         for v0 in range(0, V, BLOCK):
-            o_v = v0 + tl.arange(0, BLOCK)
+            o_v = v0 + o_b
             m_v = o_v < V
-            b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
-                tl.float32
-            )
+            b_x = nxt.to(tl.float32)
+            o_n = o_v + BLOCK
+            nxt = tl.load(p_row + o_n.to(tl.int64) * stride_v, mask=o_n < V, other=float("-inf"))
             b_k = _key(b_x)
             m_k = m_v & _kept(b_k, o_v, thr0, cut0)
             if USE_MASS:
                 b_w = tl.where(m_k, _weight(b_x, m, T), 0.0)
             else:
                 b_w = tl.where(m_k, 1.0, 0.0)
-            ge = (b_k >> SHIFT)[:, None] >= piv[None, :]  # [BLOCK, NPIV]
-            acc2 += tl.where(ge, b_w[:, None], 0.0)
-        acc = tl.sum(acc2, axis=0)
+            if NPIV == 1:
+                acc1 += tl.where((b_k >> SHIFT) >= piv1, b_w, 0.0)
+            else:
+                ge = (b_k >> SHIFT)[:, None] >= piv[None, :]  # [BLOCK, NPIV]
+                acc2 += tl.where(ge, b_w[:, None], 0.0)
+        if NPIV == 1:
+            acc = tl.zeros([NPIV], dtype=tl.float32) + tl.sum(acc1, axis=0)
+        else:
+            acc = tl.sum(acc2, axis=0)
         ok = acc >= goal
         new_lo = tl.max(tl.where(ok, piv, lo), axis=0)
         new_hi = tl.min(tl.where(ok, hi, piv), axis=0)
@@ -267,13 +281,16 @@ def _gather_candidates(p_row, stride_v, V, L, p_gm, p_sel, p_cand, GROUP: tl.con
         )
         # the next read's group ids, in flight beside this read
         gid_next = tl.load(p_sel + o_r + R, mask=o_r + R < n_sel, other=0, volatile=True)
-        sel = tl.reshape(m_t & (x >= L), [R * GROUP])
-        x1 = tl.reshape(x, [R * GROUP])
-        t1 = tl.reshape(tid, [R * GROUP])
-        slot = count + tl.cumsum(sel.to(tl.int32), 0) - 1
-        packed = (_key(x1).to(tl.int64) << 32) | (2147483647 - t1.to(tl.int64))
+        # slots group by group (the candidates' order is free): a scan along each group and
+        # one over the R group counts, not a scan over the flattened tile
+        sel = m_t & (x >= L)
+        s32 = sel.to(tl.int32)
+        n_row = tl.sum(s32, axis=1)  # [R]
+        base = count + tl.cumsum(n_row, 0) - n_row
+        slot = base[:, None] + tl.cumsum(s32, 1) - 1
+        packed = (_key(x).to(tl.int64) << 32) | (2147483647 - tid.to(tl.int64))
         tl.store(p_cand + slot, packed, mask=sel & (slot < CAP))
-        count += tl.sum(sel.to(tl.int32), axis=0)
+        count += tl.sum(n_row, axis=0)
     return count
 
 
