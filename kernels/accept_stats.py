@@ -15,6 +15,7 @@ import triton.language as tl
 BIG = tl.constexpr(2147483647)
 INT32_MIN = tl.constexpr(-2147483648)
 KEY_NONE = tl.constexpr(-9223372036854775808)  # below every ``_pair_key``
+KEY_NEG_INF = tl.constexpr(-2139095041)  # ``_key(-inf)``, the least key of a non-NaN value
 
 
 @triton.jit
@@ -35,6 +36,29 @@ def _weight(x, m, T):
 @triton.jit
 def _kept(key, ids, thr, idcut):
     return (key > thr) | ((key == thr) & (ids <= idcut))
+
+
+@triton.jit
+def _at_least(k):
+    """The value v with ``x >= v`` exactly when ``_key(x) >= k``, for every non-NaN fp32 x:
+    -inf for a key at or below -inf's, NaN (nothing) for one above +inf's. A row's passes then
+    compare values, one instruction, where keys would take five per element."""
+    return tl.where(k <= KEY_NEG_INF, float("-inf"), _unkey(k))
+
+
+@triton.jit
+def _kept_bound(thr, idcut):
+    """(tv, cut) with ``_kept_v(x, ids, tv, cut) == _kept(_key(x), ids, thr, idcut)`` for every
+    non-NaN x: tv the value whose key is thr; below -inf's key, -inf and every id."""
+    below = thr < KEY_NEG_INF
+    return _at_least(thr), tl.where(below, BIG, idcut)
+
+
+@triton.jit
+def _kept_v(x, ids, tv, idcut):
+    """``_kept`` on values: x above tv, or equal to it (-0.0 equals 0.0, as their keys do) at an
+    id up to idcut."""
+    return (x > tv) | ((x == tv) & (ids <= idcut))
 
 
 @triton.jit
@@ -73,12 +97,15 @@ def _count_search(
     # F(((hi - 1) >> SHIFT) + 1) <= f(hi) < goal
     lo = lo >> SHIFT
     hi = ((hi - 1) >> SHIFT) + 1
+    tv0, cut0 = _kept_bound(thr0, cut0)
     while hi.to(tl.int64) - lo.to(tl.int64) > 1:
         span = hi.to(tl.int64) - lo.to(tl.int64)
         piv = (lo.to(tl.int64) + (span * (o_p + 1).to(tl.int64)) // (NPIV + 1)).to(tl.int32)
+        # the pivots as values: key >> SHIFT >= piv exactly when x >= _at_least(piv << SHIFT)
+        pv = _at_least(piv << SHIFT)
         # one pivot: a [BLOCK] accumulator in the load's layout (a [BLOCK, 1] tile would take
         # the loaded tile through shared memory, and a barrier, every iteration)
-        piv1 = tl.max(piv, axis=0)
+        pv1 = tl.max(pv, axis=0)
         acc1 = tl.zeros([BLOCK], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK, NPIV], dtype=tl.float32)
         # each iteration issues the next tile's loads before it counts this one: one program
@@ -91,16 +118,15 @@ def _count_search(
             b_x = nxt.to(tl.float32)
             o_n = o_v + BLOCK
             nxt = tl.load(p_row + o_n.to(tl.int64) * stride_v, mask=o_n < V, other=float("-inf"))
-            b_k = _key(b_x)
-            m_k = m_v & _kept(b_k, o_v, thr0, cut0)
+            m_k = m_v & _kept_v(b_x, o_v, tv0, cut0)
             if USE_MASS:
                 b_w = tl.where(m_k, _weight(b_x, m, T), 0.0)
             else:
                 b_w = tl.where(m_k, 1.0, 0.0)
             if NPIV == 1:
-                acc1 += tl.where((b_k >> SHIFT) >= piv1, b_w, 0.0)
+                acc1 += tl.where(b_x >= pv1, b_w, 0.0)
             else:
-                ge = (b_k >> SHIFT)[:, None] >= piv[None, :]  # [BLOCK, NPIV]
+                ge = b_x[:, None] >= pv[None, :]  # [BLOCK, NPIV]
                 acc2 += tl.where(ge, b_w[:, None], 0.0)
         if NPIV == 1:
             acc = tl.zeros([NPIV], dtype=tl.float32) + tl.sum(acc1, axis=0)
@@ -140,14 +166,15 @@ def _tie_cut(
     run = base
     found = tl.full([], BIG, tl.int32)
     last = tl.full([], -1, tl.int32)
+    tv0, cut0 = _kept_bound(thr0, cut0)
+    tv = _at_least(thr)  # thr is a token's key: x == tv exactly when _key(x) == thr
     for v0 in range(0, V, BLOCK):
         o_v = v0 + tl.arange(0, BLOCK)
         m_v = o_v < V
         b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
             tl.float32
         )
-        b_k = _key(b_x)
-        eq = m_v & (b_k == thr) & _kept(b_k, o_v, thr0, cut0)
+        eq = m_v & (b_x == tv) & _kept_v(b_x, o_v, tv0, cut0)
         if USE_MASS:
             b_w = tl.where(eq, _weight(b_x, m, T), 0.0)
         else:
@@ -164,13 +191,14 @@ def _tie_cut(
 def _mass(p_row, stride_v, V, m, T, thr, cut, p_cs, p_cm, BLOCK: tl.constexpr, STORE: tl.constexpr):
     """Mass of the kept set; with STORE, also each block's mass (and m) for the walker."""
     z = tl.zeros([], dtype=tl.float32)
+    tv, cut = _kept_bound(thr, cut)
     for v0 in range(0, V, BLOCK):
         o_v = v0 + tl.arange(0, BLOCK)
         m_v = o_v < V
         b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
             tl.float32
         )
-        m_k = m_v & _kept(_key(b_x), o_v, thr, cut)
+        m_k = m_v & _kept_v(b_x, o_v, tv, cut)
         b_z = tl.sum(tl.where(m_k, _weight(b_x, m, T), 0.0), axis=0)
         if STORE:
             tl.store(p_cs + v0 // BLOCK, b_z)
