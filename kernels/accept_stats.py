@@ -81,11 +81,13 @@ def _count_search(
     tokens with key >= P. Invariant: f(lo) >= goal > f(hi) (f(hi) = 0 on entry). Returns
     (lo, f(lo + 1)).
 
-    A pass over the row places NPIV pivots in (lo, hi) and keeps the two around the goal. The
-    keys of bf16 (fp16) logits differ only above their low 16 (13) bits, so the search runs on
-    ``key >> SHIFT`` (order-preserving and one-to-one on those keys): half the passes. A pass
-    sums into [BLOCK, NPIV] slots, reduced once at its end, so that an iteration waits on its
-    loads only (one program scans the whole row)."""
+    A pass over the row places pivots in (lo, hi) and keeps the two around the goal: NPIV 1,
+    the keys' midpoint and the values' (below); else NPIV keys spread evenly. The keys of bf16
+    (fp16) logits differ only above their low 16 (13) bits, so the search runs on ``key >>
+    SHIFT`` (order-preserving and one-to-one on those keys): half the passes. A pass sums into
+    per-slot accumulators, reduced once at its end, so that an iteration waits on its loads
+    only (one program scans the whole row), and compares values with the pivots' values
+    (``_at_least``), not keys."""
     SHIFT: tl.constexpr = (
         16
         if p_row.dtype.element_ty == tl.bfloat16
@@ -98,19 +100,34 @@ def _count_search(
     lo = lo >> SHIFT
     hi = ((hi - 1) >> SHIFT) + 1
     tv0, cut0 = _kept_bound(thr0, cut0)
+    o_b = tl.arange(0, BLOCK)
     while hi.to(tl.int64) - lo.to(tl.int64) > 1:
         span = hi.to(tl.int64) - lo.to(tl.int64)
-        piv = (lo.to(tl.int64) + (span * (o_p + 1).to(tl.int64)) // (NPIV + 1)).to(tl.int32)
+        if NPIV == 1:
+            # two pivots: the keys' midpoint and, where it lies strictly inside, the values'
+            # (each pass keeps the tightest bracket both give: never more passes than the keys'
+            # bisection, and about a quarter fewer where the row's values are dense, far from
+            # the tiny magnitudes that hold half of all keys); each counted in a [BLOCK]
+            # accumulator in the load's layout (a [BLOCK, NPIV] tile would take the loaded
+            # tile through shared memory, and a barrier, every iteration)
+            o_2 = tl.arange(0, 2)
+            piv_k = (lo.to(tl.int64) + span // 2).to(tl.int32)
+            v_lo = _at_least(lo << SHIFT)
+            v_hi = _at_least(hi << SHIFT)
+            piv_v = _key(0.5 * v_lo + 0.5 * v_hi) >> SHIFT
+            in_v = (v_lo > float("-inf")) & (v_hi == v_hi) & (piv_v > lo) & (piv_v < hi)
+            piv = tl.where(o_2 == 0, piv_k, tl.where(in_v, piv_v, piv_k))
+        else:
+            piv = (lo.to(tl.int64) + (span * (o_p + 1).to(tl.int64)) // (NPIV + 1)).to(tl.int32)
         # the pivots as values: key >> SHIFT >= piv exactly when x >= _at_least(piv << SHIFT)
         pv = _at_least(piv << SHIFT)
-        # one pivot: a [BLOCK] accumulator in the load's layout (a [BLOCK, 1] tile would take
-        # the loaded tile through shared memory, and a barrier, every iteration)
-        pv1 = tl.max(pv, axis=0)
-        acc1 = tl.zeros([BLOCK], dtype=tl.float32)
+        pv_lo = tl.min(pv, axis=0)
+        pv_hi = tl.max(pv, axis=0)
+        acc_lo = tl.zeros([BLOCK], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK, NPIV], dtype=tl.float32)
         # each iteration issues the next tile's loads before it counts this one: one program
         # streams the row, so a tile's memory latency is otherwise waited out in full
-        o_b = tl.arange(0, BLOCK)
         nxt = tl.load(p_row + o_b.to(tl.int64) * stride_v, mask=o_b < V, other=float("-inf"))
         for v0 in range(0, V, BLOCK):
             o_v = v0 + o_b
@@ -124,12 +141,13 @@ def _count_search(
             else:
                 b_w = tl.where(m_k, 1.0, 0.0)
             if NPIV == 1:
-                acc1 += tl.where(b_x >= pv1, b_w, 0.0)
+                acc_lo += tl.where(b_x >= pv_lo, b_w, 0.0)
+                acc_hi += tl.where(b_x >= pv_hi, b_w, 0.0)
             else:
                 ge = b_x[:, None] >= pv[None, :]  # [BLOCK, NPIV]
                 acc2 += tl.where(ge, b_w[:, None], 0.0)
         if NPIV == 1:
-            acc = tl.zeros([NPIV], dtype=tl.float32) + tl.sum(acc1, axis=0)
+            acc = tl.where(pv == pv_hi, tl.sum(acc_hi, axis=0), tl.sum(acc_lo, axis=0))
         else:
             acc = tl.sum(acc2, axis=0)
         ok = acc >= goal

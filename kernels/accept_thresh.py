@@ -153,8 +153,13 @@ def _finish_node(
                 if use_k:
                     z_k = _mass(p_row, s_lv, V, m, T, thr, cut, p_cs, p_cm, BLOCK_T, False)
                 goal = top_p * z_k
+                # tokens below t weigh at most V exp((t - m) / T) together, so at t_lo (1 %
+                # under (1 - top_p) z_k, for rounding) those at or above it reach the goal: a
+                # start for the search above its lower bound thr's, where the values are dense
+                t_lo = m + T * (tl.log((1.0 - top_p) * z_k / V) - 0.01)
+                lo_p = tl.maximum(thr, _key(tl.minimum(t_lo, m)))
                 thr_p, f_gt = _count_search(
-                    p_row, s_lv, V, m, T, thr, cut, goal, thr, hi, True, BLOCK_T, NPIV
+                    p_row, s_lv, V, m, T, thr, cut, goal, lo_p, hi, True, BLOCK_T, NPIV
                 )
                 cut = _tie_cut(p_row, s_lv, V, m, T, thr_p, thr, cut, f_gt, goal, True, BLOCK_T)
                 thr = thr_p
