@@ -73,16 +73,18 @@ def _count_search(
     goal,
     lo,
     hi,
+    f_lo,
     USE_MASS: tl.constexpr,
     BLOCK: tl.constexpr,
     NPIV: tl.constexpr,
 ):
     """Largest key ``lo`` with f(lo) >= goal, f(P) = count (or mass) of kept-by-(thr0, cut0)
-    tokens with key >= P. Invariant: f(lo) >= goal > f(hi) (f(hi) = 0 on entry). Returns
-    (lo, f(lo + 1)).
+    tokens with key >= P. Invariant: f(lo) >= goal > f(hi) (f(hi) = 0 on entry); ``f_lo`` is
+    f(lo) or a bound above it (the row's total). Returns (lo, f(lo + 1)).
 
     A pass over the row places pivots in (lo, hi) and keeps the two around the goal: NPIV 1,
-    the keys' midpoint and the values' (below); else NPIV keys spread evenly. The keys of bf16
+    two of the keys' midpoint, the values' and the interpolated one (below); else NPIV keys
+    spread evenly. The keys of bf16
     (fp16) logits differ only above their low 16 (13) bits, so the search runs on ``key >>
     SHIFT`` (order-preserving and one-to-one on those keys): half the passes. A pass sums into
     per-slot accumulators, reduced once at its end, so that an iteration waits on its loads
@@ -101,22 +103,28 @@ def _count_search(
     hi = ((hi - 1) >> SHIFT) + 1
     tv0, cut0 = _kept_bound(thr0, cut0)
     o_b = tl.arange(0, BLOCK)
+    slow = lo < lo  # the last pass left more than half the keys' span
     while hi.to(tl.int64) - lo.to(tl.int64) > 1:
         span = hi.to(tl.int64) - lo.to(tl.int64)
         if NPIV == 1:
-            # two pivots: the keys' midpoint and, where it lies strictly inside, the values'
-            # (each pass keeps the tightest bracket both give: never more passes than the keys'
-            # bisection, and about a quarter fewer where the row's values are dense, far from
-            # the tiny magnitudes that hold half of all keys); each counted in a [BLOCK]
-            # accumulator in the load's layout (a [BLOCK, NPIV] tile would take the loaded
-            # tile through shared memory, and a barrier, every iteration)
+            # two pivots: the value where f, linear between the bracket's ends, meets the goal
+            # (the row's mass is smooth where its values are dense) and the values' midpoint,
+            # or after a pass that did not halve the keys' span, the keys' midpoint (so the
+            # passes stay within twice the keys' bisection where values bunch near 0, on rows
+            # of tiny or equal logits); each counted in a [BLOCK] accumulator in the load's
+            # layout (a [BLOCK, NPIV] tile would take the loaded tile through shared memory,
+            # and a barrier, every iteration). bench/exact_passes.py counts the passes.
             o_2 = tl.arange(0, 2)
             piv_k = (lo.to(tl.int64) + span // 2).to(tl.int32)
             v_lo = _at_least(lo << SHIFT)
             v_hi = _at_least(hi << SHIFT)
+            fin = (v_lo > float("-inf")) & (v_hi == v_hi)
             piv_v = _key(0.5 * v_lo + 0.5 * v_hi) >> SHIFT
-            in_v = (v_lo > float("-inf")) & (v_hi == v_hi) & (piv_v > lo) & (piv_v < hi)
-            piv = tl.where(o_2 == 0, piv_k, tl.where(in_v, piv_v, piv_k))
+            piv_v = tl.where(fin & (piv_v > lo) & (piv_v < hi), piv_v, piv_k)
+            r = (f_lo - goal) / (f_lo - f_hi)
+            piv_i = _key(v_lo + r * (v_hi - v_lo)) >> SHIFT
+            piv_i = tl.where(fin, tl.minimum(tl.maximum(piv_i, lo + 1), hi - 1), piv_k)
+            piv = tl.where(o_2 == 0, piv_i, tl.where(slow, piv_k, piv_v))
         else:
             piv = (lo.to(tl.int64) + (span * (o_p + 1).to(tl.int64)) // (NPIV + 1)).to(tl.int32)
         # the pivots as values: key >> SHIFT >= piv exactly when x >= _at_least(piv << SHIFT)
@@ -155,6 +163,9 @@ def _count_search(
         new_hi = tl.min(tl.where(ok, hi, piv), axis=0)
         f_new_hi = tl.max(tl.where(piv == new_hi, acc, -1.0), axis=0)
         f_hi = tl.where(new_hi == hi, f_hi, f_new_hi)
+        f_new_lo = tl.max(tl.where(piv == new_lo, acc, -1.0), axis=0)
+        f_lo = tl.where(new_lo == lo, f_lo, f_new_lo)
+        slow = (new_hi.to(tl.int64) - new_lo.to(tl.int64)) * 2 > span
         lo = new_lo
         hi = new_hi
     # back to a whole key: the one key with these high bits (a negative key's low SHIFT bits
