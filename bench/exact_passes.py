@@ -127,7 +127,8 @@ def main() -> None:
             n = [passes(xb, p, r, a) for r, a in cols]
             total += n
             print(f"{name:<40} {p:>5} {n[0]:>5} {n[1]:>8} {n[2]:>8} {n[3]:>19}")
-    print(f"{'total':<40} {'':>5} " + " ".join(f"{t:>{w}.0f}" for t, w in zip(total, (5, 8, 8, 19))))
+    widths = (5, 8, 8, 19)
+    print(f"{'total':<40} {'':>5} " + " ".join(f"{t:>{w}.0f}" for t, w in zip(total, widths)))
 
 
 if __name__ == "__main__":
