@@ -68,8 +68,6 @@ def _count_search(
     V,
     m,
     T,
-    thr0,
-    cut0,
     goal,
     lo,
     hi,
@@ -78,9 +76,11 @@ def _count_search(
     BLOCK: tl.constexpr,
     NPIV: tl.constexpr,
 ):
-    """Largest key ``lo`` with f(lo) >= goal, f(P) = count (or mass) of kept-by-(thr0, cut0)
-    tokens with key >= P. Invariant: f(lo) >= goal > f(hi) (f(hi) = 0 on entry); ``f_lo`` is
-    f(lo) or a bound above it (the row's total). Returns (lo, f(lo + 1)).
+    """Largest key ``lo`` with f(lo) >= goal, f(P) = count (or mass) of the kept tokens with
+    key >= P. Invariant: f(lo) >= goal > f(hi) (f(hi) = 0 on entry); ``f_lo`` is f(lo) or a
+    bound above it (the row's total). Returns (lo, f(lo + 1)). The entry ``lo`` is at or above
+    the kept set's threshold key, so every pivot (strictly above ``lo``) is above it and every
+    token at or above a pivot is kept: a pass tests no token's membership.
 
     A pass over the row places pivots in (lo, hi) and keeps the two around the goal: NPIV 1,
     two of the keys' midpoint, the values' and the interpolated one (below); else NPIV keys
@@ -101,7 +101,6 @@ def _count_search(
     # F(((hi - 1) >> SHIFT) + 1) <= f(hi) < goal
     lo = lo >> SHIFT
     hi = ((hi - 1) >> SHIFT) + 1
-    tv0, cut0 = _kept_bound(thr0, cut0)
     o_b = tl.arange(0, BLOCK)
     slow = lo < lo  # the last pass left more than half the keys' span
     while hi.to(tl.int64) - lo.to(tl.int64) > 1:
@@ -143,11 +142,10 @@ def _count_search(
             b_x = nxt.to(tl.float32)
             o_n = o_v + BLOCK
             nxt = tl.load(p_row + o_n.to(tl.int64) * stride_v, mask=o_n < V, other=float("-inf"))
-            m_k = m_v & _kept_v(b_x, o_v, tv0, cut0)
             if USE_MASS:
-                b_w = tl.where(m_k, _weight(b_x, m, T), 0.0)
+                b_w = _weight(b_x, m, T)  # 0 past V (loaded as -inf)
             else:
-                b_w = tl.where(m_k, 1.0, 0.0)
+                b_w = tl.where(m_v, 1.0, 0.0)
             if NPIV == 1:
                 acc_lo += tl.where(b_x >= pv_lo, b_w, 0.0)
                 acc_hi += tl.where(b_x >= pv_hi, b_w, 0.0)

@@ -142,8 +142,8 @@ def _finish_node(
             hi = _key(m) + 1
             lo0 = tl.full([], INT32_MIN, tl.int32)
             if use_k:
-                thr, f_gt = _count_search(p_row, s_lv, V, m, T, lo0, cut, k.to(tl.float32), lo0,
-                                          hi, V * 1.0, False, BLOCK_T, NPIV)  # fmt: skip
+                thr, f_gt = _count_search(p_row, s_lv, V, m, T, k.to(tl.float32), lo0, hi,
+                                          V * 1.0, False, BLOCK_T, NPIV)  # fmt: skip
                 cut = _tie_cut(
                     p_row, s_lv, V, m, T, thr, lo0, cut, f_gt, k.to(tl.float32), False, BLOCK_T
                 )
@@ -159,7 +159,7 @@ def _finish_node(
                 t_lo = m + T * (tl.log((1.0 - top_p) * z_k / V) - 0.01)
                 lo_p = tl.maximum(thr, _key(tl.minimum(t_lo, m)))
                 thr_p, f_gt = _count_search(
-                    p_row, s_lv, V, m, T, thr, cut, goal, lo_p, hi, z_k, True, BLOCK_T, NPIV
+                    p_row, s_lv, V, m, T, goal, lo_p, hi, z_k, True, BLOCK_T, NPIV
                 )
                 cut = _tie_cut(p_row, s_lv, V, m, T, thr_p, thr, cut, f_gt, goal, True, BLOCK_T)
                 thr = thr_p
