@@ -22,10 +22,13 @@ groups of GROUP tokens: a few KB), sorts the tokens >= L (at most CAP) by (logit
 ascending) and reads the kept set off them: the first C tokens, i.e. ``key(x_t) > thr or (key(x_t)
 == thr and t <= idcut)`` with ``key`` an order-preserving int32 image of the fp32 logit, its mass
 and its mass per vocabulary block. When k exceeds the number of groups or more than CAP tokens
-reach L (a wide nucleus), an exact search over the keys runs instead (NPIV pivots a pass,
-``EXACT_PIVOTS``: a bisection, 32 passes over fp32 logits and 16 over bf16 ones, whose keys
-differ only in their high bits; plus tie and mass passes; by the node's program alone, in
-``EXACT_TILE``-token reads: hundreds of µs where the fast path takes tens, but exact).
+reach L (a wide nucleus), an exact search over the keys runs instead (``EXACT_PIVOTS`` 1: two
+pivots a pass, the value where the mass interpolated between the bracket's ends meets the goal
+and the values' midpoint, or the keys' after a pass that did not halve their span: at most
+twice the keys' bisection, which takes 32 passes over fp32 logits and 16 over bf16 ones, whose
+keys differ only in their high bits; 2-9 over dense bf16 rows of 128K; plus tie and mass passes; by
+the node's program alone, in ``EXACT_TILE``-token reads: hundreds of µs where the fast path
+takes tens, but exact).
 Then a walker launch, one program per request, walks. (The walk fused into the request's last
 pass-2 program, as greedy's is into pass 1, measured slower on the H200 at every B: its code
 doubled pass 2's registers.)
@@ -324,8 +327,9 @@ us at tile x pivots: V 32,000 128x16 772, 512x4 376, 1024x2 258, 1024x4 336, 204
 at 128x16 before: 1,649 and 7,703)."""
 
 EXACT_PIVOTS = 1
-"""Pivots a pass of the exact search (``_count_search``): one, a bisection of the keys, with
-the widest tile (``EXACT_TILE``)."""
+"""Pivots a pass of the exact search (``_count_search``): 1 takes two of the interpolated
+pivot, the values' midpoint and the keys', each in its own [tile] accumulator; more spread
+that many over the keys in a [tile, pivots] one. With the widest tile (``EXACT_TILE``)."""
 
 
 def _plan(B, N, V, dev, sample, K, return_logprobs, n_stop, has_stop, has_budget, num_splits,

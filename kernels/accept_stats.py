@@ -15,6 +15,7 @@ import triton.language as tl
 BIG = tl.constexpr(2147483647)
 INT32_MIN = tl.constexpr(-2147483648)
 KEY_NONE = tl.constexpr(-9223372036854775808)  # below every ``_pair_key``
+KEY_NEG_INF = tl.constexpr(-2139095041)  # ``_key(-inf)``, the least key of a non-NaN value
 
 
 @triton.jit
@@ -38,30 +39,57 @@ def _kept(key, ids, thr, idcut):
 
 
 @triton.jit
+def _at_least(k):
+    """The value v with ``x >= v`` exactly when ``_key(x) >= k``, for every non-NaN fp32 x:
+    -inf for a key at or below -inf's, NaN (nothing) for one above +inf's. A row's passes then
+    compare values, one instruction, where keys would take five per element."""
+    return tl.where(k <= KEY_NEG_INF, float("-inf"), _unkey(k))
+
+
+@triton.jit
+def _kept_bound(thr, idcut):
+    """(tv, cut) with ``_kept_v(x, ids, tv, cut) == _kept(_key(x), ids, thr, idcut)`` for every
+    non-NaN x: tv the value whose key is thr; below -inf's key, -inf and every id."""
+    below = thr < KEY_NEG_INF
+    return _at_least(thr), tl.where(below, BIG, idcut)
+
+
+@triton.jit
+def _kept_v(x, ids, tv, idcut):
+    """``_kept`` on values: x above tv, or equal to it (-0.0 equals 0.0, as their keys do) at an
+    id up to idcut."""
+    return (x > tv) | ((x == tv) & (ids <= idcut))
+
+
+@triton.jit
 def _count_search(
     p_row,
     stride_v,
     V,
     m,
     T,
-    thr0,
-    cut0,
     goal,
     lo,
     hi,
+    f_lo,
     USE_MASS: tl.constexpr,
     BLOCK: tl.constexpr,
     NPIV: tl.constexpr,
 ):
-    """Largest key ``lo`` with f(lo) >= goal, f(P) = count (or mass) of kept-by-(thr0, cut0)
-    tokens with key >= P. Invariant: f(lo) >= goal > f(hi) (f(hi) = 0 on entry). Returns
-    (lo, f(lo + 1)).
+    """Largest key ``lo`` with f(lo) >= goal, f(P) = count (or mass) of the kept tokens with
+    key >= P. Invariant: f(lo) >= goal > f(hi) (f(hi) = 0 on entry); ``f_lo`` is f(lo) or a
+    bound above it (the row's total). Returns (lo, f(lo + 1)). The entry ``lo`` is at or above
+    the kept set's threshold key, so every pivot (strictly above ``lo``) is above it and every
+    token at or above a pivot is kept: a pass tests no token's membership.
 
-    A pass over the row places NPIV pivots in (lo, hi) and keeps the two around the goal. The
-    keys of bf16 (fp16) logits differ only above their low 16 (13) bits, so the search runs on
-    ``key >> SHIFT`` (order-preserving and one-to-one on those keys): half the passes. A pass
-    sums into [BLOCK, NPIV] slots, reduced once at its end, so that an iteration waits on its
-    loads only (one program scans the whole row)."""
+    A pass over the row places pivots in (lo, hi) and keeps the two around the goal: NPIV 1,
+    two of the keys' midpoint, the values' and the interpolated one (below); else NPIV keys
+    spread evenly. The keys of bf16
+    (fp16) logits differ only above their low 16 (13) bits, so the search runs on ``key >>
+    SHIFT`` (order-preserving and one-to-one on those keys): half the passes. A pass sums into
+    per-slot accumulators, reduced once at its end, so that an iteration waits on its loads
+    only (one program scans the whole row), and compares values with the pivots' values
+    (``_at_least``), not keys."""
     SHIFT: tl.constexpr = (
         16
         if p_row.dtype.element_ty == tl.bfloat16
@@ -73,30 +101,69 @@ def _count_search(
     # F(((hi - 1) >> SHIFT) + 1) <= f(hi) < goal
     lo = lo >> SHIFT
     hi = ((hi - 1) >> SHIFT) + 1
+    o_b = tl.arange(0, BLOCK)
+    slow = lo < lo  # the last pass left more than half the keys' span
     while hi.to(tl.int64) - lo.to(tl.int64) > 1:
         span = hi.to(tl.int64) - lo.to(tl.int64)
-        piv = (lo.to(tl.int64) + (span * (o_p + 1).to(tl.int64)) // (NPIV + 1)).to(tl.int32)
+        if NPIV == 1:
+            # two pivots: the value where f, linear between the bracket's ends, meets the goal
+            # (the row's mass is smooth where its values are dense) and the values' midpoint,
+            # or after a pass that did not halve the keys' span, the keys' midpoint (so the
+            # passes stay within twice the keys' bisection where values bunch near 0, on rows
+            # of tiny or equal logits); each counted in a [BLOCK] accumulator in the load's
+            # layout (a [BLOCK, NPIV] tile would take the loaded tile through shared memory,
+            # and a barrier, every iteration). bench/exact_passes.py counts the passes.
+            o_2 = tl.arange(0, 2)
+            piv_k = (lo.to(tl.int64) + span // 2).to(tl.int32)
+            v_lo = _at_least(lo << SHIFT)
+            v_hi = _at_least(hi << SHIFT)
+            fin = (v_lo > float("-inf")) & (v_hi == v_hi)
+            piv_v = _key(0.5 * v_lo + 0.5 * v_hi) >> SHIFT
+            piv_v = tl.where(fin & (piv_v > lo) & (piv_v < hi), piv_v, piv_k)
+            r = (f_lo - goal) / (f_lo - f_hi)
+            piv_i = _key(v_lo + r * (v_hi - v_lo)) >> SHIFT
+            piv_i = tl.where(fin, tl.minimum(tl.maximum(piv_i, lo + 1), hi - 1), piv_k)
+            piv = tl.where(o_2 == 0, piv_i, tl.where(slow, piv_k, piv_v))
+        else:
+            piv = (lo.to(tl.int64) + (span * (o_p + 1).to(tl.int64)) // (NPIV + 1)).to(tl.int32)
+        # the pivots as values: key >> SHIFT >= piv exactly when x >= _at_least(piv << SHIFT)
+        pv = _at_least(piv << SHIFT)
+        pv_lo = tl.min(pv, axis=0)
+        pv_hi = tl.max(pv, axis=0)
+        acc_lo = tl.zeros([BLOCK], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK, NPIV], dtype=tl.float32)
+        # each iteration issues the next tile's loads before it counts this one: one program
+        # streams the row, so a tile's memory latency is otherwise waited out in full
+        nxt = tl.load(p_row + o_b.to(tl.int64) * stride_v, mask=o_b < V, other=float("-inf"))
         for v0 in range(0, V, BLOCK):
-            o_v = v0 + tl.arange(0, BLOCK)
+            o_v = v0 + o_b
             m_v = o_v < V
-            b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
-                tl.float32
-            )
-            b_k = _key(b_x)
-            m_k = m_v & _kept(b_k, o_v, thr0, cut0)
+            b_x = nxt.to(tl.float32)
+            o_n = o_v + BLOCK
+            nxt = tl.load(p_row + o_n.to(tl.int64) * stride_v, mask=o_n < V, other=float("-inf"))
             if USE_MASS:
-                b_w = tl.where(m_k, _weight(b_x, m, T), 0.0)
+                b_w = _weight(b_x, m, T)  # 0 past V (loaded as -inf)
             else:
-                b_w = tl.where(m_k, 1.0, 0.0)
-            ge = (b_k >> SHIFT)[:, None] >= piv[None, :]  # [BLOCK, NPIV]
-            acc2 += tl.where(ge, b_w[:, None], 0.0)
-        acc = tl.sum(acc2, axis=0)
+                b_w = tl.where(m_v, 1.0, 0.0)
+            if NPIV == 1:
+                acc_lo += tl.where(b_x >= pv_lo, b_w, 0.0)
+                acc_hi += tl.where(b_x >= pv_hi, b_w, 0.0)
+            else:
+                ge = b_x[:, None] >= pv[None, :]  # [BLOCK, NPIV]
+                acc2 += tl.where(ge, b_w[:, None], 0.0)
+        if NPIV == 1:
+            acc = tl.where(pv == pv_hi, tl.sum(acc_hi, axis=0), tl.sum(acc_lo, axis=0))
+        else:
+            acc = tl.sum(acc2, axis=0)
         ok = acc >= goal
         new_lo = tl.max(tl.where(ok, piv, lo), axis=0)
         new_hi = tl.min(tl.where(ok, hi, piv), axis=0)
         f_new_hi = tl.max(tl.where(piv == new_hi, acc, -1.0), axis=0)
         f_hi = tl.where(new_hi == hi, f_hi, f_new_hi)
+        f_new_lo = tl.max(tl.where(piv == new_lo, acc, -1.0), axis=0)
+        f_lo = tl.where(new_lo == lo, f_lo, f_new_lo)
+        slow = (new_hi.to(tl.int64) - new_lo.to(tl.int64)) * 2 > span
         lo = new_lo
         hi = new_hi
     # back to a whole key: the one key with these high bits (a negative key's low SHIFT bits
@@ -126,14 +193,15 @@ def _tie_cut(
     run = base
     found = tl.full([], BIG, tl.int32)
     last = tl.full([], -1, tl.int32)
+    tv0, cut0 = _kept_bound(thr0, cut0)
+    tv = _at_least(thr)  # thr is a token's key: x == tv exactly when _key(x) == thr
     for v0 in range(0, V, BLOCK):
         o_v = v0 + tl.arange(0, BLOCK)
         m_v = o_v < V
         b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
             tl.float32
         )
-        b_k = _key(b_x)
-        eq = m_v & (b_k == thr) & _kept(b_k, o_v, thr0, cut0)
+        eq = m_v & (b_x == tv) & _kept_v(b_x, o_v, tv0, cut0)
         if USE_MASS:
             b_w = tl.where(eq, _weight(b_x, m, T), 0.0)
         else:
@@ -150,13 +218,14 @@ def _tie_cut(
 def _mass(p_row, stride_v, V, m, T, thr, cut, p_cs, p_cm, BLOCK: tl.constexpr, STORE: tl.constexpr):
     """Mass of the kept set; with STORE, also each block's mass (and m) for the walker."""
     z = tl.zeros([], dtype=tl.float32)
+    tv, cut = _kept_bound(thr, cut)
     for v0 in range(0, V, BLOCK):
         o_v = v0 + tl.arange(0, BLOCK)
         m_v = o_v < V
         b_x = tl.load(p_row + o_v.to(tl.int64) * stride_v, mask=m_v, other=float("-inf")).to(
             tl.float32
         )
-        m_k = m_v & _kept(_key(b_x), o_v, thr, cut)
+        m_k = m_v & _kept_v(b_x, o_v, tv, cut)
         b_z = tl.sum(tl.where(m_k, _weight(b_x, m, T), 0.0), axis=0)
         if STORE:
             tl.store(p_cs + v0 // BLOCK, b_z)
@@ -267,13 +336,16 @@ def _gather_candidates(p_row, stride_v, V, L, p_gm, p_sel, p_cand, GROUP: tl.con
         )
         # the next read's group ids, in flight beside this read
         gid_next = tl.load(p_sel + o_r + R, mask=o_r + R < n_sel, other=0, volatile=True)
-        sel = tl.reshape(m_t & (x >= L), [R * GROUP])
-        x1 = tl.reshape(x, [R * GROUP])
-        t1 = tl.reshape(tid, [R * GROUP])
-        slot = count + tl.cumsum(sel.to(tl.int32), 0) - 1
-        packed = (_key(x1).to(tl.int64) << 32) | (2147483647 - t1.to(tl.int64))
+        # slots group by group (the candidates' order is free): a scan along each group and
+        # one over the R group counts, not a scan over the flattened tile
+        sel = m_t & (x >= L)
+        s32 = sel.to(tl.int32)
+        n_row = tl.sum(s32, axis=1)  # [R]
+        base = count + tl.cumsum(n_row, 0) - n_row
+        slot = base[:, None] + tl.cumsum(s32, 1) - 1
+        packed = (_key(x).to(tl.int64) << 32) | (2147483647 - tid.to(tl.int64))
         tl.store(p_cand + slot, packed, mask=sel & (slot < CAP))
-        count += tl.sum(sel.to(tl.int32), axis=0)
+        count += tl.sum(n_row, axis=0)
     return count
 
 

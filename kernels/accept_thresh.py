@@ -142,8 +142,8 @@ def _finish_node(
             hi = _key(m) + 1
             lo0 = tl.full([], INT32_MIN, tl.int32)
             if use_k:
-                thr, f_gt = _count_search(p_row, s_lv, V, m, T, lo0, cut, k.to(tl.float32), lo0,
-                                          hi, False, BLOCK_T, NPIV)  # fmt: skip
+                thr, f_gt = _count_search(p_row, s_lv, V, m, T, k.to(tl.float32), lo0, hi,
+                                          V * 1.0, False, BLOCK_T, NPIV)  # fmt: skip
                 cut = _tie_cut(
                     p_row, s_lv, V, m, T, thr, lo0, cut, f_gt, k.to(tl.float32), False, BLOCK_T
                 )
@@ -153,8 +153,13 @@ def _finish_node(
                 if use_k:
                     z_k = _mass(p_row, s_lv, V, m, T, thr, cut, p_cs, p_cm, BLOCK_T, False)
                 goal = top_p * z_k
+                # tokens below t weigh at most V exp((t - m) / T) together, so at t_lo (1 %
+                # under (1 - top_p) z_k, for rounding) those at or above it reach the goal: a
+                # start for the search above its lower bound thr's, where the values are dense
+                t_lo = m + T * (tl.log((1.0 - top_p) * z_k / V) - 0.01)
+                lo_p = tl.maximum(thr, _key(tl.minimum(t_lo, m)))
                 thr_p, f_gt = _count_search(
-                    p_row, s_lv, V, m, T, thr, cut, goal, thr, hi, True, BLOCK_T, NPIV
+                    p_row, s_lv, V, m, T, goal, lo_p, hi, z_k, True, BLOCK_T, NPIV
                 )
                 cut = _tie_cut(p_row, s_lv, V, m, T, thr_p, thr, cut, f_gt, goal, True, BLOCK_T)
                 thr = thr_p

@@ -714,8 +714,8 @@ def _count_search_kernel(p_row, V, goal, p_out, BLOCK: tl.constexpr, NPIV: tl.co
     o = tl.arange(0, 128)
     m = tl.max(tl.load(p_row + o, mask=o < V, other=float("-inf")).to(tl.float32), axis=0)
     lo = tl.full([], -2147483648, tl.int32)
-    thr, f_gt = _count_search(p_row, 1, V, m, 1.0, lo, V, goal, lo, _key(m) + 1, False, BLOCK,
-                              NPIV)  # fmt: skip
+    thr, f_gt = _count_search(p_row, 1, V, m, 1.0, goal, lo, _key(m) + 1, V * 1.0, False,
+                              BLOCK, NPIV)  # fmt: skip
     tl.store(p_out, thr)
     tl.store(p_out + 1, f_gt.to(tl.int32))
 
