@@ -324,7 +324,9 @@ sm_90, as at [128, 16]: ``bench/compile_check.py``). Top-p 0.9 alone over standa
 logits (a nucleus of most of the row), B 1 N 64, H100, session 53 (``bench/pass2_phases.py``),
 us at tile x pivots: V 32,000 128x16 772, 512x4 376, 1024x2 258, 1024x4 336, 2048x1 221,
 2048x2 263; V 128,256 3,576 / 1,571 / 1,246 / 1,386 / 973 / 1,133 (the whole-key search
-at 128x16 before: 1,649 and 7,703)."""
+at 128x16 before: 1,649 and 7,703). With session 55's search (interpolated pivot, no membership
+test) 4,096 was 12-15 % faster than 2,048 at B 1 V 128,256 but slower at B 8 V 32,000 on both
+paths (fast path 43.8 -> 52.4)."""
 
 EXACT_PIVOTS = 1
 """Pivots a pass of the exact search (``_count_search``): 1 takes two of the interpolated
