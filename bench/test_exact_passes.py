@@ -13,15 +13,16 @@ def test_at_least_inverts_the_keys():
 
 @pytest.mark.parametrize("T", [1.0, 0.6])
 def test_every_rule_finds_the_same_key_and_interpolation_stays_bounded(T):
-    """Each rule ends at the same threshold; the kernel's (interpolation) never takes more
-    than twice the keys' bisection plus one, on the degenerate rows too."""
+    """Each rule ends at the same threshold, over bf16 and fp32 rows; the interpolation (the
+    kernel's) never takes more than twice the keys' bisection plus one, on the degenerate rows
+    too."""
     rng = np.random.default_rng(1)
     for name, x in rows(rng, 4096).items():
-        xb = _bf16(x)
-        for p in (0.5, 0.9, 0.99):
-            got = {(r, a): search(xb, p, r, a, T) for r in RULES for a in (False, True)}
-            assert len({lo for _, lo in got.values()}) == 1, (name, p, got)
-            assert got["interp", True][0] <= 2 * got["keys", False][0] + 1, (name, p, got)
+        for xb, shift in ((_bf16(x), 16), (x.astype(np.float32), 0)):
+            for p in (0.5, 0.9, 0.99):
+                got = {(r, a): search(xb, p, r, a, T, shift) for r in RULES for a in (0, 1)}
+                assert len({lo for _, lo in got.values()}) == 1, (name, p, got)
+                assert got["interp", 1][0] <= 2 * got["keys", 0][0] + 1, (name, p, got)
 
 
 def test_interpolation_takes_fewer_passes_over_dense_rows():
