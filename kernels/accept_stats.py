@@ -84,9 +84,9 @@ def _count_search(
 
     A pass over the row places pivots in (lo, hi) and keeps the two around the goal: NPIV 1,
     two of the keys' midpoint, the values' and the interpolated one (below); else NPIV keys
-    spread evenly. The keys of bf16
-    (fp16) logits differ only above their low 16 (13) bits, so the search runs on ``key >>
-    SHIFT`` (order-preserving and one-to-one on those keys): half the passes. A pass sums into
+    spread evenly. The keys of bf16 (fp16) logits differ only above their low 16 (13) bits, so
+    the search runs on ``key >> SHIFT`` (order-preserving and one-to-one on those keys): half
+    the passes. A pass sums into
     per-slot accumulators, reduced once at its end, so that an iteration waits on its loads
     only (one program scans the whole row), and compares values with the pivots' values
     (``_at_least``), not keys."""
